@@ -1,0 +1,41 @@
+# Everything a fresh machine needs lives here: `make train` and `make test` install on first use.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+LITDATA ?= litdata==0.2.76
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+EXPERIMENT ?= shakespeare
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: install train prepare test test-fast bench clean
+
+install: $(STAMP)
+
+# torch first and pinned, so later installs find it satisfied and never swap in a CUDA build;
+# litdata without its declared deps (torchvision is not needed for tokens, and a torchvision
+# built against another torch breaks `import lightning`).
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q --no-deps "$(LITDATA)"
+	$(PIP) install -q -e ".[test]"
+	$(PY) -c "import torch, lightning, litdata, hydra, wandb; print('installed torch', torch.__version__, 'lightning', lightning.__version__)"
+	touch $(STAMP)
+
+prepare: install
+	$(PY) -m project.prepare experiment=$(EXPERIMENT)
+
+train: prepare
+	$(PY) -m project.train experiment=$(EXPERIMENT)
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf outputs multirun lightning_logs

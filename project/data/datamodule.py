@@ -1,0 +1,147 @@
+"""TokenShardDataModule: batches of (input, target) token blocks from litdata shards."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_warn
+from litdata import StreamingDataset, TokensLoader
+from torch.utils.data import DataLoader
+
+from project.data.sampler import EvenShardSampler, GlobalBatchSampler
+from project.errors import ConfigError
+
+
+def read_manifest(data_dir: str | Path) -> dict[str, Any]:
+    path = Path(data_dir) / "manifest.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"no prepared shards in {data_dir} (missing manifest.json): run "
+            "`python -m project.prepare` with the same data settings first, or point data.dir at prepared shards."
+        )
+    return json.loads(path.read_text())
+
+
+def collate_blocks(blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of seq_len + 1 tokens -> inputs and next-token targets, each [B, seq_len]."""
+    batch = torch.stack([torch.as_tensor(b) for b in blocks]).long()
+    return batch[:, :-1], batch[:, 1:]
+
+
+class TokenShardDataModule(LightningDataModule):
+    """Streams prepared token shards; one global sequence order whatever the number of replicas.
+
+    `dp_rank`/`dp_size` say which data-parallel replica this process feeds. Left as None they are
+    read from the trainer when it sets the module up (the mesh's data-parallel dimension, else the
+    global rank), so ranks of one tensor- or pipeline-parallel replica read identical batches.
+    """
+
+    def __init__(
+        self,
+        data_dir: str,
+        seq_len: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        seed: int = 1234,
+        num_workers: int = 1,
+        dp_rank: int | None = None,
+        dp_size: int | None = None,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.manifest = read_manifest(data_dir)
+        if self.manifest["block_size"] != seq_len + 1:
+            raise ConfigError(
+                f"shards in {data_dir} hold blocks of {self.manifest['block_size']} tokens, but data.seq_len={seq_len} "
+                f"needs {seq_len + 1}: re-run `python -m project.prepare` with data.seq_len={seq_len}, or use "
+                f"data.seq_len={self.manifest['block_size'] - 1}."
+            )
+        self._start_sample = 0  # sequences consumed before this run (resume)
+        self._start_step = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.manifest["tokenizer"]["vocab_size"])
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.manifest["tokenizer"]["eos_id"])
+
+    def _split(self, name: str) -> tuple[StreamingDataset, int]:
+        loader = TokensLoader(block_size=self.hparams.seq_len + 1)
+        dataset = StreamingDataset(str(Path(self.hparams.data_dir) / name), item_loader=loader)
+        # The manifest's count, not len(dataset): litdata reports a per-rank length under DDP.
+        return dataset, int(self.manifest["splits"][name]["blocks"])
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.hparams.dp_rank is not None:
+            self.dp_rank, self.dp_size = self.hparams.dp_rank, self.hparams.dp_size
+        elif self.trainer is not None:
+            from project.parallel.mesh import data_parallel_coords
+
+            self.dp_rank, self.dp_size = data_parallel_coords(self.trainer)
+        else:
+            self.dp_rank, self.dp_size = 0, 1
+        self.train_set, self.num_train = self._split("train")
+        self.val_set, self.num_val = self._split("val")
+
+    def _loader(self, dataset: StreamingDataset, batch_sampler: Any) -> DataLoader:
+        workers = self.hparams.num_workers
+        return DataLoader(
+            dataset,
+            batch_sampler=batch_sampler,
+            collate_fn=collate_blocks,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        # Lightning restores global_step before it asks for loaders, so this is the resumed step.
+        self._start_step = self.trainer.global_step if self.trainer is not None else 0
+        sampler = GlobalBatchSampler(
+            self.num_train,
+            self.hparams.global_batch_size,
+            self.hparams.micro_batch_size,
+            self.dp_rank,
+            self.dp_size,
+            self.hparams.seed,
+            start_sample=self._start_sample,
+        )
+        return self._loader(self.train_set, sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        sampler = EvenShardSampler(self.num_val, self.hparams.micro_batch_size, self.dp_rank, self.dp_size)
+        if len(sampler) == 0:
+            raise ConfigError(
+                f"the validation split ({self.num_val} blocks) has fewer blocks than one micro batch on each of "
+                f"{self.dp_size} replicas: raise data.val_fraction and re-prepare, or lower micro_batch_size."
+            )
+        return self._loader(self.val_set, sampler)
+
+    # The data position is one number: sequences consumed, advanced by the global batch at each
+    # optimizer step. It is exact whatever Lightning does or does not restore of the loader itself,
+    # and it survives a change of the number of replicas (or of the global batch) on resume.
+    def state_dict(self) -> dict[str, Any]:
+        steps = self.trainer.global_step - self._start_step if self.trainer is not None else 0
+        return {
+            "samples_consumed": self._start_sample + steps * self.hparams.global_batch_size,
+            "seed": self.hparams.seed,
+            "num_train_blocks": int(self.manifest["splits"]["train"]["blocks"]),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("seed") != self.hparams.seed:
+            raise ConfigError(
+                f"the checkpoint was trained with data.seed={state.get('seed')}, this run has data.seed={self.hparams.seed}: "
+                "resuming would read a different sequence order; set data.seed to the checkpoint's value."
+            )
+        if state.get("num_train_blocks") != self.manifest["splits"]["train"]["blocks"]:
+            rank_zero_warn(
+                f"the checkpoint was trained on {state.get('num_train_blocks')} training blocks, {self.hparams.data_dir} "
+                f"holds {self.manifest['splits']['train']['blocks']}: the run continues, in a different order."
+            )
+        self._start_sample = int(state["samples_consumed"])

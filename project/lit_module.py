@@ -1,0 +1,115 @@
+"""LlamaLitModule: next-token loss, AdamW with warmup + cosine, clipping, metrics."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torchmetrics import MeanMetric
+
+from project.model import Llama, LlamaConfig
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5  # the cosine decays to this, then stays
+    warmup_steps: int = 100
+    decay_steps: int | None = None  # warmup + cosine length in optimizer steps; None: trainer.max_steps
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0  # max global gradient norm; None or 0 disables clipping
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Linear warmup from lr/warmup to lr, then cosine decay to min_lr at total_steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Index of the document each token belongs to; an EOS closes its own document."""
+    is_eos = (tokens == eos_id).long()
+    return is_eos.cumsum(dim=1) - is_eos
+
+
+class LlamaLitModule(LightningModule):
+    """Trains a `Llama` built from `model` (a LlamaConfig or its fields as a dict).
+
+    Everything is kept as hyperparameters, so `LlamaLitModule.load_from_checkpoint(path).model`
+    rebuilds the model with no other input.
+    """
+
+    def __init__(
+        self,
+        model: LlamaConfig | dict,
+        optim: OptimConfig | dict | None = None,
+        document_mask: bool = False,
+        eos_id: int | None = None,
+    ):
+        super().__init__()
+        model_cfg = model if isinstance(model, LlamaConfig) else LlamaConfig(**model)
+        optim_cfg = optim if isinstance(optim, OptimConfig) else OptimConfig(**(optim or {}))
+        if document_mask and eos_id is None:
+            raise ValueError("document_mask needs the tokenizer's eos_id")
+        self.save_hyperparameters({"model": asdict(model_cfg), "optim": asdict(optim_cfg), "document_mask": document_mask, "eos_id": eos_id})
+        self.optim = optim_cfg
+        self.model = Llama(model_cfg)
+        self.val_loss = MeanMetric()
+        self._loss_sum = 0.0  # micro-batch losses since the last optimizer step
+        self._loss_count = 0
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        doc_ids = document_ids(inputs, self.hparams.eos_id) if self.hparams.document_mask else None
+        logits = self.model(inputs, doc_ids)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(*batch)
+        self._loss_sum = self._loss_sum + loss.detach()
+        self._loss_count += 1
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Every micro batch holds the same number of tokens, so the mean of micro-batch means over
+        # accumulation steps and ranks is the mean over the whole global batch.
+        self.log("train/loss", self._loss_sum / self._loss_count, prog_bar=True, sync_dist=True)
+        self.log("train/lr", optimizer.param_groups[0]["lr"])
+        self._loss_sum, self._loss_count = 0.0, 0
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        # Lightning calls this every step after gradients are reduced (and unscaled), clipping or not.
+        max_norm = self.optim.grad_clip or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        self.log("train/grad_norm", norm)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.val_loss.update(self.loss(*batch))
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()  # synced over ranks, which hold equal counts
+        self.val_loss.reset()
+        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
+        self.log("val/ppl", torch.exp(loss))
+
+    def configure_optimizers(self):
+        # Decay weight matrices (and the embedding) only, not norm gains.
+        decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
+        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.optim.lr,
+            betas=tuple(self.optim.betas),
+            eps=self.optim.eps,
+        )
+        total = self.optim.decay_steps or self.trainer.max_steps
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_at(step, self.optim, total) / self.optim.lr
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -1,0 +1,203 @@
+"""A single-device Llama: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+Plain PyTorch on purpose: parallelism is applied from outside (project.parallel), so nothing here
+imports torch.distributed, Lightning or Hydra. Weight names and the rotary layout (rotate-half)
+match Hugging Face's LlamaForCausalLM, so export is a rename and no permutation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 32000
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: multi-head attention (n_kv_heads == n_heads)
+    ffn_dim_multiplier: float | None = None
+    multiple_of: int = 256
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Llama-3.1 style frequency scaling: {factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings}; None keeps plain RoPE.
+    rope_scaling: dict | None = None
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}.")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads} "
+                "(grouped-query attention shares each key/value head across a whole group of query heads)."
+            )
+        if self.rope_scaling is not None:
+            self.rope_scaling = dict(self.rope_scaling)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        # Meta's rule: 2/3 of 4*dim, scaled, rounded up to a multiple of `multiple_of`.
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+
+def rope_frequencies(config: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], with Llama-3.1 scaling when configured."""
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq.float()
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    low_wavelen = s["original_max_position_embeddings"] / s["low_freq_factor"]
+    high_wavelen = s["original_max_position_embeddings"] / s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / (
+        s["high_freq_factor"] - s["low_freq_factor"]
+    )
+    interpolated = (1 - smooth) * inv_freq / s["factor"] + smooth * inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s["factor"], interpolated)
+    scaled = torch.where(wavelen < high_wavelen, inv_freq, scaled)
+    return scaled.float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 whatever the activation dtype, as Meta and HF do.
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1 instead of the head counts: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
+        self.w3 = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
+        self.w2 = nn.Linear(config.ffn_hidden_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        # A ModuleDict keyed by layer index keeps names stable when pipeline stages drop layers.
+        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, init_std) everywhere; residual projections scaled by 1/sqrt(2 * n_layers) (GPT-2)."""
+        std = self.config.init_std
+        residual_std = std / math.sqrt(2 * self.config.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                nn.init.normal_(p, mean=0.0, std=residual_std)
+            else:
+                nn.init.normal_(p, mean=0.0, std=std)
+        self.inv_freq.copy_(rope_frequencies(self.config).to(self.inv_freq.device))
+
+    def rope(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
+        angles = torch.outer(positions, self.inv_freq.float())
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, vocab_size].
+
+        document_ids [B, T], optional: tokens attend only to earlier tokens of the same document
+        (packed sequences); None gives plain causal attention.
+        """
+        T = tokens.shape[1]
+        if T > self.config.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.config.max_seq_len}.")
+        h = self.tok_embeddings(tokens)
+        cos, sin = self.rope(T, h.dtype)
+        mask = None
+        if document_ids is not None:
+            causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
+            same_doc = document_ids[:, :, None] == document_ids[:, None, :]
+            mask = (causal & same_doc)[:, None]  # [B, 1, T, T], broadcast over heads
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, mask)
+        return self.output(self.norm(h))

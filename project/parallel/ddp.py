@@ -1,0 +1,39 @@
+"""Data parallelism through Lightning's DDPStrategy: gloo on CPU, NCCL on GPU."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+
+from project.errors import ConfigError
+
+
+def _allreduce_sum(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future:
+    """DDP communication hook that sums gradients instead of averaging them."""
+    work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def ddp_strategy(
+    grad_reduction: Literal["mean", "sum"] = "mean",
+    process_group_backend: str | None = None,
+    find_unused_parameters: bool = False,
+    static_graph: bool = False,
+) -> DDPStrategy:
+    """DDP with averaged gradients (the default), or summed ones.
+
+    Summation makes each gradient N times the single-replica one: with SGD that multiplies the
+    effective learning rate by N; AdamW normalizes the scale away except through `eps` and
+    gradient clipping, which then see N times larger gradients.
+    """
+    if grad_reduction not in ("mean", "sum"):
+        raise ConfigError(f"strategy.grad_reduction={grad_reduction!r}: choose 'mean' (default) or 'sum'.")
+    return DDPStrategy(
+        process_group_backend=process_group_backend,  # None: Lightning picks gloo on CPU, NCCL on GPU
+        find_unused_parameters=find_unused_parameters,
+        static_graph=static_graph,
+        ddp_comm_hook=_allreduce_sum if grad_reduction == "sum" else None,
+    )

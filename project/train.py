@@ -1,0 +1,144 @@
+"""Train a Llama: `python -m project.train experiment=NAME [overrides]`.
+
+Composes the config, then builds in order: strategy -> trainer -> batch plan -> data -> module,
+and fits. With a multi-process strategy Lightning re-runs this same command for the other local
+ranks (pointing them at this run's directory), so everything here runs on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
+from omegaconf import DictConfig, OmegaConf
+
+from project.callbacks import StepProgressBar, TokenThroughput
+from project.data import TokenShardDataModule
+from project.errors import ConfigError, exit_on_config_error
+from project.lit_module import LlamaLitModule
+from project.loggers import build_loggers
+from project.parallel import model_parallel_size, plan_batches
+
+
+def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
+    if ckpt_path is None:
+        return None
+    path = run_dir / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
+    if not path.is_file():
+        hint = (
+            " `ckpt_path=last` resumes the run in this run directory: pass the directory of the run to resume "
+            "as hydra.run.dir=DIR."
+            if ckpt_path == "last"
+            else ""
+        )
+        raise ConfigError(f"ckpt_path={ckpt_path}: no checkpoint at {path}.{hint}")
+    return str(path)
+
+
+def limit_cpu_threads(cfg: DictConfig, processes_per_node: int) -> None:
+    # Several processes sharing a few cores thrash if each takes all threads (about 30x slower on 2 cores).
+    if cfg.trainer.accelerator == "cpu" and processes_per_node > 1:
+        threads = cfg.threads_per_process or 1
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the ranks Lightning launches
+        torch.set_num_threads(threads)
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
+    if cfg.trainer.get("max_steps", -1) in (None, -1):
+        raise ConfigError("trainer.max_steps must be set: training length is counted in optimizer steps.")
+    if cfg.trainer.get("gradient_clip_val") is not None:
+        raise ConfigError("trainer.gradient_clip_val is not used: set optim.grad_clip (the module clips and logs the norm).")
+    limit_cpu_threads(cfg, int(cfg.trainer.devices) if str(cfg.trainer.devices).isdigit() else 1)
+    checkpoints = ModelCheckpoint(
+        dirpath=run_dir / "checkpoints",
+        filename="best-step{step:06d}",
+        auto_insert_metric_name=False,
+        monitor="val/loss",
+        mode="min",
+        save_top_k=1,
+        save_last=True,
+        every_n_train_steps=cfg.ckpt_every_n_steps,
+    )
+    callbacks = [checkpoints, TokenThroughput(cfg.peak_flops_per_device), StepProgressBar()]
+    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    return L.Trainer(
+        **trainer_kwargs,
+        strategy=instantiate(cfg.strategy, _convert_="all"),
+        callbacks=callbacks,
+        logger=build_loggers(cfg, run_dir),
+        default_root_dir=run_dir,
+        check_val_every_n_epoch=None,  # validation is counted in steps: the training stream has no epochs
+        use_distributed_sampler=False,  # our sampler splits by data-parallel replica, not by global rank
+    )
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    L.seed_everything(cfg.seed, workers=True)
+
+    trainer = build_trainer(cfg, run_dir)
+    strategy_cfg = OmegaConf.to_container(cfg.strategy, resolve=True)
+    world_size = trainer.num_nodes * trainer.num_devices
+    if world_size % model_parallel_size(strategy_cfg):
+        raise ConfigError(f"{world_size} devices do not divide into model replicas of {model_parallel_size(strategy_cfg)} ranks.")
+    plan = plan_batches(cfg.global_batch_size, world_size // model_parallel_size(strategy_cfg), cfg.micro_batch_size)
+    # The Trainer resolves devices and nodes; only then is the accumulation count known.
+    trainer.accumulate_grad_batches = plan.accumulate_grad_batches
+    trainer.val_check_interval = cfg.val_every_n_steps * plan.accumulate_grad_batches
+
+    datamodule = TokenShardDataModule(
+        data_dir=cfg.data.dir,
+        seq_len=cfg.data.seq_len,
+        global_batch_size=plan.global_batch_size,
+        micro_batch_size=plan.micro_batch_size,
+        seed=cfg.data.seed,
+        num_workers=cfg.data.loader_workers,
+    )
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    if model_cfg["vocab_size"] < datamodule.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={model_cfg['vocab_size']} is smaller than the tokenizer's {datamodule.vocab_size} "
+            f"(shards in {cfg.data.dir}): set model.vocab_size={datamodule.vocab_size} or more."
+        )
+    if cfg.data.seq_len > model_cfg["max_seq_len"]:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={model_cfg['max_seq_len']}.")
+    module = LlamaLitModule(
+        model=model_cfg,
+        optim=OmegaConf.to_container(cfg.optim, resolve=True),
+        document_mask=cfg.document_mask,
+        eos_id=datamodule.eos_id,
+    )
+    if trainer.is_global_zero:
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    rank_zero_info(
+        f"run dir: {run_dir}\nbatch: global {plan.global_batch_size} = micro {plan.micro_batch_size} x "
+        f"{plan.accumulate_grad_batches} accumulation x {plan.data_parallel_size} data-parallel replicas"
+    )
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    # ModelCheckpoint saves on its step interval; make sure the final step is saved too.
+    trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    rank_zero_info(
+        "done: "
+        + ", ".join(f"{k}={metrics[k]:.4f}" for k in ("train/loss", "val/loss") if k in metrics)
+        + f"; checkpoints in {run_dir / 'checkpoints'}"
+    )
+    return metrics
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    with exit_on_config_error():
+        return train(cfg).get("val/loss")
+
+
+if __name__ == "__main__":
+    main()

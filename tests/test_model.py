@@ -1,0 +1,116 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from project.model import Llama, LlamaConfig, count_parameters, training_flops_per_token
+
+CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
+
+
+def tiny(**overrides) -> LlamaConfig:
+    fields = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16, max_seq_len=64)
+    return LlamaConfig(**{**fields, **overrides})
+
+
+def test_forward_returns_logits_over_vocabulary():
+    model = Llama(tiny())
+    tokens = torch.randint(0, 97, (3, 11))
+    assert model(tokens).shape == (3, 11, 97)
+
+
+def test_future_tokens_do_not_change_past_logits():
+    torch.manual_seed(0)
+    model = Llama(tiny()).eval()
+    tokens = torch.randint(0, 97, (1, 16))
+    changed = tokens.clone()
+    changed[0, 10:] = (changed[0, 10:] + 1) % 97
+    torch.testing.assert_close(model(tokens)[:, :10], model(changed)[:, :10])
+    assert not torch.allclose(model(tokens)[:, 10:], model(changed)[:, 10:])
+
+
+def test_grouped_query_attention_equals_multi_head_with_repeated_kv_heads():
+    torch.manual_seed(0)
+    gqa = Llama(tiny(n_kv_heads=2)).eval()
+    mha = Llama(tiny(n_kv_heads=4)).eval()
+    state = gqa.state_dict()
+    head_dim = 32 // 4
+    for name, value in list(state.items()):
+        if name.endswith(("attention.wk.weight", "attention.wv.weight")):
+            # each kv head serves 2 consecutive query heads
+            state[name] = value.view(2, head_dim, 32).repeat_interleave(2, dim=0).reshape(4 * head_dim, 32)
+    mha.load_state_dict(state)
+    tokens = torch.randint(0, 97, (2, 12))
+    torch.testing.assert_close(gqa(tokens), mha(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_document_mask_isolates_packed_documents():
+    torch.manual_seed(0)
+    model = Llama(tiny()).eval()
+    tokens = torch.randint(0, 97, (1, 12))
+    doc_ids = torch.tensor([[0] * 5 + [1] * 7])
+    second_alone = model(tokens[:, 5:])
+    packed = model(tokens, doc_ids)[:, 5:]
+    # the second document sees none of the first, but sits at positions 5.. (RoPE is relative, so equal)
+    torch.testing.assert_close(packed, second_alone, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(model(tokens)[:, 5:], second_alone, atol=1e-4)
+
+
+def test_same_seed_gives_same_initial_weights():
+    torch.manual_seed(7)
+    a = Llama(tiny())
+    torch.manual_seed(7)
+    b = Llama(tiny())
+    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(pa, pb), name
+
+
+def test_residual_projections_get_scaled_initialization():
+    torch.manual_seed(0)
+    config = tiny(dim=256, n_heads=4, n_kv_heads=4, n_layers=8, init_std=0.02)
+    model = Llama(config)
+    block = model.layers["0"]
+    assert block.attention.wq.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert block.attention.wo.weight.std().item() == pytest.approx(0.02 / 4, rel=0.05)  # 1/sqrt(2*8)
+    assert torch.equal(block.attention_norm.weight, torch.ones(256))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_parameter_count_formula_matches_built_model(tie):
+    config = tiny(tie_embeddings=tie)
+    assert count_parameters(config) == sum(p.numel() for p in Llama(config).parameters())
+
+
+@pytest.mark.parametrize(
+    "preset, published",
+    [("llama2_7b", 6.74e9), ("llama3_8b", 8.03e9), ("llama3_70b", 70.6e9)],
+)
+def test_preset_parameter_counts_match_published_sizes(preset, published):
+    config = LlamaConfig(**yaml.safe_load((CONF / f"{preset}.yaml").read_text()))
+    assert count_parameters(config) == pytest.approx(published, rel=0.002)
+
+
+def test_training_flops_are_6n_plus_attention():
+    config = tiny()
+    n = sum(p.numel() for p in Llama(config).parameters()) - 97 * 32  # embedding lookup does no matmul
+    assert training_flops_per_token(config, seq_len=64) == 6 * n + 12 * 2 * 32 * 64
+
+
+def test_config_rejects_heads_that_do_not_group():
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        tiny(n_heads=4, n_kv_heads=3)
+
+
+def test_model_module_imports_no_distributed_lightning_or_hydra():
+    # `import torch` itself loads parts of torch.distributed: compare against it.
+    code = (
+        "import sys, torch; before = set(sys.modules); import project.model; "
+        "print(sorted(m for m in set(sys.modules) - before if m.startswith(('torch.distributed', 'lightning', 'hydra'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    source = (Path(__file__).resolve().parents[1] / "project" / "model" / "llama.py").read_text()
+    assert "import torch.distributed" not in source and "lightning" not in source and "hydra" not in source
