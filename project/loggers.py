@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import csv
 import netrc
 import os
 from pathlib import Path
 from urllib.parse import urlparse
 
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
 from omegaconf import DictConfig, OmegaConf
 
 
@@ -26,9 +29,32 @@ def wandb_mode(mode: str) -> str:
         return "offline"
 
 
+class _AppendingWriter(ExperimentWriter):
+    """Lightning's CSV writer deletes an existing metrics.csv; a resumed run appends to it instead."""
+
+    def _check_log_dir_exists(self) -> None:
+        if self._fs.isfile(self.metrics_file_path):
+            with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+                self.metrics_keys = list(csv.DictReader(file).fieldnames or [])
+
+
+class RunCSVLogger(CSVLogger):
+    """metrics.csv and hparams.yaml directly in the run directory, kept across resumes."""
+
+    def __init__(self, run_dir: Path):
+        super().__init__(save_dir=run_dir, name="", version="")
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.log_dir, exist_ok=True)
+            self._experiment = _AppendingWriter(log_dir=self.log_dir)
+        return self._experiment
+
+
 def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:
-    # name="" and version="" put metrics.csv and hparams.yaml directly in the run directory.
-    loggers: list[Logger] = [CSVLogger(save_dir=run_dir, name="", version="")]
+    loggers: list[Logger] = [RunCSVLogger(run_dir)]
     wandb_cfg = cfg.logger.get("wandb")
     if wandb_cfg is not None:
         loggers.append(

@@ -7,6 +7,7 @@ ranks (pointing them at this run's directory), so everything here runs on every 
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -15,12 +16,11 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
-from project.callbacks import StepProgressBar, TokenThroughput
-from project.data import TokenShardDataModule
+from project.callbacks import StepCheckpoint, StepProgressBar, TokenThroughput
+from project.data.datamodule import TokenShardDataModule
 from project.errors import ConfigError, exit_on_config_error
 from project.lit_module import LlamaLitModule
 from project.loggers import build_loggers
@@ -56,7 +56,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
     if cfg.trainer.get("gradient_clip_val") is not None:
         raise ConfigError("trainer.gradient_clip_val is not used: set optim.grad_clip (the module clips and logs the norm).")
     limit_cpu_threads(cfg, int(cfg.trainer.devices) if str(cfg.trainer.devices).isdigit() else 1)
-    checkpoints = ModelCheckpoint(
+    checkpoints = StepCheckpoint(
         dirpath=run_dir / "checkpoints",
         filename="best-step{step:06d}",
         auto_insert_metric_name=False,
@@ -66,7 +66,9 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
         save_last=True,
         every_n_train_steps=cfg.ckpt_every_n_steps,
     )
-    callbacks = [checkpoints, TokenThroughput(cfg.peak_flops_per_device), StepProgressBar()]
+    callbacks = [checkpoints, TokenThroughput(cfg.peak_flops_per_device)]
+    if cfg.trainer.get("enable_progress_bar", True):
+        callbacks.append(StepProgressBar())
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     return L.Trainer(
         **trainer_kwargs,
@@ -80,6 +82,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
+    logging.getLogger("litdata").setLevel(logging.WARNING)  # per-chunk INFO lines drown the progress bar
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     L.seed_everything(cfg.seed, workers=True)
 
@@ -100,6 +103,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         micro_batch_size=plan.micro_batch_size,
         seed=cfg.data.seed,
         num_workers=cfg.data.loader_workers,
+        val_sequences=cfg.val_sequences,
     )
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     if model_cfg["vocab_size"] < datamodule.vocab_size:
@@ -123,8 +127,6 @@ def train(cfg: DictConfig) -> dict[str, float]:
     )
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    # ModelCheckpoint saves on its step interval; make sure the final step is saved too.
-    trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     rank_zero_info(
         "done: "

@@ -1,4 +1,5 @@
+from project.callbacks.checkpoint import StepCheckpoint
 from project.callbacks.progress import StepProgressBar
 from project.callbacks.throughput import TokenThroughput
 
-__all__ = ["StepProgressBar", "TokenThroughput"]
+__all__ = ["StepCheckpoint", "StepProgressBar", "TokenThroughput"]

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_warn
 from litdata import StreamingDataset, TokensLoader
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from project.data.sampler import EvenShardSampler, GlobalBatchSampler
 from project.errors import ConfigError
@@ -32,6 +32,24 @@ def collate_blocks(blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tens
     return batch[:, :-1], batch[:, 1:]
 
 
+class TokenBlocks(Dataset):
+    """Random access to the token blocks of one split, read through litdata's chunked reader.
+
+    litdata's StreamingDataset is an IterableDataset; wrapping it map-style lets our sampler, not
+    litdata's rank-dependent shuffle, decide the order (see project.data.sampler).
+    """
+
+    def __init__(self, split_dir: Path, block_size: int, num_blocks: int):
+        self.blocks = StreamingDataset(str(split_dir), item_loader=TokensLoader(block_size=block_size))
+        self.num_blocks = num_blocks
+
+    def __len__(self) -> int:
+        return self.num_blocks
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.blocks[index]
+
+
 class TokenShardDataModule(LightningDataModule):
     """Streams prepared token shards; one global sequence order whatever the number of replicas.
 
@@ -48,6 +66,7 @@ class TokenShardDataModule(LightningDataModule):
         micro_batch_size: int,
         seed: int = 1234,
         num_workers: int = 1,
+        val_sequences: int | None = None,
         dp_rank: int | None = None,
         dp_size: int | None = None,
     ):
@@ -71,11 +90,10 @@ class TokenShardDataModule(LightningDataModule):
     def eos_id(self) -> int:
         return int(self.manifest["tokenizer"]["eos_id"])
 
-    def _split(self, name: str) -> tuple[StreamingDataset, int]:
-        loader = TokensLoader(block_size=self.hparams.seq_len + 1)
-        dataset = StreamingDataset(str(Path(self.hparams.data_dir) / name), item_loader=loader)
-        # The manifest's count, not len(dataset): litdata reports a per-rank length under DDP.
-        return dataset, int(self.manifest["splits"][name]["blocks"])
+    def _split(self, name: str) -> TokenBlocks:
+        # The manifest's count, not len(StreamingDataset): litdata reports a per-rank length under DDP.
+        num_blocks = int(self.manifest["splits"][name]["blocks"])
+        return TokenBlocks(Path(self.hparams.data_dir) / name, self.hparams.seq_len + 1, num_blocks)
 
     def setup(self, stage: str | None = None) -> None:
         if self.hparams.dp_rank is not None:
@@ -86,10 +104,10 @@ class TokenShardDataModule(LightningDataModule):
             self.dp_rank, self.dp_size = data_parallel_coords(self.trainer)
         else:
             self.dp_rank, self.dp_size = 0, 1
-        self.train_set, self.num_train = self._split("train")
-        self.val_set, self.num_val = self._split("val")
+        self.train_set = self._split("train")
+        self.val_set = self._split("val")
 
-    def _loader(self, dataset: StreamingDataset, batch_sampler: Any) -> DataLoader:
+    def _loader(self, dataset: TokenBlocks, batch_sampler: Any) -> DataLoader:
         workers = self.hparams.num_workers
         return DataLoader(
             dataset,
@@ -103,7 +121,7 @@ class TokenShardDataModule(LightningDataModule):
         # Lightning restores global_step before it asks for loaders, so this is the resumed step.
         self._start_step = self.trainer.global_step if self.trainer is not None else 0
         sampler = GlobalBatchSampler(
-            self.num_train,
+            len(self.train_set),
             self.hparams.global_batch_size,
             self.hparams.micro_batch_size,
             self.dp_rank,
@@ -114,10 +132,13 @@ class TokenShardDataModule(LightningDataModule):
         return self._loader(self.train_set, sampler)
 
     def val_dataloader(self) -> DataLoader:
-        sampler = EvenShardSampler(self.num_val, self.hparams.micro_batch_size, self.dp_rank, self.dp_size)
+        # Round the evaluated count to whole micro batches on every replica, so no layout pads or drops differently.
+        count = min(len(self.val_set), self.hparams.val_sequences or len(self.val_set))
+        unit = self.hparams.micro_batch_size * self.dp_size
+        sampler = EvenShardSampler(count // unit * unit, self.hparams.micro_batch_size, self.dp_rank, self.dp_size)
         if len(sampler) == 0:
             raise ConfigError(
-                f"the validation split ({self.num_val} blocks) has fewer blocks than one micro batch on each of "
+                f"the validation split ({len(self.val_set)} blocks) has fewer blocks than one micro batch on each of "
                 f"{self.dp_size} replicas: raise data.val_fraction and re-prepare, or lower micro_batch_size."
             )
         return self._loader(self.val_set, sampler)

@@ -69,7 +69,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
 
 class EvenShardSampler(Sampler[list[int]]):
-    """Validation: the first blocks in order, the same count on every replica, disjoint across them."""
+    """Validation: the first `num_samples` blocks in order, the same count on every replica, disjoint across them.
+
+    The set evaluated depends on the count alone, not on the layout, so val/loss compares across runs.
+    """
 
     def __init__(self, num_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int):
         per_replica = (num_samples // (micro_batch_size * dp_size)) * micro_batch_size

@@ -1,7 +1,6 @@
 """Data parallelism through Lightning's DDPStrategy: gloo on CPU, NCCL on GPU."""
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: torch checks the comm hook's annotations at runtime.
 from typing import Literal
 
 import torch
@@ -11,10 +10,23 @@ from lightning.pytorch.strategies import DDPStrategy
 from project.errors import ConfigError
 
 
-def _allreduce_sum(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future:
+def _allreduce_sum(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook that sums gradients instead of averaging them."""
     work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
+
+
+class GlooFriendlyDDPStrategy(DDPStrategy):
+    """DDPStrategy that registers its communication hook on CPU (gloo) too.
+
+    Lightning registers `ddp_comm_hook` only when the root device is CUDA and silently drops it
+    otherwise; torch's DDP supports comm hooks on gloo, so the same config behaves alike on both.
+    """
+
+    def _register_ddp_hooks(self) -> None:
+        if self.root_device.type == "cuda" or self._ddp_comm_hook is None:
+            return super()._register_ddp_hooks()
+        self.model.register_comm_hook(state=self._ddp_comm_state, hook=self._ddp_comm_hook)
 
 
 def ddp_strategy(
@@ -31,7 +43,7 @@ def ddp_strategy(
     """
     if grad_reduction not in ("mean", "sum"):
         raise ConfigError(f"strategy.grad_reduction={grad_reduction!r}: choose 'mean' (default) or 'sum'.")
-    return DDPStrategy(
+    return GlooFriendlyDDPStrategy(
         process_group_backend=process_group_backend,  # None: Lightning picks gloo on CPU, NCCL on GPU
         find_unused_parameters=find_unused_parameters,
         static_graph=static_graph,

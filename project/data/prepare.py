@@ -1,0 +1,302 @@
+"""Raw text -> tokenizer -> litdata token shards, once: the offline half of the data pipeline.
+
+Output layout of `output_dir` (read by the training datamodule):
+    manifest.json           what was built from what (see `prepare_shards`)
+    tokenizer.json|.model   the tokenizer the ids belong to
+    train/, val/            litdata chunks written with `TokensLoader`: each split is one token
+                            stream, documents in source order, each followed by the end-of-text id
+"""
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from functools import lru_cache, partial
+from pathlib import Path
+
+import litdata
+import numpy as np
+from filelock import FileLock
+
+from project.data.corpus import (
+    SOURCE_SUFFIXES,
+    DocumentRef,
+    NoSourcesError,
+    fetch_corpus,
+    iter_document_refs,
+    read_document,
+    resolve_sources,
+)
+from project.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
+from project.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+MANIFEST_FORMAT = 1
+MANIFEST_NAME = "manifest.json"
+SPLITS = ("train", "val")
+# Small chunks: the default corpus (~2.5 MB of uint16 tokens) becomes several chunks, which
+# litdata needs to spread work over ranks and loader workers. TokensLoader forms blocks within a
+# chunk only, so each chunk drops its last (tokens % block_size) tokens: < 0.05% at this size.
+CHUNK_BYTES = 1 << 20
+# Documents are written in pieces of at most this many tokens: litdata closes a chunk only between
+# items, so a whole long document as one item would overshoot CHUNK_BYTES by its full size.
+# Pieces of one document stay adjacent, so the token stream is unchanged.
+MAX_ITEM_TOKENS = 1 << 13
+import os as _o; START_METHOD = _o.environ.get("SM")
+
+
+def prepare_shards(
+    sources: str | os.PathLike | Sequence[str | os.PathLike],
+    output_dir: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    vocab_size: int = 4096,
+    seq_len: int = 256,
+    val_fraction: float = 0.05,
+    text_field: str = "text",
+    num_workers: int = 2,
+    seed: int = 1234,
+    overwrite: bool = False,
+    fetch: str | None = None,
+) -> dict:
+    """Tokenize the documents of `sources` into train/val token shards in `output_dir`; return the manifest.
+
+    Does no work when `output_dir` already holds shards from the same settings and unchanged source
+    files (same fingerprint). Shards from other settings are replaced only with `overwrite=True`.
+
+    manifest.json: {"format": 1, "fingerprint": str,
+        "tokenizer": {"kind": "hf"|"sentencepiece", "file": name in output_dir, "vocab_size", "eos_id", "bos_id"},
+        "seq_len", "block_size": seq_len + 1, "dtype": "uint16"|"int32",
+        "splits": {"train"|"val": {"documents", "tokens", "blocks"}},
+        "sources": [{"path", "bytes"}, ...], "val_fraction", "seed"}
+    where `blocks` is what `StreamingDataset(split dir, item_loader=TokensLoader(block_size))` holds.
+    """
+    patterns = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
+    _check_settings(seq_len, val_fraction, num_workers)
+    output_dir = Path(output_dir).absolute()
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Ranks or jobs that prepare the same directory at once wait here, then find it up to date.
+    with FileLock(output_dir.parent / f".{output_dir.name}.lock"):
+        files = _resolve_or_fetch(patterns, fetch)
+        inside = [f for f in files if f.is_relative_to(output_dir)]
+        if inside:
+            raise ConfigError(f"data.sources include {inside[0]}, inside data.dir={output_dir}; keep raw text outside data.dir.")
+        given = load_tokenizer(tokenizer) if tokenizer else None
+        fingerprint = _fingerprint(files, given, vocab_size, seq_len, val_fraction, text_field, seed)
+        existing = _read_manifest(output_dir)
+        if existing is not None and existing["fingerprint"] == fingerprint and _shards_present(output_dir):
+            log.info("Shards in %s are up to date (fingerprint %s); nothing to do.", output_dir, fingerprint)
+            return existing
+        _refuse_to_clobber(output_dir, existing, overwrite, files, seq_len, val_fraction, seed)
+
+        staging = output_dir.parent / f".{output_dir.name}.partial"
+        shutil.rmtree(staging, ignore_errors=True)  # left by an interrupted run
+        staging.mkdir()
+        try:
+            manifest = _build(staging, fingerprint, files, given, vocab_size, seq_len, val_fraction, text_field, num_workers, seed)
+            _swap_in(staging, output_dir)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    _log_summary(manifest, output_dir)
+    return manifest
+
+
+def _check_settings(seq_len: int, val_fraction: float, num_workers: int) -> None:
+    if seq_len < 1:
+        raise ConfigError(f"data.seq_len={seq_len} must be a positive number of tokens.")
+    if not 0 < val_fraction < 1:
+        raise ConfigError(f"data.val_fraction={val_fraction} must lie strictly between 0 and 1 (at least one document is held out).")
+    if num_workers < 1:
+        raise ConfigError(f"data.prepare_workers={num_workers} must be at least 1.")
+
+
+def _resolve_or_fetch(patterns: list, fetch: str | None) -> list[Path]:
+    try:
+        return resolve_sources(patterns)
+    except NoSourcesError:
+        if not fetch:
+            raise
+    destination = _fetch_destination(os.fspath(patterns[0]))
+    log.info("data.sources match nothing yet: fetching corpus %r into %s", fetch, destination)
+    fetch_corpus(fetch, destination)
+    return resolve_sources(patterns)
+
+
+def _fetch_destination(pattern: str) -> Path:
+    """The folder a pattern's files live in: the part before any glob magic, or the file's parent."""
+    parts = Path(pattern).parts
+    plain = next((i for i, part in enumerate(parts) if any(c in part for c in "*?[")), None)
+    if plain is not None:
+        return Path(*parts[:plain])
+    path = Path(pattern)
+    return path.parent if path.suffix in SOURCE_SUFFIXES else path
+
+
+def _fingerprint(
+    files: list[Path], tokenizer: Tokenizer | None, vocab_size: int, seq_len: int, val_fraction: float, text_field: str, seed: int
+) -> str:
+    """A hash of everything the shards depend on. Source files count by path, size and mtime (cheap to
+    check on every run; re-hashing a corpus is not); a given tokenizer by content. The number of
+    workers changes only how tokens are grouped into chunks, so it is left out."""
+    if tokenizer is not None:
+        tokenizer_key = {"sha256": hashlib.sha256(tokenizer.path.read_bytes()).hexdigest()}
+    else:
+        tokenizer_key = {"train_bpe": vocab_size}
+    settings = {
+        "format": MANIFEST_FORMAT, "tokenizer": tokenizer_key, "seq_len": seq_len, "val_fraction": val_fraction,
+        "text_field": text_field, "seed": seed, "chunk_bytes": CHUNK_BYTES, "max_item_tokens": MAX_ITEM_TOKENS,
+        "sources": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+    }
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _read_manifest(output_dir: Path) -> dict | None:
+    try:
+        return json.loads((output_dir / MANIFEST_NAME).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _shards_present(output_dir: Path) -> bool:
+    return all((output_dir / split / "index.json").is_file() for split in SPLITS)
+
+
+def _refuse_to_clobber(
+    output_dir: Path, existing: dict | None, overwrite: bool, files: list[Path], seq_len: int, val_fraction: float, seed: int
+) -> None:
+    """Never replace a directory silently: only shards of ours (a manifest) and only when asked to."""
+    if existing is None:
+        if output_dir.exists() and any(output_dir.iterdir()):
+            raise ConfigError(
+                f"data.dir={output_dir} exists, is not empty and holds no {MANIFEST_NAME}, so it is not a "
+                f"prepared dataset and will not be replaced; point data.dir at a new or empty folder."
+            )
+        return
+    if overwrite or not _shards_present(output_dir):
+        return
+    now = {"seq_len": seq_len, "val_fraction": val_fraction, "seed": seed,
+           "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files]}
+    changed = [key for key, value in now.items() if existing.get(key) != value] or ["tokenizer, text field or source file times"]
+    raise ConfigError(
+        f"data.dir={output_dir} holds shards prepared from other settings (changed: {', '.join(changed)}). "
+        f"Set data.overwrite=true to replace them, or point data.dir at another folder to keep both."
+    )
+
+
+def _build(
+    staging: Path, fingerprint: str, files: list[Path], tokenizer: Tokenizer | None, vocab_size: int, seq_len: int,
+    val_fraction: float, text_field: str, num_workers: int, seed: int,
+) -> dict:
+    """Write tokenizer, shards and manifest.json into `staging`; return the manifest."""
+    splits = _split_documents(files, text_field, val_fraction, seed)
+    if tokenizer is None:
+        log.info("Training a byte-level BPE of %d tokens on %d train documents", vocab_size, len(splits["train"]))
+        tokenizer = train_bpe((read_document(ref, text_field) for ref in splits["train"]), vocab_size, staging)
+    tokenizer_file = tokenizer.save(staging)
+    # uint16 halves the shards and the loader's memory traffic; ids beyond 65535 need int32.
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
+    block_size = seq_len + 1
+    counts = {}
+    for split, refs in splits.items():
+        log.info("Tokenizing %d %s documents", len(refs), split)
+        litdata.optimize(
+            fn=partial(tokenize_document, tokenizer_file=str(tokenizer_file), text_field=text_field, dtype=dtype),
+            inputs=refs,
+            output_dir=str(staging / split),
+            chunk_bytes=CHUNK_BYTES,
+            item_loader=litdata.TokensLoader(),
+            num_workers=min(num_workers, len(refs)),
+            # Each worker takes a fixed, contiguous slice of the documents, so the same inputs always
+            # give the same chunks (the default work stealing makes chunk contents vary run to run).
+            keep_data_ordered=True,
+            reorder_files=False,
+            start_method=START_METHOD,
+        )
+        chunk_tokens = [chunk["dim"] for chunk in json.loads((staging / split / "index.json").read_text())["chunks"]]
+        counts[split] = {"documents": len(refs), "tokens": sum(chunk_tokens), "blocks": sum(t // block_size for t in chunk_tokens)}
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "fingerprint": fingerprint,
+        "tokenizer": {"kind": tokenizer.kind, "file": tokenizer_file.name, "vocab_size": tokenizer.vocab_size,
+                      "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id},
+        "seq_len": seq_len,
+        "block_size": block_size,
+        "dtype": np.dtype(dtype).name,
+        "splits": counts,
+        "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
+        "val_fraction": val_fraction,
+        "seed": seed,
+    }
+    (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _split_documents(files: list[Path], text_field: str, val_fraction: float, seed: int) -> dict[str, list[DocumentRef]]:
+    """Assign each document to train or val by a seeded hash of its text, keeping source order in each.
+
+    Hashing the text (not its place) keeps the split stable when files move or new ones join, and
+    puts exact duplicates on the same side, so none leaks from train into val.
+    """
+    scored = [(_split_score(text, seed), ref) for file in files for ref, text in iter_document_refs(file, text_field)]
+    if len(scored) < 2:
+        raise ConfigError(
+            f"data.sources hold {len(scored)} non-empty document(s), but a train and a validation split need at "
+            f"least two: a .txt/.md file is one document, so add more files, or use a .jsonl file with one "
+            f"document per line."
+        )
+    in_val = [score < val_fraction for score, _ in scored]
+    # At least one document on each side, whatever val_fraction says about so small a corpus.
+    if not any(in_val):
+        in_val[min(range(len(scored)), key=lambda i: scored[i][0])] = True
+    if all(in_val):
+        in_val[max(range(len(scored)), key=lambda i: scored[i][0])] = False
+    return {
+        "train": [ref for (_, ref), val in zip(scored, in_val) if not val],
+        "val": [ref for (_, ref), val in zip(scored, in_val) if val],
+    }
+
+
+def _split_score(text: str, seed: int) -> float:
+    """A number uniform in [0, 1) fixed by the text and the seed."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8, key=seed.to_bytes(8, "little", signed=True)).digest()
+    return int.from_bytes(digest, "little") / 2**64
+
+
+def tokenize_document(ref: DocumentRef, *, tokenizer_file: str, text_field: str, dtype: type) -> Iterator[np.ndarray]:
+    """litdata's worker function: one document's ids followed by end-of-text, in pieces of MAX_ITEM_TOKENS.
+
+    Top level (not a closure) so litdata can pickle it into its spawned worker processes.
+    """
+    tokenizer = _cached_tokenizer(tokenizer_file)
+    ids = np.asarray(tokenizer.encode(read_document(ref, text_field)) + [tokenizer.eos_id], dtype=dtype)
+    for start in range(0, len(ids), MAX_ITEM_TOKENS):
+        yield ids[start : start + MAX_ITEM_TOKENS]
+
+
+@lru_cache(maxsize=1)
+def _cached_tokenizer(path: str) -> Tokenizer:
+    """Each worker process loads the tokenizer once, not once per document."""
+    return load_tokenizer(path)
+
+
+def _swap_in(staging: Path, output_dir: Path) -> None:
+    """Replace `output_dir` by `staging` with renames only: readers see the old or the new dataset, never
+    a mix. Interrupted between the two renames, the old dataset survives as `.<name>.old`."""
+    if output_dir.exists():
+        old = output_dir.parent / f".{output_dir.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        output_dir.rename(old)
+        staging.rename(output_dir)
+        shutil.rmtree(old)
+    else:
+        staging.rename(output_dir)
+
+
+def _log_summary(manifest: dict, output_dir: Path) -> None:
+    for split, counts in manifest["splits"].items():
+        log.info("%-5s %6d documents %10d tokens %8d blocks of %d", split, counts["documents"], counts["tokens"],
+                 counts["blocks"], manifest["block_size"])
+    log.info("Shards, tokenizer and manifest written to %s", output_dir)

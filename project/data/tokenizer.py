@@ -1,0 +1,162 @@
+"""One face for the two tokenizer formats in common use: HF `tokenizer.json` and sentencepiece `.model`.
+
+Shard writing needs little from a tokenizer: ids for a text, the end-of-text id that separates
+documents, and the vocabulary size that decides the token dtype and the model's embedding size.
+Special tokens are never added by `encode`: where documents begin and end is the shard writer's call.
+"""
+
+import os
+import shutil
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from pathlib import Path
+
+import sentencepiece
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from project.errors import ConfigError
+
+BOS_TOKEN = "<|begin_of_text|>"
+EOS_TOKEN = "<|end_of_text|>"
+# Llama 3's names first, then what other tokenizer.json families call the same two roles.
+_EOS_NAMES = (EOS_TOKEN, "<|endoftext|>", "</s>", "<eos>")
+_BOS_NAMES = (BOS_TOKEN, "<s>", "<bos>")
+# A byte-level BPE starts from all 256 byte values; the special tokens come on top.
+MIN_BPE_VOCAB_SIZE = 256 + 2
+
+
+class Tokenizer(ABC):
+    """A loaded tokenizer file; build one with `load_tokenizer` or `train_bpe`."""
+
+    kind: str
+    file_name: str
+
+    def __init__(self, path: Path, vocab_size: int, eos_id: int, bos_id: int | None) -> None:
+        self.path = path
+        self.vocab_size = vocab_size
+        self.eos_id = eos_id
+        self.bos_id = bos_id
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without any special tokens."""
+
+    @abstractmethod
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of `ids`; special tokens appear as their text."""
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Copy the tokenizer file into `directory` under its conventional name; return the new path."""
+        target = Path(directory) / self.file_name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not (target.exists() and target.samefile(self.path)):
+            shutil.copyfile(self.path, target)
+        return target
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+class _HFTokenizer(Tokenizer):
+    kind = "hf"
+    file_name = "tokenizer.json"
+
+    def __init__(self, path: Path) -> None:
+        try:
+            self._tokenizer = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust binding raises a bare Exception for any parse error
+            raise _unreadable(path, "a HF tokenizer.json", exc) from None
+        # A literal "<|end_of_text|>" inside raw text is text, not a document boundary.
+        self._tokenizer.encode_special_tokens = True
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        eos_id = _first_present(vocab, _EOS_NAMES)
+        if eos_id is None:
+            raise ConfigError(
+                f"data.tokenizer={str(path)!r} has no end-of-text token (looked for {', '.join(_EOS_NAMES)}); "
+                f"documents in the shards are separated by one, so pick a tokenizer that has it."
+            )
+        # Ids may have gaps (added tokens placed far out), so size by the largest id, not the count.
+        super().__init__(path, max(vocab.values()) + 1, eos_id, _first_present(vocab, _BOS_NAMES))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+class _SentencePieceTokenizer(Tokenizer):
+    kind = "sentencepiece"
+    file_name = "tokenizer.model"
+
+    def __init__(self, path: Path) -> None:
+        try:
+            self._processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        except Exception as exc:  # sentencepiece raises RuntimeError or OSError depending on the fault
+            raise _unreadable(path, "a sentencepiece model", exc) from None
+        if self._processor.eos_id() < 0:
+            raise ConfigError(
+                f"data.tokenizer={str(path)!r} was trained without an end-of-text piece (eos_id=-1); "
+                f"documents in the shards are separated by one, so train it with eos_id set."
+            )
+        bos_id = self._processor.bos_id()
+        super().__init__(path, self._processor.get_piece_size(), self._processor.eos_id(), bos_id if bos_id >= 0 else None)
+
+    def encode(self, text: str) -> list[int]:
+        return self._processor.encode(text, out_type=int)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._processor.decode(list(ids))
+
+
+_KINDS_BY_SUFFIX: dict[str, type[Tokenizer]] = {".json": _HFTokenizer, ".model": _SentencePieceTokenizer}
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Load a HF `tokenizer.json` or a sentencepiece `.model` file, chosen by the file's suffix."""
+    path = Path(path)
+    kind = _KINDS_BY_SUFFIX.get(path.suffix)
+    if not path.is_file() or kind is None:
+        problem = "is not a file" if not path.is_file() else "has an unknown suffix"
+        raise ConfigError(
+            f"data.tokenizer={str(path)!r} {problem}. Point it at a HF tokenizer.json or a sentencepiece "
+            f".model file, or set data.tokenizer=null to train a byte-level BPE of data.vocab_size tokens."
+        )
+    return kind(path)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, directory: str | os.PathLike) -> Tokenizer:
+    """Train a byte-level BPE on `texts` and save it as `directory/tokenizer.json`.
+
+    Byte level: any text encodes without unknown tokens. The result depends only on the texts and
+    their order (the trainer has no randomness and breaks ties by token id), so the same corpus
+    gives the same tokenizer.
+    """
+    if vocab_size < MIN_BPE_VOCAB_SIZE:
+        raise ConfigError(
+            f"data.vocab_size={vocab_size} is too small for a byte-level BPE: it needs the 256 byte tokens "
+            f"plus {BOS_TOKEN} and {EOS_TOKEN}, so at least {MIN_BPE_VOCAB_SIZE}."
+        )
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS_TOKEN, EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    path = Path(directory) / _HFTokenizer.file_name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path))
+    return load_tokenizer(path)
+
+
+def _first_present(vocab: dict[str, int], names: Iterable[str]) -> int | None:
+    return next((vocab[name] for name in names if name in vocab), None)
+
+
+def _unreadable(path: Path, what: str, exc: Exception) -> ConfigError:
+    return ConfigError(f"data.tokenizer={str(path)!r} could not be read as {what}: {exc}")

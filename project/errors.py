@@ -1,0 +1,29 @@
+"""Errors caused by bad input (settings, files), reported as one paragraph instead of a traceback.
+
+A traceback is the right answer to a bug in our code, the wrong one to a typo in a config file: the
+entry points raise `ConfigError` for the latter and wrap their `main` in `exit_on_config_error()`.
+"""
+
+import contextlib
+import sys
+
+
+class ConfigError(ValueError):
+    """A setting or input file is wrong; the message says which setting and how to fix it."""
+
+
+class exit_on_config_error(contextlib.ContextDecorator):
+    """Print a `ConfigError` as `error: <message>` on stderr and exit with status 2 (usage error).
+
+    Works as a decorator (`@exit_on_config_error()`) or a `with` block; other exceptions pass
+    through untouched so real bugs keep their traceback.
+    """
+
+    def __enter__(self) -> "exit_on_config_error":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None and issubclass(exc_type, ConfigError):
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2)
+        return False

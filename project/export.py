@@ -1,0 +1,221 @@
+"""Export a training checkpoint as a Hugging Face model folder (LlamaForCausalLM + tokenizer).
+
+    python -m project.export ckpt_path=PATH output_dir=DIR [tokenizer=PATH] [dtype=float32|bfloat16|float16]
+                             [overwrite=true]
+
+Writes config.json, model.safetensors, generation_config.json and the tokenizer files, so that
+`LlamaForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load offline. Needs no
+transformers. The tokenizer comes from `tokenizer=` or else from the manifest.json in the checkpoint's data
+directory. A sentencepiece model is exported for transformers' LlamaTokenizer, which reads it as a Llama-style
+BPE with byte fallback and needs `protobuf` installed to load it.
+
+Arguments are Hydra-style `key=value` for symmetry with project.train, parsed here without Hydra because
+there is nothing to compose. The checkpoint is unpickled (it holds hyper-parameters): export only files
+you trust.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from project.errors import ConfigError, exit_on_config_error
+from project.hf_format import hf_config_dict, to_hf_state_dict
+from project.model.llama import LlamaConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULTS = {"ckpt_path": None, "output_dir": None, "tokenizer": None, "dtype": "float32", "overwrite": "false"}
+PASS_TOKENIZER = "Pass tokenizer=PATH (a HF tokenizer.json or a sentencepiece .model)."
+USAGE = (
+    "usage: python -m project.export ckpt_path=PATH output_dir=DIR [tokenizer=PATH] "
+    "[dtype=float32|bfloat16|float16] [overwrite=true]"
+)
+
+
+def parse_args(argv: list[str]) -> dict[str, str | None]:
+    args = dict(DEFAULTS)
+    if any(arg in ("-h", "--help", "help") for arg in argv):
+        print(__doc__)
+        raise SystemExit(0)
+    for arg in argv:
+        key, sep, value = arg.lstrip("-").partition("=")  # tolerate wandb-style `--key=value`
+        if not sep or key not in DEFAULTS:
+            raise ConfigError(f"unknown argument {arg!r}; expected key=value with key in {list(DEFAULTS)}.\n{USAGE}")
+        args[key] = value
+    for key in ("ckpt_path", "output_dir"):
+        if not args[key]:
+            raise ConfigError(f"{key}= is required.\n{USAGE}")
+    if args["dtype"] not in DTYPES:
+        raise ConfigError(f"dtype={args['dtype']} is not one of {list(DTYPES)}.")
+    if args["overwrite"].lower() not in ("true", "false"):
+        raise ConfigError(f"overwrite={args['overwrite']} must be true or false.")
+    return args
+
+
+def load_checkpoint(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:
+    """(model config, our Llama's state dict, the checkpoint) from a Lightning checkpoint of our module."""
+    if not path.is_file():
+        raise ConfigError(f"checkpoint {path} does not exist (or is not a file); pass ckpt_path= a Lightning .ckpt.")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # a truncated file or not a torch file: which exception depends on the damage
+        raise ConfigError(f"could not read checkpoint {path}: {type(e).__name__}: {e}") from e
+    hparams = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, Mapping) else {}
+    if not isinstance(ckpt, Mapping) or "state_dict" not in ckpt or "model" not in hparams:
+        found = sorted(ckpt) if isinstance(ckpt, Mapping) else type(ckpt).__name__
+        raise ConfigError(
+            f"{path} is not a checkpoint of our LightningModule: it needs 'state_dict' (the model under the "
+            f"'model.' prefix) and 'hyper_parameters' -> 'model' (the LlamaConfig as a dict); found {found}."
+        )
+    try:
+        config = LlamaConfig(**dict(hparams["model"]))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"hyper_parameters['model'] in {path} is not a valid LlamaConfig: {e}") from e
+    prefix = "model."
+    state_dict = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+    return config, state_dict, ckpt
+
+
+def resolve_tokenizer(ckpt: Mapping, override: str | None) -> tuple[Path, int | None, int | None]:
+    """(tokenizer file, bos id, eos id): `override` if given, else the data directory's manifest.json."""
+    data_dir = (ckpt.get("datamodule_hyper_parameters") or {}).get("data_dir")
+    manifest_path = Path(data_dir) / "manifest.json" if data_dir else None
+    try:
+        manifest = json.loads(manifest_path.read_text()) if manifest_path and manifest_path.is_file() else None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{manifest_path} is not valid JSON ({e}). Pass tokenizer=PATH to bypass it.") from e
+    info = (manifest or {}).get("tokenizer") or {}
+    bos_id, eos_id = info.get("bos_id"), info.get("eos_id")
+    if override:
+        path = Path(override)
+    elif manifest is None:
+        where = f"{manifest_path} does not exist" if manifest_path else "the checkpoint names no data_dir"
+        raise ConfigError(f"cannot find the tokenizer: {where}. {PASS_TOKENIZER}")
+    elif not info.get("file"):
+        raise ConfigError(f"{manifest_path} names no tokenizer file. {PASS_TOKENIZER}")
+    else:
+        path = Path(data_dir) / info["file"]
+    if not path.is_file():
+        given = f"tokenizer={path}" if override else f"tokenizer file {path} (from {manifest_path})"
+        raise ConfigError(f"{given} does not exist. {PASS_TOKENIZER}")
+    return path, bos_id, eos_id
+
+
+def write_tokenizer(path: Path, bos_id: int | None, eos_id: int | None, config: LlamaConfig, out: Path) -> tuple:
+    """Write the tokenizer files AutoTokenizer needs into `out`; returns the (bos, eos) ids it settled on."""
+    if path.suffix == ".json":
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(path))
+        vocab_size, to_token = tok.get_vocab_size(), tok.id_to_token
+        shutil.copyfile(path, out / "tokenizer.json")
+        # The tokenizer.json's own post-processor decides on special tokens, as it did in training.
+        tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    elif path.suffix == ".model":
+        import sentencepiece as spm
+
+        sp = spm.SentencePieceProcessor(model_file=str(path))
+        vocab_size, to_token = sp.get_piece_size(), sp.id_to_piece
+        # sentencepiece marks an absent special token with -1.
+        bos_id = bos_id if bos_id is not None else (sp.bos_id() if sp.bos_id() >= 0 else None)
+        eos_id = eos_id if eos_id is not None else (sp.eos_id() if sp.eos_id() >= 0 else None)
+        shutil.copyfile(path, out / "tokenizer.model")
+        # No automatic BOS: encode exactly as the sentencepiece model does (LlamaTokenizer defaults to adding it).
+        tokenizer_config = {
+            "tokenizer_class": "LlamaTokenizer",
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "legacy": False,
+        }
+        if sp.unk_id() >= 0:
+            tokenizer_config["unk_token"] = sp.id_to_piece(sp.unk_id())
+    else:
+        raise ConfigError(f"tokenizer {path} is neither a HF tokenizer.json (.json) nor a sentencepiece .model.")
+    if vocab_size > config.vocab_size:
+        raise ConfigError(
+            f"tokenizer {path} has {vocab_size} tokens but the model only {config.vocab_size} embeddings: "
+            "is it the tokenizer this model was trained with?"
+        )
+    for name, token_id in (("bos_token", bos_id), ("eos_token", eos_id)):
+        if token_id is not None:
+            tokenizer_config[name] = to_token(token_id)
+    tokenizer_config |= {"model_max_length": config.max_seq_len, "clean_up_tokenization_spaces": False}
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    return bos_id, eos_id
+
+
+def write_model(config: LlamaConfig, state_dict: dict, dtype: str, bos_id, eos_id, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    try:
+        tensors = to_hf_state_dict(state_dict, config)
+    except KeyError as e:
+        raise ConfigError(f"the checkpoint's weights do not fit its own model config: {e.args[0]}") from e
+    tensors = {k: v.detach().to(DTYPES[dtype]).contiguous() for k, v in tensors.items()}
+    # transformers refuses safetensors files whose metadata does not name the framework.
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    hf_config = hf_config_dict(config, bos_token_id=bos_id, eos_token_id=eos_id, torch_dtype=dtype)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    generation = {k: v for k, v in {"bos_token_id": bos_id, "eos_token_id": eos_id}.items() if v is not None}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def export(
+    ckpt_path: str, output_dir: str, tokenizer: str | None = None, dtype: str = "float32", overwrite: bool = False
+) -> list[Path]:
+    """Export `ckpt_path` into `output_dir`; returns the files written."""
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output_dir {out} is a file, not a directory.")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ConfigError(
+            f"output_dir {out} exists and is not empty; choose another or pass overwrite=true "
+            "(which replaces the files an export writes and leaves any others alone)."
+        )
+    config, state_dict, ckpt = load_checkpoint(Path(ckpt_path))
+    tokenizer_path, bos_id, eos_id = resolve_tokenizer(ckpt, tokenizer)
+    del ckpt  # optimizer state can be twice the weights; free it before writing
+
+    # Build everything in a sibling temp folder (same filesystem), so a failed export leaves no half-written model.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        bos_id, eos_id = write_tokenizer(tokenizer_path, bos_id, eos_id, config, tmp)
+        write_model(config, state_dict, dtype, bos_id, eos_id, tmp)
+        if eos_id is None:
+            print("warning: no manifest or tokenizer names an eos token, so generation will not stop by itself.",
+                  file=sys.stderr)  # fmt: skip
+        written = sorted(p.name for p in tmp.iterdir())
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        if out.exists():  # overwrite=true into a folder with other files: replace ours one by one, keep theirs
+            for name in written:
+                os.replace(tmp / name, out / name)
+            tmp.rmdir()
+        else:
+            os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return [out / name for name in written]
+
+
+@exit_on_config_error()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    overwrite = args["overwrite"].lower() == "true"
+    files = export(args["ckpt_path"], args["output_dir"], args["tokenizer"], args["dtype"], overwrite)
+    print(f"exported {args['ckpt_path']} to {args['output_dir']}:")
+    for path in files:
+        print(f"  {path}  ({path.stat().st_size:,} bytes)")
+
+
+if __name__ == "__main__":
+    main()

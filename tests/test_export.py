@@ -1,0 +1,252 @@
+"""project.export: a checkpoint in the training format becomes a folder transformers loads offline.
+
+The checkpoint and tokenizer are built here in the documented contract: a Lightning-style dict whose
+`state_dict` holds the Llama under `model.`, `hyper_parameters['model']` the LlamaConfig as a dict, and
+`datamodule_hyper_parameters['data_dir']` a folder with manifest.json naming the tokenizer file.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from project.export import main  # noqa: E402
+from project.model.llama import Llama, LlamaConfig  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = "To be, or not to be: that is the question. Héllo wörld 123!"
+CORPUS = [
+    "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer",
+    "The slings and arrows of outrageous fortune, Or to take arms against a sea of troubles",
+    "And by opposing end them. To die: to sleep; No more; and by a sleep to say we end",
+] * 20
+
+
+def train_byte_level_bpe(path: Path) -> tuple[int, int]:
+    """A ~300-token byte-level BPE saved as tokenizer.json; returns (bos_id, eos_id)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],  # the names project.data's own BPE uses
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer.save(str(path))
+    return tokenizer.token_to_id("<|begin_of_text|>"), tokenizer.token_to_id("<|end_of_text|>")
+
+
+def train_llama_style_sentencepiece(path: Path, corpus_dir: Path) -> None:
+    """A sentencepiece BPE with Llama's settings (byte fallback, no normalization), saved at `path`."""
+    spm = pytest.importorskip("sentencepiece")
+    corpus = corpus_dir / "corpus.txt"
+    corpus.write_text("\n".join(CORPUS))
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(path.with_suffix("")), vocab_size=300, model_type="bpe",
+        byte_fallback=True, normalization_rule_name="identity", split_digits=True, minloglevel=2,
+    )  # fmt: skip
+
+
+def write_checkpoint(directory: Path, config: LlamaConfig, tokenizer_file: str, bos_id, eos_id) -> tuple[Path, Llama]:
+    """A data dir (manifest + tokenizer already at `tokenizer_file`) and a checkpoint naming it."""
+    data_dir = directory / "data"
+    manifest = {"tokenizer": {"file": tokenizer_file, "bos_id": bos_id, "eos_id": eos_id}}
+    (data_dir / "manifest.json").write_text(json.dumps(manifest))
+    torch.manual_seed(0)
+    model = Llama(config).eval()
+    ckpt = {
+        "epoch": 0,
+        "global_step": 10,
+        "pytorch-lightning_version": "2.6.0",
+        "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+        "optimizer_states": [],
+        "lr_schedulers": [],
+        "hyper_parameters": {"model": asdict(config)},
+        "datamodule_hyper_parameters": {"data_dir": str(data_dir)},
+    }
+    path = directory / "last.ckpt"
+    torch.save(ckpt, path)
+    return path, model
+
+
+def tiny_config(**overrides) -> LlamaConfig:
+    # vocab 320 > the tokenizer's 300: training code may pad the embedding table.
+    base = {"vocab_size": 320, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 32}
+    return LlamaConfig(**{**base, "max_seq_len": 128, **overrides})
+
+
+@pytest.fixture
+def bpe_checkpoint(tmp_path):
+    (tmp_path / "data").mkdir()
+    bos_id, eos_id = train_byte_level_bpe(tmp_path / "data" / "tokenizer.json")
+    return tmp_path, bos_id, eos_id
+
+
+def run_export(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "project.export", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+    )
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.mark.parametrize("tie_embeddings", [False, True], ids=["untied", "tied"])
+def test_exported_folder_loads_in_transformers_with_our_logits_and_token_ids(bpe_checkpoint, tie_embeddings):
+    from tokenizers import Tokenizer
+
+    tmp_path, bos_id, eos_id = bpe_checkpoint
+    config = tiny_config(tie_embeddings=tie_embeddings)
+    ckpt_path, ours = write_checkpoint(tmp_path, config, "tokenizer.json", bos_id, eos_id)
+    out = tmp_path / "hf"
+
+    result = run_export(f"ckpt_path={ckpt_path}", f"output_dir={out}")
+    assert result.returncode == 0, result.stderr
+    assert "model.safetensors" in result.stdout
+
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    expected_ids = Tokenizer.from_file(str(tmp_path / "data" / "tokenizer.json")).encode(SAMPLE).ids
+    assert hf_tokenizer(SAMPLE)["input_ids"] == expected_ids
+    assert (hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id) == (bos_id, eos_id)
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    assert hf.generation_config.eos_token_id == eos_id
+    tokens = torch.tensor([expected_ids])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, ours(tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_sentencepiece_tokenizer_loads_as_llama_tokenizer_with_the_same_ids(tmp_path):
+    pytest.importorskip("google.protobuf", reason="transformers needs protobuf to read a sentencepiece model")
+    import sentencepiece as spm
+
+    (tmp_path / "data").mkdir()
+    train_llama_style_sentencepiece(tmp_path / "data" / "tokenizer.model", tmp_path)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "data" / "tokenizer.model"))
+    ckpt_path, _ = write_checkpoint(tmp_path, tiny_config(), "tokenizer.model", sp.bos_id(), sp.eos_id())
+
+    main([f"ckpt_path={ckpt_path}", f"output_dir={tmp_path / 'hf'}"])
+
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert hf_tokenizer(SAMPLE)["input_ids"] == sp.encode(SAMPLE)
+    assert (hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id) == (sp.bos_id(), sp.eos_id())
+
+
+def test_bfloat16_export_stores_bfloat16_weights(bpe_checkpoint):
+    from safetensors import safe_open
+
+    tmp_path, bos_id, eos_id = bpe_checkpoint
+    ckpt_path, ours = write_checkpoint(tmp_path, tiny_config(), "tokenizer.json", bos_id, eos_id)
+    main([f"ckpt_path={ckpt_path}", f"output_dir={tmp_path / 'hf'}", "dtype=bfloat16"])
+
+    with safe_open(tmp_path / "hf" / "model.safetensors", framework="pt") as f:
+        embedding = f.get_tensor("model.embed_tokens.weight")
+    assert embedding.dtype == torch.bfloat16
+    torch.testing.assert_close(embedding, ours.tok_embeddings.weight.detach().to(torch.bfloat16), atol=0, rtol=0)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_export_refuses_a_non_empty_output_dir_and_leaves_it_untouched(bpe_checkpoint):
+    tmp_path, bos_id, eos_id = bpe_checkpoint
+    ckpt_path, _ = write_checkpoint(tmp_path, tiny_config(), "tokenizer.json", bos_id, eos_id)
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+
+    result = run_export(f"ckpt_path={ckpt_path}", f"output_dir={out}")
+
+    assert result.returncode == 2
+    assert "overwrite=true" in result.stderr and "Traceback" not in result.stderr
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "hf", "last.ckpt"]  # no temp folder left
+
+
+def test_overwrite_replaces_exported_files_and_keeps_others(bpe_checkpoint):
+    tmp_path, bos_id, eos_id = bpe_checkpoint
+    ckpt_path, _ = write_checkpoint(tmp_path, tiny_config(), "tokenizer.json", bos_id, eos_id)
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "config.json").write_text("{}")
+
+    main([f"ckpt_path={ckpt_path}", f"output_dir={out}", "overwrite=true"])
+
+    assert (out / "notes.txt").read_text() == "mine"
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "hf", "last.ckpt"]
+
+
+def _missing_checkpoint(tmp_path, ckpt_path):
+    return [f"ckpt_path={tmp_path / 'nope.ckpt'}"]
+
+
+def _checkpoint_without_model_config(tmp_path, ckpt_path):
+    ckpt = torch.load(ckpt_path, weights_only=False)
+    del ckpt["hyper_parameters"]["model"]
+    torch.save(ckpt, ckpt_path)
+    return [f"ckpt_path={ckpt_path}"]
+
+
+def _weights_of_another_model(tmp_path, ckpt_path):
+    ckpt = torch.load(ckpt_path, weights_only=False)
+    ckpt["hyper_parameters"]["model"]["n_layers"] = 3
+    torch.save(ckpt, ckpt_path)
+    return [f"ckpt_path={ckpt_path}"]
+
+
+def _missing_tokenizer(tmp_path, ckpt_path):
+    (tmp_path / "data" / "tokenizer.json").unlink()
+    return [f"ckpt_path={ckpt_path}"]
+
+
+def _missing_manifest(tmp_path, ckpt_path):
+    (tmp_path / "data" / "manifest.json").unlink()
+    return [f"ckpt_path={ckpt_path}"]
+
+
+@pytest.mark.parametrize(
+    ("breakage", "message"),
+    [
+        (_missing_checkpoint, "does not exist"),
+        (_checkpoint_without_model_config, "hyper_parameters"),
+        (_weights_of_another_model, "do not fit"),
+        (_missing_tokenizer, "tokenizer=PATH"),
+        (_missing_manifest, "tokenizer=PATH"),
+    ],
+)
+def test_export_explains_unusable_inputs_in_one_message(bpe_checkpoint, capsys, breakage, message):
+    tmp_path, bos_id, eos_id = bpe_checkpoint
+    ckpt_path, _ = write_checkpoint(tmp_path, tiny_config(), "tokenizer.json", bos_id, eos_id)
+    args = breakage(tmp_path, ckpt_path)
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, f"output_dir={tmp_path / 'hf'}"])
+
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_tokenizer_override_is_used_when_the_data_dir_is_gone(bpe_checkpoint):
+    tmp_path, bos_id, eos_id = bpe_checkpoint
+    ckpt_path, _ = write_checkpoint(tmp_path, tiny_config(), "tokenizer.json", bos_id, eos_id)
+    moved = tmp_path / "tokenizer.json"
+    (tmp_path / "data" / "tokenizer.json").rename(moved)
+    (tmp_path / "data" / "manifest.json").unlink()
+
+    main([f"ckpt_path={ckpt_path}", f"output_dir={tmp_path / 'hf'}", f"tokenizer={moved}"])
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == moved.read_bytes()
