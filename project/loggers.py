@@ -24,7 +24,7 @@ def wandb_mode(mode: str) -> str:
         return "online"
     host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
     try:
-        return "online" if netrc.netrc().authenticators(host) else "offline"
+        return "online" if netrc.netrc(os.environ.get("NETRC")).authenticators(host) else "offline"
     except (FileNotFoundError, netrc.NetrcParseError):
         return "offline"
 

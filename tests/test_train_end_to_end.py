@@ -68,3 +68,19 @@ def test_global_batch_not_divisible_by_devices_is_a_clear_error(tiny_shards, tmp
     result = run_module("project.train", args)
     assert result.returncode == 2
     assert "global_batch_size=7 does not divide over 2 data-parallel ranks" in result.stderr
+
+
+def test_trained_checkpoint_exports_to_transformers_with_equal_logits(debug_run, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from project import LlamaLitModule
+
+    run_dir, _ = debug_run
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    result = run_module("project.export", [f"ckpt_path={ckpt}", f"output_dir={tmp_path / 'hf'}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ours = LlamaLitModule.load_from_checkpoint(ckpt, map_location="cpu").model.eval()
+    ids = torch.tensor([tokenizer("Fair lady, speak of love and war.")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,56 @@
+"""Every experiment and preset composes into a config the code accepts."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from project.lit_module import OptimConfig
+from project.model import LlamaConfig
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
+STRATEGIES = sorted(p.stem for p in (CONF / "strategy").glob("*.yaml"))
+
+
+def compose_train(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_and_resolves(experiment):
+    cfg = compose_train(f"experiment={experiment}")
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    LlamaConfig(**plain["model"])
+    OptimConfig(**plain["optim"])
+    assert plain["trainer"]["max_steps"] > 0
+    assert plain["data"]["seq_len"] <= plain["model"]["max_seq_len"]
+
+
+def test_experiment_values_override_the_defaults():
+    cfg = compose_train("experiment=debug")
+    assert cfg.global_batch_size == 8 and cfg.trainer.max_steps == 30 and cfg.model.dim == 64
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_model_preset_is_a_valid_llama_config(model):
+    cfg = compose_train(f"model={model}")
+    LlamaConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_config_instantiates(strategy):
+    from hydra.utils import instantiate
+
+    cfg = compose_train(f"strategy={strategy}")
+    assert instantiate(cfg.strategy) is not None
+
+
+def test_prepare_composes_the_same_data_group_as_training():
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        prepare = compose(config_name="prepare", overrides=["experiment=debug"])
+    train = compose_train("experiment=debug")
+    assert OmegaConf.to_container(prepare.data, resolve=True) == OmegaConf.to_container(train.data, resolve=True)

@@ -1,0 +1,65 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from project.lit_module import LlamaLitModule, OptimConfig, document_ids, lr_at
+
+MODEL = dict(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16, max_seq_len=32)
+
+
+def test_warmup_is_linear_and_cosine_ends_at_min_lr():
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10)
+    assert [lr_at(s, cfg, 110) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert lr_at(60, cfg, 110) == pytest.approx(0.1 + 0.9 * 0.5)  # half way through the cosine
+    assert lr_at(110, cfg, 110) == pytest.approx(0.1)
+    assert lr_at(500, cfg, 110) == pytest.approx(0.1)
+
+
+def test_document_ids_start_a_new_document_after_each_eos():
+    tokens = torch.tensor([[5, 6, 0, 7, 8, 0, 0, 9]])
+    assert document_ids(tokens, eos_id=0).tolist() == [[0, 0, 0, 1, 1, 1, 2, 3]]
+
+
+def test_loss_is_next_token_cross_entropy():
+    torch.manual_seed(0)
+    module = LlamaLitModule(MODEL)
+    tokens = torch.randint(0, 50, (2, 9))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logits = module.model(inputs)
+    expected = F.cross_entropy(logits.reshape(-1, 50), targets.reshape(-1))
+    torch.testing.assert_close(module.loss(inputs, targets), expected)
+    assert module.loss(inputs, targets).item() == pytest.approx(math.log(50), rel=0.05)  # near-uniform at init
+
+
+def test_document_mask_changes_the_loss_only_when_documents_are_packed():
+    torch.manual_seed(0)
+    plain = LlamaLitModule(MODEL)
+    masked = LlamaLitModule(MODEL, document_mask=True, eos_id=0)
+    masked.model.load_state_dict(plain.model.state_dict())
+    no_eos = torch.randint(1, 50, (2, 9))
+    torch.testing.assert_close(masked.loss(no_eos[:, :-1], no_eos[:, 1:]), plain.loss(no_eos[:, :-1], no_eos[:, 1:]))
+    packed = no_eos.clone()
+    packed[:, 3] = 0
+    assert not torch.allclose(masked.loss(packed[:, :-1], packed[:, 1:]), plain.loss(packed[:, :-1], packed[:, 1:]))
+
+
+def test_weight_decay_applies_to_matrices_not_norms():
+    module = LlamaLitModule(MODEL, optim={"weight_decay": 0.1})
+
+    class _Trainer:
+        max_steps = 100
+
+    module.trainer = _Trainer()  # configure_optimizers reads trainer.max_steps for the schedule length
+    optimizer = module.configure_optimizers()["optimizer"]
+    decayed, plain = optimizer.param_groups
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all(p.ndim == 2 for p in decayed["params"]) and all(p.ndim == 1 for p in plain["params"])
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(module.model.parameters()))
+
+
+def test_hyperparameters_rebuild_the_same_model_configuration():
+    module = LlamaLitModule(MODEL, optim={"lr": 1e-2})
+    rebuilt = LlamaLitModule(**module.hparams)
+    assert rebuilt.model.config == module.model.config and rebuilt.optim.lr == 1e-2

@@ -1,0 +1,35 @@
+import pytest
+
+from conftest import run_train
+from project.loggers import wandb_mode
+
+
+def test_wandb_auto_mode_is_offline_unless_logged_in(monkeypatch, tmp_path):
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert wandb_mode("auto") == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_mode("auto") == "online"
+    assert wandb_mode("disabled") == "disabled"
+
+
+def test_wandb_auto_mode_sees_a_wandb_login_netrc_entry(monkeypatch, tmp_path):
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    assert wandb_mode("auto") == "online"
+
+
+@pytest.mark.slow
+def test_wandb_logger_records_an_offline_run_with_the_resolved_config(tiny_shards, tmp_path):
+    run_train(tiny_shards, tmp_path, "logger=wandb", "trainer.max_steps=3")
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    record = runs[0].read_bytes()
+    assert b"global_batch_size" in record and b"train/loss" in record
+    assert (tmp_path / "metrics.csv").is_file()  # CSV is kept beside wandb
