@@ -7,7 +7,6 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 EXPERIMENT ?= shakespeare
-export OMP_NUM_THREADS ?= 1
 
 .PHONY: install train prepare test test-fast bench clean
 
@@ -36,6 +35,11 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
+
+# Training-step throughput of the CPU presets; appends to experiments/benchmarks/results.jsonl.
+bench: install
+	$(PY) -m project.bench model=debug vocab_size=512 batch=8 seq_len=64 steps=20
+	$(PY) -m project.bench model=small10m batch=16 seq_len=256 steps=5
 
 clean:
 	rm -rf outputs multirun lightning_logs
