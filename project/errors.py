@@ -25,5 +25,5 @@ class exit_on_config_error(contextlib.ContextDecorator):
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is not None and issubclass(exc_type, ConfigError):
             print(f"error: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(2)
+            raise SystemExit(2) from None
         return False

@@ -112,7 +112,7 @@ def _decode_text(data: bytes, path: Path) -> str:
     try:
         return data.decode("utf-8-sig").replace("\r\n", "\n")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path} is not UTF-8 text ({exc}); convert it to UTF-8 or drop it from data.sources.") from None
+        raise ConfigError(f"{path} is not UTF-8 text ({exc}); convert it or drop it from data.sources.") from None
 
 
 def _jsonl_text(line: bytes, text_field: str, ref: DocumentRef) -> str:
@@ -120,7 +120,7 @@ def _jsonl_text(line: bytes, text_field: str, ref: DocumentRef) -> str:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where} is not valid JSON ({exc}); each line of a .jsonl source must be one JSON object.") from None
+        raise ConfigError(f"{where} is not valid JSON ({exc}); a .jsonl source holds one JSON object a line.") from None
     if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
         fields = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise ConfigError(

@@ -7,12 +7,16 @@ Output layout of `output_dir` (read by the training datamodule):
                             stream, documents in source order, each followed by the end-of-text id
 """
 
+import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from functools import lru_cache, partial
 from pathlib import Path
 
@@ -41,11 +45,22 @@ SPLITS = ("train", "val")
 # litdata needs to spread work over ranks and loader workers. TokensLoader forms blocks within a
 # chunk only, so each chunk drops its last (tokens % block_size) tokens: < 0.05% at this size.
 CHUNK_BYTES = 1 << 20
-# Documents are written in pieces of at most this many tokens: litdata closes a chunk only between
-# items, so a whole long document as one item would overshoot CHUNK_BYTES by its full size.
-# Pieces of one document stay adjacent, so the token stream is unchanged.
-MAX_ITEM_TOKENS = 1 << 13
-import os as _o; START_METHOD = _o.environ.get("SM")
+# litdata's default, spawn, re-imports torch and litdata in every worker: on a small machine that is
+# ~10 s per split for any corpus. The workers only read files and tokenize, which fork handles safely
+# on Linux (elsewhere fork is unsafe or missing, so litdata's default stands).
+START_METHOD = "fork" if sys.platform == "linux" else None
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """The knobs the shards depend on (and `num_workers`, which changes only how fast they are made)."""
+
+    vocab_size: int
+    seq_len: int
+    val_fraction: float
+    text_field: str
+    num_workers: int
+    seed: int
 
 
 def prepare_shards(
@@ -75,7 +90,8 @@ def prepare_shards(
     where `blocks` is what `StreamingDataset(split dir, item_loader=TokensLoader(block_size))` holds.
     """
     patterns = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
-    _check_settings(seq_len, val_fraction, num_workers)
+    settings = _Settings(vocab_size, seq_len, val_fraction, text_field, num_workers, seed)
+    _check(settings)
     output_dir = Path(output_dir).absolute()
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     # Ranks or jobs that prepare the same directory at once wait here, then find it up to date.
@@ -83,20 +99,20 @@ def prepare_shards(
         files = _resolve_or_fetch(patterns, fetch)
         inside = [f for f in files if f.is_relative_to(output_dir)]
         if inside:
-            raise ConfigError(f"data.sources include {inside[0]}, inside data.dir={output_dir}; keep raw text outside data.dir.")
+            raise ConfigError(f"data.sources include {inside[0]}, inside data.dir={output_dir}; keep raw text apart.")
         given = load_tokenizer(tokenizer) if tokenizer else None
-        fingerprint = _fingerprint(files, given, vocab_size, seq_len, val_fraction, text_field, seed)
+        fingerprint = _fingerprint(files, given, settings)
         existing = _read_manifest(output_dir)
         if existing is not None and existing["fingerprint"] == fingerprint and _shards_present(output_dir):
             log.info("Shards in %s are up to date (fingerprint %s); nothing to do.", output_dir, fingerprint)
             return existing
-        _refuse_to_clobber(output_dir, existing, overwrite, files, seq_len, val_fraction, seed)
+        _refuse_to_clobber(output_dir, existing, overwrite, files, settings)
 
         staging = output_dir.parent / f".{output_dir.name}.partial"
         shutil.rmtree(staging, ignore_errors=True)  # left by an interrupted run
         staging.mkdir()
         try:
-            manifest = _build(staging, fingerprint, files, given, vocab_size, seq_len, val_fraction, text_field, num_workers, seed)
+            manifest = _build(staging, fingerprint, files, given, settings)
             _swap_in(staging, output_dir)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -104,13 +120,16 @@ def prepare_shards(
     return manifest
 
 
-def _check_settings(seq_len: int, val_fraction: float, num_workers: int) -> None:
-    if seq_len < 1:
-        raise ConfigError(f"data.seq_len={seq_len} must be a positive number of tokens.")
-    if not 0 < val_fraction < 1:
-        raise ConfigError(f"data.val_fraction={val_fraction} must lie strictly between 0 and 1 (at least one document is held out).")
-    if num_workers < 1:
-        raise ConfigError(f"data.prepare_workers={num_workers} must be at least 1.")
+def _check(settings: _Settings) -> None:
+    if settings.seq_len < 1:
+        raise ConfigError(f"data.seq_len={settings.seq_len} must be a positive number of tokens.")
+    if not 0 < settings.val_fraction < 1:
+        raise ConfigError(
+            f"data.val_fraction={settings.val_fraction} must lie strictly between 0 and 1 (at least one document "
+            f"is held out, at least one trained on)."
+        )
+    if settings.num_workers < 1:
+        raise ConfigError(f"data.prepare_workers={settings.num_workers} must be at least 1.")
 
 
 def _resolve_or_fetch(patterns: list, fetch: str | None) -> list[Path]:
@@ -135,22 +154,20 @@ def _fetch_destination(pattern: str) -> Path:
     return path.parent if path.suffix in SOURCE_SUFFIXES else path
 
 
-def _fingerprint(
-    files: list[Path], tokenizer: Tokenizer | None, vocab_size: int, seq_len: int, val_fraction: float, text_field: str, seed: int
-) -> str:
+def _fingerprint(files: list[Path], tokenizer: Tokenizer | None, settings: _Settings) -> str:
     """A hash of everything the shards depend on. Source files count by path, size and mtime (cheap to
     check on every run; re-hashing a corpus is not); a given tokenizer by content. The number of
     workers changes only how tokens are grouped into chunks, so it is left out."""
     if tokenizer is not None:
         tokenizer_key = {"sha256": hashlib.sha256(tokenizer.path.read_bytes()).hexdigest()}
     else:
-        tokenizer_key = {"train_bpe": vocab_size}
-    settings = {
-        "format": MANIFEST_FORMAT, "tokenizer": tokenizer_key, "seq_len": seq_len, "val_fraction": val_fraction,
-        "text_field": text_field, "seed": seed, "chunk_bytes": CHUNK_BYTES, "max_item_tokens": MAX_ITEM_TOKENS,
-        "sources": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+        tokenizer_key = {"train_bpe": settings.vocab_size}
+    key = {
+        "format": MANIFEST_FORMAT, "tokenizer": tokenizer_key, "seq_len": settings.seq_len,
+        "val_fraction": settings.val_fraction, "text_field": settings.text_field, "seed": settings.seed,
+        "chunk_bytes": CHUNK_BYTES, "sources": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
     }
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _read_manifest(output_dir: Path) -> dict | None:
@@ -165,9 +182,9 @@ def _shards_present(output_dir: Path) -> bool:
 
 
 def _refuse_to_clobber(
-    output_dir: Path, existing: dict | None, overwrite: bool, files: list[Path], seq_len: int, val_fraction: float, seed: int
+    output_dir: Path, existing: dict | None, overwrite: bool, files: list[Path], settings: _Settings
 ) -> None:
-    """Never replace a directory silently: only shards of ours (a manifest) and only when asked to."""
+    """Replace shards only when asked to, and never a folder that holds something else, asked or not."""
     if existing is None:
         if output_dir.exists() and any(output_dir.iterdir()):
             raise ConfigError(
@@ -176,65 +193,70 @@ def _refuse_to_clobber(
             )
         return
     if overwrite or not _shards_present(output_dir):
-        return
-    now = {"seq_len": seq_len, "val_fraction": val_fraction, "seed": seed,
+        return  # asked to, or the remains of a dataset whose shards were deleted: nothing valid to lose
+    now = {"seq_len": settings.seq_len, "val_fraction": settings.val_fraction, "seed": settings.seed,
            "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files]}
-    changed = [key for key, value in now.items() if existing.get(key) != value] or ["tokenizer, text field or source file times"]
+    changed = [key for key, value in now.items() if existing.get(key) != value]
     raise ConfigError(
-        f"data.dir={output_dir} holds shards prepared from other settings (changed: {', '.join(changed)}). "
+        f"data.dir={output_dir} holds shards prepared from other settings (changed: "
+        f"{', '.join(changed) or 'tokenizer, text field or source file times'}). "
         f"Set data.overwrite=true to replace them, or point data.dir at another folder to keep both."
     )
 
 
 def _build(
-    staging: Path, fingerprint: str, files: list[Path], tokenizer: Tokenizer | None, vocab_size: int, seq_len: int,
-    val_fraction: float, text_field: str, num_workers: int, seed: int,
+    staging: Path, fingerprint: str, files: list[Path], tokenizer: Tokenizer | None, settings: _Settings
 ) -> dict:
     """Write tokenizer, shards and manifest.json into `staging`; return the manifest."""
-    splits = _split_documents(files, text_field, val_fraction, seed)
+    text_field = settings.text_field
+    splits = _split_documents(files, text_field, settings.val_fraction, settings.seed)
     if tokenizer is None:
-        log.info("Training a byte-level BPE of %d tokens on %d train documents", vocab_size, len(splits["train"]))
-        tokenizer = train_bpe((read_document(ref, text_field) for ref in splits["train"]), vocab_size, staging)
+        log.info("Training a byte-level BPE of %d tokens on %d train documents", settings.vocab_size,
+                 len(splits["train"]))
+        train_texts = (read_document(ref, text_field) for ref in splits["train"])
+        tokenizer = train_bpe(train_texts, settings.vocab_size, staging)
     tokenizer_file = tokenizer.save(staging)
     # uint16 halves the shards and the loader's memory traffic; ids beyond 65535 need int32.
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
-    block_size = seq_len + 1
+    block_size = settings.seq_len + 1
     counts = {}
     for split, refs in splits.items():
         log.info("Tokenizing %d %s documents", len(refs), split)
-        litdata.optimize(
-            fn=partial(tokenize_document, tokenizer_file=str(tokenizer_file), text_field=text_field, dtype=dtype),
-            inputs=refs,
-            output_dir=str(staging / split),
-            chunk_bytes=CHUNK_BYTES,
-            item_loader=litdata.TokensLoader(),
-            num_workers=min(num_workers, len(refs)),
-            # Each worker takes a fixed, contiguous slice of the documents, so the same inputs always
-            # give the same chunks (the default work stealing makes chunk contents vary run to run).
-            keep_data_ordered=True,
-            reorder_files=False,
-            start_method=START_METHOD,
-        )
-        chunk_tokens = [chunk["dim"] for chunk in json.loads((staging / split / "index.json").read_text())["chunks"]]
-        counts[split] = {"documents": len(refs), "tokens": sum(chunk_tokens), "blocks": sum(t // block_size for t in chunk_tokens)}
+        with _litdata_chatter_hidden():
+            litdata.optimize(
+                fn=partial(tokenize_document, tokenizer_file=str(tokenizer_file), text_field=text_field, dtype=dtype),
+                inputs=refs,
+                output_dir=str(staging / split),
+                chunk_bytes=CHUNK_BYTES,
+                item_loader=litdata.TokensLoader(),
+                num_workers=min(settings.num_workers, len(refs)),
+                # Each worker takes a fixed, contiguous slice of the documents, so the same inputs always
+                # give the same chunks (the default work stealing makes chunk contents vary run to run).
+                keep_data_ordered=True,
+                reorder_files=False,
+                start_method=START_METHOD,
+            )
+        counts[split] = _count_split(staging / split, split, len(refs), block_size)
     manifest = {
         "format": MANIFEST_FORMAT,
         "fingerprint": fingerprint,
         "tokenizer": {"kind": tokenizer.kind, "file": tokenizer_file.name, "vocab_size": tokenizer.vocab_size,
                       "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id},
-        "seq_len": seq_len,
+        "seq_len": settings.seq_len,
         "block_size": block_size,
         "dtype": np.dtype(dtype).name,
         "splits": counts,
         "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
-        "val_fraction": val_fraction,
-        "seed": seed,
+        "val_fraction": settings.val_fraction,
+        "seed": settings.seed,
     }
     (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
-def _split_documents(files: list[Path], text_field: str, val_fraction: float, seed: int) -> dict[str, list[DocumentRef]]:
+def _split_documents(
+    files: list[Path], text_field: str, val_fraction: float, seed: int
+) -> dict[str, list[DocumentRef]]:
     """Assign each document to train or val by a seeded hash of its text, keeping source order in each.
 
     Hashing the text (not its place) keeps the split stable when files move or new ones join, and
@@ -265,21 +287,56 @@ def _split_score(text: str, seed: int) -> float:
     return int.from_bytes(digest, "little") / 2**64
 
 
-def tokenize_document(ref: DocumentRef, *, tokenizer_file: str, text_field: str, dtype: type) -> Iterator[np.ndarray]:
-    """litdata's worker function: one document's ids followed by end-of-text, in pieces of MAX_ITEM_TOKENS.
+def tokenize_document(ref: DocumentRef, *, tokenizer_file: str, text_field: str, dtype: type) -> np.ndarray:
+    """litdata's worker function: one document's ids followed by the end-of-text id, as one item.
 
-    Top level (not a closure) so litdata can pickle it into its spawned worker processes.
+    One item per document lets `_count_split` check that every document arrived. Top level (not a
+    closure) so that litdata can pickle it for spawned worker processes.
     """
     tokenizer = _cached_tokenizer(tokenizer_file)
-    ids = np.asarray(tokenizer.encode(read_document(ref, text_field)) + [tokenizer.eos_id], dtype=dtype)
-    for start in range(0, len(ids), MAX_ITEM_TOKENS):
-        yield ids[start : start + MAX_ITEM_TOKENS]
+    return np.asarray(tokenizer.encode(read_document(ref, text_field)) + [tokenizer.eos_id], dtype=dtype)
 
 
 @lru_cache(maxsize=1)
 def _cached_tokenizer(path: str) -> Tokenizer:
     """Each worker process loads the tokenizer once, not once per document."""
     return load_tokenizer(path)
+
+
+@contextlib.contextmanager
+def _litdata_chatter_hidden() -> Iterator[None]:
+    """Hide litdata's stdout prints (setup steps, an advert) and info logs; keep its progress bar
+    (on stderr). If optimize fails, the hidden prints are shown after all: they may say why."""
+    chatter = io.StringIO()
+    litdata_log = logging.getLogger("litdata")
+    level = litdata_log.level
+    litdata_log.setLevel(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(chatter):
+            yield
+    except BaseException:
+        sys.stdout.write(chatter.getvalue())
+        raise
+    finally:
+        litdata_log.setLevel(level)
+
+
+def _count_split(split_dir: Path, split: str, documents: int, block_size: int) -> dict:
+    """Documents, tokens and blocks of a written split, from litdata's index.json.
+
+    A litdata worker that dies (killed for memory, say) is not reported: its chunks are just missing
+    from the index. One item per document makes that visible as a short item count.
+    """
+    chunks = json.loads((split_dir / "index.json").read_text())["chunks"]
+    written = sum(chunk["chunk_size"] for chunk in chunks)
+    if written != documents:
+        raise RuntimeError(
+            f"litdata wrote {written} of {documents} {split} documents; a worker process probably died "
+            f"(out of memory?). The existing data.dir, if any, was left as it was."
+        )
+    # TokensLoader cuts blocks within each chunk, so the remainder of every chunk is unreachable.
+    tokens = [chunk["dim"] for chunk in chunks]
+    return {"documents": documents, "tokens": sum(tokens), "blocks": sum(t // block_size for t in tokens)}
 
 
 def _swap_in(staging: Path, output_dir: Path) -> None:

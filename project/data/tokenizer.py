@@ -100,8 +100,9 @@ class _SentencePieceTokenizer(Tokenizer):
                 f"data.tokenizer={str(path)!r} was trained without an end-of-text piece (eos_id=-1); "
                 f"documents in the shards are separated by one, so train it with eos_id set."
             )
-        bos_id = self._processor.bos_id()
-        super().__init__(path, self._processor.get_piece_size(), self._processor.eos_id(), bos_id if bos_id >= 0 else None)
+        bos_id = self._processor.bos_id()  # -1: trained without one
+        bos_id = bos_id if bos_id >= 0 else None
+        super().__init__(path, self._processor.get_piece_size(), self._processor.eos_id(), bos_id)
 
     def encode(self, text: str) -> list[int]:
         return self._processor.encode(text, out_type=int)
