@@ -5,7 +5,8 @@ TORCH ?= torch==2.13.0
 LITDATA ?= litdata==0.2.76
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-STAMP := $(VENV)/.installed
+# One stamp per torch requirement: `make install TORCH=...` re-installs when it changes.
+STAMP := $(VENV)/.installed-$(shell echo '$(TORCH)' | tr -c 'A-Za-z0-9.=\n' '_')
 EXPERIMENT ?= shakespeare
 
 .PHONY: install train prepare test test-fast bench clean
@@ -17,7 +18,7 @@ install: $(STAMP)
 # built against another torch breaks `import lightning`).
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+	rm -f $(VENV)/.installed-*
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q --no-deps "$(LITDATA)"
 	$(PIP) install -q -e ".[test]"

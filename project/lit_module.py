@@ -26,10 +26,14 @@ class OptimConfig:
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Linear warmup from lr/warmup to lr, then cosine decay to min_lr at total_steps."""
+    """Learning rate of optimizer step `step` (0-based) in a run of `total_steps`.
+
+    Linear warmup: steps 0 .. warmup-1 use lr * (step + 1) / warmup, reaching lr at the last one;
+    then a cosine from there down to min_lr, which the final step (total_steps - 1) uses.
+    """
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    progress = min(1.0, (step + 1 - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
@@ -90,10 +94,11 @@ class LlamaLitModule(LightningModule):
         self.log("train/grad_norm", norm)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.val_loss.update(self.loss(*batch))
+        inputs, _ = batch
+        self.val_loss.update(self.loss(*batch), weight=inputs.shape[0])  # micro batches may differ in size
 
     def on_validation_epoch_end(self) -> None:
-        loss = self.val_loss.compute()  # synced over ranks, which hold equal counts
+        loss = self.val_loss.compute()  # sequence-weighted mean, synced over all ranks
         self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True, sync_dist=False)
         self.log("val/ppl", torch.exp(loss))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import netrc
 import os
+import secrets
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -30,12 +31,28 @@ def wandb_mode(mode: str) -> str:
 
 
 class _AppendingWriter(ExperimentWriter):
-    """Lightning's CSV writer deletes an existing metrics.csv; a resumed run appends to it instead."""
+    """Lightning's CSV writer deletes an existing metrics.csv; a resumed run continues it instead.
+
+    Rows the interrupted run logged after its last checkpoint are replayed by the resumed run, so
+    the first step this run logs drops every older row at that step or later.
+    """
 
     def _check_log_dir_exists(self) -> None:
-        if self._fs.isfile(self.metrics_file_path):
+        self._resuming = self._fs.isfile(self.metrics_file_path)
+        if self._resuming:
             with self._fs.open(self.metrics_file_path, "r", newline="") as file:
                 self.metrics_keys = list(csv.DictReader(file).fieldnames or [])
+
+    def log_metrics(self, metrics_dict: dict, step: int | None = None) -> None:
+        if self._resuming and step is not None:
+            self._resuming = False
+            with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+                kept = [row for row in csv.DictReader(file) if int(row["step"]) < step]
+            with self._fs.open(self.metrics_file_path, "w", newline="") as file:
+                writer = csv.DictWriter(file, fieldnames=self.metrics_keys)
+                writer.writeheader()
+                writer.writerows(kept)
+        super().log_metrics(metrics_dict, step)
 
 
 class RunCSVLogger(CSVLogger):
@@ -53,12 +70,26 @@ class RunCSVLogger(CSVLogger):
         return self._experiment
 
 
+def wandb_run_id(run_dir: Path) -> str:
+    """The wandb run id of this run directory, created once (every rank reads the same file)."""
+    path = run_dir / "wandb_id"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:  # exclusive create: with ranks started together (torchrun, srun), the first writer wins
+        with open(path, "x") as f:
+            f.write(secrets.token_hex(4))
+    except FileExistsError:
+        pass
+    return path.read_text().strip()
+
+
 def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:
     loggers: list[Logger] = [RunCSVLogger(run_dir)]
     wandb_cfg = cfg.logger.get("wandb")
     if wandb_cfg is not None:
         loggers.append(
             WandbLogger(
+                id=wandb_run_id(run_dir),  # a run resumed in its directory continues its wandb run
+                resume="allow",
                 project=wandb_cfg.project,
                 name=wandb_cfg.name or run_dir.name,
                 group=wandb_cfg.get("group"),

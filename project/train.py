@@ -16,8 +16,11 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
+
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from project.callbacks import StepCheckpoint, StepProgressBar, TokenThroughput
 from project.data.datamodule import TokenShardDataModule
@@ -42,31 +45,46 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     return str(path)
 
 
-def limit_cpu_threads(cfg: DictConfig, processes_per_node: int) -> None:
+def limit_cpu_threads(trainer: L.Trainer, threads_per_process: int | None) -> None:
     # Several processes sharing a few cores thrash if each takes all threads (about 30x slower on 2 cores).
-    if cfg.trainer.accelerator == "cpu" and processes_per_node > 1:
-        threads = cfg.threads_per_process or 1
-        os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the ranks Lightning launches
+    # Runs before fit, so the ranks Lightning launches inherit the setting.
+    if trainer.accelerator.__class__.__name__ == "CPUAccelerator" and trainer.num_devices > 1:
+        threads = threads_per_process or 1
+        os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
+
+
+# Derived from the batch plan and the step-based schedule; a value set by hand would silently disagree.
+COMPUTED_TRAINER_KEYS = {
+    "accumulate_grad_batches": "set global_batch_size and micro_batch_size instead",
+    "val_check_interval": "set val_every_n_steps instead",
+    "check_val_every_n_epoch": "set val_every_n_steps instead",
+    "gradient_clip_val": "set optim.grad_clip instead (the module clips and logs the norm)",
+    "use_distributed_sampler": "the data module splits the data by data-parallel replica itself",
+}
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
     if cfg.trainer.get("max_steps", -1) in (None, -1):
         raise ConfigError("trainer.max_steps must be set: training length is counted in optimizer steps.")
-    if cfg.trainer.get("gradient_clip_val") is not None:
-        raise ConfigError("trainer.gradient_clip_val is not used: set optim.grad_clip (the module clips and logs the norm).")
-    limit_cpu_threads(cfg, int(cfg.trainer.devices) if str(cfg.trainer.devices).isdigit() else 1)
-    checkpoints = StepCheckpoint(
-        dirpath=run_dir / "checkpoints",
-        filename="best-step{step:06d}",
-        auto_insert_metric_name=False,
-        monitor="val/loss",
-        mode="min",
-        save_top_k=1,
-        save_last=True,
-        every_n_train_steps=cfg.ckpt_every_n_steps,
-    )
-    callbacks = [checkpoints, TokenThroughput(cfg.peak_flops_per_device)]
+    for key, fix in COMPUTED_TRAINER_KEYS.items():
+        if key in cfg.trainer:
+            raise ConfigError(f"trainer.{key} is computed by project.train: {fix}.")
+    checkpoints = [
+        # last.ckpt every N steps and after the final step, for resuming ...
+        StepCheckpoint(dirpath=run_dir / "checkpoints", save_top_k=0, save_last=True, every_n_train_steps=cfg.ckpt_every_n_steps),
+        # ... and the best model, ranked when each validation ends, so by its own val/loss.
+        ModelCheckpoint(
+            dirpath=run_dir / "checkpoints",
+            filename="best-step{step:06d}",
+            auto_insert_metric_name=False,
+            monitor="val/loss",
+            mode="min",
+            save_top_k=1,
+            save_on_train_epoch_end=False,
+        ),
+    ]
+    callbacks = [*checkpoints, TokenThroughput(cfg.peak_flops_per_device)]
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(StepProgressBar())
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
@@ -87,11 +105,18 @@ def train(cfg: DictConfig) -> dict[str, float]:
     L.seed_everything(cfg.seed, workers=True)
 
     trainer = build_trainer(cfg, run_dir)
-    strategy_cfg = OmegaConf.to_container(cfg.strategy, resolve=True)
+    requested = cfg.trainer.devices
+    if str(requested).isdigit() and int(requested) != trainer.num_devices:
+        raise ConfigError(
+            f"strategy={HydraConfig.get().runtime.choices.get('strategy')} runs on {trainer.num_devices} device(s) per node, "
+            f"not trainer.devices={requested}: choose a multi-device strategy (strategy=ddp) or trainer.devices={trainer.num_devices}."
+        )
+    limit_cpu_threads(trainer, cfg.threads_per_process)
     world_size = trainer.num_nodes * trainer.num_devices
-    if world_size % model_parallel_size(strategy_cfg):
-        raise ConfigError(f"{world_size} devices do not divide into model replicas of {model_parallel_size(strategy_cfg)} ranks.")
-    plan = plan_batches(cfg.global_batch_size, world_size // model_parallel_size(strategy_cfg), cfg.micro_batch_size)
+    replica = model_parallel_size(OmegaConf.to_container(cfg.strategy, resolve=True))
+    if world_size % replica:
+        raise ConfigError(f"{world_size} devices do not divide into model replicas of {replica} ranks.")
+    plan = plan_batches(cfg.global_batch_size, world_size // replica, cfg.micro_batch_size)
     # The Trainer resolves devices and nodes; only then is the accumulation count known.
     trainer.accumulate_grad_batches = plan.accumulate_grad_batches
     trainer.val_check_interval = cfg.val_every_n_steps * plan.accumulate_grad_batches

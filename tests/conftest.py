@@ -70,6 +70,9 @@ def run_train(shards: Path, run_dir: Path, *extra: str) -> subprocess.CompletedP
 
 
 def read_metrics(run_dir: Path, column: str) -> dict[int, float]:
-    """{step: value} for the rows of metrics.csv that carry `column` (the last row wins on duplicates)."""
+    """{step: value} for the rows of metrics.csv that carry `column`; a step logged twice fails the test."""
     with open(run_dir / "metrics.csv", newline="") as f:
-        return {int(row["step"]): float(row[column]) for row in csv.DictReader(f) if row.get(column)}
+        rows = [(int(row["step"]), float(row[column])) for row in csv.DictReader(f) if row.get(column)]
+    steps = [step for step, _ in rows]
+    assert len(steps) == len(set(steps)), f"{column} logged twice for a step in {run_dir / 'metrics.csv'}: {steps}"
+    return dict(rows)

@@ -2,7 +2,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from project.lit_module import LlamaLitModule, OptimConfig, document_ids, lr_at
 
@@ -12,8 +11,9 @@ MODEL = dict(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multipl
 def test_warmup_is_linear_and_cosine_ends_at_min_lr():
     cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=10)
     assert [lr_at(s, cfg, 110) for s in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
-    assert lr_at(60, cfg, 110) == pytest.approx(0.1 + 0.9 * 0.5)  # half way through the cosine
-    assert lr_at(110, cfg, 110) == pytest.approx(0.1)
+    assert lr_at(10, cfg, 110) < 1.0  # the peak is used once
+    assert lr_at(59, cfg, 110) == pytest.approx(0.1 + 0.9 * 0.5)  # half way through the cosine
+    assert lr_at(109, cfg, 110) == pytest.approx(0.1)  # the final step reaches min_lr
     assert lr_at(500, cfg, 110) == pytest.approx(0.1)
 
 
@@ -27,8 +27,9 @@ def test_loss_is_next_token_cross_entropy():
     module = LlamaLitModule(MODEL)
     tokens = torch.randint(0, 50, (2, 9))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    logits = module.model(inputs)
-    expected = F.cross_entropy(logits.reshape(-1, 50), targets.reshape(-1))
+    log_probs = module.model(inputs).log_softmax(-1)
+    # mean negative log-probability of each position's next token, written out
+    expected = -sum(log_probs[b, t, targets[b, t]] for b in range(2) for t in range(8)) / 16
     torch.testing.assert_close(module.loss(inputs, targets), expected)
     assert module.loss(inputs, targets).item() == pytest.approx(math.log(50), rel=0.05)  # near-uniform at init
 
@@ -63,3 +64,16 @@ def test_hyperparameters_rebuild_the_same_model_configuration():
     module = LlamaLitModule(MODEL, optim={"lr": 1e-2})
     rebuilt = LlamaLitModule(**module.hparams)
     assert rebuilt.model.config == module.model.config and rebuilt.optim.lr == 1e-2
+
+
+def test_gradient_clipping_caps_the_global_norm_and_reports_it_unclipped():
+    module = LlamaLitModule(MODEL, optim={"grad_clip": 0.5})
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    expected_norm = math.sqrt(sum(p.numel() for p in module.parameters()))
+    logged = {}
+    module.log = lambda name, value, **kw: logged.__setitem__(name, float(value))
+    module.configure_gradient_clipping(optimizer=None)
+    assert logged["train/grad_norm"] == pytest.approx(expected_norm, rel=1e-5)
+    clipped = torch.sqrt(sum((p.grad**2).sum() for p in module.parameters()))
+    assert clipped.item() == pytest.approx(0.5, rel=1e-4)

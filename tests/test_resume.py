@@ -5,10 +5,12 @@ import pytest
 import torch
 
 from conftest import read_metrics, run_module, run_train, train_overrides
+from project.callbacks import StepCheckpoint
 from project.data.datamodule import TokenShardDataModule
 
-# The schedule's length is fixed so that stopping early does not change the learning rates.
-RUN = ["optim.decay_steps=20", "global_batch_size=8", "ckpt_every_n_steps=5"]
+# The schedule's length is fixed so that stopping early does not change the learning rates; micro
+# batches of 2 make 4 accumulation steps on one process and 2 on two.
+RUN = ["optim.decay_steps=20", "global_batch_size=8", "micro_batch_size=2", "ckpt_every_n_steps=5"]
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +28,18 @@ def test_resumed_run_matches_uninterrupted_losses(tiny_shards, uninterrupted, tm
     resumed = read_metrics(tmp_path, "train/loss")
     assert sorted(resumed) == list(range(20))  # metrics.csv keeps the first part and appends the rest
     for step in range(7, 20):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_run_resumed_from_an_earlier_checkpoint_replaces_the_rows_it_replays(tiny_shards, uninterrupted, tmp_path):
+    run_train(tiny_shards, tmp_path, *RUN, "trainer.max_steps=13")  # as if it crashed after step 13
+    best = tmp_path / "checkpoints" / "best-step000010.ckpt"  # written when validation at step 10 ended
+    assert best.is_file()
+    run_train(tiny_shards, tmp_path, *RUN, "trainer.max_steps=20", f"ckpt_path={best}")
+    resumed = read_metrics(tmp_path, "train/loss")  # fails on a step logged twice
+    assert sorted(resumed) == list(range(20))
+    for step in range(20):
         assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
 
 
@@ -51,23 +65,23 @@ class RecordBatches(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def fit(shards, tmp_path, max_steps, ckpt_path=None):
+def fit(shards, run_dir, max_steps, ckpt_path=None):
     module = RecordBatches()
     data = TokenShardDataModule(str(shards), seq_len=32, global_batch_size=4, micro_batch_size=2, num_workers=0)
+    checkpoint = StepCheckpoint(dirpath=run_dir, save_top_k=0, save_last=True, every_n_train_steps=100)
     trainer = L.Trainer(
         max_steps=max_steps, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, use_distributed_sampler=False, default_root_dir=tmp_path,
+        callbacks=[checkpoint], enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, use_distributed_sampler=False, default_root_dir=run_dir,
     )
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-    return trainer, module.seen
+    return module.seen
 
 
 def test_resumed_loader_yields_exactly_the_remaining_batches(tiny_shards, tmp_path):
-    _, full = fit(tiny_shards, tmp_path, max_steps=12)
-    trainer, first = fit(tiny_shards, tmp_path, max_steps=5)
-    trainer.save_checkpoint(tmp_path / "mid.ckpt")
-    _, rest = fit(tiny_shards, tmp_path, max_steps=12, ckpt_path=tmp_path / "mid.ckpt")
+    full = fit(tiny_shards, tmp_path / "full", max_steps=12)
+    first = fit(tiny_shards, tmp_path / "part", max_steps=5)  # the final-step checkpoint: last.ckpt at step 5
+    rest = fit(tiny_shards, tmp_path / "part", max_steps=12, ckpt_path=tmp_path / "part" / "last.ckpt")
     assert len(full) == 24 and len(first) == 10 and len(rest) == 14
     for expected, got in zip(full, first + rest):
         assert torch.equal(expected, got)

@@ -1,6 +1,6 @@
 import itertools
 
-from project.data.sampler import EvenShardSampler, GlobalBatchSampler
+from project.data.sampler import GlobalBatchSampler, ValidationSampler
 
 
 def take(sampler, n):
@@ -43,8 +43,16 @@ def test_resuming_from_consumed_count_continues_the_stream():
     assert resumed == full[4:16]
 
 
-def test_validation_shards_are_even_and_disjoint():
-    shards = [list(EvenShardSampler(23, 2, r, 3)) for r in range(3)]
-    assert [len(s) for s in shards] == [3, 3, 3]
-    flat = [i for s in shards for b in s for i in b]
-    assert len(set(flat)) == len(flat) == 18
+def test_validation_reads_the_same_spread_out_blocks_for_any_layout():
+    def blocks(micro, dp):
+        return sorted(i for r in range(dp) for b in ValidationSampler(100, 10, micro, r, dp) for i in b)
+
+    assert blocks(4, 1) == list(range(0, 100, 10))  # every 10th block: all of the split is sampled
+    assert blocks(2, 3) == blocks(4, 1) == blocks(1, 4)
+
+
+def test_validation_shares_are_disjoint_and_within_one_block():
+    shares = [[i for b in ValidationSampler(23, 7, 2, r, 3) for i in b] for r in range(3)]
+    assert sorted(len(s) for s in shares) == [2, 2, 3]
+    flat = [i for s in shares for i in s]
+    assert len(set(flat)) == len(flat) == 7

@@ -1,15 +1,19 @@
+from pathlib import Path
+
 import pytest
 import torch
 
 from conftest import read_metrics, run_module, run_train, train_overrides
 
 pytestmark = pytest.mark.slow
+PEAK = 1e12  # a made-up device peak, so that train/mfu is logged on the CPU
+EXPERIMENTS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "experiment").glob("*.yaml"))
 
 
 @pytest.fixture(scope="module")
 def debug_run(tiny_shards, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("debug-run")
-    result = run_train(tiny_shards, run_dir)
+    result = run_train(tiny_shards, run_dir, f"peak_flops_per_device={PEAK}")
     return run_dir, result
 
 
@@ -33,6 +37,49 @@ def test_run_directory_holds_config_metrics_and_checkpoints(debug_run):
     assert set(val) == {9, 19, 29}
     assert ppl[29] == pytest.approx(torch.exp(torch.tensor(val[29])).item(), rel=1e-5)
     assert read_metrics(run_dir, "train/tokens_seen")[29] == 30 * 8 * 32
+
+
+def test_best_checkpoint_is_the_lowest_validation_loss(debug_run):
+    run_dir, _ = debug_run
+    best = list((run_dir / "checkpoints").glob("best-*.ckpt"))
+    val = read_metrics(run_dir, "val/loss")
+    lowest = min(val, key=val.get)
+    assert [p.name for p in best] == [f"best-step{lowest + 1:06d}.ckpt"]  # the checkpoint after step index `lowest`
+    callbacks = torch.load(best[0], weights_only=False)["callbacks"]
+    score = next(v["best_model_score"] for k, v in callbacks.items() if "val/loss" in k)
+    assert float(score) == pytest.approx(val[lowest], rel=1e-6)
+
+
+def test_mfu_is_model_flops_over_the_device_peak(debug_run):
+    from project.model import LlamaConfig, training_flops_per_token
+
+    run_dir, _ = debug_run
+    config = LlamaConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32)
+    mfu, tps = read_metrics(run_dir, "train/mfu"), read_metrics(run_dir, "train/tokens_per_sec")
+    assert set(mfu) == set(tps) == set(range(30))
+    for step in mfu:
+        assert mfu[step] == pytest.approx(training_flops_per_token(config, 32) * tps[step] / PEAK, rel=1e-5)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_runs_two_steps(tiny_shards, tmp_path, experiment):
+    args = train_overrides(tiny_shards, tmp_path, "trainer.max_steps=2", "val_every_n_steps=1", "global_batch_size=4")
+    args[0] = f"experiment={experiment}"
+    result = run_module("project.train", args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(read_metrics(tmp_path, "val/loss")) == [0, 1]
+
+
+def test_single_device_strategy_refuses_several_devices(tiny_shards, tmp_path):
+    result = run_module("project.train", train_overrides(tiny_shards, tmp_path, "trainer.devices=2"))
+    assert result.returncode == 2
+    assert "strategy=single runs on 1 device(s) per node, not trainer.devices=2" in result.stderr
+
+
+def test_trainer_settings_the_entry_point_computes_are_refused(tiny_shards, tmp_path):
+    result = run_module("project.train", train_overrides(tiny_shards, tmp_path, "+trainer.accumulate_grad_batches=4"))
+    assert result.returncode == 2
+    assert "trainer.accumulate_grad_batches is computed by project.train: set global_batch_size" in result.stderr
 
 
 def test_checkpoint_loads_back_into_a_llama(debug_run):

@@ -1,4 +1,4 @@
-"""Checkpoints every N optimizer steps and after the final one, in a state that resumes exactly."""
+"""last.ckpt every N optimizer steps and after the final one, in a state that resumes exactly."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 
 class StepCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint that also saves after the step that reaches max_steps.
+    """ModelCheckpoint that also writes last.ckpt after the step that reaches max_steps.
 
     `trainer.save_checkpoint` after `fit` would record a finished epoch, and a run resumed from it
     (to train longer) would start a new epoch with shifted step counters. Saving from the batch
@@ -20,6 +20,4 @@ class StepCheckpoint(ModelCheckpoint):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         final = trainer.global_step == trainer.max_steps
         if final and self._last_global_step_saved != trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
-            candidates = self._monitor_candidates(trainer)
-            self._save_topk_checkpoint(trainer, candidates)
-            self._save_last_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from litdata import StreamingDataset, TokensLoader
 from torch.utils.data import DataLoader, Dataset
 
-from project.data.sampler import EvenShardSampler, GlobalBatchSampler
+from project.data.sampler import GlobalBatchSampler, ValidationSampler
 from project.errors import ConfigError
 
 
@@ -24,6 +24,20 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
             "`python -m project.prepare` with the same data settings first, or point data.dir at prepared shards."
         )
     return json.loads(path.read_text())
+
+
+def data_parallel_coords(trainer: Any) -> tuple[int, int]:
+    """(rank, size) along the data-parallel dimension.
+
+    Strategies with a device mesh (Lightning's ModelParallelStrategy) name a `data_parallel`
+    dimension; ranks sharing a coordinate on it hold one replica and must read the same batch.
+    Without a mesh every rank is its own replica.
+    """
+    mesh = getattr(trainer.strategy, "device_mesh", None)
+    if mesh is not None and "data_parallel" in (mesh.mesh_dim_names or ()):
+        dp = mesh["data_parallel"]
+        return dp.get_local_rank(), dp.size()
+    return trainer.global_rank, trainer.world_size
 
 
 def collate_blocks(blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,8 +113,6 @@ class TokenShardDataModule(LightningDataModule):
         if self.hparams.dp_rank is not None:
             self.dp_rank, self.dp_size = self.hparams.dp_rank, self.hparams.dp_size
         elif self.trainer is not None:
-            from project.parallel.mesh import data_parallel_coords
-
             self.dp_rank, self.dp_size = data_parallel_coords(self.trainer)
         else:
             self.dp_rank, self.dp_size = 0, 1
@@ -132,24 +144,27 @@ class TokenShardDataModule(LightningDataModule):
         return self._loader(self.train_set, sampler)
 
     def val_dataloader(self) -> DataLoader:
-        # Round the evaluated count to whole micro batches on every replica, so no layout pads or drops differently.
         count = min(len(self.val_set), self.hparams.val_sequences or len(self.val_set))
-        unit = self.hparams.micro_batch_size * self.dp_size
-        sampler = EvenShardSampler(count // unit * unit, self.hparams.micro_batch_size, self.dp_rank, self.dp_size)
-        if len(sampler) == 0:
+        if count < self.dp_size:
             raise ConfigError(
-                f"the validation split ({len(self.val_set)} blocks) has fewer blocks than one micro batch on each of "
-                f"{self.dp_size} replicas: raise data.val_fraction and re-prepare, or lower micro_batch_size."
+                f"val_sequences={count} (validation split: {len(self.val_set)} blocks) is fewer than the {self.dp_size} "
+                "data-parallel replicas: raise val_sequences, or data.val_fraction and re-prepare."
             )
+        sampler = ValidationSampler(len(self.val_set), count, self.hparams.micro_batch_size, self.dp_rank, self.dp_size)
         return self._loader(self.val_set, sampler)
 
     # The data position is one number: sequences consumed, advanced by the global batch at each
     # optimizer step. It is exact whatever Lightning does or does not restore of the loader itself,
     # and it survives a change of the number of replicas (or of the global batch) on resume.
-    def state_dict(self) -> dict[str, Any]:
+    @property
+    def samples_consumed(self) -> int:
+        """Training sequences read so far, all replicas together, previous runs of a resumed one included."""
         steps = self.trainer.global_step - self._start_step if self.trainer is not None else 0
+        return self._start_sample + steps * self.hparams.global_batch_size
+
+    def state_dict(self) -> dict[str, Any]:
         return {
-            "samples_consumed": self._start_sample + steps * self.hparams.global_batch_size,
+            "samples_consumed": self.samples_consumed,
             "seed": self.hparams.seed,
             "num_train_blocks": int(self.manifest["splits"]["train"]["blocks"]),
         }

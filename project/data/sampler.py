@@ -68,16 +68,21 @@ class GlobalBatchSampler(Sampler[list[int]]):
             step_start += self.global_batch_size
 
 
-class EvenShardSampler(Sampler[list[int]]):
-    """Validation: the first `num_samples` blocks in order, the same count on every replica, disjoint across them.
+class ValidationSampler(Sampler[list[int]]):
+    """The same `count` validation blocks for any layout, split over replicas, in micro batches.
 
-    The set evaluated depends on the count alone, not on the layout, so val/loss compares across runs.
+    The blocks are spread evenly over the split (every k-th block) rather than taken from its start,
+    so a small count still samples every validation document. Replicas take contiguous shares that
+    differ by at most one block; the last micro batch of a share may be short, which the
+    sequence-weighted mean in the module accounts for.
     """
 
-    def __init__(self, num_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int):
-        per_replica = (num_samples // (micro_batch_size * dp_size)) * micro_batch_size
-        start = dp_rank * per_replica
-        self.batches = [list(range(i, i + micro_batch_size)) for i in range(start, start + per_replica, micro_batch_size)]
+    def __init__(self, num_samples: int, count: int, micro_batch_size: int, dp_rank: int, dp_size: int):
+        count = min(count, num_samples)
+        stride = num_samples // count
+        chosen = list(range(0, stride * count, stride))
+        share = chosen[dp_rank * count // dp_size : (dp_rank + 1) * count // dp_size]
+        self.batches = [share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self.batches)

@@ -1,8 +1,7 @@
 """One device, no distribution."""
 
-from __future__ import annotations
-
 
 def single_device_strategy() -> str:
-    # Lightning's "auto" resolves to SingleDeviceStrategy when trainer.devices is 1.
-    return "auto"
+    # Lightning resolves "single_device" to SingleDeviceStrategy on the trainer's accelerator; the
+    # entry point refuses trainer.devices > 1 with it instead of letting Lightning drop devices.
+    return "single_device"
