@@ -68,6 +68,14 @@ class LlamaLitModule(LightningModule):
         self.val_loss = MeanMetric()
         self._loss_sum = 0.0  # micro-batch losses since the last optimizer step
         self._loss_count = 0
+        self._parallelized = False
+
+    def configure_model(self) -> None:
+        # Strategies that split the model itself (tensor parallel, FSDP2) do so here, on their mesh.
+        parallelize = getattr(self.trainer.strategy, "parallelize", None)
+        if parallelize is not None and not self._parallelized:
+            parallelize(self.model)
+            self._parallelized = True
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         doc_ids = document_ids(inputs, self.hparams.eos_id) if self.hparams.document_mask else None
@@ -89,8 +97,10 @@ class LlamaLitModule(LightningModule):
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         # Lightning calls this every step after gradients are reduced (and unscaled), clipping or not.
+        # Sharding strategies know how to take the norm over all shards; whole gradients need no help.
         max_norm = self.optim.grad_clip or float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        clip = getattr(self.trainer.strategy, "clip_grad_norm", None) if self._trainer is not None else None
+        norm = clip(max_norm) if clip is not None else torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
         self.log("train/grad_norm", norm)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
@@ -104,9 +114,11 @@ class LlamaLitModule(LightningModule):
         self.log("val/ppl", torch.exp(loss))
 
     def configure_optimizers(self):
-        # Decay weight matrices (and the embedding) only, not norm gains.
-        decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
-        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim < 2]
+        # Decay weight matrices (and the embedding), not norm gains. Chosen by name, not by p.ndim:
+        # FSDP1 with use_orig_params exposes each parameter as a flat 1-D shard.
+        params = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        decay = [p for name, p in params if not name.endswith("norm.weight")]
+        no_decay = [p for name, p in params if name.endswith("norm.weight")]
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": self.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=self.optim.lr,

@@ -27,7 +27,7 @@ from project.data.datamodule import TokenShardDataModule
 from project.errors import ConfigError, exit_on_config_error
 from project.lit_module import LlamaLitModule
 from project.loggers import build_loggers
-from project.parallel import model_parallel_size, plan_batches
+from project.parallel import data_parallel_size, plan_batches
 
 
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
@@ -112,11 +112,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
             f"not trainer.devices={requested}: choose a multi-device strategy (strategy=ddp) or trainer.devices={trainer.num_devices}."
         )
     limit_cpu_threads(trainer, cfg.threads_per_process)
-    world_size = trainer.num_nodes * trainer.num_devices
-    replica = model_parallel_size(OmegaConf.to_container(cfg.strategy, resolve=True))
-    if world_size % replica:
-        raise ConfigError(f"{world_size} devices do not divide into model replicas of {replica} ranks.")
-    plan = plan_batches(cfg.global_batch_size, world_size // replica, cfg.micro_batch_size)
+    replicas = data_parallel_size(
+        OmegaConf.to_container(cfg.strategy, resolve=True), trainer.num_nodes * trainer.num_devices, trainer.num_devices
+    )
+    plan = plan_batches(cfg.global_batch_size, replicas, cfg.micro_batch_size)
     # The Trainer resolves devices and nodes; only then is the accumulation count known.
     trainer.accumulate_grad_batches = plan.accumulate_grad_batches
     trainer.val_check_interval = cfg.val_every_n_steps * plan.accumulate_grad_batches

@@ -76,3 +76,14 @@ def read_metrics(run_dir: Path, column: str) -> dict[int, float]:
     steps = [step for step, _ in rows]
     assert len(steps) == len(set(steps)), f"{column} logged twice for a step in {run_dir / 'metrics.csv'}: {steps}"
     return dict(rows)
+
+
+PARITY_RUN = ["trainer.max_steps=12", "global_batch_size=8"]
+
+
+@pytest.fixture(scope="session")
+def single_reference(tiny_shards, tmp_path_factory) -> Path:
+    """The one-process run every parallel layout must reproduce (12 steps, global batch 8)."""
+    run_dir = tmp_path_factory.mktemp("single-reference")
+    run_train(tiny_shards, run_dir, *PARITY_RUN)
+    return run_dir

@@ -45,9 +45,17 @@ def test_strategy_configs_build_the_strategy_they_name():
     from hydra.utils import instantiate
 
     from project.parallel.ddp import GlooFriendlyDDPStrategy
+    from project.parallel.fsdp import CPUCapableFSDPStrategy
+    from project.parallel.model_parallel import LlamaParallelStrategy
 
-    assert STRATEGIES == ["ddp", "single"]  # a new strategy config gets a line here
+    assert STRATEGIES == ["ddp", "fsdp", "fsdp2", "single", "tp", "tp_fsdp"]  # a new strategy config gets a line here
     assert instantiate(compose_train("strategy=single").strategy) == "single_device"
+    fsdp = instantiate(compose_train("strategy=fsdp", "strategy.sharding_strategy=SHARD_GRAD_OP").strategy)
+    assert isinstance(fsdp, CPUCapableFSDPStrategy) and fsdp.sharding_strategy.name == "SHARD_GRAD_OP"
+    for name, dp, tp in (("fsdp2", "auto", 1), ("tp", 1, "auto"), ("tp_fsdp", "auto", 2)):
+        strategy = instantiate(compose_train(f"strategy={name}").strategy)
+        assert isinstance(strategy, LlamaParallelStrategy)
+        assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (dp, tp)
     ddp = instantiate(compose_train("strategy=ddp").strategy)
     assert isinstance(ddp, GlooFriendlyDDPStrategy) and ddp._ddp_comm_hook is None
     summed = instantiate(compose_train("strategy=ddp", "strategy.grad_reduction=sum").strategy)

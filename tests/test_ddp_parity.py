@@ -3,18 +3,15 @@
 import pytest
 import torch
 
+from conftest import PARITY_RUN as STEPS
 from conftest import read_metrics, run_train
 
 pytestmark = pytest.mark.slow
 
-STEPS = ["trainer.max_steps=12", "global_batch_size=8"]
 
-
-@pytest.fixture(scope="module")
-def single_run(tiny_shards, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("single")
-    run_train(tiny_shards, run_dir, *STEPS)
-    return run_dir
+@pytest.fixture
+def single_run(single_reference):
+    return single_reference
 
 
 @pytest.mark.parametrize("micro", ["null", "2"])  # no accumulation, and 2 accumulation steps per rank

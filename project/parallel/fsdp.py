@@ -1,0 +1,89 @@
+"""Sharded data parallelism with FSDP1, through Lightning's FSDPStrategy, on GPUs and on CPU (gloo)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies.fsdp import _setup_activation_checkpointing
+from torch import nn
+
+from project.errors import ConfigError
+from project.model.llama import Block
+
+ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
+
+
+class CPUCapableFSDPStrategy(FSDPStrategy):
+    """FSDPStrategy that also runs on CPU with gloo.
+
+    Lightning refuses FSDP on CPU by checking `type(strategy) is FSDPStrategy` (a subclass passes);
+    torch's FSDP itself runs on CPU when given `device_id=torch.device("cpu")` rather than the device
+    index Lightning passes (None on CPU). HYBRID_SHARD's (replicate, shard) mesh is built here, once
+    the world size is known, on the trainer's device type (Lightning's would always be CUDA).
+    """
+
+    def __init__(self, hybrid_shard_size: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.hybrid_shard_size = hybrid_shard_size
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.sharding_strategy.name == "HYBRID_SHARD":
+            size = self.hybrid_shard_size or self.num_processes  # default: shard within a node
+            if self.world_size % size:
+                raise ConfigError(
+                    f"strategy.hybrid_shard_size={size} does not divide the {self.world_size} ranks: "
+                    "pick a divisor (usually the devices per node)."
+                )
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shape = (self.world_size // size, size)
+            self.kwargs["device_mesh"] = init_device_mesh(self.root_device.type, shape, mesh_dim_names=("replicate", "shard"))
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        if self.root_device.type != "cpu":
+            return super()._setup_model(model)
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
+        )
+        _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
+        return model
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global gradient norm over all shards (before clipping), gradients clipped to max_norm."""
+        return self.model.clip_grad_norm_(max_norm)
+
+
+def fsdp_strategy(
+    sharding_strategy: ShardingStrategy = "FULL_SHARD",
+    hybrid_shard_size: int | None = None,
+    activation_checkpointing: bool = False,
+    cpu_offload: bool = False,
+    state_dict_type: Literal["full", "sharded"] = "sharded",
+    process_group_backend: str | None = None,
+) -> CPUCapableFSDPStrategy:
+    """Each transformer Block is its own FSDP unit; mixed precision follows trainer.precision.
+
+    HYBRID_SHARD shards within groups of `hybrid_shard_size` ranks (default: the devices of one
+    node) and replicates across groups, so only the gradient all-reduce crosses nodes.
+    """
+    if sharding_strategy not in ShardingStrategy.__args__:
+        raise ConfigError(f"strategy.sharding_strategy={sharding_strategy!r}: choose one of {list(ShardingStrategy.__args__)}.")
+    return CPUCapableFSDPStrategy(
+        hybrid_shard_size=hybrid_shard_size,
+        auto_wrap_policy={Block},
+        activation_checkpointing_policy={Block} if activation_checkpointing else None,
+        sharding_strategy=sharding_strategy,
+        cpu_offload=cpu_offload,
+        state_dict_type=state_dict_type,
+        process_group_backend=process_group_backend,
+    )

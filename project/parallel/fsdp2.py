@@ -1,0 +1,27 @@
+"""FSDP2 (`fully_shard`): each block, then the root, sharded over the data-parallel mesh."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from project.model.llama import Llama
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def apply_fsdp2(model: Llama, mesh: DeviceMesh, param_dtype: str | None = None, reduce_dtype: str | None = None) -> None:
+    """Shard parameters, gradients and optimizer state over `mesh`.
+
+    Sharding each block separately lets one block's parameters be gathered while the previous
+    block computes; the root call covers the embedding, final norm and output head.
+    `param_dtype`/`reduce_dtype` (None: keep float32) are the compute and gradient-reduction dtypes.
+    """
+    policy = MixedPrecisionPolicy(
+        param_dtype=DTYPES[param_dtype] if param_dtype else None,
+        reduce_dtype=DTYPES[reduce_dtype] if reduce_dtype else None,
+    )
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)

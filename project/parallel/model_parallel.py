@@ -1,0 +1,95 @@
+"""Lightning's ModelParallelStrategy with our parallelization: tensor parallel, then FSDP2, on a 2-D mesh."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from torch.distributed.tensor import DTensor
+
+from project.errors import ConfigError
+from project.model.llama import Llama
+from project.parallel.fsdp2 import DTYPES, apply_fsdp2
+from project.parallel.tensor_parallel import apply_tensor_parallel
+
+
+def checkpoint_activations(block: nn.Module) -> None:
+    """Recompute the block's activations in the backward pass instead of storing them."""
+    forward = block.forward
+    block.forward = lambda *args: checkpoint(forward, *args, use_reentrant=False)
+
+
+class LlamaParallelStrategy(ModelParallelStrategy):
+    """The mesh is (data_parallel, tensor_parallel); `parallelize` runs in configure_model.
+
+    Order, as in torchtitan: the tensor-parallel plan on the `tensor_parallel` dimension, activation
+    checkpointing of blocks, torch.compile per block, then FSDP2 over `data_parallel`.
+    """
+
+    def __init__(
+        self,
+        data_parallel_size: int | str = "auto",
+        tensor_parallel_size: int | str = "auto",
+        sequence_parallel: bool = False,
+        activation_checkpointing: bool = False,
+        compile: bool = False,
+        param_dtype: str | None = None,
+        reduce_dtype: str | None = None,
+        process_group_backend: str | None = None,
+    ):
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            process_group_backend=process_group_backend,
+        )
+        for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            if dtype is not None and dtype not in DTYPES:
+                raise ConfigError(f"strategy.{name}={dtype!r}: choose one of {list(DTYPES)} or null.")
+        self.sequence_parallel = sequence_parallel
+        self.activation_checkpointing = activation_checkpointing
+        self.compile = compile
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+
+    def setup_environment(self) -> None:
+        # "auto" fills the mesh: Lightning's own default (data_parallel = number of nodes) would
+        # not, with several devices per node and a fixed tensor-parallel size.
+        world = self.num_nodes * self.num_processes
+        if self._data_parallel_size == "auto" and self._tensor_parallel_size != "auto":
+            self._data_parallel_size = world // self._tensor_parallel_size
+        elif self._tensor_parallel_size == "auto" and self._data_parallel_size != "auto":
+            self._tensor_parallel_size = world // self._data_parallel_size
+        super().setup_environment()
+
+    def parallelize(self, model: Llama) -> None:
+        tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        if tp_mesh.size() > 1:
+            apply_tensor_parallel(model, tp_mesh, self.sequence_parallel)
+        for block in model.layers.values():
+            # In place, so parameter names (and checkpoints) stay those of the plain model.
+            if self.activation_checkpointing:
+                checkpoint_activations(block)
+            if self.compile:
+                block.compile()
+        apply_fsdp2(model, dp_mesh, self.param_dtype, self.reduce_dtype)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global gradient norm over all shards and tensor-parallel slices (before clipping).
+
+        Without sequence parallelism the norms' weights live on the data-parallel mesh only, the
+        tensor-parallel weights on the 2-D mesh; torch cannot combine norms across meshes, so each
+        mesh's gradients are reduced to a full norm separately and the results combined.
+        """
+        by_mesh: dict[object, list[nn.Parameter]] = {}
+        for p in self.lightning_module.parameters():
+            if p.grad is not None:
+                by_mesh.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+        norms = []
+        for params in by_mesh.values():
+            norm = nn.utils.get_total_norm([p.grad for p in params])
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        total = torch.stack(norms).square().sum().sqrt()
+        for params in by_mesh.values():
+            nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+

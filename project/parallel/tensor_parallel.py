@@ -1,0 +1,71 @@
+"""Tensor (and sequence) parallelism for Llama: the plan, applied to a single-device model from outside."""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from project.errors import ConfigError
+from project.model.llama import Llama
+
+
+def check_tensor_parallel_degree(model: Llama, tp: int) -> None:
+    c = model.config
+    for name, value in (("n_heads", c.n_heads), ("n_kv_heads", c.n_kv_heads), ("ffn hidden size", c.ffn_hidden_dim), ("vocab_size", c.vocab_size)):
+        if value % tp:
+            raise ConfigError(
+                f"model {name}={value} is not divisible by strategy.tensor_parallel_size={tp}: each tensor-parallel rank "
+                f"holds an equal slice of it. Choose a tensor-parallel size that divides it."
+            )
+    if c.tie_embeddings:
+        raise ConfigError("model.tie_embeddings=true is not supported with tensor parallelism yet: set model.tie_embeddings=false.")
+
+
+def apply_tensor_parallel(model: Llama, mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """Megatron-style plan (torchtitan's layout) on the `tensor_parallel` mesh.
+
+    q/k/v and w1/w3 split column-wise (heads and hidden units per rank), wo and w2 row-wise, so
+    each block needs one all-reduce in attention and one in the feed-forward. Embedding and output
+    head split over the vocabulary. With sequence parallelism the norms and residual stream are
+    split over the sequence instead of replicated, which divides their activation memory by the
+    degree; the all-reduces become reduce-scatter + all-gather pairs.
+    """
+    check_tensor_parallel_degree(model, mesh.size())
+    residual = Shard(1) if sequence_parallel else Replicate()  # layout of [B, T, dim] between blocks
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+            "output": ColwiseParallel(input_layouts=residual, output_layouts=Replicate()),
+            **({"norm": SequenceParallel()} if sequence_parallel else {}),
+        },
+    )
+    for block in model.layers.values():
+        plan = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=residual),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+        }
+        if sequence_parallel:
+            plan |= {
+                "attention_norm": SequenceParallel(),
+                "ffn_norm": SequenceParallel(),
+                # gather the sequence before the projections; rotary tables and mask pass through
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+                ),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            }
+        parallelize_module(block, mesh, plan)
