@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from project.checkpoints import load_full_checkpoint
 from project.errors import ConfigError, exit_on_config_error
 from project.hf_format import hf_config_dict, to_hf_state_dict
 from project.model.llama import LlamaConfig
@@ -60,11 +61,14 @@ def parse_args(argv: list[str]) -> dict[str, str | None]:
 
 
 def load_checkpoint(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:
-    """(model config, our Llama's state dict, the checkpoint) from a Lightning checkpoint of our module."""
-    if not path.is_file():
-        raise ConfigError(f"checkpoint {path} does not exist (or is not a file); pass ckpt_path= a Lightning .ckpt.")
+    """(model config, our Llama's state dict, the checkpoint) from a Lightning checkpoint of our module.
+
+    The checkpoint is a `.ckpt` file or, from a sharded strategy, a distributed-checkpoint folder.
+    """
+    if not path.exists():
+        raise ConfigError(f"checkpoint {path} does not exist; pass ckpt_path= a Lightning .ckpt file or sharded checkpoint folder.")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = load_full_checkpoint(path)
     except Exception as e:  # a truncated file or not a torch file: which exception depends on the damage
         raise ConfigError(f"could not read checkpoint {path}: {type(e).__name__}: {e}") from e
     hparams = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, Mapping) else {}

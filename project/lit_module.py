@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torchmetrics import MeanMetric
 
+from project.checkpoints import rebase_batch_progress
 from project.model import Llama, LlamaConfig
 
 
@@ -76,6 +77,9 @@ class LlamaLitModule(LightningModule):
         if parallelize is not None and not self._parallelized:
             parallelize(self.model)
             self._parallelized = True
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        rebase_batch_progress(checkpoint, self.trainer.accumulate_grad_batches)
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         doc_ids = document_ids(inputs, self.hparams.eos_id) if self.hparams.document_mask else None

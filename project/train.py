@@ -22,7 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from project.callbacks import StepCheckpoint, StepProgressBar, TokenThroughput
+from project.callbacks import MemoryMonitor, StepCheckpoint, StepProgressBar, TokenThroughput
+from project.checkpoints import keep_previous_last, resumable_by
 from project.data.datamodule import TokenShardDataModule
 from project.errors import ConfigError, exit_on_config_error
 from project.lit_module import LlamaLitModule
@@ -34,7 +35,7 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     if ckpt_path is None:
         return None
     path = run_dir / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
-    if not path.is_file():
+    if not path.exists():  # a file, or a folder from a sharded strategy
         hint = (
             " `ckpt_path=last` resumes the run in this run directory: pass the directory of the run to resume "
             "as hydra.run.dir=DIR."
@@ -84,7 +85,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
             save_on_train_epoch_end=False,
         ),
     ]
-    callbacks = [*checkpoints, TokenThroughput(cfg.peak_flops_per_device)]
+    callbacks = [*checkpoints, TokenThroughput(cfg.peak_flops_per_device), MemoryMonitor(run_dir)]
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(StepProgressBar())
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
@@ -149,7 +150,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
         f"run dir: {run_dir}\nbatch: global {plan.global_batch_size} = micro {plan.micro_batch_size} x "
         f"{plan.accumulate_grad_batches} accumulation x {plan.data_parallel_size} data-parallel replicas"
     )
-    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
+    ckpt_path = resumable_by(trainer.strategy, resolve_ckpt_path(cfg.ckpt_path, run_dir), run_dir)
+    moved = keep_previous_last(trainer.strategy, run_dir / "checkpoints")
+    if moved is not None:
+        if ckpt_path == str(run_dir / "checkpoints" / "last.ckpt"):
+            ckpt_path = str(moved)
+        rank_zero_info(f"the previous last.ckpt, of another layout's format, is now {moved}")
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     rank_zero_info(

@@ -87,3 +87,16 @@ def single_reference(tiny_shards, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("single-reference")
     run_train(tiny_shards, run_dir, *PARITY_RUN)
     return run_dir
+
+
+# The schedule's length is fixed so that stopping early does not change the learning rates; micro
+# batches of 2 make 4 accumulation steps on one process and 2 on two.
+RESUME_RUN = ["optim.decay_steps=20", "global_batch_size=8", "micro_batch_size=2", "ckpt_every_n_steps=5"]
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_reference(tiny_shards, tmp_path_factory) -> dict[int, float]:
+    """Per-step train/loss of 20 uninterrupted single-process steps, which resumed runs must reproduce."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    run_train(tiny_shards, run_dir, *RESUME_RUN, "trainer.max_steps=20")
+    return read_metrics(run_dir, "train/loss")

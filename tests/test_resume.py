@@ -8,16 +8,12 @@ from conftest import read_metrics, run_module, run_train, train_overrides
 from project.callbacks import StepCheckpoint
 from project.data.datamodule import TokenShardDataModule
 
-# The schedule's length is fixed so that stopping early does not change the learning rates; micro
-# batches of 2 make 4 accumulation steps on one process and 2 on two.
-RUN = ["optim.decay_steps=20", "global_batch_size=8", "micro_batch_size=2", "ckpt_every_n_steps=5"]
+from conftest import RESUME_RUN as RUN
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tiny_shards, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("uninterrupted")
-    run_train(tiny_shards, run_dir, *RUN, "trainer.max_steps=20")
-    return read_metrics(run_dir, "train/loss")
+@pytest.fixture
+def uninterrupted(uninterrupted_reference):
+    return uninterrupted_reference
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 from project.callbacks.checkpoint import StepCheckpoint
+from project.callbacks.memory import MemoryMonitor
 from project.callbacks.progress import StepProgressBar
 from project.callbacks.throughput import TokenThroughput
 
-__all__ = ["StepCheckpoint", "StepProgressBar", "TokenThroughput"]
+__all__ = ["MemoryMonitor", "StepCheckpoint", "StepProgressBar", "TokenThroughput"]

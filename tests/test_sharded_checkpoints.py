@@ -1,0 +1,52 @@
+"""Sharded checkpoints: resume under the same or another layout, and export to Hugging Face."""
+
+import pytest
+import torch
+
+from conftest import RESUME_RUN, read_metrics, run_module, run_train
+
+pytestmark = pytest.mark.slow
+
+
+def assert_continues(run_dir, uninterrupted, steps):
+    resumed = read_metrics(run_dir, "train/loss")  # fails on a step logged twice
+    assert sorted(resumed) == list(range(steps))
+    for step in resumed:
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
+
+
+def test_run_moves_from_tensor_parallel_to_fsdp2_to_one_device(tiny_shards, uninterrupted_reference, tmp_path):
+    run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=7", "strategy=tp", "trainer.devices=2")
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_dir()  # a distributed checkpoint
+    run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=14", "strategy=fsdp2", "trainer.devices=2", "ckpt_path=last")
+    assert_continues(tmp_path, uninterrupted_reference, 14)
+    run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=20", "ckpt_path=last")
+    assert_continues(tmp_path, uninterrupted_reference, 20)
+    checkpoints = tmp_path / "checkpoints"
+    assert (checkpoints / "last.ckpt").is_file() and (checkpoints / "last-sharded.ckpt").is_dir()  # kept, not overwritten
+
+
+@pytest.mark.parametrize("layout", [["strategy=fsdp"], ["strategy=tp_fsdp", "trainer.devices=4"]], ids=["fsdp", "tp_fsdp"])
+def test_sharded_run_resumes_in_its_own_layout(tiny_shards, uninterrupted_reference, tmp_path, layout):
+    layout = ["trainer.devices=2", *layout]  # a later trainer.devices wins
+    run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=7", *layout)
+    run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=12", "ckpt_path=last", *layout)
+    assert_continues(tmp_path, uninterrupted_reference, 12)
+
+
+def test_sharded_checkpoint_exports_to_transformers(tiny_shards, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from project.checkpoints import load_full_checkpoint
+    from project.model import Llama, LlamaConfig
+
+    run_train(tiny_shards, tmp_path, "trainer.max_steps=3", "global_batch_size=8", "strategy=tp_fsdp", "trainer.devices=4")
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    result = run_module("project.export", [f"ckpt_path={ckpt}", f"output_dir={tmp_path / 'hf'}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    full = load_full_checkpoint(ckpt)
+    ours = Llama(LlamaConfig(**full["hyper_parameters"]["model"])).eval()
+    ours.load_state_dict({k.removeprefix("model."): v for k, v in full["state_dict"].items()})
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, 300, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
