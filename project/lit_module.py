@@ -73,13 +73,15 @@ class LlamaLitModule(LightningModule):
 
     def configure_model(self) -> None:
         # Strategies that split the model itself (tensor parallel, FSDP2) do so here, on their mesh.
-        parallelize = getattr(self.trainer.strategy, "parallelize", None)
+        # load_from_checkpoint calls this too, with no trainer: the plain model is what it wants.
+        parallelize = getattr(self._trainer.strategy, "parallelize", None) if self._trainer is not None else None
         if parallelize is not None and not self._parallelized:
             parallelize(self.model)
             self._parallelized = True
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        rebase_batch_progress(checkpoint, self.trainer.accumulate_grad_batches)
+        if self._trainer is not None:  # resuming a fit, not load_from_checkpoint
+            rebase_batch_progress(checkpoint, self.trainer.accumulate_grad_batches)
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         doc_ids = document_ids(inputs, self.hparams.eos_id) if self.hparams.document_mask else None

@@ -1,0 +1,47 @@
+"""Layout settings that cannot work are refused before any process starts."""
+
+import pytest
+
+from project.errors import ConfigError
+from project.model import Llama, LlamaConfig
+from project.parallel import data_parallel_size
+from project.parallel.tensor_parallel import check_tensor_parallel_degree
+
+
+def llama(**overrides):
+    fields = dict(vocab_size=96, dim=64, n_layers=1, n_heads=8, n_kv_heads=4, multiple_of=32)
+    return Llama(LlamaConfig(**{**fields, **overrides}))
+
+
+@pytest.mark.parametrize(
+    "overrides, setting",
+    [(dict(n_kv_heads=2), "n_kv_heads=2"), (dict(n_heads=6, n_kv_heads=6, dim=48), "n_heads=6"), (dict(vocab_size=90), "vocab_size=90")],
+)
+def test_tensor_parallel_degree_must_divide_heads_and_widths(overrides, setting):
+    with pytest.raises(ConfigError, match=f"{setting} is not divisible by strategy.tensor_parallel_size=4"):
+        check_tensor_parallel_degree(llama(**overrides), 4)
+    check_tensor_parallel_degree(llama(**overrides), 2)  # a divisor is fine
+
+
+def test_tensor_parallel_refuses_tied_embeddings():
+    with pytest.raises(ConfigError, match="tie_embeddings"):
+        check_tensor_parallel_degree(llama(tie_embeddings=True), 2)
+
+
+def test_data_parallel_size_fills_the_mesh():
+    assert data_parallel_size({"_target_": "ddp"}, world_size=8, devices_per_node=8) == 8
+    assert data_parallel_size({"data_parallel_size": "auto", "tensor_parallel_size": 2}, 8, 8) == 4
+    assert data_parallel_size({"data_parallel_size": 1, "tensor_parallel_size": "auto"}, 8, 8) == 1
+    assert data_parallel_size({"data_parallel_size": "auto", "tensor_parallel_size": "auto"}, 16, 8) == 2
+
+
+@pytest.mark.parametrize(
+    "strategy, message",
+    [
+        ({"data_parallel_size": "auto", "tensor_parallel_size": 3}, "tensor_parallel_size=3 does not divide the 8 devices"),
+        ({"data_parallel_size": 2, "tensor_parallel_size": 2}, "data_parallel_size=2 x tensor_parallel_size=2 must equal the 8 devices"),
+    ],
+)
+def test_mesh_that_does_not_match_the_devices_is_a_clear_error(strategy, message):
+    with pytest.raises(ConfigError, match=message):
+        data_parallel_size(strategy, world_size=8, devices_per_node=8)
