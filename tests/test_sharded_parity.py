@@ -19,6 +19,7 @@ LAYOUTS = {
     "fsdp-activation-checkpointing": ["strategy=fsdp", "trainer.devices=2", "strategy.activation_checkpointing=true"],
     "fsdp2": ["strategy=fsdp2", "trainer.devices=2"],
     "fsdp2-activation-checkpointing": ["strategy=fsdp2", "trainer.devices=2", "strategy.activation_checkpointing=true"],
+    "fsdp2-compiled-blocks": ["strategy=fsdp2", "trainer.devices=2", "strategy.compile=true"],
     "tp": ["strategy=tp", "trainer.devices=2"],
     "tp-sequence-parallel": ["strategy=tp", "trainer.devices=2", "strategy.sequence_parallel=true"],
     "tp2-fsdp2-2d": ["strategy=tp_fsdp", "trainer.devices=4"],
