@@ -26,7 +26,11 @@ def test_run_moves_from_tensor_parallel_to_fsdp2_to_one_device(tiny_shards, unin
     assert (checkpoints / "last.ckpt").is_file() and (checkpoints / "last-sharded.ckpt").is_dir()  # kept, not overwritten
 
 
-@pytest.mark.parametrize("layout", [["strategy=fsdp"], ["strategy=tp_fsdp", "trainer.devices=4"]], ids=["fsdp", "tp_fsdp"])
+@pytest.mark.parametrize(
+    "layout",
+    [["strategy=fsdp"], ["strategy=fsdp2"], ["strategy=tp"], ["strategy=tp_fsdp", "trainer.devices=4"]],
+    ids=["fsdp", "fsdp2", "tp", "tp_fsdp"],
+)
 def test_sharded_run_resumes_in_its_own_layout(tiny_shards, uninterrupted_reference, tmp_path, layout):
     layout = ["trainer.devices=2", *layout]  # a later trainer.devices wins
     run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=7", *layout)

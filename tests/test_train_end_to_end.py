@@ -82,6 +82,13 @@ def test_trainer_settings_the_entry_point_computes_are_refused(tiny_shards, tmp_
     assert "trainer.accumulate_grad_batches is computed by project.train: set global_batch_size" in result.stderr
 
 
+def test_cpu_offload_on_a_cpu_run_is_a_clear_error(tiny_shards, tmp_path):
+    args = train_overrides(tiny_shards, tmp_path, "strategy=fsdp", "strategy.cpu_offload=true", "trainer.devices=2", "global_batch_size=8")
+    result = run_module("project.train", args)
+    assert result.returncode == 2
+    assert "this run is already on the CPU: set strategy.cpu_offload=false" in result.stderr
+
+
 def test_checkpoint_loads_back_into_a_llama(debug_run):
     from project import Llama, LlamaLitModule
 

@@ -29,6 +29,11 @@ class CPUCapableFSDPStrategy(FSDPStrategy):
         self.hybrid_shard_size = hybrid_shard_size
 
     def setup_environment(self) -> None:
+        if self.cpu_offload.offload_params and self.root_device.type == "cpu":
+            raise ConfigError(
+                "strategy.cpu_offload=true moves parameters from GPU memory to the CPU between uses; "
+                "this run is already on the CPU: set strategy.cpu_offload=false."
+            )
         super().setup_environment()
         if self.sharding_strategy.name == "HYBRID_SHARD":
             size = self.hybrid_shard_size or self.num_processes  # default: shard within a node
