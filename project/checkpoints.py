@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
+from torch.distributed.checkpoint import FileSystemReader
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
+
+from project.errors import ConfigError
 
 
 def load_full_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -45,20 +49,77 @@ def _index_keyed(optimizer_state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def resumable_by(strategy: Strategy, ckpt_path: str | None, run_dir: Path) -> str | None:
-    """`ckpt_path`, or a single-file copy of it where `strategy` cannot read a sharded folder.
+def _name_keyed(optimizer_state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """torch.optim's positions -> parameter names, given the names in the optimizer's order.
 
-    FSDP and ModelParallelStrategy load sharded folders themselves, resharding to their own layout.
-    Single-device and DDP runs resume from a consolidated file, written (atomically, whichever rank
-    gets there first) beside the run's checkpoints.
+    Lightning maps positions to names itself when a sharded strategy loads a single file, but in
+    the module's parameter order, which is not the optimizer's when there are several groups.
     """
-    if ckpt_path is None or not Path(ckpt_path).is_dir() or isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+    positions = [i for group in optimizer_state["param_groups"] for i in group["params"]]
+    if not positions or isinstance(positions[0], str):
+        return optimizer_state
+    if len(positions) != len(names):
+        raise ConfigError(
+            f"the checkpoint's optimizer holds {len(positions)} parameters, this model {len(names)}: "
+            "resume with the model config the checkpoint was trained with."
+        )
+    return {
+        "state": {names[i]: value for i, value in optimizer_state["state"].items()},
+        "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in optimizer_state["param_groups"]],
+    }
+
+
+def checkpoint_format(path: str | Path) -> str:
+    """"file" (one torch.save file), or the strategy family that wrote a sharded folder.
+
+    FSDP1 ("fsdp") keeps the weights under the top-level key "model", ModelParallelStrategy
+    ("model_parallel": fsdp2, tp, tp_fsdp) under "state_dict"; neither loads the other's folder.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return "file"
+    keys = FileSystemReader(path).read_metadata().state_dict_metadata
+    return "fsdp" if any(key.startswith("model.") for key in keys) else "model_parallel"
+
+
+def _shards_by_name(strategy: Strategy) -> bool:
+    return isinstance(strategy, (FSDPStrategy, ModelParallelStrategy))
+
+
+def _loads_as_is(strategy: Strategy, path: str) -> bool:
+    fmt = checkpoint_format(path)
+    if fmt != "file":  # a sharded strategy reshards its own family's folders as it loads them
+        return isinstance(strategy, {"fsdp": FSDPStrategy, "model_parallel": ModelParallelStrategy}[fmt])
+    if not _shards_by_name(strategy):
+        return True
+    optimizers = torch.load(path, map_location="cpu", mmap=True, weights_only=False).get("optimizer_states") or [{}]
+    return all(isinstance(next(iter(state.get("state", {})), ""), str) for state in optimizers)
+
+
+def resumable_by(strategy: Strategy, ckpt_path: str | None, run_dir: Path, parameter_names: list[str]) -> str | None:
+    """`ckpt_path`, or a single-file copy of it that `strategy` resumes from correctly.
+
+    Sharded strategies load folders of their own family (resharding them) and single files whose
+    optimizer state is keyed by parameter name; single-device and DDP runs load single files keyed
+    by position. Anything else is converted into checkpoints/resume-<name> beside the run's
+    checkpoints, a copy reused while it is newer than its source (so ranks started after the first,
+    or a second resume, do not write it again). `parameter_names` are the names in the optimizer's
+    order. The whole model must fit in CPU memory.
+    """
+    if ckpt_path is None or _loads_as_is(strategy, ckpt_path):
         return ckpt_path
-    checkpoint = load_full_checkpoint(ckpt_path)
-    checkpoint["optimizer_states"] = [_index_keyed(state) for state in checkpoint.get("optimizer_states", [])]
-    target = run_dir / "checkpoints" / f"consolidated-{Path(ckpt_path).name}"
+    source = Path(ckpt_path)
+    target = run_dir / "checkpoints" / f"resume-{source.name}"
+    newest = max(f.stat().st_mtime for f in source.iterdir()) if source.is_dir() else source.stat().st_mtime
+    if target.exists() and target.stat().st_mtime >= newest and _loads_as_is(strategy, str(target)):
+        return str(target)
+    checkpoint = load_full_checkpoint(source)
+    states = [_index_keyed(state) for state in checkpoint.get("optimizer_states", [])]
+    if _shards_by_name(strategy):
+        states = [_name_keyed(state, parameter_names) for state in states]
+    checkpoint["optimizer_states"] = states
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.{os.getpid()}")
+    partial = target.with_name(f".{target.name}.{os.getpid()}")  # written whole, then renamed into place
     torch.save(checkpoint, partial)
     os.replace(partial, target)
     return str(target)
@@ -94,7 +155,8 @@ def keep_previous_last(strategy: Strategy, checkpoint_dir: Path) -> Path | None:
 
     A run resumed under another layout writes last.ckpt in its own format; writing a file where a
     folder stands (or the reverse) would fail part-way and lose the new checkpoint. The old one is
-    renamed, never deleted. Returns its new path, if it was moved.
+    renamed, never deleted. Returns its new path, if it was moved. Call it on one rank, after
+    every rank has loaded the checkpoint it resumes from (which may be this very last.ckpt).
     """
     last = checkpoint_dir / "last.ckpt"
     if not last.exists() or last.is_dir() == writes_sharded_checkpoints(strategy):
@@ -104,8 +166,36 @@ def keep_previous_last(strategy: Strategy, checkpoint_dir: Path) -> Path | None:
     while target.exists():
         n += 1
         target = checkpoint_dir / f"last-{kind}-{n}.ckpt"
-    try:
-        last.rename(target)
-    except FileNotFoundError:  # another rank of this run moved it first
-        return None
+    last.rename(target)
     return target
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def swap_in(staged: Path, target: Path) -> None:
+    """Put a fully written checkpoint (file or folder) at `target`, replacing what was there.
+
+    A file replaces a file atomically. A folder cannot replace a folder in one step: the old one
+    is renamed `<target>.old` first and removed last, and `previous_checkpoint` finds it if the
+    process dies in between.
+    """
+    if staged.is_file() and not target.is_dir():
+        os.replace(staged, target)
+        return
+    old = target.with_name(f"{target.name}.old")
+    if target.exists():
+        remove(old)
+        target.rename(old)
+    staged.rename(target)
+    remove(old)  # only now: it may be all a run that died mid-swap has
+
+
+def previous_checkpoint(target: Path) -> Path | None:
+    """The checkpoint `swap_in` had moved aside when its process died, if any."""
+    old = target.with_name(f"{target.name}.old")
+    return old if old.exists() else None

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
 from lightning.pytorch import LightningModule
 from torchmetrics import MeanMetric
 
@@ -57,7 +60,11 @@ class LlamaLitModule(LightningModule):
         optim: OptimConfig | dict | None = None,
         document_mask: bool = False,
         eos_id: int | None = None,
+        init_on_meta: bool = False,
     ):
+        """`init_on_meta`: build the model without memory, for a strategy that shards it in
+        `configure_model` and initializes the shards (LlamaParallelStrategy), so that no rank
+        ever holds the whole model. Not a hyperparameter: a checkpoint loads either way."""
         super().__init__()
         model_cfg = model if isinstance(model, LlamaConfig) else LlamaConfig(**model)
         optim_cfg = optim if isinstance(optim, OptimConfig) else OptimConfig(**(optim or {}))
@@ -65,7 +72,8 @@ class LlamaLitModule(LightningModule):
             raise ValueError("document_mask needs the tokenizer's eos_id")
         self.save_hyperparameters({"model": asdict(model_cfg), "optim": asdict(optim_cfg), "document_mask": document_mask, "eos_id": eos_id})
         self.optim = optim_cfg
-        self.model = Llama(model_cfg)
+        with torch.device("meta") if init_on_meta else contextlib.nullcontext():
+            self.model = Llama(model_cfg)
         self.val_loss = MeanMetric()
         self._loss_sum = 0.0  # micro-batch losses since the last optimizer step
         self._loss_count = 0
@@ -86,7 +94,10 @@ class LlamaLitModule(LightningModule):
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         doc_ids = document_ids(inputs, self.hparams.eos_id) if self.hparams.document_mask else None
         logits = self.model(inputs, doc_ids)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        # Logits split over the vocabulary (tensor parallel with loss_parallel) give a replicated
+        # DTensor; logging and accumulation want a plain tensor. The conversion is differentiable.
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(*batch)
@@ -119,14 +130,24 @@ class LlamaLitModule(LightningModule):
         self.log("val/loss", loss, prog_bar=True, sync_dist=False)
         self.log("val/ppl", torch.exp(loss))
 
+    def decay_groups(self) -> list[tuple[float, list[tuple[str, nn.Parameter]]]]:
+        """(weight decay, [(name, parameter)]) per AdamW group: weight matrices and the embedding decay,
+        norm gains do not. Chosen by name, not by p.ndim: FSDP1 with use_orig_params exposes each
+        parameter as a flat 1-D shard. Names are relative to this module, as in checkpoints."""
+        named = [(f"model.{name}", p) for name, p in self.model.named_parameters() if p.requires_grad]
+        is_gain = [name.endswith("norm.weight") for name, _ in named]
+        return [
+            (self.optim.weight_decay, [item for item, gain in zip(named, is_gain) if not gain]),
+            (0.0, [item for item, gain in zip(named, is_gain) if gain]),
+        ]
+
+    def optimizer_parameter_names(self) -> list[str]:
+        """Parameter names in the optimizer's order (torch.optim numbers them group after group)."""
+        return [name for _, group in self.decay_groups() for name, _ in group]
+
     def configure_optimizers(self):
-        # Decay weight matrices (and the embedding), not norm gains. Chosen by name, not by p.ndim:
-        # FSDP1 with use_orig_params exposes each parameter as a flat 1-D shard.
-        params = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
-        decay = [p for name, p in params if not name.endswith("norm.weight")]
-        no_decay = [p for name, p in params if name.endswith("norm.weight")]
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            [{"params": [p for _, p in group], "weight_decay": decay} for decay, group in self.decay_groups()],
             lr=self.optim.lr,
             betas=tuple(self.optim.betas),
             eps=self.optim.eps,

@@ -18,23 +18,27 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
-from lightning.pytorch.callbacks import ModelCheckpoint
-
 from project.callbacks import MemoryMonitor, StepCheckpoint, StepProgressBar, TokenThroughput
-from project.checkpoints import keep_previous_last, resumable_by
+from project.checkpoints import previous_checkpoint, resumable_by
 from project.data.datamodule import TokenShardDataModule
 from project.errors import ConfigError, exit_on_config_error
 from project.lit_module import LlamaLitModule
 from project.loggers import build_loggers
-from project.parallel import data_parallel_size, plan_batches
+from project.model import LlamaConfig
+from project.parallel import mesh_shape, plan_batches
+from project.parallel.tensor_parallel import check_tensor_parallel_degree
 
 
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     if ckpt_path is None:
         return None
     path = run_dir / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
+    if not path.exists() and previous_checkpoint(path) is not None:
+        rank_zero_info(f"{path} was being replaced when the run stopped: resuming from the previous one")
+        path = previous_checkpoint(path)
     if not path.exists():  # a file, or a folder from a sharded strategy
         hint = (
             " `ckpt_path=last` resumes the run in this run directory: pass the directory of the run to resume "
@@ -73,7 +77,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
             raise ConfigError(f"trainer.{key} is computed by project.train: {fix}.")
     checkpoints = [
         # last.ckpt every N steps and after the final step, for resuming ...
-        StepCheckpoint(dirpath=run_dir / "checkpoints", save_top_k=0, save_last=True, every_n_train_steps=cfg.ckpt_every_n_steps),
+        StepCheckpoint(dirpath=run_dir / "checkpoints", every_n_train_steps=cfg.ckpt_every_n_steps),
         # ... and the best model, ranked when each validation ends, so by its own val/loss.
         ModelCheckpoint(
             dirpath=run_dir / "checkpoints",
@@ -89,19 +93,26 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(StepProgressBar())
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-    return L.Trainer(
-        **trainer_kwargs,
-        strategy=instantiate(cfg.strategy, _convert_="all"),
-        callbacks=callbacks,
-        logger=build_loggers(cfg, run_dir),
-        default_root_dir=run_dir,
-        check_val_every_n_epoch=None,  # validation is counted in steps: the training stream has no epochs
-        use_distributed_sampler=False,  # our sampler splits by data-parallel replica, not by global rank
-    )
+    strategy, loggers = instantiate(cfg.strategy, _convert_="all"), build_loggers(cfg, run_dir)
+    try:
+        return L.Trainer(
+            **trainer_kwargs,
+            strategy=strategy,
+            callbacks=callbacks,
+            logger=loggers,
+            default_root_dir=run_dir,
+            check_val_every_n_epoch=None,  # validation is counted in steps: the training stream has no epochs
+            use_distributed_sampler=False,  # our sampler splits by data-parallel replica, not by global rank
+        )
+    except (ValueError, MisconfigurationException) as error:  # Lightning's word on devices, precision, strategy
+        choice = HydraConfig.get().runtime.choices.get("strategy")
+        raise ConfigError(f"Lightning refused the trainer settings (trainer.*, strategy={choice}): {error}") from error
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
     logging.getLogger("litdata").setLevel(logging.WARNING)  # per-chunk INFO lines drown the progress bar
+    # Lightning advertises a cloud logger on every run.
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(lambda record: not str(record.msg).startswith("💡"))
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     L.seed_everything(cfg.seed, workers=True)
 
@@ -113,9 +124,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
             f"not trainer.devices={requested}: choose a multi-device strategy (strategy=ddp) or trainer.devices={trainer.num_devices}."
         )
     limit_cpu_threads(trainer, cfg.threads_per_process)
-    replicas = data_parallel_size(
-        OmegaConf.to_container(cfg.strategy, resolve=True), trainer.num_nodes * trainer.num_devices, trainer.num_devices
-    )
+    strategy_cfg = OmegaConf.to_container(cfg.strategy, resolve=True)
+    replicas, tp = mesh_shape(strategy_cfg, trainer.num_nodes * trainer.num_devices, trainer.num_devices)
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    if tp > 1:
+        sequence_parallel = strategy_cfg.get("sequence_parallel", False)
+        check_tensor_parallel_degree(LlamaConfig(**model_cfg), tp, cfg.data.seq_len if sequence_parallel else None)
     plan = plan_batches(cfg.global_batch_size, replicas, cfg.micro_batch_size)
     # The Trainer resolves devices and nodes; only then is the accumulation count known.
     trainer.accumulate_grad_batches = plan.accumulate_grad_batches
@@ -130,7 +144,6 @@ def train(cfg: DictConfig) -> dict[str, float]:
         num_workers=cfg.data.loader_workers,
         val_sequences=cfg.val_sequences,
     )
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     if model_cfg["vocab_size"] < datamodule.vocab_size:
         raise ConfigError(
             f"model.vocab_size={model_cfg['vocab_size']} is smaller than the tokenizer's {datamodule.vocab_size} "
@@ -143,6 +156,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         optim=OmegaConf.to_container(cfg.optim, resolve=True),
         document_mask=cfg.document_mask,
         eos_id=datamodule.eos_id,
+        # Strategies that shard the model themselves also initialize it, after sharding.
+        init_on_meta=hasattr(trainer.strategy, "parallelize"),
     )
     if trainer.is_global_zero:
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
@@ -150,12 +165,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         f"run dir: {run_dir}\nbatch: global {plan.global_batch_size} = micro {plan.micro_batch_size} x "
         f"{plan.accumulate_grad_batches} accumulation x {plan.data_parallel_size} data-parallel replicas"
     )
-    ckpt_path = resumable_by(trainer.strategy, resolve_ckpt_path(cfg.ckpt_path, run_dir), run_dir)
-    moved = keep_previous_last(trainer.strategy, run_dir / "checkpoints")
-    if moved is not None:
-        if ckpt_path == str(run_dir / "checkpoints" / "last.ckpt"):
-            ckpt_path = str(moved)
-        rank_zero_info(f"the previous last.ckpt, of another layout's format, is now {moved}")
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
+    ckpt_path = resumable_by(trainer.strategy, ckpt_path, run_dir, module.optimizer_parameter_names())
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     rank_zero_info(

@@ -3,14 +3,14 @@
 import pytest
 
 from project.errors import ConfigError
-from project.model import Llama, LlamaConfig
+from project.model import LlamaConfig
 from project.parallel import data_parallel_size
 from project.parallel.tensor_parallel import check_tensor_parallel_degree
 
 
 def llama(**overrides):
     fields = dict(vocab_size=96, dim=64, n_layers=1, n_heads=8, n_kv_heads=4, multiple_of=32)
-    return Llama(LlamaConfig(**{**fields, **overrides}))
+    return LlamaConfig(**{**fields, **overrides})
 
 
 @pytest.mark.parametrize(
@@ -21,6 +21,12 @@ def test_tensor_parallel_degree_must_divide_heads_and_widths(overrides, setting)
     with pytest.raises(ConfigError, match=f"{setting} is not divisible by strategy.tensor_parallel_size=4"):
         check_tensor_parallel_degree(llama(**overrides), 4)
     check_tensor_parallel_degree(llama(**overrides), 2)  # a divisor is fine
+
+
+def test_sequence_parallel_needs_a_sequence_length_the_degree_divides():
+    with pytest.raises(ConfigError, match="data.seq_len=30 is not divisible by strategy.tensor_parallel_size=4"):
+        check_tensor_parallel_degree(llama(), 4, sequence_parallel_seq_len=30)
+    check_tensor_parallel_degree(llama(), 4, sequence_parallel_seq_len=32)
 
 
 def test_tensor_parallel_refuses_tied_embeddings():

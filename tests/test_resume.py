@@ -64,7 +64,7 @@ class RecordBatches(L.LightningModule):
 def fit(shards, run_dir, max_steps, ckpt_path=None):
     module = RecordBatches()
     data = TokenShardDataModule(str(shards), seq_len=32, global_batch_size=4, micro_batch_size=2, num_workers=0)
-    checkpoint = StepCheckpoint(dirpath=run_dir, save_top_k=0, save_last=True, every_n_train_steps=100)
+    checkpoint = StepCheckpoint(dirpath=run_dir, every_n_train_steps=100)
     trainer = L.Trainer(
         max_steps=max_steps, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False,
         callbacks=[checkpoint], enable_progress_bar=False, enable_model_summary=False,

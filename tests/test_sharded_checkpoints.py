@@ -26,6 +26,24 @@ def test_run_moves_from_tensor_parallel_to_fsdp2_to_one_device(tiny_shards, unin
     assert (checkpoints / "last.ckpt").is_file() and (checkpoints / "last-sharded.ckpt").is_dir()  # kept, not overwritten
 
 
+def test_every_checkpoint_format_resumes_under_every_other_family(tiny_shards, uninterrupted_reference, tmp_path):
+    """A single file, FSDP1 folders and ModelParallel folders each load under the other strategies."""
+    chain = [
+        [],  # one device writes a single file ...
+        ["strategy=fsdp", "trainer.devices=2"],  # ... FSDP1 reads it (optimizer keyed by position) ...
+        ["strategy=fsdp2", "trainer.devices=2"],  # ... FSDP2 reads FSDP1's folder ...
+        ["strategy=fsdp", "trainer.devices=2"],  # ... and FSDP1 FSDP2's ...
+        ["strategy=ddp", "trainer.devices=2"],  # ... and two DDP processes (Lightning starts the second) FSDP1's.
+    ]
+    for hop, layout in enumerate(chain):
+        resume = ["ckpt_path=last"] if hop else []
+        run_train(tiny_shards, tmp_path, *RESUME_RUN, f"trainer.max_steps={4 * (hop + 1)}", *resume, *layout)
+    assert_continues(tmp_path, uninterrupted_reference, 20)
+    left = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if not p.name.startswith("best"))
+    # Each change of format moved the old last.ckpt aside once; no converted copies or partial saves remain.
+    assert left == ["last-file.ckpt", "last-sharded.ckpt", "last.ckpt"]
+
+
 @pytest.mark.parametrize(
     "layout",
     [["strategy=fsdp"], ["strategy=fsdp2"], ["strategy=tp"], ["strategy=tp_fsdp", "trainer.devices=4"]],

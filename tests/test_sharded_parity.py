@@ -15,14 +15,17 @@ pytestmark = pytest.mark.slow
 LAYOUTS = {
     "fsdp-full-shard": ["strategy=fsdp", "trainer.devices=2"],
     "fsdp-shard-grad-op": ["strategy=fsdp", "trainer.devices=2", "strategy.sharding_strategy=SHARD_GRAD_OP"],
+    "fsdp-no-shard": ["strategy=fsdp", "trainer.devices=2", "strategy.sharding_strategy=NO_SHARD"],
     "fsdp-hybrid-2x2": ["strategy=fsdp", "trainer.devices=4", "strategy.sharding_strategy=HYBRID_SHARD", "strategy.hybrid_shard_size=2"],
     "fsdp-activation-checkpointing": ["strategy=fsdp", "trainer.devices=2", "strategy.activation_checkpointing=true"],
     "fsdp2": ["strategy=fsdp2", "trainer.devices=2"],
     "fsdp2-activation-checkpointing": ["strategy=fsdp2", "trainer.devices=2", "strategy.activation_checkpointing=true"],
     "fsdp2-compiled-blocks": ["strategy=fsdp2", "trainer.devices=2", "strategy.compile=true"],
-    "tp": ["strategy=tp", "trainer.devices=2"],
+    "tp": ["strategy=tp", "trainer.devices=2"],  # loss on vocabulary-split logits (loss_parallel)
+    "tp-gathered-logits": ["strategy=tp", "trainer.devices=2", "strategy.loss_parallel=false"],
     "tp-sequence-parallel": ["strategy=tp", "trainer.devices=2", "strategy.sequence_parallel=true"],
     "tp2-fsdp2-2d": ["strategy=tp_fsdp", "trainer.devices=4"],
+    "tp2-sequence-parallel-fsdp2-2d": ["strategy=tp_fsdp", "trainer.devices=4", "strategy.sequence_parallel=true"],
 }
 
 
@@ -43,3 +46,15 @@ def test_layout_matches_single_device_loss_and_weights(tiny_shards, single_refer
         # 12 AdamW steps of up to 3e-3 each: reductions summed in another order leave ~1e-6
         # differences; 1e-5 is well under a single step's change, so a wrong update still fails.
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_fsdp2_computes_in_bfloat16_when_asked(tiny_shards, single_reference, tmp_path):
+    """param_dtype=bfloat16 really changes the compute dtype, and training stays close to float32's."""
+    same_schedule = [*PARITY_RUN, "optim.decay_steps=12", "trainer.max_steps=3"]  # 3 of the reference's 12 steps
+    run_train(tiny_shards, tmp_path, *same_schedule, "strategy=fsdp2", "trainer.devices=2", "strategy.param_dtype=bfloat16")
+    reference, loss = read_metrics(single_reference, "train/loss"), read_metrics(tmp_path, "train/loss")
+    for step in range(3):
+        assert loss[step] != reference[step]  # float32 would agree to ~1e-7
+        assert loss[step] == pytest.approx(reference[step], rel=2e-2)  # bfloat16 keeps about 3 significant digits
+    weights = load_full_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["state_dict"]
+    assert all(w.dtype == torch.float32 for w in weights.values())  # the sharded master weights stay float32

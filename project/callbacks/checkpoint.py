@@ -2,22 +2,62 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+from weakref import proxy
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
+
+from project.checkpoints import keep_previous_last, remove, swap_in
 
 
 class StepCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint that also writes last.ckpt after the step that reaches max_steps.
+    """ModelCheckpoint for last.ckpt that also saves after the step that reaches max_steps.
 
     `trainer.save_checkpoint` after `fit` would record a finished epoch, and a run resumed from it
     (to train longer) would start a new epoch with shifted step counters. Saving from the batch
     hook, as the periodic checkpoints do, keeps the mid-stream state that resumes exactly.
+
+    Each save is written beside last.ckpt and then swapped in, so a run killed while saving
+    (preemption, out of memory) keeps its previous last.ckpt. A run resumed under another layout
+    (a sharded folder, now a single file, or the reverse) first moves the old last.ckpt aside.
     """
+
+    def __init__(self, **kwargs: Any):
+        # Always last.ckpt, never last-v1.ckpt: a run directory moved elsewhere restores a stale
+        # last_model_path, and Lightning would then version the name, leaving `ckpt_path=last` behind.
+        super().__init__(save_top_k=0, save_last=True, enable_version_counter=False, **kwargs)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Training starts after the checkpoint is restored on every rank, and before anything is saved.
+        trainer.strategy.barrier("checkpoint restored")
+        if trainer.is_global_zero and self.dirpath is not None:
+            moved = keep_previous_last(trainer.strategy, Path(self.dirpath))
+            if moved is not None:
+                rank_zero_info(f"the previous last.ckpt, of another layout's format, is now {moved}")
+            for copy in Path(self.dirpath).glob("resume-*"):  # converted for loading, now loaded
+                copy.unlink()
+        trainer.strategy.barrier("last.ckpt moved aside")
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         final = trainer.global_step == trainer.max_steps
         if final and self._last_global_step_saved != trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        staged = Path(f"{filepath}.partial")
+        if trainer.is_global_zero:
+            remove(staged)  # left by a save that was killed: never mix old shards with new
+        trainer.strategy.barrier("stale partial checkpoint removed")
+        trainer.save_checkpoint(staged, self.save_weights_only)  # ends with a barrier: every rank has written
+        if trainer.is_global_zero:
+            swap_in(staged, Path(filepath))
+        trainer.strategy.barrier("last.ckpt swapped in")
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))

@@ -8,6 +8,7 @@ match Hugging Face's LlamaForCausalLM, so export is a rename and no permutation.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -59,12 +60,16 @@ class LlamaConfig:
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
 
-def rope_frequencies(config: LlamaConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with Llama-3.1 scaling when configured."""
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim))
+def rope_frequencies(config: LlamaConfig, device: torch.device | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] in float32, with Llama-3.1 scaling when configured.
+
+    Computed in float32 like Hugging Face's, so that exported models rotate identically.
+    """
+    exponents = torch.arange(0, config.head_dim, 2, device=device, dtype=torch.float32) / config.head_dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
     s = config.rope_scaling
     if s is None:
-        return inv_freq.float()
+        return inv_freq
     # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
     low_wavelen = s["original_max_position_embeddings"] / s["low_freq_factor"]
     high_wavelen = s["original_max_position_embeddings"] / s["high_freq_factor"]
@@ -74,8 +79,7 @@ def rope_frequencies(config: LlamaConfig) -> torch.Tensor:
     )
     interpolated = (1 - smooth) * inv_freq / s["factor"] + smooth * inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / s["factor"], interpolated)
-    scaled = torch.where(wavelen < high_wavelen, inv_freq, scaled)
-    return scaled.float()
+    return torch.where(wavelen < high_wavelen, inv_freq, scaled)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -152,6 +156,11 @@ class Llama(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
+        # One draw from the global generator (seeded by the run), first: building the layers below
+        # draws from it too, but not on the meta device. Each parameter's own generator derives
+        # from this seed and the parameter's name, so its values depend on neither the order nor
+        # the device it is initialized on, nor on how it is sharded.
+        self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         # A ModuleDict keyed by layer index keeps names stable when pipeline stages drop layers.
         self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
@@ -159,26 +168,38 @@ class Llama(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("inv_freq", rope_frequencies(config), persistent=False)
-        self.init_weights()
+        if not self.output.weight.is_meta:  # built on the meta device: initialized after sharding
+            self.init_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Normal(0, init_std) everywhere; residual projections scaled by 1/sqrt(2 * n_layers) (GPT-2)."""
-        std = self.config.init_std
-        residual_std = std / math.sqrt(2 * self.config.n_layers)
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(p)
-            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-                nn.init.normal_(p, mean=0.0, std=residual_std)
-            else:
-                nn.init.normal_(p, mean=0.0, std=std)
-        self.inv_freq.copy_(rope_frequencies(self.config).to(self.inv_freq.device))
+            p.copy_(self.initial_value(name))
 
-    def rope(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
-        angles = torch.outer(positions, self.inv_freq.float())
+    def initial_value(self, name: str) -> torch.Tensor:
+        """The whole initial value of parameter `name`, on the CPU.
+
+        Normal(0, init_std); residual projections (attention.wo, feed_forward.w2) scaled by
+        1/sqrt(2 * n_layers) as in GPT-2; norm gains 1.
+        """
+        shape = self.get_parameter(name).shape  # the global shape, also for a sharded parameter
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, device="cpu")
+        std = self.config.init_std
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            std /= math.sqrt(2 * self.config.n_layers)
+        generator = torch.Generator().manual_seed(zlib.crc32(f"{self.init_seed}/{name}".encode()))
+        return torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)
+
+    def rope(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, head_dim] of the rotary angles, computed in float32 and then cast to `dtype`.
+
+        The frequencies are recomputed on each call rather than kept in a buffer: mixed precision
+        (bf16-true, FSDP's buffer_dtype) casts buffers to bfloat16, whose 8-bit mantissa puts the
+        angles of late positions off by whole radians.
+        """
+        positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+        angles = torch.outer(positions, rope_frequencies(self.config, device))
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -192,7 +213,7 @@ class Llama(nn.Module):
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.config.max_seq_len}.")
         h = self.tok_embeddings(tokens)
-        cos, sin = self.rope(T, h.dtype)
+        cos, sin = self.rope(T, h.device, h.dtype)
         mask = None
         if document_ids is not None:
             causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()

@@ -16,11 +16,13 @@ def apply_fsdp2(model: Llama, mesh: DeviceMesh, param_dtype: str | None = None, 
 
     Sharding each block separately lets one block's parameters be gathered while the previous
     block computes; the root call covers the embedding, final norm and output head.
-    `param_dtype`/`reduce_dtype` (None: keep float32) are the compute and gradient-reduction dtypes.
+    `param_dtype` (None: float32) is the compute dtype; `reduce_dtype` (None: float32) the dtype
+    gradients are reduce-scattered in. torch's own default for the latter is `param_dtype`, which
+    would sum bfloat16 gradients across ranks; we keep float32 unless asked, as torchtitan does.
     """
     policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[param_dtype] if param_dtype else None,
-        reduce_dtype=DTYPES[reduce_dtype] if reduce_dtype else None,
+        reduce_dtype=DTYPES[reduce_dtype or "float32"],
     )
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=policy)

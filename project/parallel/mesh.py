@@ -7,8 +7,8 @@ from typing import Any, Mapping
 from project.errors import ConfigError
 
 
-def data_parallel_size(strategy_cfg: Mapping[str, Any], world_size: int, devices_per_node: int) -> int:
-    """Number of model replicas: the world divided by the ranks that hold one replica together.
+def mesh_shape(strategy_cfg: Mapping[str, Any], world_size: int, devices_per_node: int) -> tuple[int, int]:
+    """(data_parallel_size, tensor_parallel_size): model replicas, and the ranks that hold one together.
 
     `tensor_parallel_size: auto` takes what `data_parallel_size` leaves, or a whole node.
     """
@@ -27,4 +27,9 @@ def data_parallel_size(strategy_cfg: Mapping[str, Any], world_size: int, devices
             f"strategy.data_parallel_size={dp} x tensor_parallel_size={tp} must equal the {world_size} devices "
             "(trainer.devices x trainer.num_nodes); set data_parallel_size=auto to fill the mesh."
         )
-    return replicas
+    return replicas, int(tp)
+
+
+def data_parallel_size(strategy_cfg: Mapping[str, Any], world_size: int, devices_per_node: int) -> int:
+    """Number of model replicas, which split the global batch between them."""
+    return mesh_shape(strategy_cfg, world_size, devices_per_node)[0]

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from project.errors import ConfigError
 from project.model.llama import Llama
 from project.parallel.fsdp2 import DTYPES, apply_fsdp2
+from project.parallel.init import materialize
 from project.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -24,7 +29,10 @@ class LlamaParallelStrategy(ModelParallelStrategy):
     """The mesh is (data_parallel, tensor_parallel); `parallelize` runs in configure_model.
 
     Order, as in torchtitan: the tensor-parallel plan on the `tensor_parallel` dimension, activation
-    checkpointing of blocks, torch.compile per block, then FSDP2 over `data_parallel`.
+    checkpointing of blocks, torch.compile per block, then FSDP2 over `data_parallel`; a model built
+    on the meta device is only then given memory and initialized, shard by shard. With
+    `loss_parallel` (the default) the training and validation steps and the backward pass run
+    inside torch's loss_parallel context, so the loss works on vocabulary-split logits.
     """
 
     def __init__(
@@ -32,6 +40,7 @@ class LlamaParallelStrategy(ModelParallelStrategy):
         data_parallel_size: int | str = "auto",
         tensor_parallel_size: int | str = "auto",
         sequence_parallel: bool = False,
+        loss_parallel: bool = True,
         activation_checkpointing: bool = False,
         compile: bool = False,
         param_dtype: str | None = None,
@@ -47,6 +56,7 @@ class LlamaParallelStrategy(ModelParallelStrategy):
             if dtype is not None and dtype not in DTYPES:
                 raise ConfigError(f"strategy.{name}={dtype!r}: choose one of {list(DTYPES)} or null.")
         self.sequence_parallel = sequence_parallel
+        self.loss_parallel = loss_parallel
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
@@ -64,7 +74,7 @@ class LlamaParallelStrategy(ModelParallelStrategy):
     def parallelize(self, model: Llama) -> None:
         tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
         if tp_mesh.size() > 1:
-            apply_tensor_parallel(model, tp_mesh, self.sequence_parallel)
+            apply_tensor_parallel(model, tp_mesh, self.sequence_parallel, self.loss_parallel)
         for block in model.layers.values():
             # In place, so parameter names (and checkpoints) stay those of the plain model.
             if self.activation_checkpointing:
@@ -72,6 +82,25 @@ class LlamaParallelStrategy(ModelParallelStrategy):
             if self.compile:
                 block.compile()
         apply_fsdp2(model, dp_mesh, self.param_dtype, self.reduce_dtype)
+        if model.output.weight.is_meta:  # built without memory (LlamaLitModule(init_on_meta=True))
+            materialize(model, self.root_device)
+
+    def _loss_context(self) -> contextlib.AbstractContextManager:
+        # Vocabulary-split logits need torch's loss_parallel around the loss and its backward.
+        sharded_logits = self.loss_parallel and self.device_mesh["tensor_parallel"].size() > 1
+        return loss_parallel() if sharded_logits else contextlib.nullcontext()
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().validation_step(*args, **kwargs)
+
+    def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with self._loss_context():
+            return super().backward(closure_loss, *args, **kwargs)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm over all shards and tensor-parallel slices (before clipping).

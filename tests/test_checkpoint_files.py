@@ -1,0 +1,69 @@
+"""Checkpoint file handling: optimizer state keys across formats, and saves that cannot lose last.ckpt."""
+
+import torch
+
+from project.checkpoints import _index_keyed, _name_keyed, previous_checkpoint, swap_in
+from project.lit_module import LlamaLitModule
+from project.train import resolve_ckpt_path
+
+MODEL = {"vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 16}
+
+
+def stepped_module() -> tuple[LlamaLitModule, torch.optim.Optimizer]:
+    module = LlamaLitModule(model=MODEL, optim={"lr": 1e-3, "warmup_steps": 0, "decay_steps": 10})
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for _, p in group], "weight_decay": decay} for decay, group in module.decay_groups()]
+    )
+    module.model(torch.randint(0, 64, (2, 8))).sum().backward()
+    optimizer.step()
+    return module, optimizer
+
+
+def test_optimizer_state_keyed_by_name_follows_the_optimizer_order_not_the_module_order():
+    module, optimizer = stepped_module()
+    by_name = _name_keyed(optimizer.state_dict(), module.optimizer_parameter_names())
+    shapes = dict(module.named_parameters())
+    assert set(by_name["state"]) == set(shapes)
+    for name, state in by_name["state"].items():
+        assert state["exp_avg"].shape == shapes[name].shape, name  # norms and matrices interleave in module order
+    assert by_name["param_groups"][1]["params"] == [n for n in shapes if n.endswith("norm.weight")]
+
+
+def test_optimizer_state_round_trips_between_name_and_position_keys():
+    module, optimizer = stepped_module()
+    by_position = optimizer.state_dict()
+    back = _index_keyed(_name_keyed(by_position, module.optimizer_parameter_names()))
+    assert back["param_groups"] == by_position["param_groups"]
+    for i, state in by_position["state"].items():
+        torch.testing.assert_close(back["state"][i], state, rtol=0, atol=0)
+
+
+def test_a_saved_folder_replaces_the_previous_one_whole(tmp_path):
+    target, staged = tmp_path / "last.ckpt", tmp_path / "last.ckpt.partial"
+    target.mkdir()
+    (target / "__2_0.distcp").write_text("a shard of the old layout")
+    staged.mkdir()
+    (staged / "__0_0.distcp").write_text("new")
+    swap_in(staged, target)
+    assert [p.name for p in target.iterdir()] == ["__0_0.distcp"]
+    assert not staged.exists() and previous_checkpoint(target) is None
+
+
+def test_a_saved_file_replaces_the_previous_one(tmp_path):
+    target, staged = tmp_path / "last.ckpt", tmp_path / "last.ckpt.partial"
+    target.write_text("old")
+    staged.write_text("new")
+    swap_in(staged, target)
+    assert target.read_text() == "new" and not staged.exists()
+
+
+def test_resume_finds_the_checkpoint_a_run_killed_mid_swap_had_moved_aside(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    (checkpoints / "last.ckpt.old").mkdir()  # renamed away; the new folder never arrived
+    (checkpoints / "last.ckpt.partial").mkdir()
+    assert resolve_ckpt_path("last", tmp_path) == str(checkpoints / "last.ckpt.old")
+    staged = checkpoints / "last.ckpt.partial"
+    (staged / "__0_0.distcp").write_text("new")
+    swap_in(staged, checkpoints / "last.ckpt")  # the resumed run's first save clears it up
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]
