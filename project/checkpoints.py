@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
-from torch.distributed.checkpoint import FileSystemReader
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.utilities import rank_zero_info
+from torch.distributed.checkpoint import FileSystemReader
 
 from project.errors import ConfigError
 
@@ -86,42 +89,63 @@ def _shards_by_name(strategy: Strategy) -> bool:
     return isinstance(strategy, (FSDPStrategy, ModelParallelStrategy))
 
 
-def _loads_as_is(strategy: Strategy, path: str) -> bool:
+def _keyed_by_name(optimizer_state: dict[str, Any]) -> bool:
+    params = [p for group in optimizer_state.get("param_groups", []) for p in group["params"]]
+    return not params or isinstance(params[0], str)
+
+
+def _loads_as_is(strategy: Strategy, path: Path) -> bool:
     fmt = checkpoint_format(path)
     if fmt != "file":  # a sharded strategy reshards its own family's folders as it loads them
         return isinstance(strategy, {"fsdp": FSDPStrategy, "model_parallel": ModelParallelStrategy}[fmt])
     if not _shards_by_name(strategy):
         return True
-    optimizers = torch.load(path, map_location="cpu", mmap=True, weights_only=False).get("optimizer_states") or [{}]
-    return all(isinstance(next(iter(state.get("state", {})), ""), str) for state in optimizers)
+    optimizers = torch.load(path, map_location="cpu", mmap=True, weights_only=False).get("optimizer_states", [])
+    return all(_keyed_by_name(state) for state in optimizers)
 
 
-def resumable_by(strategy: Strategy, ckpt_path: str | None, run_dir: Path, parameter_names: list[str]) -> str | None:
+def _fingerprint(source: Path, by_name: bool) -> str:
+    """Names a conversion after its source's path, size and age: equal for all ranks, new when the source changes."""
+    files = [f for f in source.iterdir()] if source.is_dir() else [source]
+    stats = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return hashlib.sha1(repr((str(source.resolve()), stats, by_name)).encode()).hexdigest()[:12]
+
+
+def resumable_by(
+    strategy: Strategy, ckpt_path: str | None, run_dir: Path, parameter_names: list[str], converts: bool, wait_s: float = 3600
+) -> str | None:
     """`ckpt_path`, or a single-file copy of it that `strategy` resumes from correctly.
 
     Sharded strategies load folders of their own family (resharding them) and single files whose
     optimizer state is keyed by parameter name; single-device and DDP runs load single files keyed
-    by position. Anything else is converted into checkpoints/resume-<name> beside the run's
-    checkpoints, a copy reused while it is newer than its source (so ranks started after the first,
-    or a second resume, do not write it again). `parameter_names` are the names in the optimizer's
-    order. The whole model must fit in CPU memory.
+    by position. Anything else is converted into checkpoints/resume-<fingerprint>.ckpt by the one
+    process with `converts` (the first of the run; the whole checkpoint passes through its CPU
+    memory) while the others wait for the file. `parameter_names` are the names in the
+    optimizer's order. StepCheckpoint deletes the copy once every rank has loaded it.
     """
-    if ckpt_path is None or _loads_as_is(strategy, ckpt_path):
+    if ckpt_path is None or _loads_as_is(strategy, Path(ckpt_path)):
         return ckpt_path
-    source = Path(ckpt_path)
-    target = run_dir / "checkpoints" / f"resume-{source.name}"
-    newest = max(f.stat().st_mtime for f in source.iterdir()) if source.is_dir() else source.stat().st_mtime
-    if target.exists() and target.stat().st_mtime >= newest and _loads_as_is(strategy, str(target)):
-        return str(target)
-    checkpoint = load_full_checkpoint(source)
-    states = [_index_keyed(state) for state in checkpoint.get("optimizer_states", [])]
-    if _shards_by_name(strategy):
-        states = [_name_keyed(state, parameter_names) for state in states]
-    checkpoint["optimizer_states"] = states
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.{os.getpid()}")  # written whole, then renamed into place
-    torch.save(checkpoint, partial)
-    os.replace(partial, target)
+    source, by_name = Path(ckpt_path), _shards_by_name(strategy)
+    target = run_dir / "checkpoints" / f"resume-{_fingerprint(source, by_name)}.ckpt"
+    if converts and not target.exists():
+        rank_zero_info(f"converting {source} for this layout into {target} ...")
+        checkpoint = load_full_checkpoint(source)
+        states = [_index_keyed(state) for state in checkpoint.get("optimizer_states", [])]
+        if by_name:
+            states = [_name_keyed(state, parameter_names) for state in states]
+        checkpoint["optimizer_states"] = states
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.partial")  # written whole, then renamed into place
+        torch.save(checkpoint, partial)
+        os.replace(partial, target)
+    deadline = time.monotonic() + wait_s
+    while not target.exists():
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"ckpt_path={ckpt_path}: waited {wait_s:.0f} s for the first process to convert it into {target}; "
+                "check that process's log, and that all processes share the run directory's file system."
+            )
+        time.sleep(1)
     return str(target)
 
 
@@ -144,32 +168,6 @@ def rebase_batch_progress(checkpoint: dict[str, Any], accumulate_grad_batches: i
         counts["completed"] = counts["ready"] - in_flight
 
 
-def writes_sharded_checkpoints(strategy: Strategy) -> bool:
-    if isinstance(strategy, ModelParallelStrategy):
-        return strategy._save_distributed_checkpoint
-    return isinstance(strategy, FSDPStrategy) and strategy._state_dict_type == "sharded"
-
-
-def keep_previous_last(strategy: Strategy, checkpoint_dir: Path) -> Path | None:
-    """Move a last.ckpt of the other kind (folder vs file) aside, so that this run can write its own.
-
-    A run resumed under another layout writes last.ckpt in its own format; writing a file where a
-    folder stands (or the reverse) would fail part-way and lose the new checkpoint. The old one is
-    renamed, never deleted. Returns its new path, if it was moved. Call it on one rank, after
-    every rank has loaded the checkpoint it resumes from (which may be this very last.ckpt).
-    """
-    last = checkpoint_dir / "last.ckpt"
-    if not last.exists() or last.is_dir() == writes_sharded_checkpoints(strategy):
-        return None
-    kind = "sharded" if last.is_dir() else "file"
-    target, n = checkpoint_dir / f"last-{kind}.ckpt", 1
-    while target.exists():
-        n += 1
-        target = checkpoint_dir / f"last-{kind}-{n}.ckpt"
-    last.rename(target)
-    return target
-
-
 def remove(path: Path) -> None:
     if path.is_dir():
         shutil.rmtree(path)
@@ -177,22 +175,32 @@ def remove(path: Path) -> None:
         path.unlink()
 
 
-def swap_in(staged: Path, target: Path) -> None:
+def swap_in(staged: Path, target: Path) -> Path | None:
     """Put a fully written checkpoint (file or folder) at `target`, replacing what was there.
 
-    A file replaces a file atomically. A folder cannot replace a folder in one step: the old one
-    is renamed `<target>.old` first and removed last, and `previous_checkpoint` finds it if the
-    process dies in between.
+    A file replaces a file atomically. Otherwise the old one is renamed `<target>.old` first and
+    removed last, and `previous_checkpoint` finds it if the process dies in between. An old one of
+    the other format (a folder where a file now goes, or the reverse: a run resumed under another
+    layout) is kept instead, as `last-sharded.ckpt` or `last-file.ckpt`; its path is returned.
     """
-    if staged.is_file() and not target.is_dir():
-        os.replace(staged, target)
-        return
     old = target.with_name(f"{target.name}.old")
+    if staged.is_file() and target.is_file():
+        os.replace(staged, target)
+        remove(old)
+        return None
     if target.exists():
         remove(old)
         target.rename(old)
     staged.rename(target)
-    remove(old)  # only now: it may be all a run that died mid-swap has
+    if not old.exists() or old.is_dir() == target.is_dir():
+        remove(old)  # only now: it may be all a run that died mid-swap has
+        return None
+    kept, n = target.with_name(f"{target.stem}-{'sharded' if old.is_dir() else 'file'}{target.suffix}"), 1
+    while kept.exists():
+        n += 1
+        kept = target.with_name(f"{target.stem}-{'sharded' if old.is_dir() else 'file'}-{n}{target.suffix}")
+    old.rename(kept)
+    return kept
 
 
 def previous_checkpoint(target: Path) -> Path | None:

@@ -61,10 +61,13 @@ class LlamaLitModule(LightningModule):
         document_mask: bool = False,
         eos_id: int | None = None,
         init_on_meta: bool = False,
+        weights_from_checkpoint: bool = False,
     ):
         """`init_on_meta`: build the model without memory, for a strategy that shards it in
         `configure_model` and initializes the shards (LlamaParallelStrategy), so that no rank
-        ever holds the whole model. Not a hyperparameter: a checkpoint loads either way."""
+        ever holds the whole model; with `weights_from_checkpoint` (a resumed run) the shards are
+        only allocated, and the checkpoint fills them. Neither is a hyperparameter: a checkpoint
+        loads either way."""
         super().__init__()
         model_cfg = model if isinstance(model, LlamaConfig) else LlamaConfig(**model)
         optim_cfg = optim if isinstance(optim, OptimConfig) else OptimConfig(**(optim or {}))
@@ -78,13 +81,14 @@ class LlamaLitModule(LightningModule):
         self._loss_sum = 0.0  # micro-batch losses since the last optimizer step
         self._loss_count = 0
         self._parallelized = False
+        self._weights_from_checkpoint = weights_from_checkpoint
 
     def configure_model(self) -> None:
         # Strategies that split the model itself (tensor parallel, FSDP2) do so here, on their mesh.
         # load_from_checkpoint calls this too, with no trainer: the plain model is what it wants.
         parallelize = getattr(self._trainer.strategy, "parallelize", None) if self._trainer is not None else None
         if parallelize is not None and not self._parallelized:
-            parallelize(self.model)
+            parallelize(self.model, initialize=not self._weights_from_checkpoint)
             self._parallelized = True
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:

@@ -59,6 +59,13 @@ def limit_cpu_threads(trainer: L.Trainer, threads_per_process: int | None) -> No
         torch.set_num_threads(threads)
 
 
+def is_first_process(trainer: L.Trainer) -> bool:
+    """Global rank 0, known before the process group exists: from torchrun's or SLURM's variables,
+    or, under Lightning's own launcher, from being the process that launches the others."""
+    env = getattr(trainer.strategy, "cluster_environment", None)
+    return env is None or (env.global_rank() == 0 and env.local_rank() == 0 and env.node_rank() == 0)
+
+
 # Derived from the batch plan and the step-based schedule; a value set by hand would silently disagree.
 COMPUTED_TRAINER_KEYS = {
     "accumulate_grad_batches": "set global_batch_size and micro_batch_size instead",
@@ -158,6 +165,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         eos_id=datamodule.eos_id,
         # Strategies that shard the model themselves also initialize it, after sharding.
         init_on_meta=hasattr(trainer.strategy, "parallelize"),
+        weights_from_checkpoint=cfg.ckpt_path is not None,
     )
     if trainer.is_global_zero:
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
@@ -166,7 +174,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
         f"{plan.accumulate_grad_batches} accumulation x {plan.data_parallel_size} data-parallel replicas"
     )
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
-    ckpt_path = resumable_by(trainer.strategy, ckpt_path, run_dir, module.optimizer_parameter_names())
+    ckpt_path = resumable_by(
+        trainer.strategy, ckpt_path, run_dir, module.optimizer_parameter_names(), converts=is_first_process(trainer)
+    )
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     rank_zero_info(

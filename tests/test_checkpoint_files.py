@@ -1,8 +1,11 @@
 """Checkpoint file handling: optimizer state keys across formats, and saves that cannot lose last.ckpt."""
 
+import pytest
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
 
-from project.checkpoints import _index_keyed, _name_keyed, previous_checkpoint, swap_in
+from project.checkpoints import _index_keyed, _name_keyed, previous_checkpoint, resumable_by, swap_in
+from project.errors import ConfigError
 from project.lit_module import LlamaLitModule
 from project.train import resolve_ckpt_path
 
@@ -67,3 +70,52 @@ def test_resume_finds_the_checkpoint_a_run_killed_mid_swap_had_moved_aside(tmp_p
     (staged / "__0_0.distcp").write_text("new")
     swap_in(staged, checkpoints / "last.ckpt")  # the resumed run's first save clears it up
     assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]
+
+
+def test_a_checkpoint_of_the_other_format_is_kept_under_another_name(tmp_path):
+    target, staged = tmp_path / "last.ckpt", tmp_path / "last.ckpt.partial"
+    target.mkdir()  # a sharded run's folder ...
+    (target / "__0_0.distcp").write_text("sharded")
+    staged.write_text("file")  # ... and now a single-device run's file
+    kept = swap_in(staged, target)
+    assert kept == tmp_path / "last-sharded.ckpt" and (kept / "__0_0.distcp").read_text() == "sharded"
+    assert target.read_text() == "file"
+    staged.mkdir()  # and back to a folder: the file is kept too, the folder's name not reused
+    assert swap_in(staged, target) == tmp_path / "last-file.ckpt" and target.is_dir()
+
+
+def test_a_stale_old_checkpoint_is_removed_by_the_next_file_save(tmp_path):
+    target, staged = tmp_path / "last.ckpt", tmp_path / "last.ckpt.partial"
+    (tmp_path / "last.ckpt.old").mkdir()
+    target.write_text("old")
+    staged.write_text("new")
+    swap_in(staged, target)
+    assert previous_checkpoint(target) is None  # a later `ckpt_path=last` cannot fall back to it
+
+
+def test_processes_that_do_not_convert_wait_for_the_copy_and_give_up_clearly(tmp_path):
+    strategy = ModelParallelStrategy.__new__(ModelParallelStrategy)  # only its type matters here
+    with pytest.raises(ConfigError, match="waited 0 s for the first process to convert it"):
+        resumable_by(strategy, str(stepped_file(tmp_path)), tmp_path / "run", [], converts=False, wait_s=0)
+
+
+def stepped_file(tmp_path):
+    """A single-file checkpoint whose optimizer state is keyed by position."""
+    module, optimizer = stepped_module()
+    path = tmp_path / "single.ckpt"
+    torch.save({"state_dict": module.state_dict(), "optimizer_states": [optimizer.state_dict()]}, path)
+    return path
+
+
+def test_a_single_file_is_converted_once_for_a_sharded_strategy_with_optimizer_state_keyed_by_name(tmp_path):
+    module, _ = stepped_module()
+    strategy = ModelParallelStrategy.__new__(ModelParallelStrategy)
+    source = stepped_file(tmp_path)
+    converted = resumable_by(strategy, str(source), tmp_path, module.optimizer_parameter_names(), converts=True)
+    assert converted != str(source)
+    state = torch.load(converted, weights_only=False)["optimizer_states"][0]
+    assert set(state["state"]) == {name for name, _ in module.named_parameters()}
+    # every other process finds the same copy without converting it again
+    assert resumable_by(strategy, str(source), tmp_path, [], converts=False, wait_s=0) == converted
+    # and a copy keyed by name loads as it is
+    assert resumable_by(strategy, converted, tmp_path, [], converts=False, wait_s=0) == converted

@@ -116,11 +116,19 @@ def test_model_module_imports_no_distributed_lightning_or_hydra():
     assert "import torch.distributed" not in source and "lightning" not in source and "hydra" not in source
 
 
-def test_rotary_angles_stay_float32_precise_when_the_model_is_cast_to_bfloat16():
-    """bf16-true and FSDP's buffer_dtype cast buffers; rotary angles of late positions must not follow."""
+def test_rotary_angles_stay_float32_precise_in_a_bfloat16_model():
+    """bf16-true casts the model and makes bfloat16 the default dtype; FSDP casts buffers. The rotary
+    angles of late positions must still be computed in float32: bfloat16's 8-bit mantissa would put
+    them off by whole radians."""
     config = LlamaConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, max_seq_len=4096)
     cos32, sin32 = Llama(config).rope(4096, torch.device("cpu"), torch.float32)
-    cos16, sin16 = Llama(config).to(torch.bfloat16).rope(4096, torch.device("cpu"), torch.bfloat16)
+    model = Llama(config).to(torch.bfloat16)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        cos16, sin16 = model.rope(4096, torch.device("cpu"), torch.bfloat16)
+    finally:
+        torch.set_default_dtype(default)
     # Only the final cast to bfloat16 may differ: half a bf16 ulp on values within [-1, 1].
     torch.testing.assert_close(cos16.float(), cos32, atol=2**-8, rtol=0)
     torch.testing.assert_close(sin16.float(), sin32, atol=2**-8, rtol=0)

@@ -10,7 +10,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
-from project.checkpoints import keep_previous_last, remove, swap_in
+from project.checkpoints import remove, swap_in
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -21,8 +21,8 @@ class StepCheckpoint(ModelCheckpoint):
     hook, as the periodic checkpoints do, keeps the mid-stream state that resumes exactly.
 
     Each save is written beside last.ckpt and then swapped in, so a run killed while saving
-    (preemption, out of memory) keeps its previous last.ckpt. A run resumed under another layout
-    (a sharded folder, now a single file, or the reverse) first moves the old last.ckpt aside.
+    (preemption, out of memory) keeps its previous last.ckpt; one of another layout's format (a
+    sharded folder, now a single file, or the reverse) is kept under another name.
     """
 
     def __init__(self, **kwargs: Any):
@@ -31,15 +31,12 @@ class StepCheckpoint(ModelCheckpoint):
         super().__init__(save_top_k=0, save_last=True, enable_version_counter=False, **kwargs)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Training starts after the checkpoint is restored on every rank, and before anything is saved.
+        super().on_train_start(trainer, pl_module)
+        # Every rank has restored its checkpoint by now: a copy converted for this layout is spent.
         trainer.strategy.barrier("checkpoint restored")
         if trainer.is_global_zero and self.dirpath is not None:
-            moved = keep_previous_last(trainer.strategy, Path(self.dirpath))
-            if moved is not None:
-                rank_zero_info(f"the previous last.ckpt, of another layout's format, is now {moved}")
-            for copy in Path(self.dirpath).glob("resume-*"):  # converted for loading, now loaded
+            for copy in [*Path(self.dirpath).glob("resume-*.ckpt"), *Path(self.dirpath).glob(".resume-*.partial")]:
                 copy.unlink()
-        trainer.strategy.barrier("last.ckpt moved aside")
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
@@ -54,7 +51,9 @@ class StepCheckpoint(ModelCheckpoint):
         trainer.strategy.barrier("stale partial checkpoint removed")
         trainer.save_checkpoint(staged, self.save_weights_only)  # ends with a barrier: every rank has written
         if trainer.is_global_zero:
-            swap_in(staged, Path(filepath))
+            kept = swap_in(staged, Path(filepath))
+            if kept is not None:
+                rank_zero_info(f"the previous {Path(filepath).name}, of another layout's format, is now {kept}")
         trainer.strategy.barrier("last.ckpt swapped in")
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath

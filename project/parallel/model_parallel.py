@@ -71,7 +71,9 @@ class LlamaParallelStrategy(ModelParallelStrategy):
             self._tensor_parallel_size = world // self._data_parallel_size
         super().setup_environment()
 
-    def parallelize(self, model: Llama) -> None:
+    def parallelize(self, model: Llama, initialize: bool = True) -> None:
+        """Shard `model` in place; one built on the meta device then gets memory, and, unless a
+        checkpoint is about to fill it (`initialize=False`), its single-device initial values."""
         tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
         if tp_mesh.size() > 1:
             apply_tensor_parallel(model, tp_mesh, self.sequence_parallel, self.loss_parallel)
@@ -83,7 +85,7 @@ class LlamaParallelStrategy(ModelParallelStrategy):
                 block.compile()
         apply_fsdp2(model, dp_mesh, self.param_dtype, self.reduce_dtype)
         if model.output.weight.is_meta:  # built without memory (LlamaLitModule(init_on_meta=True))
-            materialize(model, self.root_device)
+            materialize(model, self.root_device, initialize)
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         # Vocabulary-split logits need torch's loss_parallel around the loss and its backward.
@@ -97,6 +99,10 @@ class LlamaParallelStrategy(ModelParallelStrategy):
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._loss_context():
             return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().test_step(*args, **kwargs)
 
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         with self._loss_context():
