@@ -119,3 +119,17 @@ def test_a_single_file_is_converted_once_for_a_sharded_strategy_with_optimizer_s
     assert resumable_by(strategy, str(source), tmp_path, [], converts=False, wait_s=0) == converted
     # and a copy keyed by name loads as it is
     assert resumable_by(strategy, converted, tmp_path, [], converts=False, wait_s=0) == converted
+
+
+def test_a_failed_swap_on_rank_zero_is_an_error_on_every_rank(tmp_path):
+    from types import SimpleNamespace
+
+    from project.callbacks import StepCheckpoint
+
+    sent = []
+    strategy = SimpleNamespace(broadcast=lambda obj: sent.append(obj) or obj)  # what rank 0 tells the others
+    trainer = SimpleNamespace(is_global_zero=True, strategy=strategy)
+    missing = tmp_path / "never-written.partial"
+    with pytest.raises(RuntimeError, match="rank 0 could not put the checkpoint in place"):
+        StepCheckpoint._on_rank_zero(trainer, swap_in, missing, tmp_path / "last.ckpt")
+    assert sent and sent[0][0] is False  # the other ranks receive the failure rather than wait

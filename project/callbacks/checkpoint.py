@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from weakref import proxy
 
 from lightning.pytorch import LightningModule, Trainer
@@ -46,17 +46,28 @@ class StepCheckpoint(ModelCheckpoint):
 
     def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
         staged = Path(f"{filepath}.partial")
-        if trainer.is_global_zero:
-            remove(staged)  # left by a save that was killed: never mix old shards with new
-        trainer.strategy.barrier("stale partial checkpoint removed")
+        # Only rank 0 touches the files; the others learn whether it worked (or they would wait for
+        # it at the next collective until the process group times out).
+        self._on_rank_zero(trainer, remove, staged)  # left by a save that was killed: never mix old shards with new
         trainer.save_checkpoint(staged, self.save_weights_only)  # ends with a barrier: every rank has written
-        if trainer.is_global_zero:
-            kept = swap_in(staged, Path(filepath))
-            if kept is not None:
-                rank_zero_info(f"the previous {Path(filepath).name}, of another layout's format, is now {kept}")
-        trainer.strategy.barrier("last.ckpt swapped in")
+        kept = self._on_rank_zero(trainer, swap_in, staged, Path(filepath))
+        if kept is not None:
+            rank_zero_info(f"the previous {Path(filepath).name}, of another layout's format, is now {kept}")
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(self))
+
+    @staticmethod
+    def _on_rank_zero(trainer: Trainer, fn: Callable[..., Any], *args: Any) -> Any:
+        outcome: tuple[bool, Any] = (True, None)
+        if trainer.is_global_zero:
+            try:
+                outcome = (True, fn(*args))
+            except OSError as error:  # a full disk, permissions
+                outcome = (False, f"{type(error).__name__}: {error}")
+        ok, value = trainer.strategy.broadcast(outcome)
+        if not ok:
+            raise RuntimeError(f"rank 0 could not put the checkpoint in place ({fn.__name__}{args}): {value}")
+        return value
