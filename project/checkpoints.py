@@ -8,7 +8,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
@@ -40,16 +40,24 @@ def load_full_checkpoint(path: str | Path) -> dict[str, Any]:
     return checkpoint
 
 
+def _keyed_by_name(optimizer_state: dict[str, Any]) -> bool:
+    params = [p for group in optimizer_state.get("param_groups", []) for p in group["params"]]
+    return not params or isinstance(params[0], str)
+
+
+def _rekeyed(optimizer_state: dict[str, Any], key: Mapping[Any, Any]) -> dict[str, Any]:
+    return {
+        "state": {key[k]: value for k, value in optimizer_state["state"].items()},
+        "param_groups": [{**group, "params": [key[k] for k in group["params"]]} for group in optimizer_state["param_groups"]],
+    }
+
+
 def _index_keyed(optimizer_state: dict[str, Any]) -> dict[str, Any]:
     """A distributed checkpoint keys optimizer state by parameter name; torch.optim wants positions."""
-    names = [name for group in optimizer_state["param_groups"] for name in group["params"]]
-    if not names or not isinstance(names[0], str):
+    if not _keyed_by_name(optimizer_state):
         return optimizer_state
-    position = {name: i for i, name in enumerate(names)}
-    return {
-        "state": {position[name]: value for name, value in optimizer_state["state"].items()},
-        "param_groups": [{**group, "params": [position[n] for n in group["params"]]} for group in optimizer_state["param_groups"]],
-    }
+    names = [name for group in optimizer_state["param_groups"] for name in group["params"]]
+    return _rekeyed(optimizer_state, {name: i for i, name in enumerate(names)})
 
 
 def _name_keyed(optimizer_state: dict[str, Any], names: list[str]) -> dict[str, Any]:
@@ -58,18 +66,15 @@ def _name_keyed(optimizer_state: dict[str, Any], names: list[str]) -> dict[str, 
     Lightning maps positions to names itself when a sharded strategy loads a single file, but in
     the module's parameter order, which is not the optimizer's when there are several groups.
     """
-    positions = [i for group in optimizer_state["param_groups"] for i in group["params"]]
-    if not positions or isinstance(positions[0], str):
+    if _keyed_by_name(optimizer_state):
         return optimizer_state
-    if len(positions) != len(names):
+    positions = sum(len(group["params"]) for group in optimizer_state["param_groups"])
+    if positions != len(names):
         raise ConfigError(
-            f"the checkpoint's optimizer holds {len(positions)} parameters, this model {len(names)}: "
+            f"the checkpoint's optimizer holds {positions} parameters, this model {len(names)}: "
             "resume with the model config the checkpoint was trained with."
         )
-    return {
-        "state": {names[i]: value for i, value in optimizer_state["state"].items()},
-        "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in optimizer_state["param_groups"]],
-    }
+    return _rekeyed(optimizer_state, dict(enumerate(names)))
 
 
 def checkpoint_format(path: str | Path) -> str:
@@ -87,11 +92,6 @@ def checkpoint_format(path: str | Path) -> str:
 
 def _shards_by_name(strategy: Strategy) -> bool:
     return isinstance(strategy, (FSDPStrategy, ModelParallelStrategy))
-
-
-def _keyed_by_name(optimizer_state: dict[str, Any]) -> bool:
-    params = [p for group in optimizer_state.get("param_groups", []) for p in group["params"]]
-    return not params or isinstance(params[0], str)
 
 
 def _loads_as_is(strategy: Strategy, path: Path) -> bool:

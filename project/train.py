@@ -16,6 +16,7 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -36,9 +37,10 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
     if ckpt_path is None:
         return None
     path = run_dir / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
-    if not path.exists() and previous_checkpoint(path) is not None:
+    previous = previous_checkpoint(path)
+    if not path.exists() and previous is not None:
         rank_zero_info(f"{path} was being replaced when the run stopped: resuming from the previous one")
-        path = previous_checkpoint(path)
+        path = previous
     if not path.exists():  # a file, or a folder from a sharded strategy
         hint = (
             " `ckpt_path=last` resumes the run in this run directory: pass the directory of the run to resume "
@@ -53,7 +55,7 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
 def limit_cpu_threads(trainer: L.Trainer, threads_per_process: int | None) -> None:
     # Several processes sharing a few cores thrash if each takes all threads (about 30x slower on 2 cores).
     # Runs before fit, so the ranks Lightning launches inherit the setting.
-    if trainer.accelerator.__class__.__name__ == "CPUAccelerator" and trainer.num_devices > 1:
+    if isinstance(trainer.accelerator, CPUAccelerator) and trainer.num_devices > 1:
         threads = threads_per_process or 1
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)

@@ -4,7 +4,7 @@ import pytest
 
 from project.errors import ConfigError
 from project.model import LlamaConfig
-from project.parallel import data_parallel_size
+from project.parallel import mesh_shape
 from project.parallel.tensor_parallel import check_tensor_parallel_degree
 
 
@@ -35,10 +35,10 @@ def test_tensor_parallel_refuses_tied_embeddings():
 
 
 def test_data_parallel_size_fills_the_mesh():
-    assert data_parallel_size({"_target_": "ddp"}, world_size=8, devices_per_node=8) == 8
-    assert data_parallel_size({"data_parallel_size": "auto", "tensor_parallel_size": 2}, 8, 8) == 4
-    assert data_parallel_size({"data_parallel_size": 1, "tensor_parallel_size": "auto"}, 8, 8) == 1
-    assert data_parallel_size({"data_parallel_size": "auto", "tensor_parallel_size": "auto"}, 16, 8) == 2
+    assert mesh_shape({"_target_": "ddp"}, world_size=8, devices_per_node=8)[0] == 8
+    assert mesh_shape({"data_parallel_size": "auto", "tensor_parallel_size": 2}, 8, 8)[0] == 4
+    assert mesh_shape({"data_parallel_size": 1, "tensor_parallel_size": "auto"}, 8, 8)[0] == 1
+    assert mesh_shape({"data_parallel_size": "auto", "tensor_parallel_size": "auto"}, 16, 8)[0] == 2
 
 
 @pytest.mark.parametrize(
@@ -50,4 +50,4 @@ def test_data_parallel_size_fills_the_mesh():
 )
 def test_mesh_that_does_not_match_the_devices_is_a_clear_error(strategy, message):
     with pytest.raises(ConfigError, match=message):
-        data_parallel_size(strategy, world_size=8, devices_per_node=8)
+        mesh_shape(strategy, world_size=8, devices_per_node=8)

@@ -22,65 +22,66 @@ pytestmark = pytest.mark.slow
 CONFIG = LlamaConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=16)
 
 
-def free_port() -> int:
+def on_two_gloo_ranks(check, *args) -> None:
+    """Run `check(*args)` on two processes joined in a gloo group; an exception in either fails the test."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    mp.spawn(_join_and_check, args=(port, check, args), nprocs=2)
 
 
-def check_loss_parallel(rank: int, port: int, sequence_parallel: bool) -> None:
+def _join_and_check(rank: int, port: int, check, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        torch.manual_seed(0)
-        reference = Llama(CONFIG)
-        model = copy.deepcopy(reference)
-        apply_tensor_parallel(model, init_device_mesh("cpu", (2,)), sequence_parallel, loss_parallel=True)
-        tokens = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-        targets = tokens.roll(-1, dims=1)
-
-        logits = model(tokens)
-        # The full logits never exist on a rank: each holds its half of the vocabulary.
-        assert isinstance(logits, DTensor) and logits.placements == (Shard(2),), logits
-        assert logits.to_local().shape == (2, 16, CONFIG.vocab_size // 2)
-        with loss_parallel():
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-            loss.backward()
-        expected = F.cross_entropy(reference(tokens).flatten(0, 1), targets.flatten())
-        expected.backward()
-
-        torch.testing.assert_close(loss.full_tensor(), expected, rtol=1e-5, atol=0)
-        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            torch.testing.assert_close(grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+        check(*args)
     finally:
         dist.destroy_process_group()
+
+
+def check_loss_parallel(sequence_parallel: bool) -> None:
+    torch.manual_seed(0)
+    reference = Llama(CONFIG)
+    model = copy.deepcopy(reference)
+    apply_tensor_parallel(model, init_device_mesh("cpu", (2,)), sequence_parallel, loss_parallel=True)
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    targets = tokens.roll(-1, dims=1)
+
+    logits = model(tokens)
+    # The full logits never exist on a rank: each holds its half of the vocabulary.
+    assert isinstance(logits, DTensor) and logits.placements == (Shard(2),), logits
+    assert logits.to_local().shape == (2, 16, CONFIG.vocab_size // 2)
+    with loss_parallel():
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+    expected = F.cross_entropy(reference(tokens).flatten(0, 1), targets.flatten())
+    expected.backward()
+
+    torch.testing.assert_close(loss.full_tensor(), expected, rtol=1e-5, atol=0)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        torch.testing.assert_close(grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sequence-parallel"])
 def test_loss_on_vocabulary_split_logits_matches_one_device(sequence_parallel):
-    mp.spawn(check_loss_parallel, args=(free_port(), sequence_parallel), nprocs=2)
+    on_two_gloo_ranks(check_loss_parallel, sequence_parallel)
 
 
-def check_meta_init(rank: int, port: int, plan: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        torch.manual_seed(0)
-        reference = Llama(CONFIG)
-        torch.manual_seed(0)
-        with torch.device("meta"):
-            model = Llama(CONFIG)
-        mesh = init_device_mesh("cpu", (2,))
-        apply_tensor_parallel(model, mesh) if plan == "tp" else apply_fsdp2(model, mesh)
-        materialize(model, torch.device("cpu"))
-        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-            assert isinstance(p, DTensor) and p.to_local().numel() < q.numel() or name.endswith("norm.weight"), name
-            torch.testing.assert_close(p.full_tensor() if isinstance(p, DTensor) else p, q, rtol=0, atol=0, msg=name)
-    finally:
-        dist.destroy_process_group()
+def check_meta_init(plan: str) -> None:
+    torch.manual_seed(0)
+    reference = Llama(CONFIG)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Llama(CONFIG)
+    mesh = init_device_mesh("cpu", (2,))
+    apply_tensor_parallel(model, mesh) if plan == "tp" else apply_fsdp2(model, mesh)
+    materialize(model, torch.device("cpu"))
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert isinstance(p, DTensor) and p.to_local().numel() < q.numel() or name.endswith("norm.weight"), name
+        torch.testing.assert_close(p.full_tensor() if isinstance(p, DTensor) else p, q, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("plan", ["tp", "fsdp2"])
 def test_model_built_on_meta_and_sharded_starts_from_the_single_device_weights(plan):
-    mp.spawn(check_meta_init, args=(free_port(), plan), nprocs=2)
+    on_two_gloo_ranks(check_meta_init, plan)

@@ -29,7 +29,3 @@ def mesh_shape(strategy_cfg: Mapping[str, Any], world_size: int, devices_per_nod
         )
     return replicas, int(tp)
 
-
-def data_parallel_size(strategy_cfg: Mapping[str, Any], world_size: int, devices_per_node: int) -> int:
-    """Number of model replicas, which split the global batch between them."""
-    return mesh_shape(strategy_cfg, world_size, devices_per_node)[0]

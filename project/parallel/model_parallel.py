@@ -16,6 +16,7 @@ from project.errors import ConfigError
 from project.model.llama import Llama
 from project.parallel.fsdp2 import DTYPES, apply_fsdp2
 from project.parallel.init import materialize
+from project.parallel.mesh import mesh_shape
 from project.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -64,11 +65,9 @@ class LlamaParallelStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         # "auto" fills the mesh: Lightning's own default (data_parallel = number of nodes) would
         # not, with several devices per node and a fixed tensor-parallel size.
+        degrees = {"data_parallel_size": self._data_parallel_size, "tensor_parallel_size": self._tensor_parallel_size}
         world = self.num_nodes * self.num_processes
-        if self._data_parallel_size == "auto" and self._tensor_parallel_size != "auto":
-            self._data_parallel_size = world // self._tensor_parallel_size
-        elif self._tensor_parallel_size == "auto" and self._data_parallel_size != "auto":
-            self._tensor_parallel_size = world // self._data_parallel_size
+        self._data_parallel_size, self._tensor_parallel_size = mesh_shape(degrees, world, self.num_processes)
         super().setup_environment()
 
     def parallelize(self, model: Llama, initialize: bool = True) -> None:
