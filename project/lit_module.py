@@ -95,13 +95,21 @@ class LlamaLitModule(LightningModule):
         if self._trainer is not None:  # resuming a fit, not load_from_checkpoint
             rebase_batch_progress(checkpoint, self.trainer.accumulate_grad_batches)
 
-    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        doc_ids = document_ids(inputs, self.hparams.eos_id) if self.hparams.document_mask else None
-        logits = self.model(inputs, doc_ids)
+    def model_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's inputs besides the tokens: the documents, with document masking."""
+        return {"document_ids": document_ids(inputs, self.hparams.eos_id)} if self.hparams.document_mask else {}
+
+    def criterion(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy; targets of -100 (padding) are left out of the mean."""
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         # Logits split over the vocabulary (tensor parallel with loss_parallel) give a replicated
         # DTensor; logging and accumulation want a plain tensor. The conversion is differentiable.
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The batch's mean loss. A pipeline strategy runs this through its schedule instead
+        (model and criterion split over stages), for the duration of its training and validation steps."""
+        return self.criterion(self.model(inputs, **self.model_kwargs(inputs)), targets)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(*batch)

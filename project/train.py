@@ -29,7 +29,9 @@ from project.errors import ConfigError, exit_on_config_error
 from project.lit_module import LlamaLitModule
 from project.loggers import build_loggers
 from project.model import LlamaConfig
-from project.parallel import mesh_shape, plan_batches
+from project.parallel import mesh_shape, plan_batches, plan_pipeline_batches
+from project.parallel.pipeline import check_pipeline
+from project.parallel.pipeline_strategy import LlamaPipelineStrategy
 from project.parallel.tensor_parallel import check_tensor_parallel_degree
 
 
@@ -134,12 +136,21 @@ def train(cfg: DictConfig) -> dict[str, float]:
         )
     limit_cpu_threads(trainer, cfg.threads_per_process)
     strategy_cfg = OmegaConf.to_container(cfg.strategy, resolve=True)
-    replicas, tp = mesh_shape(strategy_cfg, trainer.num_nodes * trainer.num_devices, trainer.num_devices)
+    shape = mesh_shape(strategy_cfg, trainer.num_nodes * trainer.num_devices, trainer.num_devices)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    if tp > 1:
+    if shape.tensor_parallel > 1:
         sequence_parallel = strategy_cfg.get("sequence_parallel", False)
-        check_tensor_parallel_degree(LlamaConfig(**model_cfg), tp, cfg.data.seq_len if sequence_parallel else None)
-    plan = plan_batches(cfg.global_batch_size, replicas, cfg.micro_batch_size)
+        check_tensor_parallel_degree(LlamaConfig(**model_cfg), shape.tensor_parallel, cfg.data.seq_len if sequence_parallel else None)
+    if isinstance(trainer.strategy, LlamaPipelineStrategy):
+        plan = plan_pipeline_batches(cfg.global_batch_size, shape.data_parallel, cfg.micro_batch_size, strategy_cfg.get("n_microbatches"))
+        pipeline = trainer.strategy
+        check_pipeline(
+            LlamaConfig(**model_cfg), pipeline.schedule, shape.pipeline_parallel, pipeline.virtual_stages,
+            plan.pipeline_microbatches, pipeline.stage_layers, pipeline.compile,
+        )
+        pipeline.n_microbatches, pipeline.micro_batch_size = plan.pipeline_microbatches, plan.micro_batch_size
+    else:
+        plan = plan_batches(cfg.global_batch_size, shape.data_parallel, cfg.micro_batch_size)
     # The Trainer resolves devices and nodes; only then is the accumulation count known.
     trainer.accumulate_grad_batches = plan.accumulate_grad_batches
     trainer.val_check_interval = cfg.val_every_n_steps * plan.accumulate_grad_batches
@@ -148,7 +159,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         data_dir=cfg.data.dir,
         seq_len=cfg.data.seq_len,
         global_batch_size=plan.global_batch_size,
-        micro_batch_size=plan.micro_batch_size,
+        micro_batch_size=plan.loader_batch_size,
         seed=cfg.data.seed,
         num_workers=cfg.data.loader_workers,
         val_sequences=cfg.val_sequences,
@@ -171,9 +182,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
     )
     if trainer.is_global_zero:
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    steps_per_update = (
+        f"{plan.pipeline_microbatches} pipeline microbatches" if plan.pipeline_microbatches > 1 else f"{plan.accumulate_grad_batches} accumulation"
+    )
     rank_zero_info(
         f"run dir: {run_dir}\nbatch: global {plan.global_batch_size} = micro {plan.micro_batch_size} x "
-        f"{plan.accumulate_grad_batches} accumulation x {plan.data_parallel_size} data-parallel replicas"
+        f"{steps_per_update} x {plan.data_parallel_size} data-parallel replicas"
     )
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
     ckpt_path = resumable_by(

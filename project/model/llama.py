@@ -203,22 +203,29 @@ class Llama(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, T] -> logits [B, T, vocab_size].
+    def run_layers(
+        self, h: torch.Tensor, layers, seq_len: int, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Hidden states through `layers` (some or all of this model's blocks, in order).
 
-        document_ids [B, T], optional: tokens attend only to earlier tokens of the same document
-        (packed sequences); None gives plain causal attention.
+        `seq_len` is the sequence length of the tokens, which `h` may not show (sequence
+        parallelism splits it). document_ids [B, T], optional: tokens attend only to earlier tokens
+        of the same document (packed sequences); None gives plain causal attention.
         """
+        cos, sin = self.rope(seq_len, h.device, h.dtype)
+        mask = None
+        if document_ids is not None:
+            causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=h.device).tril()
+            same_doc = document_ids[:, :, None] == document_ids[:, None, :]
+            mask = (causal & same_doc)[:, None]  # [B, 1, T, T], broadcast over heads
+        for layer in layers:
+            h = layer(h, cos, sin, mask)
+        return h
+
+    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, vocab_size]; document_ids as in `run_layers`."""
         T = tokens.shape[1]
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.config.max_seq_len}.")
-        h = self.tok_embeddings(tokens)
-        cos, sin = self.rope(T, h.device, h.dtype)
-        mask = None
-        if document_ids is not None:
-            causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
-            same_doc = document_ids[:, :, None] == document_ids[:, None, :]
-            mask = (causal & same_doc)[:, None]  # [B, 1, T, T], broadcast over heads
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, mask)
+        h = self.run_layers(self.tok_embeddings(tokens), self.layers.values(), T, document_ids)
         return self.output(self.norm(h))

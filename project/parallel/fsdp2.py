@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -11,11 +12,12 @@ from project.model.llama import Llama
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def apply_fsdp2(model: Llama, mesh: DeviceMesh, param_dtype: str | None = None, reduce_dtype: str | None = None) -> None:
+def apply_fsdp2(model: Llama | nn.Module, mesh: DeviceMesh, param_dtype: str | None = None, reduce_dtype: str | None = None) -> None:
     """Shard parameters, gradients and optimizer state over `mesh`.
 
     Sharding each block separately lets one block's parameters be gathered while the previous
-    block computes; the root call covers the embedding, final norm and output head.
+    block computes; the root call covers the embedding, final norm and output head. `model` is a
+    Llama or a pipeline stage of one (anything whose blocks are in `layers`).
     `param_dtype` (None: float32) is the compute dtype; `reduce_dtype` (None: float32) the dtype
     gradients are reduce-scattered in. torch's own default for the latter is `param_dtype`, which
     would sum bfloat16 gradients across ranks; we keep float32 unless asked, as torchtitan does.

@@ -2,30 +2,56 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import math
+from typing import Any, Mapping, NamedTuple
 
 from project.errors import ConfigError
 
 
-def mesh_shape(strategy_cfg: Mapping[str, Any], world_size: int, devices_per_node: int) -> tuple[int, int]:
-    """(data_parallel_size, tensor_parallel_size): model replicas, and the ranks that hold one together.
+class MeshShape(NamedTuple):
+    """Degrees of the (pipeline, data, tensor) mesh. Ranks are laid out with tensor parallelism
+    innermost (neighbouring ranks, inside a node) and pipeline stages outermost (across nodes first)."""
 
-    `tensor_parallel_size: auto` takes what `data_parallel_size` leaves, or a whole node.
+    pipeline_parallel: int
+    data_parallel: int  # model replicas
+    tensor_parallel: int
+
+
+def mesh_shape(strategy_cfg: Mapping[str, Any], world_size: int, devices_per_node: int) -> MeshShape:
+    """The degrees a strategy config asks for on `world_size` devices.
+
+    `tensor_parallel_size: auto` takes what the other degrees leave, or a whole node;
+    `pipeline_parallel_size: auto` takes what tensor (and a fixed data) parallelism leave;
+    `data_parallel_size: auto` fills the rest. Strategies without a setting have degree 1 there
+    (data parallelism: auto).
     """
-    tp = strategy_cfg.get("tensor_parallel_size", 1)
+    pp = strategy_cfg.get("pipeline_parallel_size", 1)
     dp = strategy_cfg.get("data_parallel_size", "auto")
+    tp = strategy_cfg.get("tensor_parallel_size", 1)
     if tp == "auto":
-        tp = world_size // dp if dp != "auto" else devices_per_node
-    if world_size % int(tp):
+        tp = world_size // (int(pp) * int(dp)) if "auto" not in (pp, dp) else devices_per_node
+    if pp == "auto":
+        pp = world_size // (int(tp) * (1 if dp == "auto" else int(dp))) or 1
+    degrees = {"tensor_parallel_size": int(tp), "pipeline_parallel_size": int(pp)}
+    for name, degree in degrees.items():
+        if degree < 1 or world_size % degree:
+            raise ConfigError(
+                f"strategy.{name}={degree} does not divide the {world_size} devices: "
+                "choose a divisor of trainer.devices x trainer.num_nodes."
+            )
+    if world_size % math.prod(degrees.values()):
         raise ConfigError(
-            f"strategy.tensor_parallel_size={tp} does not divide the {world_size} devices: "
-            "choose a divisor of trainer.devices x trainer.num_nodes."
+            f"strategy.pipeline_parallel_size={pp} x tensor_parallel_size={tp} does not divide the {world_size} devices "
+            "(trainer.devices x trainer.num_nodes): choose degrees whose product divides it."
         )
-    replicas = world_size // int(tp)
+    replicas = world_size // math.prod(degrees.values())
     if dp != "auto" and int(dp) != replicas:
+        parts = [f"data_parallel_size={dp}", f"tensor_parallel_size={tp}"]
+        if "pipeline_parallel_size" in strategy_cfg:
+            parts.insert(0, f"pipeline_parallel_size={pp}")
+        named = " x ".join(parts)
         raise ConfigError(
-            f"strategy.data_parallel_size={dp} x tensor_parallel_size={tp} must equal the {world_size} devices "
+            f"strategy.{named} must equal the {world_size} devices "
             "(trainer.devices x trainer.num_nodes); set data_parallel_size=auto to fill the mesh."
         )
-    return replicas, int(tp)
-
+    return MeshShape(int(pp), replicas, int(tp))

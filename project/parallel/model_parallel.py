@@ -66,8 +66,8 @@ class LlamaParallelStrategy(ModelParallelStrategy):
         # "auto" fills the mesh: Lightning's own default (data_parallel = number of nodes) would
         # not, with several devices per node and a fixed tensor-parallel size.
         degrees = {"data_parallel_size": self._data_parallel_size, "tensor_parallel_size": self._tensor_parallel_size}
-        world = self.num_nodes * self.num_processes
-        self._data_parallel_size, self._tensor_parallel_size = mesh_shape(degrees, world, self.num_processes)
+        shape = mesh_shape(degrees, self.num_nodes * self.num_processes, self.num_processes)
+        self._data_parallel_size, self._tensor_parallel_size = shape.data_parallel, shape.tensor_parallel
         super().setup_environment()
 
     def parallelize(self, model: Llama, initialize: bool = True) -> None:
@@ -82,9 +82,14 @@ class LlamaParallelStrategy(ModelParallelStrategy):
                 checkpoint_activations(block)
             if self.compile:
                 block.compile()
-        apply_fsdp2(model, dp_mesh, self.param_dtype, self.reduce_dtype)
-        if model.output.weight.is_meta:  # built without memory (LlamaLitModule(init_on_meta=True))
+        for root in self._sharded_roots(model):
+            apply_fsdp2(root, dp_mesh, self.param_dtype, self.reduce_dtype)
+        if any(p.is_meta for p in model.parameters()):  # built without memory (LlamaLitModule(init_on_meta=True))
             materialize(model, self.root_device, initialize)
+
+    def _sharded_roots(self, model: Llama) -> list[nn.Module]:
+        # The modules FSDP2 shards as a whole (each with its blocks); the pipeline shards each stage.
+        return [model]
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         # Vocabulary-split logits need torch's loss_parallel around the loss and its backward.
@@ -107,6 +112,10 @@ class LlamaParallelStrategy(ModelParallelStrategy):
         with self._loss_context():
             return super().backward(closure_loss, *args, **kwargs)
 
+    def _sum_over_stages(self, value: torch.Tensor) -> torch.Tensor:
+        # One model replica on the ranks of this mesh: nothing to add. A pipeline adds its stages.
+        return value
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm over all shards and tensor-parallel slices (before clipping).
 
@@ -122,7 +131,7 @@ class LlamaParallelStrategy(ModelParallelStrategy):
         for params in by_mesh.values():
             norm = nn.utils.get_total_norm([p.grad for p in params])
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-        total = torch.stack(norms).square().sum().sqrt()
+        total = self._sum_over_stages(torch.stack(norms).square().sum()).sqrt()
         for params in by_mesh.values():
             nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total

@@ -52,15 +52,13 @@ def apply_tensor_parallel(model: Llama, mesh: DeviceMesh, sequence_parallel: boo
         output = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
     else:
         output = ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
-    parallelize_module(
-        model,
-        mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
-            "output": output,
-            **({"norm": SequenceParallel()} if sequence_parallel else {}),
-        },
-    )
+    root_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "output": output,
+        **({"norm": SequenceParallel()} if sequence_parallel else {}),
+    }
+    # A pipeline stage keeps only some of these (the embedding on the first, norm and head on the last).
+    parallelize_module(model, mesh, {name: plan for name, plan in root_plan.items() if getattr(model, name) is not None})
     for block in model.layers.values():
         plan = {
             "attention.wq": ColwiseParallel(),
