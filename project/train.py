@@ -147,6 +147,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         check_pipeline(
             LlamaConfig(**model_cfg), pipeline.schedule, shape.pipeline_parallel, pipeline.virtual_stages,
             plan.pipeline_microbatches, pipeline.stage_layers, pipeline.compile,
+            shape.data_parallel, shape.tensor_parallel, pipeline.param_dtype,
         )
         pipeline.n_microbatches, pipeline.micro_batch_size = plan.pipeline_microbatches, plan.micro_batch_size
     else:

@@ -48,7 +48,7 @@ def test_strategy_configs_build_the_strategy_they_name():
     from project.parallel.fsdp import CPUCapableFSDPStrategy
     from project.parallel.model_parallel import LlamaParallelStrategy
 
-    assert STRATEGIES == ["ddp", "fsdp", "fsdp2", "single", "tp", "tp_fsdp"]  # a new strategy config gets a line here
+    assert STRATEGIES == ["ddp", "fsdp", "fsdp2", "pipeline", "single", "tp", "tp_fsdp"]  # a new strategy config gets a line here
     assert instantiate(compose_train("strategy=single").strategy) == "single_device"
     fsdp = instantiate(compose_train("strategy=fsdp", "strategy.sharding_strategy=SHARD_GRAD_OP").strategy)
     assert isinstance(fsdp, CPUCapableFSDPStrategy) and fsdp.sharding_strategy.name == "SHARD_GRAD_OP"
@@ -56,6 +56,12 @@ def test_strategy_configs_build_the_strategy_they_name():
         strategy = instantiate(compose_train(f"strategy={name}").strategy)
         assert isinstance(strategy, LlamaParallelStrategy)
         assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (dp, tp)
+    from project.parallel.pipeline_strategy import LlamaPipelineStrategy
+
+    pipeline = instantiate(compose_train("strategy=pipeline", "strategy.schedule=zbv").strategy)
+    assert isinstance(pipeline, LlamaPipelineStrategy) and isinstance(pipeline, LlamaParallelStrategy)
+    assert (pipeline._pipeline_parallel_size, pipeline._data_parallel_size, pipeline._tensor_parallel_size) == ("auto", 1, 1)
+    assert (pipeline.schedule, pipeline.virtual_stages) == ("zbv", 2)  # the V schedule's default: two chunks per rank
     ddp = instantiate(compose_train("strategy=ddp").strategy)
     assert isinstance(ddp, GlooFriendlyDDPStrategy) and ddp._ddp_comm_hook is None
     summed = instantiate(compose_train("strategy=ddp", "strategy.grad_reduction=sum").strategy)

@@ -35,10 +35,10 @@ def test_tensor_parallel_refuses_tied_embeddings():
 
 
 def test_data_parallel_size_fills_the_mesh():
-    assert mesh_shape({"_target_": "ddp"}, world_size=8, devices_per_node=8)[0] == 8
-    assert mesh_shape({"data_parallel_size": "auto", "tensor_parallel_size": 2}, 8, 8)[0] == 4
-    assert mesh_shape({"data_parallel_size": 1, "tensor_parallel_size": "auto"}, 8, 8)[0] == 1
-    assert mesh_shape({"data_parallel_size": "auto", "tensor_parallel_size": "auto"}, 16, 8)[0] == 2
+    assert mesh_shape({"_target_": "ddp"}, world_size=8, devices_per_node=8).data_parallel == 8
+    assert mesh_shape({"data_parallel_size": "auto", "tensor_parallel_size": 2}, 8, 8).data_parallel == 4
+    assert mesh_shape({"data_parallel_size": 1, "tensor_parallel_size": "auto"}, 8, 8).data_parallel == 1
+    assert mesh_shape({"data_parallel_size": "auto", "tensor_parallel_size": "auto"}, 16, 8).data_parallel == 2
 
 
 @pytest.mark.parametrize(

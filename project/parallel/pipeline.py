@@ -37,6 +37,12 @@ SCHEDULES: dict[str, type[_PipelineSchedule]] = {
     "zbv": ScheduleZBVZeroBubble,
 }
 V_SHAPED = {"zbv"}  # the schedules that place chunks down the ranks and back up
+# The zero-bubble schedules split each backward into an input part and a weight part. Seen on CPU
+# with gloo, torch 2.13: with FSDP2 in the stages the weight gradients are wrong (the first step's
+# gradient norm 13% off a single device's, whether FSDP2 shards over 1 or 2 ranks), and with tensor
+# parallelism the input part fails ("Can't detach views in-place"). These schedules therefore run
+# unsharded stages, on pipeline-only layouts.
+SPLIT_BACKWARD = {"interleaved_zero_bubble", "zbv"}
 
 
 def default_virtual_stages(schedule: str) -> int:
@@ -75,6 +81,9 @@ def check_pipeline(
     n_microbatches: int,
     stage_layers: Sequence[int] | None = None,
     compile: bool = False,
+    data_parallel_size: int = 1,
+    tensor_parallel_size: int = 1,
+    param_dtype: str | None = None,
 ) -> None:
     """Refuse, before any process starts, a pipeline that cannot be built or scheduled."""
     if schedule not in SCHEDULES:
@@ -122,7 +131,14 @@ def check_pipeline(
                 f"{n_microbatches} microbatches are not a whole number of rounds. Choose a multiple of "
                 f"{pipeline_parallel_size}, or fewer microbatches than that."
             )
-    if compile and schedule in ("interleaved_zero_bubble", "zbv"):
+    if schedule in SPLIT_BACKWARD and (data_parallel_size > 1 or tensor_parallel_size > 1 or param_dtype is not None):
+        raise ConfigError(
+            f"strategy.schedule={schedule} splits each backward pass into input and weight gradients, which torch 2.13 "
+            "gets wrong for FSDP2-sharded stages and cannot run with tensor parallelism: with it, set "
+            "strategy.data_parallel_size=1, strategy.tensor_parallel_size=1 and strategy.param_dtype=null "
+            "(trainer.precision=bf16-mixed still computes in bfloat16), or choose interleaved_1f1b or 1f1b."
+        )
+    if compile and schedule in SPLIT_BACKWARD:
         raise ConfigError(
             f"strategy.schedule={schedule} splits the backward pass into input and weight parts, which torch.compile'd "
             "blocks do not support: set strategy.compile=false or choose another schedule."

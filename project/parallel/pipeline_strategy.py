@@ -22,9 +22,31 @@ from torch.distributed.device_mesh import init_device_mesh
 from project.model.llama import Llama
 from project.parallel.mesh import MeshShape, mesh_shape
 from project.parallel.model_parallel import LlamaParallelStrategy
-from project.parallel.pipeline import build_schedule, chunk_ranks, default_virtual_stages, split_into_stages
+from project.parallel.pipeline import SPLIT_BACKWARD, build_schedule, chunk_ranks, default_virtual_stages, split_into_stages
 
 MESH_DIMS = ("pipeline", "data_parallel", "tensor_parallel")
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+_HEADER = 8  # rank of the tensor, its shape, and its dtype's index in _DTYPES
+
+
+def send_activation(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup, tag: int) -> list[tuple[Any, torch.Tensor]]:
+    """Send a tensor of any shape and dtype to global rank `dst`: a fixed-size header, then the data.
+    Returns the pending sends with the tensors they read, which must live until they complete."""
+    tensor = tensor.contiguous()
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0], header[-1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+    header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape)
+    header = header.to(tensor.device)
+    return [(dist.isend(t, dst, group=group, tag=tag), t) for t in (header, tensor)]
+
+
+def receive_activation(src: int, group: dist.ProcessGroup, tag: int, device: torch.device) -> torch.Tensor:
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, src, group=group, tag=tag)
+    header = header.tolist()
+    tensor = torch.empty(header[1 : 1 + header[0]], dtype=_DTYPES[header[-1]], device=device)
+    dist.recv(tensor, src, group=group, tag=tag)
+    return tensor
 
 
 class LlamaPipelineStrategy(LlamaParallelStrategy):
@@ -86,13 +108,17 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         )
         super().parallelize(model, initialize)  # tensor parallel, checkpointing, compile, FSDP2 per chunk, init
         n_chunks = pipeline.size() * self.virtual_stages
-        self._last_stage_rank = dist.get_global_rank(pipeline.get_group(), chunk_ranks(self.schedule, pipeline.size(), n_chunks)[-1])
+        # Global ranks (of this rank's pipeline group) that run each chunk.
+        self._stage_ranks = [dist.get_global_rank(pipeline.get_group(), r) for r in chunk_ranks(self.schedule, pipeline.size(), n_chunks)]
+        self._last_stage_rank = self._stage_ranks[-1]
         self._pipeline = build_schedule(
             self._chunks, n_chunks, pipeline.get_group(), self.root_device, self.schedule, self.n_microbatches, self.lightning_module.criterion
         )
 
     def _sharded_roots(self, model: Llama) -> list[nn.Module]:
-        return list(self._chunks.values())
+        # FSDP2 per chunk, so that torch's stages see an FSDP module and reduce gradients once per
+        # step. Not under the split-backward schedules: see SPLIT_BACKWARD.
+        return [] if self.schedule in SPLIT_BACKWARD else list(self._chunks.values())
 
     @property
     def _has_first_stage(self) -> bool:
@@ -111,33 +137,63 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
     def _run_schedule(self, train: bool, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The batch's mean loss, on every rank of the pipeline (computed by the last stage).
 
-        Training runs forward and backward of every microbatch. Evaluation runs forward only; a
-        short batch (the last of a validation share) is padded to the training batch's shape, which
-        the schedule's buffers have, with targets of -100 that the loss leaves out.
+        Training runs the schedule: forward and backward of every microbatch. Evaluation runs
+        forward only (`_evaluate`).
         """
-        module, real = self.lightning_module, inputs.shape[0]
-        full = self.n_microbatches * self.micro_batch_size
-        if not train and real < full:
-            pad = full - real
-            inputs = torch.cat([inputs, inputs[:1].expand(pad, -1)])
-            targets = torch.cat([targets, targets.new_full((pad, targets.shape[1]), -100)])
-        kwargs = {"seq_len": inputs.shape[1], "return_outputs": False, **module.model_kwargs(inputs)}
-        args = (inputs,) if self._has_first_stage else ()
-        target = targets if self._has_last_stage else None
-        losses: list[torch.Tensor] = []
+        module = self.lightning_module
         if train:
+            kwargs = {"seq_len": inputs.shape[1], **module.model_kwargs(inputs)}
+            losses: list[torch.Tensor] = []
             module.zero_grad(set_to_none=True)  # Lightning zeroes gradients after the step, not before
-            self._pipeline.step(*args, target=target, losses=losses, **kwargs)
+            self._pipeline.step(
+                *((inputs,) if self._has_first_stage else ()),
+                target=targets if self._has_last_stage else None,
+                losses=losses,
+                return_outputs=False,
+                **kwargs,
+            )
             self._gradients = [(p, p.grad) for p in module.parameters()]
+            loss = torch.stack(losses).detach().mean() if losses else torch.zeros((), device=self.root_device)
         else:
-            self._pipeline.eval(*args, target=target, losses=losses, **kwargs)
-        loss = torch.zeros((), device=self.root_device)
-        if losses:
-            # Each microbatch's loss is its mean over its real sequences, which all have seq_len tokens.
-            real_rows = [min(max(real - i * self.micro_batch_size, 0), self.micro_batch_size) for i in range(len(losses))]
-            loss = sum(l.detach().float() * n for l, n in zip(losses, real_rows) if n) / real
+            loss = self._evaluate(inputs, targets)
         dist.broadcast(loss, src=self._last_stage_rank, group=self.device_mesh["pipeline"].get_group())
         return loss
+
+    @torch.no_grad()
+    def _evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only: microbatches of `micro_batch_size` through this rank's chunks in stage order,
+        activations sent on to the rank of the next chunk. The sequence-weighted mean loss on the rank
+        of the last chunk, zero elsewhere.
+
+        Not torch's `schedule.eval()`: in torch 2.13 it fails for V-shaped schedules ("can't
+        steal_bwd_input if this stage doesn't have backward"), and its buffers keep the training
+        batch's shape, which the last validation batch of a replica need not have.
+        """
+        module, group = self.lightning_module, self.device_mesh["pipeline"].get_group()
+        kwargs, seq_len = module.model_kwargs(inputs), inputs.shape[1]
+        rows = [slice(i, i + self.micro_batch_size) for i in range(0, inputs.shape[0], self.micro_batch_size)]
+        last = self.pipeline_size * self.virtual_stages - 1
+        here: dict[tuple[int, int], torch.Tensor] = {}  # outputs for the next chunk, when it is on this rank too
+        sends: list[tuple[Any, torch.Tensor]] = []
+        total = torch.zeros((), device=self.root_device)
+        for stage, chunk in sorted(self._chunks.items()):
+            for i, part in enumerate(rows):
+                if stage == 0:
+                    x = inputs[part]
+                elif (stage - 1) in self._chunks:
+                    x = here.pop((stage - 1, i))
+                else:
+                    x = receive_activation(self._stage_ranks[stage - 1], group, tag=stage - 1, device=self.root_device)
+                out = chunk(x, seq_len=seq_len, **{k: v[part] for k, v in kwargs.items()})
+                if stage == last:
+                    total += module.criterion(out, targets[part]).float() * x.shape[0]
+                elif (stage + 1) in self._chunks:
+                    here[(stage, i)] = out
+                else:
+                    sends.extend(send_activation(out, self._stage_ranks[stage + 1], group, tag=stage))
+        for work, _ in sends:
+            work.wait()
+        return total / inputs.shape[0]
 
     @contextlib.contextmanager
     def _loss_through_schedule(self, train: bool) -> Iterator[None]:
