@@ -22,9 +22,13 @@ def materialize(model: Llama, device: torch.device, initialize: bool = True) -> 
     if not initialize:
         return
     for name, param in model.named_parameters():
-        value = model.initial_value(name)
-        if isinstance(param, DTensor):
-            local = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
-            param.to_local().copy_(local)
-        else:
-            param.copy_(value)
+        value = laid_out_like(model.initial_value(name), param)
+        (param.to_local() if isinstance(param, DTensor) else param).copy_(value.to_local() if isinstance(value, DTensor) else value)
+
+
+def laid_out_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A whole tensor that every rank holds, laid out as `like`: for a DTensor, a DTensor of the same
+    mesh and placements whose local part is cut from `value` here, with no communication."""
+    if isinstance(like, DTensor):
+        return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+    return value.to(like.device)

@@ -16,11 +16,14 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from pathlib import Path
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_optimizer_state_dict
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from project.model.llama import Llama
 from project.parallel.mesh import MeshShape, mesh_shape
+from project.parallel.init import laid_out_like
 from project.parallel.model_parallel import LlamaParallelStrategy
 from project.parallel.pipeline import SPLIT_BACKWARD, build_schedule, chunk_ranks, default_virtual_stages, split_into_stages
 
@@ -245,3 +248,28 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
             every_stage = {name for stage in gathered for name in stage[i]}
             group["params"] = sorted(every_stage, key=self._parameter_order.__getitem__)
         return state
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A folder loads as under ModelParallelStrategy: each rank reads its own parameters' shards.
+        A single file (keyed by parameter name: project.checkpoints converts one that is not) is read
+        by every rank, which cuts its own stage's shards from it locally; Lightning's way broadcasts
+        rank 0's parameters, which differ from the other stages'."""
+        path = Path(self.broadcast(checkpoint_path))
+        if path.is_dir():
+            return super().load_checkpoint(path, weights_only)
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        module = self.model
+        mine = get_model_state_dict(module)  # this rank's parameters, sharded as they are here
+        set_model_state_dict(module, {name: laid_out_like(checkpoint["state_dict"][name], p) for name, p in mine.items()})
+        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
+            own = {
+                "state": {
+                    name: {k: laid_out_like(v, mine[name]) if v.shape == mine[name].shape else v for k, v in values.items()}
+                    for name, values in state["state"].items()
+                    if name in mine
+                },
+                "param_groups": [{**group, "params": [n for n in group["params"] if n in mine]} for group in state["param_groups"]],
+            }
+            set_optimizer_state_dict(module, optimizer, own)
+        checkpoint.pop("state_dict")
+        return checkpoint
