@@ -1,7 +1,7 @@
 """Pipeline bubble: step time against the number of microbatches, for torch's schedules on this machine.
 
     python -m project.bench_pipeline [pp=2] [schedules=gpipe,1f1b,interleaved_1f1b] [microbatches=1,2,4,8,16]
-                                     [dim=256] [layers=8] [seq_len=256] [steps=3]
+                                     [dim=512] [layers=8] [seq_len=256] [steps=3]
 
 Each pipeline rank is a gloo process with one thread, running our stage chunks under torch's schedule
 (forward and backward of every microbatch, no optimizer). The reference is one process with one thread
@@ -31,10 +31,11 @@ import torch.nn.functional as F
 
 from project.errors import ConfigError, exit_on_config_error
 from project.model import Llama, LlamaConfig
+from project.parallel.mesh import MeshShape
 from project.parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, default_virtual_stages, split_into_stages
 
 OUT = Path(__file__).resolve().parents[1] / "experiments" / "benchmarks"
-DEFAULTS = {"pp": "2", "schedules": "gpipe,1f1b,interleaved_1f1b", "microbatches": "1,2,4,8,16", "dim": "256", "layers": "8", "seq_len": "256", "steps": "3"}
+DEFAULTS = {"pp": "2", "schedules": "gpipe,1f1b,interleaved_1f1b", "microbatches": "1,2,4,8,16", "dim": "512", "layers": "8", "seq_len": "256", "steps": "3"}
 
 
 def parse(argv: list[str]) -> dict[str, str]:
@@ -146,7 +147,7 @@ def write_plot(rows: list[dict], path: Path) -> None:
         for key, dash in (("efficiency", ""), ("ideal_efficiency", ' stroke-dasharray="5,4"')):
             points = " ".join(f"{x(r['microbatches']):.1f},{y(r[key]):.1f}" for r in mine)
             parts.append(f'<polyline points="{points}" fill="none" stroke="{colours[i % len(colours)]}" stroke-width="2"{dash}/>')
-        parts.append(f'<text x="{width - pad - 150}" y="{pad + 16 * i}" fill="{colours[i % len(colours)]}">{schedule}</text>')
+        parts.append(f'<text x="{width - pad - 130}" y="{y(0.3) + 16 * i}" fill="{colours[i % len(colours)]}">{schedule}</text>')
     path.write_text("\n".join(parts) + "\n</svg>\n")
 
 
@@ -171,6 +172,7 @@ def write_table(rows: list[dict], path: Path, command: str) -> None:
 @exit_on_config_error()
 def main() -> None:
     args = parse(sys.argv[1:])
+    torch.set_num_threads(1)  # the reference, like each pipeline rank, computes on one thread
     config, pp, steps = model_config(args), int(args["pp"]), int(args["steps"])
     if pp > (os.cpu_count() or 1):
         print(f"warning: {pp} ranks on {os.cpu_count()} cores share cores; the efficiency measured is not the schedule's.", file=sys.stderr)
@@ -180,7 +182,7 @@ def main() -> None:
         for schedule in args["schedules"].split(","):
             v = chunks_per_rank(schedule)
             try:
-                check_pipeline(config, schedule, pp, v, m)
+                check_pipeline(config, schedule, MeshShape(pp, 1, 1), v, m)
             except ConfigError as error:
                 print(f"skip {schedule} m={m}: {error}", file=sys.stderr)
                 continue

@@ -100,7 +100,7 @@ class LlamaLitModule(LightningModule):
         return {"document_ids": document_ids(inputs, self.hparams.eos_id)} if self.hparams.document_mask else {}
 
     def criterion(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy; targets of -100 (padding) are left out of the mean."""
+        """Mean next-token cross-entropy of logits [B, T, vocab] against targets [B, T]."""
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         # Logits split over the vocabulary (tensor parallel with loss_parallel) give a replicated
         # DTensor; logging and accumulation want a plain tensor. The conversion is differentiable.

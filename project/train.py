@@ -145,9 +145,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         plan = plan_pipeline_batches(cfg.global_batch_size, shape.data_parallel, cfg.micro_batch_size, strategy_cfg.get("n_microbatches"))
         pipeline = trainer.strategy
         check_pipeline(
-            LlamaConfig(**model_cfg), pipeline.schedule, shape.pipeline_parallel, pipeline.virtual_stages,
-            plan.pipeline_microbatches, pipeline.stage_layers, pipeline.compile,
-            shape.data_parallel, shape.tensor_parallel, pipeline.param_dtype,
+            LlamaConfig(**model_cfg), pipeline.schedule, shape, pipeline.virtual_stages, plan.pipeline_microbatches,
+            pipeline.stage_layers, pipeline.compile, pipeline.param_dtype,
         )
         pipeline.n_microbatches, pipeline.micro_batch_size = plan.pipeline_microbatches, plan.micro_batch_size
     else:

@@ -8,7 +8,7 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 from project.errors import ConfigError
 from project.model import Llama, LlamaConfig
-from project.parallel import mesh_shape, plan_pipeline_batches
+from project.parallel import MeshShape, mesh_shape, plan_pipeline_batches
 from project.parallel.pipeline import chunk_ranks, check_pipeline, split_into_stages, stage_layer_counts
 
 CONFIG = LlamaConfig(vocab_size=96, dim=32, n_layers=8, n_heads=4, n_kv_heads=2, multiple_of=32)
@@ -51,10 +51,12 @@ def test_the_chain_of_stage_chunks_computes_the_models_logits():
     chunks = {}
     for rank in range(2):
         chunks |= split_into_stages(copy.deepcopy(model), rank, 2, "interleaved_1f1b", 2)
-    h = tokens
-    for stage in range(4):
-        h = chunks[stage](h, seq_len=tokens.shape[1])
-    torch.testing.assert_close(h, model(tokens))
+    documents = torch.tensor([[0] * 5 + [1] * 7, [0] * 9 + [1] * 3])  # packed documents, masked apart
+    for kwargs in ({}, {"document_ids": documents}):
+        h = tokens
+        for stage in range(4):
+            h = chunks[stage](h, seq_len=tokens.shape[1], **kwargs)
+        torch.testing.assert_close(h, model(tokens, **kwargs))
 
 
 def test_pipeline_degree_fills_the_mesh_with_tensor_parallelism_innermost():
@@ -104,23 +106,24 @@ def test_a_batch_that_does_not_split_into_the_microbatches_is_refused():
     ],
 )
 def test_pipeline_settings_that_cannot_run_are_refused(settings, message):
-    args = dict(schedule="1f1b", pipeline_parallel_size=4, virtual_stages=1, n_microbatches=8) | settings
+    args = dict(schedule="1f1b", virtual_stages=1, n_microbatches=8) | settings
+    shape = MeshShape(args.pop("pipeline_parallel_size", 4), 1, 1)
     with pytest.raises(ConfigError, match=message):
-        check_pipeline(LlamaConfig(**{**vars(CONFIG), "n_layers": 4, "n_kv_heads": 2}), **args)
+        check_pipeline(LlamaConfig(**{**vars(CONFIG), "n_layers": 4}), shape=shape, **args)
 
 
 def test_pipeline_refuses_tied_embeddings():
     with pytest.raises(ConfigError, match="tie_embeddings"):
-        check_pipeline(LlamaConfig(**{**vars(CONFIG), "tie_embeddings": True}), "1f1b", 2, 1, 4)
+        check_pipeline(LlamaConfig(**{**vars(CONFIG), "tie_embeddings": True}), "1f1b", MeshShape(2, 1, 1), 1, 4)
 
 
 @pytest.mark.parametrize("schedule", ["interleaved_zero_bubble", "zbv"])
 def test_zero_bubble_schedules_refuse_sharded_stages(schedule):
     config = LlamaConfig(**{**vars(CONFIG), "n_layers": 4})
     with pytest.raises(ConfigError, match="strategy.data_parallel_size=1, strategy.tensor_parallel_size=1"):
-        check_pipeline(config, schedule, 2, 2, 4, data_parallel_size=2)
+        check_pipeline(config, schedule, MeshShape(2, 2, 1), 2, 4)
     with pytest.raises(ConfigError, match="cannot run with tensor parallelism"):
-        check_pipeline(config, schedule, 2, 2, 4, tensor_parallel_size=2)
+        check_pipeline(config, schedule, MeshShape(2, 1, 2), 2, 4)
     with pytest.raises(ConfigError, match="wrong for FSDP2-sharded stages"):
-        check_pipeline(config, schedule, 2, 2, 4, param_dtype="bfloat16")
-    check_pipeline(config, schedule, 2, 2, 4)
+        check_pipeline(config, schedule, MeshShape(2, 1, 1), 2, 4, param_dtype="bfloat16")
+    check_pipeline(config, schedule, MeshShape(2, 1, 1), 2, 4)

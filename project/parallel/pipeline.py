@@ -27,6 +27,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _Pipe
 
 from project.errors import ConfigError
 from project.model.llama import Llama, LlamaConfig
+from project.parallel.mesh import MeshShape
 
 SCHEDULES: dict[str, type[_PipelineSchedule]] = {
     "gpipe": ScheduleGPipe,
@@ -76,16 +77,15 @@ def stage_layer_counts(n_layers: int, n_chunks: int, stage_layers: Sequence[int]
 def check_pipeline(
     config: LlamaConfig,
     schedule: str,
-    pipeline_parallel_size: int,
+    shape: MeshShape,
     virtual_stages: int,
     n_microbatches: int,
     stage_layers: Sequence[int] | None = None,
     compile: bool = False,
-    data_parallel_size: int = 1,
-    tensor_parallel_size: int = 1,
     param_dtype: str | None = None,
 ) -> None:
     """Refuse, before any process starts, a pipeline that cannot be built or scheduled."""
+    pipeline_parallel_size, data_parallel_size, tensor_parallel_size = shape
     if schedule not in SCHEDULES:
         raise ConfigError(f"strategy.schedule={schedule!r}: choose one of {list(SCHEDULES)}.")
     single = issubclass(SCHEDULES[schedule], PipelineScheduleSingle)

@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from pathlib import Path
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_optimizer_state_dict
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
 from project.model.llama import Llama
-from project.parallel.mesh import MeshShape, mesh_shape
 from project.parallel.init import laid_out_like
+from project.parallel.mesh import MeshShape, mesh_shape
 from project.parallel.model_parallel import LlamaParallelStrategy
 from project.parallel.pipeline import SPLIT_BACKWARD, build_schedule, chunk_ranks, default_virtual_stages, split_into_stages
 
@@ -80,6 +80,7 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         self.n_microbatches = n_microbatches
         self.micro_batch_size: int | None = None
         self.stage_layers = stage_layers
+        self._gradients: list[tuple[nn.Parameter, torch.Tensor | None]] = []  # from the schedule, until backward
 
     @property
     def shape(self) -> MeshShape:
@@ -241,9 +242,9 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         stage's parameters: a distributed checkpoint keeps one copy of such non-tensor entries, which
         must then be right for the whole model (and any layout that resumes from it)."""
         state = super().optimizer_state(optimizer)
-        names = [[group["params"] for group in state["param_groups"]]]
         gathered: list[Any] = [None] * self.pipeline_size
-        dist.all_gather_object(gathered, names[0], group=self.device_mesh["pipeline"].get_group())
+        own = [group["params"] for group in state["param_groups"]]
+        dist.all_gather_object(gathered, own, group=self.device_mesh["pipeline"].get_group())
         for i, group in enumerate(state["param_groups"]):
             every_stage = {name for stage in gathered for name in stage[i]}
             group["params"] = sorted(every_stage, key=self._parameter_order.__getitem__)
