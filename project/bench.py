@@ -29,13 +29,19 @@ DEFAULTS = {"model": "small10m", "vocab_size": "4096", "batch": "8", "seq_len": 
 DTYPES = {"32": torch.float32, "bf16": torch.bfloat16}
 
 
-def parse(argv: list[str]) -> dict[str, str]:
-    args = dict(DEFAULTS)
+def parse_key_values(argv: list[str], defaults: dict[str, str]) -> dict[str, str]:
+    """`key=value` arguments over `defaults`; an unknown key is a ConfigError."""
+    args = dict(defaults)
     for arg in argv:
         key, sep, value = arg.partition("=")
-        if not sep or key not in DEFAULTS:
-            raise ConfigError(f"unknown argument {arg!r}: expected key=value with key in {list(DEFAULTS)}.")
+        if not sep or key not in defaults:
+            raise ConfigError(f"unknown argument {arg!r}: expected key=value with key in {list(defaults)}.")
         args[key] = value
+    return args
+
+
+def parse(argv: list[str]) -> dict[str, str]:
+    args = parse_key_values(argv, DEFAULTS)
     if args["precision"] not in DTYPES:
         raise ConfigError(f"precision={args['precision']}: choose one of {list(DTYPES)}.")
     return args

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from project.bench import parse_key_values
 from project.errors import ConfigError, exit_on_config_error
 from project.model import Llama, LlamaConfig
 from project.parallel.mesh import MeshShape
@@ -39,12 +40,7 @@ DEFAULTS = {"pp": "2", "schedules": "gpipe,1f1b,interleaved_1f1b", "microbatches
 
 
 def parse(argv: list[str]) -> dict[str, str]:
-    args = dict(DEFAULTS)
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep or key not in DEFAULTS:
-            raise ConfigError(f"unknown argument {arg!r}: expected key=value with key in {list(DEFAULTS)}.")
-        args[key] = value
+    args = parse_key_values(argv, DEFAULTS)
     for name in args["schedules"].split(","):
         if name not in SCHEDULES:
             raise ConfigError(f"schedules: {name!r} is not one of {list(SCHEDULES)}.")

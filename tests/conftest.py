@@ -110,6 +110,14 @@ def single_reference(tiny_shards, tmp_path_factory) -> Path:
     return run_dir
 
 
+def assert_continues(run_dir: Path, uninterrupted: dict[int, float], steps: int) -> None:
+    """The run's train/loss for steps 0 .. steps-1, each logged once, equals the uninterrupted run's."""
+    resumed = read_metrics(run_dir, "train/loss")  # fails on a step logged twice
+    assert sorted(resumed) == list(range(steps))
+    for step in resumed:
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
+
+
 # The schedule's length is fixed so that stopping early does not change the learning rates; micro
 # batches of 2 make 4 accumulation steps on one process and 2 on two.
 RESUME_RUN = ["optim.decay_steps=20", "global_batch_size=8", "micro_batch_size=2", "ckpt_every_n_steps=5"]

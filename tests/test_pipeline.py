@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from conftest import PIPELINE_RUN, RESUME_RUN, assert_reproduces, read_metrics, run_module, run_train, train_overrides
+from conftest import PIPELINE_RUN, RESUME_RUN, assert_continues, assert_reproduces, read_metrics, run_module, run_train, train_overrides
 from project.model import LlamaConfig, count_parameters
 
 pytestmark = pytest.mark.slow
@@ -79,13 +79,6 @@ def test_each_pipeline_stage_holds_only_its_share_of_the_model(tiny_shards, tmp_
         assert 0.3 < r["param_bytes"] / (4 * count_parameters(model)) < 0.7  # one block and one end of the model each
         assert r["grad_bytes"] == r["param_bytes"]
         assert 2 * r["param_bytes"] <= r["optimizer_bytes"] <= 2 * r["param_bytes"] + 1024
-
-
-def assert_continues(run_dir, uninterrupted, steps):
-    resumed = read_metrics(run_dir, "train/loss")  # fails on a step logged twice
-    assert sorted(resumed) == list(range(steps))
-    for step in resumed:
-        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
 
 
 def test_pipeline_run_resumes_in_its_own_layout(tiny_shards, uninterrupted_reference, tmp_path):

@@ -3,16 +3,9 @@
 import pytest
 import torch
 
-from conftest import RESUME_RUN, read_metrics, run_module, run_train
+from conftest import RESUME_RUN, assert_continues, run_module, run_train
 
 pytestmark = pytest.mark.slow
-
-
-def assert_continues(run_dir, uninterrupted, steps):
-    resumed = read_metrics(run_dir, "train/loss")  # fails on a step logged twice
-    assert sorted(resumed) == list(range(steps))
-    for step in resumed:
-        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
 
 
 def test_run_moves_from_tensor_parallel_to_fsdp2_to_one_device(tiny_shards, uninterrupted_reference, tmp_path):
