@@ -171,6 +171,16 @@ def write_model(config: LlamaConfig, state_dict: dict, dtype: str, bos_id, eos_i
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
+def give_default_modes(folder: Path) -> None:
+    """The modes a plain mkdir and open would give (0777 and 0666 less the umask): mkdtemp makes
+    the folder 0700, which would keep an exported model from colleagues sharing its directory."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.iterdir():
+        path.chmod(0o666 & ~umask)
+
+
 def export(
     ckpt_path: str, output_dir: str, tokenizer: str | None = None, dtype: str = "float32", overwrite: bool = False
 ) -> list[Path]:
@@ -197,6 +207,7 @@ def export(
             print("warning: no manifest or tokenizer names an eos token, so generation will not stop by itself.",
                   file=sys.stderr)  # fmt: skip
         written = sorted(p.name for p in tmp.iterdir())
+        give_default_modes(tmp)
         if out.is_dir() and not any(out.iterdir()):
             out.rmdir()
         if out.exists():  # overwrite=true into a folder with other files: replace ours one by one, keep theirs

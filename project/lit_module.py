@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from lightning.pytorch import LightningModule
 from torchmetrics import MeanMetric
 
-from project.checkpoints import rebase_batch_progress
+from project.checkpoints import load_full_checkpoint, rebase_batch_progress
 from project.model import Llama, LlamaConfig
 
 
@@ -82,6 +85,19 @@ class LlamaLitModule(LightningModule):
         self._loss_count = 0
         self._parallelized = False
         self._weights_from_checkpoint = weights_from_checkpoint
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: str | Path | IO, *args: Any, **kwargs: Any) -> "LlamaLitModule":
+        """Lightning's `load_from_checkpoint`, for every checkpoint the platform writes: a single file,
+        or a sharded folder (fsdp, fsdp2, tp, tp_fsdp, pipeline), read whole on this one process.
+        `.model` of the result is the plain `Llama`."""
+        if isinstance(checkpoint_path, (str, Path)) and Path(checkpoint_path).is_dir():
+            # Lightning reads files only: hand it the folder's consolidated checkpoint as one, in memory.
+            buffer = io.BytesIO()
+            torch.save(load_full_checkpoint(checkpoint_path), buffer)
+            buffer.seek(0)
+            checkpoint_path = buffer
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     def configure_model(self) -> None:
         # Strategies that split the model itself (tensor parallel, FSDP2) do so here, on their mesh.

@@ -160,6 +160,20 @@ def test_bfloat16_export_stores_bfloat16_weights(bpe_checkpoint):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
+def test_exported_files_get_the_modes_a_plain_write_would(bpe_checkpoint):
+    """Readable by colleagues where the umask allows it: not mkdtemp's 0700 folder and 0600 files."""
+    tmp_path, bos_id, eos_id = bpe_checkpoint
+    ckpt_path, _ = write_checkpoint(tmp_path, tiny_config(), "tokenizer.json", bos_id, eos_id)
+    umask = os.umask(0o022)
+    try:
+        main([f"ckpt_path={ckpt_path}", f"output_dir={tmp_path / 'shared' / 'hf'}"])
+    finally:
+        os.umask(umask)
+    out = tmp_path / "shared" / "hf"
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {p.name: 0o644 for p in out.iterdir()}
+
+
 def test_export_refuses_a_non_empty_output_dir_and_leaves_it_untouched(bpe_checkpoint):
     tmp_path, bos_id, eos_id = bpe_checkpoint
     ckpt_path, _ = write_checkpoint(tmp_path, tiny_config(), "tokenizer.json", bos_id, eos_id)

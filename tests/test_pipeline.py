@@ -105,6 +105,7 @@ def test_pipeline_checkpoints_resume_under_other_layouts_and_back(tiny_shards, u
 def test_pipeline_checkpoint_exports_to_transformers(tiny_shards, tmp_path):
     transformers = pytest.importorskip("transformers")
     from project.checkpoints import load_full_checkpoint
+    from project.lit_module import LlamaLitModule
     from project.model import Llama
 
     run_train(tiny_shards, tmp_path, "trainer.max_steps=3", "global_batch_size=8", *PP2)
@@ -114,6 +115,8 @@ def test_pipeline_checkpoint_exports_to_transformers(tiny_shards, tmp_path):
     full = load_full_checkpoint(ckpt)
     ours = Llama(LlamaConfig(**full["hyper_parameters"]["model"])).eval()
     ours.load_state_dict({k.removeprefix("model."): v for k, v in full["state_dict"].items()})  # every stage's weights
+    loaded = LlamaLitModule.load_from_checkpoint(ckpt).model  # the Python API reads the folder too
+    assert all(torch.equal(v, full["state_dict"][f"model.{k}"]) for k, v in loaded.state_dict().items())
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     ids = torch.randint(0, 300, (1, 16))
     with torch.no_grad():

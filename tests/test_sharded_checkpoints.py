@@ -52,6 +52,7 @@ def test_sharded_run_resumes_in_its_own_layout(tiny_shards, uninterrupted_refere
 def test_sharded_checkpoint_exports_to_transformers(tiny_shards, tmp_path):
     transformers = pytest.importorskip("transformers")
     from project.checkpoints import load_full_checkpoint
+    from project.lit_module import LlamaLitModule
     from project.model import Llama, LlamaConfig
 
     run_train(tiny_shards, tmp_path, "trainer.max_steps=3", "global_batch_size=8", "strategy=tp_fsdp", "trainer.devices=4")
@@ -61,6 +62,11 @@ def test_sharded_checkpoint_exports_to_transformers(tiny_shards, tmp_path):
     full = load_full_checkpoint(ckpt)
     ours = Llama(LlamaConfig(**full["hyper_parameters"]["model"])).eval()
     ours.load_state_dict({k.removeprefix("model."): v for k, v in full["state_dict"].items()})
+    # The Python API reads the sharded folder too, into the plain model.
+    loaded = LlamaLitModule.load_from_checkpoint(ckpt).model
+    assert type(loaded) is Llama
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, full["state_dict"][f"model.{name}"]), name
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     ids = torch.randint(0, 300, (1, 16))
     with torch.no_grad():
