@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from project.callbacks import MemoryMonitor, StepCheckpoint, StepProgressBar, TokenThroughput
 from project.checkpoints import previous_checkpoint, resumable_by
 from project.data.datamodule import TokenShardDataModule
+from project.data.prepare import prepare_from_config
 from project.errors import ConfigError, exit_on_config_error
 from project.lit_module import LlamaLitModule
 from project.loggers import build_loggers
@@ -155,6 +156,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     trainer.accumulate_grad_batches = plan.accumulate_grad_batches
     trainer.val_check_interval = cfg.val_every_n_steps * plan.accumulate_grad_batches
 
+    if cfg.data.get("auto_prepare", False) and not (Path(cfg.data.dir) / "manifest.json").is_file():
+        # Every process may get here (torchrun, SLURM): prepare_shards lets one build, the others wait.
+        rank_zero_info(f"no prepared shards in {cfg.data.dir}: preparing them from data.sources (data.auto_prepare=false skips this)")
+        prepare_from_config(OmegaConf.to_container(cfg.data, resolve=True))
     datamodule = TokenShardDataModule(
         data_dir=cfg.data.dir,
         seq_len=cfg.data.seq_len,

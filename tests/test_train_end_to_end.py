@@ -138,3 +138,16 @@ def test_trained_checkpoint_exports_to_transformers_with_equal_logits(debug_run,
     ids = torch.tensor([tokenizer("Fair lady, speak of love and war.")["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_training_prepares_missing_shards_from_the_data_sources(tmp_path):
+    from conftest import write_corpus
+
+    corpus = write_corpus(tmp_path / "raw", documents=4, lines=100)
+    shards = tmp_path / "fresh-shards"  # nothing prepared here yet
+    data = [f"data.sources=[{corpus}/*.txt]", "data.fetch=null", "trainer.max_steps=2"]
+    refused = run_module("project.train", train_overrides(shards, tmp_path / "refused", *data, "data.auto_prepare=false"))
+    assert refused.returncode == 2 and "missing manifest.json" in refused.stderr and "data.auto_prepare" in refused.stderr
+    run_train(shards, tmp_path / "run", *data)
+    assert (shards / "manifest.json").is_file() and (shards / "tokenizer.json").is_file()
+    assert sorted(read_metrics(tmp_path / "run", "train/loss")) == [0, 1]

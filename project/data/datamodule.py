@@ -20,8 +20,8 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     path = Path(data_dir) / "manifest.json"
     if not path.is_file():
         raise ConfigError(
-            f"no prepared shards in {data_dir} (missing manifest.json): run "
-            "`python -m project.prepare` with the same data settings first, or point data.dir at prepared shards."
+            f"no prepared shards in {data_dir} (missing manifest.json): run `python -m project.prepare` with the "
+            "same data settings first (or train with data.auto_prepare=true), or point data.dir at prepared shards."
         )
     return json.loads(path.read_text())
 

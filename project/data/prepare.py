@@ -15,10 +15,11 @@ import logging
 import os
 import shutil
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from pathlib import Path
+from typing import Any
 
 import litdata
 import numpy as np
@@ -61,6 +62,24 @@ class _Settings:
     text_field: str
     num_workers: int
     seed: int
+
+
+def prepare_from_config(data: Mapping[str, Any]) -> dict:
+    """`prepare_shards` with the settings of a `data` config group (conf/data/*.yaml)."""
+    sources = data["sources"]
+    return prepare_shards(
+        sources if isinstance(sources, (str, os.PathLike)) else list(sources),
+        data["dir"],
+        tokenizer=data["tokenizer"],
+        vocab_size=data["vocab_size"],
+        seq_len=data["seq_len"],
+        val_fraction=data["val_fraction"],
+        text_field=data["text_field"],
+        num_workers=data["prepare_workers"],
+        seed=data["seed"],
+        overwrite=data["overwrite"],
+        fetch=data["fetch"],
+    )
 
 
 def prepare_shards(
