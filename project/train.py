@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
@@ -105,6 +105,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(StepProgressBar())
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    # Lightning logs every log_every_n_steps steps only: a shorter run would write no metrics at all.
+    trainer_kwargs["log_every_n_steps"] = min(trainer_kwargs.get("log_every_n_steps", 50), trainer_kwargs["max_steps"])
     strategy, loggers = instantiate(cfg.strategy, _convert_="all"), build_loggers(cfg, run_dir)
     try:
         return L.Trainer(
@@ -168,11 +170,18 @@ def train(cfg: DictConfig) -> dict[str, float]:
         seed=cfg.data.seed,
         num_workers=cfg.data.loader_workers,
         val_sequences=cfg.val_sequences,
+        allow_repeats=cfg.data.get("allow_repeats", False),
     )
     if model_cfg["vocab_size"] < datamodule.vocab_size:
         raise ConfigError(
             f"model.vocab_size={model_cfg['vocab_size']} is smaller than the tokenizer's {datamodule.vocab_size} "
             f"(shards in {cfg.data.dir}): set model.vocab_size={datamodule.vocab_size} or more."
+        )
+    if model_cfg["vocab_size"] > datamodule.vocab_size:
+        rank_zero_warn(
+            f"model.vocab_size={model_cfg['vocab_size']} is larger than the tokenizer's {datamodule.vocab_size} tokens: "
+            f"{model_cfg['vocab_size'] - datamodule.vocab_size} embedding rows will never train. Set model.vocab_size (or "
+            f"data.vocab_size, which the small presets follow) to {datamodule.vocab_size} unless you mean to grow the vocabulary."
         )
     if cfg.data.seq_len > model_cfg["max_seq_len"]:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={model_cfg['max_seq_len']}.")

@@ -301,3 +301,12 @@ def test_the_entry_point_prepares_data_tiny_and_reports_bad_input_without_traceb
     refused = run_prepare(tmp_path, "data.seq_len=32")
     assert refused.returncode == 2
     assert refused.stderr.startswith("error: data.dir=") and "Traceback" not in refused.stderr
+
+
+def test_a_corpus_too_small_for_the_vocabulary_is_said_and_recorded(tmp_path, caplog):
+    write_documents(tmp_path / "raw", count=3)
+    with caplog.at_level("WARNING", logger="project.data.prepare"):
+        manifest = prepare_shards(str(tmp_path / "raw" / "*.txt"), tmp_path / "shards", vocab_size=8192, seq_len=16, num_workers=1)
+    real = manifest["tokenizer"]["vocab_size"]
+    assert real < 8192 and real == load_tokenizer(tmp_path / "shards" / "tokenizer.json").vocab_size
+    assert f"only {real} tokens, fewer than data.vocab_size=8192" in caplog.text and f"data.vocab_size={real}" in caplog.text

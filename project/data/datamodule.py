@@ -67,6 +67,7 @@ class TokenBlocks(Dataset):
 class TokenShardDataModule(LightningDataModule):
     """Streams prepared token shards; one global sequence order whatever the number of replicas.
 
+    A global batch larger than the training split is refused unless `allow_repeats`.
     `dp_rank`/`dp_size` say which data-parallel replica this process feeds. Left as None they are
     read from the trainer when it sets the module up (the mesh's data-parallel dimension, else the
     global rank), so ranks of one tensor- or pipeline-parallel replica read identical batches.
@@ -83,6 +84,7 @@ class TokenShardDataModule(LightningDataModule):
         val_sequences: int | None = None,
         dp_rank: int | None = None,
         dp_size: int | None = None,
+        allow_repeats: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -92,6 +94,18 @@ class TokenShardDataModule(LightningDataModule):
                 f"shards in {data_dir} hold blocks of {self.manifest['block_size']} tokens, but data.seq_len={seq_len} "
                 f"needs {seq_len + 1}: re-run `python -m project.prepare` with data.seq_len={seq_len}, or use "
                 f"data.seq_len={self.manifest['block_size'] - 1}."
+            )
+        train_blocks = int(self.manifest["splits"]["train"]["blocks"])
+        if global_batch_size > train_blocks:
+            if not allow_repeats:
+                raise ConfigError(
+                    f"global_batch_size={global_batch_size} is more than the {train_blocks} training blocks in {data_dir}: "
+                    f"every step would read some blocks twice. Lower global_batch_size to {train_blocks} or less, add "
+                    "text (or lower data.seq_len and re-prepare), or set data.allow_repeats=true to train this way."
+                )
+            rank_zero_warn(
+                f"each step reads {global_batch_size} sequences from {train_blocks} training blocks (data.allow_repeats=true): "
+                f"every block is read about {global_batch_size / train_blocks:.1f} times per step."
             )
         self._start_sample = 0  # sequences consumed before this run (resume)
         self._start_step = 0

@@ -234,6 +234,13 @@ def _build(
                  len(splits["train"]))
         train_texts = (read_document(ref, text_field) for ref in splits["train"])
         tokenizer = train_bpe(train_texts, settings.vocab_size, staging)
+        if tokenizer.vocab_size < settings.vocab_size:
+            log.warning(
+                "The training documents gave a BPE of only %d tokens, fewer than data.vocab_size=%d (a small corpus has "
+                "no more merges to learn). The manifest records %d; set data.vocab_size=%d so that the model presets "
+                "that follow it carry no embedding rows that never train.",
+                tokenizer.vocab_size, settings.vocab_size, tokenizer.vocab_size, tokenizer.vocab_size,
+            )
     tokenizer_file = tokenizer.save(staging)
     # uint16 halves the shards and the loader's memory traffic; ids beyond 65535 need int32.
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
