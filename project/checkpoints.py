@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from lightning.fabric.utilities.load import _load_distributed_checkpoint
+from lightning.fabric.utilities.load import _METADATA_FILENAME, _load_distributed_checkpoint
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.checkpoint import FileSystemReader
@@ -38,6 +38,13 @@ def load_full_checkpoint(path: str | Path) -> dict[str, Any]:
     if optimizers:
         checkpoint["optimizer_states"] = [checkpoint.pop(k) for k in optimizers]
     return checkpoint
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The optimizer steps a checkpoint (file or sharded folder) was trained for, without loading its tensors."""
+    path = Path(path)
+    metadata = path / _METADATA_FILENAME if path.is_dir() else path
+    return int(torch.load(metadata, map_location="cpu", mmap=not path.is_dir(), weights_only=False)["global_step"])
 
 
 def _keyed_by_name(optimizer_state: dict[str, Any]) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import hydra
@@ -23,7 +24,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
 from project.callbacks import MemoryMonitor, StepCheckpoint, StepProgressBar, TokenThroughput
-from project.checkpoints import previous_checkpoint, resumable_by
+from project.checkpoints import checkpoint_step, previous_checkpoint, resumable_by
 from project.data.datamodule import TokenShardDataModule
 from project.data.prepare import prepare_from_config
 from project.errors import ConfigError, exit_on_config_error
@@ -104,6 +105,15 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
     callbacks = [*checkpoints, TokenThroughput(cfg.peak_flops_per_device), MemoryMonitor(run_dir)]
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(StepProgressBar())
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        reason = (
+            f"this torch ({torch.__version__}) is a CPU build: on a GPU machine install a CUDA build, e.g. "
+            '`make install TORCH="torch==2.11.0"`'
+            if torch.version.cuda is None
+            else f"this torch (CUDA {torch.version.cuda}) sees no GPU: check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES"
+        )
+        raise ConfigError(f"trainer.accelerator={accelerator} (trainer=gpu) needs a CUDA GPU, but {reason}; or train on the CPU with trainer=cpu.")
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     # Lightning logs every log_every_n_steps steps only: a shorter run would write no metrics at all.
     trainer_kwargs["log_every_n_steps"] = min(trainer_kwargs.get("log_every_n_steps", 50), trainer_kwargs["max_steps"])
@@ -204,6 +214,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
         f"{steps_per_update} x {plan.data_parallel_size} data-parallel replicas"
     )
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
+    if ckpt_path is not None and (trained := checkpoint_step(ckpt_path)) >= cfg.trainer.max_steps:
+        rank_zero_info(
+            f"already trained to step {trained} (trainer.max_steps={cfg.trainer.max_steps}): nothing to do. To train longer, "
+            "raise trainer.max_steps (and set optim.decay_steps to the original schedule's length to keep its learning rates)."
+        )
+        return {}
     ckpt_path = resumable_by(
         trainer.strategy, ckpt_path, run_dir, module.optimizer_parameter_names(), converts=is_first_process(trainer)
     )
@@ -217,10 +233,21 @@ def train(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
+def forget_refused_run(run_dir: Path) -> None:
+    """Remove the directory Hydra made for a run that was refused before it started: it holds only
+    Hydra's record (.hydra/, train.log), and would read as a run that trained. Anything else in it stays."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", "train.log"}:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     with exit_on_config_error():
-        return train(cfg).get("val/loss")
+        try:
+            return train(cfg).get("val/loss")
+        except ConfigError:
+            forget_refused_run(Path(HydraConfig.get().runtime.output_dir))
+            raise
 
 
 if __name__ == "__main__":

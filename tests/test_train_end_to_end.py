@@ -152,3 +152,25 @@ def test_training_prepares_missing_shards_from_the_data_sources(tmp_path):
     run_train(shards, tmp_path / "run", *data, "trainer.log_every_n_steps=50")
     assert (shards / "manifest.json").is_file() and (shards / "tokenizer.json").is_file()
     assert sorted(read_metrics(tmp_path / "run", "train/loss")) == [1]
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_do(debug_run, tiny_shards):
+    run_dir, _ = debug_run
+    before = (run_dir / "metrics.csv").read_text()
+    result = run_train(tiny_shards, run_dir, f"peak_flops_per_device={PEAK}", "ckpt_path=last")
+    assert "already trained to step 30 (trainer.max_steps=30): nothing to do" in result.stdout + result.stderr
+    assert (run_dir / "metrics.csv").read_text() == before
+
+
+def test_a_refused_run_leaves_no_run_directory(tiny_shards, tmp_path):
+    run_dir = tmp_path / "never-ran"
+    result = run_module("project.train", train_overrides(tiny_shards, run_dir, "global_batch_size=7", "trainer.devices=2", "strategy=ddp"))
+    assert result.returncode == 2 and "global_batch_size=7" in result.stderr
+    assert not run_dir.exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a usable GPU")
+def test_trainer_gpu_without_a_gpu_says_how_to_get_one(tiny_shards, tmp_path):
+    result = run_module("project.train", train_overrides(tiny_shards, tmp_path / "run", "trainer=gpu"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "needs a CUDA GPU" in result.stderr and "trainer=cpu" in result.stderr
