@@ -103,6 +103,7 @@ def _pipeline_rank(rank: int, pp: int, port: int, config: LlamaConfig, schedule:
             result.put(seconds)
     finally:
         dist.destroy_process_group()
+    os._exit(0)  # gloo's threads now and then abort the interpreter's shutdown, which mp.spawn would report
 
 
 def pipeline_seconds(config: LlamaConfig, pp: int, schedule: str, m: int, steps: int) -> float:

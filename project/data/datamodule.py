@@ -158,6 +158,11 @@ class TokenShardDataModule(LightningDataModule):
         return self._loader(self.train_set, sampler)
 
     def val_dataloader(self) -> DataLoader:
+        if len(self.val_set) == 0:
+            raise ConfigError(
+                f"the validation split in {self.hparams.data_dir} holds no complete block of {self.hparams.seq_len + 1} "
+                "tokens: its documents are too few or too short. Raise data.val_fraction (or lower data.seq_len) and re-prepare."
+            )
         count = min(len(self.val_set), self.hparams.val_sequences or len(self.val_set))
         if count < self.dp_size:
             raise ConfigError(

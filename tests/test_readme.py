@@ -1,0 +1,102 @@
+"""The README is executable truth: every `python -m project.*` and `make` command in its code blocks runs,
+in order, on a fresh copy of the repository, as a user would run them after `make train`.
+
+Only small overrides are appended (a tiny model, few steps); the README's own values stay in the command.
+Where the user brings something (text for `make train` to have fetched, their own corpus), the test makes
+a small stand-in first. Commands that cannot run here are skipped, each for the reason named in SKIPS.
+"""
+
+import os
+import random
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, WORDS
+
+pytestmark = pytest.mark.slow
+
+SKIPS = {
+    "make train": "the test stands in for it: the packages are this environment's, and the corpus it fetches is generated below (tests reach no network)",
+    "make test": "it runs this test",
+    "trainer=gpu": "needs GPUs",
+}
+TINY_MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.multiple_of=32"]
+
+
+def readme_commands(readme: Path) -> list[list[str]]:
+    """The shell commands of the README's bash blocks that run `python -m project.*` or `make`, as argv lists."""
+    commands, block, in_bash = [], "", False
+    for line in readme.read_text().splitlines():
+        if line.startswith("```"):
+            in_bash = line.strip() == "```bash" and not in_bash
+            continue
+        if in_bash:
+            block += line.rstrip()[:-1] + " " if line.rstrip().endswith("\\") else line + "\n"
+    for line in block.splitlines():
+        argv = shlex.split(line, comments=True)
+        if argv[:2] == ["python", "-m"] and argv[2].startswith("project.") or argv[:1] == ["make"]:
+            commands.append(argv)
+    return commands
+
+
+def skip_reason(argv: list[str]) -> str | None:
+    text = " ".join(argv)
+    return next((reason for key, reason in SKIPS.items() if key in text), None)
+
+
+def write_text(path: Path, documents: int, lines: int, seed: int, suffix: str = ".txt") -> None:
+    rng = random.Random(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    for d in range(documents):
+        text = "\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "." for _ in range(lines))
+        (path / f"doc{d}{suffix}").write_text(text + "\n")
+
+
+def fresh_copy(target: Path) -> Path:
+    """The repository's tracked files as they are in the working tree, and nothing else."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split("\0")
+    for name in filter(None, files):
+        if (ROOT / name).is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            (target / name).write_bytes((ROOT / name).read_bytes())
+    return target
+
+
+def test_readme_lists_the_commands_this_test_runs():
+    commands = readme_commands(ROOT / "README.md")
+    runs = [c for c in commands if skip_reason(c) is None]
+    assert ["make", "train"] in commands and ["make", "test"] in commands
+    assert len(runs) >= 10 and any(c[2] == "project.export" for c in runs) and any(c[2] == "project.prepare" for c in runs)
+
+
+def test_every_readme_command_runs_as_written_on_a_fresh_copy(tmp_path):
+    repo = fresh_copy(tmp_path / "repo")
+    # What `make train` leaves behind, in small: the corpus it fetches (generated here, under the names the
+    # shakespeare data config globs for), prepared by training itself on first use (data.auto_prepare).
+    write_text(repo / "data" / "raw" / "shakespeare", documents=8, lines=300, seed=0, suffix="_gut.txt")
+    # The user's own text for the "Bring your own text" commands.
+    (repo / "my_corpus").mkdir()
+    rng = random.Random(1)
+    lines = [f'{{"text": "{" ".join(rng.choice(WORDS) for _ in range(800))}"}}' for _ in range(60)]
+    (repo / "my_corpus" / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    write_text(repo / "my_corpus" / "more", documents=3, lines=200, seed=2)
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+    env.pop("PYTEST_CURRENT_TEST", None)
+    ran = []
+    for index, argv in enumerate(readme_commands(repo / "README.md")):
+        if skip_reason(argv) is not None:
+            continue
+        command = [sys.executable, *argv[1:]]
+        if argv[2] == "project.train":
+            # Each run trains further than every run before it, so that every resume has steps left to train.
+            command += [*TINY_MODEL, f"trainer.max_steps={2 * (index + 1)}", "trainer.enable_progress_bar=false"]
+        result = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"`{shlex.join(argv)}` failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+        ran.append(shlex.join(argv))
+    assert len(ran) >= 10
+    assert (repo / "hf" / "my-llama" / "model.safetensors").is_file()  # the last command exported the r1 run
