@@ -38,7 +38,7 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
 # Training-step throughput of the CPU presets (appends to experiments/benchmarks/results.jsonl), and the
-# pipeline bubble of GPipe, 1F1B and interleaved 1F1B on 2 stages (experiments/benchmarks/pipeline_bubble*).
+# pipeline bubble of GPipe, 1F1B and interleaved 1F1B on 2 stages (experiments/benchmarks/<date>-<host>-pipeline-bubble-pp2.*).
 bench: install
 	$(PY) -m project.bench model=debug vocab_size=512 batch=8 seq_len=64 steps=20
 	$(PY) -m project.bench model=small10m batch=16 seq_len=256 steps=5

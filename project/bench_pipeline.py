@@ -8,8 +8,8 @@ Each pipeline rank is a gloo process with one thread, running our stage chunks u
 running the whole model over the same microbatches one after another. Measured pipeline efficiency is
 reference time / (p x pipeline time); the ideal is m / (m + p - 1) for GPipe and 1F1B, and
 m / (m + (p - 1) / v) for interleaved 1F1B with v chunks per rank (Narayanan et al. 2021).
-Appends to experiments/benchmarks/pipeline_bubble.jsonl and rewrites pipeline_bubble_pp<p>.md (table)
-and pipeline_bubble_pp<p>.svg (plot) there from this run.
+Writes experiments/benchmarks/<date>-<host>-pipeline-bubble-pp<p>.jsonl (the rows), .md (table) and
+.svg (plot): new files for each run (a run on the same day and machine replaces its own).
 """
 
 from __future__ import annotations
@@ -192,12 +192,14 @@ def main() -> None:
             }
             print(json.dumps(row), flush=True)
             rows.append(row)
+    # New files for each run, named after its date and machine: committed results are never edited.
+    stem = OUT / f"{datetime.date.today().isoformat()}-{platform.node() or 'host'}-pipeline-bubble-pp{pp}"
     OUT.mkdir(parents=True, exist_ok=True)
-    with (OUT / "pipeline_bubble.jsonl").open("a") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    stem.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     rows.sort(key=lambda r: (r["schedule"], r["microbatches"]))
-    write_table(rows, OUT / f"pipeline_bubble_pp{pp}.md", "python -m project.bench_pipeline " + " ".join(sys.argv[1:]))
-    write_plot(rows, OUT / f"pipeline_bubble_pp{pp}.svg")
+    write_table(rows, stem.with_suffix(".md"), "python -m project.bench_pipeline " + " ".join(sys.argv[1:]))
+    write_plot(rows, stem.with_suffix(".svg"))
+    print(f"wrote {stem}.jsonl, .md and .svg")
 
 
 if __name__ == "__main__":
