@@ -14,14 +14,15 @@ EXPERIMENT ?= shakespeare
 install: $(STAMP)
 
 # torch first and pinned, so later installs find it satisfied and never swap in a CUDA build;
-# litdata without its declared deps (torchvision is not needed for tokens, and a torchvision
-# built against another torch breaks `import lightning`).
+# litdata last and without its declared deps (torchvision is not needed for tokens, and a torchvision
+# built against another torch breaks `import lightning`): installed before the rest, pip's conflict
+# check would print an ERROR about the missing torchvision.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	rm -f $(VENV)/.installed-*
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q --no-deps "$(LITDATA)"
 	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps "$(LITDATA)"
 	$(PY) -c "import torch, lightning, litdata, hydra, wandb; print('installed torch', torch.__version__, 'lightning', lightning.__version__)"
 	touch $(STAMP)
 
