@@ -3,8 +3,8 @@
 Lightning's loop stays as it is: one `training_step` per optimizer step, then backward, clipping
 and the optimizer. A pipeline schedule runs forward and backward of all microbatches at once, so
 this strategy runs the schedule inside the module's own training step (the module's `loss` goes
-through the schedule for its duration) and makes the backward that Lightning asks for afterwards a
-no-op. Inside each stage, tensor parallelism, activation checkpointing, compile and FSDP2 over the
+through the schedule for its duration); the backward that Lightning asks for afterwards only puts
+back the schedule's gradients (Lightning zeroes them in between) and runs the hooks. Inside each stage, tensor parallelism, activation checkpointing, compile and FSDP2 over the
 data-parallel replicas are applied as in LlamaParallelStrategy.
 """
 
