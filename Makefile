@@ -38,11 +38,11 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
-# Training-step throughput of the CPU presets (appends to experiments/benchmarks/results.jsonl), and the
-# pipeline bubble of GPipe, 1F1B and interleaved 1F1B on 2 stages (experiments/benchmarks/<date>-<host>-pipeline-bubble-pp2.*).
+# Training-step throughput of the debug and small10m presets and the config error latency (new files
+# experiments/benchmarks/<date>-<host>.json and .md), and the pipeline bubble of GPipe, 1F1B and interleaved
+# 1F1B on 2 stages (experiments/benchmarks/<date>-<host>-pipeline-bubble-pp2.*). No tracked file is edited.
 bench: install
-	$(PY) -m project.bench model=debug vocab_size=512 batch=8 seq_len=64 steps=20
-	$(PY) -m project.bench model=small10m batch=16 seq_len=256 steps=5
+	$(PY) -m project.bench presets=debug,small10m
 	$(PY) -m project.bench_pipeline pp=2
 
 clean:

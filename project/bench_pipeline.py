@@ -29,11 +29,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from project.bench import parse_key_values
+from project.bench import free_stem, parse_key_values, result_stem
 from project.errors import ConfigError, exit_on_config_error
 from project.model import Llama, LlamaConfig
 from project.parallel.mesh import MeshShape
-from project.parallel.pipeline import SCHEDULES, build_schedule, check_pipeline, default_virtual_stages, split_into_stages
+from project.parallel.pipeline import SCHEDULES, build_schedule, split_into_stages
+from project.parallel.pipeline_layout import check_pipeline, default_virtual_stages
 
 OUT = Path(__file__).resolve().parents[1] / "experiments" / "benchmarks"
 DEFAULTS = {"pp": "2", "schedules": "gpipe,1f1b,interleaved_1f1b", "microbatches": "1,2,4,8,16", "dim": "512", "layers": "8", "seq_len": "256", "steps": "3"}
@@ -193,7 +194,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             rows.append(row)
     # New files for each run, named after its date and machine: committed results are never edited.
-    stem = OUT / f"{datetime.date.today().isoformat()}-{platform.node() or 'host'}-pipeline-bubble-pp{pp}"
+    # A new name when today's is taken: results already written (and committed) are never edited.
+    stem = free_stem(result_stem(OUT, f"-pipeline-bubble-pp{pp}"), [".jsonl", ".md", ".svg"])
     OUT.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     rows.sort(key=lambda r: (r["schedule"], r["microbatches"]))

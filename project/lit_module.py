@@ -155,8 +155,8 @@ class LlamaLitModule(LightningModule):
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()  # sequence-weighted mean, synced over all ranks
         self.val_loss.reset()
-        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
-        self.log("val/ppl", torch.exp(loss))
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)  # equal on every rank: the mean of equal values
+        self.log("val/ppl", torch.exp(loss), sync_dist=True)
 
     def decay_groups(self) -> list[tuple[float, list[tuple[str, nn.Parameter]]]]:
         """(weight decay, [(name, parameter)]) per AdamW group: weight matrices and the embedding decay,

@@ -86,17 +86,19 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:
     loggers: list[Logger] = [RunCSVLogger(run_dir)]
     wandb_cfg = cfg.logger.get("wandb")
     if wandb_cfg is not None:
-        loggers.append(
-            WandbLogger(
-                id=wandb_run_id(run_dir),  # a run resumed in its directory continues its wandb run
-                resume="allow",
-                project=wandb_cfg.project,
-                name=wandb_cfg.name or run_dir.name,
-                group=wandb_cfg.get("group"),
-                tags=list(wandb_cfg.get("tags") or []),
-                save_dir=str(run_dir),
-                mode=wandb_mode(wandb_cfg.mode),
-                config=OmegaConf.to_container(cfg, resolve=True),
-            )
+        wandb_logger = WandbLogger(
+            id=wandb_run_id(run_dir),  # a run resumed in its directory continues its wandb run
+            resume="allow",
+            project=wandb_cfg.project,
+            name=wandb_cfg.name or run_dir.name,
+            group=wandb_cfg.get("group"),
+            tags=list(wandb_cfg.get("tags") or []),
+            save_dir=str(run_dir),
+            mode=wandb_mode(wandb_cfg.mode),
+            config=OmegaConf.to_container(cfg, resolve=True),
         )
+        # Lightning passes `anonymous` to wandb.init even when unset, and wandb 0.31 warns on every run
+        # that the setting has no effect.
+        wandb_logger._wandb_init.pop("anonymous", None)
+        loggers.append(wandb_logger)
     return loggers

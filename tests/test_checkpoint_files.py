@@ -1,5 +1,7 @@
 """Checkpoint file handling: optimizer state keys across formats, and saves that cannot lose last.ckpt."""
 
+import os
+
 import pytest
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -7,7 +9,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from project.checkpoints import _index_keyed, _name_keyed, previous_checkpoint, resumable_by, swap_in
 from project.errors import ConfigError
 from project.lit_module import LlamaLitModule
-from project.train import resolve_ckpt_path
+from project.training import resolve_ckpt_path
+from tests.conftest import run_train
 
 MODEL = {"vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 16}
 
@@ -133,3 +136,19 @@ def test_a_failed_swap_on_rank_zero_is_an_error_on_every_rank(tmp_path):
     with pytest.raises(RuntimeError, match="rank 0 could not put the checkpoint in place"):
         StepCheckpoint._on_rank_zero(trainer, swap_in, missing, tmp_path / "last.ckpt")
     assert sent and sent[0][0] is False  # the other ranks receive the failure rather than wait
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["single", "fsdp2"])
+def test_checkpoints_get_the_users_file_mode(tiny_shards, tmp_path, strategy):
+    # umask 027 tells both mistakes apart: private files (0600/0700) and modes that ignore the umask (0644/0755).
+    devices = ["trainer.devices=2"] if strategy != "single" else []
+    previous = os.umask(0o027)
+    try:
+        run_train(tiny_shards, tmp_path, f"strategy={strategy}", *devices, "trainer.max_steps=2", "ckpt_every_n_steps=1", "val_every_n_steps=1")
+    finally:
+        os.umask(previous)
+    written = [tmp_path / "checkpoints", *(tmp_path / "checkpoints").rglob("*")]
+    assert len(written) >= 3  # the folder, last.ckpt and the best
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in written}
+    assert modes == {name: oct(0o750 if (tmp_path / name).is_dir() else 0o640) for name in modes}

@@ -5,7 +5,7 @@ import pytest
 from project.errors import ConfigError
 from project.model import LlamaConfig
 from project.parallel import mesh_shape
-from project.parallel.tensor_parallel import check_tensor_parallel_degree
+from project.parallel.mesh import check_tensor_parallel_degree
 
 
 def llama(**overrides):

@@ -9,9 +9,17 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from project.errors import ConfigError
 from project.model import Llama, LlamaConfig
 from project.parallel import MeshShape, mesh_shape, plan_pipeline_batches
-from project.parallel.pipeline import chunk_ranks, check_pipeline, split_into_stages, stage_layer_counts
+from project.parallel.pipeline import SCHEDULES, split_into_stages
+from project.parallel.pipeline_layout import SCHEDULE_NAMES, SINGLE_STAGE, chunk_ranks, check_pipeline, stage_layer_counts
 
 CONFIG = LlamaConfig(vocab_size=96, dim=32, n_layers=8, n_heads=4, n_kv_heads=2, multiple_of=32)
+
+
+def test_the_settings_checks_know_torchs_schedules_as_they_are():
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    assert list(SCHEDULES) == list(SCHEDULE_NAMES)
+    assert {name for name, cls in SCHEDULES.items() if issubclass(cls, PipelineScheduleSingle)} == SINGLE_STAGE
 
 
 def test_layers_split_evenly_with_leftovers_in_the_middle_chunks_first():

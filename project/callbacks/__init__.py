@@ -1,6 +1,7 @@
 from project.callbacks.checkpoint import StepCheckpoint
 from project.callbacks.memory import MemoryMonitor
 from project.callbacks.progress import StepProgressBar
+from project.callbacks.summary import LlamaModelSummary
 from project.callbacks.throughput import TokenThroughput
 
-__all__ = ["MemoryMonitor", "StepCheckpoint", "StepProgressBar", "TokenThroughput"]
+__all__ = ["LlamaModelSummary", "MemoryMonitor", "StepCheckpoint", "StepProgressBar", "TokenThroughput"]

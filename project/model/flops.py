@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from project.model.llama import LlamaConfig
+from project.model.config import LlamaConfig
 
 
 def count_parameters(config: LlamaConfig) -> int:

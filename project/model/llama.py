@@ -9,55 +9,12 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass
-class LlamaConfig:
-    vocab_size: int = 32000
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int | None = None  # None: multi-head attention (n_kv_heads == n_heads)
-    ffn_dim_multiplier: float | None = None
-    multiple_of: int = 256
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    # Llama-3.1 style frequency scaling: {factor, low_freq_factor, high_freq_factor,
-    # original_max_position_embeddings}; None keeps plain RoPE.
-    rope_scaling: dict | None = None
-    max_seq_len: int = 2048
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-
-    def __post_init__(self) -> None:
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        if self.dim % self.n_heads:
-            raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}.")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads} "
-                "(grouped-query attention shares each key/value head across a whole group of query heads)."
-            )
-        if self.rope_scaling is not None:
-            self.rope_scaling = dict(self.rope_scaling)
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def ffn_hidden_dim(self) -> int:
-        # Meta's rule: 2/3 of 4*dim, scaled, rounded up to a multiple of `multiple_of`.
-        hidden = int(2 * 4 * self.dim / 3)
-        if self.ffn_dim_multiplier is not None:
-            hidden = int(self.ffn_dim_multiplier * hidden)
-        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+from project.model.config import LlamaConfig
 
 
 def rope_frequencies(config: LlamaConfig, device: torch.device | None = None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Mesh arithmetic from the strategy config, before any process starts."""
+"""Mesh arithmetic from the strategy config, and the degrees a model can take, before any process starts."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import math
 from typing import Any, Mapping, NamedTuple
 
 from project.errors import ConfigError
+from project.model.config import LlamaConfig
 
 
 class MeshShape(NamedTuple):
@@ -55,3 +56,22 @@ def mesh_shape(strategy_cfg: Mapping[str, Any], world_size: int, devices_per_nod
             "(trainer.devices x trainer.num_nodes); set data_parallel_size=auto to fill the mesh."
         )
     return MeshShape(int(pp), replicas, int(tp))
+
+
+def check_tensor_parallel_degree(config: LlamaConfig, tp: int, sequence_parallel_seq_len: int | None = None) -> None:
+    """Refuse, before any process starts, a degree that cannot split the model (or the sequence) evenly."""
+    sizes = [("n_heads", config.n_heads), ("n_kv_heads", config.n_kv_heads), ("ffn hidden size", config.ffn_hidden_dim), ("vocab_size", config.vocab_size)]
+    for name, value in sizes:
+        if value % tp:
+            raise ConfigError(
+                f"model {name}={value} is not divisible by strategy.tensor_parallel_size={tp}: each tensor-parallel rank "
+                f"holds an equal slice of it. Choose a tensor-parallel size that divides it."
+            )
+    if sequence_parallel_seq_len is not None and sequence_parallel_seq_len % tp:
+        raise ConfigError(
+            f"data.seq_len={sequence_parallel_seq_len} is not divisible by strategy.tensor_parallel_size={tp}: sequence "
+            "parallelism splits each sequence evenly across the tensor-parallel ranks. Choose a divisible data.seq_len "
+            "or set strategy.sequence_parallel=false."
+        )
+    if config.tie_embeddings:
+        raise ConfigError("model.tie_embeddings=true is not supported with tensor parallelism yet: set model.tie_embeddings=false.")

@@ -25,7 +25,8 @@ from project.model.llama import Llama
 from project.parallel.init import laid_out_like
 from project.parallel.mesh import MeshShape, mesh_shape
 from project.parallel.model_parallel import LlamaParallelStrategy
-from project.parallel.pipeline import SPLIT_BACKWARD, build_schedule, chunk_ranks, default_virtual_stages, split_into_stages
+from project.parallel.pipeline import build_schedule, split_into_stages
+from project.parallel.pipeline_layout import SPLIT_BACKWARD, chunk_ranks, default_virtual_stages
 
 MESH_DIMS = ("pipeline", "data_parallel", "tensor_parallel")
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

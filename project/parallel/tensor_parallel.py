@@ -12,27 +12,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from project.errors import ConfigError
-from project.model.llama import Llama, LlamaConfig
-
-
-def check_tensor_parallel_degree(config: LlamaConfig, tp: int, sequence_parallel_seq_len: int | None = None) -> None:
-    """Refuse, before any process starts, a degree that cannot split the model (or the sequence) evenly."""
-    sizes = [("n_heads", config.n_heads), ("n_kv_heads", config.n_kv_heads), ("ffn hidden size", config.ffn_hidden_dim), ("vocab_size", config.vocab_size)]
-    for name, value in sizes:
-        if value % tp:
-            raise ConfigError(
-                f"model {name}={value} is not divisible by strategy.tensor_parallel_size={tp}: each tensor-parallel rank "
-                f"holds an equal slice of it. Choose a tensor-parallel size that divides it."
-            )
-    if sequence_parallel_seq_len is not None and sequence_parallel_seq_len % tp:
-        raise ConfigError(
-            f"data.seq_len={sequence_parallel_seq_len} is not divisible by strategy.tensor_parallel_size={tp}: sequence "
-            "parallelism splits each sequence evenly across the tensor-parallel ranks. Choose a divisible data.seq_len "
-            "or set strategy.sequence_parallel=false."
-        )
-    if config.tie_embeddings:
-        raise ConfigError("model.tie_embeddings=true is not supported with tensor parallelism yet: set model.tie_embeddings=false.")
+from project.model.llama import Llama
+from project.parallel.mesh import check_tensor_parallel_degree
 
 
 def apply_tensor_parallel(model: Llama, mesh: DeviceMesh, sequence_parallel: bool = False, loss_parallel: bool = False) -> None:

@@ -1,0 +1,193 @@
+"""One training run, from a composed and pre-checked config (project.train is its command line).
+
+Builds in order: strategy -> trainer -> layout -> data -> module, and fits. With a multi-process
+strategy Lightning re-runs the same command for the other local ranks (pointing them at this run's
+directory), so everything here runs on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from omegaconf import DictConfig, OmegaConf
+
+from project.callbacks import LlamaModelSummary, MemoryMonitor, StepCheckpoint, StepProgressBar, TokenThroughput
+from project.checkpoints import checkpoint_step, previous_checkpoint, resumable_by
+from project.checks import Layout, check_data, plan_layout
+from project.console import keep_console, launch_rank, silence_known_noise
+from project.data.datamodule import TokenShardDataModule
+from project.data.prepare import prepare_from_config
+from project.errors import ConfigError
+from project.lit_module import LlamaLitModule
+from project.loggers import build_loggers
+from project.parallel.pipeline_strategy import LlamaPipelineStrategy
+
+
+def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
+    if ckpt_path is None:
+        return None
+    path = run_dir / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
+    previous = previous_checkpoint(path)
+    if not path.exists() and previous is not None:
+        rank_zero_info(f"{path} was being replaced when the run stopped: resuming from the previous one")
+        path = previous
+    if not path.exists():  # a file, or a folder from a sharded strategy
+        hint = (
+            " `ckpt_path=last` resumes the run in this run directory: pass the directory of the run to resume "
+            "as hydra.run.dir=DIR."
+            if ckpt_path == "last"
+            else ""
+        )
+        raise ConfigError(f"ckpt_path={ckpt_path}: no checkpoint at {path}.{hint}")
+    return str(path)
+
+
+def limit_cpu_threads(trainer: L.Trainer, threads_per_process: int | None) -> None:
+    # Several processes sharing a few cores thrash if each takes all threads (about 30x slower on 2 cores).
+    # Runs before fit, so the ranks Lightning launches inherit the setting.
+    if isinstance(trainer.accelerator, CPUAccelerator) and trainer.num_devices > 1:
+        threads = threads_per_process or 1
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+def is_first_process(trainer: L.Trainer) -> bool:
+    """Global rank 0, known before the process group exists: from torchrun's or SLURM's variables,
+    or, under Lightning's own launcher, from being the process that launches the others."""
+    env = getattr(trainer.strategy, "cluster_environment", None)
+    return env is None or (env.global_rank() == 0 and env.local_rank() == 0 and env.node_rank() == 0)
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
+    checkpoints = [
+        # last.ckpt every N steps and after the final step, for resuming ...
+        StepCheckpoint(dirpath=run_dir / "checkpoints", every_n_train_steps=cfg.ckpt_every_n_steps),
+        # ... and the best model, ranked when each validation ends, so by its own val/loss.
+        ModelCheckpoint(
+            dirpath=run_dir / "checkpoints",
+            filename="best-step{step:06d}",
+            auto_insert_metric_name=False,
+            monitor="val/loss",
+            mode="min",
+            save_top_k=1,
+            save_on_train_epoch_end=False,
+        ),
+    ]
+    callbacks = [*checkpoints, TokenThroughput(cfg.peak_flops_per_device), MemoryMonitor(run_dir)]
+    if cfg.trainer.get("enable_progress_bar", True):
+        callbacks.append(StepProgressBar())
+    if cfg.trainer.get("enable_model_summary", True):
+        callbacks.append(LlamaModelSummary())
+    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    # Lightning logs every log_every_n_steps steps only: a shorter run would write no metrics at all.
+    trainer_kwargs["log_every_n_steps"] = min(trainer_kwargs.get("log_every_n_steps", 50), trainer_kwargs["max_steps"])
+    strategy, loggers = instantiate(cfg.strategy, _convert_="all"), build_loggers(cfg, run_dir)
+    try:
+        return L.Trainer(
+            **trainer_kwargs,
+            strategy=strategy,
+            callbacks=callbacks,
+            logger=loggers,
+            default_root_dir=run_dir,
+            check_val_every_n_epoch=None,  # validation is counted in steps: the training stream has no epochs
+            use_distributed_sampler=False,  # our sampler splits by data-parallel replica, not by global rank
+        )
+    except (ValueError, MisconfigurationException) as error:  # Lightning's word on devices, precision, strategy
+        choice = HydraConfig.get().runtime.choices.get("strategy")
+        raise ConfigError(f"Lightning refused the trainer settings (trainer.*, strategy={choice}): {error}") from error
+
+
+def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
+    """Fit; `layout` is what project.checks.preflight planned, None where it could not (devices: auto)."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    silence_known_noise()
+    keep_console(run_dir, launch_rank(cfg.trainer.get("num_nodes", 1)))
+    if cfg.ckpt_path is not None:  # resuming in its own run directory, where its checkpoints are expected
+        warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+    L.seed_everything(cfg.seed, workers=True)
+
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    trainer = build_trainer(cfg, run_dir)
+    requested = cfg.trainer.devices
+    if str(requested).isdigit() and int(requested) != trainer.num_devices:
+        raise ConfigError(
+            f"strategy={HydraConfig.get().runtime.choices.get('strategy')} runs on {trainer.num_devices} device(s) per node, "
+            f"not trainer.devices={requested}: choose a multi-device strategy (strategy=ddp) or trainer.devices={trainer.num_devices}."
+        )
+    limit_cpu_threads(trainer, cfg.threads_per_process)
+    if layout is None:  # trainer.devices or num_nodes was left to Lightning
+        layout = plan_layout(cfg, trainer.num_nodes, trainer.num_devices)
+    plan = layout.plan
+    if isinstance(trainer.strategy, LlamaPipelineStrategy):
+        trainer.strategy.n_microbatches, trainer.strategy.micro_batch_size = plan.pipeline_microbatches, plan.micro_batch_size
+    # The Trainer resolves devices and nodes; only then is the accumulation count known.
+    trainer.accumulate_grad_batches = plan.accumulate_grad_batches
+    trainer.val_check_interval = cfg.val_every_n_steps * plan.accumulate_grad_batches
+
+    if cfg.data.get("auto_prepare", False) and not (Path(cfg.data.dir) / "manifest.json").is_file():
+        # Every process may get here (torchrun, SLURM): prepare_shards lets one build, the others wait.
+        rank_zero_info(f"no prepared shards in {cfg.data.dir}: preparing them from data.sources (data.auto_prepare=false skips this)")
+        prepare_from_config(OmegaConf.to_container(cfg.data, resolve=True))
+        check_data(cfg)
+    datamodule = TokenShardDataModule(
+        data_dir=cfg.data.dir,
+        seq_len=cfg.data.seq_len,
+        global_batch_size=plan.global_batch_size,
+        micro_batch_size=plan.loader_batch_size,
+        seed=cfg.data.seed,
+        num_workers=cfg.data.loader_workers,
+        val_sequences=cfg.val_sequences,
+        allow_repeats=cfg.data.get("allow_repeats", False),
+    )
+    if model_cfg["vocab_size"] > datamodule.vocab_size:
+        rank_zero_warn(
+            f"model.vocab_size={model_cfg['vocab_size']} is larger than the tokenizer's {datamodule.vocab_size} tokens: "
+            f"{model_cfg['vocab_size'] - datamodule.vocab_size} embedding rows will never train. Set model.vocab_size (or "
+            f"data.vocab_size, which the small presets follow) to {datamodule.vocab_size} unless you mean to grow the vocabulary."
+        )
+    module = LlamaLitModule(
+        model=model_cfg,
+        optim=OmegaConf.to_container(cfg.optim, resolve=True),
+        document_mask=cfg.document_mask,
+        eos_id=datamodule.eos_id,
+        # Strategies that shard the model themselves also initialize it, after sharding.
+        init_on_meta=hasattr(trainer.strategy, "parallelize"),
+        weights_from_checkpoint=cfg.ckpt_path is not None,
+    )
+    if trainer.is_global_zero:
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    steps_per_update = (
+        f"{plan.pipeline_microbatches} pipeline microbatches" if plan.pipeline_microbatches > 1 else f"{plan.accumulate_grad_batches} accumulation"
+    )
+    rank_zero_info(
+        f"run dir: {run_dir}\nbatch: global {plan.global_batch_size} = micro {plan.micro_batch_size} x "
+        f"{steps_per_update} x {plan.data_parallel_size} data-parallel replicas"
+    )
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
+    if ckpt_path is not None and (trained := checkpoint_step(ckpt_path)) >= cfg.trainer.max_steps:
+        rank_zero_info(
+            f"already trained to step {trained} (trainer.max_steps={cfg.trainer.max_steps}): nothing to do. To train longer, "
+            "raise trainer.max_steps (and set optim.decay_steps to the original schedule's length to keep its learning rates)."
+        )
+        return {}
+    ckpt_path = resumable_by(
+        trainer.strategy, ckpt_path, run_dir, module.optimizer_parameter_names(), converts=is_first_process(trainer)
+    )
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    rank_zero_info(
+        "done: "
+        + ", ".join(f"{k}={metrics[k]:.4f}" for k in ("train/loss", "val/loss") if k in metrics)
+        + f"; checkpoints in {run_dir / 'checkpoints'}"
+    )
+    return metrics

@@ -1,0 +1,42 @@
+"""`python -m project.bench` writes new result files and never edits one already there."""
+
+import json
+from pathlib import Path
+
+from conftest import run_module
+
+TINY = ["presets=debug", "steps=2", "batch=2", "seq_len=16", "error_latency=false"]
+
+
+def run_bench(out: Path, *extra: str):
+    result = run_module("project.bench", [*TINY, f"out={out}", *extra], timeout=120)
+    assert result.returncode == 0, f"bench failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def test_bench_writes_new_files_and_never_overwrites(tmp_path):
+    run_bench(tmp_path)
+    first = sorted(tmp_path.iterdir())
+    assert [p.suffix for p in first] == [".json", ".md"]
+    report = json.loads(first[0].read_text())
+    assert report["command"].endswith(" ".join([*TINY, f"out={tmp_path}"]))
+    assert report["machine"]["cpu_count"] >= 1 and report["threads"] >= 1 and report["torch"]
+    [preset] = report["presets"]
+    assert (preset["model"], preset["batch"], preset["seq_len"], preset["steps"], preset["vocab_size"]) == ("debug", 2, 16, 2, 512)
+    assert preset["tokens_per_sec"] > 0 and preset["model_tflops"] > 0
+    assert "config_error_latency" not in report
+    assert "| debug |" in first[1].read_text()
+    before = {p: p.read_bytes() for p in first}
+
+    run_bench(tmp_path)
+    second = sorted(set(tmp_path.iterdir()) - set(first))
+    assert [p.name for p in second] == [first[0].stem + "-2.json", first[0].stem + "-2.md"]
+    assert {p: p.read_bytes() for p in first} == before
+    assert json.loads(second[0].read_text())["presets"][0]["tokens_per_sec"] > 0
+
+
+def test_unknown_preset_is_a_config_error(tmp_path):
+    result = run_module("project.bench", ["presets=debug,no_such_model", f"out={tmp_path}"], timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and "no_such_model" in result.stderr and "Traceback" not in result.stderr
+    assert not list(tmp_path.iterdir())

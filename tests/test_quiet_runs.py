@@ -1,0 +1,81 @@
+"""A plain run prints no warning a user cannot act on, and keeps what it printed in its run directory."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.conftest import run_module, train_overrides
+
+# A warning as Python (file.py:NN: ...), torch's C++/logging ([rank0]:W1123 ...) or wandb print it.
+WARNING = re.compile(r"\.py:\d+: |\[rank\d+\]:W\d{4} |^W\d{4} |WARNING")
+# Warnings that mean something and stay; each with the reason. project.console lists those silenced.
+ALLOWED = [
+    # The debug experiment on the tiny test corpus: 8 training sequences per step from 300-token data.
+    # (None today: add a pattern here only with the reason it helps the user.)
+]
+
+
+def unexpected_warnings(text: str) -> list[str]:
+    return [line for line in text.splitlines() if WARNING.search(line) and not any(re.search(p, line) for p in ALLOWED)]
+
+
+def run(shards, run_dir, strategy, *extra):
+    args = train_overrides(shards, run_dir, f"strategy={strategy}", "logger=wandb", *extra)
+    # The user's view: progress bar and model summary on, as in a plain `experiment=debug` run.
+    args = [a for a in args if a not in ("trainer.enable_progress_bar=false", "trainer.enable_model_summary=false")]
+    if strategy != "single":
+        args.append("trainer.devices=2")
+    result = run_module("project.train", args)
+    assert result.returncode == 0, f"training failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result.stdout + result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["single", "ddp", "fsdp", "tp_fsdp"])
+def test_a_debug_run_and_its_resume_print_no_warning_a_user_cannot_act_on(tiny_shards, tmp_path, strategy):
+    steps = ["val_every_n_steps=2", "ckpt_every_n_steps=2"]
+    first = run(tiny_shards, tmp_path, strategy, "trainer.max_steps=4", *steps)
+    resumed = run(tiny_shards, tmp_path, strategy, "trainer.max_steps=6", "ckpt_path=last", *steps)
+    assert unexpected_warnings(first) == [] and unexpected_warnings(resumed) == []
+    # The summary states the model, not "FLOPs: 0".
+    assert re.search(r"model: Llama, [\d.]+ \w? ?parameters.*training FLOPs per token", first)
+    assert "Total FLOPs" not in first
+
+
+@pytest.mark.slow
+def test_the_run_directory_keeps_what_each_rank_printed(tiny_shards, tmp_path):
+    run(tiny_shards, tmp_path, "ddp", "trainer.max_steps=2")
+    log = (tmp_path / "train.log").read_text()
+    assert "batch: global 8 = micro 4 x 1 accumulation x 2 data-parallel replicas" in log  # rank 0's console
+    assert re.search(r"Epoch 0: 100%.*2/2", log) and "done: train/loss=" in log
+    assert "\r" not in log and "\x1b[" not in log  # progress bars kept as their last drawing, without escapes
+    assert "[rank: 1]" in (tmp_path / "train.rank1.log").read_text()  # the other rank's stderr, beside it
+
+    run(tiny_shards, tmp_path, "ddp", "trainer.max_steps=3", "ckpt_path=last")
+    log = (tmp_path / "train.log").read_text()
+    assert log.count("== ") == 2 and log.count("done: train/loss=") == 2  # a resume appends to the record
+
+
+def test_known_noise_patterns_match_the_warnings_they_silence():
+    # The patterns are regular expressions: one that no longer matches its warning silences nothing.
+    import warnings
+
+    from project.console import KNOWN_WARNINGS, silence_known_noise
+
+    samples = [
+        "`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec) and treespec.is_leaf()` instead.",
+        "Please use DTensor instead and we are deprecating ShardedTensor.",
+        "`_get_pg_default_device` will be deprecated, it only stays for backward-compatibility reason.",
+        "Multiple backends are registered with this ProcessGroup. We cannot determine which one is the default.",
+        "`load_state_dict` is deprecated and will be removed in future versions. Please use `load` instead.",
+    ]
+    assert len(samples) == len(KNOWN_WARNINGS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        silence_known_noise()
+        for message in samples:
+            warnings.warn(message, FutureWarning)
+        warnings.warn("a warning that means something", UserWarning)
+    assert [str(w.message) for w in caught] == ["a warning that means something"]
