@@ -112,8 +112,11 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     silence_known_noise()
     keep_console(run_dir, launch_rank(cfg.trainer.get("num_nodes", 1)))
-    if cfg.ckpt_path is not None:  # resuming in its own run directory, where its checkpoints are expected
+    if cfg.ckpt_path is not None:
+        # Resuming in its own run directory, where its checkpoints are expected; or from another run's,
+        # when the best checkpoint is tracked afresh in this one.
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+        warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
     L.seed_everything(cfg.seed, workers=True)
 
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)

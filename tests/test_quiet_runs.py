@@ -39,6 +39,10 @@ def test_a_debug_run_and_its_resume_print_no_warning_a_user_cannot_act_on(tiny_s
     first = run(tiny_shards, tmp_path, strategy, "trainer.max_steps=4", *steps)
     resumed = run(tiny_shards, tmp_path, strategy, "trainer.max_steps=6", "ckpt_path=last", *steps)
     assert unexpected_warnings(first) == [] and unexpected_warnings(resumed) == []
+    if strategy == "single":  # and from another run's checkpoint, into a new run directory, checkpointing less often
+        last = tmp_path / "checkpoints" / "last.ckpt"
+        elsewhere = run(tiny_shards, tmp_path / "next", strategy, "trainer.max_steps=8", f"ckpt_path={last}", "val_every_n_steps=2")
+        assert unexpected_warnings(elsewhere) == []
     # The summary states the model, not "FLOPs: 0".
     assert re.search(r"model: Llama, [\d.]+ \w? ?parameters.*training FLOPs per token", first)
     assert "Total FLOPs" not in first

@@ -30,6 +30,12 @@ class StepCheckpoint(ModelCheckpoint):
         # last_model_path, and Lightning would then version the name, leaving `ckpt_path=last` behind.
         super().__init__(save_top_k=0, save_last=True, enable_version_counter=False, **kwargs)
 
+    @property
+    def state_key(self) -> str:
+        # Lightning keys a callback's saved state by its settings, the interval among them: a run resumed
+        # with another ckpt_every_n_steps would drop this state and warn that the callback is missing.
+        return type(self).__name__
+
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         # Every rank has restored its checkpoint by now: a copy converted for this layout is spent.
