@@ -38,6 +38,25 @@ class Layout:
     shape: MeshShape
     plan: BatchPlan
 
+    def name(self, model: str, strategy: str) -> str:
+        """`small10m_dp2-tp2-pp1_mb4_fsdp2`: the model preset, the degrees, the micro batch and the strategy."""
+        pp, dp, tp = self.shape
+        return f"{model}_dp{dp}-tp{tp}-pp{pp}_mb{self.plan.micro_batch_size}_{strategy}"
+
+    def facts(self) -> dict[str, int]:
+        """The layout as numbers, logged beside the metrics so that runs can be compared by them."""
+        pp, dp, tp = self.shape
+        return {
+            "layout/world_size": pp * dp * tp,
+            "layout/data_parallel": dp,
+            "layout/tensor_parallel": tp,
+            "layout/pipeline_parallel": pp,
+            "layout/micro_batch_size": self.plan.micro_batch_size,
+            "layout/accumulation": self.plan.accumulate_grad_batches,
+            "layout/pipeline_microbatches": self.plan.pipeline_microbatches,
+            "layout/global_batch_size": self.plan.global_batch_size,
+        }
+
 
 def is_pipeline(strategy_cfg: Mapping[str, Any]) -> bool:
     return str(strategy_cfg.get("_target_", "")).endswith("LlamaPipelineStrategy")

@@ -82,7 +82,9 @@ def wandb_run_id(run_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:
+def build_loggers(cfg: DictConfig, run_dir: Path, name: str, group: str | None = None, tags: list[str] = ()) -> list[Logger]:
+    """CSV always; wandb with `name` (the layout's), `group` (the sweep's or experiment's) and `tags`,
+    unless the logger config sets its own."""
     loggers: list[Logger] = [RunCSVLogger(run_dir)]
     wandb_cfg = cfg.logger.get("wandb")
     if wandb_cfg is not None:
@@ -90,9 +92,9 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:
             id=wandb_run_id(run_dir),  # a run resumed in its directory continues its wandb run
             resume="allow",
             project=wandb_cfg.project,
-            name=wandb_cfg.name or run_dir.name,
-            group=wandb_cfg.get("group"),
-            tags=list(wandb_cfg.get("tags") or []),
+            name=wandb_cfg.name or name,
+            group=wandb_cfg.get("group") or group,
+            tags=[*tags, *(wandb_cfg.get("tags") or [])],
             save_dir=str(run_dir),
             mode=wandb_mode(wandb_cfg.mode),
             config=OmegaConf.to_container(cfg, resolve=True),

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
-from project.callbacks import LlamaModelSummary, MemoryMonitor, StepCheckpoint, StepProgressBar, TokenThroughput
+from project.callbacks import LayoutFacts, LlamaModelSummary, MemoryMonitor, StepCheckpoint, StepProgressBar, TokenThroughput
 from project.checkpoints import checkpoint_step, previous_checkpoint, resumable_by
 from project.checks import Layout, check_data, plan_layout
 from project.console import keep_console, launch_rank, silence_known_noise
@@ -91,13 +91,12 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     # Lightning logs every log_every_n_steps steps only: a shorter run would write no metrics at all.
     trainer_kwargs["log_every_n_steps"] = min(trainer_kwargs.get("log_every_n_steps", 50), trainer_kwargs["max_steps"])
-    strategy, loggers = instantiate(cfg.strategy, _convert_="all"), build_loggers(cfg, run_dir)
     try:
         return L.Trainer(
             **trainer_kwargs,
-            strategy=strategy,
+            strategy=instantiate(cfg.strategy, _convert_="all"),
             callbacks=callbacks,
-            logger=loggers,
+            logger=False,  # set once the layout, which names the run, is known
             default_root_dir=run_dir,
             check_val_every_n_epoch=None,  # validation is counted in steps: the training stream has no epochs
             use_distributed_sampler=False,  # our sampler splits by data-parallel replica, not by global rank
@@ -131,6 +130,16 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
     if layout is None:  # trainer.devices or num_nodes was left to Lightning
         layout = plan_layout(cfg, trainer.num_nodes, trainer.num_devices)
     plan = layout.plan
+    choices = HydraConfig.get().runtime.choices
+    model_name, strategy_name = choices.get("model", "model"), choices.get("strategy", "strategy")
+    trainer.loggers = build_loggers(
+        cfg,
+        run_dir,
+        name=layout.name(model_name, strategy_name),
+        group=os.environ.get("WANDB_SWEEP_ID") or choices.get("experiment") or None,
+        tags=[strategy_name, model_name, f"{trainer.world_size}-devices"],
+    )
+    trainer.callbacks.append(LayoutFacts(layout.facts()))
     if isinstance(trainer.strategy, LlamaPipelineStrategy):
         trainer.strategy.n_microbatches, trainer.strategy.micro_batch_size = plan.pipeline_microbatches, plan.micro_batch_size
     # The Trainer resolves devices and nodes; only then is the accumulation count known.

@@ -52,3 +52,10 @@ def test_preflight_plans_the_layout_when_the_device_count_is_given():
 def test_preflight_refuses_settings_that_cannot_run(overrides, message):
     with pytest.raises(ConfigError, match=message):
         preflight(compose_train(*overrides))
+
+
+def test_a_layout_names_the_run_and_describes_it_in_numbers():
+    layout = preflight(compose_train("strategy=tp_fsdp", "trainer.devices=4", "global_batch_size=8", "micro_batch_size=2"))
+    assert layout.name("debug", "tp_fsdp") == "debug_dp2-tp2-pp1_mb2_tp_fsdp"
+    facts = layout.facts()
+    assert facts["layout/world_size"] == 4 and facts["layout/accumulation"] == 2 and facts["layout/global_batch_size"] == 8

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import run_train
+from conftest import read_metrics, run_train
 from project.model import LlamaConfig, count_parameters
 
 pytestmark = pytest.mark.slow
@@ -28,6 +28,8 @@ def test_each_of_two_fsdp_ranks_holds_half_the_model_and_optimizer_state(tiny_sh
         # AdamW's two moments per parameter, plus a step counter per tensor
         assert 2 * r["param_bytes"] <= r["optimizer_bytes"] <= 2 * r["param_bytes"] + 1024
         assert r["peak_bytes"] > r["param_bytes"]
+    peaks = read_metrics(tmp_path, "memory/max_peak_bytes")
+    assert peaks[max(peaks)] == pytest.approx(max(r["peak_bytes"] for r in ranks), rel=1e-6)  # the rank that needs most
 
 
 def test_a_single_device_holds_the_whole_model(tiny_shards, tmp_path):

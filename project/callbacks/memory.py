@@ -30,7 +30,8 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class MemoryMonitor(Callback):
-    """Logs memory/{param,grad,optimizer,peak}_bytes of rank 0 each optimizer step, and writes every
+    """Logs memory/{param,grad,optimizer,peak}_bytes of rank 0 and memory/max_peak_bytes of the rank
+    with the highest peak each optimizer step, and writes every
     rank's figures after training to `<output_dir>/memory/rank<N>.json`.
 
     Under FSDP over N ranks, parameter, gradient and optimizer bytes are each about 1/N of the model's.
@@ -56,6 +57,8 @@ class MemoryMonitor(Callback):
         }
         for name, value in self._figures.items():
             pl_module.log(f"memory/{name}", float(value))
+        # The rank that needs the most memory decides whether a layout fits.
+        pl_module.log("memory/max_peak_bytes", float(self._figures["peak_bytes"]), sync_dist=True, reduce_fx="max")
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         folder = self.output_dir / "memory"
