@@ -8,6 +8,11 @@ PIP := $(PY) -m pip
 # One stamp per torch requirement: `make install TORCH=...` re-installs when it changes.
 STAMP := $(VENV)/.installed-$(shell echo '$(TORCH)' | tr -c 'A-Za-z0-9.=\n' '_')
 EXPERIMENT ?= shakespeare
+# `make train` names its run directory (Hydra's own timestamp format) so that the sample after training finds
+# its checkpoint; the date is taken once, when make starts. SAMPLE_PROMPT= is what the trained model continues.
+RUN_STAMP := $(shell date +%Y-%m-%d_%H-%M-%S)
+RUN_DIR ?= outputs/runs/$(RUN_STAMP)
+SAMPLE_PROMPT ?= To be, or not to be
 
 .PHONY: install train prepare test test-fast bench clean
 
@@ -30,7 +35,8 @@ prepare: install
 	$(PY) -m project.prepare experiment=$(EXPERIMENT)
 
 train: prepare
-	$(PY) -m project.train experiment=$(EXPERIMENT)
+	$(PY) -m project.train experiment=$(EXPERIMENT) hydra.run.dir=$(RUN_DIR)
+	$(PY) -m project.generate ckpt_path=$(RUN_DIR)/checkpoints/last.ckpt prompt="$(SAMPLE_PROMPT)" max_new_tokens=100
 
 test: install
 	$(PY) -m pytest -q

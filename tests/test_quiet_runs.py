@@ -73,6 +73,7 @@ def test_known_noise_patterns_match_the_warnings_they_silence():
         "Please use DTensor instead and we are deprecating ShardedTensor.",
         "`_get_pg_default_device` will be deprecated, it only stays for backward-compatibility reason.",
         "Multiple backends are registered with this ProcessGroup. We cannot determine which one is the default.",
+        "The `srun` command is available on your system but is not used. HINT: If your intention is to run Lightning on SLURM",
         "`load_state_dict` is deprecated and will be removed in future versions. Please use `load` instead.",
     ]
     assert len(samples) == len(KNOWN_WARNINGS)

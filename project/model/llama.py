@@ -1,4 +1,4 @@
-"""A single-device Llama: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+"""A single-device Llama: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU; a KV cache for decoding.
 
 Plain PyTorch on purpose: parallelism is applied from outside (project.parallel), so nothing here
 imports torch.distributed, Lightning or Hydra. Weight names and the rotary layout (rotate-half)
@@ -56,6 +56,49 @@ class RMSNorm(nn.Module):
         return self.weight * normed.type_as(x)
 
 
+class LayerKV:
+    """One layer's keys and values [B, n_kv_heads, max_len, head_dim], filled up to `length`.
+
+    Kept before the grouped-query repeat, so a cache of n_kv_heads < n_heads is that much smaller.
+    """
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device | None, dtype: torch.dtype | None):
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new positions' k and v; return those of every position so far."""
+        end = self.length + k.shape[2]
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class KVCache:
+    """Keys and values of every layer for the tokens decoded so far: with it, each new token costs one
+    position's work instead of re-running the whole sequence. `Llama.forward(tokens, cache=cache)`
+    reads the cached positions and appends the new ones."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        batch_size: int,
+        max_len: int,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
+        self.layers = [LayerKV(shape, device, dtype) for _ in range(config.n_layers)]
+        self.max_len = max_len
+
+    @property
+    def length(self) -> int:
+        """Positions cached so far: the position of the next token."""
+        return self.layers[0].length
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -65,7 +108,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: LayerKV | None = None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 instead of the head counts: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
@@ -73,6 +118,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.append(k, v)
         groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -104,8 +151,11 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: LayerKV | None = None
+    ) -> torch.Tensor:
+        # By keyword: tensor parallelism's input hook on `attention` lays out the four positional inputs only.
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache=cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -148,41 +198,62 @@ class Llama(nn.Module):
         generator = torch.Generator().manual_seed(zlib.crc32(f"{self.init_seed}/{name}".encode()))
         return torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)
 
-    def rope(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, head_dim] of the rotary angles, computed in float32 and then cast to `dtype`.
+    def rope(
+        self, seq_len: int, device: torch.device, dtype: torch.dtype, start: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, head_dim] of the rotary angles of positions start .. start + T - 1, computed
+        in float32 and then cast to `dtype`.
 
         The frequencies are recomputed on each call rather than kept in a buffer: mixed precision
         (bf16-true, FSDP's buffer_dtype) casts buffers to bfloat16, whose 8-bit mantissa puts the
         angles of late positions off by whole radians.
         """
-        positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+        positions = torch.arange(start, start + seq_len, device=device, dtype=torch.float32)
         angles = torch.outer(positions, rope_frequencies(self.config, device))
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def run_layers(
-        self, h: torch.Tensor, layers, seq_len: int, document_ids: torch.Tensor | None = None
+        self, h: torch.Tensor, layers, seq_len: int, document_ids: torch.Tensor | None = None, cache: KVCache | None = None
     ) -> torch.Tensor:
         """Hidden states through `layers` (some or all of this model's blocks, in order).
 
         `seq_len` is the sequence length of the tokens, which `h` may not show (sequence
         parallelism splits it). document_ids [B, T], optional: tokens attend only to earlier tokens
-        of the same document (packed sequences); None gives plain causal attention.
+        of the same document (packed sequences); None gives plain causal attention. cache, optional
+        (all of the model's layers only): the tokens follow the cached ones.
         """
-        cos, sin = self.rope(seq_len, h.device, h.dtype)
+        if cache is not None and document_ids is not None:
+            raise ValueError("document_ids and a KV cache together are not supported.")
+        start = cache.length if cache is not None else 0
+        cos, sin = self.rope(seq_len, h.device, h.dtype, start)
         mask = None
         if document_ids is not None:
             causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=h.device).tril()
             same_doc = document_ids[:, :, None] == document_ids[:, None, :]
             mask = (causal & same_doc)[:, None]  # [B, 1, T, T], broadcast over heads
-        for layer in layers:
-            h = layer(h, cos, sin, mask)
+        elif cache is not None:
+            # Every cached position, and causal among the new ones. is_causal would not do: it aligns
+            # the diagonal to the top left, so a single new query would see only the first key.
+            mask = torch.ones(seq_len, start + seq_len, dtype=torch.bool, device=h.device).tril(diagonal=start)
+        if cache is None:
+            for layer in layers:
+                h = layer(h, cos, sin, mask)
+        else:
+            for layer, layer_cache in zip(layers, cache.layers, strict=True):
+                h = layer(h, cos, sin, mask, layer_cache)
         return h
 
-    def forward(self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, T] -> logits [B, T, vocab_size]; document_ids as in `run_layers`."""
+    def forward(
+        self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, vocab_size]; document_ids as in `run_layers`. With `cache`
+        (see KVCache) the tokens continue the cached ones, and their keys and values are added to it."""
         T = tokens.shape[1]
-        if T > self.config.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.config.max_seq_len}.")
-        h = self.run_layers(self.tok_embeddings(tokens), self.layers.values(), T, document_ids)
+        end = T + (cache.length if cache is not None else 0)
+        if end > self.config.max_seq_len:
+            raise ValueError(f"sequence length {end} exceeds model.max_seq_len={self.config.max_seq_len}.")
+        if cache is not None and end > cache.max_len:
+            raise ValueError(f"sequence length {end} exceeds the KV cache's max_len={cache.max_len}.")
+        h = self.run_layers(self.tok_embeddings(tokens), self.layers.values(), T, document_ids, cache)
         return self.output(self.norm(h))
