@@ -14,7 +14,7 @@ RUN_STAMP := $(shell date +%Y-%m-%d_%H-%M-%S)
 RUN_DIR ?= outputs/runs/$(RUN_STAMP)
 SAMPLE_PROMPT ?= To be, or not to be
 
-.PHONY: install train prepare test test-fast bench clean
+.PHONY: install train prepare test test-fast bench clean slurm
 
 install: $(STAMP)
 
@@ -38,8 +38,17 @@ train: prepare
 	$(PY) -m project.train experiment=$(EXPERIMENT) hydra.run.dir=$(RUN_DIR)
 	$(PY) -m project.generate ckpt_path=$(RUN_DIR)/checkpoints/last.ckpt prompt="$(SAMPLE_PROMPT)" max_new_tokens=100
 
-test: install
+test: install slurm
 	$(PY) -m pytest -q
+
+# A SLURM for tests/test_clusters.py, which starts a two-node cluster on this host: Debian's slurm-wlm,
+# installed where make runs as root with apt. Elsewhere those tests skip and say why.
+slurm:
+	@command -v slurmctld >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm >/dev/null 2>&1 || \
+		  { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm >/dev/null 2>&1; }; } && \
+		echo "installed slurm-wlm (apt) for tests/test_clusters.py"; } || \
+		echo "SLURM not installed (needs root and apt): tests/test_clusters.py will skip its SLURM tests"
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"

@@ -71,9 +71,12 @@ class RunCSVLogger(CSVLogger):
 
 
 def wandb_run_id(run_dir: Path) -> str:
-    """The wandb run id of this run directory, created once (every rank reads the same file)."""
+    """The wandb run id of this run directory, created once (every rank reads the same file); under a
+    wandb agent, the sweep run's own id, which wandb would use whatever we pass."""
     path = run_dir / "wandb_id"
     run_dir.mkdir(parents=True, exist_ok=True)
+    if os.environ.get("WANDB_RUN_ID") and not path.exists():
+        path.write_text(os.environ["WANDB_RUN_ID"])
     try:  # exclusive create: with ranks started together (torchrun, srun), the first writer wins
         with open(path, "x") as f:
             f.write(secrets.token_hex(4))

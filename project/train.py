@@ -6,11 +6,13 @@ imported, so a mistake is answered in about a second, then runs project.training
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from project.checks import preflight
@@ -27,6 +29,11 @@ def forget_refused_run(run_dir: Path) -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        # Lightning starts the other ranks by re-running this command, so each re-runs the multirun:
+        # conf/train.yaml's hydra.sweep.dir reads this, so that they write into this multirun's folder
+        # rather than one named after their own, later, start time.
+        os.environ["PROJECT_MULTIRUN_DIR"] = str(Path(HydraConfig.get().sweep.dir).absolute())
     with exit_on_config_error():
         try:
             layout = preflight(cfg)  # seconds, before the imports below

@@ -17,11 +17,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
 from project.callbacks import LayoutFacts, LlamaModelSummary, MemoryMonitor, StepCheckpoint, StepProgressBar, TokenThroughput
+from project.callbacks.preemption import REQUEUE_EXIT_STATUS, RequeueOnSignal
 from project.checkpoints import checkpoint_step, previous_checkpoint, resumable_by
 from project.checks import Layout, check_data, plan_layout
 from project.console import keep_console, launch_rank, silence_known_noise
@@ -84,6 +86,10 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
         ),
     ]
     callbacks = [*checkpoints, TokenThroughput(cfg.peak_flops_per_device), MemoryMonitor(run_dir)]
+    plugins = []
+    if SLURMEnvironment.detect():  # our handler checkpoints between steps; Lightning's would save mid-step
+        plugins.append(SLURMEnvironment(auto_requeue=False))
+        callbacks.append(RequeueOnSignal(checkpoints[0]))
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(StepProgressBar())
     if cfg.trainer.get("enable_model_summary", True):
@@ -96,6 +102,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
             **trainer_kwargs,
             strategy=instantiate(cfg.strategy, _convert_="all"),
             callbacks=callbacks,
+            plugins=plugins,
             logger=False,  # set once the layout, which names the run, is known
             default_root_dir=run_dir,
             check_val_every_n_epoch=None,  # validation is counted in steps: the training stream has no epochs
@@ -196,6 +203,9 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
         trainer.strategy, ckpt_path, run_dir, module.optimizer_parameter_names(), converts=is_first_process(trainer)
     )
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    if any(getattr(callback, "stopped_for_requeue", False) for callback in trainer.callbacks):
+        rank_zero_info(f"stopped at step {trainer.global_step} to be requeued (exit status {REQUEUE_EXIT_STATUS})")
+        raise SystemExit(REQUEUE_EXIT_STATUS)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     rank_zero_info(
         "done: "

@@ -46,8 +46,12 @@ class StepCheckpoint(ModelCheckpoint):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        final = trainer.global_step == trainer.max_steps
-        if final and self._last_global_step_saved != trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
+        if trainer.global_step == trainer.max_steps:
+            self.save(trainer)
+
+    def save(self, trainer: Trainer) -> None:
+        """Save last.ckpt now, between optimizer steps (unless this step is saved already)."""
+        if self._last_global_step_saved != trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:

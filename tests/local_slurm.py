@@ -1,0 +1,109 @@
+"""A SLURM cluster of two nodes on this host, for the tests: slurmctld and two slurmd on loopback.
+
+No munge and no systemd: `AuthType=auth/none`, `CredType=cred/none`, every daemon run as root with its
+files in one folder. Debian's slurm-wlm builds slurmd for several nodes per host (`slurmd -N NAME`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+DAEMONS = ("slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
+NODES = ("n1", "n2")
+
+
+def why_not_available() -> str | None:
+    """None where a local cluster can run here; else the reason, for the skip message."""
+    missing = [name for name in DAEMONS if shutil.which(name) is None]
+    if missing:
+        return (
+            f"SLURM is not installed ({', '.join(missing)} not found): `make test` installs Debian's slurm-wlm "
+            "where it runs as root with apt (or: apt-get install slurm-wlm)"
+        )
+    if os.geteuid() != 0:
+        return "the local SLURM cluster runs its daemons as root, and these tests do not run as root"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalSlurm:
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.env = {**os.environ, "SLURM_CONF": str(folder / "slurm.conf")}
+
+    def write_config(self) -> None:
+        f = self.folder
+        (f / "state").mkdir(parents=True, exist_ok=True)
+        nodes = "\n".join(f"NodeName={n} NodeAddr=127.0.0.1 Port={free_port()} CPUs=1 State=UNKNOWN" for n in NODES)
+        (f / "slurm.conf").write_text(
+            f"""ClusterName=tests
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={free_port()}
+AuthType=auth/none
+CredType=cred/none
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={f}/state
+SlurmdSpoolDir={f}/spool-%n
+SlurmctldPidFile={f}/slurmctld.pid
+SlurmdPidFile={f}/slurmd-%n.pid
+SlurmctldLogFile={f}/slurmctld.log
+SlurmdLogFile={f}/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+{nodes}
+PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
+"""
+        )
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(args, env=self.env, capture_output=True, text=True, check=check, timeout=60)
+
+    def start(self, timeout: float = 60) -> None:
+        self.write_config()
+        self.run("slurmctld", "-c")  # -c: a clean start, no state from an earlier cluster
+        for node in NODES:
+            self.run("slurmd", "-N", node)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.split()
+            if len(states) == len(NODES) and all(state == "idle" for state in states):
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"the local SLURM nodes did not come up: {states}; logs in {self.folder}")
+
+    def stop(self) -> None:
+        self.run("scontrol", "shutdown", check=False)  # slurmctld and every slurmd
+        for pid_file in self.folder.glob("*.pid"):
+            try:
+                os.kill(int(pid_file.read_text()), 15)
+            except (ValueError, ProcessLookupError):
+                pass
+
+    def job_state(self, job: str) -> str:
+        """PENDING, RUNNING, ... or "" once the job has left the queue."""
+        return self.run("squeue", "-h", "-j", job, "-o", "%T", check=False).stdout.strip()
+
+    def wait_until_gone(self, job: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.job_state(job) and time.monotonic() < deadline:
+            time.sleep(1)
+        if self.job_state(job):
+            raise TimeoutError(f"job {job} still {self.job_state(job)} after {timeout:.0f} s")

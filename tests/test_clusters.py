@@ -1,0 +1,96 @@
+"""Multi-node launches: torchrun nodes and a real SLURM cluster train like one node, and a preempted
+SLURM job checkpoints, requeues itself and resumes exactly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT, read_metrics, run_train, train_overrides
+from tests.local_slurm import LocalSlurm, free_port, why_not_available
+
+pytestmark = pytest.mark.slow
+
+DDP = ["strategy=ddp", "global_batch_size=8"]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_shards, tmp_path_factory):
+    """One node, two processes (Lightning's own launcher): the per-step losses every launch must match."""
+    run_dir = tmp_path_factory.mktemp("one-node")
+    run_train(tiny_shards, run_dir, *DDP, "trainer.devices=2", "trainer.max_steps=40", "val_every_n_steps=100")
+    return read_metrics(run_dir, "train/loss")
+
+
+def test_two_torchrun_nodes_train_like_one_node_with_two_processes(tiny_shards, tmp_path, reference):
+    port = free_port()
+    args = train_overrides(tiny_shards, tmp_path, *DDP, "trainer.num_nodes=2", "trainer.devices=1", "trainer.max_steps=40",
+                           "val_every_n_steps=100")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={rank}",
+             "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "project.train", *args],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert read_metrics(tmp_path, "train/loss") == pytest.approx(reference, abs=1e-6)
+    assert (tmp_path / "train.rank1.log").is_file()  # the second node's rank kept its own record
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    reason = why_not_available()
+    if reason:
+        pytest.skip(reason)
+    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+def submit(slurm: LocalSlurm, run_dir, overrides, *sbatch_args: str) -> str:
+    env = {**slurm.env, "RUN_DIR": str(run_dir), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    result = subprocess.run(
+        ["sbatch", "--parsable", f"--output={run_dir}.out", *sbatch_args, "experiments/slurm/train.sbatch", *overrides],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=True,
+    )
+    return result.stdout.strip().split(";")[0]
+
+
+def slurm_overrides(tiny_shards, run_dir, *extra):
+    # The run directory comes from train.sbatch (RUN_DIR); trainer.num_nodes and devices from SLURM.
+    return [a for a in train_overrides(tiny_shards, run_dir, *DDP, *extra) if not a.startswith("hydra.run.dir=")]
+
+
+def test_a_two_node_slurm_job_trains_like_one_node(slurm, tiny_shards, tmp_path, reference):
+    run_dir = tmp_path / "run"
+    job = submit(slurm, run_dir, slurm_overrides(tiny_shards, run_dir, "trainer.max_steps=40", "val_every_n_steps=100"))
+    slurm.wait_until_gone(job, timeout=300)
+    log = (tmp_path / "run.out").read_text()
+    assert "on n[1-2]" in log and "rank 0 at 127.0.0.1" in log, log[-3000:]
+    assert read_metrics(run_dir, "train/loss") == pytest.approx(reference, abs=1e-6), log[-3000:]
+
+
+def test_a_preempted_slurm_job_saves_requeues_and_resumes_exactly(slurm, tiny_shards, tmp_path, reference):
+    run_dir = tmp_path / "run"
+    # No periodic checkpoint: the one the job resumes from is the one it saves on the signal.
+    overrides = slurm_overrides(tiny_shards, run_dir, "trainer.max_steps=40", "val_every_n_steps=100", "ckpt_every_n_steps=1000")
+    job = submit(slurm, run_dir, overrides)
+    deadline = time.monotonic() + 300
+    while not (run_dir / "metrics.csv").is_file() or len(read_metrics(run_dir, "train/loss")) < 3:
+        assert time.monotonic() < deadline and slurm.job_state(job), "the job did not start training"
+        time.sleep(0.5)
+    slurm.run("scancel", "--signal=USR1", job)  # what SLURM sends ahead of a preemption or the time limit
+    slurm.wait_until_gone(job, timeout=300)
+    log = (tmp_path / "run.out").read_text()
+    assert "to be requeued (exit status 3)" in log and "requeueing job" in log, log[-3000:]
+    assert "(restart 1)" in log and "Restored all states from the checkpoint" in log, log[-3000:]
+    assert read_metrics(run_dir, "train/loss") == pytest.approx(reference, abs=1e-6), log[-3000:]
