@@ -1,0 +1,470 @@
+"""A report comparing training runs: a Markdown table and plots, from the files the runs wrote.
+
+    python -m project.report RUN_DIR_OR_SWEEP_DIR... [name=NAME] [out=experiments/reports]
+
+Each argument is a run directory (the `hydra.run.dir` of `project.train`: `metrics.csv`, `config.yaml`,
+`memory/rank<N>.json`) or a sweep folder of `project.sweep` (`points.jsonl`), which stands for all its
+points, failed ones included, with the error each printed as their status. Writes
+`<out>/<name>/report.md` (default name: `<date>-<first argument's folder name>`) with one row per run,
+best throughput first, and beside it `throughput.svg`, `memory.svg` and `loss.svg`. A report of the same
+name is replaced: it is made from the runs alone, so making it again gives the same figures.
+
+Read from local files only. The CSV logger writes `metrics.csv` under every logger config, so runs logged
+to wandb are read the same way; their `wandb/offline-run-*` folders (wandb's binary format) and runs
+that exist only on a wandb server (its API) are not read.
+
+Arguments are `key=value` options and paths, parsed without Hydra as in project.sweep and project.export:
+there is nothing to compose.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import os
+import re
+import shlex
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from project.checks import Layout
+from project.errors import ConfigError, exit_on_config_error
+from project.parallel.batch import BatchPlan
+from project.parallel.mesh import MeshShape
+
+OPTIONS = {"name": None, "out": None}
+USAGE = "usage: python -m project.report RUN_DIR_OR_SWEEP_DIR... [name=NAME] [out=experiments/reports]"
+PLOTS = {
+    "throughput": "Tokens/s per device",
+    "memory": "Peak memory per rank",
+    "loss": "Training loss",
+}
+
+
+@dataclass
+class RunSummary:
+    """One row of the report: a run, or a sweep point that may have left no run behind."""
+
+    label: str  # where it came from: the run directory's name, or <sweep folder>/<point>
+    run_dir: Path | None
+    layout: str = ""  # Layout.name(), from the layout the run logged
+    settings: str = ""  # a sweep point's parameters, which name it where no layout was logged
+    devices: int | None = None
+    tokens_per_sec_per_device: float | None = None
+    mfu: float | None = None
+    peak_bytes_per_rank: float | None = None
+    train_loss: float | None = None
+    val_loss: float | None = None
+    status: str = "ok"
+    train_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, train/loss), the loss curve
+
+    @property
+    def title(self) -> str:
+        return self.layout or self.settings or self.label
+
+
+# ---------------------------------------------------------------- reading one run
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def series(rows: list[dict[str, str]], name: str) -> list[tuple[int, float]]:
+    """(step, value) of every row that logged `name`, in step order (validation rows share their step)."""
+    found = []
+    for row in rows:
+        if row.get(name) not in (None, ""):
+            try:
+                found.append((int(float(row["step"])), float(row[name])))
+            except (KeyError, TypeError, ValueError):
+                continue  # a row cut short by a killed run
+    return sorted(found, key=lambda item: item[0])
+
+
+def last(rows: list[dict[str, str]], name: str) -> float | None:
+    values = series(rows, name)
+    return values[-1][1] if values else None
+
+
+def steady_median(values: list[tuple[int, float]]) -> float | None:
+    """The median of the logged values after the first: the first logging window holds the first step,
+    which pays for start-up (allocations, the first collective, lazy initialization), not for the layout."""
+    kept = [value for _, value in values][1:] or [value for _, value in values]
+    return statistics.median(kept) if kept else None
+
+
+def hydra_choices(run_dir: Path) -> dict[str, str]:
+    """The config-group options the run composed (model preset, strategy), from Hydra's own record."""
+    try:
+        hydra = yaml.safe_load((run_dir / ".hydra" / "hydra.yaml").read_text()) or {}
+        return dict(hydra["hydra"]["runtime"]["choices"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return {}
+
+
+def read_config(run_dir: Path) -> dict[str, Any]:
+    try:
+        return yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+
+
+def logged_layout(rows: list[dict[str, str]], choices: dict[str, str]) -> str | None:
+    """The run's layout name, as training named its wandb run: from the layout facts it logged at its start."""
+    names = ("pipeline_parallel", "data_parallel", "tensor_parallel", "micro_batch_size", "global_batch_size", "pipeline_microbatches")
+    facts = {name: last(rows, f"layout/{name}") for name in names}
+    if any(value is None for value in facts.values()):
+        return None
+    f = {name: int(value) for name, value in facts.items()}
+    plan = BatchPlan(f["global_batch_size"], f["micro_batch_size"], f["data_parallel"], f["pipeline_microbatches"])
+    layout = Layout(MeshShape(f["pipeline_parallel"], f["data_parallel"], f["tensor_parallel"]), plan)
+    return layout.name(choices.get("model", "model"), choices.get("strategy", "strategy"))
+
+
+def rank_memory(run_dir: Path) -> list[dict[str, Any]]:
+    """Every rank's memory record (written when training ends)."""
+    records = []
+    for path in sorted((run_dir / "memory").glob("rank*.json")):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return records
+
+
+def configured_devices(config: dict[str, Any]) -> int | None:
+    trainer = config.get("trainer") or {}
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
+    return devices * nodes if isinstance(devices, int) and isinstance(nodes, int) else None
+
+
+def completion(rows: list[dict[str, str]], memory: list[dict[str, Any]], config: dict[str, Any]) -> str:
+    """"ok" when the run reached trainer.max_steps, else where it stopped."""
+    max_steps = (config.get("trainer") or {}).get("max_steps")
+    steps = [record["step"] for record in memory if isinstance(record.get("step"), int)]
+    done = max(steps) if steps else max((step + 1 for step, _ in series(rows, "train/loss")), default=0)
+    if isinstance(max_steps, int) and max_steps > 0 and done < max_steps:
+        return f"stopped at step {done} of {max_steps}"
+    return "ok"
+
+
+def summarize_run(run_dir: Path, label: str | None = None) -> RunSummary:
+    """The report's row for one run directory; without metrics.csv, a row that says so."""
+    summary = RunSummary(label=label or run_dir.resolve().name, run_dir=run_dir)
+    config = read_config(run_dir)
+    summary.devices = configured_devices(config)
+    if not (run_dir / "metrics.csv").is_file():
+        summary.status = "no metrics"
+        return summary
+    try:
+        rows = read_rows(run_dir / "metrics.csv")
+    except (OSError, UnicodeDecodeError, csv.Error) as error:
+        summary.status = f"metrics.csv unreadable: {error}"
+        return summary
+    world_size = last(rows, "layout/world_size")
+    summary.devices = int(world_size) if world_size else summary.devices
+    # Files of ranks a resumed run no longer has (it resumed on fewer devices) stay behind: left out.
+    memory = [r for r in rank_memory(run_dir) if summary.devices is None or r.get("world_size") in (None, summary.devices)]
+    summary.layout = logged_layout(rows, hydra_choices(run_dir)) or ""
+    # A run resumed under another layout logged its layout again where it resumed: its speed is the one
+    # measured since (Hydra's record, read above, is the last start's too).
+    starts = series(rows, "layout/world_size")
+    since = starts[-1][0] if starts else 0
+
+    def current(name: str) -> list[tuple[int, float]]:
+        return [(step, value) for step, value in series(rows, name) if step >= since]
+
+    # Logged tokens/s count the whole global batch, all devices together.
+    tokens_per_sec = steady_median(current("train/tokens_per_sec"))
+    if tokens_per_sec is not None and summary.devices:
+        summary.tokens_per_sec_per_device = tokens_per_sec / summary.devices
+    summary.mfu = steady_median(current("train/mfu"))
+    peaks = [record["peak_bytes"] for record in memory if isinstance(record.get("peak_bytes"), (int, float))]
+    # A run stopped before its end wrote no rank files; its logged maximum over ranks stands in.
+    summary.peak_bytes_per_rank = max(peaks) if peaks else last(rows, "memory/max_peak_bytes")
+    summary.train_losses = series(rows, "train/loss")
+    summary.train_loss = summary.train_losses[-1][1] if summary.train_losses else None
+    summary.val_loss = last(rows, "val/loss")
+    summary.status = completion(rows, memory, config)
+    return summary
+
+
+# ---------------------------------------------------------------- what the arguments stand for
+
+
+def is_run_dir(path: Path) -> bool:
+    """What project.train writes into every run directory, from its first second (metrics.csv may be missing)."""
+    return any((path / name).exists() for name in ("metrics.csv", "config.yaml", ".hydra", "train.log"))
+
+
+def command_values(command: list[str]) -> dict[str, str]:
+    """The key=value arguments of a point's command line, the last of a key winning as in Hydra."""
+    return dict(arg.split("=", 1) for arg in command if "=" in arg)
+
+
+def command_devices(command: list[str]) -> int | None:
+    """trainer.devices x trainer.num_nodes from a point's command line, for a point that left no run."""
+    values = command_values(command)
+    devices, nodes = values.get("trainer.devices", ""), values.get("trainer.num_nodes", "1")
+    return int(devices) * int(nodes) if devices.isdigit() and nodes.isdigit() else None
+
+
+def point_settings(record: dict[str, Any], varied: list[str]) -> str:
+    """What sets a point apart from the others, as it ran: the runner's overrides replace a spec's constants
+    (trainer.devices=2 for the spec's 4) in the command, not in the recorded parameters."""
+    values = command_values(record.get("command") or [])
+    parameters = record.get("parameters") or {}
+    return " ".join(f"{key}={values.get(key, parameters[key])}" for key in varied if key in parameters)
+
+
+def read_points(sweep_dir: Path) -> list[dict[str, Any]]:
+    """The records of points.jsonl, one per finished point."""
+    records = []
+    for number, line in enumerate((sweep_dir / "points.jsonl").read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            raise ConfigError(
+                f"{sweep_dir / 'points.jsonl'} line {number} is not a point's JSON record: is this a project.sweep folder?"
+            )
+        records.append(record)
+    return records
+
+
+def summarize_sweep(sweep_dir: Path) -> list[RunSummary]:
+    """A row per point in points.jsonl; a failed point's status is its exit status and the error it printed."""
+    records = read_points(sweep_dir)
+    keys = list(dict.fromkeys(key for record in records for key in record.get("parameters") or {}))
+    # A failed point is named by the parameters that differ between points; a point alone, by all of them.
+    varied = [key for key in keys if len({json.dumps((r.get("parameters") or {}).get(key)) for r in records}) > 1] or keys
+    summaries = []
+    for index, record in enumerate(records):
+        point = str(record.get("point", index))
+        # The folder the runner gave the point, found again if the sweep folder was moved since.
+        run_dir = sweep_dir / point
+        if not run_dir.is_dir() and record.get("run_dir"):
+            run_dir = Path(record["run_dir"])
+        label = f"{sweep_dir.resolve().name}/{point}"
+        if run_dir.is_dir() and is_run_dir(run_dir):
+            summary = summarize_run(run_dir, label)
+        else:  # refused by the settings check: training left no run directory
+            devices = command_devices(record.get("command") or [])
+            summary = RunSummary(label=label, run_dir=None, devices=devices, status="no run directory")
+        if not summary.layout:  # no layout logged: the point's own settings say what it was
+            summary.settings = point_settings(record, varied)
+        status = record.get("status", 0)
+        if status != 0:
+            error = record.get("error") or "no error printed"
+            summary.status = f"failed ({status}): {error}"
+        summaries.append(summary)
+    return summaries
+
+
+def collect(paths: list[Path]) -> list[RunSummary]:
+    """Every run the arguments stand for: sweep folders expand to their points, in the order given."""
+    if not paths:
+        raise ConfigError(f"give one or more run directories or sweep folders.\n{USAGE}")
+    summaries = []
+    for path in paths:
+        if (path / "points.jsonl").is_file():
+            summaries.extend(summarize_sweep(path))
+        elif path.is_dir() and is_run_dir(path):
+            summaries.append(summarize_run(path))
+        else:
+            what = "does not exist" if not path.exists() else "is neither a run directory nor a sweep folder"
+            raise ConfigError(
+                f"{path} {what}: give the run directories of project.train (holding metrics.csv or config.yaml) or "
+                f"sweep folders of project.sweep (holding points.jsonl), e.g. outputs/sweeps/layouts-<date>_<time>."
+            )
+    return summaries
+
+
+def ranked(summaries: list[RunSummary]) -> list[RunSummary]:
+    """Best tokens/s per device first; runs without a throughput keep their order after the rest."""
+    return sorted(summaries, key=lambda s: (s.tokens_per_sec_per_device is None, -(s.tokens_per_sec_per_device or 0.0)))
+
+
+# ---------------------------------------------------------------- writing the report
+
+
+def fmt_bytes(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value / 2**30:.2f} GiB" if value >= 10 * 2**30 else f"{value / 2**20:,.0f} MiB"
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def cell(text: str) -> str:
+    """Markdown table cells cannot hold a pipe or a line break."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def table(summaries: list[RunSummary]) -> str:
+    header = ["#", "layout", "run", "devices", "tokens/s per device", "MFU", "peak memory per rank", "train/loss", "val/loss", "status"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for rank, s in enumerate(summaries, 1):
+        row = [
+            str(rank),
+            f"`{s.layout}`" if s.layout else s.settings or "-",
+            s.label,
+            fmt(s.devices, "d"),
+            fmt(s.tokens_per_sec_per_device, ",.0f"),
+            "-" if s.mfu is None else f"{s.mfu:.1%}",
+            fmt_bytes(s.peak_bytes_per_rank),
+            fmt(s.train_loss, ".4f"),
+            fmt(s.val_loss, ".4f"),
+            s.status,
+        ]
+        lines.append("| " + " | ".join(cell(c) for c in row) + " |")
+    return "\n".join(lines)
+
+
+def plot_labels(summaries: list[RunSummary]) -> dict[int, str]:
+    """Layout names, with the run added where two runs share one (a sweep over anything but the layout)."""
+    names = [s.title for s in summaries]
+    return {id(s): s.title if names.count(s.title) == 1 else f"{s.title} ({s.label})" for s in summaries}
+
+
+def write_plots(summaries: list[RunSummary], folder: Path) -> dict[str, str]:
+    """{plot: file name} of the plots there are data for, as SVG (text: small, and diffs in git)."""
+    import matplotlib  # here, not at the top: a bad argument is answered without loading it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # Text kept as text, and no date or random ids in the file: the same runs give the same bytes.
+    plt.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "project.report", "font.size": 9})
+    labels = plot_labels(summaries)
+    written: dict[str, str] = {}
+
+    def bars(key: str, values: list[tuple[str, float]], xlabel: str, number: str) -> None:
+        if not values:
+            return
+        figure, axes = plt.subplots(figsize=(7.5, 1.2 + 0.35 * len(values)))
+        names, heights = zip(*values)
+        axes.barh(range(len(values)), heights, color="tab:blue")
+        axes.set_yticks(range(len(values)), names)
+        axes.invert_yaxis()  # the table's order: best at the top
+        for y, value in enumerate(heights):
+            axes.text(value, y, " " + format(value, number), va="center")
+        axes.set_xlabel(xlabel)
+        axes.set_xlim(0, max(heights) * 1.2)
+        axes.set_title(PLOTS[key])
+        save(figure, key)
+
+    def save(figure, key: str) -> None:
+        figure.tight_layout()
+        figure.savefig(folder / f"{key}.svg", metadata={"Date": None})
+        plt.close(figure)
+        written[key] = f"{key}.svg"
+
+    bars("throughput", [(labels[id(s)], s.tokens_per_sec_per_device) for s in summaries if s.tokens_per_sec_per_device],
+         "tokens/s per device (median after the first logged window)", ",.0f")
+    bars("memory", [(labels[id(s)], s.peak_bytes_per_rank / 2**20) for s in summaries if s.peak_bytes_per_rank],
+         "peak memory of the highest rank (MiB)", ",.0f")
+    curves = [s for s in summaries if s.train_losses]
+    if curves:
+        figure, axes = plt.subplots(figsize=(7.5, 4.5))
+        for s in curves:
+            steps, losses = zip(*s.train_losses)
+            axes.plot(steps, losses, label=labels[id(s)], linewidth=1.2)
+        axes.set_xlabel("optimizer step")
+        axes.set_ylabel("train/loss")
+        axes.set_title(PLOTS["loss"])
+        axes.legend(fontsize=7)
+        save(figure, "loss")
+    return written
+
+
+NOTES = """\
+How each column is made: **devices** is `layout/world_size` (else `trainer.devices` x `trainer.num_nodes`);
+**tokens/s per device** is the median of the logged `train/tokens_per_sec` (the whole global batch over the
+step time) after the first logged window, which holds the start-up step, divided by the devices (a run resumed
+under another layout: since it resumed); **MFU** the
+median of `train/mfu` likewise, where it was logged (on a CPU only with `peak_flops_per_device`); **peak memory
+per rank** the highest `peak_bytes` in `memory/rank<N>.json` (GPU: torch's peak allocated; CPU: the process's
+resident high-water mark), or the logged `memory/max_peak_bytes` where training stopped before writing those;
+**train/loss** and **val/loss** the last logged values. Rows are sorted by tokens/s per device, best first."""
+
+
+def write_report(summaries: list[RunSummary], folder: Path, title: str, command: str) -> Path:
+    """Write `folder/report.md` and its plots; the path of report.md."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"cannot create the report folder {folder}: {error.strerror}; choose another out=.") from None
+    summaries = ranked(summaries)
+    plots = write_plots(summaries, folder)
+    parts = [
+        f"# {title}",
+        f"Made {datetime.date.today():%Y-%m-%d} with `{command}` from {len(summaries)} run(s).",
+        table(summaries),
+        NOTES,
+    ]
+    missing = [PLOTS[key].lower() for key in PLOTS if key not in plots]
+    parts += [f"![{PLOTS[key]}]({name})" for key, name in plots.items()]
+    if missing:
+        parts.append(f"No plot of {', '.join(missing)}: no run logged it.")
+    path = folder / "report.md"
+    path.write_text("\n\n".join(parts) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------- command line
+
+
+def parse(argv: list[str]) -> tuple[dict[str, str | None], list[Path]]:
+    """This command's key=value options, and the paths (everything else)."""
+    if any(arg in ("-h", "--help", "help") for arg in argv):
+        print(__doc__)
+        raise SystemExit(0)
+    options, paths = dict(OPTIONS), []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key in OPTIONS:
+            options[key] = value
+        elif sep and not Path(arg).exists():
+            raise ConfigError(f"unknown argument {arg!r}: the options are {', '.join(f'{k}=' for k in OPTIONS)}.\n{USAGE}")
+        else:
+            paths.append(Path(arg))
+    if options["name"] is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", options["name"]):
+        raise ConfigError(f"name={options['name']}: give a folder name (letters, digits, '.', '_', '-'), e.g. name=2026-11-24-cpu-layouts.")
+    return options, paths
+
+
+def default_name(paths: list[Path]) -> str:
+    first = paths[0].resolve().name if paths else "runs"
+    return f"{datetime.date.today():%Y-%m-%d}-{first}" + ("" if len(paths) == 1 else f"-and-{len(paths) - 1}-more")
+
+
+@exit_on_config_error()
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    options, paths = parse(argv)
+    summaries = collect(paths)
+    name = options["name"] or default_name(paths)
+    out = Path(options["out"]) if options["out"] else Path(os.environ.get("PROJECT_ROOT", ".")) / "experiments" / "reports"
+    command = shlex.join(["python", "-m", "project.report", *argv])
+    path = write_report(summaries, out / name, f"Report {name}", command)
+    print(table(ranked(summaries)))
+    print(f"\nwrote {path} and its plots")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""project.report: a table and plots from run directories and sweep folders."""
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import read_metrics, run_module, run_train
+from project import report
+
+LAYOUT_COLUMNS = ["pipeline_parallel", "data_parallel", "tensor_parallel", "micro_batch_size", "accumulation",
+                  "pipeline_microbatches", "global_batch_size", "world_size"]
+
+
+def write_run(
+    run_dir: Path,
+    strategy: str,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    micro: int = 8,
+    tokens_per_sec: tuple = (100.0, 1000.0, 1200.0, 1100.0),
+    peaks: tuple = (300 * 2**20,),
+    max_steps: int | None = None,
+) -> Path:
+    """A run directory as project.train leaves it, written by hand: metrics.csv with the layout logged at
+    the first step, Hydra's record of the config choices, config.yaml, and a memory file per rank."""
+    world = dp * tp * pp
+    steps = len(tokens_per_sec)
+    layout = {"pipeline_parallel": pp, "data_parallel": dp, "tensor_parallel": tp, "micro_batch_size": micro,
+              "accumulation": 1, "pipeline_microbatches": 1, "global_batch_size": 8, "world_size": world}
+    rows = [{"step": 0, **{f"layout/{k}": v for k, v in layout.items()}}]
+    rows += [{"step": s, "train/loss": 6.0 - 0.1 * s, "train/tokens_per_sec": t, "memory/max_peak_bytes": max(peaks)}
+             for s, t in enumerate(tokens_per_sec)]
+    rows.append({"step": steps - 1, "val/loss": 5.5})
+    run_dir.mkdir(parents=True)
+    with open(run_dir / "metrics.csv", "w", newline="") as file:
+        names = ["step", *(f"layout/{k}" for k in LAYOUT_COLUMNS), "train/loss", "train/tokens_per_sec",
+                 "memory/max_peak_bytes", "val/loss"]
+        writer = csv.DictWriter(file, fieldnames=names)
+        writer.writeheader()
+        writer.writerows(rows)
+    (run_dir / ".hydra").mkdir()
+    choices = {"hydra": {"runtime": {"choices": {"model": "debug", "strategy": strategy}}}}
+    (run_dir / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump(choices))
+    trainer = {"devices": world, "num_nodes": 1, "max_steps": max_steps or steps}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"trainer": trainer}))
+    (run_dir / "memory").mkdir()
+    for rank, peak in enumerate(peaks):
+        record = {"global_rank": rank, "world_size": world, "step": steps, "peak_bytes": peak}
+        (run_dir / "memory" / f"rank{rank}.json").write_text(json.dumps(record))
+    return run_dir
+
+
+def write_sweep(sweep_dir: Path, points: list[tuple[dict, int, str]]) -> Path:
+    """points.jsonl as project.sweep writes it: (parameters, exit status, error) per point, in order; each
+    point of a spec for 4 devices, run with the override trainer.devices=2, which replaces the spec's constant
+    in the command only."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    with open(sweep_dir / "points.jsonl", "w") as file:
+        for index, (parameters, status, error) in enumerate(points):
+            parameters = {**parameters, "trainer.devices": 4}
+            command = ["python", "-m", "project.train", "experiment=debug", "trainer.devices=2",
+                       *(f"{k}={v}" for k, v in parameters.items() if k != "trainer.devices")]
+            record = {"point": index, "parameters": parameters, "command": command, "run_dir": str(sweep_dir / str(index)),
+                      "status": status, "seconds": 1.0, "metrics": {}, "error": error}
+            file.write(json.dumps(record) + "\n")
+    return sweep_dir
+
+
+def table_rows(report_md: Path) -> list[dict[str, str]]:
+    """The report's table as {column: cell} per row, in the report's order."""
+    lines = [line for line in report_md.read_text().splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in lines[0].strip("|").split(" | ")]
+    return [dict(zip(header, (cell.strip() for cell in line.strip("|").split(" | ")))) for line in lines[1:]]
+
+
+def make_report(tmp_path: Path, *paths: Path, name: str = "r") -> list[dict[str, str]]:
+    assert report.main([*map(str, paths), f"out={tmp_path / 'reports'}", f"name={name}"]) == 0
+    return table_rows(tmp_path / "reports" / name / "report.md")
+
+
+def test_a_sweep_folder_reports_every_point_with_a_failed_point_s_error_as_its_status(tmp_path):
+    sweep_dir = write_sweep(tmp_path / "layouts-x", [
+        ({"strategy": "ddp"}, 0, ""),
+        ({"strategy": "tp"}, 2,
+         "error: strategy.tensor_parallel_size=4 does not divide the 2 devices: choose a divisor."),
+    ])
+    write_run(sweep_dir / "0", "ddp", dp=2, micro=4, peaks=(300 * 2**20, 310 * 2**20))
+    ok, failed = make_report(tmp_path, sweep_dir)
+    assert ok["layout"] == "`debug_dp2-tp1-pp1_mb4_ddp`" and ok["run"] == "layouts-x/0" and ok["status"] == "ok"
+    assert ok["devices"] == "2" and ok["peak memory per rank"] == "310 MiB"  # the highest rank's peak
+    assert ok["train/loss"] == "5.7000" and ok["val/loss"] == "5.5000" and ok["MFU"] == "-"
+    assert failed["run"] == "layouts-x/1" and failed["devices"] == "2"  # from its command: it left no run directory
+    assert failed["layout"] == "strategy=tp"  # what sets it apart from the other points
+    assert failed["status"] == "failed (2): error: strategy.tensor_parallel_size=4 does not divide the 2 devices: choose a divisor."
+    assert failed["tokens/s per device"] == "-"
+
+
+def test_a_failed_point_alone_is_named_by_its_parameters_as_its_command_ran_them(tmp_path):
+    sweep_dir = write_sweep(tmp_path / "one-point", [({"strategy": "tp"}, 1, "")])
+    (failed,) = make_report(tmp_path, sweep_dir)
+    assert failed["layout"] == "strategy=tp trainer.devices=2"  # the override, not the spec's constant 4
+    assert failed["status"] == "failed (1): no error printed"
+
+
+def test_runs_rank_by_median_tokens_per_second_per_device_after_the_first_window(tmp_path):
+    # Two devices at 1100 tokens/s together (the first window, 100000, left out): 550 per device. One device at
+    # 700 tokens/s ranks above them, and a run that logged no throughput comes last.
+    two = write_run(tmp_path / "two", "ddp", dp=2, micro=4, tokens_per_sec=(100000.0, 1000.0, 1200.0, 1100.0))
+    one = write_run(tmp_path / "one", "single", tokens_per_sec=(50.0, 700.0, 700.0))
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.yaml").write_text(yaml.safe_dump({"trainer": {"devices": 1, "max_steps": 5}}))
+    rows = make_report(tmp_path, bare, two, one)
+    assert [row["run"] for row in rows] == ["one", "two", "bare"]
+    assert [row["tokens/s per device"] for row in rows] == ["700", "550", "-"]
+    assert rows[2]["status"] == "no metrics"
+    assert [row["#"] for row in rows] == ["1", "2", "3"]
+
+
+def test_a_run_resumed_under_another_layout_is_reported_in_its_last_layout_and_speed(tmp_path):
+    run = write_run(tmp_path / "moved", "ddp", dp=2, micro=4, tokens_per_sec=(10.0, 2000.0, 2000.0, 2000.0))
+    # Resumed at step 4 on one device: the layout logged again there, then slower steps.
+    resumed = [{"step": 4, "layout/pipeline_parallel": 1, "layout/data_parallel": 1, "layout/tensor_parallel": 1,
+                "layout/micro_batch_size": 8, "layout/accumulation": 1, "layout/pipeline_microbatches": 1,
+                "layout/global_batch_size": 8, "layout/world_size": 1}]
+    resumed += [{"step": s, "train/loss": 5.0, "train/tokens_per_sec": t} for s, t in ((4, 5.0), (5, 300.0), (6, 300.0))]
+    with open(run / "metrics.csv", newline="") as file:
+        names = csv.DictReader(file).fieldnames
+    with open(run / "metrics.csv", "a", newline="") as file:
+        csv.DictWriter(file, fieldnames=names).writerows(resumed)
+    (run / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": {"model": "debug", "strategy": "single"}}}}))
+    (row,) = make_report(tmp_path, run)
+    assert row["layout"] == "`debug_dp1-tp1-pp1_mb8_single`" and row["devices"] == "1"
+    assert row["tokens/s per device"] == "300"  # the resumed start-up window (5) left out, and nothing before it
+
+
+def test_a_run_that_stopped_early_says_where(tmp_path):
+    run = write_run(tmp_path / "cut", "single", max_steps=30)
+    (row,) = make_report(tmp_path, run)
+    assert row["status"] == "stopped at step 4 of 30"
+
+
+def test_the_report_links_its_plots_and_writes_them(tmp_path):
+    run = write_run(tmp_path / "run", "single")
+    make_report(tmp_path, run, name="plots")
+    folder = tmp_path / "reports" / "plots"
+    text = (folder / "report.md").read_text()
+    for plot in ("throughput.svg", "memory.svg", "loss.svg"):
+        assert f"]({plot})" in text and (folder / plot).stat().st_size > 1000, plot
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["{tmp}/missing"], "does not exist"),
+        (["{tmp}"], "is neither a run directory nor a sweep folder"),
+        ([], "give one or more run directories"),
+        (["{tmp}", "colour=red"], "unknown argument 'colour=red'"),
+        (["{tmp}", "name=a/b"], "name=a/b: give a folder name"),
+    ],
+    ids=["missing", "not-a-run", "nothing", "unknown-option", "bad-name"],
+)
+def test_bad_arguments_are_one_error_paragraph_and_exit_status_2(tmp_path, capsys, args, says):
+    with pytest.raises(SystemExit) as exit_:
+        report.main([arg.format(tmp=tmp_path) for arg in args])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and says in err and "Traceback" not in err
+    assert not (tmp_path / "reports").exists()
+
+
+def test_the_command_line_refuses_a_path_that_is_no_run_with_exit_status_2(tmp_path):
+    result = run_module("project.report", [str(tmp_path), f"out={tmp_path / 'reports'}"], timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_report_of_a_single_device_and_a_ddp_run_reads_their_layouts_devices_and_losses(tiny_shards, tmp_path):
+    short = ["trainer.max_steps=4", "val_every_n_steps=2"]
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    run_train(tiny_shards, single, *short)
+    run_train(tiny_shards, ddp, *short, "strategy=ddp", "trainer.devices=2")
+    rows = {row["run"]: row for row in make_report(tmp_path, single, ddp, name="real")}
+    # experiment=debug: a global batch of 8, the whole of it per replica unless micro_batch_size is set.
+    assert rows["single"]["layout"] == "`debug_dp1-tp1-pp1_mb8_single`" and rows["single"]["devices"] == "1"
+    assert rows["ddp"]["layout"] == "`debug_dp2-tp1-pp1_mb4_ddp`" and rows["ddp"]["devices"] == "2"
+    for run_dir in (single, ddp):
+        row = rows[run_dir.name]
+        train_loss, val_loss = read_metrics(run_dir, "train/loss"), read_metrics(run_dir, "val/loss")
+        assert row["train/loss"] == f"{train_loss[max(train_loss)]:.4f}" and row["val/loss"] == f"{val_loss[max(val_loss)]:.4f}"
+        assert row["status"] == "ok" and row["tokens/s per device"] != "-" and row["peak memory per rank"].endswith("MiB")
+    folder = tmp_path / "reports" / "real"
+    for plot in ("throughput.svg", "memory.svg", "loss.svg"):
+        assert (folder / plot).stat().st_size > 0 and f"]({plot})" in (folder / "report.md").read_text()
