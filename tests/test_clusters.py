@@ -1,4 +1,4 @@
-"""Multi-node launches: torchrun nodes and a real SLURM cluster train like one node, and a preempted
+"""Multi-node launches: torchrun, hand-started nodes and a real SLURM cluster train like one node, and a preempted
 SLURM job checkpoints, requeues itself and resumes exactly."""
 
 from __future__ import annotations
@@ -26,19 +26,26 @@ def reference(tiny_shards, tmp_path_factory):
     return read_metrics(run_dir, "train/loss")
 
 
-def test_two_torchrun_nodes_train_like_one_node_with_two_processes(tiny_shards, tmp_path, reference):
+def launch_command(launcher: str, node_rank: int, port: int) -> tuple[list[str], dict[str, str]]:
+    """How each of two one-device nodes starts: through torchrun, or by hand with the variables Lightning
+    reads (MASTER_ADDR, MASTER_PORT, NODE_RANK, WORLD_SIZE), one process per node."""
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node_rank}",
+                "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "project.train"], {}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node_rank), "WORLD_SIZE": "2"}
+    return [sys.executable, "-m", "project.train"], env
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "environment"])
+def test_two_nodes_train_like_one_node_with_two_processes(tiny_shards, tmp_path, reference, launcher):
     port = free_port()
     args = train_overrides(tiny_shards, tmp_path, *DDP, "trainer.num_nodes=2", "trainer.devices=1", "trainer.max_steps=40",
                            "val_every_n_steps=100")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    nodes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={rank}",
-             "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "project.train", *args],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for rank in (0, 1)
-    ]
+    nodes = []
+    for node_rank in (0, 1):
+        command, variables = launch_command(launcher, node_rank, port)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **variables}
+        nodes.append(subprocess.Popen([*command, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert read_metrics(tmp_path, "train/loss") == pytest.approx(reference, abs=1e-6)
