@@ -8,11 +8,15 @@ torch: keep it so (tests/test_checks.py watches it).
 
 from __future__ import annotations
 
+import difflib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from project.errors import ConfigError
@@ -58,6 +62,109 @@ class Layout:
         }
 
 
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def _close(word: str, choices: list[str]) -> str:
+    match = difflib.get_close_matches(word, choices, n=1)
+    return f" Did you mean {match[0]}?" if match else ""
+
+
+def check_command_line(argv: list[str], config_name: str = "train") -> None:
+    """Compose the config from `argv` as Hydra will, and answer what it refuses (a config group option
+    that does not exist, a key that is not in the config, an override that does not parse) as one
+    paragraph with a suggestion, instead of Hydra's message and traceback hint. Command lines with
+    Hydra's own flags (-m, --cfg, ...) are left to Hydra."""
+    if any(arg.startswith("-") for arg in argv):
+        return
+    overrides = [arg for arg in argv if not arg.lstrip("+~").startswith("hydra.")]
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            compose(config_name, overrides=overrides)
+    except HydraException as error:
+        raise ConfigError(_explain(error, overrides, config_name)) from None
+
+
+def _explain(error: HydraException, overrides: list[str], config_name: str) -> str:
+    message = str(error)
+    if missing := re.search(r"Could not find '([\w/]+)/([^']+)'", message):
+        group, name = missing.groups()
+        options = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+        return f"{group}={name}: there is no conf/{group}/{name}.yaml.{_close(name, options)} Choose one of: {', '.join(options)}."
+    if unknown := re.search(r"Could not override '([^']+)'", message):
+        key = unknown.group(1)
+        parent, _, leaf = key.rpartition(".")
+        groups_only = [o for o in overrides if (CONF / o.split("=")[0]).is_dir()]  # the structure, without the typo
+        try:
+            with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+                base = compose(config_name, overrides=groups_only)
+            node = OmegaConf.select(base, parent) if parent else base
+            siblings = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+        except HydraException:
+            siblings = []
+        where = f"in {parent}" if parent else "at the top level"
+        listed = f" Settings there: {', '.join(siblings)}." if siblings and len(siblings) <= 20 else ""
+        return f"{key}: no such setting {where}.{_close(leaf, siblings)}{listed} To add a new key on purpose, write +{key}=VALUE."
+    first_line = message.strip().splitlines()[0]
+    return f"{first_line} (Hydra's override syntax: https://hydra.cc/docs/advanced/override_grammar/basic/)."
+
+
+Rule = tuple[str, Callable[[Any], bool], str]
+# Settings whose range the code relies on: (key, accepts, what it must be). None is allowed only where stated.
+RULES: list[Rule] = [
+    ("optim.lr", lambda v: v > 0, "above 0, e.g. 3e-4"),
+    ("optim.min_lr", lambda v: v >= 0, "0 or more (the cosine's floor)"),
+    ("optim.warmup_steps", lambda v: isinstance(v, int) and v >= 0, "a whole number of steps, 0 or more"),
+    ("optim.decay_steps", lambda v: v is None or isinstance(v, int) and v > 0, "null (trainer.max_steps) or a number of steps above 0"),
+    ("optim.weight_decay", lambda v: v >= 0, "0 or more"),
+    ("optim.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1), e.g. [0.9, 0.95]"),
+    ("optim.eps", lambda v: v > 0, "above 0, e.g. 1e-8"),
+    ("optim.grad_clip", lambda v: v is None or v >= 0, "null or 0 (no clipping), or a norm above 0"),
+    ("trainer.max_steps", lambda v: isinstance(v, int) and v >= 1, "a whole number of optimizer steps, 1 or more"),
+    ("global_batch_size", lambda v: isinstance(v, int) and v >= 1, "a whole number of sequences, 1 or more"),
+    ("micro_batch_size", lambda v: v is None or isinstance(v, int) and v >= 1, "null (the whole per-replica share) or 1 or more"),
+    ("val_every_n_steps", lambda v: isinstance(v, int) and v >= 1, "a whole number of steps, 1 or more"),
+    ("ckpt_every_n_steps", lambda v: isinstance(v, int) and v >= 1, "a whole number of steps, 1 or more"),
+    ("val_sequences", lambda v: v is None or isinstance(v, int) and v >= 1, "null (the whole split) or 1 or more"),
+    ("threads_per_process", lambda v: v is None or isinstance(v, int) and v >= 1, "null (1) or 1 or more"),
+    ("peak_flops_per_device", lambda v: v is None or v > 0, "null (unknown) or FLOP/s above 0"),
+    ("data.seq_len", lambda v: isinstance(v, int) and v >= 2, "a whole number of tokens, 2 or more"),
+    ("model.vocab_size", lambda v: isinstance(v, int) and v >= 2, "a whole number, at least the tokenizer's size"),
+    ("model.dim", lambda v: isinstance(v, int) and v >= 1, "a whole number above 0"),
+    ("model.n_layers", lambda v: isinstance(v, int) and v >= 1, "a whole number above 0"),
+    ("model.n_heads", lambda v: isinstance(v, int) and v >= 1, "a whole number above 0"),
+    ("model.n_kv_heads", lambda v: v is None or isinstance(v, int) and v >= 1, "null (= n_heads) or a whole number above 0"),
+    ("model.multiple_of", lambda v: isinstance(v, int) and v >= 1, "a whole number above 0"),
+    ("model.ffn_dim_multiplier", lambda v: v is None or v > 0, "null or above 0"),
+    ("model.norm_eps", lambda v: v > 0, "above 0, e.g. 1e-5"),
+    ("model.rope_theta", lambda v: v > 0, "above 0, e.g. 10000"),
+    ("model.max_seq_len", lambda v: isinstance(v, int) and v >= 1, "a whole number of tokens above 0"),
+    ("model.init_std", lambda v: v > 0, "above 0, e.g. 0.02"),
+]
+
+
+def check_values(cfg: DictConfig) -> None:
+    for key, accepts, must_be in RULES:
+        value = OmegaConf.select(cfg, key)
+        try:
+            ok = not isinstance(value, bool) and accepts(value)
+        except TypeError:  # a string or a list where a number belongs, or a null where none is allowed
+            ok = False
+        if not ok:
+            raise ConfigError(f"{key}={value} is out of range: it must be {must_be}.")
+    if cfg.optim.min_lr > cfg.optim.lr:
+        raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}: the cosine decays from lr down to min_lr.")
+    model_config(cfg)
+
+
+def model_config(cfg: DictConfig) -> LlamaConfig:
+    """The model's LlamaConfig; shapes it cannot take (dim not divisible by the heads, ...) as a ConfigError."""
+    try:
+        return LlamaConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+    except (ValueError, TypeError) as error:
+        raise ConfigError(str(error)) from None
+
+
 def is_pipeline(strategy_cfg: Mapping[str, Any]) -> bool:
     return str(strategy_cfg.get("_target_", "")).endswith("LlamaPipelineStrategy")
 
@@ -89,7 +196,7 @@ def plan_layout(cfg: DictConfig, num_nodes: int, devices_per_node: int) -> Layou
     cannot be built: degrees that do not divide the devices or the model, batches that do not split,
     pipelines that cannot be scheduled."""
     strategy_cfg = OmegaConf.to_container(cfg.strategy, resolve=True)
-    model = LlamaConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+    model = model_config(cfg)
     shape = mesh_shape(strategy_cfg, num_nodes * devices_per_node, devices_per_node)
     if shape.tensor_parallel > 1:
         sequence_parallel = strategy_cfg.get("sequence_parallel", False)
@@ -129,6 +236,7 @@ def check_data(cfg: DictConfig) -> None:
 def preflight(cfg: DictConfig) -> Layout | None:
     """Every check that the config alone allows; the layout too when the device count is explicit."""
     check_trainer(cfg)
+    check_values(cfg)
     check_data(cfg)
     nodes, devices = cfg.trainer.get("num_nodes", 1), cfg.trainer.get("devices", "auto")
     if isinstance(nodes, int) and isinstance(devices, int):

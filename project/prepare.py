@@ -4,9 +4,12 @@ Training prepares missing shards itself (`data.auto_prepare=true`, the default);
 them up front, e.g. once for a cluster. It does nothing when the shards in `data.dir` are up to date.
 """
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
+from project.checks import check_command_line
 from project.data.prepare import prepare_from_config
 from project.errors import exit_on_config_error
 
@@ -16,5 +19,8 @@ from project.errors import exit_on_config_error
 def main(cfg: DictConfig) -> dict:
     return prepare_from_config(cfg.data)
 
+
 if __name__ == "__main__":
+    with exit_on_config_error():
+        check_command_line(sys.argv[1:], config_name="prepare")
     main()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import hydra
@@ -15,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from project.checks import preflight
+from project.checks import check_command_line, preflight
 from project.errors import ConfigError, exit_on_config_error
 
 
@@ -46,4 +47,6 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    with exit_on_config_error():
+        check_command_line(sys.argv[1:])  # before Hydra: its own answer to a typo is a traceback hint
     main()

@@ -7,6 +7,8 @@ directory), so everything here runs on every rank.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
 import warnings
 from pathlib import Path
@@ -95,6 +97,11 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
     if cfg.trainer.get("enable_model_summary", True):
         callbacks.append(LlamaModelSummary())
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    accepted = set(inspect.signature(L.Trainer.__init__).parameters) - {"self"}
+    for key in trainer_kwargs.keys() - accepted:  # added with +trainer.KEY=...
+        match = difflib.get_close_matches(key, sorted(accepted), n=1)
+        hint = f" Did you mean trainer.{match[0]}?" if match else ""
+        raise ConfigError(f"trainer.{key} is not an argument of lightning.Trainer.{hint}")
     # Lightning logs every log_every_n_steps steps only: a shorter run would write no metrics at all.
     trainer_kwargs["log_every_n_steps"] = min(trainer_kwargs.get("log_every_n_steps", 50), trainer_kwargs["max_steps"])
     try:

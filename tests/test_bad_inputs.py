@@ -1,0 +1,102 @@
+"""Every bad setting is one clear error that names it, before anything starts (issue: reliability).
+
+The table runs the checks `python -m project.train` makes before it imports torch: the command line as
+Hydra will compose it (project.checks.check_command_line), then the values (project.checks.preflight).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from project.checks import CONF, check_command_line, preflight
+from project.errors import ConfigError
+from tests.conftest import ROOT
+
+COMMAND_LINE = [
+    (["experiment=shakespere"], r"experiment=shakespere: there is no conf/experiment/shakespere.yaml. Did you mean shakespeare\?"),
+    (["model=small3m"], r"model=small3m: there is no conf/model/small3m.yaml"),
+    (["data=shakespear"], r"data=shakespear: .* Did you mean shakespeare\?"),
+    (["strategy=fsdp3"], r"strategy=fsdp3: .* Did you mean fsdp"),
+    (["logger=wandbb"], r"logger=wandbb: .* Did you mean wandb\?"),
+    (["trainer=gpx"], r"trainer=gpx: .* Choose one of: cpu, gpu"),
+    (["trainer.max_step=10"], r"trainer.max_step: no such setting in trainer. Did you mean max_steps\?"),
+    (["optim.learning_rate=1e-3"], r"optim.learning_rate: no such setting in optim"),
+    (["globl_batch_size=8"], r"globl_batch_size: no such setting at the top level. Did you mean global_batch_size\?"),
+    (["optim.lr=="], r"Error parsing override 'optim.lr=='"),
+]
+
+VALUES = [
+    (["optim.lr=0"], r"optim.lr=0 is out of range: it must be above 0"),
+    (["optim.lr=-1e-3"], r"optim.lr=-0.001 is out of range"),
+    (["optim.lr=abc"], r"optim.lr=abc is out of range"),
+    (["optim.min_lr=-1"], r"optim.min_lr=-1 is out of range"),
+    (["optim.min_lr=1.0"], r"optim.min_lr=1.0 is above optim.lr"),
+    (["optim.warmup_steps=-1"], r"optim.warmup_steps=-1 is out of range"),
+    (["optim.warmup_steps=2.5"], r"optim.warmup_steps=2.5 is out of range: it must be a whole number"),
+    (["optim.decay_steps=0"], r"optim.decay_steps=0 is out of range"),
+    (["optim.weight_decay=-0.1"], r"optim.weight_decay=-0.1 is out of range"),
+    (["optim.betas=[0.9,1.5]"], r"optim.betas=\[0.9, 1.5\] is out of range"),
+    (["optim.betas=[0.9]"], r"optim.betas=\[0.9\] is out of range: it must be two numbers"),
+    (["optim.eps=0"], r"optim.eps=0 is out of range"),
+    (["optim.grad_clip=-1"], r"optim.grad_clip=-1 is out of range"),
+    (["trainer.max_steps=0"], r"trainer.max_steps=0 is out of range"),
+    (["trainer.max_steps=null"], r"trainer.max_steps must be set"),
+    (["global_batch_size=0"], r"global_batch_size=0 is out of range"),
+    (["micro_batch_size=0"], r"micro_batch_size=0 is out of range"),
+    (["val_every_n_steps=0"], r"val_every_n_steps=0 is out of range"),
+    (["ckpt_every_n_steps=0"], r"ckpt_every_n_steps=0 is out of range"),
+    (["val_sequences=0"], r"val_sequences=0 is out of range"),
+    (["threads_per_process=0"], r"threads_per_process=0 is out of range"),
+    (["data.seq_len=1"], r"data.seq_len=1 is out of range"),
+    (["data.seq_len=4096"], r"data.seq_len=4096 exceeds model.max_seq_len=1024"),
+    (["model.dim=90"], r"model.dim=90 must be divisible by model.n_heads=4"),
+    (["model.n_kv_heads=3"], r"model.n_heads=4 must be a multiple of model.n_kv_heads=3"),
+    (["model.n_layers=0"], r"model.n_layers=0 is out of range"),
+    (["model.norm_eps=0"], r"model.norm_eps=0 is out of range"),
+    (["+trainer.gradient_clip_val=1.0"], r"trainer.gradient_clip_val is computed by project.train: set optim.grad_clip instead"),
+    (["strategy=tp", "trainer.devices=3"], r"model n_heads=4 is not divisible by strategy.tensor_parallel_size=3"),
+    (["strategy=tp_fsdp", "strategy.tensor_parallel_size=3", "trainer.devices=4"], r"tensor_parallel_size=3 does not divide the 4 devices"),
+    (["strategy=tp", "trainer.devices=2", "model.vocab_size=513"], r"vocab_size=513 is not divisible by strategy.tensor_parallel_size=2"),
+    (["strategy=ddp", "trainer.devices=2", "global_batch_size=7"], r"global_batch_size=7 does not divide over 2 data-parallel ranks"),
+    (["strategy=ddp", "trainer.devices=2", "micro_batch_size=3"], r"micro_batch_size=3 does not divide the 4 sequences"),
+    (["strategy=pipeline", "trainer.devices=4"], r"model.n_layers=2 is fewer than the 4 pipeline stage chunks"),
+    (["strategy=pipeline", "trainer.devices=2", "strategy.schedule=zigzag"], r"strategy.schedule='zigzag': choose one of"),
+    (["strategy=pipeline", "trainer.devices=2", "strategy.virtual_stages=2"], r"strategy.schedule=1f1b runs one stage chunk per rank"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", COMMAND_LINE, ids=[" ".join(o) for o, _ in COMMAND_LINE])
+def test_a_command_line_hydra_would_refuse_is_one_clear_error(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check_command_line(["experiment=debug", *overrides])
+
+
+@pytest.mark.parametrize("overrides, message", VALUES, ids=[" ".join(o) for o, _ in VALUES])
+def test_a_setting_out_of_range_is_refused_before_training(overrides, message):
+    check_command_line(["experiment=debug", *overrides])  # the command line itself is fine ...
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=debug", *overrides])
+    with pytest.raises(ConfigError, match=message):  # ... its values are not
+        preflight(cfg)
+
+
+def test_the_default_settings_pass_every_check():
+    check_command_line(["experiment=debug"])
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        assert preflight(compose("train", overrides=["experiment=debug", "trainer.devices=1"])) is not None
+
+
+@pytest.mark.parametrize("module", ["project.train", "project.prepare"])
+@pytest.mark.parametrize("bad", ["experiment=shakespere", "optim.lr=0"])
+def test_the_commands_print_one_paragraph_and_exit_2(module, bad, tmp_path):
+    if module == "project.prepare" and bad == "optim.lr=0":
+        bad = "data.vocab_sise=300"  # prepare reads the data settings only
+    args = [sys.executable, "-m", module, bad, f"hydra.run.dir={tmp_path / 'run'}"]
+    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()  # nothing written
