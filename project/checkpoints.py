@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import re
 import shutil
 import time
+import zipfile
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -17,6 +19,24 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.checkpoint import FileSystemReader
 
 from project.errors import ConfigError
+
+
+def read_checkpoint_file(path: str | Path, mmap: bool = False) -> dict[str, Any]:
+    """A checkpoint file, or a sharded folder's metadata file, on the CPU.
+
+    weights_only: a checkpoint is data (tensors, numbers, strings, dicts), and one from elsewhere must not
+    run code as it loads; the platform's own checkpoints hold nothing else. A file that is not a readable
+    checkpoint (truncated, corrupt, or holding other objects) is a ConfigError naming it.
+    """
+    try:
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(
+            f"{path} is not a checkpoint this platform can read ({reason}): it may be truncated or corrupt "
+            "(copied or downloaded only in part: pass another checkpoint, e.g. the run's best-step*.ckpt), or hold "
+            "objects other than tensors and plain data, which are not loaded because loading them could run code."
+        ) from None
 
 
 def load_full_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -30,7 +50,7 @@ def load_full_checkpoint(path: str | Path) -> dict[str, Any]:
     """
     path = Path(path)
     if not path.is_dir():
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return read_checkpoint_file(path)
     checkpoint = _load_distributed_checkpoint(path)
     if "model" in checkpoint:
         checkpoint["state_dict"] = checkpoint.pop("model")
@@ -44,7 +64,7 @@ def checkpoint_step(path: str | Path) -> int:
     """The optimizer steps a checkpoint (file or sharded folder) was trained for, without loading its tensors."""
     path = Path(path)
     metadata = path / _METADATA_FILENAME if path.is_dir() else path
-    return int(torch.load(metadata, map_location="cpu", mmap=not path.is_dir(), weights_only=False)["global_step"])
+    return int(read_checkpoint_file(metadata, mmap=not path.is_dir())["global_step"])
 
 
 def _keyed_by_name(optimizer_state: dict[str, Any]) -> bool:
@@ -107,7 +127,7 @@ def _loads_as_is(strategy: Strategy, path: Path) -> bool:
         return isinstance(strategy, {"fsdp": FSDPStrategy, "model_parallel": ModelParallelStrategy}[fmt])
     if not _shards_by_name(strategy):
         return True
-    optimizers = torch.load(path, map_location="cpu", mmap=True, weights_only=False).get("optimizer_states", [])
+    optimizers = read_checkpoint_file(path, mmap=True).get("optimizer_states", [])
     return all(_keyed_by_name(state) for state in optimizers)
 
 

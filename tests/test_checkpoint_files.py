@@ -152,3 +152,39 @@ def test_checkpoints_get_the_users_file_mode(tiny_shards, tmp_path, strategy):
     assert len(written) >= 3  # the folder, last.ckpt and the best
     modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in written}
     assert modes == {name: oct(0o750 if (tmp_path / name).is_dir() else 0o640) for name in modes}
+
+
+class _RunsCode:
+    def __reduce__(self):  # what a malicious pickle does: call something when loaded
+        return (os.mkdir, (str(_RunsCode.marker),))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "runs_code", "not_a_checkpoint"])
+def test_a_damaged_or_code_carrying_checkpoint_is_refused_and_nothing_runs(tmp_path, damage):
+    from project.checkpoints import checkpoint_step, load_full_checkpoint
+
+    path = tmp_path / "last.ckpt"
+    _RunsCode.marker = tmp_path / "code-ran"
+    if damage == "truncated":
+        module, _ = stepped_module()
+        torch.save({"global_step": 1, "state_dict": module.state_dict()}, path)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif damage == "runs_code":
+        torch.save({"global_step": 1, "payload": _RunsCode()}, path)
+    else:
+        path.write_text("not a checkpoint")
+    for read in (load_full_checkpoint, checkpoint_step):
+        with pytest.raises(ConfigError, match=f"{path} is not a checkpoint this platform can read"):
+            read(path)
+    assert not _RunsCode.marker.exists()
+
+
+@pytest.mark.slow
+def test_training_from_a_truncated_checkpoint_is_one_clear_error(tiny_shards, tmp_path):
+    from tests.conftest import run_module, train_overrides
+
+    broken = tmp_path / "broken.ckpt"
+    broken.write_bytes(b"PK\x03\x04" + b"\0" * 100)
+    result = run_module("project.train", train_overrides(tiny_shards, tmp_path / "run", f"ckpt_path={broken}"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"error: {broken} is not a checkpoint this platform can read" in result.stderr

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
+from project.checkpoints import read_checkpoint_file
 from project.model.llama import Llama
 from project.parallel.init import laid_out_like
 from project.parallel.mesh import MeshShape, mesh_shape
@@ -259,7 +260,7 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         path = Path(self.broadcast(checkpoint_path))
         if path.is_dir():
             return super().load_checkpoint(path, weights_only)
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        checkpoint = read_checkpoint_file(path, mmap=True)
         module = self.model
         mine = get_model_state_dict(module)  # this rank's parameters, sharded as they are here
         set_model_state_dict(module, {name: laid_out_like(checkpoint["state_dict"][name], p) for name, p in mine.items()})
