@@ -22,6 +22,8 @@ import warnings
 from pathlib import Path
 from typing import TextIO
 
+from project.redact import redact_text
+
 # (message pattern, why it can be ignored)
 KNOWN_WARNINGS = [
     # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecated; nothing of ours is involved.
@@ -121,14 +123,15 @@ def launch_rank(num_nodes: int = 1) -> int:
     return node * per_node + local
 
 
-def keep_console(run_dir: Path, rank: int) -> None:
+def keep_console(run_dir: Path, rank: int, secrets: set[str] = frozenset()) -> None:
     """From now on, copy this process's console into the run directory (appending: a resumed run
     continues the same log). Rank 0: stdout and stderr in train.log; other ranks: stderr in
     train.rank<N>.log. Logging handlers that already hold the console streams are pointed at the copies."""
     run_dir.mkdir(parents=True, exist_ok=True)
     name = "train.log" if rank == 0 else f"train.rank{rank}.log"
     log = open(run_dir / name, "a", encoding="utf-8", buffering=1)
-    log.write(f"== {datetime.datetime.now().isoformat(timespec='seconds')} python -m project.train {' '.join(sys.argv[1:])}\n")
+    command = redact_text(" ".join(sys.argv[1:]), secrets)
+    log.write(f"== {datetime.datetime.now().isoformat(timespec='seconds')} python -m project.train {command}\n")
     streams = ("stdout", "stderr") if rank == 0 else ("stderr",)
     replaced = {}
     for stream in streams:

@@ -12,7 +12,10 @@ from urllib.parse import urlparse
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
+import wandb
+
+from project.redact import redacted_container, secret_values
 
 
 def wandb_mode(mode: str) -> str:
@@ -100,7 +103,9 @@ def build_loggers(cfg: DictConfig, run_dir: Path, name: str, group: str | None =
             tags=[*tags, *(wandb_cfg.get("tags") or [])],
             save_dir=str(run_dir),
             mode=wandb_mode(wandb_cfg.mode),
-            config=OmegaConf.to_container(cfg, resolve=True),
+            config=redacted_container(cfg),
+            # wandb records the command line among its system metadata; with a secret on it, it records none.
+            settings=wandb.Settings(x_disable_meta=True) if secret_values(cfg) else None,
         )
         # Lightning passes `anonymous` to wandb.init even when unset, and wandb 0.31 warns on every run
         # that the setting has no effect.

@@ -34,6 +34,7 @@ from project.data.prepare import prepare_from_config
 from project.errors import ConfigError
 from project.lit_module import LlamaLitModule
 from project.loggers import build_loggers
+from project.redact import redacted_container, scrub_files, secret_values
 from project.parallel.pipeline_strategy import LlamaPipelineStrategy
 
 
@@ -124,7 +125,10 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
     """Fit; `layout` is what project.checks.preflight planned, None where it could not (devices: auto)."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     silence_known_noise()
-    keep_console(run_dir, launch_rank(cfg.trainer.get("num_nodes", 1)))
+    rank, secrets = launch_rank(cfg.trainer.get("num_nodes", 1)), secret_values(cfg)
+    keep_console(run_dir, rank, secrets)
+    if rank == 0:
+        scrub_files(run_dir / ".hydra", secrets)  # Hydra wrote its record of the config before this code ran
     if cfg.ckpt_path is not None:
         # Resuming in its own run directory, where its checkpoints are expected; or from another run's,
         # when the best checkpoint is tracked afresh in this one.
@@ -191,7 +195,7 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
         weights_from_checkpoint=cfg.ckpt_path is not None,
     )
     if trainer.is_global_zero:
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        OmegaConf.save(redacted_container(cfg), run_dir / "config.yaml")
     steps_per_update = (
         f"{plan.pipeline_microbatches} pipeline microbatches" if plan.pipeline_microbatches > 1 else f"{plan.accumulate_grad_batches} accumulation"
     )

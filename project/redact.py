@@ -1,0 +1,67 @@
+"""Secrets stay out of what a run writes: config.yaml, Hydra's record, train.log, wandb.
+
+A setting is secret when its name says so (api_key, token, secret, password, credential, ...): a user
+who passes `+logger.wandb.api_key=...` or a data source's token on the command line must not find it
+in a run folder they share, or in a wandb project. Environment variables (WANDB_API_KEY) are never
+written by the platform in the first place.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+SECRET_NAME = re.compile(r"api[_-]?key|token|secret|password|passwd|credential|private[_-]?key", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+def secret_values(cfg: DictConfig) -> set[str]:
+    """The values of every secret-looking setting, as they would appear in text."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if SECRET_NAME.search(str(key)) and value not in (None, ""):
+                    found.add(str(value))
+                else:
+                    walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk(OmegaConf.to_container(cfg, resolve=False))
+    return found
+
+
+def redact_text(text: str, secrets: set[str]) -> str:
+    for secret in sorted(secrets, key=len, reverse=True):  # a secret that contains another goes first
+        text = text.replace(secret, REDACTED)
+    return text
+
+
+def redacted_container(cfg: DictConfig) -> dict:
+    """The resolved config as plain data, secret-looking values replaced."""
+
+    def scrub(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: REDACTED if SECRET_NAME.search(str(k)) and v not in (None, "") else scrub(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [scrub(item) for item in node]
+        return node
+
+    return scrub(OmegaConf.to_container(cfg, resolve=True))
+
+
+def scrub_files(folder: Path, secrets: set[str]) -> None:
+    """Redact secrets from the files already written in `folder` (Hydra's record of the config and overrides)."""
+    if not secrets or not folder.is_dir():
+        return
+    for path in folder.iterdir():
+        if path.is_file():
+            text = path.read_text()
+            if (clean := redact_text(text, secrets)) != text:
+                path.write_text(clean)
