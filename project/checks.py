@@ -120,6 +120,7 @@ RULES: list[Rule] = [
     ("optim.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1), e.g. [0.9, 0.95]"),
     ("optim.eps", lambda v: v > 0, "above 0, e.g. 1e-8"),
     ("optim.grad_clip", lambda v: v is None or v >= 0, "null or 0 (no clipping), or a norm above 0"),
+    ("optim.max_skipped_steps", lambda v: isinstance(v, int) and v >= 0, "a whole number of steps, 0 (stop at the first) or more"),
     ("trainer.max_steps", lambda v: isinstance(v, int) and v >= 1, "a whole number of optimizer steps, 1 or more"),
     ("global_batch_size", lambda v: isinstance(v, int) and v >= 1, "a whole number of sequences, 1 or more"),
     ("micro_batch_size", lambda v: v is None or isinstance(v, int) and v >= 1, "null (the whole per-replica share) or 1 or more"),

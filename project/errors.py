@@ -12,8 +12,13 @@ class ConfigError(ValueError):
     """A setting or input file is wrong; the message says which setting and how to fix it."""
 
 
+class TrainingStopped(RuntimeError):
+    """Training stopped on purpose (a non-finite loss or gradient, say); the message says why and what to do."""
+
+
 class exit_on_config_error(contextlib.ContextDecorator):
-    """Print a `ConfigError` as `error: <message>` on stderr and exit with status 2 (usage error).
+    """Print a `ConfigError` as `error: <message>` on stderr and exit with status 2 (usage error);
+    a `TrainingStopped` likewise, with status 1.
 
     Works as a decorator (`@exit_on_config_error()`) or a `with` block; other exceptions pass
     through untouched so real bugs keep their traceback.
@@ -23,7 +28,7 @@ class exit_on_config_error(contextlib.ContextDecorator):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is not None and issubclass(exc_type, ConfigError):
+        if exc_type is not None and issubclass(exc_type, (ConfigError, TrainingStopped)):
             print(f"error: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+            raise SystemExit(2 if issubclass(exc_type, ConfigError) else 1) from None
         return False

@@ -14,9 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from project.checkpoints import load_full_checkpoint, rebase_batch_progress
+from project.errors import TrainingStopped
 from project.model import Llama, LlamaConfig
 
 
@@ -30,6 +32,7 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     grad_clip: float | None = 1.0  # max global gradient norm; None or 0 disables clipping
+    max_skipped_steps: int = 0  # steps with a non-finite gradient norm to skip before stopping the run
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -83,6 +86,7 @@ class LlamaLitModule(LightningModule):
         self.val_loss = MeanMetric()
         self._loss_sum = 0.0  # micro-batch losses since the last optimizer step
         self._loss_count = 0
+        self._skipped_steps = 0  # updates skipped for a non-finite gradient norm (optim.max_skipped_steps)
         self._parallelized = False
         self._weights_from_checkpoint = weights_from_checkpoint
 
@@ -108,6 +112,7 @@ class LlamaLitModule(LightningModule):
             self._parallelized = True
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._skipped_steps = checkpoint.get("skipped_steps", 0)
         if self._trainer is not None:  # resuming a fit, not load_from_checkpoint
             rebase_batch_progress(checkpoint, self.trainer.accumulate_grad_batches)
 
@@ -146,7 +151,30 @@ class LlamaLitModule(LightningModule):
         max_norm = self.optim.grad_clip or float("inf")
         clip = getattr(self.trainer.strategy, "clip_grad_norm", None) if self._trainer is not None else None
         norm = clip(max_norm) if clip is not None else torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        if not torch.isfinite(norm):  # the same global norm on every rank: they all decide alike
+            self._skip_or_stop(float(norm))
         self.log("train/grad_norm", norm)
+        if self.optim.max_skipped_steps:
+            self.log("train/skipped_steps", float(self._skipped_steps))
+
+    def _skip_or_stop(self, norm: float) -> None:
+        """A NaN or Inf loss or gradient: skip the update (up to optim.max_skipped_steps times), else stop
+        before it, so that the weights and the checkpoints written so far stay as they were."""
+        step = self.trainer.global_step
+        if self._skipped_steps < self.optim.max_skipped_steps:
+            self._skipped_steps += 1
+            for p in self.parameters():
+                p.grad = None  # AdamW leaves a parameter without a gradient untouched: no update, no moments
+            rank_zero_warn(f"step {step}: gradient norm {norm}, update skipped ({self._skipped_steps} of optim.max_skipped_steps={self.optim.max_skipped_steps}).")
+            return
+        raise TrainingStopped(
+            f"step {step}: the gradient norm is {norm} (a non-finite loss or gradient): training stopped before the "
+            f"update; the checkpoints written so far are untouched. Resume from last.ckpt (ckpt_path=last) with a lower "
+            f"optim.lr or a tighter optim.grad_clip, or let such steps be skipped with optim.max_skipped_steps=N."
+        )
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["skipped_steps"] = self._skipped_steps
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         inputs, _ = batch

@@ -1,0 +1,43 @@
+"""Numerical faults: a NaN loss stops the run before the update, with the step, and leaves the
+checkpoints as they were; or, if asked, that step is skipped and counted (tests/faults.py injects it)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from project.checkpoints import checkpoint_step, load_full_checkpoint
+from tests.conftest import ROOT, read_metrics, train_overrides
+
+pytestmark = pytest.mark.slow
+
+
+def run_with_fault(fault: str, shards, run_dir, *extra: str) -> subprocess.CompletedProcess:
+    args = train_overrides(shards, run_dir, "trainer.max_steps=8", "ckpt_every_n_steps=1", *extra)
+    env = {**os.environ, "FAULT": fault, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    return subprocess.run([sys.executable, "-m", "tests.faults", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("layout", [[], ["strategy=ddp", "trainer.devices=2"]], ids=["single", "ddp"])
+def test_a_nan_loss_stops_the_run_before_the_update_and_keeps_the_checkpoint(tiny_shards, tmp_path, layout):
+    result = run_with_fault("nan@3", tiny_shards, tmp_path, *layout)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "error: step 3: the gradient norm is nan" in result.stderr and "Traceback" not in result.stderr
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert checkpoint_step(last) == 3  # the last good step's, not overwritten by the faulty one
+    assert all(torch.isfinite(t).all() for t in load_full_checkpoint(last)["state_dict"].values())
+
+
+def test_with_max_skipped_steps_a_nan_step_is_skipped_counted_and_training_goes_on(tiny_shards, tmp_path):
+    result = run_with_fault("nan@3", tiny_shards, tmp_path, "optim.max_skipped_steps=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 3: gradient norm nan, update skipped (1 of optim.max_skipped_steps=2)" in result.stderr
+    skipped, losses = read_metrics(tmp_path, "train/skipped_steps"), read_metrics(tmp_path, "train/loss")
+    assert skipped[2] == 0 and skipped[3] == 1 and skipped[7] == 1
+    assert math.isnan(losses[3]) and all(math.isfinite(losses[s]) for s in (0, 1, 2, 4, 5, 6, 7))
+    assert all(torch.isfinite(t).all() for t in load_full_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["state_dict"].values())
