@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
+import signal
 import warnings
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
 from project.callbacks import LayoutFacts, LlamaModelSummary, MemoryMonitor, StepCheckpoint, StepProgressBar, TokenThroughput
-from project.callbacks.preemption import REQUEUE_EXIT_STATUS, RequeueOnSignal
+from project.callbacks.preemption import REQUEUE_EXIT_STATUS, StopOnSignal
 from project.checkpoints import checkpoint_step, previous_checkpoint, resumable_by
 from project.checks import Layout, check_data, plan_layout
 from project.console import keep_console, launch_rank, silence_known_noise
@@ -89,10 +90,11 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
         ),
     ]
     callbacks = [*checkpoints, TokenThroughput(cfg.peak_flops_per_device), MemoryMonitor(run_dir)]
-    plugins = []
+    plugins, stop_signals = [], (signal.SIGTERM,)
     if SLURMEnvironment.detect():  # our handler checkpoints between steps; Lightning's would save mid-step
         plugins.append(SLURMEnvironment(auto_requeue=False))
-        callbacks.append(RequeueOnSignal(checkpoints[0]))
+        stop_signals += (signal.SIGUSR1,)
+    callbacks.append(StopOnSignal(checkpoints[0], stop_signals))
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(StepProgressBar())
     if cfg.trainer.get("enable_model_summary", True):
@@ -215,7 +217,7 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
     )
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if any(getattr(callback, "stopped_for_requeue", False) for callback in trainer.callbacks):
-        rank_zero_info(f"stopped at step {trainer.global_step} to be requeued (exit status {REQUEUE_EXIT_STATUS})")
+        rank_zero_info(f"stopped at step {trainer.global_step}: resume with ckpt_path=last (exit status {REQUEUE_EXIT_STATUS})")
         raise SystemExit(REQUEUE_EXIT_STATUS)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     rank_zero_info(

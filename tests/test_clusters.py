@@ -98,6 +98,6 @@ def test_a_preempted_slurm_job_saves_requeues_and_resumes_exactly(slurm, tiny_sh
     slurm.run("scancel", "--signal=USR1", job)  # what SLURM sends ahead of a preemption or the time limit
     slurm.wait_until_gone(job, timeout=300)
     log = (tmp_path / "run.out").read_text()
-    assert "to be requeued (exit status 3)" in log and "requeueing job" in log, log[-3000:]
+    assert "resume with ckpt_path=last (exit status 3)" in log and "requeueing job" in log, log[-3000:]
     assert "(restart 1)" in log and "Restored all states from the checkpoint" in log, log[-3000:]
     assert read_metrics(run_dir, "train/loss") == pytest.approx(reference, abs=1e-6), log[-3000:]

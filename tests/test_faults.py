@@ -1,18 +1,21 @@
-"""Numerical faults: a NaN loss stops the run before the update, with the step, and leaves the
-checkpoints as they were; or, if asked, that step is skipped and counted (tests/faults.py injects it)."""
+"""Faults: a NaN loss stops the run before the update, with the step, and leaves the checkpoints as they
+were, or, if asked, that step is skipped and counted (tests/faults.py injects it); SIGTERM saves at the
+next step and stops, and the resumed run continues exactly."""
 
 from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from project.checkpoints import checkpoint_step, load_full_checkpoint
-from tests.conftest import ROOT, read_metrics, train_overrides
+from tests.conftest import ROOT, read_metrics, run_train, train_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -41,3 +44,27 @@ def test_with_max_skipped_steps_a_nan_step_is_skipped_counted_and_training_goes_
     assert skipped[2] == 0 and skipped[3] == 1 and skipped[7] == 1
     assert math.isnan(losses[3]) and all(math.isfinite(losses[s]) for s in (0, 1, 2, 4, 5, 6, 7))
     assert all(torch.isfinite(t).all() for t in load_full_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["state_dict"].values())
+
+
+@pytest.mark.parametrize("layout", [[], ["strategy=ddp", "trainer.devices=2"]], ids=["single", "ddp"])
+def test_sigterm_saves_at_the_next_step_and_the_resumed_run_continues_exactly(tiny_shards, tmp_path, layout):
+    steps = ["trainer.max_steps=40", "ckpt_every_n_steps=1000", "val_every_n_steps=1000", "global_batch_size=8"]
+    reference = tmp_path / "reference"
+    run_train(tiny_shards, reference, *layout, *steps)
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    process = subprocess.Popen([sys.executable, "-m", "project.train", *train_overrides(tiny_shards, run_dir, *layout, *steps)],
+                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (run_dir / "metrics.csv").is_file() or len(read_metrics(run_dir, "train/loss")) < 3:
+        assert process.poll() is None and time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)  # to rank 0 only: a scheduler's TERM, or `kill`
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 3, stderr[-3000:]
+    stopped = checkpoint_step(run_dir / "checkpoints" / "last.ckpt")
+    assert 3 <= stopped < 40 and f"stopped at step {stopped}: resume with ckpt_path=last" in stderr
+
+    run_train(tiny_shards, run_dir, *layout, *steps, "ckpt_path=last")
+    assert read_metrics(run_dir, "train/loss") == pytest.approx(read_metrics(reference, "train/loss"), abs=1e-6)
