@@ -123,9 +123,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
         raise ConfigError(f"Lightning refused the trainer settings (trainer.*, strategy={choice}): {error}") from error
 
 
-def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
-    """Fit; `layout` is what project.checks.preflight planned, None where it could not (devices: auto)."""
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+def record_console(cfg: DictConfig, run_dir: Path) -> None:
+    """Known noise filtered, the console kept in the run directory, secrets out of what is written there."""
     silence_known_noise()
     rank, secrets = launch_rank(cfg.trainer.get("num_nodes", 1)), secret_values(cfg)
     keep_console(run_dir, rank, secrets)
@@ -136,6 +135,26 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
         # when the best checkpoint is tracked afresh in this one.
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
+
+
+def attach_loggers(trainer: L.Trainer, cfg: DictConfig, run_dir: Path, layout: Layout) -> None:
+    """Loggers named after the layout, which is known only now, and the layout logged as metrics."""
+    choices = HydraConfig.get().runtime.choices
+    model_name, strategy_name = choices.get("model", "model"), choices.get("strategy", "strategy")
+    trainer.loggers = build_loggers(
+        cfg,
+        run_dir,
+        name=layout.name(model_name, strategy_name),
+        group=os.environ.get("WANDB_SWEEP_ID") or choices.get("experiment") or None,
+        tags=[strategy_name, model_name, f"{trainer.world_size}-devices"],
+    )
+    trainer.callbacks.append(LayoutFacts(layout.facts()))
+
+
+def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
+    """Fit; `layout` is what project.checks.preflight planned, None where it could not (devices: auto)."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    record_console(cfg, run_dir)
     L.seed_everything(cfg.seed, workers=True)
 
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
@@ -150,16 +169,7 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
     if layout is None:  # trainer.devices or num_nodes was left to Lightning
         layout = plan_layout(cfg, trainer.num_nodes, trainer.num_devices)
     plan = layout.plan
-    choices = HydraConfig.get().runtime.choices
-    model_name, strategy_name = choices.get("model", "model"), choices.get("strategy", "strategy")
-    trainer.loggers = build_loggers(
-        cfg,
-        run_dir,
-        name=layout.name(model_name, strategy_name),
-        group=os.environ.get("WANDB_SWEEP_ID") or choices.get("experiment") or None,
-        tags=[strategy_name, model_name, f"{trainer.world_size}-devices"],
-    )
-    trainer.callbacks.append(LayoutFacts(layout.facts()))
+    attach_loggers(trainer, cfg, run_dir, layout)
     if isinstance(trainer.strategy, LlamaPipelineStrategy):
         trainer.strategy.n_microbatches, trainer.strategy.micro_batch_size = plan.pipeline_microbatches, plan.micro_batch_size
     # The Trainer resolves devices and nodes; only then is the accumulation count known.
