@@ -127,6 +127,7 @@ RULES: list[Rule] = [
     ("val_every_n_steps", lambda v: isinstance(v, int) and v >= 1, "a whole number of steps, 1 or more"),
     ("ckpt_every_n_steps", lambda v: isinstance(v, int) and v >= 1, "a whole number of steps, 1 or more"),
     ("val_sequences", lambda v: v is None or isinstance(v, int) and v >= 1, "null (the whole split) or 1 or more"),
+    ("ckpt_every_minutes", lambda v: v is None or v > 0, "null (by steps only) or minutes above 0"),
     ("threads_per_process", lambda v: v is None or isinstance(v, int) and v >= 1, "null (1) or 1 or more"),
     ("peak_flops_per_device", lambda v: v is None or v > 0, "null (unknown) or FLOP/s above 0"),
     ("data.seq_len", lambda v: isinstance(v, int) and v >= 2, "a whole number of tokens, 2 or more"),

@@ -77,7 +77,9 @@ def is_first_process(trainer: L.Trainer) -> bool:
 def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
     checkpoints = [
         # last.ckpt every N steps and after the final step, for resuming ...
-        StepCheckpoint(dirpath=run_dir / "checkpoints", every_n_train_steps=cfg.ckpt_every_n_steps),
+        StepCheckpoint(
+            dirpath=run_dir / "checkpoints", every_n_train_steps=cfg.ckpt_every_n_steps, every_minutes=cfg.get("ckpt_every_minutes")
+        ),
         # ... and the best model, ranked when each validation ends, so by its own val/loss.
         ModelCheckpoint(
             dirpath=run_dir / "checkpoints",

@@ -50,6 +50,7 @@ VALUES = [
     (["val_every_n_steps=0"], r"val_every_n_steps=0 is out of range"),
     (["ckpt_every_n_steps=0"], r"ckpt_every_n_steps=0 is out of range"),
     (["val_sequences=0"], r"val_sequences=0 is out of range"),
+    (["ckpt_every_minutes=0"], r"ckpt_every_minutes=0 is out of range"),
     (["threads_per_process=0"], r"threads_per_process=0 is out of range"),
     (["data.seq_len=1"], r"data.seq_len=1 is out of range"),
     (["data.seq_len=4096"], r"data.seq_len=4096 exceeds model.max_seq_len=1024"),

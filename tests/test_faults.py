@@ -68,3 +68,10 @@ def test_sigterm_saves_at_the_next_step_and_the_resumed_run_continues_exactly(ti
 
     run_train(tiny_shards, run_dir, *layout, *steps, "ckpt_path=last")
     assert read_metrics(run_dir, "train/loss") == pytest.approx(read_metrics(reference, "train/loss"), abs=1e-6)
+
+
+def test_checkpoints_by_wall_time_come_between_the_step_checkpoints(tiny_shards, tmp_path):
+    # No step checkpoint before step 1000; every step ends more than a microsecond after the last save.
+    result = run_with_fault("nan@4", tiny_shards, tmp_path, "ckpt_every_n_steps=1000", "ckpt_every_minutes=1e-8")
+    assert result.returncode == 1 and "error: step 4" in result.stderr, result.stderr[-3000:]
+    assert checkpoint_step(tmp_path / "checkpoints" / "last.ckpt") == 4  # saved by time after step 4's predecessor

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Callable
 from weakref import proxy
@@ -14,7 +15,9 @@ from project.checkpoints import remove, swap_in
 
 
 class StepCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint for last.ckpt that also saves after the step that reaches max_steps.
+    """ModelCheckpoint for last.ckpt that also saves after the step that reaches max_steps, and, with
+    `every_minutes`, after the first step that ends that long after the last save (rank 0's clock
+    decides for every rank; Lightning allows steps or a time interval, not both).
 
     `trainer.save_checkpoint` after `fit` would record a finished epoch, and a run resumed from it
     (to train longer) would start a new epoch with shifted step counters. Saving from the batch
@@ -25,10 +28,12 @@ class StepCheckpoint(ModelCheckpoint):
     sharded folder, now a single file, or the reverse) is kept under another name.
     """
 
-    def __init__(self, **kwargs: Any):
+    def __init__(self, every_minutes: float | None = None, **kwargs: Any):
         # Always last.ckpt, never last-v1.ckpt: a run directory moved elsewhere restores a stale
         # last_model_path, and Lightning would then version the name, leaving `ckpt_path=last` behind.
         super().__init__(save_top_k=0, save_last=True, enable_version_counter=False, **kwargs)
+        self.every_minutes = every_minutes
+        self._saved_at = time.monotonic()
 
     @property
     def state_key(self) -> str:
@@ -38,6 +43,7 @@ class StepCheckpoint(ModelCheckpoint):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
+        self._saved_at, self._seen_step = time.monotonic(), trainer.global_step
         # Every rank has restored its checkpoint by now: a copy converted for this layout is spent.
         trainer.strategy.barrier("checkpoint restored")
         if trainer.is_global_zero and self.dirpath is not None:
@@ -48,6 +54,10 @@ class StepCheckpoint(ModelCheckpoint):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if trainer.global_step == trainer.max_steps:
             self.save(trainer)
+        elif self.every_minutes and trainer.global_step != self._seen_step:  # an optimizer step just ended
+            self._seen_step = trainer.global_step
+            if trainer.strategy.broadcast(time.monotonic() - self._saved_at >= 60 * self.every_minutes):
+                self.save(trainer)
 
     def save(self, trainer: Trainer) -> None:
         """Save last.ckpt now, between optimizer steps (unless this step is saved already)."""
@@ -65,6 +75,7 @@ class StepCheckpoint(ModelCheckpoint):
             rank_zero_info(f"the previous {Path(filepath).name}, of another layout's format, is now {kept}")
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
+        self._saved_at = time.monotonic()
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(self))
