@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import pickle
 import re
@@ -39,6 +40,56 @@ def read_checkpoint_file(path: str | Path, mmap: bool = False) -> dict[str, Any]
         ) from None
 
 
+SHARDED_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a folder's shards
+
+
+class _ShardedMetadataUnpickler(pickle.Unpickler):
+    """A distributed checkpoint's `.metadata` is a pickle (torch loads it with plain `pickle.load`): here only
+    the types it holds may be built: torch.distributed.checkpoint's metadata classes, sizes, dtypes, paths."""
+
+    MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+    NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name) if module in self.MODULES or (module, name) in self.NAMES else None
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            found = getattr(torch, name)
+        if found is None or module in self.MODULES and not isinstance(found, type):
+            raise pickle.UnpicklingError(f"{module}.{name} is not among the types a distributed checkpoint's metadata holds")
+        return found
+
+
+def verify_sharded_checkpoint(folder: Path) -> None:
+    """Refuse a sharded checkpoint folder that would run code as torch loads it.
+
+    torch reads a distributed checkpoint's `.metadata` with `pickle.load`, and its non-tensor entries
+    (optimizer settings, say) with `torch.load(weights_only=False)`. Both are read here first, the metadata
+    with `_ShardedMetadataUnpickler` and each entry with `weights_only=True`: a folder that passes holds
+    only those types, so torch's own loading then runs no code from it.
+    """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    def refuse(reason: str) -> ConfigError:
+        return ConfigError(
+            f"{folder} is not a sharded checkpoint this platform can read ({reason}): it may be truncated or corrupt, "
+            "or hold objects other than tensors and plain data, which are not loaded because loading them could run code."
+        )
+
+    try:
+        with open(folder / SHARDED_METADATA, "rb") as file:
+            metadata = _ShardedMetadataUnpickler(file).load()
+        entries = [MetadataIndex(fqn) for fqn, kind in metadata.state_dict_metadata.items() if isinstance(kind, BytesStorageMetadata)]
+        for entry in entries:
+            where = metadata.storage_data[entry]
+            with open(folder / where.relative_path, "rb") as file:
+                file.seek(where.offset)
+                torch.load(io.BytesIO(file.read(where.length)), map_location="cpu", weights_only=True)
+    except FileNotFoundError as error:
+        raise refuse(f"{Path(error.filename).name} is missing") from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError, KeyError, TypeError) as error:
+        raise refuse(str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__) from None
+
+
 def load_full_checkpoint(path: str | Path) -> dict[str, Any]:
     """The Lightning checkpoint dict, with the whole (unsharded) state_dict, on the CPU.
 
@@ -51,6 +102,7 @@ def load_full_checkpoint(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_dir():
         return read_checkpoint_file(path)
+    verify_sharded_checkpoint(path)
     checkpoint = _load_distributed_checkpoint(path)
     if "model" in checkpoint:
         checkpoint["state_dict"] = checkpoint.pop("model")
@@ -60,11 +112,15 @@ def load_full_checkpoint(path: str | Path) -> dict[str, Any]:
     return checkpoint
 
 
+def checkpoint_metadata(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's (file or sharded folder) step, hyper-parameters and other records, without reading its tensors."""
+    path = Path(path)
+    return read_checkpoint_file(path / _METADATA_FILENAME, mmap=False) if path.is_dir() else read_checkpoint_file(path, mmap=True)
+
+
 def checkpoint_step(path: str | Path) -> int:
     """The optimizer steps a checkpoint (file or sharded folder) was trained for, without loading its tensors."""
-    path = Path(path)
-    metadata = path / _METADATA_FILENAME if path.is_dir() else path
-    return int(read_checkpoint_file(metadata, mmap=not path.is_dir())["global_step"])
+    return int(checkpoint_metadata(path)["global_step"])
 
 
 def _keyed_by_name(optimizer_state: dict[str, Any]) -> bool:
@@ -113,6 +169,7 @@ def checkpoint_format(path: str | Path) -> str:
     path = Path(path)
     if not path.is_dir():
         return "file"
+    verify_sharded_checkpoint(path)
     keys = FileSystemReader(path).read_metadata().state_dict_metadata
     return "fsdp" if any(key.startswith("model.") for key in keys) else "model_parallel"
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
+import struct
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -80,9 +83,23 @@ def check_command_line(argv: list[str], config_name: str = "train") -> None:
     overrides = [arg for arg in argv if not arg.lstrip("+~").startswith("hydra.")]
     try:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            compose(config_name, overrides=overrides)
+            cfg = compose(config_name, overrides=overrides)
     except HydraException as error:
         raise ConfigError(_explain(error, overrides, config_name)) from None
+    _check_run_dir(argv, cfg)
+
+
+def _check_run_dir(argv: list[str], cfg: DictConfig) -> None:
+    """Hydra makes the run directory before any of our code runs, and answers a folder it cannot write
+    with a traceback: say it first. The directory is hydra.run.dir, or by default a folder in paths.log_dir."""
+    given = [arg.partition("=")[2] for arg in argv if arg.startswith("hydra.run.dir=")]
+    setting, folder = ("hydra.run.dir", given[-1]) if given else ("paths.log_dir", OmegaConf.select(cfg, "paths.log_dir"))
+    problem = unwritable(folder) if folder else None
+    if problem:
+        raise ConfigError(
+            f"{setting}={folder}: cannot make the run directory there ({problem}). Choose a folder you can write to "
+            "with hydra.run.dir=DIR (or paths.log_dir=DIR, where run directories go by default)."
+        )
 
 
 def _explain(error: HydraException, overrides: list[str], config_name: str) -> str:
@@ -129,6 +146,7 @@ RULES: list[Rule] = [
     ("val_sequences", lambda v: v is None or isinstance(v, int) and v >= 1, "null (the whole split) or 1 or more"),
     ("ckpt_every_minutes", lambda v: v is None or v > 0, "null (by steps only) or minutes above 0"),
     ("threads_per_process", lambda v: v is None or isinstance(v, int) and v >= 1, "null (1) or 1 or more"),
+    ("strategy.collective_timeout_minutes", lambda v: v is None or v > 0, "minutes above 0 (multi-process strategies), e.g. 10"),
     ("peak_flops_per_device", lambda v: v is None or v > 0, "null (unknown) or FLOP/s above 0"),
     ("data.seq_len", lambda v: isinstance(v, int) and v >= 2, "a whole number of tokens, 2 or more"),
     ("model.vocab_size", lambda v: isinstance(v, int) and v >= 2, "a whole number, at least the tokenizer's size"),
@@ -220,14 +238,116 @@ def plan_layout(cfg: DictConfig, num_nodes: int, devices_per_node: int) -> Layou
     return Layout(shape, plan)
 
 
+MANIFEST_NAME = "manifest.json"
+SPLITS = ("train", "val")
+# What training reads of a manifest (project.data.prepare writes them all).
+MANIFEST_KEYS = (("tokenizer", "vocab_size"), ("tokenizer", "eos_id"), ("block_size",), *(("splits", s, "blocks") for s in SPLITS))
+
+
+def _prepare_again(data_dir: str | os.PathLike) -> str:
+    return (
+        f"prepare the shards again with `python -m project.prepare data.dir={data_dir} data.overwrite=true` and the "
+        "data settings they were made with, or point data.dir at other prepared shards"
+    )
+
+
+def read_manifest(data_dir: str | os.PathLike) -> dict[str, Any]:
+    """The manifest.json of prepared shards, refused as a ConfigError when it is missing, is not JSON, or
+    lacks what training reads."""
+    path = Path(data_dir) / MANIFEST_NAME
+    if not path.is_file():
+        absent = "" if Path(data_dir).exists() else "; the folder does not exist"
+        raise ConfigError(
+            f"no prepared shards in data.dir={data_dir} (missing {MANIFEST_NAME}{absent}): run `python -m project.prepare` "
+            "with the same data settings first (or train with data.auto_prepare=true), or point data.dir at prepared shards."
+        )
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"data.dir={data_dir}: {path} is not JSON ({error}); {_prepare_again(data_dir)}.") from None
+    missing = []
+    for keys in MANIFEST_KEYS:
+        node = manifest
+        for key in keys:
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is None:
+            missing.append(".".join(keys))
+    if missing:
+        raise ConfigError(
+            f"data.dir={data_dir}: {path} lacks {', '.join(missing)}, so it was not written by project.prepare; "
+            f"{_prepare_again(data_dir)}."
+        )
+    return manifest
+
+
+def check_block_size(data_dir: str | os.PathLike, manifest: Mapping[str, Any], seq_len: int) -> None:
+    if manifest["block_size"] != seq_len + 1:
+        raise ConfigError(
+            f"shards in data.dir={data_dir} hold blocks of {manifest['block_size']} tokens, but data.seq_len={seq_len} needs "
+            f"{seq_len + 1}: re-run `python -m project.prepare` with data.seq_len={seq_len} (into another data.dir, or with "
+            f"data.overwrite=true), or use data.seq_len={manifest['block_size'] - 1}."
+        )
+
+
+def check_shards(data_dir: str | os.PathLike) -> None:
+    """Every chunk file litdata's index.json lists is there and whole, checked by its size and its header.
+
+    litdata reads a chunk only when a batch needs it: a truncated one then stops training mid-run with
+    litdata's own timeout, and an overwritten one trains on whatever its bytes say. Its header
+    (item count, then item offsets ending at the file size) tells both apart from a sound chunk by
+    reading a few bytes, where hashing every chunk would read the whole dataset at each start.
+    """
+    for split in SPLITS:
+        index = Path(data_dir) / split / "index.json"
+        try:
+            chunks = json.loads(index.read_bytes())["chunks"]
+            listed = [(c["filename"], int(c["chunk_bytes"]), int(c["chunk_size"])) for c in chunks]
+        except FileNotFoundError:
+            raise ConfigError(f"data.dir={data_dir}: {index} is missing; {_prepare_again(data_dir)}.") from None
+        except (ValueError, KeyError, TypeError) as error:  # not JSON, or not litdata's index
+            raise ConfigError(f"data.dir={data_dir}: {index} is damaged ({error!r}); {_prepare_again(data_dir)}.") from None
+        for name, size, items in listed:
+            problem = _chunk_problem(index.parent / name, size, items)
+            if problem:
+                raise ConfigError(f"data.dir={data_dir}: shard {index.parent / name} {problem}; {_prepare_again(data_dir)}.")
+
+
+def _chunk_problem(path: Path, size: int, items: int) -> str | None:
+    try:
+        actual = path.stat().st_size
+        with open(path, "rb") as f:
+            header = f.read(4 * (items + 2))
+    except FileNotFoundError:
+        return "is missing"
+    if actual != size:
+        return f"holds {actual} bytes where its index.json says {size}: it was cut short (or appended to)"
+    # litdata's chunk header: the item count, then items + 1 offsets from the header's end to the file's.
+    count, *offsets = struct.unpack(f"<{items + 2}I", header) if len(header) == 4 * (items + 2) else (None, None)
+    if count != items or offsets[0] != len(header) or offsets[-1] != size or offsets != sorted(offsets):
+        return "does not start with the header litdata wrote (its bytes were overwritten: the file is corrupt)"
+    return None
+
+
 def check_data(cfg: DictConfig) -> None:
-    """The model against the prepared shards, when they exist (they may yet be prepared by the run)."""
+    """The model against the prepared shards, and the shards themselves, when they exist (they may yet be
+    prepared by the run)."""
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}.")
-    manifest = Path(cfg.data.dir) / "manifest.json"
-    if not manifest.is_file():
+    data_dir = Path(cfg.data.dir)
+    if not (data_dir / MANIFEST_NAME).is_file():
+        if not cfg.data.get("auto_prepare", False):
+            read_manifest(data_dir)  # refuses
+        elif data_dir.is_dir() and any(data_dir.iterdir()):
+            # Said by project.data.prepare too, but only once it has the sources, which it may first download.
+            raise ConfigError(
+                f"data.dir={data_dir} exists, is not empty and holds no {MANIFEST_NAME}, so it is not a prepared dataset "
+                "and will not be prepared into; point data.dir at prepared shards, or a new or empty folder."
+            )
         return
-    tokenizer_vocab = int(json.loads(manifest.read_text())["tokenizer"]["vocab_size"])
+    manifest = read_manifest(data_dir)
+    check_block_size(data_dir, manifest, cfg.data.seq_len)
+    check_shards(data_dir)
+    tokenizer_vocab = int(manifest["tokenizer"]["vocab_size"])
     if cfg.model.vocab_size < tokenizer_vocab:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} "
@@ -235,11 +355,46 @@ def check_data(cfg: DictConfig) -> None:
         )
 
 
+def check_ckpt_path(cfg: DictConfig) -> None:
+    """A checkpoint named by path exists (`last` needs the run directory, which Hydra knows later)."""
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path is None or str(ckpt_path) == "last":
+        return
+    path = Path(str(ckpt_path))
+    # project.checkpoints.swap_in keeps the previous checkpoint as <name>.old while it replaces it.
+    if not path.exists() and not path.with_name(f"{path.name}.old").exists():
+        raise ConfigError(
+            f"ckpt_path={ckpt_path}: no checkpoint at {path}. Pass a checkpoint file or sharded checkpoint folder (a run's "
+            "checkpoints/last.ckpt), or ckpt_path=last with hydra.run.dir=DIR to resume the run in DIR."
+        )
+    # torch.save writes a zip archive whose directory is its last bytes: a file cut short, or not a checkpoint
+    # at all, is told by reading them, before torch is imported to read the rest. (Files in torch's format
+    # from before 1.6, which is not zip, are refused too: this platform never wrote them.)
+    if path.is_file() and not zipfile.is_zipfile(path):
+        raise ConfigError(
+            f"{path} is not a checkpoint this platform can read (no whole zip archive, as torch.save writes: it is "
+            f"truncated, or not a checkpoint): set ckpt_path= to another checkpoint, e.g. the run's best-step*.ckpt."
+        )
+
+
+def unwritable(folder: str | os.PathLike) -> str | None:
+    """Why files cannot be made in `folder` (created with its parents where missing), or None if they can."""
+    folder = Path(os.path.abspath(folder))
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):  # root passes whatever the mode says, as its writes do
+        read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
+        return f"{existing} is on a read-only file system" if read_only else f"{existing} is not writable by this user"
+    return None
+
+
 def preflight(cfg: DictConfig) -> Layout | None:
     """Every check that the config alone allows; the layout too when the device count is explicit."""
     check_trainer(cfg)
     check_values(cfg)
     check_data(cfg)
+    check_ckpt_path(cfg)
     nodes, devices = cfg.trainer.get("num_nodes", 1), cfg.trainer.get("devices", "auto")
     if isinstance(nodes, int) and isinstance(devices, int):
         return plan_layout(cfg, nodes, devices)

@@ -16,8 +16,10 @@ you trust.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -25,8 +27,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import save_file
 
 from project.checkpoints import load_full_checkpoint
+from project.checks import unwritable
 from project.errors import ConfigError, exit_on_config_error
 from project.hf_format import hf_config_dict, to_hf_state_dict
 from project.model.llama import LlamaConfig
@@ -69,8 +74,11 @@ def load_checkpoint(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], d
         raise ConfigError(f"checkpoint {path} does not exist; pass ckpt_path= a Lightning .ckpt file or sharded checkpoint folder.")
     try:
         ckpt = load_full_checkpoint(path)
-    except Exception as e:  # a truncated file or not a torch file: which exception depends on the damage
-        raise ConfigError(f"could not read checkpoint {path}: {type(e).__name__}: {e}") from e
+    except ConfigError as e:  # a damaged file, said by project.checkpoints
+        raise ConfigError(f"ckpt_path={path}: {e}") from None
+    except Exception as e:  # a damaged sharded folder: which exception depends on the damage
+        reason = " ".join(f"{type(e).__name__}: {e}".split())  # one paragraph, however many lines it had
+        raise ConfigError(f"ckpt_path={path}: could not read the checkpoint ({reason}); pass another checkpoint.") from None
     hparams = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, Mapping) else {}
     if not isinstance(ckpt, Mapping) or "state_dict" not in ckpt or "model" not in hparams:
         found = sorted(ckpt) if isinstance(ckpt, Mapping) else type(ckpt).__name__
@@ -156,8 +164,6 @@ def write_tokenizer(path: Path, bos_id: int | None, eos_id: int | None, config: 
 
 
 def write_model(config: LlamaConfig, state_dict: dict, dtype: str, bos_id, eos_id, out: Path) -> None:
-    from safetensors.torch import save_file
-
     try:
         tensors = to_hf_state_dict(state_dict, config)
     except KeyError as e:
@@ -188,6 +194,9 @@ def export(
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output_dir {out} is a file, not a directory.")
+    # Said before the checkpoint is read: the export is built beside output_dir, then moved into it.
+    if problem := unwritable(out.parent) or (out.is_dir() and unwritable(out)):
+        raise ConfigError(f"output_dir={out}: cannot write there ({problem}); choose an output_dir you can write to.")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ConfigError(
             f"output_dir {out} exists and is not empty; choose another or pass overwrite=true "
@@ -216,10 +225,28 @@ def export(
             tmp.rmdir()
         else:
             os.replace(tmp, out)
+    except (OSError, SafetensorError) as error:
+        raise _unwritten(error, out) from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
     return [out / name for name in written]
+
+
+def _unwritten(error: Exception, out: Path) -> Exception:
+    """A ConfigError for a write that failed for want of space or permission; other errors as they are."""
+    code = getattr(error, "errno", None)
+    if code is None and (match := re.search(r"os error (\d+)", str(error))):  # safetensors' Rust I/O errors
+        code = int(match[1])
+    reason = getattr(error, "strerror", None) or str(error)
+    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return ConfigError(
+            f"output_dir={out}: could not write the export ({reason}): free space on that disk, or choose another "
+            f"output_dir, and run again; {out} was left as it was."
+        )
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return ConfigError(f"output_dir={out}: could not write the export ({reason}); choose an output_dir you can write to.")
+    return error
 
 
 @exit_on_config_error()

@@ -7,7 +7,7 @@ import io
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from project.checkpoints import load_full_checkpoint, rebase_batch_progress
-from project.errors import TrainingStopped
+from project.errors import ConfigError, TrainingStopped
 from project.model import Llama, LlamaConfig
 
 
@@ -51,6 +51,49 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     """Index of the document each token belongs to; an EOS closes its own document."""
     is_eos = (tokens == eos_id).long()
     return is_eos.cumsum(dim=1) - is_eos
+
+
+def _weight_shapes(model: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):  # shapes only: no memory, whatever the model's size
+        return {name: tuple(t.shape) for name, t in Llama(LlamaConfig(**model)).state_dict().items()}
+
+
+def check_resumable(
+    checkpoint: Mapping[str, Any], model: Mapping[str, Any], tokenizer: Mapping[str, Any] | None, source: Any, data_dir: Any = None
+) -> None:
+    """Refuse to resume from a checkpoint of another model shape, or one trained on the token ids of another
+    tokenizer than `tokenizer` (that of the shards in `data_dir`), naming the settings that differ.
+    Checkpoints from before the tokenizer was recorded are taken on trust."""
+    recorded = checkpoint.get("tokenizer")
+    differ = [k for k in tokenizer or {} if isinstance(recorded, Mapping) and k in recorded and recorded[k] != tokenizer[k]]
+    if differ:
+        said = ", ".join(f"{k} {str(recorded[k])[:12]} there, {str(tokenizer[k])[:12]} here" for k in differ)
+        raise ConfigError(
+            f"ckpt_path={source} was trained on the token ids of another tokenizer than the shards in data.dir={data_dir} ({said}): "
+            "its embeddings would stand for other tokens. Resume with data.dir set to shards prepared with the "
+            "checkpoint's tokenizer (data.tokenizer=PATH when preparing), or start a new run without ckpt_path."
+        )
+    saved = (checkpoint.get("hyper_parameters") or {}).get("model")
+    if not isinstance(saved, Mapping):
+        return  # not written by this module: load_state_dict has the last word
+    try:
+        theirs = _weight_shapes(saved)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"ckpt_path={source}: its hyper_parameters['model'] is not a model config this platform builds ({error}).") from None
+    ours = _weight_shapes(model)
+    if theirs != ours:
+        name = next(n for n in sorted(theirs.keys() | ours.keys()) if theirs.get(n) != ours.get(n))
+        keys = [key for key in model if saved.get(key) != model[key]]
+        raise ConfigError(
+            f"ckpt_path={source} holds a model of another shape ({name}: {list(theirs.get(name, []))} there, "
+            f"{list(ours.get(name, []))} here): it was trained with {_settings(saved, keys)}, this run has "
+            f"{_settings(model, keys)}. Resume with the checkpoint's model settings, or start a new run without ckpt_path."
+        )
+
+
+def _settings(model: Mapping[str, Any], keys: list[str]) -> str:
+    """`model.dim=64 model.n_kv_heads=null`, as the command line takes them."""
+    return " ".join(f"model.{key}={'null' if model.get(key) is None else model.get(key)}" for key in keys)
 
 
 class LlamaLitModule(LightningModule):
@@ -116,6 +159,11 @@ class LlamaLitModule(LightningModule):
         if self._trainer is not None:  # resuming a fit, not load_from_checkpoint
             rebase_batch_progress(checkpoint, self.trainer.accumulate_grad_batches)
 
+    def _training_data(self) -> Any:
+        """The TokenShardDataModule this module trains on, where it is one (it knows the tokenizer)."""
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        return datamodule if hasattr(datamodule, "tokenizer_identity") else None
+
     def model_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """The model's inputs besides the tokens: the documents, with document masking."""
         return {"document_ids": document_ids(inputs, self.hparams.eos_id)} if self.hparams.document_mask else {}
@@ -175,6 +223,8 @@ class LlamaLitModule(LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["skipped_steps"] = self._skipped_steps
+        if (data := self._training_data()) is not None:  # what the embedding rows mean, checked on resume
+            checkpoint["tokenizer"] = data.tokenizer_identity
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         inputs, _ = batch

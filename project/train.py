@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
@@ -17,7 +18,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from project.checks import check_command_line, preflight
-from project.errors import ConfigError, exit_on_config_error
+from project.errors import ConfigError, TrainingStopped, exit_on_config_error
+from project.processes import die_with_launcher, report_failed_rank
 
 
 def forget_refused_run(run_dir: Path) -> None:
@@ -44,9 +46,17 @@ def main(cfg: DictConfig) -> float | None:
         except ConfigError:
             forget_refused_run(Path(HydraConfig.get().runtime.output_dir))
             raise
+        except TrainingStopped:
+            raise
+        except Exception as error:  # a bug, or a collective that failed because another rank did
+            # Printed here rather than by Hydra, whose report repeats the command line's overrides (secrets too).
+            traceback.print_exc()
+            report_failed_rank(error, Path(HydraConfig.get().runtime.output_dir))
+            raise SystemExit(1) from None
 
 
 if __name__ == "__main__":
+    die_with_launcher()
     with exit_on_config_error():
         check_command_line(sys.argv[1:])  # before Hydra: its own answer to a typo is a traceback hint
     main()

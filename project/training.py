@@ -19,21 +19,20 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
-from project.callbacks import LayoutFacts, LlamaModelSummary, MemoryMonitor, StepCheckpoint, StepProgressBar, TokenThroughput
+from project.callbacks import BestCheckpoint, LayoutFacts, LlamaModelSummary, MemoryMonitor, StepCheckpoint, StepProgressBar, TokenThroughput
 from project.callbacks.preemption import REQUEUE_EXIT_STATUS, StopOnSignal
-from project.checkpoints import checkpoint_step, previous_checkpoint, resumable_by
+from project.checkpoints import checkpoint_metadata, checkpoint_step, previous_checkpoint, resumable_by
 from project.checks import Layout, check_data, plan_layout
 from project.console import keep_console, launch_rank, silence_known_noise
 from project.data.datamodule import TokenShardDataModule
 from project.data.prepare import prepare_from_config
 from project.errors import ConfigError
-from project.lit_module import LlamaLitModule
+from project.lit_module import LlamaLitModule, check_resumable
 from project.loggers import build_loggers
 from project.redact import redacted_container, scrub_files, secret_values
 from project.parallel.pipeline_strategy import LlamaPipelineStrategy
@@ -81,7 +80,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
             dirpath=run_dir / "checkpoints", every_n_train_steps=cfg.ckpt_every_n_steps, every_minutes=cfg.get("ckpt_every_minutes")
         ),
         # ... and the best model, ranked when each validation ends, so by its own val/loss.
-        ModelCheckpoint(
+        BestCheckpoint(
             dirpath=run_dir / "checkpoints",
             filename="best-step{step:06d}",
             auto_insert_metric_name=False,
@@ -208,8 +207,6 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
         init_on_meta=hasattr(trainer.strategy, "parallelize"),
         weights_from_checkpoint=cfg.ckpt_path is not None,
     )
-    if trainer.is_global_zero:
-        OmegaConf.save(redacted_container(cfg), run_dir / "config.yaml")
     steps_per_update = (
         f"{plan.pipeline_microbatches} pipeline microbatches" if plan.pipeline_microbatches > 1 else f"{plan.accumulate_grad_batches} accumulation"
     )
@@ -224,6 +221,10 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
             "raise trainer.max_steps (and set optim.decay_steps to the original schedule's length to keep its learning rates)."
         )
         return {}
+    if ckpt_path is not None:  # a checkpoint of another model or tokenizer, refused by name before anything loads
+        check_resumable(checkpoint_metadata(ckpt_path), model_cfg, datamodule.tokenizer_identity, ckpt_path, cfg.data.dir)
+    if trainer.is_global_zero:  # only now: a refused resume leaves the run's record as it was
+        OmegaConf.save(redacted_container(cfg), run_dir / "config.yaml")
     ckpt_path = resumable_by(
         trainer.strategy, ckpt_path, run_dir, module.optimizer_parameter_names(), converts=is_first_process(trainer)
     )

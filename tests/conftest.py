@@ -103,6 +103,25 @@ def assert_reproduces(run_dir, reference_dir):
 
 
 @pytest.fixture(scope="session")
+def trained(tiny_shards, tmp_path_factory):
+    """`trained(*overrides)`: the run directory of a run with those overrides, trained once per session.
+
+    For tests that only read a run (its metrics, its checkpoint): a parity test and a crash test of the
+    same layout share one run instead of training it twice.
+    """
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def train(*overrides: str) -> Path:
+        if overrides not in runs:
+            run_dir = tmp_path_factory.mktemp("trained")
+            run_train(tiny_shards, run_dir, *overrides)
+            runs[overrides] = run_dir
+        return runs[overrides]
+
+    return train
+
+
+@pytest.fixture(scope="session")
 def single_reference(tiny_shards, tmp_path_factory) -> Path:
     """The one-process run every parallel layout must reproduce (12 steps, global batch 8)."""
     run_dir = tmp_path_factory.mktemp("single-reference")

@@ -1,50 +1,207 @@
-"""Training with a fault injected, for the reliability tests:
+"""Training with faults injected, for the reliability tests:
 
     FAULT=nan@3 python -m tests.faults <project.train overrides>
 
-runs `python -m project.train` with the fault; Lightning's launcher starts the other ranks with the same
-command, so every rank has it. Faults: `nan@STEP`, the loss of optimizer step STEP (counted from 0) is
-NaN on every rank, and so are its gradients.
+runs `python -m project.train` with the faults (comma-separated); Lightning's launcher and torchrun start
+the other ranks with the same command and environment, so every rank has them. Steps count optimizer
+steps from 0; `:rank=R` limits a fault to global rank R (default: every rank).
+
+- `nan@STEP`: the loss of step STEP is NaN, and so are its gradients.
+- `kill@STEP`: SIGKILL every process of the run (its process group) as step STEP starts; with `:rank=R`
+  that rank alone dies.
+- `raise@STEP`: raise a RuntimeError as step STEP starts.
+- `hang@STEP`: stop answering (sleep) as step STEP starts, as a rank stuck in a driver or a file system does.
+- `kill-in-save@N:OP`: SIGKILL every process of the run just before the OP-th change to the file system
+  (counted from 1) that this process makes while it saves last.ckpt for the N-th time. Changes are
+  renames, removals, directories made, and each 64 KiB written, so that OP can fall inside a file's
+  writing (what was written before it is then on disk, as after a real kill).
+- `count-save-ops`: print `faults: save N of rank R made K changes` after each save of last.ckpt.
 """
 
 from __future__ import annotations
 
+import builtins
+import functools
+import io
 import os
 import runpy
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 import project.training
+from project.callbacks.checkpoint import StepCheckpoint
 
 
-class InjectNaN(Callback):
-    def __init__(self, step: int):
-        self.step = step
+def kill_the_run() -> None:
+    sys.stdout.flush(), sys.stderr.flush()
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+@dataclass
+class Fault:
+    kind: str
+    at: int
+    rank: int | None = None
+    op: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "Fault":
+        kind, _, rest = text.partition("@")
+        fields = rest.split(":")
+        fault = cls(kind, int(fields[0]) if fields[0] else 0)
+        for extra in fields[1:]:
+            if extra.startswith("rank="):
+                fault.rank = int(extra.removeprefix("rank="))
+            else:
+                fault.op = int(extra)
+        kinds = ("nan", "kill", "raise", "hang", "kill-in-save", "count-save-ops")
+        if kind not in kinds or (kind == "kill-in-save") != (fault.op is not None):
+            raise ValueError(f"FAULT={text}: expected one of nan@STEP, kill@STEP, raise@STEP, hang@STEP, kill-in-save@N:OP, count-save-ops")
+        return fault
+
+    def applies_to(self, rank: int) -> bool:
+        return self.rank is None or self.rank == rank
+
+
+class AtStep(Callback):
+    """nan, kill, raise and hang: as optimizer step `fault.at` starts (its first micro batch)."""
+
+    def __init__(self, fault: Fault):
+        self.fault = fault
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
-        if trainer.global_step == self.step and "loss" not in vars(pl_module):
+        if trainer.global_step != self.fault.at or not self.fault.applies_to(trainer.global_rank):
+            return
+        if self.fault.kind == "kill":
+            if self.fault.rank is None:
+                kill_the_run()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.fault.kind == "raise":
+            raise RuntimeError(f"fault injected at step {self.fault.at}")
+        if self.fault.kind == "hang":
+            while True:
+                time.sleep(60)
+        if "loss" not in vars(pl_module):
             original = pl_module.loss
             pl_module.loss = lambda *args: original(*args) * float("nan")  # this instance only, until restored
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        if "loss" in vars(pl_module) and trainer.global_step > self.step:
+        if "loss" in vars(pl_module) and trainer.global_step > self.fault.at:
             del pl_module.loss
 
 
-def with_fault(build_trainer):
-    kind, _, step = os.environ["FAULT"].partition("@")
-    if kind != "nan":
-        raise ValueError(f"FAULT={os.environ['FAULT']}: expected nan@STEP")
+@dataclass
+class SaveWatch:
+    """Counts (and with `kill_before` stops at) the file-system changes one process makes while saving."""
 
+    save: int = 0
+    active: bool = False
+    changes: int = 0
+    kill_before: int | None = None
+    originals: dict[str, Callable[..., Any]] = field(default_factory=dict)
+
+    def change(self) -> None:
+        if not self.active:
+            return
+        self.changes += 1
+        if self.changes == self.kill_before:
+            kill_the_run()
+
+    def wrap(self, module: Any, name: str) -> None:
+        original = getattr(module, name)
+        self.originals[f"{module.__name__}.{name}"] = original
+
+        @functools.wraps(original)
+        def changing(*args, **kwargs):
+            self.change()
+            return original(*args, **kwargs)
+
+        setattr(module, name, changing)
+
+    def install(self) -> None:
+        for name in ("rename", "replace", "unlink", "remove", "rmdir", "mkdir"):
+            self.wrap(os, name)
+        original_open = io.open
+
+        @functools.wraps(original_open)
+        def watched_open(file, mode="r", *args, **kwargs):
+            opened = original_open(file, mode, *args, **kwargs)
+            return WatchedFile(opened, self) if self.active and any(c in mode for c in "wax+") else opened
+
+        io.open = builtins.open = watched_open  # pathlib's Path.open calls io.open
+
+
+class WatchedFile:
+    """A file opened for writing during a watched save: every 64 KiB written is a change."""
+
+    PIECE = 64 * 1024
+
+    def __init__(self, file: Any, watch: SaveWatch):
+        self._file, self._watch = file, watch
+
+    def write(self, data) -> int:
+        view = data if isinstance(data, str) else memoryview(data).cast("B")
+        for start in range(0, len(view), self.PIECE):
+            self._watch.change()
+            self._file.write(view[start : start + self.PIECE])
+            self._file.flush()  # what a killed process had handed to the kernel is on disk
+        return len(view)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._file, name)
+
+    def __enter__(self) -> "WatchedFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._file.close()
+
+    def __iter__(self):
+        return iter(self._file)
+
+
+def watch_saves(faults: list[Fault]) -> None:
+    """Wrap StepCheckpoint's save so that the watched one counts its changes (and dies where asked)."""
+    kill = next((f for f in faults if f.kind == "kill-in-save"), None)
+    count = any(f.kind == "count-save-ops" for f in faults)
+    if kill is None and not count:
+        return
+    watch = SaveWatch(kill_before=None)
+    watch.install()
+    save = StepCheckpoint._save_checkpoint
+
+    def watched_save(checkpoint: StepCheckpoint, trainer: Trainer, filepath: str) -> None:
+        watch.save += 1
+        watch.active, watch.changes = True, 0
+        watch.kill_before = kill.op if kill is not None and watch.save == kill.at else None
+        try:
+            save(checkpoint, trainer, filepath)
+        finally:
+            watch.active = False
+        if count:
+            print(f"faults: save {watch.save} of rank {trainer.global_rank} made {watch.changes} changes", file=sys.stderr, flush=True)
+
+    StepCheckpoint._save_checkpoint = watched_save
+
+
+def with_faults(build_trainer, faults: list[Fault]):
+    @functools.wraps(build_trainer)
     def build(*args, **kwargs):
         trainer = build_trainer(*args, **kwargs)
-        trainer.callbacks.append(InjectNaN(int(step)))
+        trainer.callbacks.extend(AtStep(f) for f in faults if f.kind in ("nan", "kill", "raise", "hang"))
         return trainer
 
     return build
 
 
 if __name__ == "__main__":
-    project.training.build_trainer = with_fault(project.training.build_trainer)
+    faults = [Fault.parse(text) for text in os.environ["FAULT"].split(",") if text]
+    project.training.build_trainer = with_faults(project.training.build_trainer, faults)
+    watch_saves(faults)
     # As `python -m project.train`: Hydra finds the config relative to the file it runs as __main__.
     runpy.run_module("project.train", run_name="__main__")

@@ -52,6 +52,7 @@ VALUES = [
     (["val_sequences=0"], r"val_sequences=0 is out of range"),
     (["ckpt_every_minutes=0"], r"ckpt_every_minutes=0 is out of range"),
     (["threads_per_process=0"], r"threads_per_process=0 is out of range"),
+    (["strategy=ddp", "strategy.collective_timeout_minutes=0"], r"strategy.collective_timeout_minutes=0 is out of range"),
     (["data.seq_len=1"], r"data.seq_len=1 is out of range"),
     (["data.seq_len=4096"], r"data.seq_len=4096 exceeds model.max_seq_len=1024"),
     (["model.dim=90"], r"model.dim=90 must be divisible by model.n_heads=4"),

@@ -133,7 +133,7 @@ def test_a_failed_swap_on_rank_zero_is_an_error_on_every_rank(tmp_path):
     strategy = SimpleNamespace(broadcast=lambda obj: sent.append(obj) or obj)  # what rank 0 tells the others
     trainer = SimpleNamespace(is_global_zero=True, strategy=strategy)
     missing = tmp_path / "never-written.partial"
-    with pytest.raises(RuntimeError, match="rank 0 could not put the checkpoint in place"):
+    with pytest.raises(ConfigError, match="rank 0 could not put the checkpoint in place"):
         StepCheckpoint._on_rank_zero(trainer, swap_in, missing, tmp_path / "last.ckpt")
     assert sent and sent[0][0] is False  # the other ranks receive the failure rather than wait
 
@@ -188,3 +188,69 @@ def test_training_from_a_truncated_checkpoint_is_one_clear_error(tiny_shards, tm
     result = run_module("project.train", train_overrides(tiny_shards, tmp_path / "run", f"ckpt_path={broken}"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"error: {broken} is not a checkpoint this platform can read" in result.stderr
+
+
+class RunsCode:
+    """Unpickling this runs a shell command: what a booby-trapped checkpoint holds."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def sharded_folder(folder):
+    import torch.distributed.checkpoint as dcp
+
+    # One process writes the format too; the optimizer settings are the non-tensor entries torch pickles.
+    dcp.save({"weight": torch.ones(4), "optimizer": {"lr": 1e-3, "betas": (0.9, 0.95)}}, checkpoint_id=folder, no_dist=True)
+    return folder
+
+
+SINGLE_PROCESS_DCP = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
+
+
+@SINGLE_PROCESS_DCP
+def test_a_sharded_checkpoint_whose_metadata_would_run_code_is_refused(tmp_path):
+    import pickle
+
+    from project.checkpoints import SHARDED_METADATA, verify_sharded_checkpoint
+
+    folder = sharded_folder(tmp_path / "last.ckpt")
+    verify_sharded_checkpoint(folder)  # torch's own folders pass
+    marker = tmp_path / "ran"
+    (folder / SHARDED_METADATA).write_bytes(pickle.dumps(RunsCode(marker)))
+    with pytest.raises(ConfigError, match=r"not a sharded checkpoint this platform can read \(posix.system is not among"):
+        verify_sharded_checkpoint(folder)
+    assert not marker.exists()
+
+
+@SINGLE_PROCESS_DCP
+def test_a_sharded_checkpoint_whose_entries_would_run_code_is_refused_and_torch_alone_would_run_it(tmp_path):
+    import io
+    import pickle
+    import subprocess
+    import sys
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from project.checkpoints import SHARDED_METADATA, verify_sharded_checkpoint
+
+    folder, marker = sharded_folder(tmp_path / "last.ckpt"), tmp_path / "ran"
+    payload = io.BytesIO()
+    torch.save(RunsCode(marker), payload)
+    (folder / "trap.distcp").write_bytes(payload.getvalue())
+    metadata = FileSystemReader(folder).read_metadata()
+    entry = metadata.storage_data[MetadataIndex("optimizer.lr")]
+    entry.relative_path, entry.offset, entry.length = "trap.distcp", 0, len(payload.getvalue())
+    (folder / SHARDED_METADATA).write_bytes(pickle.dumps(metadata))
+
+    with pytest.raises(ConfigError, match=r"not a sharded checkpoint this platform can read \(Weights only load failed"):
+        verify_sharded_checkpoint(folder)
+    assert not marker.exists()
+    # What the check prevents: torch's loader (as Lightning calls it on resume) runs the entry's code.
+    load = f"import torch.distributed.checkpoint as d; s={{'optimizer': {{'lr': 0.0}}}}; d.load(s, checkpoint_id={str(folder)!r}, no_dist=True)"
+    subprocess.run([sys.executable, "-c", load], check=True, capture_output=True)
+    assert marker.exists()

@@ -15,16 +15,16 @@ def single_run(single_reference):
 
 
 @pytest.mark.parametrize("micro", ["null", "2"])  # no accumulation, and 2 accumulation steps per rank
-def test_two_process_ddp_matches_single_process_loss_per_step(tiny_shards, single_run, tmp_path, micro):
-    run_train(tiny_shards, tmp_path, *STEPS, "strategy=ddp", "trainer.devices=2", f"micro_batch_size={micro}")
-    single, ddp = read_metrics(single_run, "train/loss"), read_metrics(tmp_path, "train/loss")
+def test_two_process_ddp_matches_single_process_loss_per_step(trained, single_run, micro):
+    run_dir = trained(*STEPS, "strategy=ddp", "trainer.devices=2", f"micro_batch_size={micro}")
+    single, ddp = read_metrics(single_run, "train/loss"), read_metrics(run_dir, "train/loss")
     assert sorted(ddp) == sorted(single) == list(range(12))
     for step in single:
         assert ddp[step] == pytest.approx(single[step], rel=1e-5), step
-    assert read_metrics(tmp_path, "train/grad_norm")[11] == pytest.approx(read_metrics(single_run, "train/grad_norm")[11], rel=1e-4)
-    assert read_metrics(tmp_path, "val/loss")[9] == pytest.approx(read_metrics(single_run, "val/loss")[9], rel=1e-5)
+    assert read_metrics(run_dir, "train/grad_norm")[11] == pytest.approx(read_metrics(single_run, "train/grad_norm")[11], rel=1e-4)
+    assert read_metrics(run_dir, "val/loss")[9] == pytest.approx(read_metrics(single_run, "val/loss")[9], rel=1e-5)
     final_single = torch.load(single_run / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
-    final_ddp = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    final_ddp = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     for name in final_single:
         # 12 AdamW steps from equal weights; only the order of float additions differs
         torch.testing.assert_close(final_ddp[name], final_single[name], rtol=1e-4, atol=1e-5)

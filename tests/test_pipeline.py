@@ -36,11 +36,11 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
-def test_pipeline_matches_single_device_loss_and_weights(tiny_shards, pipeline_reference, tmp_path, layout):
-    run_train(tiny_shards, tmp_path, *PIPELINE_RUN, *LAYOUTS[layout])
-    assert_reproduces(tmp_path, pipeline_reference)
+def test_pipeline_matches_single_device_loss_and_weights(trained, pipeline_reference, layout):
+    run_dir = trained(*PIPELINE_RUN, *LAYOUTS[layout])
+    assert_reproduces(run_dir, pipeline_reference)
     # Validation runs forward through the stages and evaluates the same sequences as one device.
-    val, reference_val = read_metrics(tmp_path, "val/loss"), read_metrics(pipeline_reference, "val/loss")
+    val, reference_val = read_metrics(run_dir, "val/loss"), read_metrics(pipeline_reference, "val/loss")
     assert val.keys() == reference_val.keys() and val
     for step in reference_val:
         assert val[step] == pytest.approx(reference_val[step], rel=1e-5), step
@@ -79,13 +79,6 @@ def test_each_pipeline_stage_holds_only_its_share_of_the_model(tiny_shards, tmp_
         assert 0.3 < r["param_bytes"] / (4 * count_parameters(model)) < 0.7  # one block and one end of the model each
         assert r["grad_bytes"] == r["param_bytes"]
         assert 2 * r["param_bytes"] <= r["optimizer_bytes"] <= 2 * r["param_bytes"] + 1024
-
-
-def test_pipeline_run_resumes_in_its_own_layout(tiny_shards, uninterrupted_reference, tmp_path):
-    run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=7", *PP2)
-    assert (tmp_path / "checkpoints" / "last.ckpt").is_dir()  # every stage wrote its part
-    run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=12", "ckpt_path=last", *PP2)
-    assert_continues(tmp_path, uninterrupted_reference, 12)
 
 
 def test_pipeline_checkpoints_resume_under_other_layouts_and_back(tiny_shards, uninterrupted_reference, tmp_path):

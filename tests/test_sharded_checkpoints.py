@@ -37,18 +37,6 @@ def test_every_checkpoint_format_resumes_under_every_other_family(tiny_shards, u
     assert left == ["last-file.ckpt", "last-sharded.ckpt", "last.ckpt"]
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [["strategy=fsdp"], ["strategy=fsdp2"], ["strategy=tp"], ["strategy=tp_fsdp", "trainer.devices=4"]],
-    ids=["fsdp", "fsdp2", "tp", "tp_fsdp"],
-)
-def test_sharded_run_resumes_in_its_own_layout(tiny_shards, uninterrupted_reference, tmp_path, layout):
-    layout = ["trainer.devices=2", *layout]  # a later trainer.devices wins
-    run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=7", *layout)
-    run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=12", "ckpt_path=last", *layout)
-    assert_continues(tmp_path, uninterrupted_reference, 12)
-
-
 def test_sharded_checkpoint_exports_to_transformers(tiny_shards, tmp_path):
     transformers = pytest.importorskip("transformers")
     from project.checkpoints import load_full_checkpoint

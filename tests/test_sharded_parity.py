@@ -30,9 +30,8 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
-def test_layout_matches_single_device_loss_and_weights(tiny_shards, single_reference, tmp_path, layout):
-    run_train(tiny_shards, tmp_path, *PARITY_RUN, *LAYOUTS[layout])
-    assert_reproduces(tmp_path, single_reference)
+def test_layout_matches_single_device_loss_and_weights(trained, single_reference, layout):
+    assert_reproduces(trained(*PARITY_RUN, *LAYOUTS[layout]), single_reference)
 
 
 def test_fsdp2_computes_in_bfloat16_when_asked(tiny_shards, single_reference, tmp_path):

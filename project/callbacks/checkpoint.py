@@ -1,17 +1,21 @@
-"""last.ckpt every N optimizer steps and after the final one, in a state that resumes exactly."""
+"""last.ckpt every N optimizer steps and after the final one, in a state that resumes exactly; the best
+checkpoint by val/loss; both with a write the file system refuses (a full disk) reported as one clear error."""
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 from weakref import proxy
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
+from torch.distributed.checkpoint.api import CheckpointException
 
 from project.checkpoints import remove, swap_in
+from project.errors import ConfigError
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -69,7 +73,8 @@ class StepCheckpoint(ModelCheckpoint):
         # Only rank 0 touches the files; the others learn whether it worked (or they would wait for
         # it at the next collective until the process group times out).
         self._on_rank_zero(trainer, remove, staged)  # left by a save that was killed: never mix old shards with new
-        trainer.save_checkpoint(staged, self.save_weights_only)  # ends with a barrier: every rank has written
+        with refused_by_storage(trainer, staged, Path(filepath)):
+            trainer.save_checkpoint(staged, self.save_weights_only)  # ends with a barrier: every rank has written
         kept = self._on_rank_zero(trainer, swap_in, staged, Path(filepath))
         if kept is not None:
             rank_zero_info(f"the previous {Path(filepath).name}, of another layout's format, is now {kept}")
@@ -90,5 +95,46 @@ class StepCheckpoint(ModelCheckpoint):
                 outcome = (False, f"{type(error).__name__}: {error}")
         ok, value = trainer.strategy.broadcast(outcome)
         if not ok:
-            raise RuntimeError(f"rank 0 could not put the checkpoint in place ({fn.__name__}{args}): {value}")
+            raise ConfigError(
+                f"rank 0 could not put the checkpoint in place ({fn.__name__} {', '.join(map(str, args))}: {value}). Free space or "
+                f"fix the permissions in {args[0].parent}, then resume with hydra.run.dir=<this run's directory> ckpt_path=last."
+            )
         return value
+
+
+class BestCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint, with a full disk or a refused write reported as one clear error."""
+
+    @property
+    def state_key(self) -> str:
+        # Lightning's key, named after ModelCheckpoint, so that checkpoints from before this class resume its state.
+        return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
+
+    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        with refused_by_storage(trainer, Path(filepath), Path(filepath)):
+            super()._save_checkpoint(trainer, filepath)
+
+
+@contextmanager
+def refused_by_storage(trainer: Trainer, written: Path, target: Path) -> Iterator[None]:
+    """A save that the file system refused (full disk, quota, permissions) becomes a ConfigError that says
+    so, with what was half written removed; the checkpoints saved before are untouched.
+
+    No collective here: the other ranks may not have failed, and they are ended with this one.
+    """
+    try:
+        yield
+    except (OSError, CheckpointException) as error:
+        cause = error if isinstance(error, OSError) else next(
+            (failure for failure, _ in error.failures.values() if isinstance(failure, OSError)), None
+        )
+        if cause is None:
+            raise
+        if trainer.is_global_zero:
+            with suppress(OSError):
+                remove(written)
+        raise ConfigError(
+            f"{target.name} of step {trainer.global_step} could not be written to {target.parent} "
+            f"({type(cause).__name__}: {cause}). The checkpoints saved before are untouched: free space (or raise the "
+            "quota, or fix the permissions) there, then resume with hydra.run.dir=<this run's directory> ckpt_path=last."
+        ) from None

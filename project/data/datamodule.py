@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -12,18 +12,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 from litdata import StreamingDataset, TokensLoader
 from torch.utils.data import DataLoader, Dataset
 
+from project.checks import check_block_size, check_shards, read_manifest
 from project.data.sampler import GlobalBatchSampler, ValidationSampler
+from project.data.tokenizer import load_tokenizer
 from project.errors import ConfigError
-
-
-def read_manifest(data_dir: str | Path) -> dict[str, Any]:
-    path = Path(data_dir) / "manifest.json"
-    if not path.is_file():
-        raise ConfigError(
-            f"no prepared shards in {data_dir} (missing manifest.json): run `python -m project.prepare` with the "
-            "same data settings first (or train with data.auto_prepare=true), or point data.dir at prepared shards."
-        )
-    return json.loads(path.read_text())
 
 
 def data_parallel_coords(trainer: Any) -> tuple[int, int]:
@@ -89,12 +81,8 @@ class TokenShardDataModule(LightningDataModule):
         super().__init__()
         self.save_hyperparameters()
         self.manifest = read_manifest(data_dir)
-        if self.manifest["block_size"] != seq_len + 1:
-            raise ConfigError(
-                f"shards in {data_dir} hold blocks of {self.manifest['block_size']} tokens, but data.seq_len={seq_len} "
-                f"needs {seq_len + 1}: re-run `python -m project.prepare` with data.seq_len={seq_len}, or use "
-                f"data.seq_len={self.manifest['block_size'] - 1}."
-            )
+        check_block_size(data_dir, self.manifest, seq_len)
+        check_shards(data_dir)
         train_blocks = int(self.manifest["splits"]["train"]["blocks"])
         if global_batch_size > train_blocks:
             if not allow_repeats:
@@ -117,6 +105,17 @@ class TokenShardDataModule(LightningDataModule):
     @property
     def eos_id(self) -> int:
         return int(self.manifest["tokenizer"]["eos_id"])
+
+    @cached_property
+    def tokenizer_identity(self) -> dict[str, Any]:
+        """What the token ids of these shards mean, for a checkpoint to record and a resumed run to compare
+        (project.lit_module): the tokenizer's kind, size, end-of-text id and a digest of its vocabulary."""
+        info = self.manifest["tokenizer"]
+        identity = {"kind": info.get("kind"), "vocab_size": int(info["vocab_size"]), "eos_id": int(info["eos_id"])}
+        path = Path(self.hparams.data_dir) / str(info.get("file", ""))
+        if info.get("file") and path.is_file():
+            identity["vocabulary_sha256"] = load_tokenizer(path).vocabulary_digest()
+        return identity
 
     def _split(self, name: str) -> TokenBlocks:
         # The manifest's count, not len(StreamingDataset): litdata reports a per-rank length under DDP.

@@ -8,10 +8,13 @@ Output layout of `output_dir` (read by the training datamodule):
 """
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
 import logging
+import multiprocessing
+import multiprocessing.util
 import os
 import shutil
 import sys
@@ -25,6 +28,7 @@ import litdata
 import numpy as np
 from filelock import FileLock
 
+from project.checks import unwritable
 from project.data.corpus import (
     SOURCE_SUFFIXES,
     DocumentRef,
@@ -50,6 +54,8 @@ CHUNK_BYTES = 1 << 20
 # ~10 s per split for any corpus. The workers only read files and tokenize, which fork handles safely
 # on Linux (elsewhere fork is unsafe or missing, so litdata's default stands).
 START_METHOD = "fork" if sys.platform == "linux" else None
+# What a write returns on a full disk, a full quota, or past a file-size limit (ulimit -f).
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,9 @@ def prepare_shards(
     settings = _Settings(vocab_size, seq_len, val_fraction, text_field, num_workers, seed)
     _check(settings)
     output_dir = Path(output_dir).absolute()
+    # The lock and the staging folder go beside data.dir, and the shards are renamed into place from there.
+    if problem := unwritable(output_dir.parent) or (output_dir.is_file() and f"{output_dir} is a file, not a folder"):
+        raise ConfigError(f"data.dir={output_dir}: cannot write there ({problem}); point data.dir at a folder you can write to.")
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     # Ranks or jobs that prepare the same directory at once wait here, then find it up to date.
     with FileLock(output_dir.parent / f".{output_dir.name}.lock"):
@@ -121,8 +130,8 @@ def prepare_shards(
             raise ConfigError(f"data.sources include {inside[0]}, inside data.dir={output_dir}; keep raw text apart.")
         given = load_tokenizer(tokenizer) if tokenizer else None
         fingerprint = _fingerprint(files, given, settings)
-        existing = _read_manifest(output_dir)
-        if existing is not None and existing["fingerprint"] == fingerprint and _shards_present(output_dir):
+        existing = _read_manifest(output_dir, overwrite)
+        if existing is not None and existing.get("fingerprint") == fingerprint and _shards_present(output_dir):
             log.info("Shards in %s are up to date (fingerprint %s); nothing to do.", output_dir, fingerprint)
             return existing
         _refuse_to_clobber(output_dir, existing, overwrite, files, settings)
@@ -133,6 +142,13 @@ def prepare_shards(
         try:
             manifest = _build(staging, fingerprint, files, given, settings)
             _swap_in(staging, output_dir)
+        except OSError as error:
+            if error.errno not in NO_SPACE:
+                raise
+            raise ConfigError(
+                f"data.dir={output_dir}: could not write {error.filename or staging} ({error.strerror}): free space on "
+                f"that disk, or point data.dir at another, and run again; data.dir was left as it was."
+            ) from None
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     _log_summary(manifest, output_dir)
@@ -189,11 +205,23 @@ def _fingerprint(files: list[Path], tokenizer: Tokenizer | None, settings: _Sett
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _read_manifest(output_dir: Path) -> dict | None:
+def _read_manifest(output_dir: Path, overwrite: bool) -> dict | None:
+    """The manifest of earlier shards in `output_dir`, None if there is none; a damaged one counts as
+    shards from other settings: replaced with `overwrite` only."""
     try:
-        return json.loads((output_dir / MANIFEST_NAME).read_text())
+        manifest = json.loads((output_dir / MANIFEST_NAME).read_bytes())
     except FileNotFoundError:
         return None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        manifest = error
+    if isinstance(manifest, dict):
+        return manifest
+    if overwrite:
+        return {}
+    raise ConfigError(
+        f"data.dir={output_dir} holds a {MANIFEST_NAME} that is not a manifest ({manifest}). Set data.overwrite=true "
+        f"to prepare the shards afresh, or point data.dir at another folder."
+    )
 
 
 def _shards_present(output_dir: Path) -> bool:
@@ -248,7 +276,7 @@ def _build(
     counts = {}
     for split, refs in splits.items():
         log.info("Tokenizing %d %s documents", len(refs), split)
-        with _litdata_chatter_hidden():
+        with _litdata_chatter_hidden(), _said_if_out_of_space(staging / split):
             litdata.optimize(
                 fn=partial(tokenize_document, tokenizer_file=str(tokenizer_file), text_field=text_field, dtype=dtype),
                 inputs=refs,
@@ -262,7 +290,7 @@ def _build(
                 reorder_files=False,
                 start_method=START_METHOD,
             )
-        counts[split] = _count_split(staging / split, split, len(refs), block_size)
+            counts[split] = _count_split(staging / split, split, len(refs), block_size)
     manifest = {
         "format": MANIFEST_FORMAT,
         "fingerprint": fingerprint,
@@ -326,7 +354,20 @@ def tokenize_document(ref: DocumentRef, *, tokenizer_file: str, text_field: str,
 @lru_cache(maxsize=1)
 def _cached_tokenizer(path: str) -> Tokenizer:
     """Each worker process loads the tokenizer once, not once per document."""
+    if multiprocessing.parent_process() is not None:  # a litdata worker, not a process of its own
+        multiprocessing.util.Finalize(None, _stop_helper_processes, exitpriority=0)
     return load_tokenizer(path)
+
+
+def _stop_helper_processes() -> None:
+    """At a litdata worker's exit: stop the helper process it started (one that deletes cached files).
+
+    The worker tells the helper to stop only when its loop ends well. After a failed write (a full disk)
+    the worker would wait for the helper forever as it exits, and litdata.optimize for the worker
+    (litdata 0.2.76, DataWorkerProcess.run), instead of reporting the error.
+    """
+    for child in multiprocessing.active_children():
+        child.terminate()
 
 
 @contextlib.contextmanager
@@ -345,6 +386,28 @@ def _litdata_chatter_hidden() -> Iterator[None]:
         raise
     finally:
         litdata_log.setLevel(level)
+
+
+@contextlib.contextmanager
+def _said_if_out_of_space(split_dir: Path) -> Iterator[None]:
+    """A litdata worker that cannot write a chunk reports a traceback of its own, or, where the write was
+    its last, nothing: both show here as a RuntimeError. Where a chunk's worth of bytes no longer fits
+    in `split_dir`, that is the cause, and its OSError is raised instead."""
+    try:
+        yield
+    except RuntimeError:
+        probe = split_dir / ".space-probe"
+        try:
+            with open(probe, "wb") as f:
+                f.write(bytes(CHUNK_BYTES))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as error:
+            if error.errno in NO_SPACE:
+                raise OSError(error.errno, error.strerror, str(split_dir)) from None
+        finally:
+            probe.unlink(missing_ok=True)
+        raise
 
 
 def _count_split(split_dir: Path, split: str, documents: int, block_size: int) -> dict:

@@ -5,6 +5,7 @@ documents, and the vocabulary size that decides the token dtype and the model's 
 Special tokens are never added by `encode`: where documents begin and end is the shard writer's call.
 """
 
+import hashlib
 import os
 import shutil
 from abc import ABC, abstractmethod
@@ -46,6 +47,15 @@ class Tokenizer(ABC):
     def decode(self, ids: Iterable[int]) -> str:
         """The text of `ids`; special tokens appear as their text."""
 
+    @abstractmethod
+    def tokens(self) -> list[str]:
+        """The token of each id, in id order ("" for an id no token has)."""
+
+    def vocabulary_digest(self) -> str:
+        """A hash of which token each id stands for: equal for tokenizers whose ids mean the same tokens,
+        whatever the file's formatting or the library version that wrote it."""
+        return hashlib.sha256("\n".join(self.tokens()).encode("utf-8", "surrogatepass")).hexdigest()
+
     def save(self, directory: str | os.PathLike) -> Path:
         """Copy the tokenizer file into `directory` under its conventional name; return the new path."""
         target = Path(directory) / self.file_name
@@ -82,6 +92,12 @@ class _HFTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
+    def tokens(self) -> list[str]:
+        tokens = [""] * self.vocab_size
+        for token, token_id in self._tokenizer.get_vocab(with_added_tokens=True).items():
+            tokens[token_id] = token
+        return tokens
+
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
@@ -106,6 +122,9 @@ class _SentencePieceTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return self._processor.encode(text, out_type=int)
+
+    def tokens(self) -> list[str]:
+        return [self._processor.id_to_piece(i) for i in range(self.vocab_size)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._processor.decode(list(ids))

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
 from project.errors import ConfigError
+from project.parallel.timeout import collective_timeout
 
 
 def _allreduce_sum(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -34,6 +35,7 @@ def ddp_strategy(
     process_group_backend: str | None = None,
     find_unused_parameters: bool = False,
     static_graph: bool = False,
+    collective_timeout_minutes: float = 10,
 ) -> DDPStrategy:
     """DDP with averaged gradients (the default), or summed ones.
 
@@ -48,4 +50,5 @@ def ddp_strategy(
         find_unused_parameters=find_unused_parameters,
         static_graph=static_graph,
         ddp_comm_hook=_allreduce_sum if grad_reduction == "sum" else None,
+        timeout=collective_timeout(collective_timeout_minutes),
     )

@@ -10,6 +10,7 @@ from lightning.pytorch.strategies.fsdp import _setup_activation_checkpointing
 from torch import nn
 
 from project.errors import ConfigError
+from project.parallel.timeout import collective_timeout
 from project.model.llama import Block
 
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
@@ -75,6 +76,7 @@ def fsdp_strategy(
     cpu_offload: bool = False,
     state_dict_type: Literal["full", "sharded"] = "sharded",
     process_group_backend: str | None = None,
+    collective_timeout_minutes: float = 10,
 ) -> CPUCapableFSDPStrategy:
     """Each transformer Block is its own FSDP unit; mixed precision follows trainer.precision.
 
@@ -91,4 +93,5 @@ def fsdp_strategy(
         cpu_offload=cpu_offload,
         state_dict_type=state_dict_type,
         process_group_backend=process_group_backend,
+        timeout=collective_timeout(collective_timeout_minutes),
     )

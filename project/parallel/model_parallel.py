@@ -17,6 +17,7 @@ from project.model.llama import Llama
 from project.parallel.fsdp2 import DTYPES, apply_fsdp2
 from project.parallel.init import materialize
 from project.parallel.mesh import mesh_shape
+from project.parallel.timeout import collective_timeout
 from project.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -47,11 +48,13 @@ class LlamaParallelStrategy(ModelParallelStrategy):
         param_dtype: str | None = None,
         reduce_dtype: str | None = None,
         process_group_backend: str | None = None,
+        collective_timeout_minutes: float = 10,
     ):
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             process_group_backend=process_group_backend,
+            timeout=collective_timeout(collective_timeout_minutes),
         )
         for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if dtype is not None and dtype not in DTYPES:

@@ -1,0 +1,191 @@
+"""Crashes: a run killed at any point, even while it saves, resumes from `ckpt_path=last` exactly as if it had
+never stopped; one rank failing ends the whole job soon, names that rank, and leaves no process behind.
+Faults come from tests/faults.py."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import re
+import resource
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from project.checkpoints import checkpoint_step, load_full_checkpoint
+from project.training import resolve_ckpt_path
+from tests.conftest import PARITY_RUN, PIPELINE_RUN, ROOT, read_metrics, run_train, train_overrides
+
+pytestmark = pytest.mark.slow
+
+# The parity tests' runs (tests/test_*parity.py, tests/test_pipeline.py), which serve as the uninterrupted runs here.
+LAYOUTS = {
+    "ddp": [*PARITY_RUN, "strategy=ddp", "trainer.devices=2", "micro_batch_size=null"],
+    "fsdp": [*PARITY_RUN, "strategy=fsdp", "trainer.devices=2"],
+    "fsdp2": [*PARITY_RUN, "strategy=fsdp2", "trainer.devices=2"],
+    "tp": [*PARITY_RUN, "strategy=tp", "trainer.devices=2"],
+    "tp_fsdp": [*PARITY_RUN, "strategy=tp_fsdp", "trainer.devices=4"],
+    "pipeline": [*PIPELINE_RUN, "strategy=pipeline", "trainer.devices=2", "strategy.schedule=1f1b"],
+}
+
+
+@dataclass
+class Ended:
+    returncode: int
+    stderr: str
+    seconds: float
+    survivors: list[str]  # processes of the job still alive once its first process has ended
+
+
+def processes_in_session(session: int) -> list[str]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # ended while we looked
+            continue
+        fields = text[text.rindex(")") + 2 :].split()
+        if int(fields[3]) == session and fields[0] != "Z":
+            found.append(f"{stat.parent.name}: {text[: text.rindex(')') + 1]}")
+    return found
+
+
+def limit_file_size(size: int):
+    """For preexec_fn: writes past `size` bytes fail (OSError EFBIG), as they do on a full disk (ENOSPC)."""
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error from write(), not a signal that kills
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+
+    return limit
+
+
+def launch(
+    fault: str, shards: Path, run_dir: Path, *extra: str, torchrun: bool = False, timeout: float = 300, max_file_size: int | None = None
+) -> Ended:
+    """`python -m tests.faults` (or under torchrun) in its own session, so that its processes can be found."""
+    command = [sys.executable, "-m", "tests.faults", *train_overrides(shards, run_dir, *extra)]
+    if torchrun:
+        command[1:3] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tests.faults"]
+    env = {**os.environ, "FAULT": fault, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    env.pop("PYTEST_CURRENT_TEST", None)
+    start = time.monotonic()
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True, preexec_fn=max_file_size and limit_file_size(max_file_size))
+    try:
+        _, stderr = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    seconds = time.monotonic() - start
+    deadline = time.monotonic() + 10  # a rank killed with its launcher takes a moment to go
+    while (survivors := processes_in_session(process.pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if survivors:
+        os.killpg(process.pid, signal.SIGKILL)
+    return Ended(process.returncode, stderr, seconds, survivors)
+
+
+def assert_same_run(run_dir: Path, reference: Path) -> None:
+    """Bit for bit: every step's loss and gradient norm, and the final weights."""
+    for column in ("train/loss", "train/grad_norm"):
+        assert read_metrics(run_dir, column) == read_metrics(reference, column), column
+    weights = load_full_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
+    expected = load_full_checkpoint(reference / "checkpoints" / "last.ckpt")["state_dict"]
+    assert weights.keys() == expected.keys()
+    assert all(torch.equal(weights[name], expected[name]) for name in expected)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=list(LAYOUTS))
+def test_a_run_killed_after_a_checkpoint_resumes_bit_for_bit(trained, tiny_shards, tmp_path, layout):
+    step = random.Random(" ".join(layout)).randint(5, 11)  # some steps after the checkpoint of step 4 or 8
+    ended = launch(f"kill@{step}", tiny_shards, tmp_path, *layout, "ckpt_every_n_steps=4")
+    assert ended.returncode == -signal.SIGKILL and not ended.survivors, ended.stderr[-3000:]
+    assert checkpoint_step(tmp_path / "checkpoints" / "last.ckpt") == step // 4 * 4
+
+    run_train(tiny_shards, tmp_path, *layout, "ckpt_every_n_steps=4", "ckpt_path=last")
+    assert_same_run(tmp_path, trained(*layout))  # checkpoints are written in between, and change nothing
+
+
+# Each killed run moves one or two steps on; no validation, so that saves follow each other quickly.
+SAVE_RUN = ["trainer.max_steps=24", "optim.decay_steps=24", "global_batch_size=8", "ckpt_every_n_steps=1", "val_every_n_steps=1000"]
+
+
+# One process writes the sharded format too (a folder of shards and metadata, swapped in as a folder), at half
+# the cost of two; what several ranks do differently is covered above and below.
+@pytest.mark.parametrize("layout", [[], ["strategy=fsdp2", "trainer.devices=1"]], ids=["single-file", "sharded"])
+def test_a_run_killed_while_it_saves_resumes_every_time(tiny_shards, tmp_path, layout):
+    reference = tmp_path / "reference"
+    counted = launch("count-save-ops", tiny_shards, reference, *SAVE_RUN, *layout)
+    assert counted.returncode == 0, counted.stderr[-3000:]
+    # Rank 0 makes the most changes (it also writes the metadata and swaps the folders); from the second
+    # save on, an earlier checkpoint is replaced, which is when a kill can do harm.
+    changes = min(int(n) for s, n in re.findall(r"faults: save (\d+) of rank 0 made (\d+) changes", counted.stderr) if int(s) > 1)
+    moments = sorted({round(1 + i * (changes - 1) / 9) for i in range(10)})
+    assert len(moments) == 10, f"a save makes only {changes} changes to the file system"
+
+    run = tmp_path / "run"
+    for kill in moments:
+        resume = ["ckpt_path=last"] if (run / "checkpoints").exists() else []
+        ended = launch(f"kill-in-save@2:{kill}", tiny_shards, run, *SAVE_RUN, *layout, *resume)
+        assert ended.returncode == -signal.SIGKILL and not ended.survivors, f"killed before change {kill}: {ended.stderr[-3000:]}"
+        found = resolve_ckpt_path("last", run)  # as the next run does
+        assert 1 <= checkpoint_step(found) < 24 and load_full_checkpoint(found)["state_dict"], f"killed before change {kill}"
+    run_train(tiny_shards, run, *SAVE_RUN, *layout, "ckpt_path=last")
+    assert_same_run(run, reference)
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("layout", [[], ["strategy=fsdp2", "trainer.devices=2"]], ids=["single-file", "sharded"])
+def test_a_full_disk_while_saving_is_one_clear_error_and_keeps_the_checkpoints(tiny_shards, tmp_path, layout):
+    steps = ["global_batch_size=8", "ckpt_every_n_steps=1", "val_every_n_steps=1000", "optim.decay_steps=4"]
+    run_train(tiny_shards, tmp_path, *steps, *layout, "trainer.max_steps=2")
+    before = digest(tmp_path / "checkpoints")
+
+    # A checkpoint (or each rank's shard of one) is larger than 512 KiB; the logs stay well under.
+    ended = launch("", tiny_shards, tmp_path, *steps, *layout, "trainer.max_steps=4", "ckpt_path=last", max_file_size=512 * 1024)
+    assert ended.returncode == 2 and not ended.survivors, ended.stderr[-3000:]
+    assert re.search(r"error: last.ckpt of step 3 could not be written to .*checkpoints \(OSError: \[Errno 27\] File too large", ended.stderr)
+    assert "Traceback" not in ended.stderr, ended.stderr[-3000:]
+    assert digest(tmp_path / "checkpoints") == before  # nothing half written left, nothing earlier touched
+    run_train(tiny_shards, tmp_path, *steps, *layout, "trainer.max_steps=4", "ckpt_path=last")  # once there is room
+    assert checkpoint_step(tmp_path / "checkpoints" / "last.ckpt") == 4
+
+
+# What names the failed rank: Lightning's launcher for a child that died, torchrun's summary of its
+# workers, and project.train's own line for a rank that raised.
+NAMED = {
+    ("killed", "lightning"): r"\[rank: 1\] Child process with PID \d+ terminated with code -9",
+    ("killed", "torchrun"): r"Root Cause \(first observed failure\):\n.*\n.*\n.*\n\s+rank\s+: 1 \(local_rank: 1\)\n\s+exitcode\s+: -9",
+    ("raising", "lightning"): r"error: rank 1 of 2 failed: RuntimeError: fault injected at step 3",
+    ("raising", "torchrun"): r"error: rank 1 of 2 failed: RuntimeError: fault injected at step 3",
+}
+
+
+@pytest.mark.parametrize("failure, launcher", NAMED, ids=[f"{f}-{launcher}" for f, launcher in NAMED])
+def test_one_failed_rank_ends_the_job_names_it_and_leaves_no_process(tiny_shards, tmp_path, failure, launcher):
+    fault = {"killed": "kill@3:rank=1", "raising": "raise@3:rank=1"}[failure]
+    # The default collective timeout (10 minutes): the job ends because the failure is seen, not waited out.
+    ended = launch(fault, tiny_shards, tmp_path, *LAYOUTS["ddp"], torchrun=launcher == "torchrun")
+    assert ended.returncode != 0 and not ended.survivors, ended.stderr[-3000:]
+    assert ended.seconds < 90, f"the job took {ended.seconds:.0f} s to end"
+    assert re.search(NAMED[failure, launcher], ended.stderr), ended.stderr[-3000:]
+
+
+def test_a_rank_that_stops_answering_ends_the_job_after_the_collective_timeout(tiny_shards, tmp_path):
+    # 30 s: also the longest the ranks may take to meet at start, which a loaded test machine needs.
+    ended = launch("hang@3:rank=1", tiny_shards, tmp_path, *LAYOUTS["ddp"], "strategy.collective_timeout_minutes=0.5")
+    assert ended.returncode != 0 and not ended.survivors, ended.stderr[-3000:]
+    assert 30 <= ended.seconds < 150, f"the job took {ended.seconds:.0f} s to end"
+    assert "Timed out waiting 30000ms" in ended.stderr, ended.stderr[-3000:]
+    assert "error: rank 0 of 2 failed: a collective operation failed" in ended.stderr, ended.stderr[-3000:]
