@@ -259,11 +259,12 @@ def remove(path: Path) -> None:
         path.unlink()
 
 
-def swap_in(staged: Path, target: Path) -> Path | None:
+def swap_in(staged: Path, target: Path, remove_old: bool = True) -> Path | None:
     """Put a fully written checkpoint (file or folder) at `target`, replacing what was there.
 
     A file replaces a file atomically. Otherwise the old one is renamed `<target>.old` first and
-    removed last, and `previous_checkpoint` finds it if the process dies in between. An old one of
+    removed last (or, with `remove_old=False`, left for the caller to remove), and `previous_checkpoint`
+    finds it if the process dies in between. An old one of
     the other format (a folder where a file now goes, or the reverse: a run resumed under another
     layout) is kept instead, as `last-sharded.ckpt` or `last-file.ckpt`; its path is returned.
     """
@@ -277,7 +278,8 @@ def swap_in(staged: Path, target: Path) -> Path | None:
         target.rename(old)
     staged.rename(target)
     if not old.exists() or old.is_dir() == target.is_dir():
-        remove(old)  # only now: it may be all a run that died mid-swap has
+        if remove_old:
+            remove(old)  # only now: it may be all a run that died mid-swap has
         return None
     kept, n = target.with_name(f"{target.stem}-{'sharded' if old.is_dir() else 'file'}{target.suffix}"), 1
     while kept.exists():

@@ -62,7 +62,8 @@ class RunCSVLogger(CSVLogger):
     """metrics.csv and hparams.yaml directly in the run directory, kept across resumes."""
 
     def __init__(self, run_dir: Path):
-        super().__init__(save_dir=run_dir, name="", version="")
+        # Each row is written as it is logged: a run killed later has the metrics of every step it checkpointed.
+        super().__init__(save_dir=run_dir, name="", version="", flush_logs_every_n_steps=1)
 
     @property
     @rank_zero_experiment

@@ -54,6 +54,17 @@ class StepCheckpoint(ModelCheckpoint):
             for copy in [*Path(self.dirpath).glob("resume-*.ckpt"), *Path(self.dirpath).glob(".resume-*.partial")]:
                 copy.unlink()
 
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._remove_replaced(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._remove_replaced(trainer)
+
+    def _remove_replaced(self, trainer: Trainer) -> None:
+        if trainer.is_global_zero and self._last_checkpoint_saved:
+            remove(Path(f"{self._last_checkpoint_saved}.old"))
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if trainer.global_step == trainer.max_steps:
@@ -75,7 +86,9 @@ class StepCheckpoint(ModelCheckpoint):
         self._on_rank_zero(trainer, remove, staged)  # left by a save that was killed: never mix old shards with new
         with refused_by_storage(trainer, staged, Path(filepath)):
             trainer.save_checkpoint(staged, self.save_weights_only)  # ends with a barrier: every rank has written
-        kept = self._on_rank_zero(trainer, swap_in, staged, Path(filepath))
+        # The replaced checkpoint is removed at the next step, not here: Lightning logs this step's metrics
+        # after the save returns, and a run killed between the swap and that row would lose the row for good.
+        kept = self._on_rank_zero(trainer, swap_in, staged, Path(filepath), False)
         if kept is not None:
             rank_zero_info(f"the previous {Path(filepath).name}, of another layout's format, is now {kept}")
         self._last_global_step_saved = trainer.global_step
