@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 LITDATA ?= litdata==0.2.76
+TRANSFORMERS ?= transformers>=4.45
+# pytest-xdist workers of `make test` and `make test-fast`: one per core of a 2-core machine.
+TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # One stamp per torch requirement: `make install TORCH=...` re-installs when it changes.
@@ -28,6 +31,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e ".[test]"
 	$(PIP) install -q --no-deps "$(LITDATA)"
+	# transformers, which the tests compare the model and the export with, goes beside the environment
+	# (tests/conftest.py puts it on sys.path), not into it: torchmetrics, which Lightning imports, imports
+	# transformers wherever it is installed, which costs every process of every run about 1.5 s at start.
+	$(PIP) install -q --no-deps --upgrade --target $(VENV)/hf-reference "$(TRANSFORMERS)"
 	$(PY) -c "import torch, lightning, litdata, hydra, wandb; print('installed torch', torch.__version__, 'lightning', lightning.__version__)"
 	touch $(STAMP)
 
@@ -39,7 +46,7 @@ train: prepare
 	$(PY) -m project.generate ckpt_path=$(RUN_DIR)/checkpoints/last.ckpt prompt="$(SAMPLE_PROMPT)" max_new_tokens=100
 
 test: install slurm
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # A SLURM for tests/test_clusters.py, which starts a two-node cluster on this host: Debian's slurm-wlm,
 # installed where make runs as root with apt. Elsewhere those tests skip and say why.
@@ -51,7 +58,7 @@ slurm:
 		echo "SLURM not installed (needs root and apt): tests/test_clusters.py will skip its SLURM tests"
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
 
 # Training-step throughput of the debug and small10m presets and the config error latency (new files
 # experiments/benchmarks/<date>-<host>.json and .md), and the pipeline bubble of GPipe, 1F1B and interleaved

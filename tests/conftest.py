@@ -13,6 +13,29 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# transformers, the reference the export and parity tests compare with, lies beside the environment and
+# not in it (see the Makefile): appended here, it is importable by the tests and by none of the runs they start.
+sys.path.append(str(Path(sys.prefix) / "hf-reference"))
+
+# Runs that several test files read, trained once per pytest session (fixtures below): under `make test`'s
+# workers (pytest-xdist, --dist loadgroup) the tests that read one stay on one worker, and every other
+# test stays with its file, so that module fixtures are not built twice either.
+SHARED_RUNS = {"trained": "reference-runs", "single_reference": "reference-runs", "pipeline_reference": "reference-runs",
+               "uninterrupted_reference": "uninterrupted-runs"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items):
+    for item in items:
+        group = next((SHARED_RUNS[name] for name in item.fixturenames if name in SHARED_RUNS), item.nodeid.split("::")[0])
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Two workers on two cores: one thread each for what the tests compute in-process, as the runs they
+        # start have (OMP_NUM_THREADS=1).
+        torch.set_num_threads(1)
 WORDS = (
     "the king queen lord lady sword crown night day love death war peace heart blood fair foul sweet "
     "bitter speak answer gentle noble villain honest fortune grave merry sorrow"
