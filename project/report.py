@@ -1,20 +1,26 @@
-"""A report comparing training runs: a Markdown table and plots, from the files the runs wrote.
+"""A report comparing training runs: a Markdown table and plots, from what the runs logged.
 
-    python -m project.report RUN_DIR_OR_SWEEP_DIR... [name=NAME] [out=experiments/reports]
+    python -m project.report RUN_DIR|SWEEP_DIR|WANDB_RUN_DIR|wandb:ENTITY/PROJECT[/SWEEP_ID]... [name=NAME] [out=DIR]
 
 Each argument is a run directory (the `hydra.run.dir` of `project.train`: `metrics.csv`, `config.yaml`,
-`memory/rank<N>.json`) or a sweep folder of `project.sweep` (`points.jsonl`), which stands for all its
-points, failed ones included, with the error each printed as their status. Writes
-`<out>/<name>/report.md` (default name: `<date>-<first argument's folder name>`) with one row per run,
-best throughput first, and beside it `throughput.svg`, `memory.svg` and `loss.svg`. A report of the same
-name is replaced: it is made from the runs alone, so making it again gives the same figures.
+`memory/rank<N>.json`); a sweep folder of `project.sweep` (`points.jsonl`), which stands for all its
+points, failed ones included, with the error each printed as their status; a wandb run folder
+(`offline-run-*`, holding `run-<id>.wandb`); or `wandb:ENTITY/PROJECT[/SWEEP_ID]`, the runs of a wandb
+project or sweep on wandb's server. Writes `<out>/<name>/report.md` (default out: experiments/reports;
+default name: `<date>-<first argument's folder name>`) with one row per run, best throughput first, and
+beside it `throughput.svg`, `memory.svg` and `loss.svg`. A report of the same name is replaced: it is made
+from the runs alone, so making it again gives the same figures.
 
-Read from local files only. The CSV logger writes `metrics.csv` under every logger config, so runs logged
-to wandb are read the same way; their `wandb/offline-run-*` folders (wandb's binary format) and runs
-that exist only on a wandb server (its API) are not read.
+The CSV logger writes `metrics.csv` under every logger config, so a run directory is read from it. A run
+directory without it (deleted, say) is read from its `wandb/offline-run-*` folders: the transaction log
+wandb keeps beside a `logger=wandb` run. A wandb run folder given alone, and a run on wandb's server, are
+read alike, but with no Hydra record beside them their model and strategy names come from the tags
+training gave the wandb run, and their peak memory from the logged `memory/max_peak_bytes`. Reading wandb
+(its own reader of its binary format; its public API, where this machine is logged in) is in
+project/report_wandb.py.
 
-Arguments are `key=value` options and paths, parsed without Hydra as in project.sweep and project.export:
-there is nothing to compose.
+Arguments are `key=value` options and the runs' sources, parsed without Hydra as in project.sweep and
+project.export: there is nothing to compose.
 """
 
 from __future__ import annotations
@@ -37,9 +43,10 @@ from project.checks import Layout
 from project.errors import ConfigError, exit_on_config_error
 from project.parallel.batch import BatchPlan
 from project.parallel.mesh import MeshShape
+from project.report_wandb import UnreadableLog, WandbRun, api_runs, is_run_folder, read_folders, run_folders
 
 OPTIONS = {"name": None, "out": None}
-USAGE = "usage: python -m project.report RUN_DIR_OR_SWEEP_DIR... [name=NAME] [out=experiments/reports]"
+USAGE = "usage: python -m project.report RUN_DIR|SWEEP_DIR|WANDB_RUN_DIR|wandb:ENTITY/PROJECT[/SWEEP_ID]... [name=NAME] [out=DIR]"
 PLOTS = {
     "throughput": "Tokens/s per device",
     "memory": "Peak memory per rank",
@@ -51,7 +58,7 @@ PLOTS = {
 class RunSummary:
     """One row of the report: a run, or a sweep point that may have left no run behind."""
 
-    label: str  # where it came from: the run directory's name, or <sweep folder>/<point>
+    label: str  # where it came from: the run directory's name, <sweep folder>/<point>, or <wandb project>/<run id>
     run_dir: Path | None
     layout: str = ""  # Layout.name(), from the layout the run logged
     settings: str = ""  # a sweep point's parameters, which name it where no layout was logged
@@ -71,13 +78,16 @@ class RunSummary:
 
 # ---------------------------------------------------------------- reading one run
 
+# A run's logged metrics, a dict per logged row with its "step": metrics.csv's rows, or wandb's history.
+Rows = list[dict[str, Any]]
 
-def read_rows(path: Path) -> list[dict[str, str]]:
+
+def read_rows(path: Path) -> Rows:
     with open(path, newline="") as file:
         return list(csv.DictReader(file))
 
 
-def series(rows: list[dict[str, str]], name: str) -> list[tuple[int, float]]:
+def series(rows: Rows, name: str) -> list[tuple[int, float]]:
     """(step, value) of every row that logged `name`, in step order (validation rows share their step)."""
     found = []
     for row in rows:
@@ -89,7 +99,7 @@ def series(rows: list[dict[str, str]], name: str) -> list[tuple[int, float]]:
     return sorted(found, key=lambda item: item[0])
 
 
-def last(rows: list[dict[str, str]], name: str) -> float | None:
+def last(rows: Rows, name: str) -> float | None:
     values = series(rows, name)
     return values[-1][1] if values else None
 
@@ -117,7 +127,7 @@ def read_config(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
-def logged_layout(rows: list[dict[str, str]], choices: dict[str, str]) -> str | None:
+def logged_layout(rows: Rows, choices: dict[str, str]) -> str | None:
     """The run's layout name, as training named its wandb run: from the layout facts it logged at its start."""
     names = ("pipeline_parallel", "data_parallel", "tensor_parallel", "micro_batch_size", "global_batch_size", "pipeline_microbatches")
     facts = {name: last(rows, f"layout/{name}") for name in names}
@@ -146,7 +156,7 @@ def configured_devices(config: dict[str, Any]) -> int | None:
     return devices * nodes if isinstance(devices, int) and isinstance(nodes, int) else None
 
 
-def completion(rows: list[dict[str, str]], memory: list[dict[str, Any]], config: dict[str, Any]) -> str:
+def completion(rows: Rows, memory: list[dict[str, Any]], config: dict[str, Any]) -> str:
     """"ok" when the run reached trainer.max_steps, else where it stopped."""
     max_steps = (config.get("trainer") or {}).get("max_steps")
     steps = [record["step"] for record in memory if isinstance(record.get("step"), int)]
@@ -157,25 +167,56 @@ def completion(rows: list[dict[str, str]], memory: list[dict[str, Any]], config:
 
 
 def summarize_run(run_dir: Path, label: str | None = None) -> RunSummary:
-    """The report's row for one run directory; without metrics.csv, a row that says so."""
+    """The report's row for one run directory: from metrics.csv, else from its wandb folders, else a row
+    that says there are no metrics."""
     summary = RunSummary(label=label or run_dir.resolve().name, run_dir=run_dir)
     config = read_config(run_dir)
     summary.devices = configured_devices(config)
-    if not (run_dir / "metrics.csv").is_file():
+    choices = hydra_choices(run_dir)
+    if (run_dir / "metrics.csv").is_file():
+        try:
+            rows = read_rows(run_dir / "metrics.csv")
+        except (OSError, UnicodeDecodeError, csv.Error) as error:
+            summary.status = f"metrics.csv unreadable: {error}"
+            return summary
+    elif folders := run_folders(run_dir):
+        try:
+            run = read_folders(folders, summary.label)
+        except UnreadableLog as error:
+            summary.status = f"wandb log unreadable: {error}"
+            return summary
+        rows, config, choices = run.rows, config or run.config, choices or run.choices
+    else:
         summary.status = "no metrics"
         return summary
+    return summarize_metrics(summary, rows, config, choices, rank_memory(run_dir))
+
+
+def summarize_wandb(run: WandbRun, run_dir: Path | None = None) -> RunSummary:
+    """The report's row for a run known only to wandb: a run folder given alone, or a run on its server."""
+    summary = RunSummary(label=run.label, run_dir=run_dir, devices=configured_devices(run.config))
+    return summarize_metrics(summary, run.rows, run.config, run.choices, [])
+
+
+def summarize_wandb_folder(folder: Path) -> RunSummary:
+    """The report's row for a wandb run folder given alone, or a row saying wandb could not read it."""
     try:
-        rows = read_rows(run_dir / "metrics.csv")
-    except (OSError, UnicodeDecodeError, csv.Error) as error:
-        summary.status = f"metrics.csv unreadable: {error}"
-        return summary
+        return summarize_wandb(read_folders([folder], folder.resolve().name), folder)
+    except UnreadableLog as error:
+        return RunSummary(label=folder.resolve().name, run_dir=folder, status=f"wandb log unreadable: {error}")
+
+
+def summarize_metrics(
+    summary: RunSummary, rows: Rows, config: dict[str, Any], choices: dict[str, str], memory: list[dict[str, Any]]
+) -> RunSummary:
+    """`summary` filled in from a run's logged rows, config, config-group choices and rank memory files."""
     world_size = last(rows, "layout/world_size")
     summary.devices = int(world_size) if world_size else summary.devices
     # Files of ranks a resumed run no longer has (it resumed on fewer devices) stay behind: left out.
-    memory = [r for r in rank_memory(run_dir) if summary.devices is None or r.get("world_size") in (None, summary.devices)]
-    summary.layout = logged_layout(rows, hydra_choices(run_dir)) or ""
+    memory = [r for r in memory if summary.devices is None or r.get("world_size") in (None, summary.devices)]
+    summary.layout = logged_layout(rows, choices) or ""
     # A run resumed under another layout logged its layout again where it resumed: its speed is the one
-    # measured since (Hydra's record, read above, is the last start's too).
+    # measured since (Hydra's record of the choices is the last start's too).
     starts = series(rows, "layout/world_size")
     since = starts[-1][0] if starts else 0
 
@@ -205,24 +246,19 @@ def is_run_dir(path: Path) -> bool:
     return any((path / name).exists() for name in ("metrics.csv", "config.yaml", ".hydra", "train.log"))
 
 
-def command_values(command: list[str]) -> dict[str, str]:
-    """The key=value arguments of a point's command line, the last of a key winning as in Hydra."""
-    return dict(arg.split("=", 1) for arg in command if "=" in arg)
-
-
 def command_devices(command: list[str]) -> int | None:
-    """trainer.devices x trainer.num_nodes from a point's command line, for a point that left no run."""
-    values = command_values(command)
+    """trainer.devices x trainer.num_nodes from a point's command line (the last of a key winning, as in
+    Hydra), for a point that left no run: they need not be parameters of the spec."""
+    values = dict(arg.lstrip("+").split("=", 1) for arg in command if "=" in arg)
     devices, nodes = values.get("trainer.devices", ""), values.get("trainer.num_nodes", "1")
     return int(devices) * int(nodes) if devices.isdigit() and nodes.isdigit() else None
 
 
 def point_settings(record: dict[str, Any], varied: list[str]) -> str:
-    """What sets a point apart from the others, as it ran: the runner's overrides replace a spec's constants
-    (trainer.devices=2 for the spec's 4) in the command, not in the recorded parameters."""
-    values = command_values(record.get("command") or [])
+    """What sets a point apart from the others: its parameters as it ran them (project.sweep records them
+    after the runner's overrides, trainer.devices=2 for the spec's 4)."""
     parameters = record.get("parameters") or {}
-    return " ".join(f"{key}={values.get(key, parameters[key])}" for key in varied if key in parameters)
+    return " ".join(f"{key}={parameters[key]}" for key in varied if key in parameters)
 
 
 def read_points(sweep_dir: Path) -> list[dict[str, Any]]:
@@ -272,21 +308,27 @@ def summarize_sweep(sweep_dir: Path) -> list[RunSummary]:
     return summaries
 
 
-def collect(paths: list[Path]) -> list[RunSummary]:
-    """Every run the arguments stand for: sweep folders expand to their points, in the order given."""
-    if not paths:
+def collect(sources: list[str]) -> list[RunSummary]:
+    """Every run the arguments stand for: sweep folders and wandb projects expand to their runs, in the order given."""
+    if not sources:
         raise ConfigError(f"give one or more run directories or sweep folders.\n{USAGE}")
     summaries = []
-    for path in paths:
-        if (path / "points.jsonl").is_file():
+    for source in sources:
+        path = Path(source)
+        if source.startswith("wandb:"):
+            summaries.extend(summarize_wandb(run) for run in api_runs(source))
+        elif (path / "points.jsonl").is_file():
             summaries.extend(summarize_sweep(path))
         elif path.is_dir() and is_run_dir(path):
             summaries.append(summarize_run(path))
+        elif is_run_folder(path):
+            summaries.append(summarize_wandb_folder(path))
         else:
             what = "does not exist" if not path.exists() else "is neither a run directory nor a sweep folder"
             raise ConfigError(
-                f"{path} {what}: give the run directories of project.train (holding metrics.csv or config.yaml) or "
-                f"sweep folders of project.sweep (holding points.jsonl), e.g. outputs/sweeps/layouts-<date>_<time>."
+                f"{path} {what}: give the run directories of project.train (holding metrics.csv or config.yaml), "
+                f"sweep folders of project.sweep (holding points.jsonl), e.g. outputs/sweeps/layouts-<date>_<time>, "
+                f"wandb run folders (holding run-*.wandb), or wandb:ENTITY/PROJECT[/SWEEP_ID]."
             )
     return summaries
 
@@ -398,7 +440,8 @@ step time) after the first logged window, which holds the start-up step, divided
 under another layout: since it resumed); **MFU** the
 median of `train/mfu` likewise, where it was logged (on a CPU only with `peak_flops_per_device`); **peak memory
 per rank** the highest `peak_bytes` in `memory/rank<N>.json` (GPU: torch's peak allocated; CPU: the process's
-resident high-water mark), or the logged `memory/max_peak_bytes` where training stopped before writing those;
+resident high-water mark), or the logged `memory/max_peak_bytes` where there are none (training stopped before
+writing them, or the run was read from wandb alone);
 **train/loss** and **val/loss** the last logged values. Rows are sorted by tokens/s per device, best first."""
 
 
@@ -428,12 +471,12 @@ def write_report(summaries: list[RunSummary], folder: Path, title: str, command:
 # ---------------------------------------------------------------- command line
 
 
-def parse(argv: list[str]) -> tuple[dict[str, str | None], list[Path]]:
-    """This command's key=value options, and the paths (everything else)."""
+def parse(argv: list[str]) -> tuple[dict[str, str | None], list[str]]:
+    """This command's key=value options, and the runs' sources: paths and wandb: projects (everything else)."""
     if any(arg in ("-h", "--help", "help") for arg in argv):
         print(__doc__)
         raise SystemExit(0)
-    options, paths = dict(OPTIONS), []
+    options, sources = dict(OPTIONS), []
     for arg in argv:
         key, sep, value = arg.partition("=")
         if sep and key in OPTIONS:
@@ -441,23 +484,29 @@ def parse(argv: list[str]) -> tuple[dict[str, str | None], list[Path]]:
         elif sep and not Path(arg).exists():
             raise ConfigError(f"unknown argument {arg!r}: the options are {', '.join(f'{k}=' for k in OPTIONS)}.\n{USAGE}")
         else:
-            paths.append(Path(arg))
+            sources.append(arg)
     if options["name"] is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", options["name"]):
         raise ConfigError(f"name={options['name']}: give a folder name (letters, digits, '.', '_', '-'), e.g. name=2026-11-24-cpu-layouts.")
-    return options, paths
+    return options, sources
 
 
-def default_name(paths: list[Path]) -> str:
-    first = paths[0].resolve().name if paths else "runs"
-    return f"{datetime.date.today():%Y-%m-%d}-{first}" + ("" if len(paths) == 1 else f"-and-{len(paths) - 1}-more")
+def default_name(sources: list[str]) -> str:
+    """The first source's folder name (a wandb: source's last part: its project or sweep id)."""
+    if not sources:
+        first = "runs"
+    elif sources[0].startswith("wandb:"):
+        first = sources[0].rstrip("/").rsplit("/", 1)[-1]
+    else:
+        first = Path(sources[0]).resolve().name
+    return f"{datetime.date.today():%Y-%m-%d}-{first}" + ("" if len(sources) == 1 else f"-and-{len(sources) - 1}-more")
 
 
 @exit_on_config_error()
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    options, paths = parse(argv)
-    summaries = collect(paths)
-    name = options["name"] or default_name(paths)
+    options, sources = parse(argv)
+    summaries = collect(sources)
+    name = options["name"] or default_name(sources)
     out = Path(options["out"]) if options["out"] else Path(os.environ.get("PROJECT_ROOT", ".")) / "experiments" / "reports"
     command = shlex.join(["python", "-m", "project.report", *argv])
     path = write_report(summaries, out / name, f"Report {name}", command)

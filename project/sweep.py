@@ -9,16 +9,18 @@ them (`agent_command`; tests/test_sweep.py holds it to wandb's own code), so a p
 would under an agent, but for two things: `${interpreter}` is this Python (an agent runs `python` from
 PATH), and `hydra.run.dir` is the point's own folder, `<sweep_dir>/<point>/`. The sweep folder (default
 `outputs/sweeps/<spec name>-<date>_<time>/`; a folder holding a sweep already is refused) also gets
-`spec.yaml` and `points.jsonl`, one line per finished point (parameters, command, exit status, seconds,
-final metrics, error), for a report to read. `dry_run=true` prints the command lines an agent would run
+`spec.yaml` and `points.jsonl`, one line per finished point (parameters as it ran them, command, exit
+status, seconds, final metrics, error), for a report to read. `dry_run=true` prints the command lines an agent would run
 and runs nothing.
 
 Extra `key=value` arguments are training overrides for every point: one whose key the command or a
 constant parameter sets already replaces it (`experiment=debug`, `logger=csv`, `trainer.devices=2`), the
-others are appended. A key the spec varies is refused, and so is `hydra.run.dir` (use `sweep_dir=`). The
-draw's seed is `sweep_seed=`, since `seed=` is project.train's own setting, passed on like any override.
-(Not a Hydra main, like project.bench: the runner's options and the overrides share one command line,
-and the overrides are checked by each point's own Hydra.)
+others are appended; a point's recorded parameters are the values it ran with, overrides included. A
+key the spec varies is refused, and so is `hydra.run.dir` (use `sweep_dir=`), an override Hydra's
+grammar refuses, and one listing several values (`a=1,2`: make it a parameter). The draw's seed is
+`sweep_seed=`, since `seed=` is project.train's own setting, passed on like any override. (Not a Hydra
+main, like project.bench: the runner's options and the overrides share one command line; the overrides
+are parsed here with Hydra's own parser, and what they set is checked by each point's own Hydra.)
 
 Methods. `grid`: every combination, in the order of wandb's sweep engine (parameters sorted by name, the
 last varying fastest); `count=N` runs the first N, as `wandb agent --count N` would. `random`: `count`
@@ -315,6 +317,34 @@ def with_overrides(argv: list[str], overrides: list[str]) -> list[str]:
     return argv
 
 
+DELETED = object()  # the value of a `~key=value` override: the key is gone
+
+
+def override_values(overrides: list[str]) -> dict[str, Any]:
+    """{key: value} of the overrides, each value as the points' Hydra reads it (`trainer.devices=2`: 2,
+    `optim.lr=1e-3`: 0.001), DELETED for `~key=...`; one Hydra cannot read is refused before any point runs."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser  # here: a spec error needs no Hydra
+    from hydra.errors import OverrideParseException
+
+    parser, values = OverridesParser.create(), {}
+    for arg in overrides:
+        try:
+            (override,) = parser.parse_overrides([arg])
+        except OverrideParseException as error:
+            raise ConfigError(f"{arg}: Hydra cannot read this override: {str(error).splitlines()[0]}.") from None
+        if override.is_sweep_override():  # each point's Hydra would refuse it without --multirun
+            raise ConfigError(f"{arg}: one value per override; to run several, make {override_key(arg)} a parameter of the spec.")
+        values[override_key(arg)] = DELETED if override.is_delete() else override.value()
+    return values
+
+
+def ran_with(point: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """A point's parameters as it ran: an override of one (a constant, trainer.devices=2 for the spec's 4)
+    replaced it in the command, so it replaces it in the record too."""
+    ran = {key: values.get(key, value) for key, value in point.items()}
+    return {key: value for key, value in ran.items() if value is not DELETED}
+
+
 def check_overrides(spec: Spec, overrides: list[str]) -> None:
     for override in overrides:
         key = override_key(override)
@@ -324,6 +354,7 @@ def check_overrides(spec: Spec, overrides: list[str]) -> None:
             raise ConfigError(f"{override}: {key} is what {spec.path} varies; drop it, or sweep with another spec.")
         if key == "hydra.run.dir":
             raise ConfigError(f"{override}: each point runs in <sweep_dir>/<point>/; choose the sweep folder with sweep_dir=DIR.")
+    override_values(overrides)
 
 
 # ---------------------------------------------------------------- running points
@@ -404,13 +435,14 @@ def run_sweep(spec: Spec, points: list[dict[str, Any]], overrides: list[str], sw
     """Run every point in turn, each in `sweep_dir/<index>/`; a failure is recorded and the sweep goes on."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     (sweep_dir / "spec.yaml").write_text(spec.path.read_text())
+    values = override_values(overrides)
     results: list[PointResult] = []
     for index, point in enumerate(points):
         run_dir = (sweep_dir / str(index)).absolute()
         argv = agent_command(spec.command, point, spec.program, interpreter=sys.executable)
         argv = with_overrides(argv, [*overrides, f"hydra.run.dir={run_dir}"])
         print(f"\n== point {index + 1}/{len(points)}: {shlex.join(argv)}", flush=True)
-        result = PointResult(index, point, argv, run_dir)
+        result = PointResult(index, ran_with(point, values), argv, run_dir)
         start = time.monotonic()
         result.status, tail = run_point(argv)
         result.seconds = time.monotonic() - start
@@ -421,7 +453,7 @@ def run_sweep(spec: Spec, points: list[dict[str, Any]], overrides: list[str], sw
         results.append(result)
         record = {
             "point": index,
-            "parameters": point,
+            "parameters": result.parameters,
             "command": argv,
             "run_dir": str(run_dir),
             "status": result.status,

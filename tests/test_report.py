@@ -1,14 +1,18 @@
-"""project.report: a table and plots from run directories and sweep folders."""
+"""project.report: a table and plots from run directories, sweep folders and wandb's records of runs."""
 
 import csv
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import read_metrics, run_module, run_train
-from project import report
+from conftest import ROOT, read_metrics, run_module, run_train
+from project import report, report_wandb
 
 LAYOUT_COLUMNS = ["pipeline_parallel", "data_parallel", "tensor_parallel", "micro_batch_size", "accumulation",
                   "pipeline_microbatches", "global_batch_size", "world_size"]
@@ -56,12 +60,12 @@ def write_run(
 
 def write_sweep(sweep_dir: Path, points: list[tuple[dict, int, str]]) -> Path:
     """points.jsonl as project.sweep writes it: (parameters, exit status, error) per point, in order; each
-    point of a spec for 4 devices, run with the override trainer.devices=2, which replaces the spec's constant
-    in the command only."""
+    point of a spec for 4 devices, run with the override trainer.devices=2, which replaced the spec's constant
+    in the command and in the recorded parameters."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     with open(sweep_dir / "points.jsonl", "w") as file:
         for index, (parameters, status, error) in enumerate(points):
-            parameters = {**parameters, "trainer.devices": 4}
+            parameters = {**parameters, "trainer.devices": 2}
             command = ["python", "-m", "project.train", "experiment=debug", "trainer.devices=2",
                        *(f"{k}={v}" for k, v in parameters.items() if k != "trainer.devices")]
             record = {"point": index, "parameters": parameters, "command": command, "run_dir": str(sweep_dir / str(index)),
@@ -99,10 +103,10 @@ def test_a_sweep_folder_reports_every_point_with_a_failed_point_s_error_as_its_s
     assert failed["tokens/s per device"] == "-"
 
 
-def test_a_failed_point_alone_is_named_by_its_parameters_as_its_command_ran_them(tmp_path):
+def test_a_failed_point_alone_is_named_by_all_its_parameters_as_it_ran_them(tmp_path):
     sweep_dir = write_sweep(tmp_path / "one-point", [({"strategy": "tp"}, 1, "")])
     (failed,) = make_report(tmp_path, sweep_dir)
-    assert failed["layout"] == "strategy=tp trainer.devices=2"  # the override, not the spec's constant 4
+    assert failed["layout"] == "strategy=tp trainer.devices=2"  # the runner's override, not the spec's constant 4
     assert failed["status"] == "failed (1): no error printed"
 
 
@@ -161,8 +165,9 @@ def test_the_report_links_its_plots_and_writes_them(tmp_path):
         ([], "give one or more run directories"),
         (["{tmp}", "colour=red"], "unknown argument 'colour=red'"),
         (["{tmp}", "name=a/b"], "name=a/b: give a folder name"),
+        (["wandb:llama-pretrain"], "give wandb:ENTITY/PROJECT or wandb:ENTITY/PROJECT/SWEEP_ID"),
     ],
-    ids=["missing", "not-a-run", "nothing", "unknown-option", "bad-name"],
+    ids=["missing", "not-a-run", "nothing", "unknown-option", "bad-name", "wandb-without-entity"],
 )
 def test_bad_arguments_are_one_error_paragraph_and_exit_status_2(tmp_path, capsys, args, says):
     with pytest.raises(SystemExit) as exit_:
@@ -197,3 +202,138 @@ def test_a_report_of_a_single_device_and_a_ddp_run_reads_their_layouts_devices_a
     folder = tmp_path / "reports" / "real"
     for plot in ("throughput.svg", "memory.svg", "loss.svg"):
         assert (folder / plot).stat().st_size > 0 and f"]({plot})" in (folder / "report.md").read_text()
+
+
+# ---------------------------------------------------------------- runs as wandb recorded them
+
+
+class StandInRun:
+    """A stand-in for wandb.apis.public.Run (there is no wandb server here): the attributes project.report
+    reads, with the same names and shapes: id, tags, config (the run's config, values unwrapped as
+    Run.config gives them) and scan_history() (history rows, each a dict with Lightning's trainer/global_step)."""
+
+    def __init__(self, id: str, tags: list[str], config: dict, history: list[dict]):
+        self.id, self.name, self.tags, self.config, self.state = id, "layout name", tags, config, "finished"
+        self._history = history
+
+    def scan_history(self):
+        return iter(self._history)
+
+
+class StandInApi:
+    """A stand-in for wandb.Api: runs(path) and sweep(path).runs, as wandb's public API names them, serving
+    fixed runs and recording what was asked."""
+
+    def __init__(self, runs: list, error: Exception | None = None):
+        self._runs, self._error, self.asked = runs, error, []
+
+    def runs(self, path: str):
+        self.asked.append(f"runs {path}")
+        if self._error:
+            raise self._error
+        return self._runs
+
+    def sweep(self, path: str):
+        self.asked.append(f"sweep {path}")
+        return type("Sweep", (), {"runs": self._runs})()
+
+
+def as_wandb_run(run_dir: Path, id: str) -> StandInRun:
+    """What wandb's server holds of a run that logged `run_dir`'s metrics.csv through Lightning's WandbLogger:
+    the same values per row, with the step as trainer/global_step; its config and the tags training gives."""
+    history = []
+    for row in report.read_rows(run_dir / "metrics.csv"):
+        item = {name: float(value) for name, value in row.items() if value and name != "step"}
+        history.append({**item, "trainer/global_step": int(row["step"]), "_step": len(history)})
+    choices = yaml.safe_load((run_dir / ".hydra" / "hydra.yaml").read_text())["hydra"]["runtime"]["choices"]
+    devices = yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["devices"]
+    tags = [choices["strategy"], choices["model"], f"{devices}-devices"]
+    return StandInRun(id, tags, yaml.safe_load((run_dir / "config.yaml").read_text()), history)
+
+
+@pytest.mark.parametrize(
+    "source, asked",
+    [("wandb:team/llama-pretrain", "runs team/llama-pretrain"), ("wandb:team/llama-pretrain/sw33p", "sweep team/llama-pretrain/sw33p")],
+    ids=["project", "sweep"],
+)
+def test_runs_on_wandbs_server_are_reported_as_their_metrics_csv_would_be(tmp_path, monkeypatch, source, asked):
+    ddp = write_run(tmp_path / "ddp", "ddp", dp=2, micro=4, tokens_per_sec=(10.0, 1000.0, 1200.0, 1100.0))
+    single = write_run(tmp_path / "single", "single", tokens_per_sec=(50.0, 700.0, 700.0), max_steps=30)
+    api = StandInApi([as_wandb_run(ddp, "r1"), as_wandb_run(single, "r2")])
+    monkeypatch.setattr(report_wandb, "connect", lambda source: api)
+    from_wandb = make_report(tmp_path, source, name="wandb")
+    from_csv = make_report(tmp_path, single, ddp, name="csv")
+    assert api.asked == [asked]
+    assert [row["run"] for row in from_wandb] == ["llama-pretrain/r2", "llama-pretrain/r1"]
+    for row, reference in zip(from_wandb, from_csv):
+        assert {**row, "run": reference["run"]} == reference
+    assert from_wandb[1]["layout"] == "`debug_dp2-tp1-pp1_mb4_ddp`" and from_wandb[0]["status"] == "stopped at step 3 of 30"
+
+
+def test_wandbs_server_refusing_the_runs_is_one_error_paragraph(tmp_path, monkeypatch, capsys):
+    from wandb.errors import CommError
+
+    monkeypatch.setattr(report_wandb, "connect", lambda source: StandInApi([], CommError("Could not find project nope")))
+    with pytest.raises(SystemExit) as exit_:
+        report.main(["wandb:team/nope", f"out={tmp_path / 'reports'}"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("error: wandb:team/nope: wandb's server did not give the runs")
+    assert "Could not find project nope" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("mode", ["not-logged-in", "offline"])
+def test_a_wandb_source_without_a_login_or_offline_says_how_to_log_in_or_use_local_folders(tmp_path, mode):
+    """wandb's own login check, in a fresh process with no API key and no netrc: never a prompt, never the network."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path), NETRC=str(tmp_path / "netrc"), **({"WANDB_MODE": "offline"} if mode == "offline" else {}))
+    result = subprocess.run(
+        [sys.executable, "-m", "project.report", "wandb:team/llama-pretrain", f"out={tmp_path / 'reports'}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 2, result.stderr
+    error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and error[0].startswith("error: wandb:team/llama-pretrain: ") and "offline-run-*" in error[0], result.stderr
+    fix = "unset WANDB_MODE" if mode == "offline" else "log in with `wandb login`"
+    assert fix in error[0]
+    assert not (tmp_path / "reports").exists()
+
+
+@pytest.mark.slow
+def test_a_run_logged_to_wandb_offline_is_reported_from_its_transaction_log_as_from_its_metrics_csv(tiny_shards, tmp_path):
+    run_dir = tmp_path / "run"
+    run_train(tiny_shards, run_dir, "logger=wandb", "trainer.max_steps=4", "val_every_n_steps=2")
+    (from_csv,) = make_report(tmp_path, run_dir, name="csv")
+    train_loss, val_loss = read_metrics(run_dir, "train/loss"), read_metrics(run_dir, "val/loss")
+    tokens_per_sec = sorted(read_metrics(run_dir, "train/tokens_per_sec").values())[1:]  # the first window left out
+    (folder,) = (run_dir / "wandb").glob("offline-run-*")
+    alone = shutil.copytree(folder, tmp_path / "elsewhere" / folder.name)  # no run directory, no Hydra record around it
+    (run_dir / "metrics.csv").rename(run_dir / "metrics.csv.moved")
+    in_run_dir, from_folder = make_report(tmp_path, run_dir, alone, name="wandb")
+    assert in_run_dir == from_csv  # every column, the rank memory file's peak included
+    assert from_csv["layout"] == "`debug_dp1-tp1-pp1_mb8_single`" and from_csv["devices"] == "1" and from_csv["status"] == "ok"
+    assert from_csv["tokens/s per device"] == f"{tokens_per_sec[len(tokens_per_sec) // 2]:,.0f}"  # an odd count: the middle
+    assert from_csv["train/loss"] == f"{train_loss[max(train_loss)]:.4f}" and from_csv["val/loss"] == f"{val_loss[max(val_loss)]:.4f}"
+    assert from_folder["run"] == folder.name and from_folder["peak memory per rank"].endswith("MiB")
+    for column in ("layout", "devices", "tokens/s per device", "train/loss", "val/loss", "status"):
+        assert from_folder[column] == from_csv[column], column
+
+
+def test_a_run_resumed_in_its_directory_is_read_from_every_start_s_wandb_folder_its_replayed_steps_once(tmp_path):
+    """Two starts of one wandb run, written offline by wandb itself as a resumed training run writes them: the
+    second start logs again the steps since the checkpoint (2), which replace the first start's."""
+    script = """
+import sys, wandb
+first, last, loss = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+run = wandb.init(id="r3sum3d", resume="allow", project="p", dir=sys.argv[4], mode="offline")
+for step in range(first, last + 1):
+    run.log({"train/loss": loss - step, "trainer/global_step": step})
+run.finish()
+"""
+    env = {**os.environ, "WANDB_MODE": "offline", "HOME": str(tmp_path)}
+    for first, last, loss in ((0, 2, 10.0), (2, 4, 20.0)):  # the second start at the checkpoint of step 2
+        subprocess.run([sys.executable, "-c", script, str(first), str(last), str(loss), str(tmp_path)], env=env,
+                       check=True, capture_output=True, timeout=120)  # fmt: skip
+    folders = report_wandb.run_folders(tmp_path)
+    assert len(folders) == 2
+    rows = report_wandb.read_folders(folders, "resumed").rows
+    assert [(row["step"], row["train/loss"]) for row in rows] == [(0, 10.0), (1, 9.0), (2, 18.0), (3, 17.0), (4, 16.0)]

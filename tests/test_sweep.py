@@ -177,9 +177,11 @@ def test_extra_overrides_replace_what_the_command_or_a_constant_sets():
         ({"optim.lr": {"values": [1e-3, 3e-3]}}, {}, ["optim.lr=0.1"], "optim.lr is what"),
         ({"optim.lr": {"values": [1e-3]}}, {}, ["hydra.run.dir=x"], "sweep_dir=DIR"),
         ({"optim.lr": {"values": [1e-3]}}, {}, ["count=0"], "count=0"),
+        ({"optim.lr": {"values": [1e-3]}}, {}, ["trainer.max_steps=5,10"], "one value per override"),
+        ({"optim.lr": {"values": [1e-3]}}, {}, ["data.dir=[a"], "Hydra cannot read this override"),
     ],
     ids=["hyphenated-args", "null", "nested", "no-program", "random-without-count", "grid-of-a-distribution",
-         "override-of-a-varied-key", "run-dir", "count"],  # fmt: skip
+         "override-of-a-varied-key", "run-dir", "count", "several-values", "unreadable-override"],  # fmt: skip
 )
 def test_a_bad_spec_or_argument_is_one_error_paragraph_with_status_2(tmp_path, capsys, parameters, spec_extra, argv, message):
     spec_extra = dict(spec_extra)
@@ -189,6 +191,26 @@ def test_a_bad_spec_or_argument_is_one_error_paragraph_with_status_2(tmp_path, c
         sweep.main([f"spec={path}", "dry_run=true", *argv])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_each_point_is_recorded_with_the_values_it_ran_with_after_the_overrides(tmp_path, monkeypatch):
+    """An override of a constant parameter replaces it in the point's command and in its record: a record's
+    parameters are what Hydra composes from that point's own command, not the spec's values."""
+    parameters = {"optim.lr": {"values": [1e-3, 3e-3]}, "trainer.devices": {"value": 4}, "trainer.max_steps": {"value": 100}}
+    path = write_spec(tmp_path, parameters)
+    monkeypatch.setattr(sweep, "run_point", lambda argv: (0, ""))  # nothing trains: the record is what is tested
+    overrides = ["trainer.devices=2", "trainer.max_steps=5", "logger=csv"]
+    assert sweep.main([f"spec={path}", f"sweep_dir={tmp_path / 'sweep'}", *overrides]) == 0
+    records = [json.loads(line) for line in (tmp_path / "sweep" / "points.jsonl").read_text().splitlines()]
+    assert [r["parameters"] for r in records] == [
+        {"optim.lr": 0.001, "trainer.devices": 2, "trainer.max_steps": 5},
+        {"optim.lr": 0.003, "trainer.devices": 2, "trainer.max_steps": 5},
+    ]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        for record in records:
+            argv = record["command"]
+            cfg = compose(config_name="train", overrides=argv[argv.index("project.train") + 1 :], return_hydra_config=True)
+            assert {name: OmegaConf.select(cfg, name) for name in record["parameters"]} == record["parameters"]
 
 
 def test_a_missing_spec_names_the_specs_there_are(capsys, monkeypatch):
