@@ -348,6 +348,12 @@ def check_data(cfg: DictConfig) -> None:
     check_block_size(data_dir, manifest, cfg.data.seq_len)
     check_shards(data_dir)
     tokenizer_vocab = int(manifest["tokenizer"]["vocab_size"])
+    if cfg.model.vocab_size < tokenizer_vocab and cfg.get("init_from") is not None:
+        raise ConfigError(
+            f"the shards in data.dir={cfg.data.dir} were made with a tokenizer of {tokenizer_vocab} tokens, more than the "
+            f"{cfg.model.vocab_size} of the model in init_from={cfg.init_from}: prepare your text with the folder's own "
+            f"tokenizer (python -m project.prepare data.tokenizer={cfg.init_from} ...) and train on those shards."
+        )
     if cfg.model.vocab_size < tokenizer_vocab:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} "
@@ -389,8 +395,34 @@ def unwritable(folder: str | os.PathLike) -> str | None:
     return None
 
 
+def check_init_from(cfg: DictConfig) -> None:
+    """`init_from=DIR`: the model's shape becomes the folder's, and its weights are checked, before anything else."""
+    if cfg.get("init_from") is None:
+        return
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path is not None and str(ckpt_path) != "last":
+        raise ConfigError(
+            f"init_from={cfg.init_from} and ckpt_path={ckpt_path} both given: init_from starts a new run from a published "
+            "model's weights (step 0, a fresh optimizer and schedule); ckpt_path resumes a run from its checkpoint. Drop "
+            "ckpt_path to start from the folder, or init_from to resume. (ckpt_path=last beside init_from resumes the run "
+            "in hydra.run.dir, the folder giving only the model's shape, so that a requeued job's command line still works.)"
+        )
+    from hydra.core.hydra_config import HydraConfig
+
+    from project.hf_folder import apply_init_from
+
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    try:
+        apply_init_from(cfg, overrides)
+    except (ValueError, TypeError) as error:  # a shape LlamaConfig cannot take; ConfigError passes as it is
+        if isinstance(error, ConfigError):
+            raise
+        raise ConfigError(f"init_from={cfg.init_from}: its config.json gives a model this platform cannot build ({error}).") from None
+
+
 def preflight(cfg: DictConfig) -> Layout | None:
     """Every check that the config alone allows; the layout too when the device count is explicit."""
+    check_init_from(cfg)
     check_trainer(cfg)
     check_values(cfg)
     check_data(cfg)

@@ -1,11 +1,13 @@
 """Export a training checkpoint as a Hugging Face model folder (LlamaForCausalLM + tokenizer).
 
     python -m project.export ckpt_path=PATH output_dir=DIR [tokenizer=PATH] [dtype=float32|bfloat16|float16]
-                             [overwrite=true]
+                             [max_shard_size=5GB] [overwrite=true]
 
-Writes config.json, model.safetensors, generation_config.json and the tokenizer files, so that
+Writes config.json, model.safetensors (past max_shard_size: model-0000N-of-0000M.safetensors and
+model.safetensors.index.json, as transformers does), generation_config.json and the tokenizer files, so that
 `LlamaForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load offline. Needs no
-transformers. The tokenizer comes from `tokenizer=` or else from the manifest.json in the checkpoint's data
+transformers. The weights are read one output file at a time (project.checkpoint_weights), so exporting
+never holds more of the model than max_shard_size, from a file or a sharded folder. The tokenizer comes from `tokenizer=` or else from the manifest.json in the checkpoint's data
 directory. A sentencepiece model is exported for transformers' LlamaTokenizer, which reads it as a Llama-style
 BPE with byte fallback and needs `protobuf` installed to load it.
 
@@ -28,20 +30,20 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import save_file
 
-from project.checkpoints import load_full_checkpoint
+from project.checkpoint_weights import CheckpointWeights, checkpoint_weights, parse_size, write_safetensors
+from project.checkpoints import checkpoint_metadata
 from project.checks import unwritable
 from project.errors import ConfigError, exit_on_config_error
-from project.hf_format import hf_config_dict, to_hf_state_dict
+from project.hf_format import hf_config_dict
 from project.model.llama import LlamaConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULTS = {"ckpt_path": None, "output_dir": None, "tokenizer": None, "dtype": "float32", "overwrite": "false"}
+DEFAULTS = {"ckpt_path": None, "output_dir": None, "tokenizer": None, "dtype": "float32", "overwrite": "false", "max_shard_size": "5GB"}
 PASS_TOKENIZER = "Pass tokenizer=PATH (a HF tokenizer.json or a sentencepiece .model)."
 USAGE = (
     "usage: python -m project.export ckpt_path=PATH output_dir=DIR [tokenizer=PATH] "
-    "[dtype=float32|bfloat16|float16] [overwrite=true]"
+    "[dtype=float32|bfloat16|float16] [max_shard_size=5GB] [overwrite=true]"
 )
 
 
@@ -65,34 +67,32 @@ def parse_args(argv: list[str]) -> dict[str, str | None]:
     return args
 
 
-def load_checkpoint(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], dict]:
-    """(model config, our Llama's state dict, the checkpoint) from a Lightning checkpoint of our module.
-
-    The checkpoint is a `.ckpt` file or, from a sharded strategy, a distributed-checkpoint folder.
-    """
+def load_checkpoint(path: Path) -> tuple[LlamaConfig, CheckpointWeights, Mapping]:
+    """(model config, its weights to read, the checkpoint's other records) from a Lightning checkpoint of our
+    module: a `.ckpt` file (memory-mapped) or, from a sharded strategy, a distributed-checkpoint folder, whose
+    tensors are read only as they are written out."""
     if not path.exists():
         raise ConfigError(f"checkpoint {path} does not exist; pass ckpt_path= a Lightning .ckpt file or sharded checkpoint folder.")
     try:
-        ckpt = load_full_checkpoint(path)
+        ckpt = checkpoint_metadata(path)
+        hparams = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, Mapping) else {}
+        if not isinstance(ckpt, Mapping) or "model" not in hparams or not (path.is_dir() or "state_dict" in ckpt):
+            found = sorted(ckpt) if isinstance(ckpt, Mapping) else type(ckpt).__name__
+            raise ConfigError(
+                f"{path} is not a checkpoint of our LightningModule: it needs 'state_dict' (the model under the "
+                f"'model.' prefix) and 'hyper_parameters' -> 'model' (the LlamaConfig as a dict); found {found}."
+            )
+        weights = checkpoint_weights(path, None if path.is_dir() else ckpt["state_dict"])
     except ConfigError as e:  # a damaged file, said by project.checkpoints
         raise ConfigError(f"ckpt_path={path}: {e}") from None
     except Exception as e:  # a damaged sharded folder: which exception depends on the damage
         reason = " ".join(f"{type(e).__name__}: {e}".split())  # one paragraph, however many lines it had
         raise ConfigError(f"ckpt_path={path}: could not read the checkpoint ({reason}); pass another checkpoint.") from None
-    hparams = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, Mapping) else {}
-    if not isinstance(ckpt, Mapping) or "state_dict" not in ckpt or "model" not in hparams:
-        found = sorted(ckpt) if isinstance(ckpt, Mapping) else type(ckpt).__name__
-        raise ConfigError(
-            f"{path} is not a checkpoint of our LightningModule: it needs 'state_dict' (the model under the "
-            f"'model.' prefix) and 'hyper_parameters' -> 'model' (the LlamaConfig as a dict); found {found}."
-        )
     try:
         config = LlamaConfig(**dict(hparams["model"]))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"hyper_parameters['model'] in {path} is not a valid LlamaConfig: {e}") from e
-    prefix = "model."
-    state_dict = {k[len(prefix) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
-    return config, state_dict, ckpt
+    return config, weights, ckpt
 
 
 def resolve_tokenizer(ckpt: Mapping, override: str | None) -> tuple[Path, int | None, int | None]:
@@ -163,14 +163,8 @@ def write_tokenizer(path: Path, bos_id: int | None, eos_id: int | None, config: 
     return bos_id, eos_id
 
 
-def write_model(config: LlamaConfig, state_dict: dict, dtype: str, bos_id, eos_id, out: Path) -> None:
-    try:
-        tensors = to_hf_state_dict(state_dict, config)
-    except KeyError as e:
-        raise ConfigError(f"the checkpoint's weights do not fit its own model config: {e.args[0]}") from e
-    tensors = {k: v.detach().to(DTYPES[dtype]).contiguous() for k, v in tensors.items()}
-    # transformers refuses safetensors files whose metadata does not name the framework.
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+def write_model(config: LlamaConfig, weights: CheckpointWeights, dtype: str, bos_id, eos_id, out: Path, max_shard_size: int) -> None:
+    write_safetensors(weights, config, DTYPES[dtype], out, max_shard_size)
     hf_config = hf_config_dict(config, bos_token_id=bos_id, eos_token_id=eos_id, torch_dtype=dtype)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     generation = {k: v for k, v in {"bos_token_id": bos_id, "eos_token_id": eos_id}.items() if v is not None}
@@ -188,9 +182,11 @@ def give_default_modes(folder: Path) -> None:
 
 
 def export(
-    ckpt_path: str, output_dir: str, tokenizer: str | None = None, dtype: str = "float32", overwrite: bool = False
+    ckpt_path: str, output_dir: str, tokenizer: str | None = None, dtype: str = "float32", overwrite: bool = False,
+    max_shard_size: str = DEFAULTS["max_shard_size"],
 ) -> list[Path]:
     """Export `ckpt_path` into `output_dir`; returns the files written."""
+    max_bytes = parse_size(max_shard_size)
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output_dir {out} is a file, not a directory.")
@@ -202,16 +198,15 @@ def export(
             f"output_dir {out} exists and is not empty; choose another or pass overwrite=true "
             "(which replaces the files an export writes and leaves any others alone)."
         )
-    config, state_dict, ckpt = load_checkpoint(Path(ckpt_path))
+    config, weights, ckpt = load_checkpoint(Path(ckpt_path))
     tokenizer_path, bos_id, eos_id = resolve_tokenizer(ckpt, tokenizer)
-    del ckpt  # optimizer state can be twice the weights; free it before writing
 
     # Build everything in a sibling temp folder (same filesystem), so a failed export leaves no half-written model.
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         bos_id, eos_id = write_tokenizer(tokenizer_path, bos_id, eos_id, config, tmp)
-        write_model(config, state_dict, dtype, bos_id, eos_id, tmp)
+        write_model(config, weights, dtype, bos_id, eos_id, tmp, max_bytes)
         if eos_id is None:
             print("warning: no manifest or tokenizer names an eos token, so generation will not stop by itself.",
                   file=sys.stderr)  # fmt: skip
@@ -253,7 +248,7 @@ def _unwritten(error: Exception, out: Path) -> Exception:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     overwrite = args["overwrite"].lower() == "true"
-    files = export(args["ckpt_path"], args["output_dir"], args["tokenizer"], args["dtype"], overwrite)
+    files = export(args["ckpt_path"], args["output_dir"], args["tokenizer"], args["dtype"], overwrite, args["max_shard_size"])
     print(f"exported {args['ckpt_path']} to {args['output_dir']}:")
     for path in files:
         print(f"  {path}  ({path.stat().st_size:,} bytes)")

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import torch
+from project.model.config import LlamaConfig
 
-from project.model.llama import LlamaConfig
+if TYPE_CHECKING:  # no torch at import: project.hf_folder reads folders before the heavy imports
+    import torch
 
 # Per-block names: ours -> HF's (under model.layers.{i}.). w1 gates, w3 is the up projection, w2 projects down.
 _BLOCK_NAMES = {
@@ -91,7 +93,7 @@ def hf_config_dict(
     }
 
 
-def _expected_names(config: LlamaConfig) -> list[str]:
+def weight_names(config: LlamaConfig) -> list[str]:
     """Our parameter names for `config`; `output.weight` only when it is a separate matrix."""
     names = ["tok_embeddings.weight", "norm.weight"]
     names += [f"layers.{i}.{name}" for i in range(config.n_layers) for name in _BLOCK_NAMES]
@@ -100,7 +102,26 @@ def _expected_names(config: LlamaConfig) -> list[str]:
     return names
 
 
-def _to_hf_name(name: str) -> str:
+def hf_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The HF names and shapes of the weights of a LlamaForCausalLM of `config`, as a folder holds them."""
+    d, q, kv, ffn = config.dim, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.ffn_hidden_dim
+    block = {
+        "attention_norm.weight": (d,),
+        "attention.wq.weight": (q, d),
+        "attention.wk.weight": (kv, d),
+        "attention.wv.weight": (kv, d),
+        "attention.wo.weight": (d, q),
+        "ffn_norm.weight": (d,),
+        "feed_forward.w1.weight": (ffn, d),
+        "feed_forward.w3.weight": (ffn, d),
+        "feed_forward.w2.weight": (d, ffn),
+    }
+    top = {"tok_embeddings.weight": (config.vocab_size, d), "norm.weight": (d,), "output.weight": (config.vocab_size, d)}
+    return {hf_name(name): top.get(name) or block[name.split(".", 2)[2]] for name in weight_names(config)}
+
+
+def hf_name(name: str) -> str:
+    """The HF name of one of our parameters (`layers.0.attention.wq.weight` -> `model.layers.0.self_attn.q_proj.weight`)."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
@@ -125,14 +146,14 @@ def _rename_checked(state_dict: Mapping[str, torch.Tensor], rename: dict[str, st
 def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
     """Our Llama's state dict -> HF LlamaForCausalLM names. `lm_head.weight` is left out when tied,
     as HF's own checkpoints do. Tensors are shared, not copied."""
-    rename = {name: _to_hf_name(name) for name in _expected_names(config)}
+    rename = {name: hf_name(name) for name in weight_names(config)}
     return _rename_checked(state_dict, rename, tied_name="output.weight")
 
 
 def from_hf_state_dict(state_dict: Mapping[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
     """HF LlamaForCausalLM names -> ours, ready for `Llama(config).load_state_dict(..., strict=True)`:
     with tied embeddings `output.weight` is the embedding tensor itself and any `lm_head.weight` is ignored."""
-    rename = {_to_hf_name(name): name for name in _expected_names(config)}
+    rename = {hf_name(name): name for name in weight_names(config)}
     ours = _rename_checked(state_dict, rename, tied_name="lm_head.weight")
     if config.tie_embeddings:
         ours["output.weight"] = ours["tok_embeddings.weight"]

@@ -20,6 +20,7 @@ from torchmetrics import MeanMetric
 from project.checkpoints import load_full_checkpoint, rebase_batch_progress
 from project.errors import ConfigError, TrainingStopped
 from project.model import Llama, LlamaConfig
+from project.published_weights import load_published_weights
 
 
 @dataclass
@@ -111,12 +112,14 @@ class LlamaLitModule(LightningModule):
         eos_id: int | None = None,
         init_on_meta: bool = False,
         weights_from_checkpoint: bool = False,
+        init_from: str | None = None,
     ):
         """`init_on_meta`: build the model without memory, for a strategy that shards it in
         `configure_model` and initializes the shards (LlamaParallelStrategy), so that no rank
         ever holds the whole model; with `weights_from_checkpoint` (a resumed run) the shards are
-        only allocated, and the checkpoint fills them. Neither is a hyperparameter: a checkpoint
-        loads either way."""
+        only allocated, and the checkpoint fills them. `init_from`: a published Hugging Face folder
+        whose weights fill the model in `configure_model` instead of random ones (a new run). None
+        is a hyperparameter: a checkpoint loads either way."""
         super().__init__()
         model_cfg = model if isinstance(model, LlamaConfig) else LlamaConfig(**model)
         optim_cfg = optim if isinstance(optim, OptimConfig) else OptimConfig(**(optim or {}))
@@ -124,7 +127,9 @@ class LlamaLitModule(LightningModule):
             raise ValueError("document_mask needs the tokenizer's eos_id")
         self.save_hyperparameters({"model": asdict(model_cfg), "optim": asdict(optim_cfg), "document_mask": document_mask, "eos_id": eos_id})
         self.optim = optim_cfg
-        with torch.device("meta") if init_on_meta else contextlib.nullcontext():
+        # A model whose every value is about to be read from a file is built without memory, on any strategy.
+        self._init_from = None if weights_from_checkpoint else init_from
+        with torch.device("meta") if init_on_meta or self._init_from else contextlib.nullcontext():
             self.model = Llama(model_cfg)
         self.val_loss = MeanMetric()
         self._loss_sum = 0.0  # micro-batch losses since the last optimizer step
@@ -150,9 +155,15 @@ class LlamaLitModule(LightningModule):
         # Strategies that split the model itself (tensor parallel, FSDP2) do so here, on their mesh.
         # load_from_checkpoint calls this too, with no trainer: the plain model is what it wants.
         parallelize = getattr(self._trainer.strategy, "parallelize", None) if self._trainer is not None else None
-        if parallelize is not None and not self._parallelized:
-            parallelize(self.model, initialize=not self._weights_from_checkpoint)
-            self._parallelized = True
+        if self._parallelized:
+            return
+        if parallelize is not None:
+            parallelize(self.model, initialize=not (self._weights_from_checkpoint or self._init_from))
+        elif self._init_from:  # the strategy wraps (ddp, fsdp) or moves the whole model after this
+            self.model.to_empty(device="cpu")
+        if self._init_from:
+            load_published_weights(self.model, self._init_from)
+        self._parallelized = True
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._skipped_steps = checkpoint.get("skipped_steps", 0)

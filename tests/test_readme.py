@@ -6,6 +6,7 @@ Where the user brings something (text for `make train` to have fetched, their ow
 a small stand-in first. Commands that cannot run here are skipped, each for the reason named in SKIPS.
 """
 
+import json
 import os
 import random
 import shlex
@@ -66,6 +67,23 @@ def fresh_copy(target: Path) -> Path:
     return target
 
 
+def published_stand_in(folder: Path, texts: list[str]) -> None:
+    """A small Llama in the layout of Meta's Meta-Llama-3-8B folder, for the "Continue pretraining" commands:
+    weights in several safetensors files with an index (as transformers saves them), and a tokenizer.json."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from project.data.tokenizer import train_bpe
+    from project.hf_format import hf_config_dict
+    from project.model import LlamaConfig
+
+    tokenizer = train_bpe(texts, 512, folder)
+    vocab = 4 * -(-tokenizer.vocab_size // 4)  # divisible by the tensor-parallel degree
+    config = LlamaConfig(vocab_size=vocab, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=8192, rope_theta=500000.0)
+    hf_config = transformers.LlamaConfig(**hf_config_dict(config, eos_token_id=tokenizer.eos_id, torch_dtype="bfloat16"))
+    transformers.LlamaForCausalLM(hf_config).to(torch.bfloat16).save_pretrained(folder, max_shard_size="100KB")
+
+
 def test_readme_lists_the_commands_this_test_runs():
     commands = readme_commands(ROOT / "README.md")
     runs = [c for c in commands if skip_reason(c) is None]
@@ -84,6 +102,8 @@ def test_every_readme_command_runs_as_written_on_a_fresh_copy(tmp_path):
     lines = [f'{{"text": "{" ".join(rng.choice(WORDS) for _ in range(800))}"}}' for _ in range(60)]
     (repo / "my_corpus" / "docs.jsonl").write_text("\n".join(lines) + "\n")
     write_text(repo / "my_corpus" / "more", documents=3, lines=200, seed=2)
+    # The published model for "Continue pretraining a published model".
+    published_stand_in(repo / "published" / "Meta-Llama-3-8B", [json.loads(line)["text"] for line in lines])
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
     env.pop("PYTEST_CURRENT_TEST", None)
@@ -95,9 +115,12 @@ def test_every_readme_command_runs_as_written_on_a_fresh_copy(tmp_path):
         if argv[2] == "project.train":
             # Each run trains one step further than the run before it, so that every resume has a step left.
             trainings += 1
-            command += [*TINY_MODEL, f"trainer.max_steps={2 + trainings}", "trainer.enable_progress_bar=false"]
+            # A run from a published folder takes the folder's (small) shape; the others are made small here.
+            tiny = [] if any(a.startswith("init_from=") for a in argv) else TINY_MODEL
+            command += [*tiny, f"trainer.max_steps={2 + trainings}", "trainer.enable_progress_bar=false"]
         result = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, f"`{shlex.join(argv)}` failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
         ran.append(shlex.join(argv))
     assert len(ran) >= 10
     assert (repo / "hf" / "my-llama" / "model.safetensors").is_file()  # the last command exported the r1 run
+    assert (repo / "hf" / "llama3-mytext" / "config.json").is_file()  # and one before it the continued pretraining

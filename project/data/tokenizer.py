@@ -134,11 +134,17 @@ _KINDS_BY_SUFFIX: dict[str, type[Tokenizer]] = {".json": _HFTokenizer, ".model":
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Load a HF `tokenizer.json` or a sentencepiece `.model` file, chosen by the file's suffix."""
+    """Load a HF `tokenizer.json` or a sentencepiece `.model` file, chosen by the file's suffix; given a folder
+    (a published model's, say), the `tokenizer.json` in it, else its `tokenizer.model`."""
     path = Path(path)
+    if path.is_dir():
+        path = next((path / kind.file_name for kind in _KINDS_BY_SUFFIX.values() if (path / kind.file_name).is_file()), path)
     kind = _KINDS_BY_SUFFIX.get(path.suffix)
     if not path.is_file() or kind is None:
-        problem = "is not a file" if not path.is_file() else "has an unknown suffix"
+        problem = (
+            "is a folder with neither a tokenizer.json nor a tokenizer.model" if path.is_dir()
+            else "is not a file" if not path.is_file() else "has an unknown suffix"
+        )
         raise ConfigError(
             f"data.tokenizer={str(path)!r} {problem}. Point it at a HF tokenizer.json or a sentencepiece "
             f".model file, or set data.tokenizer=null to train a byte-level BPE of data.vocab_size tokens."

@@ -18,6 +18,7 @@ class LlamaConfig:
     n_kv_heads: int | None = None  # None: multi-head attention (n_kv_heads == n_heads)
     ffn_dim_multiplier: float | None = None
     multiple_of: int = 256
+    ffn_dim: int | None = None  # the FFN's width as published (HF's intermediate_size); None: Meta's rule below
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     # Llama-3.1 style frequency scaling: {factor, low_freq_factor, high_freq_factor,
@@ -46,6 +47,8 @@ class LlamaConfig:
 
     @property
     def ffn_hidden_dim(self) -> int:
+        if self.ffn_dim is not None:
+            return self.ffn_dim
         # Meta's rule: 2/3 of 4*dim, scaled, rounded up to a multiple of `multiple_of`.
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
