@@ -131,7 +131,8 @@ def load(ckpt_path: str, tokenizer: str | None):
     from project.data.tokenizer import load_tokenizer
     from project.export import load_checkpoint, resolve_tokenizer
 
-    config, state_dict, ckpt = load_checkpoint(Path(ckpt_path))
+    config, weights, ckpt = load_checkpoint(Path(ckpt_path))
+    state_dict = weights.read(list(weights.shapes))  # the whole model: generation runs it on this process
     tokenizer_path, _, _ = resolve_tokenizer(ckpt, tokenizer)
     document_mask = bool(ckpt["hyper_parameters"].get("document_mask"))
     del ckpt  # optimizer state can be twice the weights
