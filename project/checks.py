@@ -156,6 +156,7 @@ RULES: list[Rule] = [
     ("model.n_kv_heads", lambda v: v is None or isinstance(v, int) and v >= 1, "null (= n_heads) or a whole number above 0"),
     ("model.multiple_of", lambda v: isinstance(v, int) and v >= 1, "a whole number above 0"),
     ("model.ffn_dim_multiplier", lambda v: v is None or v > 0, "null or above 0"),
+    ("model.ffn_dim", lambda v: v is None or isinstance(v, int) and v >= 1, "null (the rule of multiple_of) or a whole number above 0"),
     ("model.norm_eps", lambda v: v > 0, "above 0, e.g. 1e-5"),
     ("model.rope_theta", lambda v: v > 0, "above 0, e.g. 10000"),
     ("model.max_seq_len", lambda v: isinstance(v, int) and v >= 1, "a whole number of tokens above 0"),

@@ -59,6 +59,7 @@ VALUES = [
     (["model.n_kv_heads=3"], r"model.n_heads=4 must be a multiple of model.n_kv_heads=3"),
     (["model.n_layers=0"], r"model.n_layers=0 is out of range"),
     (["model.norm_eps=0"], r"model.norm_eps=0 is out of range"),
+    (["model.ffn_dim=0"], r"model.ffn_dim=0 is out of range"),
     (["+trainer.gradient_clip_val=1.0"], r"trainer.gradient_clip_val is computed by project.train: set optim.grad_clip instead"),
     (["strategy=tp", "trainer.devices=3"], r"model n_heads=4 is not divisible by strategy.tensor_parallel_size=3"),
     (["strategy=tp_fsdp", "strategy.tensor_parallel_size=3", "trainer.devices=4"], r"tensor_parallel_size=3 does not divide the 4 devices"),
