@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps "$(LITDATA)"
 	# transformers, which the tests compare the model and the export with, goes beside the environment
 	# (tests/conftest.py puts it on sys.path), not into it: torchmetrics, which Lightning imports, imports
-	# transformers wherever it is installed, which costs every process of every run about 1.5 s at start.
+	# transformers wherever it is installed, which costs every process of every run about 1.3 s at start.
 	$(PIP) install -q --no-deps --upgrade --target $(VENV)/hf-reference "$(TRANSFORMERS)"
 	$(PY) -c "import torch, lightning, litdata, hydra, wandb; print('installed torch', torch.__version__, 'lightning', lightning.__version__)"
 	touch $(STAMP)
