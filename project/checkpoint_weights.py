@@ -23,10 +23,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from project.checkpoints import verify_sharded_checkpoint
 from project.errors import ConfigError
-from project.hf_format import weight_names, hf_name
+from project.hf_folder import INDEX
+from project.hf_format import hf_name, weight_names
 from project.model.config import LlamaConfig
 
-INDEX = "model.safetensors.index.json"
 # Where the model's weights are in a sharded folder: ModelParallelStrategy's "state_dict", FSDP1's "model".
 FOLDER_PREFIXES = ("state_dict.model.", "model.model.")
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from project.errors import ConfigError
-from project.hf_format import hf_weight_shapes
+from project.hf_format import LLAMA3_ROPE_KEYS, hf_weight_shapes
 from project.model.config import LlamaConfig
 
 CONFIG = "config.json"
@@ -36,7 +36,6 @@ FIXED = {
 }
 # Settings that would change the FFN width the folder fixes (model.ffn_dim wins over both).
 FFN_RULE = ("multiple_of", "ffn_dim_multiplier")
-LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def _refuse(folder: Path, problem: str) -> ConfigError:
@@ -72,9 +71,9 @@ def _rope(folder: Path, config: Mapping[str, Any]) -> tuple[float, dict | None]:
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "default":
         return float(theta), None
-    if kind != "llama3" or any(k not in scaling for k in LLAMA3_ROPE):
-        raise _refuse(folder, f"its RoPE scaling {dict(scaling)} is not one this model implements (none, or Llama 3's 'llama3' with {list(LLAMA3_ROPE)}).")
-    return float(theta), {k: scaling[k] for k in LLAMA3_ROPE}
+    if kind != "llama3" or any(k not in scaling for k in LLAMA3_ROPE_KEYS):
+        raise _refuse(folder, f"its RoPE scaling {dict(scaling)} is not one this model implements (none, or Llama 3's 'llama3' with {list(LLAMA3_ROPE_KEYS)}).")
+    return float(theta), {k: scaling[k] for k in LLAMA3_ROPE_KEYS}
 
 
 def model_settings(folder: Path, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -197,4 +196,4 @@ def apply_init_from(cfg: Any, overrides: list[str]) -> None:
         for key, value in settings.items():
             if key in FIXED or key not in explicit:  # max_seq_len and init_std: the command line's, where it sets them
                 cfg.model[key] = value
-    check_weights(folder, LlamaConfig(**{k: v for k, v in settings.items()}))
+    check_weights(folder, LlamaConfig(**settings))

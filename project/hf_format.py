@@ -33,7 +33,7 @@ _TOP_NAMES = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def hf_config_dict(
@@ -52,9 +52,9 @@ def hf_config_dict(
     rope_scaling = None
     rope_parameters = {"rope_type": "default", "rope_theta": config.rope_theta}
     if config.rope_scaling is not None:
-        missing = [k for k in _LLAMA3_ROPE_KEYS if k not in config.rope_scaling]
+        missing = [k for k in LLAMA3_ROPE_KEYS if k not in config.rope_scaling]
         if missing:
-            raise ValueError(f"model.rope_scaling lacks {missing}; Llama-3.1 scaling needs {list(_LLAMA3_ROPE_KEYS)}.")
+            raise ValueError(f"model.rope_scaling lacks {missing}; Llama-3.1 scaling needs {list(LLAMA3_ROPE_KEYS)}.")
         s = config.rope_scaling
         rope_scaling = {
             "rope_type": "llama3",
