@@ -149,6 +149,7 @@ RULES: list[Rule] = [
     ("strategy.collective_timeout_minutes", lambda v: v is None or v > 0, "minutes above 0 (multi-process strategies), e.g. 10"),
     ("peak_flops_per_device", lambda v: v is None or v > 0, "null (unknown) or FLOP/s above 0"),
     ("data.seq_len", lambda v: isinstance(v, int) and v >= 2, "a whole number of tokens, 2 or more"),
+    ("data.shuffle_window", lambda v: isinstance(v, int) and v >= 1, "a whole number of chunks, 1 or more (8 by default)"),
     ("model.vocab_size", lambda v: isinstance(v, int) and v >= 2, "a whole number, at least the tokenizer's size"),
     ("model.dim", lambda v: isinstance(v, int) and v >= 1, "a whole number above 0"),
     ("model.n_layers", lambda v: isinstance(v, int) and v >= 1, "a whole number above 0"),
@@ -334,9 +335,16 @@ def check_data(cfg: DictConfig) -> None:
     prepared by the run)."""
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}.")
+    if cfg.data.get("mix"):  # corpora prepared one by one beforehand; the datamodule checks their tokenizers agree
+        for entry in cfg.data.mix:
+            data_dir = entry.get("dir") if isinstance(entry, Mapping) else None
+            if data_dir is None:
+                raise ConfigError(f"data.mix entry {entry!r} needs a `dir` (prepared shards) and a `weight`, e.g. {{dir: data/web, weight: 0.7}}.")
+            check_block_size(data_dir, read_manifest(data_dir), cfg.data.seq_len)
+            check_shards(data_dir)
     data_dir = Path(cfg.data.dir)
     if not (data_dir / MANIFEST_NAME).is_file():
-        if not cfg.data.get("auto_prepare", False):
+        if cfg.data.get("mix") or not cfg.data.get("auto_prepare", False):
             read_manifest(data_dir)  # refuses
         elif data_dir.is_dir() and any(data_dir.iterdir()):
             # Said by project.data.prepare too, but only once it has the sources, which it may first download.

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -13,7 +17,8 @@ from litdata import StreamingDataset, TokensLoader
 from torch.utils.data import DataLoader, Dataset
 
 from project.checks import check_block_size, check_shards, read_manifest
-from project.data.sampler import GlobalBatchSampler, ValidationSampler
+from project.data.mixture import MixtureOrder
+from project.data.sampler import DEFAULT_WINDOW_CHUNKS, BlockOrder, GlobalBatchSampler, ValidationSampler
 from project.data.tokenizer import load_tokenizer
 from project.errors import ConfigError
 
@@ -48,6 +53,10 @@ class TokenBlocks(Dataset):
     def __init__(self, split_dir: Path, block_size: int, num_blocks: int):
         self.blocks = StreamingDataset(str(split_dir), item_loader=TokensLoader(block_size=block_size))
         self.num_blocks = num_blocks
+        # litdata's index.json, fetched into its cache for a remote folder: TokensLoader numbers the
+        # blocks chunk after chunk, each chunk holding dim // block_size of them.
+        index = json.loads((Path(self.blocks.input_dir.path) / "index.json").read_bytes())
+        self.chunk_blocks = [int(chunk["dim"]) // block_size for chunk in index["chunks"]]
 
     def __len__(self) -> int:
         return self.num_blocks
@@ -56,18 +65,62 @@ class TokenBlocks(Dataset):
         return self.blocks[index]
 
 
+class MixedBlocks(Dataset):
+    """The blocks of several corpora as one index space: corpus i's after those of corpora 0..i-1."""
+
+    def __init__(self, parts: list[TokenBlocks]):
+        self.parts = parts
+        self.offsets = [sum(len(p) for p in parts[:i]) for i in range(len(parts))]
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        i = bisect.bisect_right(self.offsets, index) - 1
+        return self.parts[i][index - self.offsets[i]]
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """One prepared shard folder of a training mixture, and its share of every global batch."""
+
+    name: str
+    dir: str
+    weight: float = 1.0
+
+
+def corpora_from(mix: Sequence[Mapping[str, Any]]) -> list[Corpus]:
+    """`data.mix` ([{dir, weight, name?}, ...]) as Corpus entries, refused with a clear error when malformed."""
+    corpora = []
+    for i, entry in enumerate(mix):
+        if not isinstance(entry, Mapping) or "dir" not in entry:
+            raise ConfigError(f"data.mix[{i}]={entry!r} needs a `dir` (prepared shards) and a `weight`, e.g. {{dir: data/web, weight: 0.7}}.")
+        weight = entry.get("weight", 1.0)
+        if not isinstance(weight, (int, float)) or not weight > 0:
+            raise ConfigError(f"data.mix[{i}].weight={weight!r} must be a positive number (weights are normalized to sum to 1).")
+        corpora.append(Corpus(str(entry.get("name") or Path(str(entry["dir"])).name), str(entry["dir"]), float(weight)))
+    names = [c.name for c in corpora]
+    if not corpora or len(set(names)) != len(names):
+        raise ConfigError(f"data.mix needs at least one corpus, each with its own name (got {names}): set `name:` on each entry.")
+    total = sum(c.weight for c in corpora)
+    return [Corpus(c.name, c.dir, c.weight / total) for c in corpora]
+
+
 class TokenShardDataModule(LightningDataModule):
     """Streams prepared token shards; one global sequence order whatever the number of replicas.
 
+    `data_dir` names one corpus; `mix` ([{dir, weight, name}]) several, each step drawing from them by
+    weight (project.data.mixture); then validation reads every corpus and reports each.
     A global batch larger than the training split is refused unless `allow_repeats`.
     `dp_rank`/`dp_size` say which data-parallel replica this process feeds. Left as None they are
     read from the trainer when it sets the module up (the mesh's data-parallel dimension, else the
     global rank), so ranks of one tensor- or pipeline-parallel replica read identical batches.
+    `shuffle_window` is the number of chunks whose blocks are shuffled together (project.data.sampler).
     """
 
     def __init__(
         self,
-        data_dir: str,
+        data_dir: str | None,
         seq_len: int,
         global_batch_size: int,
         micro_batch_size: int,
@@ -77,17 +130,25 @@ class TokenShardDataModule(LightningDataModule):
         dp_rank: int | None = None,
         dp_size: int | None = None,
         allow_repeats: bool = False,
+        mix: Sequence[Mapping[str, Any]] | None = None,
+        shuffle_window: int = DEFAULT_WINDOW_CHUNKS,
     ):
         super().__init__()
         self.save_hyperparameters()
-        self.manifest = read_manifest(data_dir)
-        check_block_size(data_dir, self.manifest, seq_len)
-        check_shards(data_dir)
-        train_blocks = int(self.manifest["splits"]["train"]["blocks"])
+        self.corpora = corpora_from(mix) if mix else [Corpus(Path(str(data_dir)).name, str(data_dir))]
+        self.manifests = [read_manifest(c.dir) for c in self.corpora]
+        for corpus, manifest in zip(self.corpora, self.manifests):
+            check_block_size(corpus.dir, manifest, seq_len)
+            check_shards(corpus.dir)
+        self.manifest = self.manifests[0]
+        if len(self.corpora) > 1:
+            self._check_one_tokenizer()
+        train_blocks = sum(int(m["splits"]["train"]["blocks"]) for m in self.manifests)
+        where = self.corpora[0].dir if len(self.corpora) == 1 else "the corpora of data.mix"
         if global_batch_size > train_blocks:
             if not allow_repeats:
                 raise ConfigError(
-                    f"global_batch_size={global_batch_size} is more than the {train_blocks} training blocks in {data_dir}: "
+                    f"global_batch_size={global_batch_size} is more than the {train_blocks} training blocks in {where}: "
                     f"every step would read some blocks twice. Lower global_batch_size to {train_blocks} or less, add "
                     "text (or lower data.seq_len and re-prepare), or set data.allow_repeats=true to train this way."
                 )
@@ -98,6 +159,18 @@ class TokenShardDataModule(LightningDataModule):
         self._start_sample = 0  # sequences consumed before this run (resume)
         self._start_step = 0
 
+    def _check_one_tokenizer(self) -> None:
+        first = self.corpora[0]
+        for corpus in self.corpora[1:]:
+            theirs, ours = self._tokenizer_identity(corpus.dir), self._tokenizer_identity(first.dir)
+            if theirs != ours:
+                differ = ", ".join(f"{k} {str(ours.get(k))[:12]} vs {str(theirs.get(k))[:12]}" for k in ours if ours.get(k) != theirs.get(k))
+                raise ConfigError(
+                    f"data.mix: corpus {corpus.name!r} ({corpus.dir}) was prepared with another tokenizer than {first.name!r} "
+                    f"({first.dir}): {differ}. Every corpus of a mixture must share one: prepare {corpus.dir} again with "
+                    f"data.tokenizer={Path(first.dir) / str(self.manifests[0]['tokenizer'].get('file', 'tokenizer.json'))}."
+                )
+
     @property
     def vocab_size(self) -> int:
         return int(self.manifest["tokenizer"]["vocab_size"])
@@ -106,21 +179,30 @@ class TokenShardDataModule(LightningDataModule):
     def eos_id(self) -> int:
         return int(self.manifest["tokenizer"]["eos_id"])
 
-    @cached_property
-    def tokenizer_identity(self) -> dict[str, Any]:
-        """What the token ids of these shards mean, for a checkpoint to record and a resumed run to compare
-        (project.lit_module): the tokenizer's kind, size, end-of-text id and a digest of its vocabulary."""
-        info = self.manifest["tokenizer"]
+    @staticmethod
+    def _tokenizer_identity(data_dir: str) -> dict[str, Any]:
+        info = read_manifest(data_dir)["tokenizer"]
         identity = {"kind": info.get("kind"), "vocab_size": int(info["vocab_size"]), "eos_id": int(info["eos_id"])}
-        path = Path(self.hparams.data_dir) / str(info.get("file", ""))
+        path = Path(data_dir) / str(info.get("file", ""))
         if info.get("file") and path.is_file():
             identity["vocabulary_sha256"] = load_tokenizer(path).vocabulary_digest()
         return identity
 
-    def _split(self, name: str) -> TokenBlocks:
+    @cached_property
+    def tokenizer_identity(self) -> dict[str, Any]:
+        """What the token ids of these shards mean, for a checkpoint to record and a resumed run to compare
+        (project.lit_module): the tokenizer's kind, size, end-of-text id and a digest of its vocabulary."""
+        return self._tokenizer_identity(self.corpora[0].dir)
+
+    @property
+    def validation_corpora(self) -> list[tuple[str, float]]:
+        """(name, weight) of each validation loader, in order: the module reports val/loss per corpus."""
+        return [(c.name, c.weight) for c in self.corpora]
+
+    def _split(self, corpus: int, name: str) -> TokenBlocks:
         # The manifest's count, not len(StreamingDataset): litdata reports a per-rank length under DDP.
-        num_blocks = int(self.manifest["splits"][name]["blocks"])
-        return TokenBlocks(Path(self.hparams.data_dir) / name, self.hparams.seq_len + 1, num_blocks)
+        num_blocks = int(self.manifests[corpus]["splits"][name]["blocks"])
+        return TokenBlocks(Path(self.corpora[corpus].dir) / name, self.hparams.seq_len + 1, num_blocks)
 
     def setup(self, stage: str | None = None) -> None:
         if self.hparams.dp_rank is not None:
@@ -129,10 +211,18 @@ class TokenShardDataModule(LightningDataModule):
             self.dp_rank, self.dp_size = data_parallel_coords(self.trainer)
         else:
             self.dp_rank, self.dp_size = 0, 1
-        self.train_set = self._split("train")
-        self.val_set = self._split("val")
+        train = [self._split(i, "train") for i in range(len(self.corpora))]
+        self.val_sets = [self._split(i, "val") for i in range(len(self.corpora))]
+        orders = [
+            BlockOrder(part.chunk_blocks, self.hparams.seed, self.hparams.shuffle_window, stream=i) for i, part in enumerate(train)
+        ]
+        if len(train) == 1:
+            self.train_set, self.train_order = train[0], orders[0]
+        else:
+            self.train_set = MixedBlocks(train)
+            self.train_order = MixtureOrder(orders, [c.weight for c in self.corpora])
 
-    def _loader(self, dataset: TokenBlocks, batch_sampler: Any) -> DataLoader:
+    def _loader(self, dataset: Dataset, batch_sampler: Any) -> DataLoader:
         workers = self.hparams.num_workers
         return DataLoader(
             dataset,
@@ -146,30 +236,33 @@ class TokenShardDataModule(LightningDataModule):
         # Lightning restores global_step before it asks for loaders, so this is the resumed step.
         self._start_step = self.trainer.global_step if self.trainer is not None else 0
         sampler = GlobalBatchSampler(
-            len(self.train_set),
+            self.train_order,
             self.hparams.global_batch_size,
             self.hparams.micro_batch_size,
             self.dp_rank,
             self.dp_size,
-            self.hparams.seed,
             start_sample=self._start_sample,
         )
         return self._loader(self.train_set, sampler)
 
-    def val_dataloader(self) -> DataLoader:
-        if len(self.val_set) == 0:
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        loaders = [self._val_loader(corpus, val_set) for corpus, val_set in zip(self.corpora, self.val_sets)]
+        return loaders[0] if len(loaders) == 1 else loaders
+
+    def _val_loader(self, corpus: Corpus, val_set: TokenBlocks) -> DataLoader:
+        if len(val_set) == 0:
             raise ConfigError(
-                f"the validation split in {self.hparams.data_dir} holds no complete block of {self.hparams.seq_len + 1} "
+                f"the validation split in {corpus.dir} holds no complete block of {self.hparams.seq_len + 1} "
                 "tokens: its documents are too few or too short. Raise data.val_fraction (or lower data.seq_len) and re-prepare."
             )
-        count = min(len(self.val_set), self.hparams.val_sequences or len(self.val_set))
+        count = min(len(val_set), self.hparams.val_sequences or len(val_set))
         if count < self.dp_size:
             raise ConfigError(
-                f"val_sequences={count} (validation split: {len(self.val_set)} blocks) is fewer than the {self.dp_size} "
-                "data-parallel replicas: raise val_sequences, or data.val_fraction and re-prepare."
+                f"val_sequences={count} (validation split of {corpus.dir}: {len(val_set)} blocks) is fewer than the "
+                f"{self.dp_size} data-parallel replicas: raise val_sequences, or data.val_fraction and re-prepare."
             )
-        sampler = ValidationSampler(len(self.val_set), count, self.hparams.micro_batch_size, self.dp_rank, self.dp_size)
-        return self._loader(self.val_set, sampler)
+        sampler = ValidationSampler(len(val_set), count, self.hparams.micro_batch_size, self.dp_rank, self.dp_size)
+        return self._loader(val_set, sampler)
 
     # The data position is one number: sequences consumed, advanced by the global batch at each
     # optimizer step. It is exact whatever Lightning does or does not restore of the loader itself,
@@ -180,12 +273,15 @@ class TokenShardDataModule(LightningDataModule):
         steps = self.trainer.global_step - self._start_step if self.trainer is not None else 0
         return self._start_sample + steps * self.hparams.global_batch_size
 
+    def _train_blocks(self) -> int | list[int]:
+        blocks = [int(m["splits"]["train"]["blocks"]) for m in self.manifests]
+        return blocks[0] if len(blocks) == 1 else blocks
+
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "samples_consumed": self.samples_consumed,
-            "seed": self.hparams.seed,
-            "num_train_blocks": int(self.manifest["splits"]["train"]["blocks"]),
-        }
+        state = {"samples_consumed": self.samples_consumed, "seed": self.hparams.seed, "num_train_blocks": self._train_blocks()}
+        if len(self.corpora) > 1:
+            state["mix"] = {c.name: c.weight for c in self.corpora}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("seed") != self.hparams.seed:
@@ -193,9 +289,15 @@ class TokenShardDataModule(LightningDataModule):
                 f"the checkpoint was trained with data.seed={state.get('seed')}, this run has data.seed={self.hparams.seed}: "
                 "resuming would read a different sequence order; set data.seed to the checkpoint's value."
             )
-        if state.get("num_train_blocks") != self.manifest["splits"]["train"]["blocks"]:
+        mix = {c.name: c.weight for c in self.corpora} if len(self.corpora) > 1 else None
+        if state.get("mix") != mix:
             rank_zero_warn(
-                f"the checkpoint was trained on {state.get('num_train_blocks')} training blocks, {self.hparams.data_dir} "
-                f"holds {self.manifest['splits']['train']['blocks']}: the run continues, in a different order."
+                f"the checkpoint was trained on the mixture {state.get('mix') or 'of one corpus'}, this run reads "
+                f"{mix or 'one corpus'}: the run continues from its data position with the new mixture."
+            )
+        elif state.get("num_train_blocks") != self._train_blocks():
+            rank_zero_warn(
+                f"the checkpoint was trained on {state.get('num_train_blocks')} training blocks, this run's data holds "
+                f"{self._train_blocks()}: the run continues, in a different order."
             )
         self._start_sample = int(state["samples_consumed"])
