@@ -253,12 +253,13 @@ def _prepare_again(data_dir: str | os.PathLike) -> str:
     )
 
 
-def read_manifest(data_dir: str | os.PathLike) -> dict[str, Any]:
-    """The manifest.json of prepared shards, refused as a ConfigError when it is missing, is not JSON, or
-    lacks what training reads."""
-    path = Path(data_dir) / MANIFEST_NAME
+def read_manifest(folder: str | os.PathLike, data_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The manifest.json in `folder` (prepared shards, or the local view of remote ones named `data_dir`),
+    refused as a ConfigError when it is missing, is not JSON, or lacks what training reads."""
+    path = Path(folder) / MANIFEST_NAME
+    data_dir = data_dir or folder
     if not path.is_file():
-        absent = "" if Path(data_dir).exists() else "; the folder does not exist"
+        absent = "" if Path(folder).exists() else "; the folder does not exist"
         raise ConfigError(
             f"no prepared shards in data.dir={data_dir} (missing {MANIFEST_NAME}{absent}): run `python -m project.prepare` "
             "with the same data settings first (or train with data.auto_prepare=true), or point data.dir at prepared shards."
@@ -291,24 +292,25 @@ def check_block_size(data_dir: str | os.PathLike, manifest: Mapping[str, Any], s
         )
 
 
-def check_shards(data_dir: str | os.PathLike) -> None:
+def check_shards(folder: str | os.PathLike, data_dir: str | os.PathLike | None = None, chunks: bool = True) -> None:
     """Every chunk file litdata's index.json lists is there and whole, checked by its size and its header.
+    (`chunks=False`: the indexes only, for remote shards, whose chunks litdata fetches when it reads them.)
 
     litdata reads a chunk only when a batch needs it: a truncated one then stops training mid-run with
     litdata's own timeout, and an overwritten one trains on whatever its bytes say. Its header
     (item count, then item offsets ending at the file size) tells both apart from a sound chunk by
     reading a few bytes, where hashing every chunk would read the whole dataset at each start.
     """
+    data_dir = data_dir or folder
     for split in SPLITS:
-        index = Path(data_dir) / split / "index.json"
+        index = Path(folder) / split / "index.json"
         try:
-            chunks = json.loads(index.read_bytes())["chunks"]
-            listed = [(c["filename"], int(c["chunk_bytes"]), int(c["chunk_size"])) for c in chunks]
+            listed = [(c["filename"], int(c["chunk_bytes"]), int(c["chunk_size"])) for c in json.loads(index.read_bytes())["chunks"]]
         except FileNotFoundError:
             raise ConfigError(f"data.dir={data_dir}: {index} is missing; {_prepare_again(data_dir)}.") from None
         except (ValueError, KeyError, TypeError) as error:  # not JSON, or not litdata's index
             raise ConfigError(f"data.dir={data_dir}: {index} is damaged ({error!r}); {_prepare_again(data_dir)}.") from None
-        for name, size, items in listed:
+        for name, size, items in listed if chunks else ():
             problem = _chunk_problem(index.parent / name, size, items)
             if problem:
                 raise ConfigError(f"data.dir={data_dir}: shard {index.parent / name} {problem}; {_prepare_again(data_dir)}.")
@@ -342,6 +344,21 @@ def check_data(cfg: DictConfig) -> None:
                 raise ConfigError(f"data.mix entry {entry!r} needs a `dir` (prepared shards) and a `weight`, e.g. {{dir: data/web, weight: 0.7}}.")
             check_block_size(data_dir, read_manifest(data_dir), cfg.data.seq_len)
             check_shards(data_dir)
+    if "://" in str(cfg.data.dir):  # object storage (project.data.storage, imported only then: it brings in project.data)
+        from project.data.storage import local_view
+
+        view = local_view(cfg.data.dir, cfg.data.get("cache_dir"), cfg.data.get("storage_options"))
+        if not (view / MANIFEST_NAME).is_file():
+            raise ConfigError(
+                f"no prepared shards at data.dir={cfg.data.dir} (missing {MANIFEST_NAME}): prepare them there first with "
+                f"`python -m project.prepare data.dir={cfg.data.dir}` and the same data settings (training does not "
+                "prepare into object storage), or point data.dir at prepared shards."
+            )
+        data_dir, manifest = cfg.data.dir, read_manifest(view, cfg.data.dir)
+        check_block_size(data_dir, manifest, cfg.data.seq_len)
+        check_shards(view, data_dir, chunks=False)
+        _check_vocabulary(cfg, manifest)
+        return
     data_dir = Path(cfg.data.dir)
     if not (data_dir / MANIFEST_NAME).is_file():
         if cfg.data.get("mix") or not cfg.data.get("auto_prepare", False):
@@ -356,6 +373,10 @@ def check_data(cfg: DictConfig) -> None:
     manifest = read_manifest(data_dir)
     check_block_size(data_dir, manifest, cfg.data.seq_len)
     check_shards(data_dir)
+    _check_vocabulary(cfg, manifest)
+
+
+def _check_vocabulary(cfg: DictConfig, manifest: Mapping[str, Any]) -> None:
     tokenizer_vocab = int(manifest["tokenizer"]["vocab_size"])
     if cfg.model.vocab_size < tokenizer_vocab and cfg.get("init_from") is not None:
         raise ConfigError(

@@ -32,6 +32,7 @@ from project.console import keep_console, launch_rank, silence_known_noise
 from project.data.datamodule import TokenShardDataModule
 from project.data.prepare import prepare_from_config
 from project.data.sampler import DEFAULT_WINDOW_CHUNKS
+from project.data.storage import is_remote
 from project.errors import ConfigError
 from project.lit_module import LlamaLitModule, check_resumable
 from project.loggers import build_loggers
@@ -178,7 +179,8 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
     trainer.accumulate_grad_batches = plan.accumulate_grad_batches
     trainer.val_check_interval = cfg.val_every_n_steps * plan.accumulate_grad_batches
 
-    if cfg.data.get("auto_prepare", False) and not cfg.data.get("mix") and not (Path(cfg.data.dir) / "manifest.json").is_file():
+    local = not cfg.data.get("mix") and not is_remote(cfg.data.dir)
+    if cfg.data.get("auto_prepare", False) and local and not (Path(cfg.data.dir) / "manifest.json").is_file():
         # Every process may get here (torchrun, SLURM): prepare_shards lets one build, the others wait.
         rank_zero_info(f"no prepared shards in {cfg.data.dir}: preparing them from data.sources (data.auto_prepare=false skips this)")
         prepare_from_config(OmegaConf.to_container(cfg.data, resolve=True))
@@ -194,6 +196,9 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
         allow_repeats=cfg.data.get("allow_repeats", False),
         mix=OmegaConf.to_container(cfg.data.mix, resolve=True) if cfg.data.get("mix") else None,
         shuffle_window=cfg.data.get("shuffle_window", DEFAULT_WINDOW_CHUNKS),
+        cache_dir=cfg.data.get("cache_dir"),
+        cache_size=cfg.data.get("cache_size"),
+        storage_options=OmegaConf.to_container(cfg.data.storage_options, resolve=True) if cfg.data.get("storage_options") else None,
     )
     if model_cfg["vocab_size"] > datamodule.vocab_size:
         rank_zero_warn(

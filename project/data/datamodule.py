@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from project.checks import check_block_size, check_shards, read_manifest
 from project.data.mixture import MixtureOrder
 from project.data.sampler import DEFAULT_WINDOW_CHUNKS, BlockOrder, GlobalBatchSampler, ValidationSampler
+from project.data.storage import allow_plain_http, is_remote, join, local_view
 from project.data.tokenizer import load_tokenizer
 from project.errors import ConfigError
 
@@ -50,8 +51,14 @@ class TokenBlocks(Dataset):
     litdata's rank-dependent shuffle, decide the order (see project.data.sampler).
     """
 
-    def __init__(self, split_dir: Path, block_size: int, num_blocks: int):
-        self.blocks = StreamingDataset(str(split_dir), item_loader=TokensLoader(block_size=block_size))
+    def __init__(self, split_dir: str, block_size: int, num_blocks: int, cache_dir: str | None = None,
+                 cache_size: str | None = None, storage_options: Mapping[str, Any] | None = None):
+        if is_remote(split_dir):
+            allow_plain_http(storage_options)
+        self.blocks = StreamingDataset(
+            split_dir, item_loader=TokensLoader(block_size=block_size), cache_dir=cache_dir, max_cache_size=cache_size,
+            storage_options=dict(storage_options or {}),
+        )
         self.num_blocks = num_blocks
         # litdata's index.json, fetched into its cache for a remote folder: TokensLoader numbers the
         # blocks chunk after chunk, each chunk holding dim // block_size of them.
@@ -132,14 +139,19 @@ class TokenShardDataModule(LightningDataModule):
         allow_repeats: bool = False,
         mix: Sequence[Mapping[str, Any]] | None = None,
         shuffle_window: int = DEFAULT_WINDOW_CHUNKS,
+        cache_dir: str | None = None,
+        cache_size: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ):
         super().__init__()
         self.save_hyperparameters()
-        self.corpora = corpora_from(mix) if mix else [Corpus(Path(str(data_dir)).name, str(data_dir))]
-        self.manifests = [read_manifest(c.dir) for c in self.corpora]
+        self.corpora = corpora_from(mix) if mix else [Corpus(str(data_dir).rstrip("/").rsplit("/", 1)[-1], str(data_dir))]
+        # Local copies of remote corpora's manifest, tokenizer and indexes (project.data.storage).
+        self.views = {c.dir: local_view(c.dir, cache_dir, storage_options) for c in self.corpora}
+        self.manifests = [read_manifest(self.views[c.dir], c.dir) for c in self.corpora]
         for corpus, manifest in zip(self.corpora, self.manifests):
             check_block_size(corpus.dir, manifest, seq_len)
-            check_shards(corpus.dir)
+            check_shards(self.views[corpus.dir], corpus.dir, chunks=not is_remote(corpus.dir))
         self.manifest = self.manifests[0]
         if len(self.corpora) > 1:
             self._check_one_tokenizer()
@@ -162,7 +174,7 @@ class TokenShardDataModule(LightningDataModule):
     def _check_one_tokenizer(self) -> None:
         first = self.corpora[0]
         for corpus in self.corpora[1:]:
-            theirs, ours = self._tokenizer_identity(corpus.dir), self._tokenizer_identity(first.dir)
+            theirs, ours = self._tokenizer_identity(self.views[corpus.dir]), self._tokenizer_identity(self.views[first.dir])
             if theirs != ours:
                 differ = ", ".join(f"{k} {str(ours.get(k))[:12]} vs {str(theirs.get(k))[:12]}" for k in ours if ours.get(k) != theirs.get(k))
                 raise ConfigError(
@@ -180,7 +192,7 @@ class TokenShardDataModule(LightningDataModule):
         return int(self.manifest["tokenizer"]["eos_id"])
 
     @staticmethod
-    def _tokenizer_identity(data_dir: str) -> dict[str, Any]:
+    def _tokenizer_identity(data_dir: Path) -> dict[str, Any]:
         info = read_manifest(data_dir)["tokenizer"]
         identity = {"kind": info.get("kind"), "vocab_size": int(info["vocab_size"]), "eos_id": int(info["eos_id"])}
         path = Path(data_dir) / str(info.get("file", ""))
@@ -192,7 +204,7 @@ class TokenShardDataModule(LightningDataModule):
     def tokenizer_identity(self) -> dict[str, Any]:
         """What the token ids of these shards mean, for a checkpoint to record and a resumed run to compare
         (project.lit_module): the tokenizer's kind, size, end-of-text id and a digest of its vocabulary."""
-        return self._tokenizer_identity(self.corpora[0].dir)
+        return self._tokenizer_identity(self.views[self.corpora[0].dir])
 
     @property
     def validation_corpora(self) -> list[tuple[str, float]]:
@@ -202,7 +214,8 @@ class TokenShardDataModule(LightningDataModule):
     def _split(self, corpus: int, name: str) -> TokenBlocks:
         # The manifest's count, not len(StreamingDataset): litdata reports a per-rank length under DDP.
         num_blocks = int(self.manifests[corpus]["splits"][name]["blocks"])
-        return TokenBlocks(Path(self.corpora[corpus].dir) / name, self.hparams.seq_len + 1, num_blocks)
+        hp = self.hparams
+        return TokenBlocks(join(self.corpora[corpus].dir, name), hp.seq_len + 1, num_blocks, hp.cache_dir, hp.cache_size, hp.storage_options)
 
     def setup(self, stage: str | None = None) -> None:
         if self.hparams.dp_rank is not None:

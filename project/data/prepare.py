@@ -18,6 +18,7 @@ import multiprocessing.util
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache, partial
@@ -38,6 +39,7 @@ from project.data.corpus import (
     read_document,
     resolve_sources,
 )
+from project.data.storage import holds_objects, is_remote, read_remote_manifest, upload_dataset
 from project.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 from project.errors import ConfigError
 
@@ -85,6 +87,7 @@ def prepare_from_config(data: Mapping[str, Any]) -> dict:
         seed=data["seed"],
         overwrite=data["overwrite"],
         fetch=data["fetch"],
+        storage_options=data.get("storage_options"),
     )
 
 
@@ -101,6 +104,7 @@ def prepare_shards(
     seed: int = 1234,
     overwrite: bool = False,
     fetch: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict:
     """Tokenize the documents of `sources` into train/val token shards in `output_dir`; return the manifest.
 
@@ -113,10 +117,15 @@ def prepare_shards(
         "splits": {"train"|"val": {"documents", "tokens", "blocks"}},
         "sources": [{"path", "bytes"}, ...], "val_fraction", "seed"}
     where `blocks` is what `StreamingDataset(split dir, item_loader=TokensLoader(block_size))` holds.
+
+    `output_dir` may be an s3:// URL (`storage_options` go to boto3): the shards are built in a local
+    temporary folder and uploaded, the manifest last.
     """
     patterns = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
     settings = _Settings(vocab_size, seq_len, val_fraction, text_field, num_workers, seed)
     _check(settings)
+    if is_remote(output_dir):
+        return _prepare_to_remote(patterns, str(output_dir).rstrip("/"), tokenizer, settings, overwrite, fetch, storage_options)
     output_dir = Path(output_dir).absolute()
     # The lock and the staging folder go beside data.dir, and the shards are renamed into place from there.
     if problem := unwritable(output_dir.parent) or (output_dir.is_file() and f"{output_dir} is a file, not a folder"):
@@ -152,6 +161,34 @@ def prepare_shards(
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     _log_summary(manifest, output_dir)
+    return manifest
+
+
+def _prepare_to_remote(patterns: list, url: str, tokenizer: Any, settings: _Settings, overwrite: bool,
+                       fetch: str | None, storage_options: Mapping[str, Any] | None) -> dict:
+    """prepare_shards into object storage: the same up-to-date and overwrite rules as a local folder."""
+    files = _resolve_or_fetch(patterns, fetch)
+    given = load_tokenizer(tokenizer) if tokenizer else None
+    fingerprint = _fingerprint(files, given, settings)
+    existing = read_remote_manifest(url, storage_options)
+    if existing is not None and existing.get("fingerprint") == fingerprint:
+        log.info("Shards at %s are up to date (fingerprint %s); nothing to do.", url, fingerprint)
+        return existing
+    if existing is None and holds_objects(url, storage_options):
+        raise ConfigError(
+            f"data.dir={url} holds objects but no {MANIFEST_NAME}, so it is not a prepared dataset and will not be "
+            "written into; point data.dir at a new or empty prefix."
+        )
+    if existing is not None and not overwrite:
+        raise ConfigError(
+            f"data.dir={url} holds shards prepared from other settings. Set data.overwrite=true to replace them, or "
+            "point data.dir at another prefix to keep both."
+        )
+    with tempfile.TemporaryDirectory(prefix="prepare-") as staging:
+        manifest = _build(Path(staging), fingerprint, files, given, settings)
+        log.info("Uploading the shards to %s", url)
+        upload_dataset(Path(staging), url, storage_options)
+    _log_summary(manifest, url)
     return manifest
 
 
@@ -441,7 +478,7 @@ def _swap_in(staging: Path, output_dir: Path) -> None:
         staging.rename(output_dir)
 
 
-def _log_summary(manifest: dict, output_dir: Path) -> None:
+def _log_summary(manifest: dict, output_dir: Path | str) -> None:
     for split, counts in manifest["splits"].items():
         log.info("%-5s %6d documents %10d tokens %8d blocks of %d", split, counts["documents"], counts["tokens"],
                  counts["blocks"], manifest["block_size"])
