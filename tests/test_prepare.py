@@ -18,6 +18,7 @@ from project.data import prepare as prepare_module
 from project.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
+PART_MB = 8 / 1024
 WORDS = "to be or not that is the question whether tis nobler in mind suffer slings arrows outrageous fortune".split()
 
 
@@ -47,6 +48,10 @@ def split_documents(stream: np.ndarray, eos_id: int) -> list[np.ndarray]:
     return [stream[start:end] for start, end in zip([0, *(ends[:-1] + 1)], ends)]
 
 
+def file_hashes(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
 def file_states(directory: Path) -> dict[str, tuple[int, str]]:
     return {
         str(p.relative_to(directory)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
@@ -56,11 +61,11 @@ def file_states(directory: Path) -> dict[str, tuple[int, str]]:
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    """A 10-document corpus prepared with two workers (more chunks, and the multi-process path)."""
+    """A 10-document corpus prepared with two workers, in parts of about 8 KB (several parts, several chunks)."""
     root = tmp_path_factory.mktemp("prepared")
     docs = write_documents(root / "raw")
     manifest = prepare_shards(str(root / "raw" / "*.txt"), root / "shards", vocab_size=320, seq_len=16,
-                              val_fraction=0.2, num_workers=2)
+                              val_fraction=0.2, num_workers=2, part_mb=PART_MB)
     return docs, root / "shards", manifest
 
 
@@ -102,7 +107,7 @@ def test_manifest_counts_are_what_litdata_reads(prepared):
         assert counts["blocks"] == sum(c["dim"] // block_size for c in chunks)
         assert counts["blocks"] >= len(stream) // block_size - len(chunks)
         chunk_count += len(chunks)
-    assert chunk_count >= 3, "two workers write at least one chunk each for train"
+    assert manifest["parts"] >= 3 and chunk_count >= manifest["parts"], "each part fills chunks of its own"
 
 
 def test_split_is_deterministic_about_as_large_as_asked_and_follows_the_seed(tmp_path):
@@ -121,11 +126,9 @@ def test_split_is_deterministic_about_as_large_as_asked_and_follows_the_seed(tmp
 def test_the_same_settings_give_the_same_shards_whatever_the_worker_count(prepared, tmp_path):
     docs, shards, manifest = prepared
     again = prepare_shards(str(docs[0].parent / "*.txt"), tmp_path / "one_worker", vocab_size=320, seq_len=16,
-                           val_fraction=0.2, num_workers=1)
-    assert again["fingerprint"] == manifest["fingerprint"]
-    assert (tmp_path / "one_worker" / "tokenizer.json").read_bytes() == (shards / "tokenizer.json").read_bytes()
-    for split in ("train", "val"):
-        assert np.array_equal(read_stream(tmp_path / "one_worker" / split), read_stream(shards / split))
+                           val_fraction=0.2, num_workers=1, part_mb=PART_MB)
+    assert again == manifest
+    assert file_hashes(tmp_path / "one_worker") == file_hashes(shards), "the same chunks, byte for byte"
 
 
 def test_jsonl_sources_give_one_document_per_line_from_text_field(tmp_path):
@@ -186,7 +189,7 @@ def test_a_second_run_with_the_same_settings_does_no_work(prepared, monkeypatch)
     before = file_states(shards)
     monkeypatch.setattr(prepare_module.litdata, "optimize", lambda *a, **k: pytest.fail("optimize was called"))
     again = prepare_shards(str(docs[0].parent / "*.txt"), shards, vocab_size=320, seq_len=16, val_fraction=0.2,
-                           num_workers=2)
+                           num_workers=2, part_mb=PART_MB)
     assert again == manifest and file_states(shards) == before
 
 
@@ -310,3 +313,32 @@ def test_a_corpus_too_small_for_the_vocabulary_is_said_and_recorded(tmp_path, ca
     real = manifest["tokenizer"]["vocab_size"]
     assert real < 8192 and real == load_tokenizer(tmp_path / "shards" / "tokenizer.json").vocab_size
     assert f"only {real} tokens, fewer than data.vocab_size=8192" in caplog.text and f"data.vocab_size={real}" in caplog.text
+
+
+def test_machines_preparing_their_shares_merge_into_the_one_machine_result(prepared, tmp_path):
+    docs, shards, manifest = prepared
+    settings = dict(tokenizer=shards / "tokenizer.json", seq_len=16, val_fraction=0.2, num_workers=2, part_mb=PART_MB)
+    single = prepare_shards(str(docs[0].parent / "*.txt"), tmp_path / "one", **settings)
+    results = [prepare_shards(str(docs[0].parent / "*.txt"), tmp_path / "three", node_rank=rank, num_nodes=3, **settings)
+               for rank in (2, 0, 1)]  # in any order: the last one done merges
+    assert results[:2] == [{}, {}] and results[2] == single
+    assert file_hashes(tmp_path / "three") == file_hashes(tmp_path / "one")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".one.lock", ".three.lock", "one", "three"], "no parts left behind"
+
+
+def test_the_machine_is_read_from_slurm_or_torchrun_and_checked():
+    from project.data.parts import node_of
+
+    assert node_of(environ={}) == (0, 1)
+    assert node_of(environ={"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "8"}) == (4, 8)
+    assert node_of(environ={"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "NODE_RANK": "0", "NUM_NODES": "2"}) == (3, 4)
+    assert node_of(environ={"GROUP_RANK": "1", "NNODES": "2"}) == (1, 2)
+    assert node_of(2, 3, environ={"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) == (2, 3)
+    with pytest.raises(ConfigError, match="machine 4 of 4 .*data.prepare_node_rank"):
+        node_of(environ={"NODE_RANK": "4", "NUM_NODES": "4"})
+
+
+def test_several_machines_need_a_given_tokenizer(tmp_path):
+    write_documents(tmp_path / "raw", count=3)
+    with pytest.raises(ConfigError, match="prepare on 2 machines needs a tokenizer they all share"):
+        prepare_shards(str(tmp_path / "raw"), tmp_path / "shards", num_nodes=2, node_rank=0)

@@ -39,6 +39,7 @@ from project.data.corpus import (
     read_document,
     resolve_sources,
 )
+from project.data.parts import assigned_parts, build_parts, is_done, merge_parts, node_of, plan_parts
 from project.data.storage import holds_objects, is_remote, read_remote_manifest, upload_dataset
 from project.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 from project.errors import ConfigError
@@ -58,6 +59,9 @@ CHUNK_BYTES = 1 << 20
 START_METHOD = "fork" if sys.platform == "linux" else None
 # What a write returns on a full disk, a full quota, or past a file-size limit (ulimit -f).
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+# MB of source files per part of the work (project.data.parts): a part's documents fill chunks of their
+# own, so the shards do not depend on the number of workers or machines.
+DEFAULT_PART_MB = 4
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class _Settings:
     text_field: str
     num_workers: int
     seed: int
+    part_bytes: int = 4 << 20
 
 
 def prepare_from_config(data: Mapping[str, Any]) -> dict:
@@ -88,6 +93,9 @@ def prepare_from_config(data: Mapping[str, Any]) -> dict:
         overwrite=data["overwrite"],
         fetch=data["fetch"],
         storage_options=data.get("storage_options"),
+        part_mb=data.get("prepare_part_mb", DEFAULT_PART_MB),
+        num_nodes=data.get("prepare_nodes"),
+        node_rank=data.get("prepare_node_rank"),
     )
 
 
@@ -105,6 +113,9 @@ def prepare_shards(
     overwrite: bool = False,
     fetch: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    part_mb: float = 4,
+    num_nodes: int | None = None,
+    node_rank: int | None = None,
 ) -> dict:
     """Tokenize the documents of `sources` into train/val token shards in `output_dir`; return the manifest.
 
@@ -120,11 +131,27 @@ def prepare_shards(
 
     `output_dir` may be an s3:// URL (`storage_options` go to boto3): the shards are built in a local
     temporary folder and uploaded, the manifest last.
+
+    The work is done in parts of `part_mb` MB of source files (project.data.parts): machine `node_rank`
+    of `num_nodes` (None: from SLURM or torchrun variables, else one machine) prepares its share of
+    them, and the last machine to finish merges them into `output_dir`; the others return {}.
     """
     patterns = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
-    settings = _Settings(vocab_size, seq_len, val_fraction, text_field, num_workers, seed)
-    _check(settings)
+    settings = _Settings(vocab_size, seq_len, val_fraction, text_field, num_workers, seed, int(part_mb * (1 << 20)))
+    _check(settings, part_mb)
+    rank, nodes = node_of(node_rank, num_nodes)
+    if nodes > 1 and not tokenizer:
+        raise ConfigError(
+            f"prepare on {nodes} machines needs a tokenizer they all share: set data.tokenizer (a tokenizer.json, a "
+            "sentencepiece .model or a model folder). To train a BPE on your text, prepare a sample of it on one machine "
+            "first (data.sources=SAMPLE data.dir=OTHER) and use the tokenizer.json it writes."
+        )
     if is_remote(output_dir):
+        if nodes > 1:
+            raise ConfigError(
+                f"data.dir={output_dir}: preparing on {nodes} machines writes to a folder they share; prepare into one, "
+                "then train from it or copy it into object storage with your storage's own tool."
+            )
         return _prepare_to_remote(patterns, str(output_dir).rstrip("/"), tokenizer, settings, overwrite, fetch, storage_options)
     output_dir = Path(output_dir).absolute()
     # The lock and the staging folder go beside data.dir, and the shards are renamed into place from there.
@@ -132,7 +159,8 @@ def prepare_shards(
         raise ConfigError(f"data.dir={output_dir}: cannot write there ({problem}); point data.dir at a folder you can write to.")
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     # Ranks or jobs that prepare the same directory at once wait here, then find it up to date.
-    with FileLock(output_dir.parent / f".{output_dir.name}.lock"):
+    lock = FileLock(output_dir.parent / f".{output_dir.name}.lock")
+    with lock:
         files = _resolve_or_fetch(patterns, fetch)
         inside = [f for f in files if f.is_relative_to(output_dir)]
         if inside:
@@ -144,23 +172,24 @@ def prepare_shards(
             log.info("Shards in %s are up to date (fingerprint %s); nothing to do.", output_dir, fingerprint)
             return existing
         _refuse_to_clobber(output_dir, existing, overwrite, files, settings)
-
-        staging = output_dir.parent / f".{output_dir.name}.partial"
-        shutil.rmtree(staging, ignore_errors=True)  # left by an interrupted run
-        staging.mkdir()
-        try:
-            manifest = _build(staging, fingerprint, files, given, settings)
-            _swap_in(staging, output_dir)
-        except OSError as error:
-            if error.errno not in NO_SPACE:
-                raise
-            raise ConfigError(
-                f"data.dir={output_dir}: could not write {error.filename or staging} ({error.strerror}): free space on "
-                f"that disk, or point data.dir at another, and run again; data.dir was left as it was."
-            ) from None
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    _log_summary(manifest, output_dir)
+    # The parts, shared by the machines preparing them; one machine's own are started afresh.
+    work = output_dir.parent / f".{output_dir.name}.parts-{fingerprint}"
+    if nodes == 1:
+        shutil.rmtree(work, ignore_errors=True)
+    try:
+        manifest = _build(output_dir, work, lock, fingerprint, files, given, settings, rank, nodes)
+    except OSError as error:
+        if error.errno not in NO_SPACE:
+            raise
+        raise ConfigError(
+            f"data.dir={output_dir}: could not write {error.filename or work} ({error.strerror}): free space on "
+            f"that disk, or point data.dir at another, and run again; data.dir was left as it was."
+        ) from None
+    finally:
+        if nodes == 1:
+            shutil.rmtree(work, ignore_errors=True)
+    if manifest:
+        _log_summary(manifest, output_dir)
     return manifest
 
 
@@ -185,14 +214,17 @@ def _prepare_to_remote(patterns: list, url: str, tokenizer: Any, settings: _Sett
             "point data.dir at another prefix to keep both."
         )
     with tempfile.TemporaryDirectory(prefix="prepare-") as staging:
-        manifest = _build(Path(staging), fingerprint, files, given, settings)
+        local = Path(staging) / "shards"
+        manifest = _build(local, Path(staging) / "parts", FileLock(Path(staging) / "lock"), fingerprint, files, given, settings, 0, 1)
         log.info("Uploading the shards to %s", url)
-        upload_dataset(Path(staging), url, storage_options)
+        upload_dataset(local, url, storage_options)
     _log_summary(manifest, url)
     return manifest
 
 
-def _check(settings: _Settings) -> None:
+def _check(settings: _Settings, part_mb: float = 1) -> None:
+    if not part_mb > 0:
+        raise ConfigError(f"data.prepare_part_mb={part_mb} must be above 0 (MB of source text per part of the work).")
     if settings.seq_len < 1:
         raise ConfigError(f"data.seq_len={settings.seq_len} must be a positive number of tokens.")
     if not 0 < settings.val_fraction < 1:
@@ -237,7 +269,7 @@ def _fingerprint(files: list[Path], tokenizer: Tokenizer | None, settings: _Sett
     key = {
         "format": MANIFEST_FORMAT, "tokenizer": tokenizer_key, "seq_len": settings.seq_len,
         "val_fraction": settings.val_fraction, "text_field": settings.text_field, "seed": settings.seed,
-        "chunk_bytes": CHUNK_BYTES, "sources": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+        "chunk_bytes": CHUNK_BYTES, "part_bytes": settings.part_bytes, "sources": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -289,64 +321,105 @@ def _refuse_to_clobber(
 
 
 def _build(
-    staging: Path, fingerprint: str, files: list[Path], tokenizer: Tokenizer | None, settings: _Settings
+    output_dir: Path, work: Path, lock: FileLock, fingerprint: str, files: list[Path], tokenizer: Tokenizer | None,
+    settings: _Settings, rank: int, nodes: int,
 ) -> dict:
-    """Write tokenizer, shards and manifest.json into `staging`; return the manifest."""
+    """Prepare this machine's parts under `work`; the last machine done merges them all into `output_dir`
+    and returns the manifest, the others {}."""
+    work.mkdir(parents=True, exist_ok=True)
     text_field = settings.text_field
-    splits = _split_documents(files, text_field, settings.val_fraction, settings.seed)
-    if tokenizer is None:
-        log.info("Training a byte-level BPE of %d tokens on %d train documents", settings.vocab_size,
-                 len(splits["train"]))
-        train_texts = (read_document(ref, text_field) for ref in splits["train"])
-        tokenizer = train_bpe(train_texts, settings.vocab_size, staging)
-        if tokenizer.vocab_size < settings.vocab_size:
-            log.warning(
-                "The training documents gave a BPE of only %d tokens, fewer than data.vocab_size=%d (a small corpus has "
-                "no more merges to learn). The manifest records %d; set data.vocab_size=%d so that the model presets "
-                "that follow it carry no embedding rows that never train.",
-                tokenizer.vocab_size, settings.vocab_size, tokenizer.vocab_size, tokenizer.vocab_size,
-            )
-    tokenizer_file = tokenizer.save(staging)
+    parts = plan_parts(files, settings.part_bytes)
+    mine = assigned_parts(len(parts), rank, nodes)
+    if nodes == 1:
+        # One machine sees every document: it trains the BPE if none is given, and keeps at least one
+        # document on each side of the split, however small the corpus.
+        splits = _split_documents(files, text_field, settings.val_fraction, settings.seed)
+        if tokenizer is None:
+            tokenizer = _train_tokenizer(splits["train"], text_field, settings, work)
+        part_of = {str(path): i for i, group in enumerate(parts) for path in group}
+        refs = {p: {split: [r for r in splits[split] if part_of[r.path] == p] for split in SPLITS} for p in mine}
+    else:
+        refs = {p: _split_documents(parts[p], text_field, settings.val_fraction, settings.seed, at_least_one=False) for p in mine}
+    assert tokenizer is not None
+    with lock:  # machines share the work folder: one writes the tokenizer, the others find it
+        tokenizer_file = tokenizer.save(work)
     # uint16 halves the shards and the loader's memory traffic; ids beyond 65535 need int32.
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
-    block_size = settings.seq_len + 1
-    counts = {}
-    for split, refs in splits.items():
-        log.info("Tokenizing %d %s documents", len(refs), split)
-        with _litdata_chatter_hidden(), _said_if_out_of_space(staging / split):
-            litdata.optimize(
-                fn=partial(tokenize_document, tokenizer_file=str(tokenizer_file), text_field=text_field, dtype=dtype),
-                inputs=refs,
-                output_dir=str(staging / split),
-                chunk_bytes=CHUNK_BYTES,
-                item_loader=litdata.TokensLoader(),
-                num_workers=min(settings.num_workers, len(refs)),
-                # Each worker takes a fixed, contiguous slice of the documents, so the same inputs always
-                # give the same chunks (the default work stealing makes chunk contents vary run to run).
-                keep_data_ordered=True,
-                reorder_files=False,
-                start_method=START_METHOD,
-            )
-            counts[split] = _count_split(staging / split, split, len(refs), block_size)
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "fingerprint": fingerprint,
-        "tokenizer": {"kind": tokenizer.kind, "file": tokenizer_file.name, "vocab_size": tokenizer.vocab_size,
-                      "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id},
-        "seq_len": settings.seq_len,
-        "block_size": block_size,
-        "dtype": np.dtype(dtype).name,
-        "splits": counts,
-        "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
-        "val_fraction": settings.val_fraction,
-        "seed": settings.seed,
-    }
-    (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+    optimize = partial(_optimize, tokenizer_file=str(tokenizer_file), text_field=text_field, dtype=dtype)
+    todo = [p for p in mine if not is_done(work, p)]
+    if todo:
+        log.info("Tokenizing %d of %d parts (machine %d of %d)", len(todo), len(parts), rank, nodes)
+    for start in range(0, len(todo), settings.num_workers):
+        build_parts(work, todo[start : start + settings.num_workers], refs, optimize, SPLITS)
+    with lock:
+        existing = _read_manifest(output_dir, True)
+        if existing and existing.get("fingerprint") == fingerprint and _shards_present(output_dir):
+            return existing  # another machine merged meanwhile
+        waiting = [p for p in range(len(parts)) if not is_done(work, p)]
+        if waiting:
+            log.info("Machine %d of %d has prepared its %d parts; %d parts of other machines are not done yet: the "
+                     "last machine to finish merges them into %s.", rank, nodes, len(mine), len(waiting), output_dir)
+            return {}
+        staging = output_dir.parent / f".{output_dir.name}.partial"
+        shutil.rmtree(staging, ignore_errors=True)  # left by an interrupted run
+        staging.mkdir()
+        try:
+            shutil.copy2(tokenizer_file, staging / tokenizer_file.name)
+            counts = merge_parts(work, len(parts), staging, SPLITS, settings.seq_len + 1)
+            manifest = {
+                "format": MANIFEST_FORMAT,
+                "fingerprint": fingerprint,
+                "tokenizer": {"kind": tokenizer.kind, "file": tokenizer_file.name, "vocab_size": tokenizer.vocab_size,
+                              "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id},
+                "seq_len": settings.seq_len,
+                "block_size": settings.seq_len + 1,
+                "dtype": np.dtype(dtype).name,
+                "splits": counts,
+                "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
+                "val_fraction": settings.val_fraction,
+                "seed": settings.seed,
+                "parts": len(parts),
+            }
+            (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+            _swap_in(staging, output_dir)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     return manifest
 
 
+def _train_tokenizer(train_refs: list[DocumentRef], text_field: str, settings: _Settings, directory: Path) -> Tokenizer:
+    log.info("Training a byte-level BPE of %d tokens on %d train documents", settings.vocab_size, len(train_refs))
+    tokenizer = train_bpe((read_document(ref, text_field) for ref in train_refs), settings.vocab_size, directory)
+    if tokenizer.vocab_size < settings.vocab_size:
+        log.warning(
+            "The training documents gave a BPE of only %d tokens, fewer than data.vocab_size=%d (a small corpus has "
+            "no more merges to learn). The manifest records %d; set data.vocab_size=%d so that the model presets "
+            "that follow it carry no embedding rows that never train.",
+            tokenizer.vocab_size, settings.vocab_size, tokenizer.vocab_size, tokenizer.vocab_size,
+        )
+    return tokenizer
+
+
+def _optimize(inputs: list[list[DocumentRef]], output_dir: Path, num_workers: int, *, tokenizer_file: str,
+              text_field: str, dtype: type) -> None:
+    """litdata.optimize over parts, one worker each (keep_data_ordered: worker w takes inputs[w])."""
+    with _litdata_chatter_hidden(), _said_if_out_of_space(output_dir):
+        litdata.optimize(
+            fn=partial(tokenize_part, tokenizer_file=tokenizer_file, text_field=text_field, dtype=dtype),
+            inputs=inputs,
+            output_dir=str(output_dir),
+            chunk_bytes=CHUNK_BYTES,
+            item_loader=litdata.TokensLoader(),
+            num_workers=num_workers,
+            keep_data_ordered=True,
+            reorder_files=False,
+            start_method=START_METHOD,
+        )
+
+
 def _split_documents(
-    files: list[Path], text_field: str, val_fraction: float, seed: int
+    files: list[Path], text_field: str, val_fraction: float, seed: int, at_least_one: bool = True
 ) -> dict[str, list[DocumentRef]]:
     """Assign each document to train or val by a seeded hash of its text, keeping source order in each.
 
@@ -354,6 +427,9 @@ def _split_documents(
     puts exact duplicates on the same side, so none leaks from train into val.
     """
     scored = [(_split_score(text, seed), ref) for file in files for ref, text in iter_document_refs(file, text_field)]
+    if not at_least_one:  # a share of a corpus prepared on several machines: the merge checks both sides
+        return {"train": [ref for score, ref in scored if score >= val_fraction],
+                "val": [ref for score, ref in scored if score < val_fraction]}
     if len(scored) < 2:
         raise ConfigError(
             f"data.sources hold {len(scored)} non-empty document(s), but a train and a validation split need at "
@@ -378,10 +454,16 @@ def _split_score(text: str, seed: int) -> float:
     return int.from_bytes(digest, "little") / 2**64
 
 
+def tokenize_part(refs: list[DocumentRef], *, tokenizer_file: str, text_field: str, dtype: type) -> Iterator[np.ndarray]:
+    """litdata's worker function: the documents of one part, one item each (see `tokenize_document`)."""
+    for ref in refs:
+        yield tokenize_document(ref, tokenizer_file=tokenizer_file, text_field=text_field, dtype=dtype)
+
+
 def tokenize_document(ref: DocumentRef, *, tokenizer_file: str, text_field: str, dtype: type) -> np.ndarray:
     """litdata's worker function: one document's ids followed by the end-of-text id, as one item.
 
-    One item per document lets `_count_split` check that every document arrived. Top level (not a
+    One item per document lets the part's count check that every document arrived (project.data.parts). Top level (not a
     closure) so that litdata can pickle it for spawned worker processes.
     """
     tokenizer = _cached_tokenizer(tokenizer_file)
@@ -445,24 +527,6 @@ def _said_if_out_of_space(split_dir: Path) -> Iterator[None]:
         finally:
             probe.unlink(missing_ok=True)
         raise
-
-
-def _count_split(split_dir: Path, split: str, documents: int, block_size: int) -> dict:
-    """Documents, tokens and blocks of a written split, from litdata's index.json.
-
-    A litdata worker that dies (killed for memory, say) is not reported: its chunks are just missing
-    from the index. One item per document makes that visible as a short item count.
-    """
-    chunks = json.loads((split_dir / "index.json").read_text())["chunks"]
-    written = sum(chunk["chunk_size"] for chunk in chunks)
-    if written != documents:
-        raise RuntimeError(
-            f"litdata wrote {written} of {documents} {split} documents; a worker process probably died "
-            f"(out of memory?). The existing data.dir, if any, was left as it was."
-        )
-    # TokensLoader cuts blocks within each chunk, so the remainder of every chunk is unreachable.
-    tokens = [chunk["dim"] for chunk in chunks]
-    return {"documents": documents, "tokens": sum(tokens), "blocks": sum(t // block_size for t in tokens)}
 
 
 def _swap_in(staging: Path, output_dir: Path) -> None:
