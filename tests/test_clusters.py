@@ -101,3 +101,24 @@ def test_a_preempted_slurm_job_saves_requeues_and_resumes_exactly(slurm, tiny_sh
     assert "resume with ckpt_path=last (exit status 3)" in log and "requeueing job" in log, log[-3000:]
     assert "(restart 1)" in log and "Restored all states from the checkpoint" in log, log[-3000:]
     assert read_metrics(run_dir, "train/loss") == pytest.approx(reference, abs=1e-6), log[-3000:]
+
+
+def test_a_slurm_job_array_prepares_the_corpus_as_one_machine_does(slurm, tiny_shards, tmp_path):
+    from project.data.prepare import prepare_shards
+
+    settings = ["data.sources=" + str(tiny_shards.parent / "raw" / "*.txt"), f"data.tokenizer={tiny_shards / 'tokenizer.json'}",
+                "data.seq_len=32", "data.prepare_part_mb=0.01", "data.fetch=null", "data.val_fraction=0.3"]
+    env = {**slurm.env, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        ["sbatch", "--parsable", "--array=0-1", "--cpus-per-task=1", f"--output={tmp_path}/prepare-%a.out",
+         "experiments/slurm/prepare_array.sbatch", *settings, f"data.dir={tmp_path / 'shards'}", f"paths.log_dir={tmp_path}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=True,
+    )
+    slurm.wait_until_gone(result.stdout.strip().split(";")[0], timeout=300)
+    logs = "".join(p.read_text() for p in sorted(tmp_path.glob("prepare-*.out")))
+    assert "prepare task 1 of 2" in logs, logs[-3000:]
+    one = prepare_shards([str(tiny_shards.parent / "raw" / "*.txt")], tmp_path / "one", tokenizer=tiny_shards / "tokenizer.json",
+                         seq_len=32, part_mb=0.01, num_workers=1, val_fraction=0.3)
+    assert one["parts"] >= 3, "each task had parts of its own"
+    files = {p.relative_to(tmp_path / "one"): p.read_bytes() for p in (tmp_path / "one").rglob("*") if p.is_file()}
+    assert {p.relative_to(tmp_path / "shards"): p.read_bytes() for p in (tmp_path / "shards").rglob("*") if p.is_file()} == files, logs[-3000:]
