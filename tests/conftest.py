@@ -106,14 +106,17 @@ PARITY_RUN = ["trainer.max_steps=12", "global_batch_size=8"]
 
 
 def assert_reproduces(run_dir, reference_dir):
-    """Per-step train/loss and train/grad_norm to 1e-5 relative, and the final weights, as the reference run."""
+    """Per-step train/loss to 1e-5 relative and train/grad_norm to 1e-4, and the final weights, as the reference run."""
     reference, loss = read_metrics(reference_dir, "train/loss"), read_metrics(run_dir, "train/loss")
     assert sorted(loss) == sorted(reference) and len(loss) >= 10
     for step in reference:
         assert loss[step] == pytest.approx(reference[step], rel=1e-5), step
     norms, reference_norms = read_metrics(run_dir, "train/grad_norm"), read_metrics(reference_dir, "train/grad_norm")
-    for step in reference_norms:  # the norm over shards is the global norm (gloo AVG did not sum: pytorch#162338)
-        assert norms[step] == pytest.approx(reference_norms[step], rel=1e-5), step
+    # The norm over shards is the global norm (gloo AVG did not sum: pytorch#162338, a 2x error). A norm
+    # sums the squares of every gradient, so it moves more than the loss with reductions in another order:
+    # measured, 2e-5 and 4e-5 at the one sensitive step of the pipeline layouts (the losses within 2e-7).
+    for step in reference_norms:
+        assert norms[step] == pytest.approx(reference_norms[step], rel=1e-4), step
     from project.checkpoints import load_full_checkpoint
 
     weights = load_full_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
