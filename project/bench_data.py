@@ -125,7 +125,7 @@ def prepare_rates(root: Path, megabytes: float) -> tuple[list[dict], Path]:
     from project.data.prepare import prepare_shards
 
     size = write_text(root / "raw", megabytes)
-    prepare_shards(str(root / "raw"), root / "warm", vocab_size=4096, seq_len=SEQ_LEN, num_workers=1)  # trains the BPE
+    prepare_shards(str(root / "raw"), root / "warm", vocab_size=320, seq_len=SEQ_LEN, num_workers=1)  # trains the BPE
     rows = []
     for workers in (1, 2):
         start = time.perf_counter()

@@ -152,6 +152,7 @@ RULES: list[Rule] = [
     ("data.prepare_part_mb", lambda v: isinstance(v, (int, float)) and v > 0, "MB of source text per part, above 0 (4 by default)"),
     ("data.prepare_nodes", lambda v: v is None or isinstance(v, int) and v >= 1, "null (from SLURM or torchrun) or a number of machines, 1 or more"),
     ("data.prepare_node_rank", lambda v: v is None or isinstance(v, int) and v >= 0, "null (from SLURM or torchrun) or 0 to data.prepare_nodes - 1"),
+    ("data.chunk_mb", lambda v: isinstance(v, (int, float)) and v > 0, "MB per shard chunk, above 0 (1 small corpora, 64 large ones)"),
     ("data.shuffle_window", lambda v: isinstance(v, int) and v >= 1, "a whole number of chunks, 1 or more (8 by default)"),
     ("model.vocab_size", lambda v: isinstance(v, int) and v >= 2, "a whole number, at least the tokenizer's size"),
     ("model.dim", lambda v: isinstance(v, int) and v >= 1, "a whole number above 0"),

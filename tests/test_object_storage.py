@@ -1,5 +1,6 @@
 """Shards in object storage: an S3-compatible server on loopback (moto's server mode) stands in for S3."""
 
+import json
 import os
 
 import boto3
@@ -30,20 +31,34 @@ def bucket():
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def chunked_shards(tiny_shards, tmp_path_factory):
+    """The tiny corpus in chunks of 10 KB (seven for training), for reads that move between chunks."""
+    root = tmp_path_factory.mktemp("chunked")
+    prepare_shards([str(tiny_shards.parent / "raw" / "*.txt")], root / "shards", tokenizer=tiny_shards / "tokenizer.json",
+                   seq_len=32, num_workers=1, chunk_mb=0.01)
+    return root / "shards"
+
+
 def objects(prefix):
     listing = boto3.client("s3").list_objects_v2(Bucket="corpus", Prefix=prefix)
     return {item["Key"]: item["ETag"] for item in listing.get("Contents", [])}
 
 
-def test_training_from_object_storage_and_resuming_there_matches_a_local_folder(tiny_shards, bucket, tmp_path):
-    upload_dataset(tiny_shards, f"{bucket}/tiny", None)
-    local = run_train(tiny_shards, tmp_path / "local", "trainer.max_steps=4") and read_metrics(tmp_path / "local", "train/loss")
-    remote = [f"data.dir={bucket}/tiny", f"data.cache_dir={tmp_path / 'cache'}", "ckpt_every_n_steps=2"]
-    run_train(tiny_shards, tmp_path / "s3", *remote, "trainer.max_steps=2")
-    run_train(tiny_shards, tmp_path / "s3", *remote, "trainer.max_steps=4", "ckpt_path=last")
+def test_training_from_object_storage_and_resuming_there_matches_a_local_folder(chunked_shards, bucket, tmp_path):
+    upload_dataset(chunked_shards, f"{bucket}/tiny", None)
+    chunks = len(json.loads((chunked_shards / "train" / "index.json").read_text())["chunks"])
+    # Windows of 2 chunks, and a cache of 3 chunks (10 KB each): reads move between chunks, and chunks are evicted.
+    common = ["data.shuffle_window=2", "data.cache_size=30KB", "global_batch_size=16", "val_sequences=8"]
+    run_train(chunked_shards, tmp_path / "local", *common, "trainer.max_steps=4")
+    local = read_metrics(tmp_path / "local", "train/loss")
+    remote = [f"data.dir={bucket}/tiny", f"data.cache_dir={tmp_path / 'cache'}", "ckpt_every_n_steps=2", *common]
+    run_train(chunked_shards, tmp_path / "s3", *remote, "trainer.max_steps=2")
+    run_train(chunked_shards, tmp_path / "s3", *remote, "trainer.max_steps=4", "ckpt_path=last")
     assert read_metrics(tmp_path / "s3", "train/loss") == pytest.approx(local, rel=1e-6)
-    assert sorted(local) == [0, 1, 2, 3]
-    assert list((tmp_path / "cache").rglob("chunk-*.bin")), "litdata cached the chunks under data.cache_dir"
+    assert sorted(local) == [0, 1, 2, 3] and chunks >= 6
+    cached = list((tmp_path / "cache").rglob("chunk-*.bin"))
+    assert 1 <= len([p for p in cached if p.parent.name != "views"]) <= chunks, "chunks cached under data.cache_dir"
 
 
 def test_prepare_writes_straight_to_object_storage_the_shards_it_writes_locally(tiny_shards, bucket, tmp_path):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import bisect
+import hashlib
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -14,12 +16,13 @@ import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_warn
 from litdata import StreamingDataset, TokensLoader
+from litdata.utilities.format import _convert_bytes_to_int
 from torch.utils.data import DataLoader, Dataset
 
 from project.checks import check_block_size, check_shards, read_manifest
 from project.data.mixture import MixtureOrder
 from project.data.sampler import DEFAULT_WINDOW_CHUNKS, BlockOrder, GlobalBatchSampler, ValidationSampler
-from project.data.storage import allow_plain_http, is_remote, join, local_view
+from project.data.storage import ChunkCache, is_remote, join, local_view
 from project.data.tokenizer import load_tokenizer
 from project.errors import ConfigError
 
@@ -53,22 +56,24 @@ class TokenBlocks(Dataset):
 
     def __init__(self, split_dir: str, block_size: int, num_blocks: int, cache_dir: str | None = None,
                  cache_size: str | None = None, storage_options: Mapping[str, Any] | None = None):
-        if is_remote(split_dir):
-            allow_plain_http(storage_options)
-        self.blocks = StreamingDataset(
-            split_dir, item_loader=TokensLoader(block_size=block_size), cache_dir=cache_dir, max_cache_size=cache_size,
-            storage_options=dict(storage_options or {}),
-        )
+        self.chunks: ChunkCache | None = None
+        local = split_dir
+        if is_remote(split_dir):  # read as a local dataset whose chunks are fetched on first use
+            local = Path(cache_dir or Path.home() / ".cache" / "llama-platform") / "chunks" / hashlib.sha256(split_dir.encode()).hexdigest()[:16]
+            self.chunks = ChunkCache(split_dir, Path(local), _convert_bytes_to_int(cache_size or "50GB"), storage_options)
+        self.blocks = StreamingDataset(str(local), item_loader=TokensLoader(block_size=block_size))
         self.num_blocks = num_blocks
-        # litdata's index.json, fetched into its cache for a remote folder: TokensLoader numbers the
-        # blocks chunk after chunk, each chunk holding dim // block_size of them.
-        index = json.loads((Path(self.blocks.input_dir.path) / "index.json").read_bytes())
+        # TokensLoader numbers the blocks chunk after chunk, each chunk holding dim // block_size of them.
+        index = json.loads((Path(local) / "index.json").read_bytes())
         self.chunk_blocks = [int(chunk["dim"]) // block_size for chunk in index["chunks"]]
+        self.chunk_starts = list(itertools.accumulate(self.chunk_blocks, initial=0))
 
     def __len__(self) -> int:
         return self.num_blocks
 
     def __getitem__(self, index: int) -> torch.Tensor:
+        if self.chunks is not None:
+            self.chunks.ensure(bisect.bisect_right(self.chunk_starts, index) - 1)
         return self.blocks[index]
 
 

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 MANIFEST_FORMAT = 1
 MANIFEST_NAME = "manifest.json"
 SPLITS = ("train", "val")
-# Small chunks: the default corpus (~2.5 MB of uint16 tokens) becomes several chunks, which
+# Small chunks by default (data.chunk_mb): the default corpus (~2.5 MB of uint16 tokens) becomes several chunks, which
 # litdata needs to spread work over ranks and loader workers. TokensLoader forms blocks within a
 # chunk only, so each chunk drops its last (tokens % block_size) tokens: < 0.05% at this size.
 CHUNK_BYTES = 1 << 20
@@ -75,6 +75,7 @@ class _Settings:
     num_workers: int
     seed: int
     part_bytes: int = 4 << 20
+    chunk_bytes: int = 1 << 20
 
 
 def prepare_from_config(data: Mapping[str, Any]) -> dict:
@@ -94,6 +95,7 @@ def prepare_from_config(data: Mapping[str, Any]) -> dict:
         fetch=data["fetch"],
         storage_options=data.get("storage_options"),
         part_mb=data.get("prepare_part_mb", DEFAULT_PART_MB),
+        chunk_mb=data.get("chunk_mb", CHUNK_BYTES / (1 << 20)),
         num_nodes=data.get("prepare_nodes"),
         node_rank=data.get("prepare_node_rank"),
     )
@@ -114,6 +116,7 @@ def prepare_shards(
     fetch: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
     part_mb: float = 4,
+    chunk_mb: float = 1,
     num_nodes: int | None = None,
     node_rank: int | None = None,
 ) -> dict:
@@ -137,8 +140,9 @@ def prepare_shards(
     them, and the last machine to finish merges them into `output_dir`; the others return {}.
     """
     patterns = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
-    settings = _Settings(vocab_size, seq_len, val_fraction, text_field, num_workers, seed, int(part_mb * (1 << 20)))
-    _check(settings, part_mb)
+    settings = _Settings(vocab_size, seq_len, val_fraction, text_field, num_workers, seed, int(part_mb * (1 << 20)),
+                         int(chunk_mb * (1 << 20)))
+    _check(settings, part_mb, chunk_mb)
     rank, nodes = node_of(node_rank, num_nodes)
     if nodes > 1 and not tokenizer:
         raise ConfigError(
@@ -222,7 +226,9 @@ def _prepare_to_remote(patterns: list, url: str, tokenizer: Any, settings: _Sett
     return manifest
 
 
-def _check(settings: _Settings, part_mb: float = 1) -> None:
+def _check(settings: _Settings, part_mb: float = 1, chunk_mb: float = 1) -> None:
+    if not (chunk_mb > 0 and settings.chunk_bytes >= 4 * (settings.seq_len + 1)):
+        raise ConfigError(f"data.chunk_mb={chunk_mb} must hold at least one block of data.seq_len + 1 tokens; 1 (small corpora) to 64 (large ones).")
     if not part_mb > 0:
         raise ConfigError(f"data.prepare_part_mb={part_mb} must be above 0 (MB of source text per part of the work).")
     if settings.seq_len < 1:
@@ -269,7 +275,7 @@ def _fingerprint(files: list[Path], tokenizer: Tokenizer | None, settings: _Sett
     key = {
         "format": MANIFEST_FORMAT, "tokenizer": tokenizer_key, "seq_len": settings.seq_len,
         "val_fraction": settings.val_fraction, "text_field": settings.text_field, "seed": settings.seed,
-        "chunk_bytes": CHUNK_BYTES, "part_bytes": settings.part_bytes, "sources": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+        "chunk_bytes": settings.chunk_bytes, "part_bytes": settings.part_bytes, "sources": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -345,7 +351,8 @@ def _build(
         tokenizer_file = tokenizer.save(work)
     # uint16 halves the shards and the loader's memory traffic; ids beyond 65535 need int32.
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
-    optimize = partial(_optimize, tokenizer_file=str(tokenizer_file), text_field=text_field, dtype=dtype)
+    optimize = partial(_optimize, tokenizer_file=str(tokenizer_file), text_field=text_field, dtype=dtype,
+                       chunk_bytes=settings.chunk_bytes)
     todo = [p for p in mine if not is_done(work, p)]
     if todo:
         log.info("Tokenizing %d of %d parts (machine %d of %d)", len(todo), len(parts), rank, nodes)
@@ -402,14 +409,14 @@ def _train_tokenizer(train_refs: list[DocumentRef], text_field: str, settings: _
 
 
 def _optimize(inputs: list[list[DocumentRef]], output_dir: Path, num_workers: int, *, tokenizer_file: str,
-              text_field: str, dtype: type) -> None:
+              text_field: str, dtype: type, chunk_bytes: int) -> None:
     """litdata.optimize over parts, one worker each (keep_data_ordered: worker w takes inputs[w])."""
     with _litdata_chatter_hidden(), _said_if_out_of_space(output_dir):
         litdata.optimize(
             fn=partial(tokenize_part, tokenizer_file=tokenizer_file, text_field=text_field, dtype=dtype),
             inputs=inputs,
             output_dir=str(output_dir),
-            chunk_bytes=CHUNK_BYTES,
+            chunk_bytes=chunk_bytes,
             item_loader=litdata.TokensLoader(),
             num_workers=num_workers,
             keep_data_ordered=True,

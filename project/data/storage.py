@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,55 @@ def local_view(data_dir: str | os.PathLike, cache_dir: str | os.PathLike | None 
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return view
+
+
+class ChunkCache:
+    """The chunks of one remote split, each fetched whole on its first read into a local folder that litdata
+    then reads as a local dataset; the least recently fetched are removed past `cache_bytes`.
+
+    Why not litdata's own remote reader: its map-style reads assume that a chunk is read to its end before
+    the next one (at each switch it queues the previous chunk for deletion), which the windowed order of
+    project.data.sampler is not: with litdata 0.2.76 that fails in loader workers (KeyError in
+    TokensLoader.close) and would fetch a chunk again at every return to it. Fetches are whole files, to a
+    temporary name and renamed, so the processes of one machine share the folder safely.
+    """
+
+    def __init__(self, url: str, folder: Path, cache_bytes: int, storage_options: Mapping[str, Any] | None):
+        self.url, self.folder, self.cache_bytes = url.rstrip("/"), folder, cache_bytes
+        self.storage_options = dict(storage_options or {})
+        folder.mkdir(parents=True, exist_ok=True)
+        fresh = folder / f".index.json.{os.getpid()}"
+        if not _fetch(_downloader(self.url, storage_options), join(self.url, "index.json"), fresh):
+            raise ConfigError(f"{self.url}/index.json is missing: the split was not prepared there (run project.prepare again).")
+        fresh.replace(folder / "index.json")  # an index newer than the chunks cached before replaces theirs
+        chunks = json.loads((folder / "index.json").read_bytes())["chunks"]
+        self.files = [(c["filename"], int(c["chunk_bytes"])) for c in chunks]
+        self._downloader: Any = None
+
+    def ensure(self, chunk: int) -> None:
+        """Chunk `chunk` is in the folder, whole (waiting for another process that is fetching it)."""
+        name, size = self.files[chunk]
+        path = self.folder / name
+        if path.is_file() and path.stat().st_size == size:
+            return
+        if self._downloader is None:  # one per process: loader workers make their own after fork
+            self._downloader = _downloader(self.url, self.storage_options)
+        for _ in range(600):
+            self._downloader.download_file(join(self.url, name), str(path))  # returns at once if another process holds it
+            if path.is_file() and path.stat().st_size == size:
+                self._evict(keep=name)
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"{join(self.url, name)}: not fetched into {path} after 5 minutes")
+
+    def _evict(self, keep: str) -> None:
+        present = [(p.stat().st_mtime, p) for p in self.folder.glob("*.bin") if p.name != keep]
+        total = sum(p.stat().st_size for _, p in present) + (self.folder / keep).stat().st_size
+        for _, path in sorted(present):
+            if total <= self.cache_bytes:
+                break
+            total -= path.stat().st_size
+            path.unlink(missing_ok=True)  # a process reading it keeps its mapping; a later read fetches it again
 
 
 def _fetch(downloader: Any, url: str, target: Path) -> bool:
