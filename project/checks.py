@@ -346,8 +346,12 @@ def check_data(cfg: DictConfig) -> None:
             data_dir = entry.get("dir") if isinstance(entry, Mapping) else None
             if data_dir is None:
                 raise ConfigError(f"data.mix entry {entry!r} needs a `dir` (prepared shards) and a `weight`, e.g. {{dir: data/web, weight: 0.7}}.")
-            check_block_size(data_dir, read_manifest(data_dir), cfg.data.seq_len)
-            check_shards(data_dir)
+            remote = "://" in str(data_dir)
+            if remote:
+                from project.data.storage import local_view
+            folder = local_view(data_dir, cfg.data.get("cache_dir"), cfg.data.get("storage_options")) if remote else data_dir
+            check_block_size(data_dir, read_manifest(folder, data_dir), cfg.data.seq_len)
+            check_shards(folder, data_dir, chunks=not remote)
     if "://" in str(cfg.data.dir):  # object storage (project.data.storage, imported only then: it brings in project.data)
         from project.data.storage import local_view
 

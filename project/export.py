@@ -97,7 +97,12 @@ def load_checkpoint(path: Path) -> tuple[LlamaConfig, CheckpointWeights, Mapping
 
 def resolve_tokenizer(ckpt: Mapping, override: str | None) -> tuple[Path, int | None, int | None]:
     """(tokenizer file, bos id, eos id): `override` if given, else the data directory's manifest.json."""
-    data_dir = (ckpt.get("datamodule_hyper_parameters") or {}).get("data_dir")
+    data = ckpt.get("datamodule_hyper_parameters") or {}
+    data_dir = data.get("data_dir")
+    if data_dir and "://" in str(data_dir):  # shards in object storage: their manifest and tokenizer, fetched
+        from project.data.storage import local_view
+
+        data_dir = local_view(data_dir, data.get("cache_dir"), data.get("storage_options"))
     manifest_path = Path(data_dir) / "manifest.json" if data_dir else None
     try:
         manifest = json.loads(manifest_path.read_text()) if manifest_path and manifest_path.is_file() else None
