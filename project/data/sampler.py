@@ -147,14 +147,13 @@ class ValidationSampler(Sampler[list[int]]):
     The blocks are spread evenly over the split (every k-th block) rather than taken from its start,
     so a small count still samples every validation document. Replicas take contiguous shares that
     differ by at most one block; the last micro batch of a share may be short, which the
-    sequence-weighted mean in the module accounts for. `offset` is added to every index (a corpus's
-    place in a mixture).
+    sequence-weighted mean in the module accounts for.
     """
 
-    def __init__(self, num_samples: int, count: int, micro_batch_size: int, dp_rank: int, dp_size: int, offset: int = 0):
+    def __init__(self, num_samples: int, count: int, micro_batch_size: int, dp_rank: int, dp_size: int):
         count = min(count, num_samples)
         stride = num_samples // count
-        chosen = list(range(offset, offset + stride * count, stride))
+        chosen = list(range(0, stride * count, stride))
         share = chosen[dp_rank * count // dp_size : (dp_rank + 1) * count // dp_size]
         self.batches = [share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
 
