@@ -24,11 +24,20 @@ SHARED_RUNS = {"trained": "reference-runs", "single_reference": "reference-runs"
                "uninterrupted_reference": "uninterrupted-runs"}
 
 
+# The longest groups go to the workers first (longest processing time first): a long group handed out
+# last would leave the other worker idle at the end.
+LONGEST_FIRST = ("tests/test_readme.py", "reference-runs", "tests/test_crashes.py", "uninterrupted-runs")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items):
+    groups = {}
     for item in items:
         group = next((SHARED_RUNS[name] for name in item.fixturenames if name in SHARED_RUNS), item.nodeid.split("::")[0])
         item.add_marker(pytest.mark.xdist_group(group))
+        groups[item.nodeid] = group
+    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(groups[item.nodeid], len(rank)))  # stable: the others keep their order
 
 
 def pytest_configure(config):
@@ -123,9 +132,10 @@ def assert_reproduces(run_dir, reference_dir):
     reference_weights = load_full_checkpoint(reference_dir / "checkpoints" / "last.ckpt")["state_dict"]
     assert weights.keys() == reference_weights.keys()
     for name, value in reference_weights.items():
-        # 12 AdamW steps of up to 3e-3 each: reductions summed in another order leave ~1e-6
-        # differences; 1e-5 is well under a single step's change, so a wrong update still fails.
-        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
+        # 12 AdamW steps of up to 3e-3 each: reductions summed in another order leave ~1e-6 differences,
+        # up to 2.6e-5 (measured) for the 3-D pipeline layout through the sensitive step of the data order;
+        # 5e-5 is still 60 times under a single step's change, so a wrong update fails.
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=5e-5, msg=name)
 
 
 @pytest.fixture(scope="session")

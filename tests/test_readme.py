@@ -107,17 +107,21 @@ def test_every_readme_command_runs_as_written_on_a_fresh_copy(tmp_path):
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
     env.pop("PYTEST_CURRENT_TEST", None)
-    ran, trainings = [], 0
+    ran, steps = [], {}
     for argv in readme_commands(repo / "README.md"):
         if skip_reason(argv) is not None:
             continue
         command = [sys.executable, *argv[1:]]
         if argv[2] == "project.train":
-            # Each run trains one step further than the run before it, so that every resume has a step left.
-            trainings += 1
+            # A run trains 2 steps; one that continues a run (its directory, or a checkpoint in it) one step more
+            # than that run did, so that every resume has a step left.
+            run = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")), None)
+            source = next((a.split("=", 1)[1].split("/checkpoints/")[0] for a in argv if a.startswith("ckpt_path=") and "/checkpoints/" in a), run)
+            max_steps = steps.get(source, 1) + 1
+            steps[run or source or len(steps)] = max_steps
             # A run from a published folder takes the folder's (small) shape; the others are made small here.
             tiny = [] if any(a.startswith("init_from=") for a in argv) else TINY_MODEL
-            command += [*tiny, f"trainer.max_steps={2 + trainings}", "trainer.enable_progress_bar=false"]
+            command += [*tiny, f"trainer.max_steps={max_steps}", "trainer.enable_progress_bar=false"]
         result = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, f"`{shlex.join(argv)}` failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
         ran.append(shlex.join(argv))

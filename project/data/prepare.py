@@ -356,8 +356,11 @@ def _build(
     todo = [p for p in mine if not is_done(work, p)]
     if todo:
         log.info("Tokenizing %d of %d parts (machine %d of %d)", len(todo), len(parts), rank, nodes)
-    for start in range(0, len(todo), settings.num_workers):
-        build_parts(work, todo[start : start + settings.num_workers], refs, optimize, SPLITS)
+    # A litdata worker that cannot write reports a traceback of its own, or nothing (the parts' counts then
+    # fall short): both show as a RuntimeError, said as the full disk it is where no chunk fits any more.
+    with _said_if_out_of_space(work):
+        for start in range(0, len(todo), settings.num_workers):
+            build_parts(work, todo[start : start + settings.num_workers], refs, optimize, SPLITS)
     with lock:
         existing = _read_manifest(output_dir, True)
         if existing and existing.get("fingerprint") == fingerprint and _shards_present(output_dir):
@@ -411,7 +414,7 @@ def _train_tokenizer(train_refs: list[DocumentRef], text_field: str, settings: _
 def _optimize(inputs: list[list[DocumentRef]], output_dir: Path, num_workers: int, *, tokenizer_file: str,
               text_field: str, dtype: type, chunk_bytes: int) -> None:
     """litdata.optimize over parts, one worker each (keep_data_ordered: worker w takes inputs[w])."""
-    with _litdata_chatter_hidden(), _said_if_out_of_space(output_dir):
+    with _litdata_chatter_hidden():
         litdata.optimize(
             fn=partial(tokenize_part, tokenizer_file=tokenizer_file, text_field=text_field, dtype=dtype),
             inputs=inputs,
