@@ -341,31 +341,15 @@ def check_data(cfg: DictConfig) -> None:
     prepared by the run)."""
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}.")
+    options = (cfg.data.get("cache_dir"), cfg.data.get("storage_options"))
     if cfg.data.get("mix"):  # corpora prepared one by one beforehand; the datamodule checks their tokenizers agree
         for entry in cfg.data.mix:
             data_dir = entry.get("dir") if isinstance(entry, Mapping) else None
             if data_dir is None:
                 raise ConfigError(f"data.mix entry {entry!r} needs a `dir` (prepared shards) and a `weight`, e.g. {{dir: data/web, weight: 0.7}}.")
-            remote = "://" in str(data_dir)
-            if remote:
-                from project.data.storage import local_view
-            folder = local_view(data_dir, cfg.data.get("cache_dir"), cfg.data.get("storage_options")) if remote else data_dir
-            check_block_size(data_dir, read_manifest(folder, data_dir), cfg.data.seq_len)
-            check_shards(folder, data_dir, chunks=not remote)
-    if "://" in str(cfg.data.dir):  # object storage (project.data.storage, imported only then: it brings in project.data)
-        from project.data.storage import local_view
-
-        view = local_view(cfg.data.dir, cfg.data.get("cache_dir"), cfg.data.get("storage_options"))
-        if not (view / MANIFEST_NAME).is_file():
-            raise ConfigError(
-                f"no prepared shards at data.dir={cfg.data.dir} (missing {MANIFEST_NAME}): prepare them there first with "
-                f"`python -m project.prepare data.dir={cfg.data.dir}` and the same data settings (training does not "
-                "prepare into object storage), or point data.dir at prepared shards."
-            )
-        data_dir, manifest = cfg.data.dir, read_manifest(view, cfg.data.dir)
-        check_block_size(data_dir, manifest, cfg.data.seq_len)
-        check_shards(view, data_dir, chunks=False)
-        _check_vocabulary(cfg, manifest)
+            check_prepared_shards(data_dir, cfg.data.seq_len, *options)
+    if "://" in str(cfg.data.dir):  # training does not prepare into object storage: the shards must be there
+        _check_vocabulary(cfg, check_prepared_shards(cfg.data.dir, cfg.data.seq_len, *options)[1])
         return
     data_dir = Path(cfg.data.dir)
     if not (data_dir / MANIFEST_NAME).is_file():
@@ -378,10 +362,34 @@ def check_data(cfg: DictConfig) -> None:
                 "and will not be prepared into; point data.dir at prepared shards, or a new or empty folder."
             )
         return
-    manifest = read_manifest(data_dir)
-    check_block_size(data_dir, manifest, cfg.data.seq_len)
-    check_shards(data_dir)
-    _check_vocabulary(cfg, manifest)
+    _check_vocabulary(cfg, check_prepared_shards(data_dir, cfg.data.seq_len)[1])
+
+
+def check_prepared_shards(
+    data_dir: str | os.PathLike, seq_len: int, cache_dir: str | None = None, storage_options: Mapping[str, Any] | None = None
+) -> tuple[Path, dict[str, Any]]:
+    """(a local folder holding the manifest and indexes, the manifest) of shards prepared in `data_dir` for
+    blocks of seq_len + 1, refused with a ConfigError otherwise. Remote shards (a URL) are read from a local
+    view of their small files (project.data.storage, imported only then: it brings in project.data), and
+    checked by their indexes only: their chunks are fetched when read."""
+    if "://" not in str(data_dir):
+        manifest = read_manifest(data_dir)
+        check_block_size(data_dir, manifest, seq_len)
+        check_shards(data_dir)
+        return Path(data_dir), manifest
+    from project.data.storage import local_view
+
+    view = local_view(data_dir, cache_dir, storage_options)
+    if not (view / MANIFEST_NAME).is_file():
+        raise ConfigError(
+            f"no prepared shards at data.dir={data_dir} (missing {MANIFEST_NAME}): prepare them there first with "
+            f"`python -m project.prepare data.dir={data_dir}` and the same data settings (training does not "
+            "prepare into object storage), or point data.dir at prepared shards."
+        )
+    manifest = read_manifest(view, data_dir)
+    check_block_size(data_dir, manifest, seq_len)
+    check_shards(view, data_dir, chunks=False)
+    return view, manifest
 
 
 def _check_vocabulary(cfg: DictConfig, manifest: Mapping[str, Any]) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import hashlib
 import itertools
 import json
 from collections.abc import Mapping, Sequence
@@ -19,10 +18,10 @@ from litdata import StreamingDataset, TokensLoader
 from litdata.utilities.format import _convert_bytes_to_int
 from torch.utils.data import DataLoader, Dataset
 
-from project.checks import check_block_size, check_shards, read_manifest
+from project.checks import check_prepared_shards, read_manifest
 from project.data.mixture import MixtureOrder
 from project.data.sampler import DEFAULT_WINDOW_CHUNKS, BlockOrder, GlobalBatchSampler, ValidationSampler
-from project.data.storage import ChunkCache, is_remote, join, local_view
+from project.data.storage import ChunkCache, cache_folder, is_remote, join
 from project.data.tokenizer import load_tokenizer
 from project.errors import ConfigError
 
@@ -59,8 +58,8 @@ class TokenBlocks(Dataset):
         self.chunks: ChunkCache | None = None
         local = split_dir
         if is_remote(split_dir):  # read as a local dataset whose chunks are fetched on first use
-            local = Path(cache_dir or Path.home() / ".cache" / "llama-platform") / "chunks" / hashlib.sha256(split_dir.encode()).hexdigest()[:16]
-            self.chunks = ChunkCache(split_dir, Path(local), _convert_bytes_to_int(cache_size or "50GB"), storage_options)
+            local = cache_folder(cache_dir, "chunks", split_dir)
+            self.chunks = ChunkCache(split_dir, local, _convert_bytes_to_int(cache_size or "50GB"), storage_options)
         self.blocks = StreamingDataset(str(local), item_loader=TokensLoader(block_size=block_size))
         self.num_blocks = num_blocks
         # TokensLoader numbers the blocks chunk after chunk, each chunk holding dim // block_size of them.
@@ -151,12 +150,10 @@ class TokenShardDataModule(LightningDataModule):
         super().__init__()
         self.save_hyperparameters()
         self.corpora = corpora_from(mix) if mix else [Corpus(str(data_dir).rstrip("/").rsplit("/", 1)[-1], str(data_dir))]
-        # Local copies of remote corpora's manifest, tokenizer and indexes (project.data.storage).
-        self.views = {c.dir: local_view(c.dir, cache_dir, storage_options) for c in self.corpora}
-        self.manifests = [read_manifest(self.views[c.dir], c.dir) for c in self.corpora]
-        for corpus, manifest in zip(self.corpora, self.manifests):
-            check_block_size(corpus.dir, manifest, seq_len)
-            check_shards(self.views[corpus.dir], corpus.dir, chunks=not is_remote(corpus.dir))
+        # Each corpus's folder of manifest, tokenizer and indexes: itself, or a local view of remote shards.
+        checked = [check_prepared_shards(c.dir, seq_len, cache_dir, storage_options) for c in self.corpora]
+        self.views = {c.dir: view for c, (view, _) in zip(self.corpora, checked)}
+        self.manifests = [manifest for _, manifest in checked]
         self.manifest = self.manifests[0]
         if len(self.corpora) > 1:
             self._check_one_tokenizer()

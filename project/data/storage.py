@@ -55,6 +55,12 @@ def allow_plain_http(storage_options: Mapping[str, Any] | None) -> None:
             options["allow_http"] = "true"
 
 
+def cache_folder(cache_dir: str | os.PathLike | None, kind: str, url: str) -> Path:
+    """Where `kind` ("views", "chunks") of remote `url` is kept locally: under data.cache_dir, else the user's cache."""
+    root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "llama-platform"
+    return root / kind / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+
+
 def _downloader(url: str, storage_options: Mapping[str, Any] | None) -> Any:
     from litdata.streaming.downloader import get_downloader
 
@@ -70,7 +76,7 @@ def local_view(data_dir: str | os.PathLike, cache_dir: str | os.PathLike | None 
     if not is_remote(data_dir):
         return Path(data_dir)
     url = str(data_dir).rstrip("/")
-    view = Path(cache_dir or Path.home() / ".cache" / "llama-platform") / "views" / hashlib.sha256(url.encode()).hexdigest()[:16]
+    view = cache_folder(cache_dir, "views", url)
     partial = view.with_name(view.name + f".partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     downloader = _downloader(url, storage_options)
