@@ -131,8 +131,7 @@ class LlamaLitModule(LightningModule):
         self._init_from = None if weights_from_checkpoint else init_from
         with torch.device("meta") if init_on_meta or self._init_from else contextlib.nullcontext():
             self.model = Llama(model_cfg)
-        self.val_loss = MeanMetric()
-        self.val_loss_per_corpus = nn.ModuleList()  # one more per corpus of a mixture (setup)
+        self.val_losses = nn.ModuleList([MeanMetric()])  # one per validation loader: per corpus of a mixture (setup)
         self._loss_sum = 0.0  # micro-batch losses since the last optimizer step
         self._loss_count = 0
         self._skipped_steps = 0  # updates skipped for a non-finite gradient norm (optim.max_skipped_steps)
@@ -239,33 +238,27 @@ class LlamaLitModule(LightningModule):
             checkpoint["tokenizer"] = data.tokenizer_identity
 
     def _validation_corpora(self) -> list[tuple[str, float]]:
-        """(name, weight) per validation loader when the data is a mixture of corpora, else []."""
-        corpora = getattr(self._training_data(), "validation_corpora", [])
-        return corpora if len(corpora) > 1 else []
+        """(name, weight) per validation loader: the corpora of a mixture, else one unnamed."""
+        return getattr(self._training_data(), "validation_corpora", None) or [("", 1.0)]
 
     def setup(self, stage: str) -> None:
-        while len(self.val_loss_per_corpus) < len(self._validation_corpora()):
-            self.val_loss_per_corpus.append(MeanMetric())
+        while len(self.val_losses) < len(self._validation_corpora()):
+            self.val_losses.append(MeanMetric())
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         inputs, _ = batch
-        # One loader per corpus of a mixture (dataloader_idx), one metric for each.
-        metric = self.val_loss_per_corpus[dataloader_idx] if len(self.val_loss_per_corpus) else self.val_loss
-        metric.update(self.loss(*batch), weight=inputs.shape[0])  # micro batches may differ in size
+        self.val_losses[dataloader_idx].update(self.loss(*batch), weight=inputs.shape[0])  # micro batches may differ in size
 
     def on_validation_epoch_end(self) -> None:
         corpora = self._validation_corpora()
-        if corpora:
-            # A mixture's loss is its corpora's losses weighted as training draws them: comparable with train/loss.
-            losses = [metric.compute() for metric in self.val_loss_per_corpus]
-            for metric in self.val_loss_per_corpus:
-                metric.reset()
+        losses = [metric.compute() for metric in self.val_losses[: len(corpora)]]  # sequence-weighted means, synced over all ranks
+        for metric in self.val_losses:
+            metric.reset()
+        if len(corpora) > 1:
             for (name, _), corpus_loss in zip(corpora, losses):
                 self.log(f"val/loss/{name}", corpus_loss, sync_dist=True)
-            loss = sum(weight * corpus_loss for (_, weight), corpus_loss in zip(corpora, losses))
-        else:
-            loss = self.val_loss.compute()  # sequence-weighted mean, synced over all ranks
-            self.val_loss.reset()
+        # A mixture's loss is its corpora's losses weighted as training draws them: comparable with train/loss.
+        loss = sum(weight * corpus_loss for (_, weight), corpus_loss in zip(corpora, losses))
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)  # equal on every rank: the mean of equal values
         self.log("val/ppl", torch.exp(loss), sync_dist=True)
 
