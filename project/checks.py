@@ -80,7 +80,8 @@ def check_command_line(argv: list[str], config_name: str = "train") -> None:
     Hydra's own flags (-m, --cfg, ...) are left to Hydra."""
     if any(arg.startswith("-") for arg in argv):
         return
-    overrides = [arg for arg in argv if not arg.lstrip("+~").startswith("hydra.")]
+    # Hydra's own settings are Hydra's to check, but for its search path: it adds config files (a planned sweep's layouts).
+    overrides = [arg for arg in argv if not arg.lstrip("+~").startswith("hydra.") or arg.startswith("hydra.searchpath=")]
     try:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             cfg = compose(config_name, overrides=overrides)

@@ -1,0 +1,104 @@
+"""Plan a run: `python -m project.plan [model=NAME] [cluster=NAME] [cluster.nodes=N] [key=value ...]`.
+
+Predicts, for every layout the strategies can build (data x tensor x pipeline degrees, micro batch,
+schedule, recompute), the memory per device and the time per step, and prints them best first with the
+best layout as `project.train` overrides; `out=DIR` also writes plan.json, plan.md and a wandb sweep
+spec over the top `top_k` layouts; `format=json` prints JSON for scripts. The formulas and their sources
+are in project/planning/.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import hydra
+import yaml
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from project.checks import check_command_line, model_config
+from project.errors import ConfigError, exit_on_config_error
+from project.planning.candidates import SearchSpace
+from project.planning.cluster import Cluster
+from project.planning.memory import Allowance
+from project.planning.planner import Workload, plan
+from project.planning.render import as_record, command_line, sweep_spec, table, train_overrides
+
+
+def workload(cfg: DictConfig) -> Workload:
+    batch = cfg.global_batch_size
+    if batch is None:
+        if cfg.global_batch_tokens % cfg.seq_len:
+            raise ConfigError(
+                f"global_batch_tokens={cfg.global_batch_tokens} is not a whole number of sequences of seq_len={cfg.seq_len}: "
+                "set global_batch_size (sequences) instead, or a multiple of seq_len."
+            )
+        batch = cfg.global_batch_tokens // cfg.seq_len
+    return Workload(model_config(cfg), int(cfg.seq_len), int(batch), float(cfg.train_tokens), str(cfg.precision))
+
+
+def model_name(cfg: DictConfig) -> str | None:
+    """The model preset, if the command line did not change its fields (then the overrides name them all)."""
+    choice = HydraConfig.get().runtime.choices.get("model")
+    changed = any(o.startswith("model.") for o in HydraConfig.get().overrides.task)
+    return None if changed else choice
+
+
+def run(cfg: DictConfig) -> dict:
+    if cfg.format not in ("table", "json"):
+        raise ConfigError(f"format={cfg.format}: choose table or json.")
+    work, cluster = workload(cfg), Cluster.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
+    space = SearchSpace(**OmegaConf.to_container(cfg.search, resolve=True))
+    outcomes = plan(work, cluster, space, float(cfg.achievable_fraction), Allowance(**cfg.memory))
+    name = model_name(cfg)
+    best = outcomes[0]
+    overrides = train_overrides(best.prediction.candidate, work, cluster, name)
+    if name is None:  # the model's fields, since no preset describes it
+        overrides[:0] = [f"model.{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if v is not None]
+    records = [as_record(o, train_overrides(o.prediction.candidate, work, cluster, name)) for o in outcomes]
+    summary = {
+        "model": name, "cluster": cluster.name, "devices": cluster.devices, "seq_len": work.seq_len,
+        "global_batch_size": work.global_batch_size, "train_tokens": work.train_tokens, "precision": work.precision,
+        "achievable_fraction": cfg.achievable_fraction, "layouts": records,
+    }
+    text = report(outcomes, cluster, work, name, overrides)
+    if cfg.out:
+        folder = Path(cfg.out)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "plan.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (folder / "plan.md").write_text(f"```text\n{text}\n```\n")
+        top = [o for o in outcomes if o.prediction.fits][: cfg.top_k]
+        spec = sweep_spec(f"plan-{folder.name}", top, work, cluster, name, folder)
+        (folder / "sweep.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+        text += f"\n\nwrote {folder}/plan.json, plan.md and sweep.yaml (the top {len(top)} layouts): python -m project.sweep spec={folder}/sweep.yaml"
+    print(json.dumps(summary, indent=1) if cfg.format == "json" else text)
+    return summary
+
+
+def report(outcomes, cluster: Cluster, work: Workload, name: str | None, overrides: list[str]) -> str:
+    fitting = sum(o.prediction.fits for o in outcomes)
+    head = (
+        f"{name or 'model'} on {cluster.nodes} x {cluster.gpus_per_node} {cluster.name} ({cluster.devices} devices), "
+        f"{work.global_batch_size} x {work.seq_len} tokens per step, {work.precision}: "
+        f"{len(outcomes)} layouts, {fitting} fit"
+    )
+    lines = [head, "", table(outcomes, 10), ""]
+    if fitting:
+        lines += ["best layout:", command_line(overrides)]
+    else:
+        lines += ["no layout fits: add devices (cluster.nodes), shorten seq_len, or allow search.recompute=[full]."]
+    return "\n".join(lines)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="plan")
+def main(cfg: DictConfig) -> None:
+    with exit_on_config_error():
+        run(cfg)
+
+
+if __name__ == "__main__":
+    with exit_on_config_error():
+        check_command_line(sys.argv[1:], config_name="plan")
+    main()

@@ -1,0 +1,132 @@
+"""The layouts a model can take on a cluster, as the strategies in conf/strategy can build them.
+
+A candidate is a strategy with its degrees (data x tensor x pipeline = the cluster's devices), a micro
+batch, the pipeline schedule and its stage chunks, sequence parallelism and activation recompute. Each one
+is checked by the same functions that check a training run's settings (project.parallel.mesh, .batch,
+.pipeline_layout), so a candidate the planner lists is one `project.train` accepts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from project.errors import ConfigError
+from project.model.config import LlamaConfig
+from project.parallel.batch import plan_batches, plan_pipeline_batches
+from project.parallel.mesh import MeshShape, check_tensor_parallel_degree
+from project.parallel.pipeline_layout import SINGLE_STAGE, check_pipeline
+
+# What each strategy shards across data-parallel ranks, in ZeRO's terms (Rajbhandari et al. 2020):
+# 0 replicates everything, 2 shards gradients and optimizer state, 3 parameters too.
+ZERO_LEVEL = {"ddp": 0, "fsdp": 2, "fsdp2": 3, "tp": 3, "tp_fsdp": 3, "pipeline": 3}
+STRATEGIES = tuple(ZERO_LEVEL)
+# The schedules whose memory and bubble the planner models (project.parallel.pipeline_layout has more).
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
+RECOMPUTE = ("none", "selective", "full")
+# Strategies whose config has these settings (conf/strategy/*.yaml).
+HAS_SEQUENCE_PARALLEL = {"tp", "tp_fsdp", "pipeline"}
+HAS_CHECKPOINTING = {"fsdp", "fsdp2", "tp", "tp_fsdp", "pipeline"}
+HAS_COMPILE = {"fsdp2", "tp", "tp_fsdp", "pipeline"}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: str
+    data_parallel: int
+    tensor_parallel: int
+    pipeline_parallel: int
+    micro_batch_size: int
+    microbatches: int  # per replica per optimizer step: accumulation steps, or the pipeline's microbatches
+    recompute: str = "selective"
+    sequence_parallel: bool = False
+    schedule: str | None = None  # pipeline only
+    virtual_stages: int = 1
+
+    @property
+    def shape(self) -> MeshShape:
+        return MeshShape(self.pipeline_parallel, self.data_parallel, self.tensor_parallel)
+
+    @property
+    def zero_level(self) -> int:
+        return ZERO_LEVEL[self.strategy]
+
+    @property
+    def name(self) -> str:
+        """`fsdp2_dp8-tp1-pp1_mb2_selective`, `pipeline_dp4-tp8-pp2_mb1_1f1b-v1_sp_full`."""
+        parts = [self.strategy, f"dp{self.data_parallel}-tp{self.tensor_parallel}-pp{self.pipeline_parallel}", f"mb{self.micro_batch_size}"]
+        if self.schedule:
+            parts.append(f"{self.schedule}-v{self.virtual_stages}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        parts.append(self.recompute)
+        return "_".join(parts)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What conf/plan.yaml's `search` lets the planner vary."""
+
+    strategies: Sequence[str] = STRATEGIES
+    recompute: Sequence[str] = ("selective", "full")
+    sequence_parallel: Sequence[bool] = (True,)
+    schedules: Sequence[str] = ("1f1b", "interleaved_1f1b")
+    virtual_stages: Sequence[int] = (2, 4)
+    micro_batch_sizes: Sequence[int] = (1, 2, 4, 8)
+    max_tensor_parallel: int | None = None  # None: the devices of one node
+
+    def check(self) -> None:
+        for name, values, known in (
+            ("strategies", self.strategies, STRATEGIES),
+            ("recompute", self.recompute, RECOMPUTE),
+            ("schedules", self.schedules, SCHEDULES),
+        ):
+            unknown = [v for v in values if v not in known]
+            if unknown or not values:
+                raise ConfigError(f"search.{name}={list(values)}: choose one or more of {list(known)}.")
+        if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1 or not self.virtual_stages or min(self.virtual_stages) < 1:
+            raise ConfigError("search.micro_batch_sizes and search.virtual_stages must list positive integers.")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(config: LlamaConfig, devices: int, gpus_per_node: int, global_batch_size: int, seq_len: int, space: SearchSpace) -> Iterator[Candidate]:
+    """Every layout of `space` that the strategies can build for this model, batch and device count."""
+    max_tp = space.max_tensor_parallel or gpus_per_node
+    for strategy, pp, tp in itertools.product(space.strategies, _divisors(devices), _divisors(devices)):
+        if devices % (pp * tp):
+            continue
+        dp = devices // (pp * tp)
+        if strategy in ("ddp", "fsdp", "fsdp2") and (tp, pp) != (1, 1):
+            continue
+        if strategy == "tp" and (dp, pp) != (1, 1) or strategy == "tp_fsdp" and (tp == 1 or dp == 1 or pp != 1):
+            continue  # tp_fsdp with one of them at 1 is the tp or fsdp2 layout, listed under that name
+        if strategy == "pipeline" and pp == 1 or strategy == "tp" and tp == 1 or tp > max_tp:
+            continue
+        recomputes = space.recompute if strategy in HAS_CHECKPOINTING else [r for r in space.recompute if r != "full"]
+        parallel_sequences = space.sequence_parallel if strategy in HAS_SEQUENCE_PARALLEL and tp > 1 else (False,)
+        schedules = [(s, v) for s in space.schedules for v in ((1,) if s in SINGLE_STAGE else space.virtual_stages)] if strategy == "pipeline" else [(None, 1)]
+        for micro, recompute, sp, (schedule, v) in itertools.product(sorted(set(space.micro_batch_sizes)), recomputes, sorted(set(parallel_sequences)), schedules):
+            candidate = _checked(config, strategy, dp, tp, pp, micro, recompute, sp, schedule, v, global_batch_size, seq_len)
+            if candidate is not None:
+                yield candidate
+
+
+def _checked(config, strategy, dp, tp, pp, micro, recompute, sp, schedule, v, global_batch_size, seq_len) -> Candidate | None:
+    """The candidate if the training run's own checks accept it, else None."""
+    try:
+        if tp > 1:
+            check_tensor_parallel_degree(config, tp, seq_len if sp else None)
+        if schedule is None:
+            plan = plan_batches(global_batch_size, dp, micro)
+            microbatches = plan.accumulate_grad_batches
+        else:
+            plan = plan_pipeline_batches(global_batch_size, dp, micro)
+            microbatches = plan.pipeline_microbatches
+            check_pipeline(config, schedule, MeshShape(pp, dp, tp), v, microbatches)
+    except ConfigError:
+        return None
+    return Candidate(strategy, dp, tp, pp, micro, microbatches, recompute, sp, schedule, v)

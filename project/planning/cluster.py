@@ -1,0 +1,53 @@
+"""A cluster as the planner sees it: how many devices, how much memory each, how fast they compute and talk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from project.errors import ConfigError
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """One of conf/cluster/*.yaml. Peaks are dense FLOP/s per device; bandwidths GB/s per device, one direction."""
+
+    name: str
+    accelerator: str  # gpu | cpu: which trainer config the planned run uses
+    nodes: int
+    gpus_per_node: int
+    memory_gib: float
+    peak_tflops: Mapping[str, float]  # by compute dtype: bf16, fp32
+    intra_node_gbps: float
+    inter_node_gbps: float
+    collective_latency_us: float = 10.0
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * GIB
+
+    def peak_flops(self, compute_dtype: str) -> float:
+        return self.peak_tflops[compute_dtype] * 1e12
+
+    def bandwidth(self, group_span: int) -> float:
+        """Bytes/s per device of a collective over a group of consecutive ranks `group_span` wide:
+        inside a node if the group fits in one, else limited by the links between nodes."""
+        gbps = self.intra_node_gbps if group_span <= self.gpus_per_node else self.inter_node_gbps
+        return gbps * 1e9
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> Cluster:
+        cluster = cls(**{key: cfg[key] for key in cls.__dataclass_fields__ if key in cfg})
+        for key in ("nodes", "gpus_per_node", "memory_gib", "intra_node_gbps", "inter_node_gbps"):
+            if not getattr(cluster, key) > 0:
+                raise ConfigError(f"cluster.{key}={getattr(cluster, key)} must be positive: fix it in the cluster preset or on the command line.")
+        for dtype in ("bf16", "fp32"):
+            if not cluster.peak_tflops.get(dtype, 0) > 0:
+                raise ConfigError(f"cluster.peak_tflops.{dtype} must be a positive dense TFLOP/s figure per device.")
+        return cluster

@@ -1,0 +1,145 @@
+"""Memory per device of a layout: model states (parameters, gradients, AdamW's moments), the working
+copies the strategy makes, and the activations the schedule keeps, plus a stated allowance.
+
+Activations per block follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", section 4), whose GPT block stores s*b*h*(34 + 5*a*s/h) bytes in 16-bit: 10*s*b*h
+that tensor parallelism leaves whole (the layer-norm inputs, the inputs of the QKV and MLP projections,
+two dropout masks), 24*s*b*h it splits over t ranks (Q, K, V, the attention output, the MLP's 4h-wide
+tensors) and 5*a*s^2*b of attention scores. Sequence parallelism splits the first part over t too,
+selective recompute drops the scores, and full recompute keeps only each block's input. Llama's block
+has no dropout, K and V of n_kv_heads (g = n_kv_heads / n_heads), and a SwiGLU feed-forward of width f,
+so in the same units it stores
+    replicated: 8 (the two norm inputs, the attention and feed-forward inputs)
+    split:      4 + 4g (Q, K, V, attention output) + 6f/h (w1 and w3 outputs, their product)
+    scores:     2as/h (the softmax output; only where attention is not a fused kernel: recompute=none)
+A fused implementation stores this: torch.compile'd blocks, Megatron-LM's SwiGLU. An eager SwiGLU also
+keeps silu(w1 x) (8f/h instead of 6f/h): the planner counts that for strategies without `compile`.
+tests/test_planner.py holds the count to what our compiled block saves for its backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from project.model.config import LlamaConfig
+from project.planning.candidates import HAS_COMPILE, Candidate
+from project.planning.parameters import block_weights, holds_first_and_last, rank_layers, sharded_parameters, unsharded_parameters
+
+# Bytes per parameter of what the optimizer updates (the parameters as stored), by trainer.precision.
+STORAGE_BYTES = {"32-true": 4, "bf16-mixed": 4, "16-mixed": 4, "bf16-true": 2}
+COMPUTE_BYTES = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2}
+GRAD_REDUCE_BYTES = 4  # float32 gradient reduction and accumulation (our FSDP2 reduce_dtype default)
+
+
+@dataclass(frozen=True)
+class Allowance:
+    """What no formula here counts: the CUDA context and communication buffers (a fixed reserve), and the
+    caching allocator's fragmentation (a fraction of what is allocated)."""
+
+    reserve_gib: float = 1.0
+    fragmentation: float = 0.05
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per device on the pipeline rank that needs the most (the first, for most schedules)."""
+
+    params: float  # as stored: this rank's shards
+    grads: float  # after the step's reduction: this rank's shards
+    optimizer: float  # AdamW's two moments per parameter
+    working: float  # gathered parameters, gradient buffers, 16-bit copies: see `working_note`
+    activations: float
+    overhead: float
+    pipeline_rank: int = 0
+    working_note: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.states + self.working + self.activations + self.overhead
+
+
+def layer_activation_bytes(config: LlamaConfig, seq_len: int, micro_batch: int, candidate: Candidate, compute_bytes: int, compiled: bool) -> float:
+    """Bytes one block keeps from its forward for its backward, for one microbatch (module docstring)."""
+    t, sp = candidate.tensor_parallel, candidate.sequence_parallel
+    h, g, f = config.dim, config.n_kv_heads / config.n_heads, config.ffn_hidden_dim
+    sbh = seq_len * micro_batch * h * compute_bytes / 2  # the paper's units: s*b*h 16-bit values = 2 bytes each
+    if candidate.recompute == "full":
+        return 2 * sbh / (t if sp else 1)  # the block's input
+    split = 4 + 4 * g + (6 if compiled else 8) * f / h
+    scores = 2 * config.n_heads * seq_len / h if candidate.recompute == "none" else 0.0
+    return sbh * (8 / (t if sp else 1) + (split + scores) / t)
+
+
+def in_flight(candidate: Candidate, pipeline_rank: int, layers: list[int]) -> float:
+    """Block-microbatches whose activations the rank holds at its peak: a schedule's warm-up forwards."""
+    p, m, v = candidate.pipeline_parallel, candidate.microbatches, candidate.virtual_stages
+    if p == 1:
+        return sum(layers)  # one microbatch at a time: accumulation frees each before the next
+    if candidate.schedule in ("gpipe", "looped_bfs"):  # every forward before any backward
+        return m * sum(layers)
+    if candidate.schedule == "1f1b":
+        return min(m, p - pipeline_rank) * sum(layers)
+    # Interleaved 1F1B (Narayanan et al. 2021; torch's Interleaved1F1B): warm-up of (v-1)p + 2(p-r-1)
+    # chunk forwards, then one more before the first backward.
+    chunks = min(m * v, (v - 1) * p + 2 * (p - pipeline_rank - 1) + 1)
+    return chunks * sum(layers) / len(layers)
+
+
+def estimate_memory(
+    config: LlamaConfig, candidate: Candidate, seq_len: int, precision: str, accelerator: str, allowance: Allowance, pipeline_rank: int = 0
+) -> MemoryEstimate:
+    """Memory of one pipeline rank (rank 0 of its data- and tensor-parallel group)."""
+    storage, compute = STORAGE_BYTES[precision], COMPUTE_BYTES[precision]
+    compiled = accelerator == "gpu" and candidate.strategy in HAS_COMPILE  # the planner's runs compile blocks on GPUs
+    full = unsharded_parameters(config, candidate, pipeline_rank)
+    dp, zero = candidate.data_parallel, candidate.zero_level
+    shard = sharded_parameters(config, candidate, pipeline_rank) if zero and dp > 1 else full
+    block = sum(w.rows * w.cols for w in block_weights(config)) / candidate.tensor_parallel
+    mixed = compute != storage  # 16-bit compute of 32-bit parameters
+    if candidate.strategy == "ddp":
+        params, grads, optimizer = full * storage, full * storage, 2 * full * storage
+        working = full * storage + (full * compute if mixed else 0)
+        note = "DDP's gradient buckets" + (" and autocast's 16-bit weight copies" if mixed else "")
+    elif candidate.strategy == "fsdp":  # ZeRO-2: parameters gathered from the forward until the backward ends
+        params, grads, optimizer = shard * storage, shard * storage, 2 * shard * storage
+        working = full * compute + block * compute  # Lightning's FSDP1 gathers and reduces in the compute dtype
+        note = "parameters gathered for the whole forward and backward, one block's unsharded gradients"
+    elif candidate.pipeline_parallel > 1 and dp > 1:
+        # torch's pipeline stages keep FSDP2's gathered parameters and accumulate unsharded gradients over the
+        # step's microbatches, reduce-scattering once at its end (PipelineStage.backward_maybe_with_nosync).
+        params, grads, optimizer = shard * storage, shard * storage, 2 * shard * storage
+        working = full * compute + full * GRAD_REDUCE_BYTES
+        note = "the stage's gathered parameters and unsharded gradients, kept across microbatches"
+    else:  # FSDP2 (ZeRO-3): each block gathered just before use, one ahead
+        params, grads, optimizer = shard * storage, shard * storage, 2 * shard * storage
+        gathered = dp > 1 or mixed
+        working = (2 * block * compute + block * GRAD_REDUCE_BYTES) if gathered else 0.0
+        note = "two blocks' gathered parameters, one block's unsharded gradients" if gathered else ""
+
+    layers = rank_layers(config, candidate, pipeline_rank)
+    per_layer = layer_activation_bytes(config, seq_len, candidate.micro_batch_size, candidate, compute, compiled)
+    activations = in_flight(candidate, pipeline_rank, layers) * per_layer
+    if candidate.recompute == "full":  # one block's activations exist again while it is recomputed
+        activations += layer_activation_bytes(config, seq_len, candidate.micro_batch_size, _selective(candidate), compute, compiled)
+    _, last = holds_first_and_last(candidate, pipeline_rank)
+    if last:  # logits in the compute dtype and their float32 log-probabilities, for the microbatches in flight
+        logits = seq_len * candidate.micro_batch_size * config.vocab_size / candidate.tensor_parallel * (compute + 4)
+        activations += logits * (candidate.microbatches if candidate.schedule in ("gpipe", "looped_bfs") else 1)
+    allocated = params + grads + optimizer + working + activations
+    overhead = allocated * allowance.fragmentation + allowance.reserve_gib * 2**30
+    return MemoryEstimate(params, grads, optimizer, working, activations, overhead, pipeline_rank, note)
+
+
+def _selective(candidate: Candidate) -> Candidate:
+    return replace(candidate, recompute="selective")
+
+
+def peak_memory(config: LlamaConfig, candidate: Candidate, seq_len: int, precision: str, accelerator: str, allowance: Allowance) -> MemoryEstimate:
+    """The estimate of the pipeline rank that needs the most memory."""
+    ranks = range(candidate.pipeline_parallel)
+    return max((estimate_memory(config, candidate, seq_len, precision, accelerator, allowance, r) for r in ranks), key=lambda e: e.total)

@@ -1,0 +1,103 @@
+"""The planner: every candidate layout's memory and step time, and which fit, best throughput first."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from project.errors import ConfigError
+from project.model.config import LlamaConfig
+from project.planning.candidates import Candidate, SearchSpace, candidates
+from project.planning.cluster import GIB, Cluster
+from project.planning.memory import STORAGE_BYTES, Allowance, MemoryEstimate, peak_memory
+from project.planning.step_time import StepTime, model_flops_per_token, step_time
+
+SECONDS_PER_DAY = 86_400
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: the model, the sequences, the batch, the tokens, the precision."""
+
+    model: LlamaConfig
+    seq_len: int
+    global_batch_size: int  # sequences per optimizer step
+    train_tokens: float
+    precision: str = "bf16-mixed"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+
+@dataclass
+class Prediction:
+    candidate: Candidate
+    memory: MemoryEstimate
+    time: StepTime
+    capacity: float  # bytes per device
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.capacity
+
+    @property
+    def reason(self) -> str:
+        m, gib = self.memory, GIB
+        need = f"{m.total / gib:.1f} of {self.capacity / gib:.1f} GiB"
+        if self.fits:
+            return f"fits: {need}"
+        parts = {"activations": m.activations, "model states": m.states, "working copies": m.working}
+        largest = max(parts, key=parts.get)
+        return f"needs {need}; largest: {largest} {parts[largest] / gib:.1f} GiB"
+
+
+@dataclass
+class Outcome:
+    """A prediction's throughput figures for the workload on the cluster."""
+
+    prediction: Prediction
+    tokens_per_second: float
+    tflops_per_device: float
+    mfu: float
+    days: float
+
+
+def evaluate(workload: Workload, cluster: Cluster, candidate: Candidate, achievable_fraction: float, allowance: Allowance) -> Outcome:
+    memory = peak_memory(workload.model, candidate, workload.seq_len, workload.precision, cluster.accelerator, allowance)
+    time = step_time(workload.model, candidate, workload.seq_len, workload.precision, cluster, achievable_fraction)
+    tokens_per_second = workload.tokens_per_step / time.total
+    flops = model_flops_per_token(workload.model, workload.seq_len) * tokens_per_second / cluster.devices
+    dtype = "fp32" if workload.precision == "32-true" else "bf16"
+    return Outcome(
+        Prediction(candidate, memory, time, cluster.memory_bytes),
+        tokens_per_second,
+        flops / 1e12,
+        flops / cluster.peak_flops(dtype),
+        workload.train_tokens / tokens_per_second / SECONDS_PER_DAY,
+    )
+
+
+def plan(workload: Workload, cluster: Cluster, space: SearchSpace, achievable_fraction: float, allowance: Allowance = Allowance()) -> list[Outcome]:
+    """Every layout of `space` on `cluster`: those that fit first, fastest first; then the rest, smallest first."""
+    if workload.precision not in STORAGE_BYTES:
+        raise ConfigError(f"precision={workload.precision}: choose one of {list(STORAGE_BYTES)}.")
+    if not 0 < achievable_fraction <= 1:
+        raise ConfigError(f"achievable_fraction={achievable_fraction} must be in (0, 1]: the share of the peak FLOP/s that busy devices reach.")
+    space.check()
+    found = [
+        evaluate(workload, cluster, c, achievable_fraction, allowance)
+        for c in candidates(workload.model, cluster.devices, cluster.gpus_per_node, workload.global_batch_size, workload.seq_len, space)
+    ]
+    if not found:
+        raise ConfigError(
+            f"no layout of {cluster.devices} devices can take global_batch_size={workload.global_batch_size} with the search "
+            "settings given: each data-parallel replica needs whole micro batches. Choose a global batch divisible by the "
+            "device count, or widen search.micro_batch_sizes and search.strategies."
+        )
+    return sorted(found, key=lambda o: (not o.prediction.fits, -o.tokens_per_second if o.prediction.fits else o.prediction.memory.total))
+
+
+def training_days(tokens: float, flops_per_token: float, devices: int, flops_per_device: float) -> float:
+    """Days to train `tokens` at `flops_per_device` FLOP/s each: Narayanan et al. 2021's end-to-end
+    estimate, 8TP/(nX) with flops_per_token = 8P (full recompute)."""
+    return tokens * flops_per_token / (devices * flops_per_device) / SECONDS_PER_DAY

@@ -1,0 +1,181 @@
+"""The planner (project.plan, project.planning): checked against published numbers, against what our own
+code holds and saves, and against the training run's own settings checks."""
+
+import json
+
+import pytest
+import torch
+import yaml
+from hydra import compose, initialize_config_dir
+
+from conftest import ROOT, run_module
+from project.checks import CONF, plan_layout
+from project.model.config import LlamaConfig
+from project.model.flops import count_parameters
+from project.planning.candidates import Candidate, SearchSpace
+from project.planning.cluster import Cluster
+from project.planning.memory import Allowance, layer_activation_bytes
+from project.planning.planner import Workload, evaluate, plan, training_days
+from project.planning.render import train_overrides
+from project.planning.step_time import block_flops_per_token, head_flops_per_token
+
+
+def preset(name: str) -> LlamaConfig:
+    return LlamaConfig(**yaml.safe_load((ROOT / "conf" / "model" / f"{name}.yaml").read_text()))
+
+
+def cluster(name: str, nodes: int) -> Cluster:
+    return Cluster.from_config({**yaml.safe_load((ROOT / "conf" / "cluster" / f"{name}.yaml").read_text()), "nodes": nodes})
+
+
+@pytest.mark.parametrize("name, billions", [("llama2_7b", 6.74), ("llama3_8b", 8.03), ("llama3_70b", 70.6), ("llama3_405b", 405.9)])
+def test_presets_have_their_published_parameter_counts(name, billions):
+    assert round(count_parameters(preset(name)) / 1e9, 2 if billions < 10 else 1) == billions
+
+
+# Llama 3 405B as Meta trained it (Dubey et al. 2024, table 4): 8,192 tokens per sequence, 16M tokens per
+# step, TP 8, PP 16, and DP 64 on 8,192 H100s (430 TFLOP/s per GPU) or DP 128 on 16,384 (400 TFLOP/s).
+LLAMA3_STEP = 16 * 2**20 // 8192  # 2,048 sequences
+
+
+def published_layout(nodes: int, data_parallel: int, fraction: float = 0.41):
+    """The planner's best schedule for Meta's degrees: its fastest layout that fits with micro batches of one."""
+    space = SearchSpace(strategies=["pipeline"], schedules=["1f1b", "interleaved_1f1b"], virtual_stages=[2, 4, 7], micro_batch_sizes=[1])
+    work = Workload(preset("llama3_405b"), 8192, LLAMA3_STEP, 15.6e12)
+    shape = (data_parallel, 8, 16)
+    found = [o for o in plan(work, cluster("h100_80gb", nodes), space, fraction) if o.prediction.fits]
+    return next(o for o in found if (o.prediction.candidate.data_parallel, o.prediction.candidate.tensor_parallel, o.prediction.candidate.pipeline_parallel) == shape)
+
+
+def test_llama3_405b_published_layout_fits_in_80_gb_and_scales_as_published():
+    at_16k, at_8k = published_layout(2048, 128), published_layout(1024, 64)
+    # It fits, and the memory it needs is what the formulas add up to, under the H100's 79.6 GiB.
+    assert at_16k.prediction.memory.total <= cluster("h100_80gb", 1).memory_bytes
+    # Halving the replicas doubles the microbatches per replica and shrinks the bubble: the published
+    # throughputs differ by 430 / 400 = 1.075, whatever fraction of the peak the kernels reach.
+    for fraction in (0.41, 0.6):
+        ratio = published_layout(1024, 64, fraction).tflops_per_device / published_layout(2048, 128, fraction).tflops_per_device
+        assert ratio == pytest.approx(430 / 400, rel=0.02)
+    # The published 41% MFU bounds the prediction at that fraction: bubbles, recompute and exposed
+    # communication only take away from 0.41 x 989 = 405 TFLOP/s.
+    assert at_16k.tflops_per_device < 0.41 * 989 and at_8k.tflops_per_device < 0.41 * 989
+
+
+def test_megatron_end_to_end_estimates():
+    """Narayanan et al. 2021, section 5.1: time = 8TP / (nX). GPT-3 (175B, 300B tokens) on 1,024 A100s at
+    140 TFLOP/s each takes about 34 days; a 1T model (450B tokens) on 3,072 A100s at 163 TFLOP/s about 84."""
+    assert training_days(300e9, 8 * 175e9, 1024, 140e12) == pytest.approx(34, rel=0.05)
+    assert training_days(450e9, 8 * 1e12, 3072, 163e12) == pytest.approx(84, rel=0.05)
+    # The planner's FLOPs with full recompute are that 8P per token, plus the attention and head terms
+    # the estimate leaves out (GPT-3's shape as a Llama: 4h-wide MLP as a 2/3 x 4h SwiGLU, same parameters).
+    gpt3 = LlamaConfig(vocab_size=51200, dim=12288, n_layers=96, n_heads=96, ffn_dim=2 * 4 * 12288 // 3, max_seq_len=2048)
+    assert count_parameters(gpt3) == pytest.approx(175e9, rel=0.01)
+    _, hardware = block_flops_per_token(gpt3, 2048, "full")
+    per_token = gpt3.n_layers * hardware + head_flops_per_token(gpt3)
+    assert per_token == pytest.approx(8 * count_parameters(gpt3), rel=0.05)
+
+
+def test_activation_count_covers_what_a_compiled_block_saves_for_its_backward():
+    """The per-block count (project.planning.memory) against the bytes our torch.compile'd block actually
+    saves, read with saved-tensor hooks: at least as much, and within 15% of it."""
+    config = LlamaConfig(vocab_size=256, dim=128, n_layers=1, n_heads=8, ffn_dim=352, max_seq_len=64)
+    from project.model.llama import Llama
+
+    model = Llama(config)
+    block, (batch, seq) = model.layers["0"], (2, 48)
+    block.compile()
+    x = torch.randn(batch, seq, config.dim, requires_grad=True)
+    cos, sin = model.rope(seq, x.device, x.dtype)
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()} | {x.untyped_storage().data_ptr()}
+    for _ in range(2):  # the first call compiles
+        saved = {}
+
+        def keep(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            out = block(x, cos, sin, None)
+        out.sum().backward()
+    measured = sum(n for ptr, n in saved.items() if ptr not in params)
+    candidate = Candidate("fsdp2", 1, 1, 1, batch, 1, "selective")
+    counted = layer_activation_bytes(config, seq, batch, candidate, compute_bytes=4, compiled=True)
+    assert measured <= counted <= 1.15 * measured
+
+
+def small_plan():
+    work = Workload(preset("llama3_8b"), 8192, 128, 1e12)
+    return work, cluster("h100_80gb", 1), plan(work, cluster("h100_80gb", 1), SearchSpace(), 0.5)
+
+
+def test_every_layout_it_lists_is_one_project_train_accepts_as_planned():
+    work, h100, outcomes = small_plan()
+    assert len({o.prediction.candidate.strategy for o in outcomes}) == 6
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for outcome in outcomes[:: max(1, len(outcomes) // 20)]:
+            c = outcome.prediction.candidate
+            cfg = compose("train", overrides=train_overrides(c, work, h100, "llama3_8b"))
+            layout = plan_layout(cfg, cfg.trainer.num_nodes, cfg.trainer.devices)
+            assert tuple(layout.shape) == (c.pipeline_parallel, c.data_parallel, c.tensor_parallel), c.name
+            assert layout.plan.micro_batch_size == c.micro_batch_size
+            assert max(layout.plan.pipeline_microbatches, layout.plan.accumulate_grad_batches) == c.microbatches
+
+
+def test_layouts_that_fit_come_first_fastest_first():
+    _, h100, outcomes = small_plan()
+    fits = [o.prediction.fits for o in outcomes]
+    assert any(fits) and not all(fits)
+    assert fits == sorted(fits, reverse=True)
+    speeds = [o.tokens_per_second for o in outcomes if o.prediction.fits]
+    assert speeds == sorted(speeds, reverse=True)
+    for o in outcomes:
+        assert o.prediction.fits == (o.prediction.memory.total <= h100.memory_bytes)
+        assert 0 < o.mfu < 0.5  # never above the achievable fraction
+
+
+def test_more_recompute_less_memory_more_time():
+    work, h100, _ = small_plan()
+    base = dict(strategy="tp_fsdp", data_parallel=4, tensor_parallel=2, pipeline_parallel=1, micro_batch_size=2, microbatches=16, sequence_parallel=True)
+    none, selective, full = (evaluate(work, h100, Candidate(**base, recompute=r), 0.5, Allowance()) for r in ("none", "selective", "full"))
+    assert none.prediction.memory.activations > selective.prediction.memory.activations > full.prediction.memory.activations
+    assert none.prediction.time.total < selective.prediction.time.total < full.prediction.time.total
+
+
+def test_pipeline_bubble_is_p_minus_1_over_m_and_shrinks_with_virtual_stages():
+    work, h100, _ = small_plan()
+    common = dict(strategy="pipeline", data_parallel=2, tensor_parallel=1, pipeline_parallel=4, micro_batch_size=1, microbatches=64)
+    one = evaluate(work, h100, Candidate(**common, schedule="1f1b"), 0.5, Allowance()).prediction.time
+    four = evaluate(work, h100, Candidate(**common, schedule="interleaved_1f1b", virtual_stages=4), 0.5, Allowance()).prediction.time
+    slot = (one.compute + one.tensor_parallel + one.pipeline_transfers) / 64
+    assert one.bubble == pytest.approx(3 * slot)
+    assert four.bubble < one.bubble / 3
+
+
+def test_plan_command_prints_the_best_layout_and_writes_a_sweep(tmp_path):
+    out = tmp_path / "plan"
+    result = run_module("project.plan", ["cluster.nodes=2", "global_batch_size=256", f"out={out}", "top_k=3"], timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "best layout:\npython -m project.train model=llama3_8b" in result.stdout
+    spec = yaml.safe_load((out / "sweep.yaml").read_text())
+    layouts = spec["parameters"]["experiment"]["values"]
+    assert len(layouts) == 3 and all((out / "experiment" / f"{name}.yaml").is_file() for name in layouts)
+    dry = run_module("project.sweep", [f"spec={out}/sweep.yaml", "dry_run=true"], timeout=120)
+    assert dry.returncode == 0, dry.stderr
+    # Each point's command composes into the planned layout.
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for name in layouts:
+            cfg = compose("train", overrides=[f"hydra.searchpath=[file://{out}]", f"experiment={name}"])
+            plan_layout(cfg, cfg.trainer.num_nodes, cfg.trainer.devices)
+    record = json.loads((out / "plan.json").read_text())
+    assert record["layouts"][0]["layout"] == layouts[0] and record["devices"] == 16
+
+
+def test_plan_json_and_clear_errors():
+    result = run_module("project.plan", ["model=llama3_70b", "cluster=a100_40gb", "format=json"], timeout=120)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["cluster"] == "a100_40gb" and not any(layout["fits"] for layout in record["layouts"])  # 70B on 8 x 40 GB
+    bad = run_module("project.plan", ["cluster=a100"], timeout=120)
+    assert bad.returncode == 2 and "cluster" in bad.stderr and "Traceback" not in bad.stderr
+    odd = run_module("project.plan", ["global_batch_size=7", "search.strategies=[ddp,fsdp2]"], timeout=120)  # 7 over 8 replicas
+    assert odd.returncode == 2 and "global_batch_size=7" in odd.stderr and "Traceback" not in odd.stderr
