@@ -8,16 +8,19 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
-from conftest import ROOT, run_module
-from project.checks import CONF, plan_layout
+from conftest import PARITY_RUN, PIPELINE_RUN, ROOT, run_module
+from conftest import train_overrides as train_overrides_for_tests
+from project.checks import CONF, model_config, plan_layout
 from project.model.config import LlamaConfig
 from project.model.flops import count_parameters
 from project.planning.candidates import Candidate, SearchSpace
 from project.planning.cluster import Cluster
-from project.planning.memory import Allowance, layer_activation_bytes
+from project.planning.memory import Allowance, estimate_memory, layer_activation_bytes
 from project.planning.planner import Workload, evaluate, plan, training_days
 from project.planning.render import train_overrides
 from project.planning.step_time import block_flops_per_token, head_flops_per_token
+from test_pipeline import LAYOUTS as PIPELINES
+from test_sharded_parity import LAYOUTS as SHARDED
 
 
 def preset(name: str) -> LlamaConfig:
@@ -179,3 +182,32 @@ def test_plan_json_and_clear_errors():
     assert bad.returncode == 2 and "cluster" in bad.stderr and "Traceback" not in bad.stderr
     odd = run_module("project.plan", ["global_batch_size=7", "search.strategies=[ddp,fsdp2]"], timeout=120)  # 7 over 8 replicas
     assert odd.returncode == 2 and "global_batch_size=7" in odd.stderr and "Traceback" not in odd.stderr
+
+
+# Runs the parity tests train anyway (tests/test_sharded_parity.py, test_ddp_parity.py, test_pipeline.py),
+# with the layout the planner would describe them by: (overrides, strategy, dp, tp, pp, micro batch, microbatches).
+MEASURED = {
+    "ddp": ([*PARITY_RUN, "strategy=ddp", "trainer.devices=2", "micro_batch_size=null"], Candidate("ddp", 2, 1, 1, 4, 1)),
+    "fsdp2": ([*PARITY_RUN, *SHARDED["fsdp2"]], Candidate("fsdp2", 2, 1, 1, 4, 1)),
+    "tp": ([*PARITY_RUN, *SHARDED["tp"]], Candidate("tp", 1, 2, 1, 8, 1)),
+    "tp_fsdp": ([*PARITY_RUN, *SHARDED["tp2-fsdp2-2d"]], Candidate("tp_fsdp", 2, 2, 1, 4, 1)),
+    "pipeline": ([*PIPELINE_RUN, *PIPELINES["pp2-1f1b"]], Candidate("pipeline", 1, 1, 2, 1, 8, schedule="1f1b")),
+    "pipeline-dp2": ([*PIPELINE_RUN, *PIPELINES["pp2-dp2-fsdp2"]], Candidate("pipeline", 2, 1, 2, 1, 4, schedule="1f1b")),
+    "pipeline-tp2": ([*PIPELINE_RUN, *PIPELINES["pp2-tp2"]], Candidate("pipeline", 1, 2, 2, 1, 8, schedule="1f1b")),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", MEASURED, ids=list(MEASURED))
+def test_predicted_model_state_per_rank_matches_what_memory_monitor_records(trained, tiny_shards, tmp_path, layout):
+    overrides, candidate = MEASURED[layout]
+    run_dir = trained(*overrides)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        config = model_config(compose("train", overrides=train_overrides_for_tests(tiny_shards, tmp_path, *overrides)))
+    ranks = candidate.data_parallel * candidate.tensor_parallel * candidate.pipeline_parallel
+    for rank in range(ranks):
+        recorded = json.loads((run_dir / "memory" / f"rank{rank}.json").read_text())
+        pipeline_rank = rank // (candidate.data_parallel * candidate.tensor_parallel)  # pipeline outermost
+        predicted = estimate_memory(config, candidate, 32, "32-true", "cpu", Allowance(), pipeline_rank)
+        for key in ("params", "grads", "optimizer"):
+            assert predicted.__dict__[key] == pytest.approx(recorded[f"{key[:-1] if key != 'optimizer' else key}_bytes"], rel=0.02), (rank, key)

@@ -52,15 +52,16 @@ def train_overrides(candidate: Candidate, workload: Workload, cluster: Cluster, 
 
 def table(outcomes: list[Outcome], limit: int) -> str:
     """The layouts that fit, fastest first, then those that do not (at most `limit` rows each)."""
-    head = f"{'layout':<52} {'GiB/dev':>8} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} {'days':>9}  {'bubble':>6}  note"
-    lines = [head, "-" * len(head)]
     fitting = [o for o in outcomes if o.prediction.fits][:limit]
     other = [o for o in outcomes if not o.prediction.fits][: max(0, limit - len(fitting)) or 3]
+    width = max(len(o.prediction.candidate.name) for o in fitting + other)
+    head = f"{'layout':<{width}} {'GiB/dev':>8} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} {'days':>9}  {'bubble':>6}  note"
+    lines = [head, "-" * len(head)]
     for o in fitting + other:
         t = o.prediction.time
         note = "" if o.prediction.fits else o.prediction.reason
         lines.append(
-            f"{o.prediction.candidate.name:<52} {o.prediction.memory.total / GIB:>8.1f} {o.tokens_per_second:>11,.0f} "
+            f"{o.prediction.candidate.name:<{width}} {o.prediction.memory.total / GIB:>8.1f} {o.tokens_per_second:>11,.0f} "
             f"{o.tflops_per_device:>8.1f} {o.mfu:>6.1%} {o.days:>9,.1f}  {t.bubble / t.total:>6.1%}  {note}"
         )
     return "\n".join(lines)
