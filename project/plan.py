@@ -10,6 +10,7 @@ are in project/planning/.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from project.planning.candidates import SearchSpace
 from project.planning.cluster import Cluster
 from project.planning.memory import Allowance
 from project.planning.planner import Workload, plan
-from project.planning.render import as_record, command_line, sweep_spec, table, train_overrides
+from project.planning.render import as_record, command_line, model_arguments, sweep_spec, table, train_overrides
 
 
 def workload(cfg: DictConfig) -> Workload:
@@ -53,11 +54,9 @@ def run(cfg: DictConfig) -> dict:
     space = SearchSpace(**OmegaConf.to_container(cfg.search, resolve=True))
     outcomes = plan(work, cluster, space, float(cfg.achievable_fraction), Allowance(**cfg.memory))
     name = model_name(cfg)
-    best = outcomes[0]
-    overrides = train_overrides(best.prediction.candidate, work, cluster, name)
-    if name is None:  # the model's fields, since no preset describes it
-        overrides[:0] = [f"model.{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if v is not None]
-    records = [as_record(o, train_overrides(o.prediction.candidate, work, cluster, name)) for o in outcomes]
+    model = model_arguments(name, OmegaConf.to_container(cfg.model, resolve=True))
+    overrides = train_overrides(outcomes[0].prediction.candidate, work, cluster, model)
+    records = [as_record(o, train_overrides(o.prediction.candidate, work, cluster, model)) for o in outcomes]
     summary = {
         "model": name, "cluster": cluster.name, "devices": cluster.devices, "seq_len": work.seq_len,
         "global_batch_size": work.global_batch_size, "train_tokens": work.train_tokens, "precision": work.precision,
@@ -70,10 +69,13 @@ def run(cfg: DictConfig) -> dict:
         (folder / "plan.json").write_text(json.dumps(summary, indent=1) + "\n")
         (folder / "plan.md").write_text(f"```text\n{text}\n```\n")
         top = [o for o in outcomes if o.prediction.fits][: cfg.top_k]
-        spec = sweep_spec(f"plan-{folder.name}", top, work, cluster, name, folder)
+        spec = sweep_spec(f"plan-{folder.name}", top, work, cluster, model, folder)
         (folder / "sweep.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
         text += f"\n\nwrote {folder}/plan.json, plan.md and sweep.yaml (the top {len(top)} layouts): python -m project.sweep spec={folder}/sweep.yaml"
-    print(json.dumps(summary, indent=1) if cfg.format == "json" else text)
+    try:
+        print(json.dumps(summary, indent=1) if cfg.format == "json" else text, flush=True)
+    except BrokenPipeError:  # `python -m project.plan | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return summary
 
 

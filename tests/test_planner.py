@@ -117,7 +117,7 @@ def test_every_layout_it_lists_is_one_project_train_accepts_as_planned():
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         for outcome in outcomes[:: max(1, len(outcomes) // 20)]:
             c = outcome.prediction.candidate
-            cfg = compose("train", overrides=train_overrides(c, work, h100, "llama3_8b"))
+            cfg = compose("train", overrides=train_overrides(c, work, h100, ["model=llama3_8b"]))
             layout = plan_layout(cfg, cfg.trainer.num_nodes, cfg.trainer.devices)
             assert tuple(layout.shape) == (c.pipeline_parallel, c.data_parallel, c.tensor_parallel), c.name
             assert layout.plan.micro_batch_size == c.micro_batch_size

@@ -3,6 +3,7 @@ overrides, a wandb sweep spec over the top layouts, JSON."""
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,18 @@ from project.planning.cluster import GIB, Cluster
 from project.planning.planner import Outcome, Workload
 
 
-def train_overrides(candidate: Candidate, workload: Workload, cluster: Cluster, model_name: str | None) -> list[str]:
-    """`project.train` arguments that run `candidate` on `cluster` as the planner assumed it."""
+def model_arguments(name: str | None, fields: dict[str, Any]) -> list[str]:
+    """`model=NAME` for a preset as it is, else every field of the model (a preset changed, or none)."""
+    if name:
+        return [f"model={name}"]
+    return [f"model.{key}={json.dumps(value) if not isinstance(value, str) else value}" for key, value in fields.items() if value is not None]
+
+
+def train_overrides(candidate: Candidate, workload: Workload, cluster: Cluster, model: list[str]) -> list[str]:
+    """`project.train` arguments that run `candidate` on `cluster` as the planner assumed it; `model`:
+    model_arguments()."""
     c = candidate
-    out = [f"model={model_name}"] if model_name else []
+    out = [*model]
     out += [
         f"trainer={cluster.accelerator}",
         f"trainer.num_nodes={cluster.nodes}",
@@ -62,7 +71,7 @@ def table(outcomes: list[Outcome], limit: int) -> str:
         note = "" if o.prediction.fits else o.prediction.reason
         lines.append(
             f"{o.prediction.candidate.name:<{width}} {o.prediction.memory.total / GIB:>8.1f} {o.tokens_per_second:>11,.0f} "
-            f"{o.tflops_per_device:>8.1f} {o.mfu:>6.1%} {o.days:>9,.1f}  {t.bubble / t.total:>6.1%}  {note}"
+            f"{o.tflops_per_device:>8.3g} {o.mfu:>6.1%} {o.days:>9,.1f}  {t.bubble / t.total:>6.1%}  {note}"
         )
     return "\n".join(lines)
 
@@ -85,7 +94,7 @@ def as_record(outcome: Outcome, overrides: list[str]) -> dict[str, Any]:
     }
 
 
-def sweep_spec(name: str, outcomes: list[Outcome], workload: Workload, cluster: Cluster, model_name: str | None, folder: Path) -> dict[str, Any]:
+def sweep_spec(name: str, outcomes: list[Outcome], workload: Workload, cluster: Cluster, model: list[str], folder: Path) -> dict[str, Any]:
     """A wandb sweep (experiments/sweeps/ format) over the top layouts: each layout is an experiment file in
     `folder`/experiment/, which the sweep's command adds to Hydra's search path."""
     experiments = folder / "experiment"
@@ -93,11 +102,11 @@ def sweep_spec(name: str, outcomes: list[Outcome], workload: Workload, cluster: 
     names = []
     for o in outcomes:
         layout = o.prediction.candidate.name
-        (experiments / f"{layout}.yaml").write_text(experiment_file(train_overrides(o.prediction.candidate, workload, cluster, model_name)))
+        (experiments / f"{layout}.yaml").write_text(experiment_file(train_overrides(o.prediction.candidate, workload, cluster, model)))
         names.append(layout)
     return {
         "name": name,
-        "description": f"the planner's top {len(names)} layouts of {model_name or 'the model'} on {cluster.devices} devices of {cluster.name}",
+        "description": f"the planner's top {len(names)} layouts of {model[0].removeprefix('model=') if len(model) == 1 else 'the model'} on {cluster.devices} devices of {cluster.name}",
         "program": "project/train.py",
         "project": "llama-pretrain",
         "method": "grid",
