@@ -74,12 +74,17 @@ def step_time(config: LlamaConfig, candidate: Candidate, seq_len: int, precision
     slowest = (0.0, 0.0, 0.0)
     for rank in range(pp):
         layers = sum(rank_layers(config, c, rank))
-        _, last = holds_first_and_last(c, rank)
+        first, last = holds_first_and_last(c, rank)
         flops = tokens * (layers * block_hw + (head_flops_per_token(config) if last else 0.0)) / tp
-        # Per block: an all-reduce (or reduce-scatter + all-gather) after attention and after the
-        # feed-forward, in the forward and again in the backward; full recompute repeats the forward's.
-        collectives = (6 if c.recompute == "full" else 4) * layers
-        tensor = collectives * _ring(activation, tp, cluster.bandwidth(tp), latency, all_reduce=True)
+        # Per block: an all-reduce after attention and after the feed-forward, in the forward and again in
+        # the backward (full recompute repeats the forward's); the embedding's output and the head's input
+        # once each way. Sequence parallelism turns each all-reduce into a reduce-scatter and an all-gather:
+        # the same bytes, twice the collectives.
+        all_reduces = (6 if c.recompute == "full" else 4) * layers + 2 * first + 2 * last
+        if c.sequence_parallel:
+            tensor = 2 * all_reduces * _ring(activation, tp, cluster.bandwidth(tp), latency)
+        else:
+            tensor = all_reduces * _ring(activation, tp, cluster.bandwidth(tp), latency, all_reduce=True)
         chunks = len(rank_layers(config, c, rank)) if pp > 1 else 0
         boundary = activation / (tp if c.sequence_parallel else 1)
         transfers = 2 * chunks * (boundary / cluster.bandwidth(2 * tp * dp) + latency)  # activations forward, gradients back
