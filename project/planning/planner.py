@@ -9,7 +9,8 @@ from project.model.config import LlamaConfig
 from project.planning.candidates import Candidate, SearchSpace, candidates
 from project.planning.cluster import GIB, Cluster
 from project.planning.memory import STORAGE_BYTES, Allowance, MemoryEstimate, peak_memory
-from project.planning.step_time import StepTime, model_flops_per_token, step_time
+from project.model.flops import training_flops_per_token
+from project.planning.step_time import StepTime, step_time
 
 SECONDS_PER_DAY = 86_400
 
@@ -66,7 +67,7 @@ def evaluate(workload: Workload, cluster: Cluster, candidate: Candidate, achieva
     memory = peak_memory(workload.model, candidate, workload.seq_len, workload.precision, cluster.accelerator, allowance)
     time = step_time(workload.model, candidate, workload.seq_len, workload.precision, cluster, achievable_fraction)
     tokens_per_second = workload.tokens_per_step / time.total
-    flops = model_flops_per_token(workload.model, workload.seq_len) * tokens_per_second / cluster.devices
+    flops = training_flops_per_token(workload.model, workload.seq_len) * tokens_per_second / cluster.devices
     dtype = "fp32" if workload.precision == "32-true" else "bf16"
     return Outcome(
         Prediction(candidate, memory, time, cluster.memory_bytes),

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from project.model.config import LlamaConfig
-from project.model.flops import training_flops_per_token
 from project.planning.candidates import Candidate
 from project.planning.cluster import Cluster
 from project.planning.memory import COMPUTE_BYTES, GRAD_REDUCE_BYTES, STORAGE_BYTES
@@ -48,10 +47,6 @@ def block_flops_per_token(config: LlamaConfig, seq_len: int, recompute: str) -> 
 
 def head_flops_per_token(config: LlamaConfig) -> float:
     return 6 * config.vocab_size * config.dim
-
-
-def model_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
-    return training_flops_per_token(config, seq_len)
 
 
 def _ring(bytes_: float, ranks: int, bandwidth: float, latency: float, all_reduce: bool = False) -> float:
