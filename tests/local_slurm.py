@@ -15,6 +15,7 @@ from pathlib import Path
 
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
 NODES = ("n1", "n2")
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"}
 
 
 def why_not_available() -> str | None:
@@ -97,25 +98,33 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
             except (ValueError, ProcessLookupError):
                 pass
 
-    def job_state(self, job: str) -> str:
-        """PENDING, RUNNING, ... or "" once the job has left the queue; UNKNOWN when squeue itself failed
-        (a busy controller times out), which must not read as gone."""
-        result = self.run("squeue", "-h", "-j", job, "-o", "%T", check=False)
-        if result.returncode != 0 and "Invalid job id" not in result.stderr:
-            return "UNKNOWN"
-        return result.stdout.strip()
+    def job_records(self, job: str) -> list[dict[str, str]] | None:
+        """The controller's record of the job (one per task of an array): JobState, Restarts, ...; [] once the
+        job has been purged, None when scontrol itself failed (a busy controller times out): not an answer."""
+        result = self.run("scontrol", "show", "job", "-o", job, check=False)
+        if result.returncode != 0:
+            return [] if "Invalid job id" in result.stderr else None
+        return [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in result.stdout.splitlines() if line.strip()]
 
-    def wait_until_gone(self, job: str, timeout: float) -> None:
-        """Until the job has left the queue. A requeued job waits about two minutes before SLURM starts it
-        again (its begin time is set ahead); here it is started at once, to keep the tests short. Gone means
-        absent at three polls in a row: between its tasks' exit and its requeue a job can be absent from
-        squeue's listing for a moment (seen on a loaded machine)."""
-        deadline, absent = time.monotonic() + timeout, 0
-        while absent < 3 and time.monotonic() < deadline:
-            state = self.job_state(job)
-            absent = 0 if state else absent + 1
-            if state == "PENDING":
-                self.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+    def job_state(self, job: str) -> str:
+        """PENDING, RUNNING, ... of the job's first record; UNKNOWN when the controller did not answer."""
+        records = self.job_records(job)
+        return "UNKNOWN" if records is None else records[0]["JobState"] if records else ""
+
+    def wait_until_finished(self, job: str, timeout: float) -> list[dict[str, str]]:
+        """Until every record of the job is in a final state (COMPLETED, FAILED, ...); returns the records.
+        A requeued job passes through REQUEUED, COMPLETING and PENDING, never a final state, so its restart
+        is waited for (squeue's default listing can miss a job in between: seen on a loaded machine). SLURM
+        sets a requeued job's begin time about two minutes ahead; here it is started at once, to keep the
+        tests short."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            records = self.job_records(job)
+            if records is not None:
+                if all(r.get("JobState") in FINAL_STATES for r in records):
+                    return records
+                for record in records:
+                    if record.get("JobState") == "PENDING":
+                        self.run("scontrol", "update", f"JobId={record['JobId']}", "StartTime=now", check=False)
             time.sleep(1)
-        if absent < 3:
-            raise TimeoutError(f"job {job} still {self.job_state(job)} after {timeout:.0f} s")
+        raise TimeoutError(f"job {job} still {self.job_state(job)} after {timeout:.0f} s")

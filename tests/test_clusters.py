@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.conftest import ROOT, read_metrics, run_train, train_overrides
-from tests.local_slurm import LocalSlurm, free_port, why_not_available
+from tests.local_slurm import FINAL_STATES, LocalSlurm, free_port, why_not_available
 
 pytestmark = pytest.mark.slow
 
@@ -80,8 +80,9 @@ def slurm_overrides(tiny_shards, run_dir, *extra):
 def test_a_two_node_slurm_job_trains_like_one_node(slurm, tiny_shards, tmp_path, reference):
     run_dir = tmp_path / "run"
     job = submit(slurm, run_dir, slurm_overrides(tiny_shards, run_dir, "trainer.max_steps=40", "val_every_n_steps=100"))
-    slurm.wait_until_gone(job, timeout=300)
+    [record] = slurm.wait_until_finished(job, timeout=300)
     log = (tmp_path / "run.out").read_text()
+    assert record["JobState"] == "COMPLETED", log[-3000:]
     assert "on n[1-2]" in log and "rank 0 at 127.0.0.1" in log, log[-3000:]
     assert read_metrics(run_dir, "train/loss") == pytest.approx(reference, abs=1e-6), log[-3000:]
 
@@ -93,11 +94,12 @@ def test_a_preempted_slurm_job_saves_requeues_and_resumes_exactly(slurm, tiny_sh
     job = submit(slurm, run_dir, overrides)
     deadline = time.monotonic() + 300
     while not (run_dir / "metrics.csv").is_file() or len(read_metrics(run_dir, "train/loss")) < 3:
-        assert time.monotonic() < deadline and slurm.job_state(job), "the job did not start training"
+        assert time.monotonic() < deadline and slurm.job_state(job) not in {"", *FINAL_STATES}, "the job did not start training"
         time.sleep(0.5)
     slurm.run("scancel", "--signal=USR1", job)  # what SLURM sends ahead of a preemption or the time limit
-    slurm.wait_until_gone(job, timeout=300)
+    [record] = slurm.wait_until_finished(job, timeout=300)
     log = (tmp_path / "run.out").read_text()
+    assert (record["JobState"], record["Restarts"]) == ("COMPLETED", "1"), log[-3000:]
     assert "resume with ckpt_path=last (exit status 3)" in log and "requeueing job" in log, log[-3000:]
     assert "(restart 1)" in log and "Restored all states from the checkpoint" in log, log[-3000:]
     assert read_metrics(run_dir, "train/loss") == pytest.approx(reference, abs=1e-6), log[-3000:]
@@ -114,9 +116,9 @@ def test_a_slurm_job_array_prepares_the_corpus_as_one_machine_does(slurm, tiny_s
          "experiments/slurm/prepare_array.sbatch", *settings, f"data.dir={tmp_path / 'shards'}", f"paths.log_dir={tmp_path}"],
         cwd=ROOT, env=env, capture_output=True, text=True, check=True,
     )
-    slurm.wait_until_gone(result.stdout.strip().split(";")[0], timeout=300)
+    records = slurm.wait_until_finished(result.stdout.strip().split(";")[0], timeout=300)
     logs = "".join(p.read_text() for p in sorted(tmp_path.glob("prepare-*.out")))
-    assert "prepare task 1 of 2" in logs, logs[-3000:]
+    assert [r["JobState"] for r in records] == ["COMPLETED", "COMPLETED"] and "prepare task 1 of 2" in logs, logs[-3000:]
     one = prepare_shards([str(tiny_shards.parent / "raw" / "*.txt")], tmp_path / "one", tokenizer=tiny_shards / "tokenizer.json",
                          seq_len=32, part_mb=0.01, num_workers=1, val_fraction=0.3)
     assert one["parts"] >= 3, "each task had parts of its own"
