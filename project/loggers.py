@@ -13,7 +13,6 @@ from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from omegaconf import DictConfig
-import wandb
 
 from project.redact import redacted_container, secret_values
 
@@ -95,6 +94,8 @@ def build_loggers(cfg: DictConfig, run_dir: Path, name: str, group: str | None =
     loggers: list[Logger] = [RunCSVLogger(run_dir)]
     wandb_cfg = cfg.logger.get("wandb")
     if wandb_cfg is not None:
+        import wandb  # here, not at the top: 0.8 s of every process's start, and most runs log to CSV only
+
         wandb_logger = WandbLogger(
             id=wandb_run_id(run_dir),  # a run resumed in its directory continues its wandb run
             resume="allow",
