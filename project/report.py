@@ -44,6 +44,7 @@ from project.errors import ConfigError, exit_on_config_error
 from project.parallel.batch import BatchPlan
 from project.parallel.mesh import MeshShape
 from project.report_wandb import UnreadableLog, WandbRun, api_runs, is_run_folder, read_folders, run_folders
+from project.svg_plots import bar_chart, line_chart
 
 OPTIONS = {"name": None, "out": None}
 USAGE = "usage: python -m project.report RUN_DIR|SWEEP_DIR|WANDB_RUN_DIR|wandb:ENTITY/PROJECT[/SWEEP_ID]... [name=NAME] [out=DIR]"
@@ -384,53 +385,21 @@ def plot_labels(summaries: list[RunSummary]) -> dict[int, str]:
 
 def write_plots(summaries: list[RunSummary], folder: Path) -> dict[str, str]:
     """{plot: file name} of the plots there are data for, as SVG (text: small, and diffs in git)."""
-    import matplotlib  # here, not at the top: a bad argument is answered without loading it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    # Text kept as text, and no date or random ids in the file: the same runs give the same bytes.
-    plt.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "project.report", "font.size": 9})
     labels = plot_labels(summaries)
-    written: dict[str, str] = {}
-
-    def bars(key: str, values: list[tuple[str, float]], xlabel: str, number: str) -> None:
-        if not values:
-            return
-        figure, axes = plt.subplots(figsize=(7.5, 1.2 + 0.35 * len(values)))
-        names, heights = zip(*values)
-        axes.barh(range(len(values)), heights, color="tab:blue")
-        axes.set_yticks(range(len(values)), names)
-        axes.invert_yaxis()  # the table's order: best at the top
-        for y, value in enumerate(heights):
-            axes.text(value, y, " " + format(value, number), va="center")
-        axes.set_xlabel(xlabel)
-        axes.set_xlim(0, max(heights) * 1.2)
-        axes.set_title(PLOTS[key])
-        save(figure, key)
-
-    def save(figure, key: str) -> None:
-        figure.tight_layout()
-        figure.savefig(folder / f"{key}.svg", metadata={"Date": None})
-        plt.close(figure)
-        written[key] = f"{key}.svg"
-
-    bars("throughput", [(labels[id(s)], s.tokens_per_sec_per_device) for s in summaries if s.tokens_per_sec_per_device],
-         "tokens/s per device (median after the first logged window)", ",.0f")
-    bars("memory", [(labels[id(s)], s.peak_bytes_per_rank / 2**20) for s in summaries if s.peak_bytes_per_rank],
-         "peak memory of the highest rank (MiB)", ",.0f")
-    curves = [s for s in summaries if s.train_losses]
+    throughput = [(labels[id(s)], s.tokens_per_sec_per_device) for s in summaries if s.tokens_per_sec_per_device]
+    memory = [(labels[id(s)], s.peak_bytes_per_rank / 2**20) for s in summaries if s.peak_bytes_per_rank]
+    curves = [(labels[id(s)], s.train_losses) for s in summaries if s.train_losses]
+    charts: dict[str, str] = {}  # bars in the table's order, which bar_chart draws from the top: best first
+    if throughput:
+        charts["throughput"] = bar_chart(PLOTS["throughput"], throughput,
+                                         "tokens/s per device (median after the first logged window)", ",.0f")
+    if memory:
+        charts["memory"] = bar_chart(PLOTS["memory"], memory, "peak memory of the highest rank (MiB)", ",.0f")
     if curves:
-        figure, axes = plt.subplots(figsize=(7.5, 4.5))
-        for s in curves:
-            steps, losses = zip(*s.train_losses)
-            axes.plot(steps, losses, label=labels[id(s)], linewidth=1.2)
-        axes.set_xlabel("optimizer step")
-        axes.set_ylabel("train/loss")
-        axes.set_title(PLOTS["loss"])
-        axes.legend(fontsize=7)
-        save(figure, "loss")
-    return written
+        charts["loss"] = line_chart(PLOTS["loss"], curves, "optimizer step", "train/loss")
+    for key, svg in charts.items():
+        (folder / f"{key}.svg").write_text(svg, encoding="utf-8")
+    return {key: f"{key}.svg" for key in charts}
 
 
 NOTES = """\
