@@ -196,14 +196,15 @@ def is_pipeline(strategy_cfg: Mapping[str, Any]) -> bool:
     return str(strategy_cfg.get("_target_", "")).endswith("LlamaPipelineStrategy")
 
 
-def check_trainer(cfg: DictConfig) -> None:
+def check_trainer(cfg: DictConfig, here: bool = True) -> None:
+    """`here`: the run is to start on this machine (not a dry run of a job for another), so a GPU it asks for must be here."""
     if cfg.trainer.get("max_steps", -1) in (None, -1):
         raise ConfigError("trainer.max_steps must be set: training length is counted in optimizer steps.")
     for key, fix in COMPUTED_TRAINER_KEYS.items():
         if key in cfg.trainer:
             raise ConfigError(f"trainer.{key} is computed by project.train: {fix}.")
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    if accelerator in ("gpu", "cuda"):
+    if accelerator in ("gpu", "cuda") and here:
         import torch  # only here: a CPU run's settings check should not wait for it
 
         if not torch.cuda.is_available():
@@ -467,10 +468,11 @@ def check_init_from(cfg: DictConfig) -> None:
         raise ConfigError(f"init_from={cfg.init_from}: its config.json gives a model this platform cannot build ({error}).") from None
 
 
-def preflight(cfg: DictConfig) -> Layout | None:
-    """Every check that the config alone allows; the layout too when the device count is explicit."""
+def preflight(cfg: DictConfig, dry_run: bool = False) -> Layout | None:
+    """Every check that the config alone allows; the layout too when the device count is explicit.
+    `dry_run`: the devices asked for are those of the job, not of this machine."""
     check_init_from(cfg)
-    check_trainer(cfg)
+    check_trainer(cfg, here=not dry_run)
     check_values(cfg)
     check_data(cfg)
     check_ckpt_path(cfg)

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from project.checks import check_command_line, model_config
 from project.errors import ConfigError, exit_on_config_error
 from project.planning.candidates import SearchSpace
-from project.planning.cluster import Cluster
+from project.planning.cluster import GIB, Cluster
 from project.planning.memory import Allowance
 from project.planning.planner import Workload, plan
 from project.planning.render import as_record, command_line, model_arguments, sweep_spec, table, train_overrides
@@ -63,6 +63,12 @@ def run(cfg: DictConfig) -> dict:
         "achievable_fraction": cfg.achievable_fraction, "layouts": records,
     }
     text = report(outcomes, cluster, work, name, overrides)
+    if cfg.check_with_dry_run:
+        top = [o for o in outcomes if o.prediction.fits][: cfg.top_k]
+        checked = dry_run_states(top, work, cluster, model)
+        for record, (outcome, share) in zip(records, checked):
+            record["dry_run"] = {"rank": share.rank, "params": share.param_bytes, "grads": share.grad_bytes, "optimizer": share.optimizer_bytes}
+        text += "\n\n" + dry_run_table(checked)
     if cfg.out:
         folder = Path(cfg.out)
         folder.mkdir(parents=True, exist_ok=True)
@@ -77,6 +83,40 @@ def run(cfg: DictConfig) -> dict:
     except BrokenPipeError:  # `python -m project.plan | head`: the reader has all it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return summary
+
+
+def dry_run_states(outcomes: list, work: Workload, cluster: Cluster, model: list[str]) -> list:
+    """(outcome, RankShare) for each outcome: its layout run through `project.train dry_run=true`'s sharding
+    (the strategy's own code on a fake process group) for the pipeline rank the formulas found fullest."""
+    from hydra import compose
+
+    from project.checks import plan_layout
+    from project.dry_run import rank_share
+
+    checked = []
+    for outcome in outcomes:
+        candidate = outcome.prediction.candidate
+        train_cfg = compose("train", overrides=train_overrides(candidate, work, cluster, model))
+        layout = plan_layout(train_cfg, cluster.nodes, cluster.gpus_per_node)
+        rank = outcome.prediction.memory.pipeline_rank * candidate.data_parallel * candidate.tensor_parallel
+        checked.append((outcome, rank_share(train_cfg, layout, rank)))
+    return checked
+
+
+def dry_run_table(checked: list) -> str:
+    width = max([len("layout")] + [len(o.prediction.candidate.name) for o, _ in checked])
+    lines = [
+        "model states per device (parameters, gradients, AdamW), the formulas against the dry run (project.train dry_run=true:",
+        "the strategy's own sharding of the model on a fake process group of the cluster's size):",
+        f"{'layout':<{width}} {'rank':>5} {'formulas GiB':>13} {'dry run GiB':>12} {'difference':>11}",
+    ]
+    for outcome, share in checked:
+        predicted = outcome.prediction.memory.states
+        lines.append(
+            f"{outcome.prediction.candidate.name:<{width}} {share.rank:>5} {predicted / GIB:>13.2f} {share.state_bytes / GIB:>12.2f} "
+            f"{predicted / share.state_bytes - 1:>+11.2%}"
+        )
+    return "\n".join(lines)
 
 
 def report(outcomes, cluster: Cluster, work: Workload, name: str | None, overrides: list[str]) -> str:

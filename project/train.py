@@ -18,6 +18,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from project.checks import check_command_line, preflight
+from project.dry_run import dry_run_argv
 from project.errors import ConfigError, TrainingStopped, exit_on_config_error
 from project.processes import die_with_launcher, report_failed_rank
 
@@ -39,7 +40,13 @@ def main(cfg: DictConfig) -> float | None:
         os.environ["PROJECT_MULTIRUN_DIR"] = str(Path(HydraConfig.get().sweep.dir).absolute())
     with exit_on_config_error():
         try:
-            layout = preflight(cfg)  # seconds, before the imports below
+            layout = preflight(cfg, dry_run=cfg.dry_run.enabled)  # seconds, before the imports below
+            if cfg.dry_run.enabled:
+                from project.dry_run import dry_run
+
+                strategy = HydraConfig.get().runtime.choices.get("strategy", "strategy")
+                dry_run(cfg, layout, strategy, Path(HydraConfig.get().runtime.output_dir))
+                return None
             from project.training import train
 
             return train(cfg, layout).get("val/loss")
@@ -57,6 +64,7 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     die_with_launcher()
+    sys.argv[1:] = dry_run_argv(sys.argv[1:])
     with exit_on_config_error():
         check_command_line(sys.argv[1:])  # before Hydra: its own answer to a typo is a traceback hint
     main()

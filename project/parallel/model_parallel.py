@@ -76,6 +76,13 @@ class LlamaParallelStrategy(ModelParallelStrategy):
     def parallelize(self, model: Llama, initialize: bool = True) -> None:
         """Shard `model` in place; one built on the meta device then gets memory, and, unless a
         checkpoint is about to fill it (`initialize=False`), its single-device initial values."""
+        self.shard(model)
+        if any(p.is_meta for p in model.parameters()):  # built without memory (LlamaLitModule(init_on_meta=True))
+            materialize(model, self.root_device, initialize)
+
+    def shard(self, model: Llama) -> None:
+        """What `parallelize` does before any memory is given: this rank's part of the model, as
+        DTensors on a model that may stay on the meta device (project.dry_run stops here)."""
         tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
         if tp_mesh.size() > 1:
             apply_tensor_parallel(model, tp_mesh, self.sequence_parallel, self.loss_parallel)
@@ -87,8 +94,6 @@ class LlamaParallelStrategy(ModelParallelStrategy):
                 block.compile()
         for root in self._sharded_roots(model):
             apply_fsdp2(root, dp_mesh, self.param_dtype, self.reduce_dtype)
-        if any(p.is_meta for p in model.parameters()):  # built without memory (LlamaLitModule(init_on_meta=True))
-            materialize(model, self.root_device, initialize)
 
     def _sharded_roots(self, model: Llama) -> list[nn.Module]:
         # The modules FSDP2 shards as a whole (each with its blocks); the pipeline shards each stage.

@@ -106,13 +106,8 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         """Keep this rank's chunks of `model`, parallelize and initialize them, and build the schedule."""
         if self.n_microbatches is None or self.micro_batch_size is None:
             raise RuntimeError("LlamaPipelineStrategy needs n_microbatches and micro_batch_size before configure_model")
+        super().parallelize(model, initialize)  # shard (below), then memory and initial values
         pipeline = self.device_mesh["pipeline"]
-        # The whole model's parameter order, for checkpoints that list every stage's parameters.
-        self._parameter_order = {f"model.{name}": i for i, (name, _) in enumerate(model.named_parameters())}
-        self._chunks = split_into_stages(
-            model, pipeline.get_local_rank(), pipeline.size(), self.schedule, self.virtual_stages, self.stage_layers
-        )
-        super().parallelize(model, initialize)  # tensor parallel, checkpointing, compile, FSDP2 per chunk, init
         n_chunks = pipeline.size() * self.virtual_stages
         # Global ranks (of this rank's pipeline group) that run each chunk.
         self._stage_ranks = [dist.get_global_rank(pipeline.get_group(), r) for r in chunk_ranks(self.schedule, pipeline.size(), n_chunks)]
@@ -120,6 +115,21 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         self._pipeline = build_schedule(
             self._chunks, n_chunks, pipeline.get_group(), self.root_device, self.schedule, self.n_microbatches, self.lightning_module.criterion
         )
+
+    def shard(self, model: Llama) -> None:
+        """Prune `model` to this rank's stage chunks, then shard each as LlamaParallelStrategy does."""
+        pipeline = self.device_mesh["pipeline"]
+        # The whole model's parameter order, for checkpoints that list every stage's parameters.
+        self._parameter_order = {f"model.{name}": i for i, (name, _) in enumerate(model.named_parameters())}
+        self._chunks = split_into_stages(
+            model, pipeline.get_local_rank(), pipeline.size(), self.schedule, self.virtual_stages, self.stage_layers
+        )
+        super().shard(model)  # tensor parallel, checkpointing, compile, FSDP2 per chunk
+
+    @property
+    def stage_chunks(self) -> dict[int, nn.Module]:
+        """This rank's stage chunks by index, once sharded."""
+        return self._chunks
 
     def _sharded_roots(self, model: Llama) -> list[nn.Module]:
         # FSDP2 per chunk, so that torch's stages see an FSDP module and reduce gradients once per

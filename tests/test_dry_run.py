@@ -1,0 +1,158 @@
+"""A dry run (`project.train ... dry_run=true`) shards a cluster-size layout on this one CPU with the run's own
+code, on a fake process group, and reports each rank's share: checked against shares computed by hand, against
+a real start's errors, against what MemoryMonitor records in real runs, and against the planner's formulas."""
+
+import json
+import math
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+
+from conftest import PARITY_RUN, PIPELINE_RUN, ROOT, run_module, train_overrides
+from project.checks import CONF, model_config, plan_layout, preflight
+from project.dry_run import build_meta_model, coordinates, rank_share, representative_ranks
+from project.planning.candidates import Candidate
+from project.planning.cluster import Cluster
+from project.planning.memory import Allowance, estimate_memory
+from project.planning.planner import Workload
+from project.planning.render import model_arguments, train_overrides as planned_overrides
+from test_pipeline import LAYOUTS as PIPELINES
+from test_sharded_parity import LAYOUTS as SHARDED
+
+
+def compose_job(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def hand_share(config, shape, rank: int) -> int:
+    """Parameters of `rank` by hand: Megatron's tensor-parallel cuts (q, k, v, w1, w3, the embedding and the
+    head over their rows; wo and w2 over their columns; norms whole), the pipeline's even stage split (the
+    embedding on the first stage, norm and head on the last), then FSDP2's dim-0 chunks of ceil(rows / dp)."""
+    pp, dp, tp = shape
+    p, d, _ = coordinates(rank, shape)
+    h, kv, f, v = config.dim, config.n_kv_heads * config.head_dim, config.ffn_hidden_dim, config.vocab_size
+    block = [(h, 1), (h // tp, h), (kv // tp, h), (kv // tp, h), (h, h // tp), (h, 1), (f // tp, h), (f // tp, h), (h, f // tp)]
+    layers = config.n_layers // pp
+    weights = block * layers + [(v // tp, h)] * (p == 0) + [(h, 1), (v // tp, h)] * (p == pp - 1)
+    chunk = lambda rows: math.ceil(rows / dp)  # noqa: E731
+    return sum(max(0, min(chunk(rows), rows - d * chunk(rows))) * cols for rows, cols in weights)
+
+
+JOBS = {  # 64 and 512 devices of 8 per node
+    "fsdp2": ["strategy=fsdp2"],
+    "tp_fsdp": ["strategy=tp_fsdp", "strategy.tensor_parallel_size=8"],
+    "pipeline-3d": ["strategy=pipeline", "strategy.tensor_parallel_size=8", "strategy.data_parallel_size=2", "micro_batch_size=1"],
+}
+
+
+@pytest.mark.parametrize("model", ["llama3_8b", "llama3_70b"])
+@pytest.mark.parametrize("nodes", [8, 64])
+@pytest.mark.parametrize("job", JOBS)
+def test_a_cluster_size_layout_shards_on_one_cpu_into_the_shares_computed_by_hand(model, nodes, job):
+    cfg = compose_job(f"model={model}", "trainer=gpu", f"trainer.num_nodes={nodes}", "trainer.devices=8", "global_batch_size=1024", *JOBS[job])
+    layout = preflight(cfg, dry_run=True)
+    world = math.prod(layout.shape)
+    assert world == nodes * 8
+    for rank in (0, world - 1):
+        share = rank_share(cfg, layout, rank)
+        assert share.parameters == hand_share(model_config(cfg), layout.shape, rank), rank
+        assert share.param_bytes == share.grad_bytes == 4 * share.parameters  # float32 parameters (bf16-mixed)
+    if job == "tp_fsdp" and nodes == 8:  # 70.55B (8.03B) over 8 x 8: each rank about a 64th, norms repeated per tensor-parallel rank
+        total = sum(p.numel() for p in build_meta_model(cfg).parameters())
+        assert share.parameters == pytest.approx(total / 64, rel=1e-3)
+
+
+def test_representative_ranks_are_the_first_and_last_stage_and_the_last_tensor_and_data_parallel_ranks():
+    from project.parallel.mesh import MeshShape
+
+    shape = MeshShape(4, 2, 8)  # 64 ranks, tensor parallelism innermost
+    assert representative_ranks(shape, last_stage=3) == [0, 7, 8, 48, 63]
+    assert [coordinates(r, shape) for r in (7, 8, 48)] == [(0, 0, 7), (0, 1, 0), (3, 0, 0)]
+
+
+INVALID = {  # what a real start refuses, before any process starts
+    "tensor-parallel-over-kv-heads": ["model=llama3_8b", "strategy=tp", "strategy.tensor_parallel_size=16", "trainer.devices=16"],
+    "more-stages-than-layers": ["strategy=pipeline", "trainer.devices=4", "model.tie_embeddings=false"],
+    "degrees-not-the-world": ["strategy=pipeline", "strategy.pipeline_parallel_size=3", "trainer.devices=4", "model.tie_embeddings=false"],
+}
+
+
+@pytest.mark.parametrize("case", INVALID)
+def test_an_invalid_layout_is_the_same_one_paragraph_error_as_a_real_start(tiny_shards, tmp_path, case):
+    args = train_overrides(tiny_shards, tmp_path / "run", *INVALID[case], "model.n_layers=2")
+    dry = run_module("project.train", [*args, "dry_run=true"])
+    real = run_module("project.train", args)
+    assert dry.returncode == real.returncode == 2, dry.stderr[-2000:]
+    assert dry.stderr.strip() == real.stderr.strip() and dry.stderr.startswith("error: ") and "Traceback" not in dry.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_64_gpu_dry_run_prints_and_writes_each_ranks_share_against_the_cluster_and_nothing_else(tmp_path):
+    run_dir = tmp_path / "run"
+    job = ["model=llama3_8b", "strategy=tp_fsdp", "strategy.tensor_parallel_size=8", "trainer=gpu", "trainer.num_nodes=8",
+           "trainer.devices=8", "global_batch_size=512", "micro_batch_size=1", "cluster=h100_80gb", f"hydra.run.dir={run_dir}"]
+    result = run_module("project.train", [*job, "dry_run=true"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((run_dir / "dry_run.json").read_text())
+    assert report["world_size"] == 64 and report["mesh"] == {"pipeline": 1, "data_parallel": 8, "tensor_parallel": 8}
+    assert [r["rank"] for r in report["ranks"]] == [0, 7, 56, 63]
+    config = model_config(compose_job(*job[:1]))
+    from project.parallel.mesh import MeshShape
+
+    assert all(r["parameters"] == hand_share(config, MeshShape(1, 8, 8), r["rank"]) for r in report["ranks"])
+    assert "rank 63: model states" in result.stdout and "of 79.6 GiB (h100_80gb" in result.stdout and ": fits:" in result.stdout
+    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "dry_run.json"]  # no checkpoint, metrics or config of a run
+
+    everyone = run_module("project.train", [*job[:-1], "trainer.num_nodes=1", f"hydra.run.dir={tmp_path / 'all'}", "dry_run=true", "dry_run.ranks=all"])
+    assert everyone.returncode == 0, everyone.stderr[-3000:]
+    assert [r["rank"] for r in json.loads((tmp_path / "all" / "dry_run.json").read_text())["ranks"]] == list(range(8))
+
+
+# Real runs of 4 ranks that tests/test_sharded_parity.py and tests/test_pipeline.py train anyway (shared).
+MEASURED = {
+    "tp2-fsdp2-2d": [*PARITY_RUN, *SHARDED["tp2-fsdp2-2d"]],
+    "pp2-dp2-fsdp2": [*PIPELINE_RUN, *PIPELINES["pp2-dp2-fsdp2"]],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", MEASURED)
+def test_a_dry_run_reports_exactly_the_bytes_memory_monitor_records_in_the_real_run(trained, tiny_shards, tmp_path, layout):
+    run_dir = trained(*MEASURED[layout])
+    cfg = compose_job(*train_overrides(tiny_shards, tmp_path, *MEASURED[layout]))
+    layout_ = preflight(cfg, dry_run=True)
+    for rank in range(math.prod(layout_.shape)):
+        recorded = json.loads((run_dir / "memory" / f"rank{rank}.json").read_text())
+        share = rank_share(cfg, layout_, rank)
+        assert (share.param_bytes, share.grad_bytes, share.optimizer_bytes) == (
+            recorded["param_bytes"], recorded["grad_bytes"], recorded["optimizer_bytes"]), rank
+
+
+PLANNED = {  # six layouts of 64 H100s (tensor parallelism alone: of one node), each as the planner's candidate
+    "ddp": Candidate("ddp", 64, 1, 1, 1, 1),
+    "fsdp2": Candidate("fsdp2", 64, 1, 1, 1, 1),
+    "tp": Candidate("tp", 1, 8, 1, 1, 1),
+    "tp_fsdp": Candidate("tp_fsdp", 8, 8, 1, 1, 1, sequence_parallel=True),
+    "pipeline": Candidate("pipeline", 1, 8, 8, 1, 8, schedule="1f1b"),
+    "pipeline-3d": Candidate("pipeline", 2, 8, 4, 1, 16, schedule="interleaved_1f1b", virtual_stages=2),
+}
+
+
+@pytest.mark.parametrize("model", ["llama3_8b", "llama3_70b"])
+@pytest.mark.parametrize("name", PLANNED)
+def test_the_planners_model_states_per_rank_agree_with_the_dry_run_within_two_percent(model, name):
+    candidate = PLANNED[name]
+    nodes = math.prod(candidate.shape) // 8
+    h100 = Cluster.from_config({**yaml.safe_load((ROOT / "conf" / "cluster" / "h100_80gb.yaml").read_text()), "nodes": nodes})
+    cfg = compose_job(*planned_overrides(candidate, Workload(None, 8192, 64, 1e12, "bf16-mixed"), h100, model_arguments(model, {})))
+    layout = plan_layout(cfg, nodes, 8)
+    assert tuple(layout.shape) == tuple(candidate.shape)
+    config = model_config(cfg)
+    for pipeline_rank in {0, candidate.pipeline_parallel - 1}:
+        predicted = estimate_memory(config, candidate, 8192, "bf16-mixed", "gpu", Allowance(), pipeline_rank)
+        share = rank_share(cfg, layout, pipeline_rank * candidate.data_parallel * candidate.tensor_parallel)
+        assert share.param_bytes == pytest.approx(predicted.params, rel=0.02), pipeline_rank
+        assert share.grad_bytes == pytest.approx(predicted.grads, rel=0.02), pipeline_rank
+        assert share.optimizer_bytes == pytest.approx(predicted.optimizer, rel=0.02), pipeline_rank
