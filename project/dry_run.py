@@ -35,8 +35,12 @@ ADAM_STEP_BYTES = 4  # AdamW's step count: one float32 scalar per parameter tens
 
 def dry_run_argv(argv: Sequence[str]) -> list[str]:
     """`dry_run=true|false` on the command line means `dry_run.enabled=...`: Hydra cannot set a group of
-    settings (dry_run.ranks, ...) from one value."""
-    return [f"dry_run.enabled={a.split('=', 1)[1]}" if a.split("=", 1)[0] in ("dry_run", "+dry_run") and "=" in a else a for a in argv]
+    settings (dry_run.ranks, ...) from one value. A dry run writes its report only: not Hydra's record of
+    the run (.hydra/) either."""
+    out = [f"dry_run.enabled={a.split('=', 1)[1]}" if a.split("=", 1)[0] in ("dry_run", "+dry_run") and "=" in a else a for a in argv]
+    if "dry_run.enabled=true" in out and not any(a.startswith("hydra.output_subdir=") for a in out):
+        out.append("hydra.output_subdir=null")
+    return out
 
 
 @dataclass
@@ -247,7 +251,8 @@ def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir:
     how = how_shared(cfg)  # the strategy's constructor runs its own checks here, as at a real start
     shares = [rank_share(cfg, layout, rank) for rank in ranks]
     memory = _cluster_memory(cfg)
-    print(render(cfg, layout, strategy_name, how, shares, memory))
+    planned = {s.pipeline: planned_memory(cfg, layout, strategy_name, s.pipeline) for s in shares} if memory else {}
+    print(render(cfg, layout, strategy_name, how, shares, memory, planned))
     record = {
         "strategy": strategy_name, "how": how, "world_size": math.prod(shape),
         "mesh": {"pipeline": shape.pipeline_parallel, "data_parallel": shape.data_parallel, "tensor_parallel": shape.tensor_parallel},
@@ -255,12 +260,43 @@ def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir:
                   "accumulation": layout.plan.accumulate_grad_batches, "pipeline_microbatches": layout.plan.pipeline_microbatches},
         "model_parameters": sum(p.numel() for p in build_meta_model(cfg).parameters()),
         "device_memory_bytes": memory[1] if memory else None,
-        "ranks": [{**asdict(s), "state_bytes": s.state_bytes} for s in shares],
+        "ranks": [{**asdict(s), "state_bytes": s.state_bytes, "planned": _planned_record(planned.get(s.pipeline), s)} for s in shares],
     }
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "dry_run.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"written: {run_dir / 'dry_run.json'}")
     return shares
+
+
+def planned_memory(cfg: DictConfig, layout: Layout, strategy_name: str, pipeline_rank: int) -> Any | None:
+    """The planner's estimate of the whole memory of a rank of this layout (project.planning.memory:
+    activations, working copies and an allowance besides the model states), where it models the strategy."""
+    from project.planning.candidates import STRATEGIES, Candidate
+    from project.planning.memory import STORAGE_BYTES, Allowance, estimate_memory
+
+    s, (pp, dp, tp), plan = cfg.strategy, layout.shape, layout.plan
+    name = "ddp" if strategy_name == "single" else strategy_name
+    precision = str(cfg.trainer.get("precision", "32-true"))
+    zero2 = name != "fsdp" or s.get("sharding_strategy") == "SHARD_GRAD_OP"  # the planner's fsdp is ZeRO-2
+    if name not in STRATEGIES or precision not in STORAGE_BYTES or not zero2:
+        return None
+    schedule = s.get("schedule") if pp > 1 else None
+    candidate = Candidate(
+        name, dp, tp, pp, plan.micro_batch_size, max(plan.accumulate_grad_batches, plan.pipeline_microbatches),
+        recompute="full" if s.get("activation_checkpointing") else "none" if cfg.document_mask else "selective",
+        sequence_parallel=bool(s.get("sequence_parallel")) and tp > 1, schedule=schedule,
+        virtual_stages=(s.get("virtual_stages") or default_virtual_stages(schedule)) if schedule else 1,
+    )
+    accelerator = "gpu" if s.get("compile") else "cpu"  # the planner counts compiled (fused) blocks on GPUs
+    return estimate_memory(model_config(cfg), candidate, int(cfg.data.seq_len), precision, accelerator, Allowance(), pipeline_rank)
+
+
+def _planned_record(estimate: Any | None, share: RankShare) -> dict[str, float] | None:
+    """The planner's parts beside the dry run's model states, and their sum: this rank's memory as planned."""
+    if estimate is None:
+        return None
+    parts = {"activations": estimate.activations, "working": estimate.working, "allowance": estimate.overhead}
+    return {**parts, "total_bytes": share.state_bytes + sum(parts.values())}
 
 
 def _cluster_memory(cfg: DictConfig) -> tuple[str, float] | None:
@@ -272,7 +308,9 @@ def _cluster_memory(cfg: DictConfig) -> tuple[str, float] | None:
     return cluster.name, cluster.memory_bytes
 
 
-def render(cfg: DictConfig, layout: Layout, strategy_name: str, how: str, shares: list[RankShare], memory: tuple[str, float] | None) -> str:
+def render(
+    cfg: DictConfig, layout: Layout, strategy_name: str, how: str, shares: list[RankShare], memory: tuple[str, float] | None, planned: dict[int, Any]
+) -> str:
     pp, dp, tp = layout.shape
     plan = layout.plan
     lines = [
@@ -280,6 +318,7 @@ def render(cfg: DictConfig, layout: Layout, strategy_name: str, how: str, shares
         f"mesh pipeline {pp} x data {dp} x tensor {tp}; batch: global {plan.global_batch_size} = micro {plan.micro_batch_size} x "
         f"{max(plan.accumulate_grad_batches, plan.pipeline_microbatches)} x {dp} replicas; precision {cfg.trainer.get('precision', '32-true')}",
         f"shares: {how}. Every check of a real start passed.",
+        "Parameters are held as trained (float32 under -mixed precision, which casts copies for compute): no separate master weights.",
         "",
         f"{'rank':>6} {'pp':>3} {'dp':>4} {'tp':>3} {'parameters':>12} {'params':>10} {'grads':>10} {'AdamW':>10} {'states':>10}  largest tensor",
     ]
@@ -290,12 +329,16 @@ def render(cfg: DictConfig, layout: Layout, strategy_name: str, how: str, shares
             lines.append(f"{'':>30}{stage}")
     if memory:
         name, capacity = memory
-        lines.append("")
+        lines += ["", f"against {name}'s {capacity / GIB:.1f} GiB per device (activations, working copies and allowance: the planner's estimate for this layout):"]
         for s in shares:
-            left = capacity - s.state_bytes
-            verdict = (f"fits: {left / GIB:.1f} GiB left for activations, gathered copies and buffers" if left > 0
-                       else f"does not fit: {-left / GIB:.1f} GiB over")
-            lines.append(f"rank {s.rank}: model states {s.state_bytes / GIB:.1f} of {capacity / GIB:.1f} GiB ({name}, "
-                         f"{s.state_bytes / capacity:.0%}): {verdict}")
-        lines.append("Activations and working copies are the planner's to estimate: python -m project.plan with the same model and cluster.")
+            estimate = planned.get(s.pipeline)
+            rest = estimate.total - estimate.states if estimate else 0.0
+            total = s.state_bytes + rest
+            left = capacity - total
+            parts = f"model states {s.state_bytes / GIB:.1f}" + (
+                f" + activations {estimate.activations / GIB:.1f} + working copies {estimate.working / GIB:.1f} + allowance {estimate.overhead / GIB:.1f}"
+                f" = {total / GIB:.1f} GiB" if estimate else " GiB (no estimate of the rest for this strategy)"
+            )
+            verdict = f"fits, {left / GIB:.1f} GiB to spare" if left > 0 else f"does not fit: {-left / GIB:.1f} GiB over"
+            lines.append(f"rank {s.rank}: {parts} ({total / capacity:.0%}): {verdict}")
     return "\n".join(lines)

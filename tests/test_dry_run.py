@@ -102,8 +102,16 @@ def test_a_64_gpu_dry_run_prints_and_writes_each_ranks_share_against_the_cluster
     from project.parallel.mesh import MeshShape
 
     assert all(r["parameters"] == hand_share(config, MeshShape(1, 8, 8), r["rank"]) for r in report["ranks"])
-    assert "rank 63: model states" in result.stdout and "of 79.6 GiB (h100_80gb" in result.stdout and ": fits:" in result.stdout
-    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "dry_run.json"]  # no checkpoint, metrics or config of a run
+    # Against the cluster: the dry run's model states plus the planner's activations, working copies and allowance.
+    cfg = compose_job(*job)
+    layout = preflight(cfg, dry_run=True)
+    candidate = Candidate("tp_fsdp", 8, 8, 1, 1, 64, recompute="selective")
+    planned = estimate_memory(model_config(cfg), candidate, 256, "bf16-mixed", "cpu", Allowance(), 0)
+    assert report["ranks"][0]["planned"]["total_bytes"] == pytest.approx(planned.total, rel=0.01)
+    assert report["device_memory_bytes"] == 79.6 * 2**30 and "against h100_80gb's 79.6 GiB per device" in result.stdout
+    assert f"rank 63: model states {report['ranks'][-1]['state_bytes'] / 2**30:.1f} + activations" in result.stdout
+    assert tuple(layout.shape) == (1, 8, 8)
+    assert [p.name for p in run_dir.iterdir()] == ["dry_run.json"]  # no checkpoint, metrics, config or Hydra record
 
     everyone = run_module("project.train", [*job[:-1], "trainer.num_nodes=1", f"hydra.run.dir={tmp_path / 'all'}", "dry_run=true", "dry_run.ranks=all"])
     assert everyone.returncode == 0, everyone.stderr[-3000:]
