@@ -338,11 +338,19 @@ def _chunk_problem(path: Path, size: int, items: int) -> str | None:
     return None
 
 
-def check_data(cfg: DictConfig) -> None:
+def data_on_this_machine(cfg: DictConfig) -> bool:
+    """False for a local data.dir that does not exist here: a dry run of a job for another machine, whose
+    shards are there, cannot check them (a real start prepares them, or refuses)."""
+    return bool(cfg.data.get("mix")) or "://" in str(cfg.data.dir) or Path(cfg.data.dir).exists()
+
+
+def check_data(cfg: DictConfig, shards: bool = True) -> None:
     """The model against the prepared shards, and the shards themselves, when they exist (they may yet be
-    prepared by the run)."""
+    prepared by the run). `shards=False`: the sequence length against the model only."""
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}.")
+    if not shards:
+        return
     options = (cfg.data.get("cache_dir"), cfg.data.get("storage_options"))
     if cfg.data.get("mix"):  # corpora prepared one by one beforehand; the datamodule checks their tokenizers agree
         for entry in cfg.data.mix:
@@ -474,7 +482,7 @@ def preflight(cfg: DictConfig, dry_run: bool = False) -> Layout | None:
     check_init_from(cfg)
     check_trainer(cfg, here=not dry_run)
     check_values(cfg)
-    check_data(cfg)
+    check_data(cfg, shards=not dry_run or data_on_this_machine(cfg))
     check_ckpt_path(cfg)
     nodes, devices = cfg.trainer.get("num_nodes", 1), cfg.trainer.get("devices", "auto")
     if isinstance(nodes, int) and isinstance(devices, int):

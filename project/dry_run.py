@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from project.checks import Layout, model_config
+from project.checks import Layout, data_on_this_machine, model_config
 from project.errors import ConfigError
 from project.parallel.mesh import MeshShape
 from project.parallel.pipeline_layout import chunk_ranks, default_virtual_stages
@@ -317,7 +317,8 @@ def render(
         f"dry run: strategy={strategy_name} on {pp * dp * tp} devices ({cfg.trainer.num_nodes} node(s) x {cfg.trainer.devices}), "
         f"mesh pipeline {pp} x data {dp} x tensor {tp}; batch: global {plan.global_batch_size} = micro {plan.micro_batch_size} x "
         f"{max(plan.accumulate_grad_batches, plan.pipeline_microbatches)} x {dp} replicas; precision {cfg.trainer.get('precision', '32-true')}",
-        f"shares: {how}. Every check of a real start passed.",
+        f"shares: {how}. Every check of a real start passed"
+        + ("." if data_on_this_machine(cfg) else f", but the shards': data.dir={cfg.data.dir} is not on this machine."),
         "Parameters are held as trained (float32 under -mixed precision, which casts copies for compute): no separate master weights.",
         "",
         f"{'rank':>6} {'pp':>3} {'dp':>4} {'tp':>3} {'parameters':>12} {'params':>10} {'grads':>10} {'AdamW':>10} {'states':>10}  largest tensor",

@@ -15,6 +15,7 @@ from pathlib import Path
 
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
 NODES = ("n1", "n2")
+CRED_EXPIRE = 5  # seconds; SLURM's least
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"}
 
 
@@ -52,6 +53,7 @@ SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={free_port()}
 AuthType=auth/none
 CredType=cred/none
+AuthInfo=cred_expire={CRED_EXPIRE}
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={f}/state
@@ -114,17 +116,20 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
     def wait_until_finished(self, job: str, timeout: float) -> list[dict[str, str]]:
         """Until every record of the job is in a final state (COMPLETED, FAILED, ...); returns the records.
         A requeued job passes through REQUEUED, COMPLETING and PENDING, never a final state, so its restart
-        is waited for (squeue's default listing can miss a job in between: seen on a loaded machine). SLURM
-        sets a requeued job's begin time about two minutes ahead; here it is started at once, to keep the
-        tests short."""
-        deadline = time.monotonic() + timeout
+        is waited for (squeue's default listing can miss a job in between: seen on a loaded machine).
+        SLURM holds a requeued job back until its previous launch's credential has expired (cred_expire + 1 s:
+        120 s by default, 5 s in this cluster's config), and its scheduler may take a minute more to look
+        again: once the credential has expired, a pending job is started at once, to keep the tests short.
+        (Sooner, its launch fails: "Job credential revoked".)"""
+        deadline, pending_since = time.monotonic() + timeout, {}
         while time.monotonic() < deadline:
             records = self.job_records(job)
-            if records is not None:
-                if all(r.get("JobState") in FINAL_STATES for r in records):
-                    return records
-                for record in records:
-                    if record.get("JobState") == "PENDING":
-                        self.run("scontrol", "update", f"JobId={record['JobId']}", "StartTime=now", check=False)
+            if records is not None and all(r.get("JobState") in FINAL_STATES for r in records):
+                return records
+            for record in records or []:
+                if record.get("JobState") != "PENDING":
+                    pending_since.pop(record["JobId"], None)
+                elif time.monotonic() - pending_since.setdefault(record["JobId"], time.monotonic()) > CRED_EXPIRE + 2:
+                    self.run("scontrol", "update", f"JobId={record['JobId']}", "StartTime=now", check=False)
             time.sleep(1)
         raise TimeoutError(f"job {job} still {self.job_state(job)} after {timeout:.0f} s")

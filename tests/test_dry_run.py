@@ -164,3 +164,18 @@ def test_the_planners_model_states_per_rank_agree_with_the_dry_run_within_two_pe
         assert share.param_bytes == pytest.approx(predicted.params, rel=0.02), pipeline_rank
         assert share.grad_bytes == pytest.approx(predicted.grads, rel=0.02), pipeline_rank
         assert share.optimizer_bytes == pytest.approx(predicted.optimizer, rel=0.02), pipeline_rank
+
+
+def test_a_dry_run_checks_the_shards_it_finds_and_says_when_they_are_elsewhere(tiny_shards, tmp_path):
+    from project.errors import ConfigError
+
+    mismatched = compose_job(*train_overrides(tiny_shards, tmp_path, "data.seq_len=64"))  # the shards hold 33-token blocks
+    with pytest.raises(ConfigError, match="hold blocks of 33 tokens") as real:
+        preflight(mismatched)
+    with pytest.raises(ConfigError) as dry:
+        preflight(mismatched, dry_run=True)
+    assert str(dry.value) == str(real.value)
+    elsewhere = compose_job(*train_overrides(tmp_path / "on-the-cluster", tmp_path, "data.auto_prepare=false", "trainer.devices=2", "strategy=ddp"))
+    with pytest.raises(ConfigError, match="on-the-cluster"):
+        preflight(elsewhere)  # a real start here has no shards
+    assert tuple(preflight(elsewhere, dry_run=True).shape) == (1, 2, 1)
