@@ -63,9 +63,12 @@ test-fast: install
 # Training-step throughput of the debug and small10m presets and the config error latency (new files
 # experiments/benchmarks/<date>-<host>.json and .md), and the pipeline bubble of GPipe, 1F1B and interleaved
 # 1F1B on 2 stages (experiments/benchmarks/<date>-<host>-pipeline-bubble-pp2.*), and the data path: the order's
-# start-up and locality, prepare and loader rates (experiments/benchmarks/<date>-<host>-data.*). No tracked file is edited.
+# start-up and locality, prepare and loader rates (experiments/benchmarks/<date>-<host>-data.*), and python -m
+# project.train against a hand-written loop, alternated (experiments/benchmarks/<date>-<host>-platform.*).
+# No tracked file is edited.
 bench: install
 	$(PY) -m project.bench presets=debug,small10m
+	$(PY) -m project.bench_platform
 	$(PY) -m project.bench_pipeline pp=2
 	$(PY) -m project.bench_data
 

@@ -1,7 +1,10 @@
-"""`python -m project.bench` writes new result files and never edits one already there."""
+"""`python -m project.bench` and `project.bench_platform` write new result files and never edit one already there."""
 
 import json
+import statistics
 from pathlib import Path
+
+import pytest
 
 from conftest import run_module
 
@@ -39,4 +42,25 @@ def test_unknown_preset_is_a_config_error(tmp_path):
     result = run_module("project.bench", ["presets=debug,no_such_model", f"out={tmp_path}"], timeout=120)
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and "no_such_model" in result.stderr and "Traceback" not in result.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_platform_bench_times_project_train_beside_a_hand_loop_and_writes_both_commands(tmp_path):
+    result = run_module("project.bench_platform", ["presets=debug", "steps=2", "warmup=1", "repeats=2", "threads=1", f"out={tmp_path}"], timeout=600)
+    assert result.returncode == 0, f"bench failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    [report_file] = tmp_path.glob("*-platform.json")
+    report = json.loads(report_file.read_text())
+    [row] = report["rows"]
+    assert (row["preset"], row["steps"], row["warmup"], row["threads"]) == ("debug", 2, 1, 1)
+    assert len(row["runs"]["project_train"]) == len(row["runs"]["hand_loop"]) == 2
+    assert row["project_train_tokens_per_sec"] == pytest.approx(statistics.median(row["runs"]["project_train"]), rel=1e-3)
+    assert row["ratio"] == pytest.approx(row["project_train_tokens_per_sec"] / row["hand_loop_tokens_per_sec"], rel=1e-2)
+    assert "project.train" in row["commands"]["project_train"] and "--hand-loop debug" in row["commands"]["hand_loop"]
+    assert "| debug | 8 x 256 | 2 |" in report_file.with_suffix(".md").read_text()
+
+
+def test_platform_bench_refuses_an_unknown_preset_before_running_anything(tmp_path):
+    result = run_module("project.bench_platform", ["presets=no_such_model", f"out={tmp_path}"], timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and "no_such_model" in result.stderr
     assert not list(tmp_path.iterdir())
