@@ -1,7 +1,7 @@
 """The platform against a hand-written loop, side by side: `make bench` or
 
     python -m project.bench_platform [presets=debug,small10m,small50m] [steps=S] [warmup=W] [repeats=R]
-                                     [threads=T] [out=experiments/benchmarks]
+                                     [threads=T] [startup=true] [out=experiments/benchmarks]
 
 For each preset, alternating A B A B ... R times: A is `python -m project.train` on one process (prepared
 shards, the run's AdamW, warmup + cosine and clipping, logging every step, no validation or checkpoint within
@@ -10,6 +10,9 @@ tokens, in a process of its own with the same thread count. Each gives tokens/s 
 warm-up steps; A's step times are those its TokenThroughput callback logs (first micro batch's start to the
 last one's end). The ratio A / B of the medians is what the platform costs or saves; absolute figures drift
 between runs and machines of this kind, ratios taken side by side much less.
+
+Then, unless startup=false, the start-up: seconds from the command to the end of the first optimizer step of
+`experiment=debug`, split into `import lightning` and the rest, and the process's peak resident memory.
 
 Writes new files <date>-<host>-platform.json and .md into `out`; no file there is edited.
 """
@@ -32,10 +35,11 @@ from pathlib import Path
 from project.bench import ROOT, free_stem, load_preset, parse_key_values, preset_path, result_stem
 from project.errors import ConfigError, exit_on_config_error
 
-DEFAULTS = {"presets": "debug,small10m,small50m", "steps": "", "warmup": "2", "repeats": "3", "threads": "", "out": "experiments/benchmarks"}
+DEFAULTS = {"presets": "debug,small10m,small50m", "steps": "", "warmup": "1", "repeats": "3", "threads": "", "startup": "true",
+            "out": "experiments/benchmarks"}
 VOCAB_SIZE, SEQ_LEN = 4096, 256
 # Batch and timed steps per preset: steps long enough that a step's timer noise averages out.
-SHAPES = {"debug": {"batch": 8, "steps": 20}, "small10m": {"batch": 8, "steps": 8}, "small50m": {"batch": 8, "steps": 4}}
+SHAPES = {"debug": {"batch": 8, "steps": 20}, "small10m": {"batch": 8, "steps": 6}, "small50m": {"batch": 8, "steps": 3}}
 OPTIM = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0}  # conf/train.yaml's
 
 
@@ -48,9 +52,11 @@ def parse(argv: list[str]) -> dict:
     for key in ("steps", "warmup", "repeats", "threads"):
         if args[key] and (not args[key].isdigit() or (key != "warmup" and int(args[key]) < 1)):
             raise ConfigError(f"{key}={args[key]}: expected a positive integer.")
+    if args["startup"] not in ("true", "false"):
+        raise ConfigError(f"startup={args['startup']}: choose true or false.")
     out = Path(args["out"])
     return {
-        "presets": presets, "steps": int(args["steps"]) if args["steps"] else None, "warmup": int(args["warmup"]),
+        "startup": args["startup"] == "true", "presets": presets, "steps": int(args["steps"]) if args["steps"] else None, "warmup": int(args["warmup"]),
         "repeats": int(args["repeats"]), "threads": int(args["threads"] or os.cpu_count() or 1),
         "out": out if out.is_absolute() else ROOT / out,
     }
@@ -151,6 +157,30 @@ def compare(args: dict, data: Path, scratch: Path) -> list[dict]:
     return rows
 
 
+def startup(data: Path, scratch: Path, env: dict, runs: int = 3) -> dict:
+    """Seconds from the command to the end of the first optimizer step of `experiment=debug` on one process (its
+    time/seconds_to_first_step), split into `import lightning` (timed alone in a fresh process) and the rest; and
+    the process's peak resident memory. Medians of `runs`."""
+    imports, firsts, peaks = [], [], []
+    for i in range(runs):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import lightning"], cwd=ROOT, env=env, check=True)
+        imports.append(time.perf_counter() - start)
+        run_dir = scratch / f"startup-{i}"
+        command = [sys.executable, "-m", "project.train", "experiment=debug", f"data.dir={data}", f"data.seq_len={SEQ_LEN}",
+                   f"data.vocab_size={VOCAB_SIZE}", "trainer.max_steps=1", "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"]
+        subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True)
+        with open(run_dir / "metrics.csv", newline="") as f:
+            firsts.append(next(float(r["time/seconds_to_first_step"]) for r in csv.DictReader(f) if r.get("time/seconds_to_first_step")))
+        peaks.append(json.loads((run_dir / "memory" / "rank0.json").read_text())["peak_bytes"])
+    first, lightning = statistics.median(firsts), statistics.median(imports)
+    return {
+        "command": shlex.join(command[1:-1]), "seconds_to_first_step": round(first, 2), "import_lightning_seconds": round(lightning, 2),
+        "rest_seconds": round(first - lightning, 2), "peak_rss_mib": round(statistics.median(peaks) / 2**20),
+        "runs": {"seconds_to_first_step": [round(x, 2) for x in firsts], "import_lightning_seconds": [round(x, 2) for x in imports]},
+    }
+
+
 def table(report: dict) -> str:
     lines = [
         f"# project.train against a hand-written loop, {report['date']} on {report['hostname']}",
@@ -165,6 +195,14 @@ def table(report: dict) -> str:
         lines.append(f"| {r['preset']} | {r['batch']} x {r['seq_len']} | {r['steps']} | {r['project_train_tokens_per_sec']:,.0f} | "
                      f"{r['hand_loop_tokens_per_sec']:,.0f} | {r['ratio']:.3f} |")
     lines += ["", "Each run's figures are in the .json file, with both commands."]
+    if report.get("startup"):
+        s = report["startup"]
+        lines += [
+            "", f"Start-up of `{s['command']}` (one process; medians of {len(s['runs']['seconds_to_first_step'])}):",
+            f"**{s['seconds_to_first_step']} s** from the command to the end of the first optimizer step = "
+            f"`import lightning` {s['import_lightning_seconds']} s + the rest {s['rest_seconds']} s (target: the rest <= 2 s); "
+            f"peak resident memory {s['peak_rss_mib']:,} MiB.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -177,12 +215,15 @@ def main() -> None:
         args = parse(sys.argv[1:])
     import torch
 
+    env = {**os.environ, "OMP_NUM_THREADS": str(args["threads"]), "WANDB_MODE": "offline"}
     with tempfile.TemporaryDirectory(prefix="bench-platform-") as scratch:
-        rows = compare(args, shards(Path(scratch)), Path(scratch))
+        data = shards(Path(scratch))
+        rows = compare(args, data, Path(scratch))
+        started = startup(data, Path(scratch), env, runs=args["repeats"]) if args["startup"] else None
     report = {
         "date": datetime.date.today().isoformat(), "hostname": platform.node(), "platform": platform.platform(),
         "torch": torch.__version__, "threads": args["threads"], "repeats": args["repeats"],
-        "command": shlex.join(["python", "-m", "project.bench_platform", *sys.argv[1:]]), "rows": rows,
+        "command": shlex.join(["python", "-m", "project.bench_platform", *sys.argv[1:]]), "rows": rows, "startup": started,
     }
     stem = free_stem(result_stem(args["out"], "-platform"), [".json", ".md"])
     stem.parent.mkdir(parents=True, exist_ok=True)

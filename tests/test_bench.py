@@ -58,6 +58,10 @@ def test_platform_bench_times_project_train_beside_a_hand_loop_and_writes_both_c
     assert row["ratio"] == pytest.approx(row["project_train_tokens_per_sec"] / row["hand_loop_tokens_per_sec"], rel=1e-2)
     assert "project.train" in row["commands"]["project_train"] and "--hand-loop debug" in row["commands"]["hand_loop"]
     assert "| debug | 8 x 256 | 2 |" in report_file.with_suffix(".md").read_text()
+    start = report["startup"]  # the debug experiment's first step, split at `import lightning`
+    assert len(start["runs"]["seconds_to_first_step"]) == 2 and start["seconds_to_first_step"] > start["import_lightning_seconds"] > 0
+    assert start["rest_seconds"] == pytest.approx(start["seconds_to_first_step"] - start["import_lightning_seconds"], abs=0.011)
+    assert start["peak_rss_mib"] > 100 and "import lightning" in report_file.with_suffix(".md").read_text()
 
 
 def test_platform_bench_refuses_an_unknown_preset_before_running_anything(tmp_path):

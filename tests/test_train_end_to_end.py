@@ -174,3 +174,10 @@ def test_trainer_gpu_without_a_gpu_says_how_to_get_one(tiny_shards, tmp_path):
     result = run_module("project.train", train_overrides(tiny_shards, tmp_path / "run", "trainer=gpu"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "needs a CUDA GPU" in result.stderr and "trainer=cpu" in result.stderr
+
+
+def test_the_time_to_the_first_step_is_logged_once_and_printed(debug_run):
+    run_dir, result = debug_run
+    first = read_metrics(run_dir, "time/seconds_to_first_step")
+    assert list(first) == [0] and 1.0 < first[0] < 300  # imports alone take seconds
+    assert f"first optimizer step done {first[0]:.1f} s after the command started" in result.stdout + result.stderr

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +18,16 @@ from project.model import training_flops_per_token
 _PRECISION_DTYPE = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32, "64": torch.float64}
 
 
+def process_age_seconds() -> float | None:
+    """Seconds since this process started (Linux: /proc, to 10 ms), None where that cannot be read."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        started = int(stat[stat.rindex(")") + 2 :].split()[19]) / os.sysconf("SC_CLK_TCK")  # clock ticks after boot
+        return float(Path("/proc/uptime").read_text().split()[0]) - started
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class TokenThroughput(Callback):
     """Logs train/tokens_per_sec, train/tokens_seen and train/mfu.
 
@@ -24,6 +36,8 @@ class TokenThroughput(Callback):
     `log_every_n_steps` steps, the window each logged row stands for. MFU = model FLOPs per token
     (6N + attention, project.model.flops) x tokens/s over the peak FLOP/s of all devices: the peak
     comes from Lightning's table of GPUs, or from `peak_flops_per_device`; unknown, MFU is not logged.
+    After the first optimizer step of a process, time/seconds_to_first_step: from the command's start (the
+    process Lightning launches the others from) to the end of that step, imports and setup included.
     """
 
     def __init__(self, peak_flops_per_device: float | None = None):
@@ -32,6 +46,7 @@ class TokenThroughput(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._steps: deque[tuple[float, float]] = deque(maxlen=max(1, trainer.log_every_n_steps))
         self._step_start: float | None = None
+        self._timed_a_step = False
         self._last_step = trainer.global_step
         self._peak = self.peak_flops_per_device
         if self._peak is None:
@@ -52,6 +67,12 @@ class TokenThroughput(Callback):
         tokens = trainer.datamodule.hparams.global_batch_size * seq_len
         self._steps.append((tokens, time.perf_counter() - self._step_start))
         self._step_start = None
+        first, self._timed_a_step = not self._timed_a_step, True
+        if first and trainer.is_global_zero and (age := process_age_seconds()) is not None:
+            # Written at once: a value logged through self.log would wait for the next logging step.
+            for logger in trainer.loggers:
+                logger.log_metrics({"time/seconds_to_first_step": age}, step=trainer.global_step - 1)  # the step's own row
+            rank_zero_info(f"first optimizer step done {age:.1f} s after the command started")
         tokens_per_sec = sum(t for t, _ in self._steps) / sum(s for _, s in self._steps)
         pl_module.log("train/tokens_per_sec", tokens_per_sec, prog_bar=True)
         # float64: a float32 count stops being exact past 16M tokens
