@@ -12,9 +12,47 @@ import ctypes
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+
+# Lightning's launcher on this node, once the trainer has one: its `procs` are ranks 1.. of the node.
+_launcher = None
+
+
+def watch_children(launcher) -> None:
+    """Remember the launcher of this node's other ranks, so that a failure here can name the one that ended."""
+    global _launcher
+    _launcher = launcher if hasattr(launcher, "procs") else None
+
+
+def first_ended_child(wait_seconds: float = 8.0) -> tuple[int, int, int] | None:
+    """(global rank, PID, exit code) of a child rank that ended with an error, waiting up to `wait_seconds`.
+
+    A rank killed outright leaves no error of its own: rank 0 sees only a failed collective, and
+    Lightning's observer, which names the child, looks only every 5 s. Waiting here names it either way.
+    """
+    procs = list(getattr(_launcher, "procs", None) or [])
+    deadline = time.monotonic() + wait_seconds
+    while procs:
+        for local_rank, proc in enumerate(procs, start=1):
+            if proc.poll():
+                node = _launcher.cluster_environment.node_rank()
+                return node * _launcher.num_processes + local_rank, proc.pid, proc.returncode
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.2)
+    return None
+
+
+def _ended_by(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
 
 
 def launched_by_another_process() -> bool:
@@ -59,7 +97,13 @@ def report_failed_rank(error: BaseException, run_dir: Path) -> None:
     if size <= 1:
         return
     reason = next((line for line in str(error).strip().splitlines() if line.strip()), "")
-    if _is_collective_failure(error):
+    if _is_collective_failure(error) and (ended := first_ended_child()) is not None:
+        other, pid, code = ended
+        what = (
+            f"a collective operation failed, because rank {other} (PID {pid}) ended first: {_ended_by(code)} "
+            f"(its console is in {run_dir / f'train.rank{other}.log'})"
+        )
+    elif _is_collective_failure(error):
         what = (
             "a collective operation failed, because another rank ended or stopped answering "
             "(look for the first rank that failed: its error comes first, or in its own train.rank<N>.log; "

@@ -36,6 +36,7 @@ from project.data.storage import is_remote
 from project.errors import ConfigError
 from project.lit_module import LlamaLitModule, check_resumable
 from project.loggers import build_loggers
+from project.processes import watch_children
 from project.redact import redacted_container, scrub_files, secret_values
 from project.parallel.pipeline_strategy import LlamaPipelineStrategy
 
@@ -237,6 +238,7 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
     ckpt_path = resumable_by(
         trainer.strategy, ckpt_path, run_dir, module.optimizer_parameter_names(), converts=is_first_process(trainer)
     )
+    watch_children(trainer.strategy.launcher)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if any(getattr(callback, "stopped_for_requeue", False) for callback in trainer.callbacks):
         rank_zero_info(f"stopped at step {trainer.global_step}: resume with ckpt_path=last (exit status {REQUEUE_EXIT_STATUS})")
