@@ -51,3 +51,23 @@ def test_data_parallel_size_fills_the_mesh():
 def test_mesh_that_does_not_match_the_devices_is_a_clear_error(strategy, message):
     with pytest.raises(ConfigError, match=message):
         mesh_shape(strategy, world_size=8, devices_per_node=8)
+
+
+@pytest.mark.parametrize("factory", ["single", "ddp"])
+def test_compile_setting_compiles_every_block_where_the_model_stays_whole(factory):
+    import torch
+
+    from project.model import Llama
+    from project.parallel.ddp import ddp_strategy
+    from project.parallel.single import single_device_strategy
+
+    make = {"single": single_device_strategy, "ddp": ddp_strategy}[factory]
+    assert not hasattr(make(), "parallelize")  # eager: Lightning's own strategy, untouched
+    strategy = make(compile=True)
+    strategy.parallel_devices = [torch.device("cpu")]  # what Lightning's connector sets
+    with torch.device("meta"):  # a strategy with `parallelize` gets its model built on meta
+        model = Llama(llama(n_layers=2))
+    strategy.parallelize(model)
+    assert all(block._compiled_call_impl is not None for block in model.layers.values())
+    assert not any(p.is_meta for p in model.parameters())
+    assert model.state_dict().keys() == Llama(llama(n_layers=2)).state_dict().keys()  # checkpoints keep their names

@@ -1,4 +1,4 @@
-"""Every sharded and tensor-parallel layout optimizes like one device: same per-step loss and final weights.
+"""Every sharded and tensor-parallel layout (and compiled blocks) optimizes like one device: same per-step loss and final weights.
 
 torchtitan's method: the same seed weights, the same global batch, a 1-device reference. Runs are
 gloo processes on the CPU, launched as subprocesses.
@@ -13,6 +13,9 @@ from project.checkpoints import load_full_checkpoint
 pytestmark = pytest.mark.slow
 
 LAYOUTS = {
+    # strategy.compile=true where the model stays whole: compiled blocks optimize as the eager ones do.
+    "single-compiled-blocks": ["strategy.compile=true"],
+    "ddp-compiled-blocks": ["strategy=ddp", "trainer.devices=2", "strategy.compile=true"],
     "fsdp-full-shard": ["strategy=fsdp", "trainer.devices=2"],
     "fsdp-shard-grad-op": ["strategy=fsdp", "trainer.devices=2", "strategy.sharding_strategy=SHARD_GRAD_OP"],
     "fsdp-no-shard": ["strategy=fsdp", "trainer.devices=2", "strategy.sharding_strategy=NO_SHARD"],

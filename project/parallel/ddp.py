@@ -8,6 +8,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
 from project.errors import ConfigError
+from project.parallel.compiled import CompiledBlocks
 from project.parallel.timeout import collective_timeout
 
 
@@ -30,12 +31,17 @@ class GlooFriendlyDDPStrategy(DDPStrategy):
         self.model.register_comm_hook(state=self._ddp_comm_state, hook=self._ddp_comm_hook)
 
 
+class CompiledDDPStrategy(CompiledBlocks, GlooFriendlyDDPStrategy):
+    """DDP over a model whose blocks are compiled (strategy.compile=true); DDP wraps them as they are."""
+
+
 def ddp_strategy(
     grad_reduction: Literal["mean", "sum"] = "mean",
     process_group_backend: str | None = None,
     find_unused_parameters: bool = False,
     static_graph: bool = False,
     collective_timeout_minutes: float = 10,
+    compile: bool = False,
 ) -> DDPStrategy:
     """DDP with averaged gradients (the default), or summed ones.
 
@@ -45,7 +51,8 @@ def ddp_strategy(
     """
     if grad_reduction not in ("mean", "sum"):
         raise ConfigError(f"strategy.grad_reduction={grad_reduction!r}: choose 'mean' (default) or 'sum'.")
-    return GlooFriendlyDDPStrategy(
+    strategy = CompiledDDPStrategy if compile else GlooFriendlyDDPStrategy
+    return strategy(
         process_group_backend=process_group_backend,  # None: Lightning picks gloo on CPU, NCCL on GPU
         find_unused_parameters=find_unused_parameters,
         static_graph=static_graph,
