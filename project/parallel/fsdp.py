@@ -25,9 +25,10 @@ class CPUCapableFSDPStrategy(FSDPStrategy):
     the world size is known, on the trainer's device type (Lightning's would always be CUDA).
     """
 
-    def __init__(self, hybrid_shard_size: int | None = None, **kwargs):
+    def __init__(self, hybrid_shard_size: int | None = None, compile: bool = False, **kwargs):
         super().__init__(**kwargs)
         self.hybrid_shard_size = hybrid_shard_size
+        self.compile = compile
 
     def setup_environment(self) -> None:
         if self.cpu_offload.offload_params and self.root_device.type == "cpu":
@@ -49,6 +50,9 @@ class CPUCapableFSDPStrategy(FSDPStrategy):
             self.kwargs["device_mesh"] = init_device_mesh(self.root_device.type, shape, mesh_dim_names=("replicate", "shard"))
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
+        if self.compile:  # in place, before FSDP wraps each block
+            for block in [m for m in model.modules() if isinstance(m, Block)]:
+                block.compile()
         if self.root_device.type != "cpu":
             return super()._setup_model(model)
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -77,6 +81,7 @@ def fsdp_strategy(
     state_dict_type: Literal["full", "sharded"] = "sharded",
     process_group_backend: str | None = None,
     collective_timeout_minutes: float = 10,
+    compile: bool = False,
 ) -> CPUCapableFSDPStrategy:
     """Each transformer Block is its own FSDP unit; mixed precision follows trainer.precision.
 
@@ -87,6 +92,7 @@ def fsdp_strategy(
         raise ConfigError(f"strategy.sharding_strategy={sharding_strategy!r}: choose one of {list(ShardingStrategy.__args__)}.")
     return CPUCapableFSDPStrategy(
         hybrid_shard_size=hybrid_shard_size,
+        compile=compile,
         auto_wrap_policy={Block},
         activation_checkpointing_policy={Block} if activation_checkpointing else None,
         sharding_strategy=sharding_strategy,
