@@ -4,6 +4,8 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 LITDATA ?= litdata==0.2.76
 TRANSFORMERS ?= transformers>=4.45
+# litgpt, timed beside project.train by `make bench` only.
+LITGPT ?= litgpt==0.5.13
 # pytest-xdist workers of `make test` and `make test-fast`: one per core of a 2-core machine.
 TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
@@ -64,13 +66,19 @@ test-fast: install
 # experiments/benchmarks/<date>-<host>.json and .md), and the pipeline bubble of GPipe, 1F1B and interleaved
 # 1F1B on 2 stages (experiments/benchmarks/<date>-<host>-pipeline-bubble-pp2.*), and the data path: the order's
 # start-up and locality, prepare and loader rates (experiments/benchmarks/<date>-<host>-data.*), and python -m
-# project.train against a hand-written loop, alternated (experiments/benchmarks/<date>-<host>-platform.*).
-# No tracked file is edited.
-bench: install
+# project.train against a hand-written loop and litgpt, eager and compiled, with MFU, data-parallel scaling and
+# start-up (experiments/benchmarks/<date>-<host>-platform.*). No tracked file is edited.
+bench: install $(VENV)/litgpt-reference/.installed
 	$(PY) -m project.bench presets=debug,small10m
 	$(PY) -m project.bench_platform
 	$(PY) -m project.bench_pipeline pp=2
 	$(PY) -m project.bench_data
+
+# Beside the environment, like transformers: litgpt's package imports psutil, which nothing else here needs,
+# and it declares versions of litdata and huggingface_hub that its model does not use.
+$(VENV)/litgpt-reference/.installed: $(STAMP)
+	$(PIP) install -q --no-deps --upgrade --target $(VENV)/litgpt-reference "$(LITGPT)" psutil
+	touch $@
 
 clean:
 	rm -rf outputs multirun lightning_logs

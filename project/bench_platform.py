@@ -1,18 +1,23 @@
 """The platform against a hand-written loop, side by side: `make bench` or
 
-    python -m project.bench_platform [presets=debug,small10m,small50m] [steps=S] [warmup=W] [repeats=R]
-                                     [threads=T] [startup=true] [out=experiments/benchmarks]
+    python -m project.bench_platform [presets=debug,small10m,small50m] [compiled=debug,small10m]
+                                     [scaling=ddp,fsdp2,tp] [scaling_preset=small10m] [steps=S] [warmup=W]
+                                     [repeats=R] [threads=T] [startup=true] [out=experiments/benchmarks]
 
-For each preset, alternating A B A B ... R times: A is `python -m project.train` on one process (prepared
-shards, the run's AdamW, warmup + cosine and clipping, logging every step, no validation or checkpoint within
-the timed steps), B is a minimal PyTorch loop over the same model class, batch, AdamW and clipping on random
-tokens, in a process of its own with the same thread count. Each gives tokens/s over S optimizer steps after W
-warm-up steps; A's step times are those its TokenThroughput callback logs (first micro batch's start to the
-last one's end). The ratio A / B of the medians is what the platform costs or saves; absolute figures drift
-between runs and machines of this kind, ratios taken side by side much less.
+For each preset, eager, and again compiled for those in `compiled` (strategy.compile=true; the hand loop
+compiles the same blocks), alternating A B A B ... R times: A is `python -m project.train` on one process
+(prepared shards, the run's AdamW, warmup + cosine and clipping, logging every step, no validation or
+checkpoint within the timed steps), B is a minimal PyTorch loop over the same model class, batch, AdamW and
+clipping on random tokens, in a process of its own with the same thread count. Each gives tokens/s over S
+optimizer steps after W warm-up steps; A's step times are those its TokenThroughput callback logs (first
+micro batch's start to the last one's end). The ratio A / B of the medians is what the platform costs or
+saves; absolute figures drift between runs and machines of this kind, ratios taken side by side much less.
+MFU is taken against the fp32 matrix-product rate measured in the same run, at the same thread count.
 
-Then, unless startup=false, the start-up: seconds from the command to the end of the first optimizer step of
-`experiment=debug`, split into `import lightning` and the rest, and the process's peak resident memory.
+Then data-parallel scaling: each strategy in `scaling` on 2 processes x 1 thread against one process x 2
+threads, same model and global batch, alternated. Then, unless startup=false, the start-up: seconds from the
+command to the end of the first optimizer step of `experiment=debug`, split into `import lightning` and the
+rest, and the process's peak resident memory.
 
 Writes new files <date>-<host>-platform.json and .md into `out`; no file there is edited.
 """
@@ -35,28 +40,43 @@ from pathlib import Path
 from project.bench import ROOT, free_stem, load_preset, parse_key_values, preset_path, result_stem
 from project.errors import ConfigError, exit_on_config_error
 
-DEFAULTS = {"presets": "debug,small10m,small50m", "steps": "", "warmup": "1", "repeats": "3", "threads": "", "startup": "true",
-            "out": "experiments/benchmarks"}
+DEFAULTS = {"presets": "debug,small10m,small50m", "compiled": "debug,small10m", "scaling": "ddp,fsdp2,tp", "scaling_preset": "small10m",
+            "litgpt": "auto", "steps": "", "warmup": "1", "repeats": "3", "threads": "", "startup": "true", "out": "experiments/benchmarks"}
 VOCAB_SIZE, SEQ_LEN = 4096, 256
 # Batch and timed steps per preset: steps long enough that a step's timer noise averages out.
 SHAPES = {"debug": {"batch": 8, "steps": 20}, "small10m": {"batch": 8, "steps": 6}, "small50m": {"batch": 8, "steps": 3}}
+# Data-parallel scaling: each strategy on 2 processes x 1 thread against one process with 2 threads.
+SCALED = {"ddp": ["strategy=ddp"], "fsdp2": ["strategy=fsdp2"], "tp": ["strategy=tp"]}
 OPTIM = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0}  # conf/train.yaml's
 
 
 def parse(argv: list[str]) -> dict:
     args = parse_key_values(argv, DEFAULTS)
     presets = [p for p in args["presets"].split(",") if p]
-    for name in presets or [""]:
-        if not preset_path(name).is_file():
-            raise ConfigError(f"presets: no model preset {name!r} in conf/model (comma-separated names).")
+    compiled = [p for p in args["compiled"].split(",") if p]
+    for key, names in (("presets", presets or [""]), ("compiled", compiled), ("scaling_preset", [args["scaling_preset"]])):
+        for name in names:
+            if not preset_path(name).is_file():
+                raise ConfigError(f"{key}: no model preset {name!r} in conf/model (comma-separated names).")
+    scaling = [s for s in args["scaling"].split(",") if s]
+    for name in scaling:
+        if name not in SCALED:
+            raise ConfigError(f"scaling: {name!r} is not one of {list(SCALED)} (comma-separated; empty for none).")
     for key in ("steps", "warmup", "repeats", "threads"):
         if args[key] and (not args[key].isdigit() or (key != "warmup" and int(args[key]) < 1)):
             raise ConfigError(f"{key}={args[key]}: expected a positive integer.")
+    if args["litgpt"] not in ("auto", "true", "false"):
+        raise ConfigError(f"litgpt={args['litgpt']}: choose auto (when installed), true or false.")
+    from project.bench_litgpt import available, reference_path
+
+    if args["litgpt"] == "true" and not available():
+        raise ConfigError(f"litgpt=true: litgpt is not installed in {reference_path()}; `make bench` installs it there.")
     if args["startup"] not in ("true", "false"):
         raise ConfigError(f"startup={args['startup']}: choose true or false.")
     out = Path(args["out"])
     return {
-        "startup": args["startup"] == "true", "presets": presets, "steps": int(args["steps"]) if args["steps"] else None, "warmup": int(args["warmup"]),
+        "startup": args["startup"] == "true", "presets": presets, "compiled": compiled, "scaling": scaling,
+        "scaling_preset": args["scaling_preset"], "litgpt": args["litgpt"] == "true" or (args["litgpt"] == "auto" and available()), "steps": int(args["steps"]) if args["steps"] else None, "warmup": int(args["warmup"]),
         "repeats": int(args["repeats"]), "threads": int(args["threads"] or os.cpu_count() or 1),
         "out": out if out.is_absolute() else ROOT / out,
     }
@@ -73,13 +93,16 @@ def shards(root: Path) -> Path:
     return folder
 
 
-def platform_run(preset: str, batch: int, steps: int, warmup: int, data: Path, run_dir: Path, env: dict) -> dict:
-    """A: `python -m project.train` for warmup + steps optimizer steps; tokens/s of the last `steps`."""
+def platform_run(preset: str, batch: int, steps: int, warmup: int, data: Path, run_dir: Path, env: dict, *extra: str,
+                 micro_batch: str | None = None) -> dict:
+    """A: `python -m project.train` for warmup + steps optimizer steps; tokens/s of the last `steps`. The micro
+    batch is the whole batch unless given ("null": each data-parallel rank's share, no accumulation)."""
     command = [
         sys.executable, "-m", "project.train", "experiment=debug", f"model={preset}", f"data.dir={data}",
-        f"data.seq_len={SEQ_LEN}", f"data.vocab_size={VOCAB_SIZE}", f"global_batch_size={batch}", f"micro_batch_size={batch}",
+        f"data.seq_len={SEQ_LEN}", f"data.vocab_size={VOCAB_SIZE}", f"global_batch_size={batch}",
+        f"micro_batch_size={micro_batch or batch}",
         f"trainer.max_steps={warmup + steps}", "trainer.log_every_n_steps=1", "val_every_n_steps=1000000",
-        "ckpt_every_n_steps=1000000", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+        "ckpt_every_n_steps=1000000", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", *extra,
         f"hydra.run.dir={run_dir}",
     ]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -92,16 +115,28 @@ def platform_run(preset: str, batch: int, steps: int, warmup: int, data: Path, r
     return {"tokens_per_sec": len(timed) * tokens / sum(tokens / r for r in timed), "command": shlex.join(command[1:])}
 
 
-def hand_loop(preset: str, batch: int, steps: int, warmup: int) -> dict:
-    """B, in this process: the model class, AdamW and clipping, nothing else."""
+def hand_loop(preset: str, batch: int, steps: int, warmup: int, compiled: bool, model_class: str = "ours") -> dict:
+    """B (or C, model_class="litgpt": litgpt's GPT of the same shape), in this process: the model, AdamW and
+    clipping, nothing else; compiled block by block as strategy.compile does."""
     import torch
     import torch.nn.functional as F
 
     from project.model import Llama
+    from project.parallel.compiled import compile_blocks
 
     torch.manual_seed(0)
     config = load_preset(preset, VOCAB_SIZE)
-    model = Llama(config)
+    if model_class == "litgpt":
+        from project.bench_litgpt import litgpt_twin, twin_blocks
+
+        model = litgpt_twin(config, SEQ_LEN)
+        if compiled:
+            for block in twin_blocks(model):
+                block.compile()
+    else:
+        model = Llama(config)
+        if compiled:
+            compile_blocks(model)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -125,34 +160,95 @@ def hand_loop(preset: str, batch: int, steps: int, warmup: int) -> dict:
     return {"tokens_per_sec": steps * batch * SEQ_LEN / (time.perf_counter() - start)}
 
 
-def hand_loop_run(preset: str, batch: int, steps: int, warmup: int, env: dict) -> dict:
-    command = [sys.executable, "-m", "project.bench_platform", "--hand-loop", preset, str(batch), str(steps), str(warmup)]
+def matmul_peak(size: int = 2048, runs: int = 10) -> dict:
+    """The machine's fp32 matrix-product rate at this process's thread count: the best of `runs` square products."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # the first product pays for thread start-up
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return {"flops_per_sec": 2 * size**3 / best, "size": size}
+
+
+def in_own_process(argv: list[str], env: dict) -> dict:
+    """One of this module's measurements (--hand-loop, --matmul-peak) in a fresh process with `env`'s threads."""
+    command = [sys.executable, "-m", "project.bench_platform", *argv]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{shlex.join(command)} failed:\n{result.stderr[-3000:]}")
     return {**json.loads(result.stdout.strip().splitlines()[-1]), "command": shlex.join(command[1:])}
 
 
-def compare(args: dict, data: Path, scratch: Path) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(args["threads"]), "WANDB_MODE": "offline"}
+def thread_env(threads: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "WANDB_MODE": "offline"}
     env.pop("PYTEST_CURRENT_TEST", None)
+    return env
+
+
+def compare(args: dict, data: Path, scratch: Path, peak: float) -> list[dict]:
+    """Per preset, eager and (for those in `compiled`) compiled: project.train and the hand loop, alternated."""
+    from project.model import training_flops_per_token
+
+    env = thread_env(args["threads"])
+    cases = [(p, False) for p in args["presets"]] + [(p, True) for p in args["compiled"]]
     rows = []
-    for preset in args["presets"]:
+    for preset, compiled in cases:
         shape = SHAPES.get(preset, {"batch": 8, "steps": 4})
-        steps = args["steps"] or shape["steps"]
-        ours, hand = [], []
-        for repeat in range(args["repeats"]):  # A B A B ...: drift on a shared machine hits both alike
-            ours.append(platform_run(preset, shape["batch"], steps, args["warmup"], data, scratch / f"{preset}-{repeat}", env))
-            hand.append(hand_loop_run(preset, shape["batch"], steps, args["warmup"], env))
-            print(f"{preset} run {repeat + 1}/{args['repeats']}: project.train {ours[-1]['tokens_per_sec']:,.0f} tokens/s, "
-                  f"hand loop {hand[-1]['tokens_per_sec']:,.0f}", flush=True)
+        steps, mode = args["steps"] or shape["steps"], "compiled" if compiled else "eager"
+        extra = ["strategy.compile=true"] if compiled else []
+        ours, hand, twin = [], [], []
+        loop = ["--hand-loop", preset, str(shape["batch"]), str(steps), str(args["warmup"]), mode]
+        for repeat in range(args["repeats"]):  # A B C A B C ...: drift on a shared machine hits all alike
+            run_dir = scratch / f"{preset}-{mode}-{repeat}"
+            ours.append(platform_run(preset, shape["batch"], steps, args["warmup"], data, run_dir, env, *extra))
+            hand.append(in_own_process([*loop, "ours"], env))
+            if args["litgpt"]:
+                twin.append(in_own_process([*loop, "litgpt"], env))
+            print(f"{preset} {mode} run {repeat + 1}/{args['repeats']}: project.train {ours[-1]['tokens_per_sec']:,.0f} tokens/s, "
+                  f"hand loop {hand[-1]['tokens_per_sec']:,.0f}" + (f", litgpt {twin[-1]['tokens_per_sec']:,.0f}" if twin else ""), flush=True)
         a, b = (statistics.median(r["tokens_per_sec"] for r in runs) for runs in (ours, hand))
+        c = statistics.median(r["tokens_per_sec"] for r in twin) if twin else None
+        flops = training_flops_per_token(load_preset(preset, VOCAB_SIZE), SEQ_LEN)
         rows.append({
-            "preset": preset, "batch": shape["batch"], "seq_len": SEQ_LEN, "steps": steps, "warmup": args["warmup"],
+            "preset": preset, "mode": mode, "batch": shape["batch"], "seq_len": SEQ_LEN, "steps": steps, "warmup": args["warmup"],
             "threads": args["threads"], "project_train_tokens_per_sec": round(a, 1), "hand_loop_tokens_per_sec": round(b, 1),
-            "ratio": round(a / b, 3), "runs": {"project_train": [round(r["tokens_per_sec"], 1) for r in ours],
-                                               "hand_loop": [round(r["tokens_per_sec"], 1) for r in hand]},
-            "commands": {"project_train": ours[0]["command"], "hand_loop": hand[0]["command"]},
+            "ratio": round(a / b, 3), "litgpt_tokens_per_sec": round(c, 1) if c else None,
+            "ratio_to_litgpt": round(a / c, 3) if c else None, "flops_per_token": flops, "project_train_mfu": round(a * flops / peak, 4),
+            "hand_loop_mfu": round(b * flops / peak, 4),
+            "runs": {"project_train": [round(r["tokens_per_sec"], 1) for r in ours], "hand_loop": [round(r["tokens_per_sec"], 1) for r in hand],
+                     "litgpt": [round(r["tokens_per_sec"], 1) for r in twin]},
+            "commands": {"project_train": ours[0]["command"], "hand_loop": hand[0]["command"], "litgpt": twin[0]["command"] if twin else None},
+        })
+    return rows
+
+
+def scaling(args: dict, data: Path, scratch: Path) -> list[dict]:
+    """Each strategy in `scaling` on 2 processes x 1 thread against one process x 2 threads, the same global batch and
+    model (untied embeddings, which tensor parallelism needs), alternated; the ratio is what the split of work costs."""
+    preset = args["scaling_preset"]
+    shape = SHAPES.get(preset, {"batch": 8, "steps": 4})
+    steps, model = args["steps"] or shape["steps"], ["model.tie_embeddings=false"]
+    two_procs = [*model, "trainer.devices=2", "threads_per_process=1"]
+    rows = []
+    for name in args["scaling"]:
+        split, whole = [], []
+        for repeat in range(args["repeats"]):
+            split.append(platform_run(preset, shape["batch"], steps, args["warmup"], data, scratch / f"scale-{name}-{repeat}",
+                                      thread_env(1), *two_procs, *SCALED[name], micro_batch="null"))
+            whole.append(platform_run(preset, shape["batch"], steps, args["warmup"], data, scratch / f"scale-single-{name}-{repeat}",
+                                      thread_env(2), *model, micro_batch="null"))
+            print(f"scaling {name} run {repeat + 1}/{args['repeats']}: 2 x 1 thread {split[-1]['tokens_per_sec']:,.0f} tokens/s, "
+                  f"1 x 2 threads {whole[-1]['tokens_per_sec']:,.0f}", flush=True)
+        a, b = (statistics.median(r["tokens_per_sec"] for r in runs) for runs in (split, whole))
+        rows.append({
+            "strategy": name, "preset": preset, "batch": shape["batch"], "seq_len": SEQ_LEN, "steps": steps,
+            "two_processes_tokens_per_sec": round(a, 1), "one_process_tokens_per_sec": round(b, 1), "ratio": round(a / b, 3),
+            "runs": {"two_processes": [round(r["tokens_per_sec"], 1) for r in split], "one_process": [round(r["tokens_per_sec"], 1) for r in whole]},
+            "commands": {"two_processes": split[0]["command"], "one_process": whole[0]["command"]},
         })
     return rows
 
@@ -182,19 +278,40 @@ def startup(data: Path, scratch: Path, env: dict, runs: int = 3) -> dict:
 
 
 def table(report: dict) -> str:
+    peak = report["matmul_peak"]
     lines = [
         f"# project.train against a hand-written loop, {report['date']} on {report['hostname']}",
         "",
         f"{report['platform']}, torch {report['torch']}, {report['threads']} threads per process; medians of "
         f"{report['repeats']} alternated runs each. Command: `{report['command']}`",
         "",
-        "| preset | batch x seq | timed steps | project.train tokens/s | hand loop tokens/s | ratio (target >= 0.97) |",
-        "|---|---|---|---|---|---|",
+        f"MFU: model FLOPs (6N + attention) x tokens/s over this machine's fp32 matrix-product rate, measured in the same "
+        f"run at the same threads: {peak['flops_per_sec'] / 1e9:,.1f} GFLOP/s ({peak['size']} x {peak['size']}, best of 10).",
+        "",
+        "| preset | mode | batch x seq | timed steps | project.train tokens/s | hand loop tokens/s | ratio (target >= 0.97) "
+        "| litgpt tokens/s | project.train / litgpt (target >= 1.0) | MFU project.train | MFU hand loop |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
-        lines.append(f"| {r['preset']} | {r['batch']} x {r['seq_len']} | {r['steps']} | {r['project_train_tokens_per_sec']:,.0f} | "
-                     f"{r['hand_loop_tokens_per_sec']:,.0f} | {r['ratio']:.3f} |")
-    lines += ["", "Each run's figures are in the .json file, with both commands."]
+        litgpt = (f"{r['litgpt_tokens_per_sec']:,.0f} | {r['ratio_to_litgpt']:.3f}" if r["litgpt_tokens_per_sec"]
+                  else "not run | -")
+        lines.append(f"| {r['preset']} | {r['mode']} | {r['batch']} x {r['seq_len']} | {r['steps']} | {r['project_train_tokens_per_sec']:,.0f} | "
+                     f"{r['hand_loop_tokens_per_sec']:,.0f} | {r['ratio']:.3f} | {litgpt} | {r['project_train_mfu']:.1%} | {r['hand_loop_mfu']:.1%} |")
+    eager = {r["preset"]: r for r in report["rows"] if r["mode"] == "eager"}
+    effects = [f"{r['preset']} x{r['project_train_tokens_per_sec'] / eager[r['preset']]['project_train_tokens_per_sec']:.2f}"
+               for r in report["rows"] if r["mode"] == "compiled" and r["preset"] in eager]
+    if effects:
+        lines += ["", "`strategy.compile=true` against eager, project.train: " + ", ".join(effects) + "."]
+    lines += ["", "litgpt: its `GPT` with our preset's architecture and parameter count (project/bench_litgpt.py), in the hand loop, "
+              "compiled block by block as ours. Each run's figures are in the .json file, with the commands."]
+    if report.get("scaling"):
+        lines += [
+            "", "## Data-parallel scaling: 2 processes x 1 thread against 1 process x 2 threads, the same global batch", "",
+            "| strategy | preset | batch x seq | 2 x 1 thread tokens/s | 1 x 2 threads tokens/s | ratio |", "|---|---|---|---|---|---|",
+        ]
+        for r in report["scaling"]:
+            lines.append(f"| {r['strategy']} | {r['preset']} | {r['batch']} x {r['seq_len']} | {r['two_processes_tokens_per_sec']:,.0f} | "
+                         f"{r['one_process_tokens_per_sec']:,.0f} | {r['ratio']:.3f} |")
     if report.get("startup"):
         s = report["startup"]
         lines += [
@@ -208,22 +325,28 @@ def table(report: dict) -> str:
 
 def main() -> None:
     if sys.argv[1:2] == ["--hand-loop"]:  # B, started by compare() in a process of its own
-        preset, batch, steps, warmup = sys.argv[2], *map(int, sys.argv[3:6])
-        print(json.dumps(hand_loop(preset, batch, steps, warmup)))
+        preset, (batch, steps, warmup), mode, model_class = sys.argv[2], map(int, sys.argv[3:6]), sys.argv[6], sys.argv[7]
+        print(json.dumps(hand_loop(preset, batch, steps, warmup, compiled=mode == "compiled", model_class=model_class)))
+        return
+    if sys.argv[1:2] == ["--matmul-peak"]:
+        print(json.dumps(matmul_peak()))
         return
     with exit_on_config_error():
         args = parse(sys.argv[1:])
     import torch
 
-    env = {**os.environ, "OMP_NUM_THREADS": str(args["threads"]), "WANDB_MODE": "offline"}
+    env = thread_env(args["threads"])
     with tempfile.TemporaryDirectory(prefix="bench-platform-") as scratch:
         data = shards(Path(scratch))
-        rows = compare(args, data, Path(scratch))
+        peak = in_own_process(["--matmul-peak"], env)
+        rows = compare(args, data, Path(scratch), peak["flops_per_sec"])
+        scaled = scaling(args, data, Path(scratch))
         started = startup(data, Path(scratch), env, runs=args["repeats"]) if args["startup"] else None
     report = {
         "date": datetime.date.today().isoformat(), "hostname": platform.node(), "platform": platform.platform(),
         "torch": torch.__version__, "threads": args["threads"], "repeats": args["repeats"],
-        "command": shlex.join(["python", "-m", "project.bench_platform", *sys.argv[1:]]), "rows": rows, "startup": started,
+        "command": shlex.join(["python", "-m", "project.bench_platform", *sys.argv[1:]]), "matmul_peak": peak, "rows": rows,
+        "scaling": scaled, "startup": started,
     }
     stem = free_stem(result_stem(args["out"], "-platform"), [".json", ".md"])
     stem.parent.mkdir(parents=True, exist_ok=True)

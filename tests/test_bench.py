@@ -47,24 +47,41 @@ def test_unknown_preset_is_a_config_error(tmp_path):
 
 @pytest.mark.slow
 def test_platform_bench_times_project_train_beside_a_hand_loop_and_writes_both_commands(tmp_path):
-    result = run_module("project.bench_platform", ["presets=debug", "steps=2", "warmup=1", "repeats=2", "threads=1", f"out={tmp_path}"], timeout=600)
+    argv = ["presets=debug", "compiled=debug", "scaling=ddp", "scaling_preset=debug", "steps=2", "warmup=1", "repeats=1", "threads=1"]
+    result = run_module("project.bench_platform", [*argv, f"out={tmp_path}"], timeout=900)
     assert result.returncode == 0, f"bench failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     [report_file] = tmp_path.glob("*-platform.json")
-    report = json.loads(report_file.read_text())
-    [row] = report["rows"]
-    assert (row["preset"], row["steps"], row["warmup"], row["threads"]) == ("debug", 2, 1, 1)
-    assert len(row["runs"]["project_train"]) == len(row["runs"]["hand_loop"]) == 2
-    assert row["project_train_tokens_per_sec"] == pytest.approx(statistics.median(row["runs"]["project_train"]), rel=1e-3)
-    assert row["ratio"] == pytest.approx(row["project_train_tokens_per_sec"] / row["hand_loop_tokens_per_sec"], rel=1e-2)
-    assert "project.train" in row["commands"]["project_train"] and "--hand-loop debug" in row["commands"]["hand_loop"]
-    assert "| debug | 8 x 256 | 2 |" in report_file.with_suffix(".md").read_text()
+    report, table = json.loads(report_file.read_text()), report_file.with_suffix(".md").read_text()
+    eager, compiled = report["rows"]
+    assert [(r["preset"], r["mode"], r["steps"], r["warmup"], r["threads"]) for r in report["rows"]] == [
+        ("debug", "eager", 2, 1, 1), ("debug", "compiled", 2, 1, 1)]
+    for row in report["rows"]:
+        assert len(row["runs"]["project_train"]) == len(row["runs"]["hand_loop"]) == 1
+        assert row["project_train_tokens_per_sec"] == pytest.approx(statistics.median(row["runs"]["project_train"]), rel=1e-3)
+        assert row["ratio"] == pytest.approx(row["project_train_tokens_per_sec"] / row["hand_loop_tokens_per_sec"], rel=1e-2)
+        peak = report["matmul_peak"]["flops_per_sec"]
+        assert row["project_train_mfu"] == pytest.approx(row["project_train_tokens_per_sec"] * row["flops_per_token"] / peak, rel=1e-2)
+        assert 0 < row["hand_loop_mfu"] < 1.5  # against a measured peak; a wrong unit would be off by 1e3 or more
+        assert "project.train" in row["commands"]["project_train"] and "--hand-loop debug" in row["commands"]["hand_loop"]
+    assert "strategy.compile=true" in compiled["commands"]["project_train"] and "strategy.compile" not in eager["commands"]["project_train"]
+    assert compiled["commands"]["hand_loop"].endswith("compiled") and eager["commands"]["hand_loop"].endswith("eager")
+    assert "| debug | eager | 8 x 256 | 2 |" in table and "| debug | compiled | 8 x 256 | 2 |" in table
+    [scaled] = report["scaling"]  # 2 processes x 1 thread against 1 x 2 threads
+    assert scaled["strategy"] == "ddp" and "trainer.devices=2" in scaled["commands"]["two_processes"]
+    assert "trainer.devices" not in scaled["commands"]["one_process"]
+    assert scaled["ratio"] == pytest.approx(scaled["two_processes_tokens_per_sec"] / scaled["one_process_tokens_per_sec"], rel=1e-2)
     start = report["startup"]  # the debug experiment's first step, split at `import lightning`
-    assert len(start["runs"]["seconds_to_first_step"]) == 2 and start["seconds_to_first_step"] > start["import_lightning_seconds"] > 0
+    assert len(start["runs"]["seconds_to_first_step"]) == 1 and start["seconds_to_first_step"] > start["import_lightning_seconds"] > 0
     assert start["rest_seconds"] == pytest.approx(start["seconds_to_first_step"] - start["import_lightning_seconds"], abs=0.011)
-    assert start["peak_rss_mib"] > 100 and "import lightning" in report_file.with_suffix(".md").read_text()
+    assert start["peak_rss_mib"] > 100 and "import lightning" in table
 
 
-def test_platform_bench_refuses_an_unknown_preset_before_running_anything(tmp_path):
-    result = run_module("project.bench_platform", ["presets=no_such_model", f"out={tmp_path}"], timeout=120)
-    assert result.returncode == 2 and result.stderr.startswith("error: ") and "no_such_model" in result.stderr
+@pytest.mark.parametrize("setting, named", [
+    ("presets=no_such_model", "presets: no model preset 'no_such_model'"),
+    ("compiled=debug,no_such_model", "compiled: no model preset 'no_such_model'"),
+    ("scaling=ddp,horovod", "scaling: 'horovod' is not one of ['ddp', 'fsdp2', 'tp']"),
+])
+def test_platform_bench_refuses_an_unknown_preset_or_strategy_before_running_anything(tmp_path, setting, named):
+    result = run_module("project.bench_platform", [setting, f"out={tmp_path}"], timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and named in result.stderr, result.stderr
     assert not list(tmp_path.iterdir())
