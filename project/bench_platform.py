@@ -1,8 +1,8 @@
 """The platform against a hand-written loop, side by side: `make bench` or
 
-    python -m project.bench_platform [presets=debug,small10m,small50m] [compiled=debug,small10m]
+    python -m project.bench_platform [presets=debug,small10m,small50m] [compiled=small10m]
                                      [scaling=ddp,fsdp2,tp] [scaling_preset=small10m] [steps=S] [warmup=W]
-                                     [repeats=R] [threads=T] [startup=true] [out=experiments/benchmarks]
+                                     [litgpt=auto] [repeats=2] [threads=T] [startup=true] [out=experiments/benchmarks]
 
 For each preset, eager, and again compiled for those in `compiled` (strategy.compile=true; the hand loop
 compiles the same blocks), alternating A B A B ... R times: A is `python -m project.train` on one process
@@ -12,6 +12,8 @@ clipping on random tokens, in a process of its own with the same thread count. E
 optimizer steps after W warm-up steps; A's step times are those its TokenThroughput callback logs (first
 micro batch's start to the last one's end). The ratio A / B of the medians is what the platform costs or
 saves; absolute figures drift between runs and machines of this kind, ratios taken side by side much less.
+With litgpt installed (`make bench` puts it beside the environment; litgpt=auto uses it then), a third side C
+runs litgpt's GPT of the same architecture and parameter count in the same loop (project/bench_litgpt.py).
 MFU is taken against the fp32 matrix-product rate measured in the same run, at the same thread count.
 
 Then data-parallel scaling: each strategy in `scaling` on 2 processes x 1 thread against one process x 2
@@ -40,8 +42,8 @@ from pathlib import Path
 from project.bench import ROOT, free_stem, load_preset, parse_key_values, preset_path, result_stem
 from project.errors import ConfigError, exit_on_config_error
 
-DEFAULTS = {"presets": "debug,small10m,small50m", "compiled": "debug,small10m", "scaling": "ddp,fsdp2,tp", "scaling_preset": "small10m",
-            "litgpt": "auto", "steps": "", "warmup": "1", "repeats": "3", "threads": "", "startup": "true", "out": "experiments/benchmarks"}
+DEFAULTS = {"presets": "debug,small10m,small50m", "compiled": "small10m", "scaling": "ddp,fsdp2,tp", "scaling_preset": "small10m",
+            "litgpt": "auto", "steps": "", "warmup": "1", "repeats": "2", "threads": "", "startup": "true", "out": "experiments/benchmarks"}
 VOCAB_SIZE, SEQ_LEN = 4096, 256
 # Batch and timed steps per preset: steps long enough that a step's timer noise averages out.
 SHAPES = {"debug": {"batch": 8, "steps": 20}, "small10m": {"batch": 8, "steps": 6}, "small50m": {"batch": 8, "steps": 3}}
@@ -231,7 +233,8 @@ def scaling(args: dict, data: Path, scratch: Path) -> list[dict]:
     model (untied embeddings, which tensor parallelism needs), alternated; the ratio is what the split of work costs."""
     preset = args["scaling_preset"]
     shape = SHAPES.get(preset, {"batch": 8, "steps": 4})
-    steps, model = args["steps"] or shape["steps"], ["model.tie_embeddings=false"]
+    # 3 steps at most: 6 runs per strategy, and the split's cost shows in every step alike.
+    steps, model = args["steps"] or min(shape["steps"], 3), ["model.tie_embeddings=false"]
     two_procs = [*model, "trainer.devices=2", "threads_per_process=1"]
     rows = []
     for name in args["scaling"]:
