@@ -4,7 +4,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 LITDATA ?= litdata==0.2.76
 TRANSFORMERS ?= transformers>=4.45
-# litgpt, timed beside project.train by `make bench` only.
+# litgpt, timed beside project.train by `make bench` (and its test): never imported by a run.
 LITGPT ?= litgpt==0.5.13
 # pytest-xdist workers of `make test` and `make test-fast`: one per core of a 2-core machine.
 TEST_WORKERS ?= 2
@@ -47,7 +47,7 @@ train: prepare
 	$(PY) -m project.train experiment=$(EXPERIMENT) hydra.run.dir=$(RUN_DIR)
 	$(PY) -m project.generate ckpt_path=$(RUN_DIR)/checkpoints/last.ckpt prompt="$(SAMPLE_PROMPT)" max_new_tokens=100
 
-test: install slurm
+test: install slurm $(VENV)/litgpt-reference/.installed
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # A SLURM for tests/test_clusters.py, which starts a two-node cluster on this host: Debian's slurm-wlm,
@@ -59,7 +59,7 @@ slurm:
 		echo "installed slurm-wlm (apt) for tests/test_clusters.py"; } || \
 		echo "SLURM not installed (needs root and apt): tests/test_clusters.py will skip its SLURM tests"
 
-test-fast: install
+test-fast: install $(VENV)/litgpt-reference/.installed
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
 
 # Training-step throughput of the debug and small10m presets and the config error latency (new files
@@ -70,7 +70,7 @@ test-fast: install
 # start-up (experiments/benchmarks/<date>-<host>-platform.*). No tracked file is edited.
 bench: install $(VENV)/litgpt-reference/.installed
 	$(PY) -m project.bench presets=debug,small10m
-	$(PY) -m project.bench_platform
+	$(PY) -m project.bench_platform presets=debug,small10m  # small50m too: 5 more minutes here
 	$(PY) -m project.bench_pipeline pp=2
 	$(PY) -m project.bench_data
 

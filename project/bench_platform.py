@@ -21,7 +21,8 @@ threads, same model and global batch, alternated. Then, unless startup=false, th
 command to the end of the first optimizer step of `experiment=debug`, split into `import lightning` and the
 rest, and the process's peak resident memory.
 
-Writes new files <date>-<host>-platform.json and .md into `out`; no file there is edited.
+Writes new files <date>-<host>-platform.json, .md and .svg (the ratios as bars) into `out`; no file there is
+edited. `python -m project.bench_platform --redraw FILE.json` draws a written report's .md and .svg again.
 """
 
 from __future__ import annotations
@@ -191,8 +192,9 @@ def thread_env(threads: int) -> dict:
     return env
 
 
-def compare(args: dict, data: Path, scratch: Path, peak: float) -> list[dict]:
-    """Per preset, eager and (for those in `compiled`) compiled: project.train and the hand loop, alternated."""
+def compare(args: dict, data: Path, scratch: Path, peaks: list[dict]) -> list[dict]:
+    """Per preset, eager and (for those in `compiled`) compiled: project.train and the hand loop, alternated, and the
+    matrix-product rate once per alternation, appended to `peaks` (MFU is filled in against their best)."""
     from project.model import training_flops_per_token
 
     env = thread_env(args["threads"])
@@ -210,6 +212,7 @@ def compare(args: dict, data: Path, scratch: Path, peak: float) -> list[dict]:
             hand.append(in_own_process([*loop, "ours"], env))
             if args["litgpt"]:
                 twin.append(in_own_process([*loop, "litgpt"], env))
+            peaks.append(in_own_process(["--matmul-peak"], env))
             print(f"{preset} {mode} run {repeat + 1}/{args['repeats']}: project.train {ours[-1]['tokens_per_sec']:,.0f} tokens/s, "
                   f"hand loop {hand[-1]['tokens_per_sec']:,.0f}" + (f", litgpt {twin[-1]['tokens_per_sec']:,.0f}" if twin else ""), flush=True)
         a, b = (statistics.median(r["tokens_per_sec"] for r in runs) for runs in (ours, hand))
@@ -219,8 +222,7 @@ def compare(args: dict, data: Path, scratch: Path, peak: float) -> list[dict]:
             "preset": preset, "mode": mode, "batch": shape["batch"], "seq_len": SEQ_LEN, "steps": steps, "warmup": args["warmup"],
             "threads": args["threads"], "project_train_tokens_per_sec": round(a, 1), "hand_loop_tokens_per_sec": round(b, 1),
             "ratio": round(a / b, 3), "litgpt_tokens_per_sec": round(c, 1) if c else None,
-            "ratio_to_litgpt": round(a / c, 3) if c else None, "flops_per_token": flops, "project_train_mfu": round(a * flops / peak, 4),
-            "hand_loop_mfu": round(b * flops / peak, 4),
+            "ratio_to_litgpt": round(a / c, 3) if c else None, "flops_per_token": flops,
             "runs": {"project_train": [round(r["tokens_per_sec"], 1) for r in ours], "hand_loop": [round(r["tokens_per_sec"], 1) for r in hand],
                      "litgpt": [round(r["tokens_per_sec"], 1) for r in twin]},
             "commands": {"project_train": ours[0]["command"], "hand_loop": hand[0]["command"], "litgpt": twin[0]["command"] if twin else None},
@@ -289,7 +291,8 @@ def table(report: dict) -> str:
         f"{report['repeats']} alternated runs each. Command: `{report['command']}`",
         "",
         f"MFU: model FLOPs (6N + attention) x tokens/s over this machine's fp32 matrix-product rate, measured in the same "
-        f"run at the same threads: {peak['flops_per_sec'] / 1e9:,.1f} GFLOP/s ({peak['size']} x {peak['size']}, best of 10).",
+        f"run at the same threads: {peak['flops_per_sec'] / 1e9:,.1f} GFLOP/s ({peak['size']} x {peak['size']}, best of 10 products, "
+        + (f"best of {len(peak['runs'])} measurements, one per alternation)." if "runs" in peak else "measured once, at the start)."),
         "",
         "| preset | mode | batch x seq | timed steps | project.train tokens/s | hand loop tokens/s | ratio (target >= 0.97) "
         "| litgpt tokens/s | project.train / litgpt (target >= 1.0) | MFU project.train | MFU hand loop |",
@@ -326,7 +329,37 @@ def table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(report: dict) -> str:
+    """The ratios as bars: project.train against the hand loop and litgpt per preset and mode, then the scaling."""
+    from project.svg_plots import bar_chart
+
+    bars = []
+    for r in report["rows"]:
+        bars.append((f"{r['preset']} {r['mode']}: project.train / hand loop", r["ratio"]))
+        if r.get("ratio_to_litgpt"):
+            bars.append((f"{r['preset']} {r['mode']}: project.train / litgpt", r["ratio_to_litgpt"]))
+    for r in report.get("scaling") or []:
+        bars.append((f"{r['strategy']} {r['preset']}: 2 x 1 thread / 1 x 2 threads", r["ratio"]))
+    return bar_chart(f"Tokens/s ratios, {report['date']} on {report['hostname']} (1.0: as fast)", bars,
+                     "ratio of tokens/s (medians of alternated runs)", ".3f")
+
+
+def write_report(report: dict, out: Path) -> Path:
+    stem = free_stem(result_stem(out, "-platform"), [".json", ".md", ".svg"])
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_name(stem.name + ".json").write_text(json.dumps(report, indent=1) + "\n")
+    stem.with_name(stem.name + ".md").write_text(table(report))
+    stem.with_name(stem.name + ".svg").write_text(plot(report))
+    return stem
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--redraw"]:  # the .md and .svg of a .json written before, beside it
+        source = Path(sys.argv[2])
+        report = json.loads(source.read_text())
+        source.with_suffix(".md").write_text(table(report))
+        source.with_suffix(".svg").write_text(plot(report))
+        return
     if sys.argv[1:2] == ["--hand-loop"]:  # B, started by compare() in a process of its own
         preset, (batch, steps, warmup), mode, model_class = sys.argv[2], map(int, sys.argv[3:6]), sys.argv[6], sys.argv[7]
         print(json.dumps(hand_loop(preset, batch, steps, warmup, compiled=mode == "compiled", model_class=model_class)))
@@ -341,8 +374,12 @@ def main() -> None:
     env = thread_env(args["threads"])
     with tempfile.TemporaryDirectory(prefix="bench-platform-") as scratch:
         data = shards(Path(scratch))
-        peak = in_own_process(["--matmul-peak"], env)
-        rows = compare(args, data, Path(scratch), peak["flops_per_sec"])
+        peaks: list[dict] = []  # measured again in every alternation: this machine's speed drifts within a run
+        rows = compare(args, data, Path(scratch), peaks)
+        peak = {**max(peaks, key=lambda p: p["flops_per_sec"]), "runs": [round(p["flops_per_sec"]) for p in peaks]}
+        for row in rows:
+            row["project_train_mfu"] = round(row["project_train_tokens_per_sec"] * row["flops_per_token"] / peak["flops_per_sec"], 4)
+            row["hand_loop_mfu"] = round(row["hand_loop_tokens_per_sec"] * row["flops_per_token"] / peak["flops_per_sec"], 4)
         scaled = scaling(args, data, Path(scratch))
         started = startup(data, Path(scratch), env, runs=args["repeats"]) if args["startup"] else None
     report = {
@@ -351,11 +388,8 @@ def main() -> None:
         "command": shlex.join(["python", "-m", "project.bench_platform", *sys.argv[1:]]), "matmul_peak": peak, "rows": rows,
         "scaling": scaled, "startup": started,
     }
-    stem = free_stem(result_stem(args["out"], "-platform"), [".json", ".md"])
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_name(stem.name + ".json").write_text(json.dumps(report, indent=1) + "\n")
-    stem.with_name(stem.name + ".md").write_text(table(report))
-    print(table(report) + f"\nwritten: {stem}.json and .md")
+    stem = write_report(report, args["out"])
+    print(table(report) + f"\nwritten: {stem}.json, .md and .svg")
 
 
 if __name__ == "__main__":

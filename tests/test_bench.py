@@ -47,7 +47,8 @@ def test_unknown_preset_is_a_config_error(tmp_path):
 
 @pytest.mark.slow
 def test_platform_bench_times_project_train_beside_a_hand_loop_and_writes_both_commands(tmp_path):
-    argv = ["presets=debug", "compiled=debug", "scaling=ddp", "scaling_preset=debug", "steps=2", "warmup=1", "repeats=1", "threads=1"]
+    argv = ["presets=debug", "compiled=debug", "scaling=ddp", "scaling_preset=debug", "litgpt=true", "steps=2", "warmup=1", "repeats=1",
+            "threads=1"]
     result = run_module("project.bench_platform", [*argv, f"out={tmp_path}"], timeout=900)
     assert result.returncode == 0, f"bench failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     [report_file] = tmp_path.glob("*-platform.json")
@@ -59,12 +60,15 @@ def test_platform_bench_times_project_train_beside_a_hand_loop_and_writes_both_c
         assert len(row["runs"]["project_train"]) == len(row["runs"]["hand_loop"]) == 1
         assert row["project_train_tokens_per_sec"] == pytest.approx(statistics.median(row["runs"]["project_train"]), rel=1e-3)
         assert row["ratio"] == pytest.approx(row["project_train_tokens_per_sec"] / row["hand_loop_tokens_per_sec"], rel=1e-2)
-        peak = report["matmul_peak"]["flops_per_sec"]
+        peak = report["matmul_peak"]["flops_per_sec"]  # the best of one measurement per alternation
+        assert len(report["matmul_peak"]["runs"]) == 2 and peak == pytest.approx(max(report["matmul_peak"]["runs"]), rel=1e-6)
         assert row["project_train_mfu"] == pytest.approx(row["project_train_tokens_per_sec"] * row["flops_per_token"] / peak, rel=1e-2)
         assert 0 < row["hand_loop_mfu"] < 1.5  # against a measured peak; a wrong unit would be off by 1e3 or more
         assert "project.train" in row["commands"]["project_train"] and "--hand-loop debug" in row["commands"]["hand_loop"]
+        assert row["commands"]["litgpt"].endswith(f"{row['mode']} litgpt") and len(row["runs"]["litgpt"]) == 1
+        assert row["ratio_to_litgpt"] == pytest.approx(row["project_train_tokens_per_sec"] / row["litgpt_tokens_per_sec"], rel=1e-2)
     assert "strategy.compile=true" in compiled["commands"]["project_train"] and "strategy.compile" not in eager["commands"]["project_train"]
-    assert compiled["commands"]["hand_loop"].endswith("compiled") and eager["commands"]["hand_loop"].endswith("eager")
+    assert compiled["commands"]["hand_loop"].endswith("compiled ours") and eager["commands"]["hand_loop"].endswith("eager ours")
     assert "| debug | eager | 8 x 256 | 2 |" in table and "| debug | compiled | 8 x 256 | 2 |" in table
     [scaled] = report["scaling"]  # 2 processes x 1 thread against 1 x 2 threads
     assert scaled["strategy"] == "ddp" and "trainer.devices=2" in scaled["commands"]["two_processes"]
@@ -74,6 +78,8 @@ def test_platform_bench_times_project_train_beside_a_hand_loop_and_writes_both_c
     assert len(start["runs"]["seconds_to_first_step"]) == 1 and start["seconds_to_first_step"] > start["import_lightning_seconds"] > 0
     assert start["rest_seconds"] == pytest.approx(start["seconds_to_first_step"] - start["import_lightning_seconds"], abs=0.011)
     assert start["peak_rss_mib"] > 100 and "import lightning" in table
+    svg = report_file.with_suffix(".svg").read_text()  # a bar per ratio: hand loop and litgpt per row, then scaling
+    assert svg.count('class="bar"') == 5 and "debug compiled: project.train / litgpt" in svg
 
 
 @pytest.mark.parametrize("setting, named", [
@@ -85,3 +91,16 @@ def test_platform_bench_refuses_an_unknown_preset_or_strategy_before_running_any
     result = run_module("project.bench_platform", [setting, f"out={tmp_path}"], timeout=120)
     assert result.returncode == 2 and result.stderr.startswith("error: ") and named in result.stderr, result.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_litgpt_twin_has_each_presets_parameter_count():
+    from project.bench import load_preset
+    from project.bench_litgpt import available, litgpt_twin
+    from project.model import Llama
+
+    assert available(), "make test installs litgpt beside the environment (<venv>/litgpt-reference)"
+    for preset in ("debug", "small10m", "small50m"):
+        config = load_preset(preset, 4096)
+        ours, twin = Llama(config), litgpt_twin(config, seq_len=256)
+        assert sum(p.numel() for p in twin.parameters()) == sum(p.numel() for p in ours.parameters()), preset
+        assert twin.config.n_query_groups == config.n_kv_heads and twin.config.intermediate_size == config.ffn_hidden_dim
