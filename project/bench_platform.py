@@ -10,7 +10,8 @@ compiles the same blocks), alternating A B A B ... R times: A is `python -m proj
 checkpoint within the timed steps), B is a minimal PyTorch loop over the same model class, batch, AdamW and
 clipping on random tokens, in a process of its own with the same thread count. Each gives tokens/s over S
 optimizer steps after W warm-up steps; A's step times are those its TokenThroughput callback logs (first
-micro batch's start to the last one's end). The ratio A / B of the medians is what the platform costs or
+micro batch's start to the last one's end: the loader's wait before a step and the logging after it are left
+out, as B has neither). The ratio A / B of the medians is what the platform costs or
 saves; absolute figures drift between runs and machines of this kind, ratios taken side by side much less.
 With litgpt installed (`make bench` puts it beside the environment; litgpt=auto uses it then), a third side C
 runs litgpt's GPT of the same architecture and parameter count in the same loop (project/bench_litgpt.py).

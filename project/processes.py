@@ -27,23 +27,24 @@ def watch_children(launcher) -> None:
     _launcher = launcher if hasattr(launcher, "procs") else None
 
 
-def first_ended_child(wait_seconds: float = 8.0) -> tuple[int, int, int] | None:
-    """(global rank, PID, exit code) of a child rank that ended with an error, waiting up to `wait_seconds`.
+def ended_children(wait_seconds: float = 8.0) -> list[tuple[int, int, int]]:
+    """(global rank, PID, exit code) of this node's child ranks that ended with an error, those killed by a
+    signal first, waiting up to `wait_seconds` for one.
 
     A rank killed outright leaves no error of its own: rank 0 sees only a failed collective, and
     Lightning's observer, which names the child, looks only every 5 s. Waiting here names it either way.
+    Other ranks may fail in their own collectives meanwhile (status 1): a signal names the cause better.
     """
     procs = list(getattr(_launcher, "procs", None) or [])
     deadline = time.monotonic() + wait_seconds
     while procs:
-        for local_rank, proc in enumerate(procs, start=1):
-            if proc.poll():
-                node = _launcher.cluster_environment.node_rank()
-                return node * _launcher.num_processes + local_rank, proc.pid, proc.returncode
-        if time.monotonic() > deadline:
-            return None
+        ended = [(local_rank, proc) for local_rank, proc in enumerate(procs, start=1) if proc.poll()]
+        if ended or time.monotonic() > deadline:
+            node = _launcher.cluster_environment.node_rank()
+            found = [(node * _launcher.num_processes + local_rank, proc.pid, proc.returncode) for local_rank, proc in ended]
+            return sorted(found, key=lambda child: (child[2] > 0, child[0]))  # killed by a signal: negative codes
         time.sleep(0.2)
-    return None
+    return []
 
 
 def _ended_by(code: int) -> str:
@@ -97,11 +98,12 @@ def report_failed_rank(error: BaseException, run_dir: Path) -> None:
     if size <= 1:
         return
     reason = next((line for line in str(error).strip().splitlines() if line.strip()), "")
-    if _is_collective_failure(error) and (ended := first_ended_child()) is not None:
-        other, pid, code = ended
+    if _is_collective_failure(error) and (ended := ended_children()):
+        other, pid, code = ended[0]
+        also = "".join(f"; rank {r} (PID {p}) {_ended_by(c)} too" for r, p, c in ended[1:])
         what = (
-            f"a collective operation failed, because rank {other} (PID {pid}) ended first: {_ended_by(code)} "
-            f"(its console is in {run_dir / f'train.rank{other}.log'})"
+            f"a collective operation failed, because rank {other} (PID {pid}) ended: {_ended_by(code)} "
+            f"(its console is in {run_dir / f'train.rank{other}.log'}){also}"
         )
     elif _is_collective_failure(error):
         what = (

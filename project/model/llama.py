@@ -120,8 +120,15 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         if cache is not None:
             k, v = cache.append(k, v)
-        # Each key/value head serves a group of query heads: SDPA reads them in place, no repeated copies.
+        # Each key/value head serves a group of query heads. SDPA reads them in place (no repeated copies)
+        # where its kernel for the case takes grouped heads: on the CPU, and on GPUs unmasked in 16 bits
+        # (the flash kernel); elsewhere enable_gqa would drop it to the slow math kernel, so repeat them.
         gqa = q.shape[1] != k.shape[1]
+        in_place = q.device.type == "cpu" or (mask is None and q.dtype in (torch.float16, torch.bfloat16))
+        if gqa and not in_place:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        gqa = gqa and in_place
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
@@ -176,6 +183,13 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         if not self.output.weight.is_meta:  # built on the meta device: initialized after sharding
             self.init_weights()
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> "Llama":
+        super().to_empty(device=device, recurse=recurse)
+        # nn.Module.to_empty gives each module a Parameter of its own: a tied head would come apart.
+        if self.config.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+        return self
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -28,14 +28,30 @@ class CompiledBlocks:
         compile_blocks(model)
 
 
-class CompiledSingleDeviceStrategy(CompiledBlocks, SingleDeviceStrategy):
-    """Lightning's single-device strategy with compiled blocks, on the trainer's device as "single_device" is."""
+class TrainerDeviceStrategy(SingleDeviceStrategy):
+    """Lightning's single-device strategy on the device the trainer names (trainer.accelerator, trainer.devices).
+
+    Given by name ("single_device"), Lightning builds SingleDeviceStrategy() on the CPU whatever the
+    accelerator; its connector fills `parallel_devices` of a strategy that has the attribute, as here.
+    Only the first is kept: the trainer then counts one device, and the entry point refuses trainer.devices=2.
+    """
 
     def __init__(self) -> None:
         super().__init__(device="cpu")
-        # Lightning's accelerator connector fills `parallel_devices` from trainer.accelerator and trainer.devices.
-        self.parallel_devices: list[torch.device] | None = None
+        self._devices: list[torch.device] = []
+
+    @property
+    def parallel_devices(self) -> list[torch.device]:
+        return self._devices[:1]
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        self._devices = list(devices or [])
 
     @property
     def root_device(self) -> torch.device:
-        return self.parallel_devices[0] if self.parallel_devices else super().root_device
+        return self._devices[0] if self._devices else super().root_device
+
+
+class CompiledSingleDeviceStrategy(CompiledBlocks, TrainerDeviceStrategy):
+    """One device, each block compiled (strategy.compile=true)."""

@@ -10,6 +10,7 @@ from lightning.pytorch.strategies.fsdp import _setup_activation_checkpointing
 from torch import nn
 
 from project.errors import ConfigError
+from project.parallel.compiled import compile_blocks
 from project.parallel.timeout import collective_timeout
 from project.model.llama import Block
 
@@ -51,8 +52,7 @@ class CPUCapableFSDPStrategy(FSDPStrategy):
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         if self.compile:  # in place, before FSDP wraps each block
-            for block in [m for m in model.modules() if isinstance(m, Block)]:
-                block.compile()
+            compile_blocks(model.model)
         if self.root_device.type != "cpu":
             return super()._setup_model(model)
         from torch.distributed.fsdp import FullyShardedDataParallel

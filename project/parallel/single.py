@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.strategies import SingleDeviceStrategy
 
 
-def single_device_strategy(compile: bool = False) -> str | Strategy:
-    # Lightning resolves "single_device" to SingleDeviceStrategy on the trainer's accelerator; the
-    # entry point refuses trainer.devices > 1 with it instead of letting Lightning drop devices.
-    if not compile:
-        return "single_device"
-    from project.parallel.compiled import CompiledSingleDeviceStrategy
+def single_device_strategy(compile: bool = False) -> SingleDeviceStrategy:
+    # On the trainer's device; the entry point refuses trainer.devices > 1 with it instead of letting
+    # Lightning drop devices.
+    from project.parallel.compiled import CompiledSingleDeviceStrategy, TrainerDeviceStrategy
 
-    return CompiledSingleDeviceStrategy()
+    return CompiledSingleDeviceStrategy() if compile else TrainerDeviceStrategy()
