@@ -25,9 +25,10 @@ STRATEGIES = tuple(ZERO_LEVEL)
 # The schedules whose memory and bubble the planner models (project.parallel.pipeline_layout has more).
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
 RECOMPUTE = ("none", "selective", "full")
-# Strategies whose config has these settings (conf/strategy/*.yaml).
+# Strategies whose config has these settings (conf/strategy/*.yaml), and which the planner sets.
 HAS_SEQUENCE_PARALLEL = {"tp", "tp_fsdp", "pipeline"}
 HAS_CHECKPOINTING = {"fsdp", "fsdp2", "tp", "tp_fsdp", "pipeline"}
+# Every strategy takes strategy.compile; the planner compiles (and sets param_dtype for) these model-parallel ones.
 HAS_COMPILE = {"fsdp2", "tp", "tp_fsdp", "pipeline"}
 
 
