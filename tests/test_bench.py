@@ -55,29 +55,26 @@ def skip_without_litgpt():
 @pytest.mark.slow
 def test_platform_bench_times_project_train_beside_a_hand_loop_and_writes_both_commands(tmp_path):
     skip_without_litgpt()
-    argv = ["presets=debug", "compiled=debug", "scaling=ddp", "scaling_preset=debug", "litgpt=true", "steps=2", "warmup=1", "repeats=1",
-            "threads=1"]
+    # Eager only: compiling adds a minute and its plumbing is proved below without running it.
+    argv = ["presets=debug", "compiled=", "scaling=ddp", "scaling_preset=debug", "litgpt=true", "steps=2", "warmup=1", "repeats=1", "threads=1"]
     result = run_module("project.bench_platform", [*argv, f"out={tmp_path}"], timeout=900)
     assert result.returncode == 0, f"bench failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     [report_file] = tmp_path.glob("*-platform.json")
     report, table = json.loads(report_file.read_text()), report_file.with_suffix(".md").read_text()
-    eager, compiled = report["rows"]
-    assert [(r["preset"], r["mode"], r["steps"], r["warmup"], r["threads"]) for r in report["rows"]] == [
-        ("debug", "eager", 2, 1, 1), ("debug", "compiled", 2, 1, 1)]
-    for row in report["rows"]:
-        assert len(row["runs"]["project_train"]) == len(row["runs"]["hand_loop"]) == 1
-        assert row["project_train_tokens_per_sec"] == pytest.approx(statistics.median(row["runs"]["project_train"]), rel=1e-3)
-        assert row["ratio"] == pytest.approx(row["project_train_tokens_per_sec"] / row["hand_loop_tokens_per_sec"], rel=1e-2)
-        peak = report["matmul_peak"]["flops_per_sec"]  # the best of one measurement per alternation
-        assert len(report["matmul_peak"]["runs"]) == 2 and peak == pytest.approx(max(report["matmul_peak"]["runs"]), rel=1e-6)
-        assert row["project_train_mfu"] == pytest.approx(row["project_train_tokens_per_sec"] * row["flops_per_token"] / peak, rel=1e-2)
-        assert 0 < row["hand_loop_mfu"] < 1.5  # against a measured peak; a wrong unit would be off by 1e3 or more
-        assert "project.train" in row["commands"]["project_train"] and "--hand-loop debug" in row["commands"]["hand_loop"]
-        assert row["commands"]["litgpt"].endswith(f"{row['mode']} litgpt") and len(row["runs"]["litgpt"]) == 1
-        assert row["ratio_to_litgpt"] == pytest.approx(row["project_train_tokens_per_sec"] / row["litgpt_tokens_per_sec"], rel=1e-2)
-    assert "strategy.compile=true" in compiled["commands"]["project_train"] and "strategy.compile" not in eager["commands"]["project_train"]
-    assert compiled["commands"]["hand_loop"].endswith("compiled ours") and eager["commands"]["hand_loop"].endswith("eager ours")
-    assert "| debug | eager | 8 x 256 | 2 |" in table and "| debug | compiled | 8 x 256 | 2 |" in table
+    [row] = report["rows"]
+    assert (row["preset"], row["mode"], row["steps"], row["warmup"], row["threads"]) == ("debug", "eager", 2, 1, 1)
+    assert len(row["runs"]["project_train"]) == len(row["runs"]["hand_loop"]) == 1
+    assert row["project_train_tokens_per_sec"] == pytest.approx(statistics.median(row["runs"]["project_train"]), rel=1e-3)
+    assert row["ratio"] == pytest.approx(row["project_train_tokens_per_sec"] / row["hand_loop_tokens_per_sec"], rel=1e-2)
+    peak = report["matmul_peak"]["flops_per_sec"]  # the best of one measurement per alternation
+    assert len(report["matmul_peak"]["runs"]) == 1 and peak == pytest.approx(max(report["matmul_peak"]["runs"]), rel=1e-6)
+    assert row["project_train_mfu"] == pytest.approx(row["project_train_tokens_per_sec"] * row["flops_per_token"] / peak, rel=1e-2)
+    assert 0 < row["hand_loop_mfu"] < 1.5  # against a measured peak; a wrong unit would be off by 1e3 or more
+    assert "project.train" in row["commands"]["project_train"] and "--hand-loop debug" in row["commands"]["hand_loop"]
+    assert row["commands"]["litgpt"].endswith(f"{row['mode']} litgpt") and len(row["runs"]["litgpt"]) == 1
+    assert row["ratio_to_litgpt"] == pytest.approx(row["project_train_tokens_per_sec"] / row["litgpt_tokens_per_sec"], rel=1e-2)
+    assert "strategy.compile" not in row["commands"]["project_train"] and row["commands"]["hand_loop"].endswith("eager ours")
+    assert "| debug | eager | 8 x 256 | 2 |" in table
     [scaled] = report["scaling"]  # 2 processes x 1 thread against 1 x 2 threads
     assert scaled["strategy"] == "ddp" and "trainer.devices=2" in scaled["commands"]["two_processes"]
     assert "trainer.devices" not in scaled["commands"]["one_process"]
@@ -87,7 +84,36 @@ def test_platform_bench_times_project_train_beside_a_hand_loop_and_writes_both_c
     assert start["rest_seconds"] == pytest.approx(start["seconds_to_first_step"] - start["import_lightning_seconds"], abs=0.011)
     assert start["peak_rss_mib"] > 100 and "import lightning" in table
     svg = report_file.with_suffix(".svg").read_text()  # a bar per ratio: hand loop and litgpt per row, then scaling
-    assert svg.count('class="bar"') == 5 and "debug compiled: project.train / litgpt" in svg
+    assert svg.count('class="bar"') == 3 and "debug eager: project.train / litgpt" in svg
+
+
+def test_platform_bench_alternates_the_sides_and_compiles_all_three_for_compiled_presets(monkeypatch, tmp_path):
+    """compare() without running anything: A B C and the matmul rate per alternation; compiled rows pass
+    strategy.compile=true to project.train and "compiled" to both loops; medians per side."""
+    from project import bench_platform
+
+    calls, rates = [], iter(range(100, 10_000, 100))
+
+    def platform_run(preset, batch, steps, warmup, data, run_dir, env, *extra, micro_batch=None):
+        calls.append(("A", preset, *extra))
+        return {"tokens_per_sec": float(next(rates)), "command": " ".join(["-m project.train", f"model={preset}", *extra])}
+
+    def in_own_process(argv, env):
+        calls.append(("peak",) if argv == ["--matmul-peak"] else ("B" if argv[-1] == "ours" else "C", *argv[1:2], argv[-2]))
+        return {"tokens_per_sec": float(next(rates)), "flops_per_sec": 1e9, "command": " ".join(argv)}
+
+    monkeypatch.setattr(bench_platform, "platform_run", platform_run)
+    monkeypatch.setattr(bench_platform, "in_own_process", in_own_process)
+    args = {"presets": ["debug"], "compiled": ["debug"], "litgpt": True, "repeats": 2, "steps": 2, "warmup": 1, "threads": 1}
+    peaks = []
+    eager, compiled = bench_platform.compare(args, tmp_path, tmp_path, peaks)
+    one_alternation = lambda mode, extra: [("A", "debug", *extra), ("B", "debug", mode), ("C", "debug", mode), ("peak",)]
+    assert calls == 2 * one_alternation("eager", []) + 2 * one_alternation("compiled", ["strategy.compile=true"])
+    assert len(peaks) == 4
+    assert eager["runs"] == {"project_train": [100.0, 500.0], "hand_loop": [200.0, 600.0], "litgpt": [300.0, 700.0]}
+    assert (eager["project_train_tokens_per_sec"], eager["hand_loop_tokens_per_sec"], eager["ratio"]) == (300.0, 400.0, 0.75)
+    assert compiled["mode"] == "compiled" and "strategy.compile=true" in compiled["commands"]["project_train"]
+    assert compiled["commands"]["hand_loop"].endswith("compiled ours") and compiled["commands"]["litgpt"].endswith("compiled litgpt")
 
 
 @pytest.mark.parametrize("setting, named", [

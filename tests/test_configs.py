@@ -49,7 +49,7 @@ def test_strategy_configs_build_the_strategy_they_name():
     from project.parallel.model_parallel import LlamaParallelStrategy
 
     assert STRATEGIES == ["ddp", "fsdp", "fsdp2", "pipeline", "single", "tp", "tp_fsdp"]  # a new strategy config gets a line here
-    from project.parallel.compiled import CompiledSingleDeviceStrategy, TrainerDeviceStrategy
+    from project.parallel.single import CompiledSingleDeviceStrategy, TrainerDeviceStrategy
 
     assert type(instantiate(compose_train("strategy=single").strategy)) is TrainerDeviceStrategy
     for name in ("single", "ddp", "fsdp"):  # strategy.compile=true reaches the strategy of every group

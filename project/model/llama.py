@@ -123,12 +123,11 @@ class Attention(nn.Module):
         # Each key/value head serves a group of query heads. SDPA reads them in place (no repeated copies)
         # where its kernel for the case takes grouped heads: on the CPU, and on GPUs unmasked in 16 bits
         # (the flash kernel); elsewhere enable_gqa would drop it to the slow math kernel, so repeat them.
-        gqa = q.shape[1] != k.shape[1]
+        groups = q.shape[1] // k.shape[1]
         in_place = q.device.type == "cpu" or (mask is None and q.dtype in (torch.float16, torch.bfloat16))
-        if gqa and not in_place:
-            groups = q.shape[1] // k.shape[1]
+        gqa = groups > 1 and in_place
+        if groups > 1 and not in_place:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        gqa = gqa and in_place
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:

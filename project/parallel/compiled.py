@@ -7,9 +7,6 @@ compiled in place (`nn.Module.compile`): parameter names, and so checkpoints, st
 
 from __future__ import annotations
 
-import torch
-from lightning.pytorch.strategies import SingleDeviceStrategy
-
 from project.model import Llama
 from project.parallel.init import materialize
 
@@ -26,32 +23,3 @@ class CompiledBlocks:
         if any(p.is_meta for p in model.parameters()):  # a strategy with this hook gets its model built on meta
             materialize(model, self.root_device, initialize)
         compile_blocks(model)
-
-
-class TrainerDeviceStrategy(SingleDeviceStrategy):
-    """Lightning's single-device strategy on the device the trainer names (trainer.accelerator, trainer.devices).
-
-    Given by name ("single_device"), Lightning builds SingleDeviceStrategy() on the CPU whatever the
-    accelerator; its connector fills `parallel_devices` of a strategy that has the attribute, as here.
-    Only the first is kept: the trainer then counts one device, and the entry point refuses trainer.devices=2.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(device="cpu")
-        self._devices: list[torch.device] = []
-
-    @property
-    def parallel_devices(self) -> list[torch.device]:
-        return self._devices[:1]
-
-    @parallel_devices.setter
-    def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        self._devices = list(devices or [])
-
-    @property
-    def root_device(self) -> torch.device:
-        return self._devices[0] if self._devices else super().root_device
-
-
-class CompiledSingleDeviceStrategy(CompiledBlocks, TrainerDeviceStrategy):
-    """One device, each block compiled (strategy.compile=true)."""

@@ -14,6 +14,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from project.errors import ConfigError
 from project.model.llama import Llama
+from project.parallel.compiled import compile_blocks
 from project.parallel.fsdp2 import DTYPES, apply_fsdp2
 from project.parallel.init import materialize
 from project.parallel.mesh import mesh_shape
@@ -86,12 +87,12 @@ class LlamaParallelStrategy(ModelParallelStrategy):
         tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
         if tp_mesh.size() > 1:
             apply_tensor_parallel(model, tp_mesh, self.sequence_parallel, self.loss_parallel)
-        for block in model.layers.values():
-            # In place, so parameter names (and checkpoints) stay those of the plain model.
-            if self.activation_checkpointing:
+        # Both in place, so parameter names (and checkpoints) stay those of the plain model.
+        if self.activation_checkpointing:
+            for block in model.layers.values():
                 checkpoint_activations(block)
-            if self.compile:
-                block.compile()
+        if self.compile:
+            compile_blocks(model)
         for root in self._sharded_roots(model):
             apply_fsdp2(root, dp_mesh, self.param_dtype, self.reduce_dtype)
 
