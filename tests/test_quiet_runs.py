@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -32,16 +33,32 @@ def run(shards, run_dir, strategy, *extra):
     return result.stdout + result.stderr
 
 
+@pytest.fixture(scope="module")
+def debug_runs(tiny_shards, tmp_path_factory):
+    """`debug_runs(strategy)`: (run folder, console of a 4-step debug run, console of its resume to step 6),
+    run once per strategy for the tests below."""
+    runs = {}
+
+    def get(strategy: str) -> tuple[Path, str, str]:
+        if strategy not in runs:
+            run_dir = tmp_path_factory.mktemp(f"debug-{strategy}")
+            steps = ["val_every_n_steps=2", "ckpt_every_n_steps=2"]
+            first = run(tiny_shards, run_dir, strategy, "trainer.max_steps=4", *steps)
+            resumed = run(tiny_shards, run_dir, strategy, "trainer.max_steps=6", "ckpt_path=last", *steps)
+            runs[strategy] = run_dir, first, resumed
+        return runs[strategy]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["single", "ddp", "fsdp", "tp_fsdp"])
-def test_a_debug_run_and_its_resume_print_no_warning_a_user_cannot_act_on(tiny_shards, tmp_path, strategy):
-    steps = ["val_every_n_steps=2", "ckpt_every_n_steps=2"]
-    first = run(tiny_shards, tmp_path, strategy, "trainer.max_steps=4", *steps)
-    resumed = run(tiny_shards, tmp_path, strategy, "trainer.max_steps=6", "ckpt_path=last", *steps)
+def test_a_debug_run_and_its_resume_print_no_warning_a_user_cannot_act_on(tiny_shards, debug_runs, strategy):
+    run_dir, first, resumed = debug_runs(strategy)
     assert unexpected_warnings(first) == [] and unexpected_warnings(resumed) == []
     if strategy == "single":  # and from another run's checkpoint, into a new run directory, checkpointing less often
-        last = tmp_path / "checkpoints" / "last.ckpt"
-        elsewhere = run(tiny_shards, tmp_path / "next", strategy, "trainer.max_steps=8", f"ckpt_path={last}", "val_every_n_steps=2")
+        last = run_dir / "checkpoints" / "last.ckpt"
+        elsewhere = run(tiny_shards, run_dir / "next", strategy, "trainer.max_steps=8", f"ckpt_path={last}", "val_every_n_steps=2")
         assert unexpected_warnings(elsewhere) == []
     # The summary states the model, not "FLOPs: 0".
     assert re.search(r"model: Llama, [\d.]+ \w? ?parameters.*training FLOPs per token", first)
@@ -49,38 +66,12 @@ def test_a_debug_run_and_its_resume_print_no_warning_a_user_cannot_act_on(tiny_s
 
 
 @pytest.mark.slow
-def test_the_run_directory_keeps_what_each_rank_printed(tiny_shards, tmp_path):
-    run(tiny_shards, tmp_path, "ddp", "trainer.max_steps=2")
-    log = (tmp_path / "train.log").read_text()
+def test_the_run_directory_keeps_what_each_rank_printed(debug_runs):
+    run_dir, first, _ = debug_runs("ddp")  # 4 steps, then resumed to 6
+    log = (run_dir / "train.log").read_text()
     assert "batch: global 8 = micro 4 x 1 accumulation x 2 data-parallel replicas" in log  # rank 0's console
-    assert re.search(r"Epoch 0: 100%.*2/2", log) and "done: train/loss=" in log
+    assert re.search(r"Epoch 0: 100%.*4/4", log) and "done: train/loss=" in log
     assert "\r" not in log and "\x1b[" not in log  # progress bars kept as their last drawing, without escapes
-    assert "[rank: 1]" in (tmp_path / "train.rank1.log").read_text()  # the other rank's stderr, beside it
-
-    run(tiny_shards, tmp_path, "ddp", "trainer.max_steps=3", "ckpt_path=last")
-    log = (tmp_path / "train.log").read_text()
+    assert "[rank: 1]" in (run_dir / "train.rank1.log").read_text()  # the other rank's stderr, beside it
     assert log.count("== ") == 2 and log.count("done: train/loss=") == 2  # a resume appends to the record
-
-
-def test_known_noise_patterns_match_the_warnings_they_silence():
-    # The patterns are regular expressions: one that no longer matches its warning silences nothing.
-    import warnings
-
-    from project.console import KNOWN_WARNINGS, silence_known_noise
-
-    samples = [
-        "`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec) and treespec.is_leaf()` instead.",
-        "Please use DTensor instead and we are deprecating ShardedTensor.",
-        "`_get_pg_default_device` will be deprecated, it only stays for backward-compatibility reason.",
-        "Multiple backends are registered with this ProcessGroup. We cannot determine which one is the default.",
-        "The `srun` command is available on your system but is not used. HINT: If your intention is to run Lightning on SLURM",
-        "`load_state_dict` is deprecated and will be removed in future versions. Please use `load` instead.",
-    ]
-    assert len(samples) == len(KNOWN_WARNINGS)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        silence_known_noise()
-        for message in samples:
-            warnings.warn(message, FutureWarning)
-        warnings.warn("a warning that means something", UserWarning)
-    assert [str(w.message) for w in caught] == ["a warning that means something"]
+    assert log.index("batch: global 8") < log.index("done: train/loss=") < log.rindex("== ")  # the first run's record first
