@@ -23,6 +23,14 @@ class Cluster:
     intra_node_gbps: float
     inter_node_gbps: float
     collective_latency_us: float = 10.0
+    # What a transformer block costs under tensor parallelism beyond its share of the FLOPs and its
+    # collectives' bytes and latency, per microbatch, forward and backward: DTensor's dispatch and the
+    # collectives' set-up, on the host. On GPUs the host runs ahead of the kernels and this hides; on a
+    # CPU it is time taken from the same cores (measured for conf/cluster/cpu.yaml).
+    tensor_parallel_block_overhead_ms: float = 0.0
+    # Whether collectives run beside compute (NCCL on its own streams). On a CPU whose cores all compute,
+    # gloo's copies and sums take their time from the same cores, so nothing is hidden.
+    overlaps_communication: bool = True
 
     @property
     def devices(self) -> int:
@@ -47,6 +55,8 @@ class Cluster:
         for key in ("nodes", "gpus_per_node", "memory_gib", "intra_node_gbps", "inter_node_gbps"):
             if not getattr(cluster, key) > 0:
                 raise ConfigError(f"cluster.{key}={getattr(cluster, key)} must be positive: fix it in the cluster preset or on the command line.")
+        if not cluster.tensor_parallel_block_overhead_ms >= 0:
+            raise ConfigError(f"cluster.tensor_parallel_block_overhead_ms={cluster.tensor_parallel_block_overhead_ms} must be 0 or more (milliseconds).")
         for dtype in ("bf16", "fp32"):
             if not cluster.peak_tflops.get(dtype, 0) > 0:
                 raise ConfigError(f"cluster.peak_tflops.{dtype} must be a positive dense TFLOP/s figure per device.")

@@ -80,6 +80,8 @@ def step_time(config: LlamaConfig, candidate: Candidate, seq_len: int, precision
             tensor = 2 * all_reduces * _ring(activation, tp, cluster.bandwidth(tp), latency)
         else:
             tensor = all_reduces * _ring(activation, tp, cluster.bandwidth(tp), latency, all_reduce=True)
+        if tp > 1:
+            tensor += layers * cluster.tensor_parallel_block_overhead_ms * 1e-3
         chunks = len(rank_layers(config, c, rank)) if pp > 1 else 0
         boundary = activation / (tp if c.sequence_parallel else 1)
         transfers = 2 * chunks * (boundary / cluster.bandwidth(2 * tp * dp) + latency)  # activations forward, gradients back
@@ -92,7 +94,7 @@ def step_time(config: LlamaConfig, candidate: Candidate, seq_len: int, precision
         interleaved = c.schedule in ("interleaved_1f1b", "looped_bfs")
         bubble = (pp - 1) / (c.virtual_stages if interleaved else 1) * slot
 
-    data = _data_parallel_exposed(config, c, precision, cluster, latency, slowest[0])
+    data = _data_parallel_exposed(config, c, precision, cluster, latency, slowest[0] if cluster.overlaps_communication else 0.0)
     return StepTime(compute, tensor, transfers, bubble, data)
 
 
