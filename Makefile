@@ -71,7 +71,7 @@ test-fast: install $(VENV)/litgpt-reference/.installed
 bench: install $(VENV)/litgpt-reference/.installed
 	$(PY) -m project.bench presets=debug,small10m
 	$(PY) -m project.bench_platform presets=debug,small10m  # small50m too: 5 more minutes here
-	$(PY) -m project.bench_pipeline pp=2
+	$(PY) -m project.bench_pipeline pp=2 microbatches=1,2,4,8 layers=4  # the defaults (m up to 16, 8 layers): 7 more minutes
 	$(PY) -m project.bench_data
 
 # Beside the environment, like transformers: litgpt's package imports psutil, which nothing else here needs,
