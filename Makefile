@@ -69,7 +69,7 @@ test-fast: install $(VENV)/litgpt-reference/.installed
 # project.train against a hand-written loop and litgpt, eager and compiled, with MFU, data-parallel scaling and
 # start-up (experiments/benchmarks/<date>-<host>-platform.*). No tracked file is edited.
 bench: install $(VENV)/litgpt-reference/.installed
-	$(PY) -m project.bench presets=debug,small10m
+	$(PY) -m project.bench presets=debug  # small10m's bare step: the hand loop of bench_platform below
 	$(PY) -m project.bench_platform presets=debug,small10m  # small50m too: 5 more minutes here
 	$(PY) -m project.bench_pipeline pp=2 microbatches=1,2,4,8 layers=4  # the defaults (m up to 16, 8 layers): 7 more minutes
 	$(PY) -m project.bench_data

@@ -47,8 +47,9 @@ from project.errors import ConfigError, exit_on_config_error
 DEFAULTS = {"presets": "debug,small10m,small50m", "compiled": "small10m", "scaling": "ddp,fsdp2,tp", "scaling_preset": "small10m",
             "litgpt": "auto", "steps": "", "warmup": "1", "repeats": "2", "threads": "", "startup": "true", "out": "experiments/benchmarks"}
 VOCAB_SIZE, SEQ_LEN = 4096, 256
-# Batch and timed steps per preset: steps long enough that a step's timer noise averages out.
-SHAPES = {"debug": {"batch": 8, "steps": 20}, "small10m": {"batch": 8, "steps": 6}, "small50m": {"batch": 8, "steps": 3}}
+# Batch and timed steps per preset: steps long enough that a step's timer noise averages out, few enough that
+# `make bench` stays within 20 minutes (small10m timed 6 steps until 2026-11-24; its 4 save about a minute).
+SHAPES = {"debug": {"batch": 8, "steps": 20}, "small10m": {"batch": 8, "steps": 4}, "small50m": {"batch": 8, "steps": 3}}
 # Data-parallel scaling: each strategy on 2 processes x 1 thread against one process with 2 threads.
 SCALED = {"ddp": ["strategy=ddp"], "fsdp2": ["strategy=fsdp2"], "tp": ["strategy=tp"]}
 OPTIM = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0}  # conf/train.yaml's
