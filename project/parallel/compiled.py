@@ -1,10 +1,10 @@
-"""`strategy.compile=true` for the strategies that keep the whole model on every device (single, ddp).
+"""`strategy.compile=true`: each transformer block compiled in place, under every strategy.
 
-The model-parallel strategies compile each block inside their `parallelize`; these get the same hook
-from `CompiledBlocks`, so that one setting means the same thing under every strategy. Blocks are
-compiled in place (`nn.Module.compile`): parameter names, and so checkpoints, stay the plain model's.
+`compile_blocks` is what all of them call (fsdp before wrapping, the model-parallel strategies inside
+their `parallelize`). Single and ddp get it through the `CompiledBlocks` hook, so that one setting means
+the same thing everywhere. In place (`nn.Module.compile`): parameter names, and so checkpoints, stay the
+plain model's.
 """
-
 from __future__ import annotations
 
 from project.model import Llama
