@@ -5,6 +5,7 @@ their `parallelize`). Single and ddp get it through the `CompiledBlocks` hook, s
 the same thing everywhere. In place (`nn.Module.compile`): parameter names, and so checkpoints, stay the
 plain model's.
 """
+
 from __future__ import annotations
 
 from project.model import Llama
