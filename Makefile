@@ -6,6 +6,10 @@ LITDATA ?= litdata==0.2.76
 TRANSFORMERS ?= transformers>=4.45
 # litgpt, timed beside project.train by `make bench` (and its test): never imported by a run.
 LITGPT ?= litgpt==0.5.13
+# Horovod for strategy=horovod and its tests: built from source against the pinned torch, once per machine
+# (about 3 minutes), the wheel kept in HOROVOD_CACHE; `make install-horovod`.
+HOROVOD ?= 0.28.1
+HOROVOD_CACHE ?= $(HOME)/.cache/llama-platform
 # pytest-xdist workers of `make test` and `make test-fast`: one per core of a 2-core machine.
 TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
@@ -19,7 +23,7 @@ RUN_STAMP := $(shell date +%Y-%m-%d_%H-%M-%S)
 RUN_DIR ?= outputs/runs/$(RUN_STAMP)
 SAMPLE_PROMPT ?= To be, or not to be
 
-.PHONY: install train prepare test test-fast bench clean slurm
+.PHONY: install install-horovod train prepare test test-fast bench clean slurm
 
 install: $(STAMP)
 
@@ -40,6 +44,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch, lightning, litdata, hydra, wandb; print('installed torch', torch.__version__, 'lightning', lightning.__version__)"
 	touch $(STAMP)
 
+# Horovod is an extra: only strategy=horovod needs it (and the tests of that strategy, which skip without it).
+install-horovod: $(VENV)/.installed-horovod-$(HOROVOD)
+
+$(VENV)/.installed-horovod-$(HOROVOD): $(STAMP) scripts/install_horovod.sh
+	bash scripts/install_horovod.sh $(PY) $(HOROVOD) $(HOROVOD_CACHE)
+	touch $@
+
 prepare: install
 	$(PY) -m project.prepare experiment=$(EXPERIMENT)
 
@@ -47,7 +58,7 @@ train: prepare
 	$(PY) -m project.train experiment=$(EXPERIMENT) hydra.run.dir=$(RUN_DIR)
 	$(PY) -m project.generate ckpt_path=$(RUN_DIR)/checkpoints/last.ckpt prompt="$(SAMPLE_PROMPT)" max_new_tokens=100
 
-test: install slurm $(VENV)/litgpt-reference/.installed
+test: install slurm install-horovod $(VENV)/litgpt-reference/.installed
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # A SLURM for tests/test_clusters.py, which starts a two-node cluster on this host: Debian's slurm-wlm,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
@@ -194,6 +195,35 @@ def model_config(cfg: DictConfig) -> LlamaConfig:
 
 def is_pipeline(strategy_cfg: Mapping[str, Any]) -> bool:
     return str(strategy_cfg.get("_target_", "")).endswith("LlamaPipelineStrategy")
+
+
+def is_horovod(strategy_cfg: Mapping[str, Any]) -> bool:
+    return str(strategy_cfg.get("_target_", "")).startswith("project.parallel.horovod.")
+
+
+def horovod_devices(cfg: DictConfig, dry_run: bool) -> int:
+    """The processes horovodrun started: Horovod's launcher, not the trainer settings, says how many."""
+    if dry_run:
+        raise ConfigError(
+            "dry_run=true does not model strategy=horovod: dry-run strategy=ddp with trainer.devices and trainer.num_nodes "
+            "of your job instead (the same replicas, memory and batch plan)."
+        )
+    if cfg.trainer.get("devices", 1) != 1 or cfg.trainer.get("num_nodes", 1) != 1:
+        raise ConfigError(
+            f"strategy=horovod runs one process per device and horovodrun starts them (-np N -H host:slots,...): "
+            f"leave trainer.devices=1 and trainer.num_nodes=1 (they are {cfg.trainer.get('devices')} and "
+            f"{cfg.trainer.get('num_nodes', 1)})."
+        )
+    from project.parallel.horovod import horovod_world  # imports torch and Horovod: only for Horovod runs
+
+    processes = horovod_world(OmegaConf.to_container(cfg.strategy, resolve=True))
+    overrides = HydraConfig.get().overrides.hydra if HydraConfig.initialized() else []
+    if processes > 1 and not any(o.startswith("hydra.run.dir=") for o in overrides):
+        raise ConfigError(
+            f"strategy=horovod with {processes} processes needs one run directory for all of them: add "
+            "hydra.run.dir=outputs/runs/NAME (on a file system every node shares); each would otherwise name its own from its clock."
+        )
+    return processes
 
 
 def check_trainer(cfg: DictConfig, here: bool = True) -> None:
@@ -463,8 +493,6 @@ def check_init_from(cfg: DictConfig) -> None:
             "ckpt_path to start from the folder, or init_from to resume. (ckpt_path=last beside init_from resumes the run "
             "in hydra.run.dir, the folder giving only the model's shape, so that a requeued job's command line still works.)"
         )
-    from hydra.core.hydra_config import HydraConfig
-
     from project.hf_folder import apply_init_from
 
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
@@ -485,6 +513,8 @@ def preflight(cfg: DictConfig, dry_run: bool = False) -> Layout | None:
     check_data(cfg, shards=not dry_run or data_on_this_machine(cfg))
     check_ckpt_path(cfg)
     nodes, devices = cfg.trainer.get("num_nodes", 1), cfg.trainer.get("devices", "auto")
+    if is_horovod(cfg.strategy):
+        devices = horovod_devices(cfg, dry_run)
     if isinstance(nodes, int) and isinstance(devices, int):
         return plan_layout(cfg, nodes, devices)
     return None

@@ -85,7 +85,8 @@ def world() -> tuple[int, int]:
         return dist.get_rank(), dist.get_world_size()
     from project.console import launch_rank
 
-    return launch_rank(), int(os.environ.get("WORLD_SIZE", 1))
+    sizes = (os.environ.get(v) for v in ("WORLD_SIZE", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE"))
+    return launch_rank(), int(next((size for size in sizes if size), 1))
 
 
 def report_failed_rank(error: BaseException, run_dir: Path) -> None:

@@ -63,7 +63,9 @@ def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
 def limit_cpu_threads(trainer: L.Trainer, threads_per_process: int | None) -> None:
     # Several processes sharing a few cores thrash if each takes all threads (about 30x slower on 2 cores).
     # Runs before fit, so the ranks Lightning launches inherit the setting.
-    if isinstance(trainer.accelerator, CPUAccelerator) and trainer.num_devices > 1:
+    # A strategy whose processes another launcher started (Horovod) says how many share this node.
+    processes_here = getattr(trainer.strategy, "processes_per_node", trainer.num_devices)
+    if isinstance(trainer.accelerator, CPUAccelerator) and processes_here > 1:
         threads = threads_per_process or 1
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)

@@ -24,12 +24,15 @@ SKIPS = {
     "make train": "the test stands in for it: the packages are this environment's, and the corpus it fetches is generated below (tests reach no network)",
     "make test": "it runs this test",
     "trainer=gpu": "needs GPUs",
+    "make install-horovod": "make test has run it before this test (the build is kept per machine)",
 }
+HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 TINY_MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.multiple_of=32"]
 
 
 def readme_commands(readme: Path) -> list[list[str]]:
-    """The shell commands of the README's bash blocks that run `python -m project.*` or `make`, as argv lists."""
+    """The shell commands of the README's bash blocks that run `python -m project.*` (also under horovodrun) or
+    `make`, as argv lists."""
     commands, block, in_bash = [], "", False
     for line in readme.read_text().splitlines():
         if line.startswith("```"):
@@ -39,15 +42,23 @@ def readme_commands(readme: Path) -> list[list[str]]:
             block += line.rstrip()[:-1] + " " if line.rstrip().endswith("\\") else line + "\n"
     for line in block.splitlines():
         argv = shlex.split(line, comments=True)
-        if argv[:2] == ["python", "-m"] and argv[2].startswith("project.") or argv[:1] == ["make"]:
+        python = python_part(argv)
+        if python[:2] == ["python", "-m"] and python[2].startswith("project.") or argv[:1] == ["make"]:
             commands.append(argv)
     return commands
+
+
+def python_part(argv: list[str]) -> list[str]:
+    """`python -m ...` of a command, also of one that a launcher (horovodrun) starts."""
+    return argv[argv.index("python") :] if argv[:1] == ["horovodrun"] and "python" in argv else argv
 
 
 def skip_reason(argv: list[str]) -> str | None:
     text = " ".join(argv)
     if "dry_run=true" in argv and argv[2] == "project.train":  # a dry run of a GPU job needs no GPU
         return None
+    if argv[0] == "horovodrun" and not HOROVODRUN.exists():
+        return "Horovod is not installed here (make install-horovod)"
     return next((reason for key, reason in SKIPS.items() if key in text), None)
 
 
@@ -113,7 +124,9 @@ def test_every_readme_command_runs_as_written_on_a_fresh_copy(tmp_path):
     for argv in readme_commands(repo / "README.md"):
         if skip_reason(argv) is not None:
             continue
-        command = [sys.executable, *argv[1:]]
+        launcher = [str(HOROVODRUN), *argv[1 : argv.index("python")]] if argv[0] == "horovodrun" else []
+        argv = python_part(argv)
+        command = [*launcher, sys.executable, *argv[1:]]
         if argv[2] == "project.train":
             # A run trains 2 steps; one that continues a run (its directory, or a checkpoint in it) one step more
             # than that run did, so that every resume has a step left.

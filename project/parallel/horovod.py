@@ -1,0 +1,218 @@
+"""Data parallelism through Horovod, for clusters that launch with horovodrun (or mpirun).
+
+Horovod's launcher starts one process per device, not Lightning:
+`horovodrun -np 4 -H node1:2,node2:2 python -m project.train strategy=horovod hydra.run.dir=DIR`.
+Lightning 2 dropped its Horovod strategy; this one behaves like our DDP for checkpoints, logging and data
+(each process is one data-parallel replica), and reduces gradients with Horovod's DistributedOptimizer:
+averaged (default) or summed, once per optimizer step, after the last micro batch of an accumulation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+import torch
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from torch.distributed import ReduceOp
+
+from project.errors import ConfigError
+
+INSTALL = "`make install-horovod` builds it against this torch and installs it (about 3 minutes, once per machine)"
+
+
+def start_horovod(hierarchical_allreduce: bool = False) -> Any:
+    """`horovod.torch`, initialized (once per process); a ConfigError saying how to install it where it is missing."""
+    try:
+        import horovod.torch as hvd
+    except ImportError as error:
+        raise ConfigError(f"strategy=horovod needs Horovod built with PyTorch, and this environment has none ({error}): {INSTALL}.") from error
+    if not hvd.is_initialized():
+        if hierarchical_allreduce:  # read by hvd.init(), and only there
+            os.environ["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
+        hvd.init()
+    return hvd
+
+
+class HorovodEnvironment(ClusterEnvironment):
+    """Ranks as Horovod's launcher gave them: Horovod, not torch.distributed, connects the processes."""
+
+    def __init__(self, hvd: Any) -> None:
+        self._hvd = hvd
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
+
+    @property
+    def main_port(self) -> int:
+        return int(os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", 0))
+
+    @staticmethod
+    def detect() -> bool:
+        return "HOROVOD_RANK" in os.environ
+
+    def world_size(self) -> int:
+        return self._hvd.size()
+
+    def set_world_size(self, size: int) -> None:
+        pass  # the launcher's -np decides
+
+    def global_rank(self) -> int:
+        return self._hvd.rank()
+
+    def set_global_rank(self, rank: int) -> None:
+        pass
+
+    def local_rank(self) -> int:
+        return self._hvd.local_rank()
+
+    def node_rank(self) -> int:
+        return self._hvd.cross_rank()
+
+
+class HorovodStrategy(ParallelStrategy):
+    """One process per device; Horovod's DistributedOptimizer reduces the gradients before each step.
+
+    The module's optimizer is wrapped once built; its learning-rate schedule keeps working through the
+    parameter groups the two share. Gradients are not scaled with the number of processes, nor the
+    learning rate (Horovod's examples do): the global batch is set as such (global_batch_size), as for DDP.
+    """
+
+    strategy_name = "horovod"
+
+    def __init__(self, op: Any, compression: Any, hierarchical_allreduce: bool = False) -> None:
+        self.hvd = start_horovod(hierarchical_allreduce)
+        super().__init__(cluster_environment=HorovodEnvironment(self.hvd))
+        self._op, self._compression = op, compression
+        self._accumulating = False
+        self._built: list[torch.optim.Optimizer] = []
+        rank_zero_only.rank = self.global_rank
+        if hierarchical_allreduce and not self.hvd.nccl_built():
+            rank_zero_warn(
+                "strategy.hierarchical_allreduce=true has no effect here: Horovod reduces within and then across nodes "
+                "only in builds with NCCL (GPU clusters, several nodes); this one reduces every gradient in one allreduce."
+            )
+
+    @property
+    def root_device(self) -> torch.device:
+        device = self.parallel_devices[0]  # trainer.devices=1: this process's device
+        return torch.device("cuda", self.local_rank) if device.type == "cuda" else device
+
+    @property
+    def is_distributed(self) -> bool:  # Lightning's cue to reduce what the module logs with sync_dist=True
+        return True
+
+    @property
+    def processes_per_node(self) -> int:
+        return self.hvd.local_size()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def model_to_device(self) -> None:
+        if self.root_device.type == "cuda":
+            torch.cuda.set_device(self.root_device)
+        self.model.to(self.root_device)
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        # Rank 0's weights (fresh, or restored by now) for all: a process seeded or resumed otherwise does not drift apart.
+        self.hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+
+    def setup_optimizers(self, trainer) -> None:
+        super().setup_optimizers(trainer)  # called when fitting only
+        self._built = self.optimizers  # the module's, which its learning-rate schedule holds
+        self.optimizers = [self._distributed(optimizer, trainer.accumulate_grad_batches) for optimizer in self._built]
+
+    def _distributed(self, optimizer: torch.optim.Optimizer, backward_passes: int) -> torch.optim.Optimizer:
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        distributed = self.hvd.DistributedOptimizer(
+            optimizer,
+            named_parameters=[(n, p) for n, p in self.lightning_module.named_parameters() if id(p) in owned],
+            compression=self._compression,
+            op=self._op,
+            backward_passes_per_step=backward_passes,
+        )
+        # Horovod's optimizer is a new one over the same parameter groups: the schedule, which holds the
+        # module's, sets the learning rates it steps with. Torch's check that the optimizer steps before its
+        # schedule watches the module's, so it is told that it does.
+        optimizer._opt_called = True
+        return distributed
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        for built, distributed in zip(self._built, self.optimizers):
+            built.param_groups = distributed.param_groups  # loading made new groups: share them again
+            # Rank 0's state for all, as for the weights. Not done for a fresh optimizer: Horovod would create
+            # its state with a step on zero gradients, which moves AdamW's weights (decay) and its step count.
+            self.hvd.broadcast_optimizer_state(distributed, root_rank=0)
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        # post_backward has synchronized the gradients already; the step must not reduce them again.
+        with optimizer.skip_synchronize():
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        # Lightning's sign that more micro batches of this accumulation follow. Horovod's optimizer counts
+        # backward passes itself (backward_passes_per_step) and starts the allreduce after the last.
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if not self._accumulating:  # the gradients are reduced before the module clips them and the step
+            for optimizer in self.optimizers:
+                optimizer.synchronize()
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        if group is not None:
+            raise ValueError("strategy=horovod reduces over all processes only: Horovod has no torch.distributed groups.")
+        return self.hvd.allreduce(tensor, op=self._horovod_op(reduce_op))
+
+    def _horovod_op(self, reduce_op: Any) -> Any:
+        name = reduce_op.name.lower() if isinstance(reduce_op, ReduceOp.RedOpType) else str(reduce_op or "mean").lower()
+        ops = {"mean": self.hvd.Average, "avg": self.hvd.Average, "sum": self.hvd.Sum, "max": self.hvd.Max, "min": self.hvd.Min}
+        if name not in ops:
+            raise ValueError(f"strategy=horovod cannot reduce with {reduce_op!r}: use one of {sorted(ops)}.")
+        return ops[name]
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        return self.hvd.allgather(tensor.unsqueeze(0))  # [processes, *shape], as under DDP
+
+    def barrier(self, name: str | None = None) -> None:
+        self.hvd.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self.hvd.broadcast_object(obj, root_rank=src)
+
+
+def horovod_strategy(grad_reduction: str = "mean", compression: str = "none", hierarchical_allreduce: bool = False) -> HorovodStrategy:
+    """Horovod with averaged gradients (the default) or summed ones (N times the average, as under DDP's
+    strategy.grad_reduction=sum), sent as they are or cast to fp16 for the allreduce (compression=fp16)."""
+    hvd = start_horovod(hierarchical_allreduce)
+    ops = {"mean": hvd.Average, "sum": hvd.Sum}
+    compressions = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
+    if grad_reduction not in ops:
+        raise ConfigError(f"strategy.grad_reduction={grad_reduction!r}: choose 'mean' (default) or 'sum'.")
+    if compression not in compressions:
+        raise ConfigError(f"strategy.compression={compression!r}: choose 'none' (default) or 'fp16' (half the bytes on the wire).")
+    return HorovodStrategy(ops[grad_reduction], compressions[compression], hierarchical_allreduce)
+
+
+def horovod_world(strategy_cfg: dict[str, Any]) -> int:
+    """The number of processes Horovod's launcher started (1 for a process started on its own)."""
+    return start_horovod(bool(strategy_cfg.get("hierarchical_allreduce", False))).size()

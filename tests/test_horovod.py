@@ -1,0 +1,96 @@
+"""strategy=horovod under `horovodrun -np 2` (gloo, CPU): the optimization of one process with the same
+global batch, summed gradients twice the mean, resume; and clear refusals of what cannot run."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import PARITY_RUN, RESUME_RUN, ROOT, assert_continues, assert_reproduces, read_metrics, run_module, train_overrides
+
+HOROVODRUN = Path(sys.executable).parent / "horovodrun"
+needs_horovod = pytest.mark.skipif(
+    importlib.util.find_spec("horovod") is None or not HOROVODRUN.exists(),
+    reason="Horovod is not installed in this environment: `make install-horovod` builds it (make test does), about 3 minutes once",
+)
+
+
+def horovodrun(shards: Path, run_dir: Path, *extra: str, processes: int = 2) -> subprocess.CompletedProcess:
+    """`horovodrun -np N -H localhost:N python -m project.train strategy=horovod ...` on this machine."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+    env.pop("PYTEST_CURRENT_TEST", None)
+    command = [str(HOROVODRUN), "-np", str(processes), "-H", f"localhost:{processes}", sys.executable, "-m", "project.train"]
+    args = train_overrides(shards, run_dir, "strategy=horovod", *extra)
+    return subprocess.run([*command, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def trained_by_horovod(shards: Path, run_dir: Path, *extra: str) -> Path:
+    result = horovodrun(shards, run_dir, *extra)
+    assert result.returncode == 0, f"horovodrun failed:\n{result.stdout[-5000:]}\n{result.stderr[-3000:]}"
+    return run_dir
+
+
+@pytest.mark.slow
+@needs_horovod
+def test_two_horovod_processes_with_accumulation_optimize_like_one_process(tiny_shards, single_reference, tmp_path):
+    # micro batch 2: each process accumulates 2 micro batches (backward_passes_per_step) per step of global batch 8
+    run_dir = trained_by_horovod(tiny_shards, tmp_path, *PARITY_RUN, "micro_batch_size=2")
+    assert_reproduces(run_dir, single_reference)  # per-step loss, gradient norm and final weights
+    assert read_metrics(run_dir, "val/loss")[9] == pytest.approx(read_metrics(single_reference, "val/loss")[9], rel=1e-5)
+
+
+@pytest.mark.slow
+@needs_horovod
+def test_summed_horovod_gradients_are_twice_the_mean_on_two_processes(tiny_shards, single_reference, tmp_path):
+    trained_by_horovod(tiny_shards, tmp_path, *PARITY_RUN, "trainer.max_steps=1", "strategy.grad_reduction=sum")
+    summed = read_metrics(tmp_path, "train/grad_norm")[0]
+    assert summed == pytest.approx(2 * read_metrics(single_reference, "train/grad_norm")[0], rel=1e-4)
+
+
+@pytest.mark.slow
+@needs_horovod
+def test_a_horovod_run_resumed_from_its_checkpoint_continues_exactly(tiny_shards, uninterrupted_reference, tmp_path):
+    trained_by_horovod(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=7")  # stops between checkpoint intervals
+    trained_by_horovod(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=20", "ckpt_path=last")
+    # The optimizer state and the schedule are restored too: a learning rate left behind shows from step 9 on.
+    assert_continues(tmp_path, uninterrupted_reference, 20)
+
+
+@pytest.mark.slow
+@needs_horovod
+def test_horovod_processes_without_a_shared_run_directory_are_refused(tiny_shards, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    args = [a for a in train_overrides(tiny_shards, tmp_path, "strategy=horovod") if not a.startswith("hydra.run.dir=")]
+    command = [str(HOROVODRUN), "-np", "2", "-H", "localhost:2", sys.executable, "-m", "project.train", *args, "paths.log_dir=" + str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    ours = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith(("[0]<", "[1]<"))]
+    # Each process says why in one line; horovodrun's own traceback about them follows, which is its way.
+    assert any("hydra.run.dir=" in line for line in ours) and not any("Traceback" in line for line in ours), ours
+    runs = tmp_path / "runs"
+    assert not runs.exists() or list(runs.iterdir()) == []  # no run directory left behind by either process
+
+
+def test_horovod_with_trainer_devices_is_refused_naming_horovodrun(tiny_shards, tmp_path):
+    result = run_module("project.train", train_overrides(tiny_shards, tmp_path / "run", "strategy=horovod", "trainer.devices=2"))
+    assert result.returncode == 2
+    assert "horovodrun" in result.stderr and "trainer.devices=1" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_dry_run_of_horovod_points_to_the_ddp_dry_run(tiny_shards, tmp_path):
+    result = run_module("project.train", train_overrides(tiny_shards, tmp_path / "run", "strategy=horovod", "dry_run=true"))
+    assert result.returncode == 2 and "strategy=ddp" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_without_horovod_installed_the_strategy_says_how_to_install_it(monkeypatch):
+    from project.errors import ConfigError
+    from project.parallel.horovod import start_horovod
+
+    monkeypatch.setitem(sys.modules, "horovod.torch", None)  # what `import horovod.torch` finds where it is not installed
+    with pytest.raises(ConfigError, match="make install-horovod"):
+        start_horovod()
