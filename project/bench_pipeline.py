@@ -1,15 +1,15 @@
 """Pipeline bubble: step time against the number of microbatches, for torch's schedules on this machine.
 
     python -m project.bench_pipeline [pp=2] [schedules=gpipe,1f1b,interleaved_1f1b] [microbatches=1,2,4,8,16]
-                                     [dim=512] [layers=8] [seq_len=256] [steps=3]
+                                     [dim=512] [layers=8] [seq_len=256] [steps=3] [out=experiments/benchmarks]
 
 Each pipeline rank is a gloo process with one thread, running our stage chunks under torch's schedule
 (forward and backward of every microbatch, no optimizer). The reference is one process with one thread
 running the whole model over the same microbatches one after another. Measured pipeline efficiency is
 reference time / (p x pipeline time); the ideal is m / (m + p - 1) for GPipe and 1F1B, and
 m / (m + (p - 1) / v) for interleaved 1F1B with v chunks per rank (Narayanan et al. 2021).
-Writes experiments/benchmarks/<date>-<host>-pipeline-bubble-pp<p>.jsonl (the rows), .md (table) and
-.svg (plot): new files for each run (a run on the same day and machine replaces its own).
+Writes <out>/<date>-<host>-pipeline-bubble-pp<p>.jsonl (the rows), .md (table) and .svg (plot): new files
+for each run (a second run on the same day and machine gets a numbered name; results are never edited).
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ from project.parallel.mesh import MeshShape
 from project.parallel.pipeline import SCHEDULES, build_schedule, split_into_stages
 from project.parallel.pipeline_layout import check_pipeline, default_virtual_stages
 
-OUT = Path(__file__).resolve().parents[1] / "experiments" / "benchmarks"
-DEFAULTS = {"pp": "2", "schedules": "gpipe,1f1b,interleaved_1f1b", "microbatches": "1,2,4,8,16", "dim": "512", "layers": "8", "seq_len": "256", "steps": "3"}
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULTS = {"pp": "2", "schedules": "gpipe,1f1b,interleaved_1f1b", "microbatches": "1,2,4,8,16", "dim": "512", "layers": "8", "seq_len": "256", "steps": "3",
+            "out": "experiments/benchmarks"}
 
 
 def parse(argv: list[str]) -> dict[str, str]:
@@ -193,10 +194,11 @@ def main() -> None:
             }
             print(json.dumps(row), flush=True)
             rows.append(row)
-    # New files for each run, named after its date and machine: committed results are never edited.
-    # A new name when today's is taken: results already written (and committed) are never edited.
-    stem = free_stem(result_stem(OUT, f"-pipeline-bubble-pp{pp}"), [".jsonl", ".md", ".svg"])
-    OUT.mkdir(parents=True, exist_ok=True)
+    # New files for each run, named after its date and machine; a new name when today's is taken: results
+    # already written (and committed) are never edited.
+    out = ROOT / args["out"]  # an absolute out= stays as it is
+    stem = free_stem(result_stem(out, f"-pipeline-bubble-pp{pp}"), [".jsonl", ".md", ".svg"])
+    out.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     rows.sort(key=lambda r: (r["schedule"], r["microbatches"]))
     write_table(rows, stem.with_suffix(".md"), "python -m project.bench_pipeline " + " ".join(sys.argv[1:]))

@@ -1,4 +1,5 @@
-"""`python -m project.bench` and `project.bench_platform` write new result files and never edit one already there."""
+"""`python -m project.bench`, `project.bench_platform` and `project.bench_pipeline` write new result files and never
+edit one already there."""
 
 import json
 import statistics
@@ -43,6 +44,18 @@ def test_unknown_preset_is_a_config_error(tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and "no_such_model" in result.stderr and "Traceback" not in result.stderr
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_pipeline_bench_writes_its_rows_table_and_plot_where_out_says(tmp_path):
+    argv = ["pp=2", "schedules=1f1b", "microbatches=2", "dim=64", "layers=2", "seq_len=16", "steps=1", f"out={tmp_path}"]
+    result = run_module("project.bench_pipeline", argv, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    files = sorted(tmp_path.iterdir())
+    assert [p.suffix for p in files] == [".jsonl", ".md", ".svg"] and files[0].stem.endswith("-pipeline-bubble-pp2")
+    [row] = [json.loads(line) for line in files[0].read_text().splitlines()]
+    assert (row["schedule"], row["microbatches"], row["pp"]) == ("1f1b", 2, 2) and row["pipeline_seconds"] > 0
+    assert "python -m project.bench_pipeline " + " ".join(argv) in files[1].read_text()
 
 
 def skip_without_litgpt():

@@ -24,7 +24,6 @@ LAYOUTS = {
     "pp2-interleaved-zero-bubble": [*PP2, "strategy.schedule=interleaved_zero_bubble", "strategy.virtual_stages=2"],
     "pp2-zbv": [*PP2, "strategy.schedule=zbv"],
     "pp2-activation-checkpointing": [*PP2, "strategy.activation_checkpointing=true"],
-    "pp2-compiled-blocks": [*PP2, "strategy.compile=true"],
     "pp4-1f1b": ["strategy=pipeline", "trainer.devices=4"],
     "pp2-dp2-fsdp2": ["strategy=pipeline", "trainer.devices=4", "strategy.data_parallel_size=2"],
     "pp2-tp2": ["strategy=pipeline", "trainer.devices=4", "strategy.tensor_parallel_size=2"],

@@ -18,7 +18,6 @@ LAYOUTS = {
     "ddp-compiled-blocks": ["strategy=ddp", "trainer.devices=2", "strategy.compile=true"],
     "fsdp-full-shard": ["strategy=fsdp", "trainer.devices=2"],
     "fsdp-shard-grad-op": ["strategy=fsdp", "trainer.devices=2", "strategy.sharding_strategy=SHARD_GRAD_OP"],
-    "fsdp-no-shard": ["strategy=fsdp", "trainer.devices=2", "strategy.sharding_strategy=NO_SHARD"],
     "fsdp-hybrid-2x2": ["strategy=fsdp", "trainer.devices=4", "strategy.sharding_strategy=HYBRID_SHARD", "strategy.hybrid_shard_size=2"],
     "fsdp-compiled-blocks": ["strategy=fsdp", "trainer.devices=2", "strategy.compile=true"],
     "fsdp-activation-checkpointing": ["strategy=fsdp", "trainer.devices=2", "strategy.activation_checkpointing=true"],
