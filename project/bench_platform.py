@@ -1,7 +1,7 @@
 """The platform against a hand-written loop, side by side: `make bench` or
 
     python -m project.bench_platform [presets=debug,small10m,small50m] [compiled=small10m]
-                                     [scaling=ddp,fsdp2,tp] [scaling_preset=small10m] [steps=S] [warmup=W]
+                                     [scaling=ddp,fsdp2,tp] (or horovod) [scaling_preset=small10m] [steps=S] [warmup=W]
                                      [litgpt=auto] [repeats=2] [threads=T] [startup=true] [out=experiments/benchmarks]
 
 For each preset, eager, and again compiled for those in `compiled` (strategy.compile=true; the hand loop
@@ -50,8 +50,11 @@ VOCAB_SIZE, SEQ_LEN = 4096, 256
 # Batch and timed steps per preset: steps long enough that a step's timer noise averages out, few enough that
 # `make bench` stays within 20 minutes (small10m timed 6 steps until 2026-11-24; its 4 save about a minute).
 SHAPES = {"debug": {"batch": 8, "steps": 20}, "small10m": {"batch": 8, "steps": 4}, "small50m": {"batch": 8, "steps": 3}}
-# Data-parallel scaling: each strategy on 2 processes x 1 thread against one process with 2 threads.
-SCALED = {"ddp": ["strategy=ddp"], "fsdp2": ["strategy=fsdp2"], "tp": ["strategy=tp"]}
+# Data-parallel scaling: each strategy on 2 processes x 1 thread against one process with 2 threads: its
+# launcher (Lightning starts the second process itself; horovodrun starts both) and settings.
+HOROVODRUN = [str(Path(sys.executable).parent / "horovodrun"), "-np", "2", "-H", "localhost:2"]
+SCALED = {"ddp": ([], ["strategy=ddp", "trainer.devices=2"]), "fsdp2": ([], ["strategy=fsdp2", "trainer.devices=2"]),
+          "tp": ([], ["strategy=tp", "trainer.devices=2"]), "horovod": (HOROVODRUN, ["strategy=horovod"])}
 OPTIM = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0}  # conf/train.yaml's
 
 
@@ -67,6 +70,8 @@ def parse(argv: list[str]) -> dict:
     for name in scaling:
         if name not in SCALED:
             raise ConfigError(f"scaling: {name!r} is not one of {list(SCALED)} (comma-separated; empty for none).")
+    if "horovod" in scaling and not Path(HOROVODRUN[0]).is_file():
+        raise ConfigError("scaling: horovod needs Horovod, which this environment lacks: `make install-horovod` builds it.")
     for key in ("steps", "warmup", "repeats", "threads"):
         if args[key] and (not args[key].isdigit() or (key != "warmup" and int(args[key]) < 1)):
             raise ConfigError(f"{key}={args[key]}: expected a positive integer.")
@@ -99,11 +104,11 @@ def shards(root: Path) -> Path:
 
 
 def platform_run(preset: str, batch: int, steps: int, warmup: int, data: Path, run_dir: Path, env: dict, *extra: str,
-                 micro_batch: str | None = None) -> dict:
+                 micro_batch: str | None = None, launcher: list[str] = ()) -> dict:
     """A: `python -m project.train` for warmup + steps optimizer steps; tokens/s of the last `steps`. The micro
     batch is the whole batch unless given ("null": each data-parallel rank's share, no accumulation)."""
     command = [
-        sys.executable, "-m", "project.train", "experiment=debug", f"model={preset}", f"data.dir={data}",
+        *launcher, sys.executable, "-m", "project.train", "experiment=debug", f"model={preset}", f"data.dir={data}",
         f"data.seq_len={SEQ_LEN}", f"data.vocab_size={VOCAB_SIZE}", f"global_batch_size={batch}",
         f"micro_batch_size={micro_batch or batch}",
         f"trainer.max_steps={warmup + steps}", "trainer.log_every_n_steps=1", "val_every_n_steps=1000000",
@@ -117,7 +122,9 @@ def platform_run(preset: str, batch: int, steps: int, warmup: int, data: Path, r
         rates = {int(r["step"]): float(r["train/tokens_per_sec"]) for r in csv.DictReader(f) if r.get("train/tokens_per_sec")}
     timed = [rates[s] for s in sorted(rates)[warmup:]]
     tokens = batch * SEQ_LEN
-    return {"tokens_per_sec": len(timed) * tokens / sum(tokens / r for r in timed), "command": shlex.join(command[1:])}
+    # As a user types it: python's path left out (the -m ... part), a launcher's by its name.
+    shown = [Path(launcher[0]).name, *launcher[1:], "python", *command[len(launcher) + 1 :]] if launcher else command[1:]
+    return {"tokens_per_sec": len(timed) * tokens / sum(tokens / r for r in timed), "command": shlex.join(shown)}
 
 
 def hand_loop(preset: str, batch: int, steps: int, warmup: int, compiled: bool, model_class: str = "ours") -> dict:
@@ -239,13 +246,14 @@ def scaling(args: dict, data: Path, scratch: Path) -> list[dict]:
     shape = SHAPES.get(preset, {"batch": 8, "steps": 4})
     # 3 steps at most: 6 runs per strategy, and the split's cost shows in every step alike.
     steps, model = args["steps"] or min(shape["steps"], 3), ["model.tie_embeddings=false"]
-    two_procs = [*model, "trainer.devices=2", "threads_per_process=1"]
+    two_procs = [*model, "threads_per_process=1"]
     rows = []
     for name in args["scaling"]:
         split, whole = [], []
+        launcher, settings = SCALED[name]
         for repeat in range(args["repeats"]):
             split.append(platform_run(preset, shape["batch"], steps, args["warmup"], data, scratch / f"scale-{name}-{repeat}",
-                                      thread_env(1), *two_procs, *SCALED[name], micro_batch="null"))
+                                      thread_env(1), *two_procs, *settings, micro_batch="null", launcher=launcher))
             whole.append(platform_run(preset, shape["batch"], steps, args["warmup"], data, scratch / f"scale-single-{name}-{repeat}",
                                       thread_env(2), *model, micro_batch="null"))
             print(f"scaling {name} run {repeat + 1}/{args['repeats']}: 2 x 1 thread {split[-1]['tokens_per_sec']:,.0f} tokens/s, "

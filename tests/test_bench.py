@@ -132,7 +132,7 @@ def test_platform_bench_alternates_the_sides_and_compiles_all_three_for_compiled
 @pytest.mark.parametrize("setting, named", [
     ("presets=no_such_model", "presets: no model preset 'no_such_model'"),
     ("compiled=debug,no_such_model", "compiled: no model preset 'no_such_model'"),
-    ("scaling=ddp,horovod", "scaling: 'horovod' is not one of ['ddp', 'fsdp2', 'tp']"),
+    ("scaling=ddp,deepspeed", "scaling: 'deepspeed' is not one of ['ddp', 'fsdp2', 'tp', 'horovod']"),
 ])
 def test_platform_bench_refuses_an_unknown_preset_or_strategy_before_running_anything(tmp_path, setting, named):
     result = run_module("project.bench_platform", [setting, f"out={tmp_path}"], timeout=120)
