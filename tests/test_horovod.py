@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PARITY_RUN, RESUME_RUN, ROOT, assert_continues, assert_reproduces, read_metrics, run_module, train_overrides
+from conftest import PARITY_RUN, RESUME_RUN, ROOT, assert_continues, assert_reproduces, read_metrics, run_module, run_train, train_overrides
 
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 needs_horovod = pytest.mark.skipif(
@@ -65,10 +65,12 @@ def test_fp16_compressed_gradients_stay_within_fp16_rounding_and_an_unbuilt_hier
 
 @pytest.mark.slow
 @needs_horovod
-def test_a_horovod_run_resumed_from_its_checkpoint_continues_exactly(tiny_shards, uninterrupted_reference, tmp_path):
-    trained_by_horovod(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=7")  # stops between checkpoint intervals
-    trained_by_horovod(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=20", "ckpt_path=last")
-    # The optimizer state and the schedule are restored too: a learning rate left behind shows from step 9 on.
+def test_a_run_moves_from_one_process_to_horovod_and_on_to_ddp_and_continues_exactly(tiny_shards, uninterrupted_reference, tmp_path):
+    run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=7")
+    # Horovod loads another layout's checkpoint: weights, optimizer state (then broadcast) and the schedule, whose
+    # learning rates would stay behind from step 9 on if it lost the optimizer's parameter groups.
+    trained_by_horovod(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=13", "ckpt_path=last")
+    run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=20", "ckpt_path=last", "strategy=ddp", "trainer.devices=2")
     assert_continues(tmp_path, uninterrupted_reference, 20)
 
 
