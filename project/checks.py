@@ -214,11 +214,17 @@ def horovod_devices(cfg: DictConfig, dry_run: bool) -> int:
             f"leave trainer.devices=1 and trainer.num_nodes=1 (they are {cfg.trainer.get('devices')} and "
             f"{cfg.trainer.get('num_nodes', 1)})."
         )
+    if str(cfg.trainer.get("precision")) in ("bf16-true", "bf16"):
+        raise ConfigError(
+            f"strategy=horovod with trainer.precision={cfg.trainer.precision}: Horovod 0.28's PyTorch operations have no "
+            "bfloat16, and weights and gradients would be bfloat16. Use trainer.precision=bf16-mixed (bfloat16 compute, "
+            "float32 weights and gradients) or 32-true."
+        )
     from project.parallel.horovod import horovod_world  # imports torch and Horovod: only for Horovod runs
 
     processes = horovod_world(OmegaConf.to_container(cfg.strategy, resolve=True))
     overrides = HydraConfig.get().overrides.hydra if HydraConfig.initialized() else []
-    if processes > 1 and not any(o.startswith("hydra.run.dir=") for o in overrides):
+    if processes > 1 and not any(o.lstrip("+").startswith("hydra.run.dir=") for o in overrides):
         raise ConfigError(
             f"strategy=horovod with {processes} processes needs one run directory for all of them: add "
             "hydra.run.dir=outputs/runs/NAME (on a file system every node shares); each would otherwise name its own from its clock."

@@ -113,10 +113,10 @@ class _Tee(io.TextIOBase):
 
 
 def launch_rank(num_nodes: int = 1) -> int:
-    """This process's global rank as its launcher set it, before any process group exists: torchrun's
-    RANK, SLURM's SLURM_PROCID, horovodrun's HOROVOD_RANK (Open MPI's under mpirun), or, from Lightning's
-    own launcher, NODE_RANK and LOCAL_RANK."""
-    for variable in ("RANK", "SLURM_PROCID", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK"):
+    """This process's global rank as its launcher set it, before any process group exists: horovodrun's
+    HOROVOD_RANK (Open MPI's under mpirun), torchrun's RANK, SLURM's SLURM_PROCID, or, from Lightning's own
+    launcher, NODE_RANK and LOCAL_RANK. Horovod's first: its processes inherit a batch job's SLURM_PROCID."""
+    for variable in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "RANK", "SLURM_PROCID"):
         if variable in os.environ:
             return int(os.environ[variable])
     local, node = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("NODE_RANK", 0))

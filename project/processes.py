@@ -85,7 +85,7 @@ def world() -> tuple[int, int]:
         return dist.get_rank(), dist.get_world_size()
     from project.console import launch_rank
 
-    sizes = (os.environ.get(v) for v in ("WORLD_SIZE", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE"))
+    sizes = (os.environ.get(v) for v in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE"))  # as launch_rank
     return launch_rank(), int(next((size for size in sizes if size), 1))
 
 
@@ -122,6 +122,6 @@ def _is_collective_failure(error: BaseException) -> bool:
     import torch.distributed as dist
 
     text = str(error)
-    return isinstance(error, dist.DistError) or any(
+    return isinstance(error, dist.DistError) or type(error).__name__ == "HorovodInternalError" or any(
         sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "Broken pipe")
     )

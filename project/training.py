@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from project.callbacks import BestCheckpoint, LayoutFacts, LlamaModelSummary, MemoryMonitor, StepCheckpoint, StepProgressBar, TokenThroughput
 from project.callbacks.preemption import REQUEUE_EXIT_STATUS, StopOnSignal
 from project.checkpoints import checkpoint_metadata, checkpoint_step, previous_checkpoint, resumable_by
-from project.checks import Layout, check_data, plan_layout
+from project.checks import Layout, check_data, is_horovod, plan_layout
 from project.console import keep_console, launch_rank, silence_known_noise
 from project.data.datamodule import TokenShardDataModule
 from project.data.prepare import prepare_from_config
@@ -98,7 +98,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
     callbacks = [*checkpoints, TokenThroughput(cfg.peak_flops_per_device), MemoryMonitor(run_dir)]
     plugins, stop_signals = [], (signal.SIGTERM,)
     if SLURMEnvironment.detect():  # our handler checkpoints between steps; Lightning's would save mid-step
-        plugins.append(SLURMEnvironment(auto_requeue=False))
+        if not is_horovod(cfg.strategy):  # under horovodrun in a batch job, Horovod gives the ranks, not SLURM's tasks
+            plugins.append(SLURMEnvironment(auto_requeue=False))
         stop_signals += (signal.SIGUSR1,)
     callbacks.append(StopOnSignal(checkpoints[0], stop_signals))
     if cfg.trainer.get("enable_progress_bar", True):

@@ -65,6 +65,16 @@ def test_fp16_compressed_gradients_stay_within_fp16_rounding_and_an_unbuilt_hier
 
 @pytest.mark.slow
 @needs_horovod
+def test_validation_over_shares_of_unequal_size_is_the_mean_over_every_sequence(tiny_shards, tmp_path):
+    validated = ["trainer.max_steps=1", "global_batch_size=8", "val_sequences=5", "val_every_n_steps=1"]  # 3 and 2 sequences
+    run_train(tiny_shards, tmp_path / "one", *validated)
+    trained_by_horovod(tiny_shards, tmp_path / "two", *validated)
+    [one], [two] = (list(read_metrics(tmp_path / run, "val/loss").values()) for run in ("one", "two"))
+    assert two == pytest.approx(one, rel=1e-5)  # not the mean of the two ranks' means
+
+
+@pytest.mark.slow
+@needs_horovod
 def test_a_run_moves_from_one_process_to_horovod_and_on_to_ddp_and_continues_exactly(tiny_shards, uninterrupted_reference, tmp_path):
     run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=7")
     # Horovod loads another layout's checkpoint: weights, optimizer state (then broadcast) and the schedule, whose
@@ -95,10 +105,13 @@ def test_the_layout_takes_horovodruns_process_count_and_its_processes_one_run_di
             preflight(cfg)
 
 
-def test_horovod_with_trainer_devices_is_refused_naming_horovodrun(tiny_shards, tmp_path):
-    result = run_module("project.train", train_overrides(tiny_shards, tmp_path / "run", "strategy=horovod", "trainer.devices=2"))
-    assert result.returncode == 2
-    assert "horovodrun" in result.stderr and "trainer.devices=1" in result.stderr and "Traceback" not in result.stderr
+@pytest.mark.parametrize("setting, fix", [
+    ("trainer.devices=2", "leave trainer.devices=1"),  # horovodrun (-np N) says how many processes, not the trainer
+    ("trainer.precision=bf16-true", "trainer.precision=bf16-mixed"),  # Horovod 0.28 has no bfloat16 operations
+])
+def test_horovod_settings_that_cannot_run_are_refused_naming_the_fix(tiny_shards, tmp_path, setting, fix):
+    result = run_module("project.train", train_overrides(tiny_shards, tmp_path / "run", "strategy=horovod", setting))
+    assert result.returncode == 2 and fix in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 def test_a_dry_run_of_horovod_points_to_the_ddp_dry_run(tiny_shards, tmp_path):

@@ -18,21 +18,30 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch.distributed import ReduceOp
+from torchmetrics import Metric
 
 from project.errors import ConfigError
+from project.parallel.timeout import collective_timeout
 
 INSTALL = "`make install-horovod` builds it against this torch and installs it (about 3 minutes, once per machine)"
 
 
-def start_horovod(hierarchical_allreduce: bool = False) -> Any:
-    """`horovod.torch`, initialized (once per process); a ConfigError saying how to install it where it is missing."""
+def start_horovod(hierarchical_allreduce: bool = False, collective_timeout_minutes: float | None = None) -> Any:
+    """`horovod.torch`, initialized (once per process); a ConfigError saying how to install it where it is missing.
+
+    The settings are Horovod's environment variables, which hvd.init() reads, and only it. A rank that stops
+    answering makes Horovod end the job after `collective_timeout_minutes` (its stall shutdown; it would wait
+    forever by default), as the timeout does for torch.distributed's strategies; a rank that dies ends it at once.
+    """
     try:
         import horovod.torch as hvd
     except ImportError as error:
         raise ConfigError(f"strategy=horovod needs Horovod built with PyTorch, and this environment has none ({error}): {INSTALL}.") from error
     if not hvd.is_initialized():
-        if hierarchical_allreduce:  # read by hvd.init(), and only there
+        if hierarchical_allreduce:
             os.environ["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
+        if collective_timeout_minutes is not None:
+            os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(max(1, round(collective_timeout_minutes * 60))))
         hvd.init()
     return hvd
 
@@ -88,8 +97,8 @@ class HorovodStrategy(ParallelStrategy):
 
     strategy_name = "horovod"
 
-    def __init__(self, op: Any, compression: Any, hierarchical_allreduce: bool = False) -> None:
-        self.hvd = start_horovod(hierarchical_allreduce)
+    def __init__(self, op: Any, compression: Any, hierarchical_allreduce: bool = False, collective_timeout_minutes: float | None = None) -> None:
+        self.hvd = start_horovod(hierarchical_allreduce, collective_timeout_minutes)
         super().__init__(cluster_environment=HorovodEnvironment(self.hvd))
         self._op, self._compression = op, compression
         self._accumulating = False
@@ -104,7 +113,8 @@ class HorovodStrategy(ParallelStrategy):
     @property
     def root_device(self) -> torch.device:
         device = self.parallel_devices[0]  # trainer.devices=1: this process's device
-        return torch.device("cuda", self.local_rank) if device.type == "cuda" else device
+        # The GPU of this process's local rank, among those it sees (all of the node's, or only its own).
+        return torch.device("cuda", self.local_rank % torch.cuda.device_count()) if device.type == "cuda" else device
 
     @property
     def is_distributed(self) -> bool:  # Lightning's cue to reduce what the module logs with sync_dist=True
@@ -123,10 +133,27 @@ class HorovodStrategy(ParallelStrategy):
             torch.cuda.set_device(self.root_device)
         self.model.to(self.root_device)
 
+    def setup_environment(self) -> None:
+        if self.root_device.type == "cuda" and not self.hvd.cuda_built():
+            raise ConfigError(
+                "strategy=horovod on GPUs needs a Horovod built with CUDA and NCCL, and this one has neither (a CPU build): "
+                "rebuild it where nvcc and NCCL are found, with a CUDA build of torch installed (make install-horovod)."
+            )
+        super().setup_environment()
+
     def setup(self, trainer) -> None:
         super().setup(trainer)
         # Rank 0's weights (fresh, or restored by now) for all: a process seeded or resumed otherwise does not drift apart.
         self.hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        # torchmetrics syncs its states over torch.distributed only; the validation loss is a MeanMetric whose
+        # ranks may hold shares of different sizes, so it is gathered over Horovod instead.
+        for metric in self.lightning_module.modules():
+            if isinstance(metric, Metric):
+                metric.distributed_available_fn, metric.dist_sync_fn = (lambda: True), self._gather_metric_state
+
+    def _gather_metric_state(self, tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+        """Each rank's copy of a metric state of the same shape on every rank (MeanMetric's sums), as torchmetrics wants."""
+        return list(self.hvd.allgather(tensor.unsqueeze(0)).unbind(0))
 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)  # called when fitting only
@@ -152,9 +179,10 @@ class HorovodStrategy(ParallelStrategy):
         super().load_optimizer_state_dict(checkpoint)
         for built, distributed in zip(self._built, self.optimizers):
             built.param_groups = distributed.param_groups  # loading made new groups: share them again
-            # Rank 0's state for all, as for the weights. Not done for a fresh optimizer: Horovod would create
-            # its state with a step on zero gradients, which moves AdamW's weights (decay) and its step count.
-            self.hvd.broadcast_optimizer_state(distributed, root_rank=0)
+            # Rank 0's state for all, as for the weights. Not for an empty state (fresh, or every step so far
+            # skipped): Horovod would create one with a step on zero gradients, which moves AdamW's weights (decay).
+            if distributed.state:
+                self.hvd.broadcast_optimizer_state(distributed, root_rank=0)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         # post_backward has synchronized the gradients already; the step must not reduce them again.
@@ -200,19 +228,23 @@ class HorovodStrategy(ParallelStrategy):
         return self.hvd.broadcast_object(obj, root_rank=src)
 
 
-def horovod_strategy(grad_reduction: str = "mean", compression: str = "none", hierarchical_allreduce: bool = False) -> HorovodStrategy:
+def horovod_strategy(
+    grad_reduction: str = "mean", compression: str = "none", hierarchical_allreduce: bool = False, collective_timeout_minutes: float = 10
+) -> HorovodStrategy:
     """Horovod with averaged gradients (the default) or summed ones (N times the average, as under DDP's
     strategy.grad_reduction=sum), sent as they are or cast to fp16 for the allreduce (compression=fp16)."""
-    hvd = start_horovod(hierarchical_allreduce)
+    collective_timeout(collective_timeout_minutes)  # the same check as the other strategies'
+    hvd = start_horovod(hierarchical_allreduce, collective_timeout_minutes)
     ops = {"mean": hvd.Average, "sum": hvd.Sum}
     compressions = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
     if grad_reduction not in ops:
         raise ConfigError(f"strategy.grad_reduction={grad_reduction!r}: choose 'mean' (default) or 'sum'.")
     if compression not in compressions:
         raise ConfigError(f"strategy.compression={compression!r}: choose 'none' (default) or 'fp16' (half the bytes on the wire).")
-    return HorovodStrategy(ops[grad_reduction], compressions[compression], hierarchical_allreduce)
+    return HorovodStrategy(ops[grad_reduction], compressions[compression], hierarchical_allreduce, collective_timeout_minutes)
 
 
 def horovod_world(strategy_cfg: dict[str, Any]) -> int:
     """The number of processes Horovod's launcher started (1 for a process started on its own)."""
-    return start_horovod(bool(strategy_cfg.get("hierarchical_allreduce", False))).size()
+    hvd = start_horovod(bool(strategy_cfg.get("hierarchical_allreduce", False)), strategy_cfg.get("collective_timeout_minutes"))
+    return hvd.size()
