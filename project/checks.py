@@ -214,7 +214,7 @@ def horovod_devices(cfg: DictConfig, dry_run: bool) -> int:
             f"leave trainer.devices=1 and trainer.num_nodes=1 (they are {cfg.trainer.get('devices')} and "
             f"{cfg.trainer.get('num_nodes', 1)})."
         )
-    if str(cfg.trainer.get("precision")) in ("bf16-true", "bf16"):
+    if str(cfg.trainer.get("precision")) == "bf16-true":  # Lightning reads "bf16" as bf16-mixed
         raise ConfigError(
             f"strategy=horovod with trainer.precision={cfg.trainer.precision}: Horovod 0.28's PyTorch operations have no "
             "bfloat16, and weights and gradients would be bfloat16. Use trainer.precision=bf16-mixed (bfloat16 compute, "
