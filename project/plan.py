@@ -24,7 +24,7 @@ from project.errors import ConfigError, exit_on_config_error
 from project.planning.candidates import SearchSpace
 from project.planning.cluster import GIB, Cluster
 from project.planning.memory import Allowance
-from project.planning.planner import Workload, plan
+from project.planning.planner import Workload, calibrated_fraction, plan
 from project.planning.render import as_record, command_line, model_arguments, sweep_spec, table, train_overrides
 
 
@@ -52,7 +52,11 @@ def run(cfg: DictConfig) -> dict:
         raise ConfigError(f"format={cfg.format}: choose table or json.")
     work, cluster = workload(cfg), Cluster.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
     space = SearchSpace(**OmegaConf.to_container(cfg.search, resolve=True))
-    outcomes = plan(work, cluster, space, float(cfg.achievable_fraction), Allowance(**cfg.memory))
+    allowance, fraction, calibration = Allowance(**cfg.memory), float(cfg.achievable_fraction), None
+    if cfg.calibrate.mfu is not None:
+        fraction, reference = calibrated_fraction(work, cluster, space, float(cfg.calibrate.mfu), cfg.calibrate.layout, allowance)
+        calibration = {"layout": reference.prediction.candidate.name, "mfu": float(cfg.calibrate.mfu)}
+    outcomes = plan(work, cluster, space, fraction, allowance)
     name = model_name(cfg)
     model = model_arguments(name, OmegaConf.to_container(cfg.model, resolve=True))
     overrides = train_overrides(outcomes[0].prediction.candidate, work, cluster, model)
@@ -60,9 +64,9 @@ def run(cfg: DictConfig) -> dict:
     summary = {
         "model": name, "cluster": cluster.name, "devices": cluster.devices, "seq_len": work.seq_len,
         "global_batch_size": work.global_batch_size, "train_tokens": work.train_tokens, "precision": work.precision,
-        "achievable_fraction": cfg.achievable_fraction, "layouts": records,
+        "achievable_fraction": fraction, "calibrated_on": calibration, "layouts": records,
     }
-    text = report(outcomes, cluster, work, name, overrides)
+    text = report(outcomes, cluster, work, name, overrides, fraction, calibration)
     if cfg.check_with_dry_run:
         top = [o for o in outcomes if o.prediction.fits][: cfg.top_k]
         checked = dry_run_states(top, work, cluster, model)
@@ -119,14 +123,17 @@ def dry_run_table(checked: list) -> str:
     return "\n".join(lines)
 
 
-def report(outcomes, cluster: Cluster, work: Workload, name: str | None, overrides: list[str]) -> str:
+def report(outcomes, cluster: Cluster, work: Workload, name: str | None, overrides: list[str], fraction: float, calibration: dict | None) -> str:
     fitting = sum(o.prediction.fits for o in outcomes)
     head = (
         f"{name or 'model'} on {cluster.nodes} x {cluster.gpus_per_node} {cluster.name} ({cluster.devices} devices), "
         f"{work.global_batch_size} x {work.seq_len} tokens per step, {work.precision}: "
         f"{len(outcomes)} layouts, {fitting} fit"
     )
-    lines = [head, "", table(outcomes, 10), ""]
+    basis = f"achievable_fraction {fraction:.3g}"
+    if calibration:
+        basis += f", calibrated: {calibration['layout']} predicts the {calibration['mfu']:.1%} MFU given (calibrate.mfu) at it"
+    lines = [head, basis, "", table(outcomes, 10), ""]
     if fitting:
         lines += ["best layout:", command_line(overrides)]
     else:

@@ -98,6 +98,52 @@ def plan(workload: Workload, cluster: Cluster, space: SearchSpace, achievable_fr
     return sorted(found, key=lambda o: (not o.prediction.fits, -o.tokens_per_second if o.prediction.fits else o.prediction.memory.total))
 
 
+def calibrated_fraction(
+    workload: Workload, cluster: Cluster, space: SearchSpace, mfu: float, layout: str | None = None, allowance: Allowance = Allowance()
+) -> tuple[float, Outcome]:
+    """The achievable_fraction at which `layout` (a name as the table prints it; None: the fastest layout
+    that fits) predicts an end-to-end MFU of `mfu`, and that layout's outcome there.
+
+    A published or measured MFU is end to end: bubbles, recompute and exposed communication are inside it,
+    where the planner counts them apart. Solving for the kernels' share that reproduces it on the layout it
+    was measured on lets every other layout be predicted from it. A step's time never grows as the fraction
+    does (compute shrinks; what it hid can only be exposed as much as it shrank), so its MFU rises with the
+    fraction and bisection finds it.
+    """
+    if not 0 < mfu < 1:
+        raise ConfigError(f"calibrate.mfu={mfu} must be in (0, 1): an end-to-end MFU, 0.41 for 41%.")
+    space.check()
+    found = list(candidates(workload.model, cluster.devices, cluster.gpus_per_node, workload.global_batch_size, workload.seq_len, space))
+    if layout is not None:
+        found = [c for c in found if c.name == layout]
+        if not found:
+            raise ConfigError(
+                f"calibrate.layout={layout} is not a layout the search settings give for {cluster.devices} devices and "
+                f"global_batch_size={workload.global_batch_size}: copy a name from the plan's table (run it without calibrate.mfu), "
+                "or widen search.* to include it."
+            )
+
+    def reference(fraction: float) -> Outcome | None:
+        outcomes = [evaluate(workload, cluster, c, fraction, allowance) for c in found]
+        fitting = [o for o in outcomes if o.prediction.fits or layout is not None]
+        return max(fitting, key=lambda o: o.tokens_per_second, default=None)
+
+    best = reference(1.0)
+    if best is None:
+        raise ConfigError("calibrate.mfu needs a layout that fits to calibrate on, and none does: name one with calibrate.layout.")
+    if best.mfu < mfu:
+        raise ConfigError(
+            f"calibrate.mfu={mfu}: {best.prediction.candidate.name} predicts at most {best.mfu:.1%} MFU even at "
+            "achievable_fraction=1, so the bubble, recompute and communication the planner counts leave no room for it. "
+            "Check the layout, the cluster's peak FLOP/s and links, or set achievable_fraction directly."
+        )
+    low, high = 0.0, 1.0
+    for _ in range(50):
+        middle = (low + high) / 2
+        low, high = (middle, high) if reference(middle).mfu < mfu else (low, middle)
+    return high, reference(high)
+
+
 def training_days(tokens: float, flops_per_token: float, devices: int, flops_per_device: float) -> float:
     """Days to train `tokens` at `flops_per_device` FLOP/s each: Narayanan et al. 2021's end-to-end
     estimate, 8TP/(nX) with flops_per_token = 8P (full recompute)."""
