@@ -272,7 +272,9 @@ def scaling(args: dict, data: Path, scratch: Path) -> list[dict]:
 # figures come from one process: `import lightning` timed in a process of its own could take longer than a
 # whole run a moment later on these machines, and the rest would come out negative.
 _TIMED_IMPORT = """import runpy, sys
-import lightning
+from project.startup import collector_paused_for_imports
+with collector_paused_for_imports():  # as project.train imports it
+    import lightning
 from project.callbacks.throughput import process_age_seconds
 with open(sys.argv[1], "w") as f: f.write(str(process_age_seconds()))
 sys.argv = ["project.train", *sys.argv[2:]]

@@ -11,6 +11,7 @@ import difflib
 import inspect
 import os
 import signal
+import sys
 import warnings
 from pathlib import Path
 
@@ -38,7 +39,6 @@ from project.lit_module import LlamaLitModule, check_resumable
 from project.loggers import build_loggers
 from project.processes import watch_children
 from project.redact import redacted_container, scrub_files, secret_values
-from project.parallel.pipeline_strategy import LlamaPipelineStrategy
 
 
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
@@ -177,7 +177,10 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
         layout = plan_layout(cfg, trainer.num_nodes, trainer.num_devices)
     plan = layout.plan
     attach_loggers(trainer, cfg, run_dir, layout)
-    if isinstance(trainer.strategy, LlamaPipelineStrategy):
+    # Hydra's instantiate imported the pipeline strategy's module if strategy=pipeline; other runs skip
+    # torch's pipelining and its start-up time.
+    pipeline = sys.modules.get("project.parallel.pipeline_strategy")
+    if pipeline is not None and isinstance(trainer.strategy, pipeline.LlamaPipelineStrategy):
         trainer.strategy.n_microbatches, trainer.strategy.micro_batch_size = plan.pipeline_microbatches, plan.micro_batch_size
     # The Trainer resolves devices and nodes; only then is the accumulation count known.
     trainer.accumulate_grad_batches = plan.accumulate_grad_batches
