@@ -5,7 +5,7 @@
                                      [litgpt=auto] [repeats=2] [threads=T] [startup=true] [out=experiments/benchmarks]
 
 For each preset, eager, and again compiled for those in `compiled` (strategy.compile=true; the hand loop
-compiles the same blocks), alternating A B A B ... R times: A is `python -m project.train` on one process
+compiles the same blocks), alternating A B C C B A ... R times: A is `python -m project.train` on one process
 (prepared shards, the run's AdamW, warmup + cosine and clipping, logging every step, no validation or
 checkpoint within the timed steps), B is a minimal PyTorch loop over the same model class, batch, AdamW and
 clipping on random tokens, in a process of its own with the same thread count. Each gives tokens/s over S
@@ -215,12 +215,16 @@ def compare(args: dict, data: Path, scratch: Path, peaks: list[dict]) -> list[di
         extra = ["strategy.compile=true"] if compiled else []
         ours, hand, twin = [], [], []
         loop = ["--hand-loop", preset, str(shape["batch"]), str(steps), str(args["warmup"]), mode]
-        for repeat in range(args["repeats"]):  # A B C A B C ...: drift on a shared machine hits all alike
+        for repeat in range(args["repeats"]):
             run_dir = scratch / f"{preset}-{mode}-{repeat}"
-            ours.append(platform_run(preset, shape["batch"], steps, args["warmup"], data, run_dir, env, *extra))
-            hand.append(in_own_process([*loop, "ours"], env))
+            sides = [(ours, lambda: platform_run(preset, shape["batch"], steps, args["warmup"], data, run_dir, env, *extra)),
+                     (hand, lambda: in_own_process([*loop, "ours"], env))]
             if args["litgpt"]:
-                twin.append(in_own_process([*loop, "litgpt"], env))
+                sides.append((twin, lambda: in_own_process([*loop, "litgpt"], env)))
+            # A B C, then C B A, and so on: a machine that speeds up or slows down while they run favours no side,
+            # where A first every time would take any drift within an alternation on its side alone.
+            for runs, run in sides if repeat % 2 == 0 else reversed(sides):
+                runs.append(run())
             peaks.append(in_own_process(["--matmul-peak"], env))
             print(f"{preset} {mode} run {repeat + 1}/{args['repeats']}: project.train {ours[-1]['tokens_per_sec']:,.0f} tokens/s, "
                   f"hand loop {hand[-1]['tokens_per_sec']:,.0f}" + (f", litgpt {twin[-1]['tokens_per_sec']:,.0f}" if twin else ""), flush=True)
@@ -252,10 +256,12 @@ def scaling(args: dict, data: Path, scratch: Path) -> list[dict]:
         split, whole = [], []
         launcher, settings = SCALED[name]
         for repeat in range(args["repeats"]):
-            split.append(platform_run(preset, shape["batch"], steps, args["warmup"], data, scratch / f"scale-{name}-{repeat}",
-                                      thread_env(1), *two_procs, *settings, micro_batch="null", launcher=launcher))
-            whole.append(platform_run(preset, shape["batch"], steps, args["warmup"], data, scratch / f"scale-single-{name}-{repeat}",
-                                      thread_env(2), *model, micro_batch="null"))
+            sides = [(split, lambda: platform_run(preset, shape["batch"], steps, args["warmup"], data, scratch / f"scale-{name}-{repeat}",
+                                                  thread_env(1), *two_procs, *settings, micro_batch="null", launcher=launcher)),
+                     (whole, lambda: platform_run(preset, shape["batch"], steps, args["warmup"], data, scratch / f"scale-single-{name}-{repeat}",
+                                                  thread_env(2), *model, micro_batch="null"))]
+            for runs, run in sides if repeat % 2 == 0 else reversed(sides):  # as compare() alternates
+                runs.append(run())
             print(f"scaling {name} run {repeat + 1}/{args['repeats']}: 2 x 1 thread {split[-1]['tokens_per_sec']:,.0f} tokens/s, "
                   f"1 x 2 threads {whole[-1]['tokens_per_sec']:,.0f}", flush=True)
         a, b = (statistics.median(r["tokens_per_sec"] for r in runs) for runs in (split, whole))

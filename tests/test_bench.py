@@ -101,7 +101,7 @@ def test_platform_bench_times_project_train_beside_a_hand_loop_and_writes_both_c
 
 
 def test_platform_bench_alternates_the_sides_and_compiles_all_three_for_compiled_presets(monkeypatch, tmp_path):
-    """compare() without running anything: A B C and the matmul rate per alternation; compiled rows pass
+    """compare() without running anything: A B C, C B A and the matmul rate per alternation; compiled rows pass
     strategy.compile=true to project.train and "compiled" to both loops; medians per side."""
     from project import bench_platform
 
@@ -120,11 +120,13 @@ def test_platform_bench_alternates_the_sides_and_compiles_all_three_for_compiled
     args = {"presets": ["debug"], "compiled": ["debug"], "litgpt": True, "repeats": 2, "steps": 2, "warmup": 1, "threads": 1}
     peaks = []
     eager, compiled = bench_platform.compare(args, tmp_path, tmp_path, peaks)
-    one_alternation = lambda mode, extra: [("A", "debug", *extra), ("B", "debug", mode), ("C", "debug", mode), ("peak",)]
-    assert calls == 2 * one_alternation("eager", []) + 2 * one_alternation("compiled", ["strategy.compile=true"])
+    # A B C, then C B A: drift during the runs favours no side.
+    sides = lambda mode, extra: [("A", "debug", *extra), ("B", "debug", mode), ("C", "debug", mode)]
+    two_alternations = lambda mode, extra: [*sides(mode, extra), ("peak",), *reversed(sides(mode, extra)), ("peak",)]
+    assert calls == two_alternations("eager", []) + two_alternations("compiled", ["strategy.compile=true"])
     assert len(peaks) == 4
-    assert eager["runs"] == {"project_train": [100.0, 500.0], "hand_loop": [200.0, 600.0], "litgpt": [300.0, 700.0]}
-    assert (eager["project_train_tokens_per_sec"], eager["hand_loop_tokens_per_sec"], eager["ratio"]) == (300.0, 400.0, 0.75)
+    assert eager["runs"] == {"project_train": [100.0, 700.0], "hand_loop": [200.0, 600.0], "litgpt": [300.0, 500.0]}
+    assert (eager["project_train_tokens_per_sec"], eager["hand_loop_tokens_per_sec"], eager["ratio"]) == (400.0, 400.0, 1.0)
     assert compiled["mode"] == "compiled" and "strategy.compile=true" in compiled["commands"]["project_train"]
     assert compiled["commands"]["hand_loop"].endswith("compiled ours") and compiled["commands"]["litgpt"].endswith("compiled litgpt")
 
