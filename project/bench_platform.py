@@ -13,6 +13,7 @@ optimizer steps after W warm-up steps; A's step times are those its TokenThrough
 micro batch's start to the last one's end: the loader's wait before a step and the logging after it are left
 out, as B has neither). The ratio A / B of the medians is what the platform costs or
 saves; absolute figures drift between runs and machines of this kind, ratios taken side by side much less.
+Alternations go A B C, then C B A: with an even `repeats`, drift that runs one way during them favours no side.
 With litgpt installed (`make bench` puts it beside the environment; litgpt=auto uses it then), a third side C
 runs litgpt's GPT of the same architecture and parameter count in the same loop (project/bench_litgpt.py).
 MFU is taken against the fp32 matrix-product rate measured in the same run, at the same thread count.
@@ -279,10 +280,12 @@ def scaling(args: dict, data: Path, scratch: Path) -> list[dict]:
 # whole run a moment later on these machines, and the rest would come out negative.
 _TIMED_IMPORT = """import runpy, sys
 from project.startup import collector_paused_for_imports
-with collector_paused_for_imports():  # as project.train imports it
+with collector_paused_for_imports():  # what project.train imports with the collector paused, lightning first
     import lightning
-from project.callbacks.throughput import process_age_seconds
-with open(sys.argv[1], "w") as f: f.write(str(process_age_seconds()))
+    from project.callbacks.throughput import process_age_seconds
+    lightning_imported = process_age_seconds()
+    import project.training
+with open(sys.argv[1], "w") as f: f.write(str(lightning_imported))
 sys.argv = ["project.train", *sys.argv[2:]]
 runpy.run_module("project.train", run_name="__main__", alter_sys=True)
 """

@@ -53,9 +53,12 @@ def run(cfg: DictConfig) -> dict:
     work, cluster = workload(cfg), Cluster.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
     space = SearchSpace(**OmegaConf.to_container(cfg.search, resolve=True))
     allowance, fraction, calibration = Allowance(**cfg.memory), float(cfg.achievable_fraction), None
+    if cfg.calibrate.layout is not None and cfg.calibrate.mfu is None:
+        raise ConfigError(f"calibrate.layout={cfg.calibrate.layout} needs calibrate.mfu: the MFU measured on that layout, e.g. 0.41.")
     if cfg.calibrate.mfu is not None:
         fraction, reference = calibrated_fraction(work, cluster, space, float(cfg.calibrate.mfu), cfg.calibrate.layout, allowance)
-        calibration = {"layout": reference.prediction.candidate.name, "mfu": float(cfg.calibrate.mfu)}
+        calibration = {"layout": reference.prediction.candidate.name, "mfu": float(cfg.calibrate.mfu), "fits": reference.prediction.fits,
+                       "memory_bytes": reference.prediction.memory.total}
     outcomes = plan(work, cluster, space, fraction, allowance)
     name = model_name(cfg)
     model = model_arguments(name, OmegaConf.to_container(cfg.model, resolve=True))
@@ -133,6 +136,8 @@ def report(outcomes, cluster: Cluster, work: Workload, name: str | None, overrid
     basis = f"achievable_fraction {fraction:.3g}"
     if calibration:
         basis += f", calibrated: {calibration['layout']} predicts the {calibration['mfu']:.1%} MFU given (calibrate.mfu) at it"
+        if not calibration["fits"]:
+            basis += f" (though the formulas find it too large: {calibration['memory_bytes'] / GIB:.1f} GiB)"
     lines = [head, basis, "", table(outcomes, 10), ""]
     if fitting:
         lines += ["best layout:", command_line(overrides)]

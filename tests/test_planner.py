@@ -97,6 +97,10 @@ def test_calibration_refuses_a_layout_it_does_not_list_and_an_mfu_out_of_reach()
         calibrated_fraction(work, h100, SearchSpace(), 0.3, "nonsense")
     with pytest.raises(ConfigError, match="at most"):
         calibrated_fraction(work, h100, SearchSpace(), 0.99)
+    # No layout fits 70B on one 8-GPU node: without a layout named, there is none to calibrate on.
+    seventy = Workload(preset("llama3_70b"), 8192, 128, 1e12)
+    with pytest.raises(ConfigError, match="no layout fits"):
+        calibrated_fraction(seventy, h100, SearchSpace(recompute=["selective"]), 0.3)
 
 
 def test_megatron_intro_figures_use_one_rate_for_both_gpus():
@@ -235,10 +239,18 @@ def test_plan_json_and_clear_errors():
     assert calibrated.returncode == 0, calibrated.stderr
     record = json.loads(calibrated.stdout)
     best = record["layouts"][0]
-    assert record["calibrated_on"] == {"layout": best["layout"], "mfu": 0.3} and best["mfu"] == pytest.approx(0.3, rel=1e-6)
+    assert record["calibrated_on"]["layout"] == best["layout"] and record["calibrated_on"]["mfu"] == 0.3 and record["calibrated_on"]["fits"]
+    assert best["mfu"] == pytest.approx(0.3, rel=1e-6)
     assert record["achievable_fraction"] > 0.3
-    unknown = run_module("project.plan", ["calibrate.mfu=0.4", "calibrate.layout=ddp_dp3"], timeout=120)
-    assert unknown.returncode == 2 and "calibrate.layout=ddp_dp3" in unknown.stderr and "Traceback" not in unknown.stderr
+    for bad, named in [
+        (["calibrate.mfu=0.4", "calibrate.layout=ddp_dp3"], "calibrate.layout=ddp_dp3 is not a layout"),
+        (["calibrate.layout=ddp_dp3"], "needs calibrate.mfu"),
+        (["calibrate.mfu=41"], "calibrate.mfu=41.0 must be in (0, 1)"),
+        (["precision=fp8", "calibrate.mfu=0.3"], "precision=fp8: choose one of"),
+        (["global_batch_size=7", "search.strategies=[ddp,fsdp2]", "calibrate.mfu=0.3"], "global_batch_size=7"),
+    ]:
+        refused = run_module("project.plan", bad, timeout=120)
+        assert refused.returncode == 2 and named in refused.stderr and "Traceback" not in refused.stderr, (bad, refused.stderr)
 
 
 # Runs the parity tests train anyway (tests/test_sharded_parity.py, test_ddp_parity.py, test_pipeline.py),

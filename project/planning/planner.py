@@ -63,8 +63,12 @@ class Outcome:
     days: float
 
 
-def evaluate(workload: Workload, cluster: Cluster, candidate: Candidate, achievable_fraction: float, allowance: Allowance) -> Outcome:
-    memory = peak_memory(workload.model, candidate, workload.seq_len, workload.precision, cluster.accelerator, allowance)
+def evaluate(
+    workload: Workload, cluster: Cluster, candidate: Candidate, achievable_fraction: float, allowance: Allowance, memory: MemoryEstimate | None = None
+) -> Outcome:
+    """The candidate's prediction; `memory`, which no fraction changes, where it was estimated already."""
+    if memory is None:
+        memory = peak_memory(workload.model, candidate, workload.seq_len, workload.precision, cluster.accelerator, allowance)
     time = step_time(workload.model, candidate, workload.seq_len, workload.precision, cluster, achievable_fraction)
     tokens_per_second = workload.tokens_per_step / time.total
     flops = training_flops_per_token(workload.model, workload.seq_len) * tokens_per_second / cluster.devices
@@ -78,23 +82,26 @@ def evaluate(workload: Workload, cluster: Cluster, candidate: Candidate, achieva
     )
 
 
-def plan(workload: Workload, cluster: Cluster, space: SearchSpace, achievable_fraction: float, allowance: Allowance = Allowance()) -> list[Outcome]:
-    """Every layout of `space` on `cluster`: those that fit first, fastest first; then the rest, smallest first."""
+def layouts(workload: Workload, cluster: Cluster, space: SearchSpace) -> list[Candidate]:
+    """The candidates of `space`, after checking the settings they are built from: at least one."""
     if workload.precision not in STORAGE_BYTES:
         raise ConfigError(f"precision={workload.precision}: choose one of {list(STORAGE_BYTES)}.")
-    if not 0 < achievable_fraction <= 1:
-        raise ConfigError(f"achievable_fraction={achievable_fraction} must be in (0, 1]: the share of the peak FLOP/s that busy devices reach.")
     space.check()
-    found = [
-        evaluate(workload, cluster, c, achievable_fraction, allowance)
-        for c in candidates(workload.model, cluster.devices, cluster.gpus_per_node, workload.global_batch_size, workload.seq_len, space)
-    ]
+    found = list(candidates(workload.model, cluster.devices, cluster.gpus_per_node, workload.global_batch_size, workload.seq_len, space))
     if not found:
         raise ConfigError(
             f"no layout of {cluster.devices} devices can take global_batch_size={workload.global_batch_size} with the search "
             "settings given: each data-parallel replica needs whole micro batches. Choose a global batch divisible by the "
             "device count, or widen search.micro_batch_sizes and search.strategies."
         )
+    return found
+
+
+def plan(workload: Workload, cluster: Cluster, space: SearchSpace, achievable_fraction: float, allowance: Allowance = Allowance()) -> list[Outcome]:
+    """Every layout of `space` on `cluster`: those that fit first, fastest first; then the rest, smallest first."""
+    if not 0 < achievable_fraction <= 1:
+        raise ConfigError(f"achievable_fraction={achievable_fraction} must be in (0, 1]: the share of the peak FLOP/s that busy devices reach.")
+    found = [evaluate(workload, cluster, c, achievable_fraction, allowance) for c in layouts(workload, cluster, space)]
     return sorted(found, key=lambda o: (not o.prediction.fits, -o.tokens_per_second if o.prediction.fits else o.prediction.memory.total))
 
 
@@ -106,14 +113,16 @@ def calibrated_fraction(
 
     A published or measured MFU is end to end: bubbles, recompute and exposed communication are inside it,
     where the planner counts them apart. Solving for the kernels' share that reproduces it on the layout it
-    was measured on lets every other layout be predicted from it. A step's time never grows as the fraction
-    does (compute shrinks; what it hid can only be exposed as much as it shrank), so its MFU rises with the
-    fraction and bisection finds it.
+    was measured on lets every other layout be predicted from it. A named layout may be one the formulas
+    find too large: the measurement says it ran.
+
+    Bisection relies on a step's time never growing with the fraction: compute shrinks, and the
+    communication it hid is exposed by at most as much. (Where a pipeline's slowest rank changes with the
+    fraction, the compute that hides data-parallel traffic changes with it; no layout scanned showed a rise.)
     """
     if not 0 < mfu < 1:
         raise ConfigError(f"calibrate.mfu={mfu} must be in (0, 1): an end-to-end MFU, 0.41 for 41%.")
-    space.check()
-    found = list(candidates(workload.model, cluster.devices, cluster.gpus_per_node, workload.global_batch_size, workload.seq_len, space))
+    found = layouts(workload, cluster, space)
     if layout is not None:
         found = [c for c in found if c.name == layout]
         if not found:
@@ -122,23 +131,23 @@ def calibrated_fraction(
                 f"global_batch_size={workload.global_batch_size}: copy a name from the plan's table (run it without calibrate.mfu), "
                 "or widen search.* to include it."
             )
+    # Memory does not depend on the fraction: estimated once, not in every step of the bisection.
+    memories = {c: peak_memory(workload.model, c, workload.seq_len, workload.precision, cluster.accelerator, allowance) for c in found}
+    pool = [c for c in found if layout is not None or memories[c].total <= cluster.memory_bytes]
+    if not pool:
+        raise ConfigError("calibrate.mfu: no layout fits, so none is the fastest to calibrate on; name the measured one with calibrate.layout.")
 
-    def reference(fraction: float) -> Outcome | None:
-        outcomes = [evaluate(workload, cluster, c, fraction, allowance) for c in found]
-        fitting = [o for o in outcomes if o.prediction.fits or layout is not None]
-        return max(fitting, key=lambda o: o.tokens_per_second, default=None)
+    def reference(fraction: float) -> Outcome:
+        return max((evaluate(workload, cluster, c, fraction, allowance, memories[c]) for c in pool), key=lambda o: o.tokens_per_second)
 
-    best = reference(1.0)
-    if best is None:
-        raise ConfigError("calibrate.mfu needs a layout that fits to calibrate on, and none does: name one with calibrate.layout.")
-    if best.mfu < mfu:
+    if (best := reference(1.0)).mfu < mfu:
         raise ConfigError(
             f"calibrate.mfu={mfu}: {best.prediction.candidate.name} predicts at most {best.mfu:.1%} MFU even at "
             "achievable_fraction=1, so the bubble, recompute and communication the planner counts leave no room for it. "
             "Check the layout, the cluster's peak FLOP/s and links, or set achievable_fraction directly."
         )
     low, high = 0.0, 1.0
-    for _ in range(50):
+    while high - low > 1e-9:
         middle = (low + high) / 2
         low, high = (middle, high) if reference(middle).mfu < mfu else (low, middle)
     return high, reference(high)
