@@ -202,6 +202,14 @@ def thread_env(threads: int) -> dict:
     return env
 
 
+def run_in_balanced_order(sides: list, repeat: int) -> None:
+    """Each (results, run) side's run, appended to its results: A B C in even alternations, C B A in odd ones.
+    A machine that speeds up or slows down while they run then favours no side, where A first every time
+    would take any drift within an alternation on its side alone."""
+    for results, run in sides if repeat % 2 == 0 else reversed(sides):
+        results.append(run())
+
+
 def compare(args: dict, data: Path, scratch: Path, peaks: list[dict]) -> list[dict]:
     """Per preset, eager and (for those in `compiled`) compiled: project.train and the hand loop, alternated, and the
     matrix-product rate once per alternation, appended to `peaks` (MFU is filled in against their best)."""
@@ -222,10 +230,7 @@ def compare(args: dict, data: Path, scratch: Path, peaks: list[dict]) -> list[di
                      (hand, lambda: in_own_process([*loop, "ours"], env))]
             if args["litgpt"]:
                 sides.append((twin, lambda: in_own_process([*loop, "litgpt"], env)))
-            # A B C, then C B A, and so on: a machine that speeds up or slows down while they run favours no side,
-            # where A first every time would take any drift within an alternation on its side alone.
-            for runs, run in sides if repeat % 2 == 0 else reversed(sides):
-                runs.append(run())
+            run_in_balanced_order(sides, repeat)
             peaks.append(in_own_process(["--matmul-peak"], env))
             print(f"{preset} {mode} run {repeat + 1}/{args['repeats']}: project.train {ours[-1]['tokens_per_sec']:,.0f} tokens/s, "
                   f"hand loop {hand[-1]['tokens_per_sec']:,.0f}" + (f", litgpt {twin[-1]['tokens_per_sec']:,.0f}" if twin else ""), flush=True)
@@ -261,8 +266,7 @@ def scaling(args: dict, data: Path, scratch: Path) -> list[dict]:
                                                   thread_env(1), *two_procs, *settings, micro_batch="null", launcher=launcher)),
                      (whole, lambda: platform_run(preset, shape["batch"], steps, args["warmup"], data, scratch / f"scale-single-{name}-{repeat}",
                                                   thread_env(2), *model, micro_batch="null"))]
-            for runs, run in sides if repeat % 2 == 0 else reversed(sides):  # as compare() alternates
-                runs.append(run())
+            run_in_balanced_order(sides, repeat)
             print(f"scaling {name} run {repeat + 1}/{args['repeats']}: 2 x 1 thread {split[-1]['tokens_per_sec']:,.0f} tokens/s, "
                   f"1 x 2 threads {whole[-1]['tokens_per_sec']:,.0f}", flush=True)
         a, b = (statistics.median(r["tokens_per_sec"] for r in runs) for runs in (split, whole))

@@ -1,6 +1,7 @@
 """The planner (project.plan, project.planning): checked against published numbers, against what our own
 code holds and saves, and against the training run's own settings checks."""
 
+import dataclasses
 import json
 
 import pytest
@@ -82,7 +83,7 @@ def test_calibrated_on_llama3_405b_published_mfu_predicts_its_400_and_430_tflops
     # Within 3%: the published pairs are rounded (430 / 400 = 1.075, their MFUs 43% / 41% = 1.049).
     assert at_8k.tflops_per_device == pytest.approx(430, rel=0.03)
     # The same layouts under full recompute, which is how they fit here: the fraction that gives 41% is higher.
-    full = SearchSpace(**{**space.__dict__, "recompute": ["full"]})
+    full = dataclasses.replace(space, recompute=["full"])
     assert calibrated_fraction(work, cluster("h100_80gb", 2048), full, 0.41, meta.format(128).replace("selective", "full"))[0] > fraction
 
 

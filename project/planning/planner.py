@@ -131,14 +131,15 @@ def calibrated_fraction(
                 f"global_batch_size={workload.global_batch_size}: copy a name from the plan's table (run it without calibrate.mfu), "
                 "or widen search.* to include it."
             )
-    # Memory does not depend on the fraction: estimated once, not in every step of the bisection.
-    memories = {c: peak_memory(workload.model, c, workload.seq_len, workload.precision, cluster.accelerator, allowance) for c in found}
-    pool = [c for c in found if layout is not None or memories[c].total <= cluster.memory_bytes]
+    # Memory, and so whether a layout fits, does not depend on the fraction: estimated once, not in every
+    # step of the bisection.
+    predictions = {o.prediction.candidate: o.prediction for o in (evaluate(workload, cluster, c, 1.0, allowance) for c in found)}
+    pool = [c for c, prediction in predictions.items() if layout is not None or prediction.fits]
     if not pool:
         raise ConfigError("calibrate.mfu: no layout fits, so none is the fastest to calibrate on; name the measured one with calibrate.layout.")
 
     def reference(fraction: float) -> Outcome:
-        return max((evaluate(workload, cluster, c, fraction, allowance, memories[c]) for c in pool), key=lambda o: o.tokens_per_second)
+        return max((evaluate(workload, cluster, c, fraction, allowance, predictions[c].memory) for c in pool), key=lambda o: o.tokens_per_second)
 
     if (best := reference(1.0)).mfu < mfu:
         raise ConfigError(
