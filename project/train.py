@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from project.checks import check_command_line, preflight
 from project.dry_run import dry_run_argv
 from project.errors import ConfigError, TrainingStopped, exit_on_config_error
+from project.loader_workers import start_worker_server
 from project.processes import die_with_launcher, report_failed_rank
 from project.startup import collector_paused_for_imports
 
@@ -48,6 +49,8 @@ def main(cfg: DictConfig) -> float | None:
                 strategy = HydraConfig.get().runtime.choices.get("strategy", "strategy")
                 dry_run(cfg, layout, strategy, Path(HydraConfig.get().runtime.output_dir))
                 return None
+            if cfg.data.get("loader_workers", 0) > 0:
+                start_worker_server()  # its imports run beside the ones below
             with collector_paused_for_imports():  # torch, Lightning, litdata: half a second faster
                 from project.training import train
 

@@ -162,7 +162,9 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
     """Fit; `layout` is what project.checks.preflight planned, None where it could not (devices: auto)."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     record_console(cfg, run_dir)
-    L.seed_everything(cfg.seed, workers=True)
+    # Loader workers draw no random numbers (the sampler orders the data), so Lightning need not seed
+    # them: its seeding function would be a Lightning import in every worker (project.loader_workers).
+    L.seed_everything(cfg.seed, workers=False)
 
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     trainer = build_trainer(cfg, run_dir)

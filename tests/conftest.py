@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -87,13 +89,39 @@ def train_overrides(shards: Path, run_dir: Path, *extra: str) -> list[str]:
 
 
 def run_module(module: str, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run `python -m module args` in a fresh process; Lightning's DDP re-launches this same command per rank."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+    """Run `python -m module args` in a fresh process; Lightning's DDP re-launches this same command per rank.
+
+    A run still going after `timeout` seconds fails the test with the Python stacks of every process it
+    started (ranks and loader workers alike), so that a hang seen once in CI says where it was.
+    """
+    # PYTHONFAULTHANDLER: SIGABRT makes each process print every thread's stack to its stderr.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "PYTHONFAULTHANDLER": "1"}
     env.pop("PYTEST_CURRENT_TEST", None)
-    result = subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
-    return result
+    command = [sys.executable, "-m", module, *args]
+    with subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stdout, stderr = stacks_of_hung_session(process)
+            pytest.fail(
+                f"`python -m {module} {' '.join(args)}` was still running after {timeout} s. Its processes' stacks "
+                f"(SIGABRT), last lines of stderr:\n{stderr[-30000:]}\n--- last lines of stdout:\n{stdout[-3000:]}",
+                pytrace=False,
+            )
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def stacks_of_hung_session(process: subprocess.Popen) -> tuple[str, str]:
+    """Abort every process of `process`'s session, so that each prints its stacks, then kill what is left;
+    returns all they printed (or a line saying why not, when something outside the session holds the pipes)."""
+    for sig in (signal.SIGABRT, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return process.communicate(timeout=30)
+    return "", "(its output could not be read: a process outside its session holds the pipes open)"
 
 
 def run_train(shards: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
