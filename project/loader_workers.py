@@ -17,7 +17,8 @@ from __future__ import annotations
 import multiprocessing
 from typing import Any
 
-WORKER_IMPORTS = ["project.data.blocks"]
+# The first ends the server with the training process; the second is what a worker runs.
+WORKER_IMPORTS = ["project.loader_server", "project.data.blocks"]
 
 
 def start_method() -> str | None:

@@ -65,7 +65,14 @@ def launched_by_another_process() -> bool:
 
 def die_with_launcher() -> None:
     """SIGKILL this process when the process that started it ends (Linux; elsewhere nothing changes)."""
-    if not sys.platform.startswith("linux") or not launched_by_another_process():
+    if launched_by_another_process():
+        die_with_parent()
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent process ends (Linux; elsewhere nothing changes). The parent's
+    thread that started this process must be its main thread: Linux acts when that thread ends."""
+    if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
     try:
@@ -73,7 +80,7 @@ def die_with_launcher() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent:  # the launcher ended before the request was in place
+    if os.getppid() != parent:  # the parent ended before the request was in place
         os.kill(os.getpid(), signal.SIGKILL)
 
 
