@@ -283,7 +283,9 @@ def scaling(args: dict, data: Path, scratch: Path) -> list[dict]:
 # figures come from one process: `import lightning` timed in a process of its own could take longer than a
 # whole run a moment later on these machines, and the rest would come out negative.
 _TIMED_IMPORT = """import runpy, sys
+from project.loader_workers import start_worker_server
 from project.startup import collector_paused_for_imports
+start_worker_server()  # as project.train does before these imports, so that the server's run beside them
 with collector_paused_for_imports():  # what project.train imports with the collector paused, lightning first
     import lightning
     from project.callbacks.throughput import process_age_seconds
