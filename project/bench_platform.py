@@ -285,7 +285,7 @@ def scaling(args: dict, data: Path, scratch: Path) -> list[dict]:
 _TIMED_IMPORT = """import runpy, sys
 from project.loader_workers import start_worker_server
 from project.startup import collector_paused_for_imports
-start_worker_server()  # as project.train does before these imports, so that the server's run beside them
+start_worker_server()  # as project.train does before these imports, so that the server's imports run beside them
 with collector_paused_for_imports():  # what project.train imports with the collector paused, lightning first
     import lightning
     from project.callbacks.throughput import process_age_seconds
@@ -363,7 +363,7 @@ def table(report: dict) -> str:
         lines += [
             "", f"Start-up of `{s['command']}` (one process; medians of {len(s['runs']['seconds_to_first_step'])}):",
             f"**{s['seconds_to_first_step']} s** from the command to the end of the first optimizer step = "
-            f"`import lightning` {s['import_lightning_seconds']} s (the process's first statement) + the rest {s['rest_seconds']} s "
+            f"`import lightning` {s['import_lightning_seconds']} s (from the process's start) + the rest {s['rest_seconds']} s "
             f"(target: the rest <= 2 s); "
             f"peak resident memory {s['peak_rss_mib']:,} MiB.",
         ]

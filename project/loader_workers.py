@@ -6,15 +6,17 @@ forked from it inherits their locks as they were at that instant, and one held t
 in the worker: the worker hangs on it, and training waits on the worker (wandb's issue 12079 is one
 such lock; Python 3.12 warns at every such fork and 3.14 no longer forks by default).
 
-So workers fork from a forkserver instead: a process started for the purpose, with one thread, that
-has imported what a worker runs (project.data.blocks: torch and litdata) once. `project.train` starts
-it before its own imports, so that the two import side by side and the first batch does not wait.
-Kept out of the project.data package, whose import would load litdata here, before the run's imports.
+So on Linux workers fork from a forkserver instead: a process started for the purpose, running no
+Python thread but its main one, that has imported what a worker runs (project.data.blocks: torch and
+litdata; the main module, which each worker re-runs) once. `project.train` starts it before its own
+imports, so that the two import side by side and the first batch does not wait. Kept out of the
+project.data package, whose import would load litdata here, before the run's imports.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import sys
 from typing import Any
 
 # The first ends the server with the training process; the second is what a worker runs.
@@ -22,8 +24,9 @@ WORKER_IMPORTS = ["project.loader_server", "project.data.blocks"]
 
 
 def start_method() -> str | None:
-    """"forkserver" where the platform has it (Linux, macOS); otherwise multiprocessing's default."""
-    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else None
+    """"forkserver" on Linux; elsewhere multiprocessing's default (spawn on macOS and Windows), since only
+    Linux can end the server with the training process (project.loader_server)."""
+    return "forkserver" if sys.platform.startswith("linux") else None
 
 
 def start_worker_server() -> None:
@@ -32,8 +35,12 @@ def start_worker_server() -> None:
         return
     from multiprocessing import forkserver
 
+    # A worker also re-runs the main module (as __mp_main__, the rule of every start method but fork):
+    # imported once in the server, its own imports are ready in each worker.
+    main = getattr(sys.modules["__main__"].__spec__, "name", None)  # `python -m NAME`; None for a script
+    rerun = main is not None and not main.endswith("__main__")  # a package's __main__ is not re-run
     # Only the first start reads the list: later calls find the server running and change nothing.
-    multiprocessing.set_forkserver_preload(WORKER_IMPORTS)
+    multiprocessing.set_forkserver_preload(WORKER_IMPORTS + ([main] if rerun else []))
     forkserver.ensure_running()
 
 

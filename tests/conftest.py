@@ -110,18 +110,33 @@ def run_module(module: str, args: list[str], timeout: int = 600) -> subprocess.C
                 f"(SIGABRT), last lines of stderr:\n{stderr[-30000:]}\n--- last lines of stdout:\n{stdout[-3000:]}",
                 pytrace=False,
             )
+        except BaseException:  # Ctrl-C: its own session keeps the run from seeing it, so end the run here
+            kill_session(process)
+            raise
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def stacks_of_hung_session(process: subprocess.Popen) -> tuple[str, str]:
-    """Abort every process of `process`'s session, so that each prints its stacks, then kill what is left;
-    returns all they printed (or a line saying why not, when something outside the session holds the pipes)."""
-    for sig in (signal.SIGABRT, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            return process.communicate(timeout=30)
-    return "", "(its output could not be read: a process outside its session holds the pipes open)"
+    """SIGABRT every process of `process`'s session, so that each prints its stacks, then SIGKILL what is left;
+    returns what they printed. A process outside the session may hold the pipes open (wandb's service runs
+    in a session of its own): then what could be read in a minute."""
+    kill_session(process, signal.SIGABRT)
+    try:
+        printed = process.communicate(timeout=30)  # read while they print, or a full pipe would stop them
+    except subprocess.TimeoutExpired:
+        kill_session(process)
+        try:
+            printed = process.communicate(timeout=30)  # a second call loses nothing the first one read
+        except subprocess.TimeoutExpired as partial:
+            text = [(b or b"").decode(errors="replace") if not isinstance(b, str) else b for b in (partial.stdout, partial.stderr)]
+            return text[0], text[1] + "\n(the rest could not be read: a process outside the run's session holds its pipes open)"
+    kill_session(process)  # those that did not hold the pipes
+    return printed
+
+
+def kill_session(process: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)
 
 
 def run_train(shards: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
