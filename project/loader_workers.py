@@ -16,11 +16,14 @@ project.data package, whose import would load litdata here, before the run's imp
 from __future__ import annotations
 
 import multiprocessing
+import signal
 import sys
+import threading
 from typing import Any
 
 # The first ends the server with the training process; the second is what a worker runs.
 WORKER_IMPORTS = ["project.loader_server", "project.data.blocks"]
+JOB_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def start_method() -> str | None:
@@ -41,7 +44,20 @@ def start_worker_server() -> None:
     rerun = main is not None and not main.endswith("__main__")  # a package's __main__ is not re-run
     # Only the first start reads the list: later calls find the server running and change nothing.
     multiprocessing.set_forkserver_preload(WORKER_IMPORTS + ([main] if rerun else []))
-    forkserver.ensure_running()
+    if threading.current_thread() is not threading.main_thread():  # where signal handlers cannot be set
+        forkserver.ensure_running()
+        return
+    # Started with these ignored, the server and multiprocessing's resource tracker keep them ignored (exec
+    # keeps an ignored signal ignored), and so do the workers the server forks. A launcher sends them to
+    # every process of a job for the training process to act on (SLURM's SIGUSR1 ahead of a preemption,
+    # SIGTERM, a terminal's Ctrl-C); their default would end these processes at once, and the training
+    # process, which saves at its next step, would find its loader broken. It ends its workers itself.
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in JOB_SIGNALS}
+    try:
+        forkserver.ensure_running()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def loader_options(workers: int) -> dict[str, Any]:

@@ -1,7 +1,13 @@
 """Loader workers start cleanly however many threads the training process runs when it starts them."""
 
+import contextlib
+import os
+import signal
+import sys
 import threading
+import time
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -31,3 +37,31 @@ def test_a_worker_does_not_inherit_a_lock_another_thread_holds_when_it_starts():
 
 def test_no_workers_reads_in_the_training_process():
     assert loader_options(0) == {"num_workers": 0}
+
+
+def descendants(pid: int) -> list[int]:
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the worker server is Linux's")
+def test_workers_outlive_the_preemption_signal_a_launcher_sends_to_every_process_of_the_job():
+    batches = iter(DataLoader(list(range(20)), batch_size=2, timeout=60, **loader_options(1)))
+    assert next(batches).tolist() == [0, 1]
+    started = descendants(os.getpid())  # the server, the resource tracker and the worker
+    assert started
+    for pid in started:  # as `scancel --signal=USR1` does to a SLURM job's processes
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+    time.sleep(1)
+    assert [next(batches).tolist() for _ in range(3)] == [[2, 3], [4, 5], [6, 7]]
