@@ -23,7 +23,7 @@ from typing import Any
 
 # The first ends the server with the training process; the second is what a worker runs.
 WORKER_IMPORTS = ["project.loader_server", "project.data.blocks"]
-JOB_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+JOB_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 
 def start_method() -> str | None:
@@ -44,15 +44,14 @@ def start_worker_server() -> None:
     rerun = main is not None and not main.endswith("__main__")  # a package's __main__ is not re-run
     # Only the first start reads the list: later calls find the server running and change nothing.
     multiprocessing.set_forkserver_preload(WORKER_IMPORTS + ([main] if rerun else []))
-    if threading.current_thread() is not threading.main_thread():  # where signal handlers cannot be set
-        forkserver.ensure_running()
-        return
     # Started with these ignored, the server and multiprocessing's resource tracker keep them ignored (exec
     # keeps an ignored signal ignored), and so do the workers the server forks. A launcher sends them to
-    # every process of a job for the training process to act on (SLURM's SIGUSR1 ahead of a preemption,
-    # SIGTERM, a terminal's Ctrl-C); their default would end these processes at once, and the training
-    # process, which saves at its next step, would find its loader broken. It ends its workers itself.
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in JOB_SIGNALS}
+    # every process of a job for the training process to act on (SLURM's SIGUSR1 ahead of a preemption or
+    # its time limit); their default would end these processes at once, and the training process, which
+    # saves at its next step, would find its loader broken. SIGTERM ends them as it ended forked
+    # workers (torch's worker ends on a SIGTERM anyway). Handlers can be set from the main thread only.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in JOB_SIGNALS} if main_thread else {}
     try:
         forkserver.ensure_running()
     finally:
