@@ -2,7 +2,7 @@
 
     python -m project.bench_platform [presets=debug,small10m,small50m] [compiled=small10m]
                                      [scaling=ddp,fsdp2,tp] (or horovod) [scaling_preset=small10m] [steps=S] [warmup=W]
-                                     [litgpt=auto] [repeats=2] [threads=T] [startup=true] [out=experiments/benchmarks]
+                                     [litgpt=auto] [repeats=3] [threads=T] [startup=true] [out=experiments/benchmarks]
 
 For each preset, eager, and again compiled for those in `compiled` (strategy.compile=true; the hand loop
 compiles the same blocks), alternating A B C C B A ... R times: A is `python -m project.train` on one process
@@ -14,6 +14,7 @@ micro batch's start to the last one's end: the loader's wait before a step and t
 out, as B has neither). The ratio A / B of the medians is what the platform costs or
 saves; absolute figures drift between runs and machines of this kind, ratios taken side by side much less.
 Alternations go A B C, then C B A: with an even `repeats`, drift that runs one way during them favours no side.
+The default, 3, is the fewest whose median sets one slow run aside (the median of 2 is their mean).
 With litgpt installed (`make bench` puts it beside the environment; litgpt=auto uses it then), a third side C
 runs litgpt's GPT of the same architecture and parameter count in the same loop (project/bench_litgpt.py).
 MFU is taken against the fp32 matrix-product rate measured in the same run, at the same thread count.
@@ -46,11 +47,12 @@ from project.bench import ROOT, free_stem, load_preset, parse_key_values, preset
 from project.errors import ConfigError, exit_on_config_error
 
 DEFAULTS = {"presets": "debug,small10m,small50m", "compiled": "small10m", "scaling": "ddp,fsdp2,tp", "scaling_preset": "small10m",
-            "litgpt": "auto", "steps": "", "warmup": "1", "repeats": "2", "threads": "", "startup": "true", "out": "experiments/benchmarks"}
+            "litgpt": "auto", "steps": "", "warmup": "1", "repeats": "3", "threads": "", "startup": "true", "out": "experiments/benchmarks"}
 VOCAB_SIZE, SEQ_LEN = 4096, 256
 # Batch and timed steps per preset: steps long enough that a step's timer noise averages out, few enough that
 # `make bench` stays within 20 minutes (small10m timed 6 steps until 2026-11-24; its 4 save about a minute).
-SHAPES = {"debug": {"batch": 8, "steps": 20}, "small10m": {"batch": 8, "steps": 4}, "small50m": {"batch": 8, "steps": 3}}
+# debug timed 20 steps until 2026-11-25: 2.3 s, in which one stall of the machine moved a run by 30%.
+SHAPES = {"debug": {"batch": 8, "steps": 40}, "small10m": {"batch": 8, "steps": 4}, "small50m": {"batch": 8, "steps": 3}}
 # Data-parallel scaling: each strategy on 2 processes x 1 thread against one process with 2 threads: its
 # launcher (Lightning starts the second process itself; horovodrun starts both) and settings.
 HOROVODRUN = [str(Path(sys.executable).parent / "horovodrun"), "-np", "2", "-H", "localhost:2"]
