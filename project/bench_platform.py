@@ -3,6 +3,7 @@
     python -m project.bench_platform [presets=debug,small10m,small50m] [compiled=small10m]
                                      [scaling=ddp,fsdp2,tp] (or horovod) [scaling_preset=small10m] [steps=S] [warmup=W]
                                      [litgpt=auto] [repeats=3] [threads=T] [startup=true] [out=experiments/benchmarks]
+                                     [compile_effect=single,ddp,fsdp2,tp,pipeline]
 
 For each preset, eager, and again compiled for those in `compiled` (strategy.compile=true; the hand loop
 compiles the same blocks), alternating A B C C B A ... R times: A is `python -m project.train` on one process
@@ -20,7 +21,9 @@ runs litgpt's GPT of the same architecture and parameter count in the same loop 
 MFU is taken against the fp32 matrix-product rate measured in the same run, at the same thread count.
 
 Then data-parallel scaling: each strategy in `scaling` on 2 processes x 1 thread against one process x 2
-threads, same model and global batch, alternated. Then, unless startup=false, the start-up: seconds from the
+threads, same model and global batch, alternated. Then, for each strategy in `compile_effect` (none unless
+named: about half a minute per strategy and alternation here), project.train with strategy.compile=true against
+eager under that strategy, same model and global batch, alternated. Then, unless startup=false, the start-up: seconds from the
 command to the end of the first optimizer step of `experiment=debug`, split into `import lightning` and the
 rest, and the process's peak resident memory.
 
@@ -47,7 +50,8 @@ from project.bench import ROOT, free_stem, load_preset, parse_key_values, preset
 from project.errors import ConfigError, exit_on_config_error
 
 DEFAULTS = {"presets": "debug,small10m,small50m", "compiled": "small10m", "scaling": "ddp,fsdp2,tp", "scaling_preset": "small10m",
-            "litgpt": "auto", "steps": "", "warmup": "1", "repeats": "3", "threads": "", "startup": "true", "out": "experiments/benchmarks"}
+            "litgpt": "auto", "steps": "", "warmup": "1", "repeats": "3", "threads": "", "startup": "true", "out": "experiments/benchmarks",
+            "compile_effect": ""}
 VOCAB_SIZE, SEQ_LEN = 4096, 256
 # Batch and timed steps per preset: steps long enough that a step's timer noise averages out, few enough that
 # `make bench` stays within 20 minutes (small10m timed 6 steps until 2026-11-24; its 4 save about a minute).
@@ -58,6 +62,10 @@ SHAPES = {"debug": {"batch": 8, "steps": 40}, "small10m": {"batch": 8, "steps": 
 HOROVODRUN = [str(Path(sys.executable).parent / "horovodrun"), "-np", "2", "-H", "localhost:2"]
 SCALED = {"ddp": ([], ["strategy=ddp", "trainer.devices=2"]), "fsdp2": ([], ["strategy=fsdp2", "trainer.devices=2"]),
           "tp": ([], ["strategy=tp", "trainer.devices=2"]), "horovod": (HOROVODRUN, ["strategy=horovod"])}
+# strategy.compile=true against eager under each strategy: its processes (the threads split between them), launcher,
+# settings and micro batch ("null": each rank's share; the pipeline's 2 make 4 microbatches for 1F1B to overlap).
+COMPILE_EFFECT = {"single": (1, [], [], None), **{name: (2, launcher, settings, "null") for name, (launcher, settings) in SCALED.items()},
+                  "pipeline": (2, [], ["strategy=pipeline", "trainer.devices=2"], "2")}
 OPTIM = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0}  # conf/train.yaml's
 
 
@@ -73,8 +81,13 @@ def parse(argv: list[str]) -> dict:
     for name in scaling:
         if name not in SCALED:
             raise ConfigError(f"scaling: {name!r} is not one of {list(SCALED)} (comma-separated; empty for none).")
-    if "horovod" in scaling and not Path(HOROVODRUN[0]).is_file():
-        raise ConfigError("scaling: horovod needs Horovod, which this environment lacks: `make install-horovod` builds it.")
+    compile_effect = [s for s in args["compile_effect"].split(",") if s]
+    for name in compile_effect:
+        if name not in COMPILE_EFFECT:
+            raise ConfigError(f"compile_effect: {name!r} is not one of {list(COMPILE_EFFECT)} (comma-separated; empty for none).")
+    for key, names in (("scaling", scaling), ("compile_effect", compile_effect)):
+        if "horovod" in names and not Path(HOROVODRUN[0]).is_file():
+            raise ConfigError(f"{key}: horovod needs Horovod, which this environment lacks: `make install-horovod` builds it.")
     for key in ("steps", "warmup", "repeats", "threads"):
         if args[key] and (not args[key].isdigit() or (key != "warmup" and int(args[key]) < 1)):
             raise ConfigError(f"{key}={args[key]}: expected a positive integer.")
@@ -88,7 +101,7 @@ def parse(argv: list[str]) -> dict:
         raise ConfigError(f"startup={args['startup']}: choose true or false.")
     out = Path(args["out"])
     return {
-        "startup": args["startup"] == "true", "presets": presets, "compiled": compiled, "scaling": scaling,
+        "startup": args["startup"] == "true", "presets": presets, "compiled": compiled, "scaling": scaling, "compile_effect": compile_effect,
         "scaling_preset": args["scaling_preset"], "litgpt": args["litgpt"] == "true" or (args["litgpt"] == "auto" and available()), "steps": int(args["steps"]) if args["steps"] else None, "warmup": int(args["warmup"]),
         "repeats": int(args["repeats"]), "threads": int(args["threads"] or os.cpu_count() or 1),
         "out": out if out.is_absolute() else ROOT / out,
@@ -281,6 +294,36 @@ def scaling(args: dict, data: Path, scratch: Path) -> list[dict]:
     return rows
 
 
+def compile_effect(args: dict, data: Path, scratch: Path) -> list[dict]:
+    """strategy.compile=true against eager under each strategy in `compile_effect`: the scaling preset (untied
+    embeddings, which tensor parallelism needs), the same global batch and threads, alternated; the ratio is what
+    compiling the blocks gives that layout."""
+    preset = args["scaling_preset"]
+    shape = SHAPES.get(preset, {"batch": 8, "steps": 4})
+    steps = args["steps"] or min(shape["steps"], 3)
+    rows = []
+    for name in args["compile_effect"]:
+        processes, launcher, settings, micro = COMPILE_EFFECT[name]
+        threads = max(1, args["threads"] // processes)
+        common = ["model.tie_embeddings=false", *([f"threads_per_process={threads}"] if processes > 1 else []), *settings]
+        compiled, eager = [], []
+        for repeat in range(args["repeats"]):
+            def side(runs: list, mode: str, *extra: str):
+                return runs, lambda: platform_run(preset, shape["batch"], steps, args["warmup"], data, scratch / f"compile-{name}-{mode}-{repeat}",
+                                                  thread_env(threads), *common, *extra, micro_batch=micro, launcher=launcher)
+            run_in_balanced_order([side(compiled, "compiled", "strategy.compile=true"), side(eager, "eager")], repeat)
+            print(f"compile effect {name} run {repeat + 1}/{args['repeats']}: compiled {compiled[-1]['tokens_per_sec']:,.0f} tokens/s, "
+                  f"eager {eager[-1]['tokens_per_sec']:,.0f}", flush=True)
+        a, b = (statistics.median(r["tokens_per_sec"] for r in runs) for runs in (compiled, eager))
+        rows.append({
+            "strategy": name, "preset": preset, "processes": processes, "threads_per_process": threads, "batch": shape["batch"],
+            "seq_len": SEQ_LEN, "steps": steps, "compiled_tokens_per_sec": round(a, 1), "eager_tokens_per_sec": round(b, 1), "ratio": round(a / b, 3),
+            "runs": {"compiled": [round(r["tokens_per_sec"], 1) for r in compiled], "eager": [round(r["tokens_per_sec"], 1) for r in eager]},
+            "commands": {"compiled": compiled[0]["command"], "eager": eager[0]["command"]},
+        })
+    return rows
+
+
 # Runs project.train in a process that first imports lightning and records when that finished, so both
 # figures come from one process: `import lightning` timed in a process of its own could take longer than a
 # whole run a moment later on these machines, and the rest would come out negative.
@@ -360,6 +403,14 @@ def table(report: dict) -> str:
         for r in report["scaling"]:
             lines.append(f"| {r['strategy']} | {r['preset']} | {r['batch']} x {r['seq_len']} | {r['two_processes_tokens_per_sec']:,.0f} | "
                          f"{r['one_process_tokens_per_sec']:,.0f} | {r['ratio']:.3f} |")
+    if report.get("compile_effect"):
+        lines += [
+            "", "## `strategy.compile=true` against eager, per strategy: the same model and global batch", "",
+            "| strategy | processes x threads | preset | batch x seq | compiled tokens/s | eager tokens/s | ratio |", "|---|---|---|---|---|---|---|",
+        ]
+        for r in report["compile_effect"]:
+            lines.append(f"| {r['strategy']} | {r['processes']} x {r['threads_per_process']} | {r['preset']} | {r['batch']} x {r['seq_len']} | "
+                         f"{r['compiled_tokens_per_sec']:,.0f} | {r['eager_tokens_per_sec']:,.0f} | {r['ratio']:.3f} |")
     if report.get("startup"):
         s = report["startup"]
         lines += [
@@ -373,7 +424,8 @@ def table(report: dict) -> str:
 
 
 def plot(report: dict) -> str:
-    """The ratios as bars: project.train against the hand loop and litgpt per preset and mode, then the scaling."""
+    """The ratios as bars: project.train against the hand loop and litgpt per preset and mode, then the scaling and
+    the effect of compiling per strategy."""
     from project.svg_plots import bar_chart
 
     bars = []
@@ -383,6 +435,8 @@ def plot(report: dict) -> str:
             bars.append((f"{r['preset']} {r['mode']}: project.train / litgpt", r["ratio_to_litgpt"]))
     for r in report.get("scaling") or []:
         bars.append((f"{r['strategy']} {r['preset']}: 2 x 1 thread / 1 x 2 threads", r["ratio"]))
+    for r in report.get("compile_effect") or []:
+        bars.append((f"{r['strategy']} {r['preset']}: compiled / eager", r["ratio"]))
     return bar_chart(f"Tokens/s ratios, {report['date']} on {report['hostname']} (1.0: as fast)", bars,
                      "ratio of tokens/s (medians of alternated runs)", ".3f")
 
@@ -424,12 +478,13 @@ def main() -> None:
             row["project_train_mfu"] = round(row["project_train_tokens_per_sec"] * row["flops_per_token"] / peak["flops_per_sec"], 4)
             row["hand_loop_mfu"] = round(row["hand_loop_tokens_per_sec"] * row["flops_per_token"] / peak["flops_per_sec"], 4)
         scaled = scaling(args, data, Path(scratch))
+        compile_rows = compile_effect(args, data, Path(scratch))
         started = startup(data, Path(scratch), env, runs=args["repeats"]) if args["startup"] else None
     report = {
         "date": datetime.date.today().isoformat(), "hostname": platform.node(), "platform": platform.platform(),
         "torch": torch.__version__, "threads": args["threads"], "repeats": args["repeats"],
         "command": shlex.join(["python", "-m", "project.bench_platform", *sys.argv[1:]]), "matmul_peak": peak, "rows": rows,
-        "scaling": scaled, "startup": started,
+        "scaling": scaled, "compile_effect": compile_rows, "startup": started,
     }
     stem = write_report(report, args["out"])
     print(table(report) + f"\nwritten: {stem}.json, .md and .svg")

@@ -131,10 +131,42 @@ def test_platform_bench_alternates_the_sides_and_compiles_all_three_for_compiled
     assert compiled["commands"]["hand_loop"].endswith("compiled ours") and compiled["commands"]["litgpt"].endswith("compiled litgpt")
 
 
+def test_compile_effect_alternates_compiled_and_eager_runs_of_each_strategy_with_its_processes_and_settings(monkeypatch, tmp_path):
+    """compile_effect() without running anything: per strategy, compiled then eager, then eager then compiled; the
+    strategy's launcher, settings, micro batch and threads on both sides, strategy.compile=true on one; medians."""
+    from project import bench_platform
+
+    calls, rates = [], iter(range(100, 10_000, 100))
+
+    def platform_run(preset, batch, steps, warmup, data, run_dir, env, *extra, micro_batch=None, launcher=()):
+        calls.append((run_dir.name, env["OMP_NUM_THREADS"], micro_batch, *extra))
+        return {"tokens_per_sec": float(next(rates)), "command": " ".join(["-m project.train", *extra])}
+
+    monkeypatch.setattr(bench_platform, "platform_run", platform_run)
+    args = {"compile_effect": ["single", "pipeline"], "scaling_preset": "debug", "repeats": 2, "steps": None, "warmup": 1, "threads": 2}
+    single, pipeline = bench_platform.compile_effect(args, tmp_path, tmp_path)
+    untied, compiled = "model.tie_embeddings=false", "strategy.compile=true"
+    staged = ("threads_per_process=1", "strategy=pipeline", "trainer.devices=2")
+    assert calls == [
+        ("compile-single-compiled-0", "2", None, untied, compiled), ("compile-single-eager-0", "2", None, untied),
+        ("compile-single-eager-1", "2", None, untied), ("compile-single-compiled-1", "2", None, untied, compiled),
+        ("compile-pipeline-compiled-0", "1", "2", untied, *staged, compiled), ("compile-pipeline-eager-0", "1", "2", untied, *staged),
+        ("compile-pipeline-eager-1", "1", "2", untied, *staged), ("compile-pipeline-compiled-1", "1", "2", untied, *staged, compiled),
+    ]
+    assert single["runs"] == {"compiled": [100.0, 400.0], "eager": [200.0, 300.0]} and single["ratio"] == 1.0
+    assert (pipeline["compiled_tokens_per_sec"], pipeline["eager_tokens_per_sec"], pipeline["ratio"]) == (650.0, 650.0, 1.0)
+    assert (pipeline["processes"], pipeline["threads_per_process"], single["processes"], single["threads_per_process"]) == (2, 1, 1, 2)
+    report = {"date": "d", "hostname": "h", "platform": "p", "torch": "t", "threads": 2, "repeats": 2, "command": "c",
+              "matmul_peak": {"flops_per_sec": 1e9, "size": 2048}, "rows": [], "compile_effect": [single, pipeline]}
+    assert "| pipeline | 2 x 1 | debug | 8 x 256 | 650 | 650 | 1.000 |" in bench_platform.table(report)
+    assert bench_platform.plot(report).count('class="bar"') == 2
+
+
 @pytest.mark.parametrize("setting, named", [
     ("presets=no_such_model", "presets: no model preset 'no_such_model'"),
     ("compiled=debug,no_such_model", "compiled: no model preset 'no_such_model'"),
     ("scaling=ddp,deepspeed", "scaling: 'deepspeed' is not one of ['ddp', 'fsdp2', 'tp', 'horovod']"),
+    ("compile_effect=ddp,megatron", "compile_effect: 'megatron' is not one of ['single', 'ddp', 'fsdp2', 'tp', 'horovod', 'pipeline']"),
 ])
 def test_platform_bench_refuses_an_unknown_preset_or_strategy_before_running_anything(tmp_path, setting, named):
     result = run_module("project.bench_platform", [setting, f"out={tmp_path}"], timeout=120)
