@@ -3,7 +3,7 @@
     python -m project.bench_platform [presets=debug,small10m,small50m] [compiled=small10m]
                                      [scaling=ddp,fsdp2,tp] (or horovod) [scaling_preset=small10m] [steps=S] [warmup=W]
                                      [litgpt=auto] [repeats=3] [threads=T] [startup=true] [out=experiments/benchmarks]
-                                     [compile_effect=single,ddp,fsdp2,tp,pipeline]
+                                     [compile_effect=single,ddp,fsdp2,tp,pipeline] (or horovod)
 
 For each preset, eager, and again compiled for those in `compiled` (strategy.compile=true; the hand loop
 compiles the same blocks), alternating A B C C B A ... R times: A is `python -m project.train` on one process
@@ -15,17 +15,19 @@ micro batch's start to the last one's end: the loader's wait before a step and t
 out, as B has neither). The ratio A / B of the medians is what the platform costs or
 saves; absolute figures drift between runs and machines of this kind, ratios taken side by side much less.
 Alternations go A B C, then C B A: with an even `repeats`, drift that runs one way during them favours no side.
-The default, 3, is the fewest whose median sets one slow run aside (the median of 2 is their mean).
+The default, 3, is the fewest whose median sets one slow run aside (the median of 2 is their mean); A then runs
+first in two alternations of three, so a steady drift is no longer cancelled in full.
 With litgpt installed (`make bench` puts it beside the environment; litgpt=auto uses it then), a third side C
 runs litgpt's GPT of the same architecture and parameter count in the same loop (project/bench_litgpt.py).
 MFU is taken against the fp32 matrix-product rate measured in the same run, at the same thread count.
 
 Then data-parallel scaling: each strategy in `scaling` on 2 processes x 1 thread against one process x 2
 threads, same model and global batch, alternated. Then, for each strategy in `compile_effect` (none unless
-named: about half a minute per strategy and alternation here), project.train with strategy.compile=true against
-eager under that strategy, same model and global batch, alternated. Then, unless startup=false, the start-up: seconds from the
-command to the end of the first optimizer step of `experiment=debug`, split into `import lightning` and the
-rest, and the process's peak resident memory.
+named: about half a minute per strategy and alternation here), project.train with strategy.compile=true
+against eager under that strategy, same model and global batch, alternated. `presets=` empty times only the
+scaling and the compile effect. Then, unless startup=false, the start-up: seconds from the command to the end
+of the first optimizer step of `experiment=debug`, split into `import lightning` and the rest, and the
+process's peak resident memory.
 
 Writes new files <date>-<host>-platform.json, .md and .svg (the ratios as bars) into `out`; no file there is
 edited. `python -m project.bench_platform --redraw FILE.json` draws a written report's .md and .svg again.
@@ -73,15 +75,20 @@ def parse(argv: list[str]) -> dict:
     args = parse_key_values(argv, DEFAULTS)
     presets = [p for p in args["presets"].split(",") if p]
     compiled = [p for p in args["compiled"].split(",") if p]
-    for key, names in (("presets", presets or [""]), ("compiled", compiled), ("scaling_preset", [args["scaling_preset"]])):
+    if not presets and not any(a.startswith("compiled=") for a in argv):
+        compiled = []  # `presets=` alone times the strategies only, not the default compiled preset either
+    scaling = [s for s in args["scaling"].split(",") if s]
+    compile_effect = [s for s in args["compile_effect"].split(",") if s]
+    if not presets and not scaling and not compile_effect:
+        raise ConfigError("presets: empty, and so are scaling and compile_effect: nothing to time. Name model presets "
+                          "(comma-separated, e.g. presets=debug,small10m) or strategies to time alone (e.g. presets= compile_effect=ddp).")
+    for key, names in (("presets", presets), ("compiled", compiled), ("scaling_preset", [args["scaling_preset"]])):
         for name in names:
             if not preset_path(name).is_file():
                 raise ConfigError(f"{key}: no model preset {name!r} in conf/model (comma-separated names).")
-    scaling = [s for s in args["scaling"].split(",") if s]
     for name in scaling:
         if name not in SCALED:
             raise ConfigError(f"scaling: {name!r} is not one of {list(SCALED)} (comma-separated; empty for none).")
-    compile_effect = [s for s in args["compile_effect"].split(",") if s]
     for name in compile_effect:
         if name not in COMPILE_EFFECT:
             raise ConfigError(f"compile_effect: {name!r} is not one of {list(COMPILE_EFFECT)} (comma-separated; empty for none).")
@@ -368,33 +375,14 @@ def startup(data: Path, scratch: Path, env: dict, runs: int = 3) -> dict:
 
 
 def table(report: dict) -> str:
-    peak = report["matmul_peak"]
     lines = [
         f"# project.train against a hand-written loop, {report['date']} on {report['hostname']}",
         "",
         f"{report['platform']}, torch {report['torch']}, {report['threads']} threads per process; medians of "
         f"{report['repeats']} alternated runs each. Command: `{report['command']}`",
-        "",
-        f"MFU: model FLOPs (6N + attention) x tokens/s over this machine's fp32 matrix-product rate, measured in the same "
-        f"run at the same threads: {peak['flops_per_sec'] / 1e9:,.1f} GFLOP/s ({peak['size']} x {peak['size']}, best of 10 products, "
-        + (f"best of {len(peak['runs'])} measurements, one per alternation)." if "runs" in peak else "measured once, at the start)."),
-        "",
-        "| preset | mode | batch x seq | timed steps | project.train tokens/s | hand loop tokens/s | ratio (target >= 0.97) "
-        "| litgpt tokens/s | project.train / litgpt (target >= 1.0) | MFU project.train | MFU hand loop |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in report["rows"]:
-        litgpt = (f"{r['litgpt_tokens_per_sec']:,.0f} | {r['ratio_to_litgpt']:.3f}" if r["litgpt_tokens_per_sec"]
-                  else "not run | -")
-        lines.append(f"| {r['preset']} | {r['mode']} | {r['batch']} x {r['seq_len']} | {r['steps']} | {r['project_train_tokens_per_sec']:,.0f} | "
-                     f"{r['hand_loop_tokens_per_sec']:,.0f} | {r['ratio']:.3f} | {litgpt} | {r['project_train_mfu']:.1%} | {r['hand_loop_mfu']:.1%} |")
-    eager = {r["preset"]: r for r in report["rows"] if r["mode"] == "eager"}
-    effects = [f"{r['preset']} x{r['project_train_tokens_per_sec'] / eager[r['preset']]['project_train_tokens_per_sec']:.2f}"
-               for r in report["rows"] if r["mode"] == "compiled" and r["preset"] in eager]
-    if effects:
-        lines += ["", "`strategy.compile=true` against eager, project.train: " + ", ".join(effects) + "."]
-    lines += ["", "litgpt: its `GPT` with our preset's architecture and parameter count (project/bench_litgpt.py), in the hand loop, "
-              "compiled block by block as ours. Each run's figures are in the .json file, with the commands."]
+    if report["rows"]:  # none where only scaling or compile_effect was asked for
+        lines += comparison_lines(report)
     if report.get("scaling"):
         lines += [
             "", "## Data-parallel scaling: 2 processes x 1 thread against 1 process x 2 threads, the same global batch", "",
@@ -421,6 +409,33 @@ def table(report: dict) -> str:
             f"peak resident memory {s['peak_rss_mib']:,} MiB.",
         ]
     return "\n".join(lines) + "\n"
+
+
+def comparison_lines(report: dict) -> list[str]:
+    """The presets' rows: project.train against the hand loop and litgpt, with MFU against the measured peak."""
+    peak = report["matmul_peak"]
+    lines = [
+        "",
+        f"MFU: model FLOPs (6N + attention) x tokens/s over this machine's fp32 matrix-product rate, measured in the same "
+        f"run at the same threads: {peak['flops_per_sec'] / 1e9:,.1f} GFLOP/s ({peak['size']} x {peak['size']}, best of 10 products, "
+        + (f"best of {len(peak['runs'])} measurements, one per alternation)." if "runs" in peak else "measured once, at the start)."),
+        "",
+        "| preset | mode | batch x seq | timed steps | project.train tokens/s | hand loop tokens/s | ratio (target >= 0.97) "
+        "| litgpt tokens/s | project.train / litgpt (target >= 1.0) | MFU project.train | MFU hand loop |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        litgpt = (f"{r['litgpt_tokens_per_sec']:,.0f} | {r['ratio_to_litgpt']:.3f}" if r["litgpt_tokens_per_sec"]
+                  else "not run | -")
+        lines.append(f"| {r['preset']} | {r['mode']} | {r['batch']} x {r['seq_len']} | {r['steps']} | {r['project_train_tokens_per_sec']:,.0f} | "
+                     f"{r['hand_loop_tokens_per_sec']:,.0f} | {r['ratio']:.3f} | {litgpt} | {r['project_train_mfu']:.1%} | {r['hand_loop_mfu']:.1%} |")
+    eager = {r["preset"]: r for r in report["rows"] if r["mode"] == "eager"}
+    effects = [f"{r['preset']} x{r['project_train_tokens_per_sec'] / eager[r['preset']]['project_train_tokens_per_sec']:.2f}"
+               for r in report["rows"] if r["mode"] == "compiled" and r["preset"] in eager]
+    if effects:
+        lines += ["", "`strategy.compile=true` against eager, project.train: " + ", ".join(effects) + "."]
+    return lines + ["", "litgpt: its `GPT` with our preset's architecture and parameter count (project/bench_litgpt.py), in the hand loop, "
+                    "compiled block by block as ours. Each run's figures are in the .json file, with the commands."]
 
 
 def plot(report: dict) -> str:
@@ -473,7 +488,7 @@ def main() -> None:
         data = shards(Path(scratch))
         peaks: list[dict] = []  # measured again in every alternation: this machine's speed drifts within a run
         rows = compare(args, data, Path(scratch), peaks)
-        peak = {**max(peaks, key=lambda p: p["flops_per_sec"]), "runs": [round(p["flops_per_sec"]) for p in peaks]}
+        peak = {**max(peaks, key=lambda p: p["flops_per_sec"]), "runs": [round(p["flops_per_sec"]) for p in peaks]} if peaks else None
         for row in rows:
             row["project_train_mfu"] = round(row["project_train_tokens_per_sec"] * row["flops_per_token"] / peak["flops_per_sec"], 4)
             row["hand_loop_mfu"] = round(row["hand_loop_tokens_per_sec"] * row["flops_per_token"] / peak["flops_per_sec"], 4)

@@ -132,34 +132,49 @@ def test_platform_bench_alternates_the_sides_and_compiles_all_three_for_compiled
 
 
 def test_compile_effect_alternates_compiled_and_eager_runs_of_each_strategy_with_its_processes_and_settings(monkeypatch, tmp_path):
-    """compile_effect() without running anything: per strategy, compiled then eager, then eager then compiled; the
+    """compile_effect() without running anything: per strategy, compiled then eager, eager then compiled, ...; the
     strategy's launcher, settings, micro batch and threads on both sides, strategy.compile=true on one; medians."""
     from project import bench_platform
 
-    calls, rates = [], iter(range(100, 10_000, 100))
+    calls = []
+    # Per run, in call order: compiled runs fast, eager slow, one outlier each that a median sets aside.
+    rates = iter([300.0, 200.0, 210.0, 900.0, 330.0, 10.0] + [150.0, 100.0, 110.0, 160.0, 155.0, 105.0] * 2)
 
     def platform_run(preset, batch, steps, warmup, data, run_dir, env, *extra, micro_batch=None, launcher=()):
-        calls.append((run_dir.name, env["OMP_NUM_THREADS"], micro_batch, *extra))
-        return {"tokens_per_sec": float(next(rates)), "command": " ".join(["-m project.train", *extra])}
+        calls.append((run_dir.name, env["OMP_NUM_THREADS"], micro_batch, tuple(launcher), *extra))
+        return {"tokens_per_sec": next(rates), "command": " ".join(["-m project.train", *extra])}
 
     monkeypatch.setattr(bench_platform, "platform_run", platform_run)
-    args = {"compile_effect": ["single", "pipeline"], "scaling_preset": "debug", "repeats": 2, "steps": None, "warmup": 1, "threads": 2}
-    single, pipeline = bench_platform.compile_effect(args, tmp_path, tmp_path)
+    args = {"compile_effect": ["single", "ddp", "pipeline"], "scaling_preset": "debug", "repeats": 3, "steps": None, "warmup": 1, "threads": 2}
+    single, ddp, pipeline = bench_platform.compile_effect(args, tmp_path, tmp_path)
     untied, compiled = "model.tie_embeddings=false", "strategy.compile=true"
+    one = lambda mode, i, *extra: (f"compile-single-{mode}-{i}", "2", None, (), untied, *extra)
+    assert calls[:6] == [one("compiled", 0, compiled), one("eager", 0), one("eager", 1), one("compiled", 1, compiled),
+                         one("compiled", 2, compiled), one("eager", 2)]
+    two = ("threads_per_process=1", "strategy=ddp", "trainer.devices=2")
+    assert calls[6:8] == [("compile-ddp-compiled-0", "1", "null", (), untied, *two, compiled), ("compile-ddp-eager-0", "1", "null", (), untied, *two)]
     staged = ("threads_per_process=1", "strategy=pipeline", "trainer.devices=2")
-    assert calls == [
-        ("compile-single-compiled-0", "2", None, untied, compiled), ("compile-single-eager-0", "2", None, untied),
-        ("compile-single-eager-1", "2", None, untied), ("compile-single-compiled-1", "2", None, untied, compiled),
-        ("compile-pipeline-compiled-0", "1", "2", untied, *staged, compiled), ("compile-pipeline-eager-0", "1", "2", untied, *staged),
-        ("compile-pipeline-eager-1", "1", "2", untied, *staged), ("compile-pipeline-compiled-1", "1", "2", untied, *staged, compiled),
-    ]
-    assert single["runs"] == {"compiled": [100.0, 400.0], "eager": [200.0, 300.0]} and single["ratio"] == 1.0
-    assert (pipeline["compiled_tokens_per_sec"], pipeline["eager_tokens_per_sec"], pipeline["ratio"]) == (650.0, 650.0, 1.0)
+    assert calls[12] == ("compile-pipeline-compiled-0", "1", "2", (), untied, *staged, compiled)
+    assert single["runs"] == {"compiled": [300.0, 900.0, 330.0], "eager": [200.0, 210.0, 10.0]}
+    assert (single["compiled_tokens_per_sec"], single["eager_tokens_per_sec"], single["ratio"]) == (330.0, 200.0, 1.65)
+    assert (ddp["compiled_tokens_per_sec"], ddp["eager_tokens_per_sec"], ddp["ratio"]) == (155.0, 105.0, 1.476)
     assert (pipeline["processes"], pipeline["threads_per_process"], single["processes"], single["threads_per_process"]) == (2, 1, 1, 2)
-    report = {"date": "d", "hostname": "h", "platform": "p", "torch": "t", "threads": 2, "repeats": 2, "command": "c",
-              "matmul_peak": {"flops_per_sec": 1e9, "size": 2048}, "rows": [], "compile_effect": [single, pipeline]}
-    assert "| pipeline | 2 x 1 | debug | 8 x 256 | 650 | 650 | 1.000 |" in bench_platform.table(report)
-    assert bench_platform.plot(report).count('class="bar"') == 2
+    report = {"date": "d", "hostname": "h", "platform": "p", "torch": "t", "threads": 2, "repeats": 3, "command": "c",
+              "matmul_peak": None, "rows": [], "compile_effect": [single, ddp, pipeline]}
+    written = bench_platform.table(report)  # compile_effect alone: no comparison rows, no MFU line
+    assert "| single | 1 x 2 | debug | 8 x 256 | 330 | 200 | 1.650 |" in written and "MFU" not in written
+    assert bench_platform.plot(report).count('class="bar"') == 3
+
+
+def test_the_platform_bench_times_only_the_strategies_when_presets_is_empty_and_refuses_nothing_to_time():
+    from project import bench_platform
+    from project.errors import ConfigError
+
+    args = bench_platform.parse(["presets=", "scaling=", "compile_effect=ddp,pipeline"])
+    assert (args["presets"], args["compiled"], args["scaling"], args["compile_effect"]) == ([], [], [], ["ddp", "pipeline"])
+    assert bench_platform.parse(["presets=", "compiled=debug"])["compiled"] == ["debug"]  # named, it still runs
+    with pytest.raises(ConfigError, match="presets: empty, and so are scaling and compile_effect"):
+        bench_platform.parse(["presets=", "scaling=", "compile_effect="])
 
 
 @pytest.mark.parametrize("setting, named", [
