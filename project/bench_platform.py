@@ -281,23 +281,13 @@ def scaling(args: dict, data: Path, scratch: Path) -> list[dict]:
     two_procs = [*model, "threads_per_process=1"]
     rows = []
     for name in args["scaling"]:
-        split, whole = [], []
         launcher, settings = SCALED[name]
-        for repeat in range(args["repeats"]):
-            sides = [(split, lambda: platform_run(preset, shape["batch"], steps, args["warmup"], data, scratch / f"scale-{name}-{repeat}",
-                                                  thread_env(1), *two_procs, *settings, micro_batch="null", launcher=launcher)),
-                     (whole, lambda: platform_run(preset, shape["batch"], steps, args["warmup"], data, scratch / f"scale-single-{name}-{repeat}",
-                                                  thread_env(2), *model, micro_batch="null"))]
-            run_in_balanced_order(sides, repeat)
-            print(f"scaling {name} run {repeat + 1}/{args['repeats']}: 2 x 1 thread {split[-1]['tokens_per_sec']:,.0f} tokens/s, "
-                  f"1 x 2 threads {whole[-1]['tokens_per_sec']:,.0f}", flush=True)
-        a, b = (statistics.median(r["tokens_per_sec"] for r in runs) for runs in (split, whole))
-        rows.append({
-            "strategy": name, "preset": preset, "batch": shape["batch"], "seq_len": SEQ_LEN, "steps": steps,
-            "two_processes_tokens_per_sec": round(a, 1), "one_process_tokens_per_sec": round(b, 1), "ratio": round(a / b, 3),
-            "runs": {"two_processes": [round(r["tokens_per_sec"], 1) for r in split], "one_process": [round(r["tokens_per_sec"], 1) for r in whole]},
-            "commands": {"two_processes": split[0]["command"], "one_process": whole[0]["command"]},
-        })
+        split = lambda repeat: platform_run(preset, shape["batch"], steps, args["warmup"], data, scratch / f"scale-{name}-{repeat}",
+                                            thread_env(1), *two_procs, *settings, micro_batch="null", launcher=launcher)
+        whole = lambda repeat: platform_run(preset, shape["batch"], steps, args["warmup"], data, scratch / f"scale-single-{name}-{repeat}",
+                                            thread_env(2), *model, micro_batch="null")
+        rows.append({"strategy": name, "preset": preset, "batch": shape["batch"], "seq_len": SEQ_LEN, "steps": steps,
+                     **paired(f"scaling {name}", {"two_processes": split, "one_process": whole}, args["repeats"])})
     return rows
 
 
@@ -313,22 +303,30 @@ def compile_effect(args: dict, data: Path, scratch: Path) -> list[dict]:
         processes, launcher, settings, micro = COMPILE_EFFECT[name]
         threads = max(1, args["threads"] // processes)
         common = ["model.tie_embeddings=false", *([f"threads_per_process={threads}"] if processes > 1 else []), *settings]
-        compiled, eager = [], []
-        for repeat in range(args["repeats"]):
-            def side(runs: list, mode: str, *extra: str):
-                return runs, lambda: platform_run(preset, shape["batch"], steps, args["warmup"], data, scratch / f"compile-{name}-{mode}-{repeat}",
-                                                  thread_env(threads), *common, *extra, micro_batch=micro, launcher=launcher)
-            run_in_balanced_order([side(compiled, "compiled", "strategy.compile=true"), side(eager, "eager")], repeat)
-            print(f"compile effect {name} run {repeat + 1}/{args['repeats']}: compiled {compiled[-1]['tokens_per_sec']:,.0f} tokens/s, "
-                  f"eager {eager[-1]['tokens_per_sec']:,.0f}", flush=True)
-        a, b = (statistics.median(r["tokens_per_sec"] for r in runs) for runs in (compiled, eager))
-        rows.append({
-            "strategy": name, "preset": preset, "processes": processes, "threads_per_process": threads, "batch": shape["batch"],
-            "seq_len": SEQ_LEN, "steps": steps, "compiled_tokens_per_sec": round(a, 1), "eager_tokens_per_sec": round(b, 1), "ratio": round(a / b, 3),
-            "runs": {"compiled": [round(r["tokens_per_sec"], 1) for r in compiled], "eager": [round(r["tokens_per_sec"], 1) for r in eager]},
-            "commands": {"compiled": compiled[0]["command"], "eager": eager[0]["command"]},
-        })
+
+        def side(mode: str, *extra: str):
+            return lambda repeat: platform_run(preset, shape["batch"], steps, args["warmup"], data, scratch / f"compile-{name}-{mode}-{repeat}",
+                                               thread_env(threads), *common, *extra, micro_batch=micro, launcher=launcher)
+        rows.append({"strategy": name, "preset": preset, "processes": processes, "threads_per_process": threads, "batch": shape["batch"],
+                     "seq_len": SEQ_LEN, "steps": steps,
+                     **paired(f"compile effect {name}", {"compiled": side("compiled", "strategy.compile=true"), "eager": side("eager")},
+                              args["repeats"])})
     return rows
+
+
+def paired(label: str, sides: dict, repeats: int) -> dict:
+    """Two sides, {key: run(repeat) -> {"tokens_per_sec", "command"}}, run in balanced order `repeats` times: each
+    side's median tokens/s (`<key>_tokens_per_sec`), runs and command, and the ratio of the first to the second."""
+    results = {key: [] for key in sides}
+    for repeat in range(repeats):
+        run_in_balanced_order([(results[key], lambda run=run: run(repeat)) for key, run in sides.items()], repeat)
+        print(f"{label} run {repeat + 1}/{repeats}: " + ", ".join(f"{key.replace('_', ' ')} {runs[-1]['tokens_per_sec']:,.0f} tokens/s"
+                                                                    for key, runs in results.items()), flush=True)
+    medians = {key: statistics.median(r["tokens_per_sec"] for r in runs) for key, runs in results.items()}
+    first, second = medians.values()
+    return {**{f"{key}_tokens_per_sec": round(m, 1) for key, m in medians.items()}, "ratio": round(first / second, 3),
+            "runs": {key: [round(r["tokens_per_sec"], 1) for r in runs] for key, runs in results.items()},
+            "commands": {key: runs[0]["command"] for key, runs in results.items()}}
 
 
 # Runs project.train in a process that first imports lightning and records when that finished, so both
@@ -384,21 +382,16 @@ def table(report: dict) -> str:
     if report["rows"]:  # none where only scaling or compile_effect was asked for
         lines += comparison_lines(report)
     if report.get("scaling"):
-        lines += [
-            "", "## Data-parallel scaling: 2 processes x 1 thread against 1 process x 2 threads, the same global batch", "",
-            "| strategy | preset | batch x seq | 2 x 1 thread tokens/s | 1 x 2 threads tokens/s | ratio |", "|---|---|---|---|---|---|",
-        ]
-        for r in report["scaling"]:
-            lines.append(f"| {r['strategy']} | {r['preset']} | {r['batch']} x {r['seq_len']} | {r['two_processes_tokens_per_sec']:,.0f} | "
-                         f"{r['one_process_tokens_per_sec']:,.0f} | {r['ratio']:.3f} |")
+        lines += section("Data-parallel scaling: 2 processes x 1 thread against 1 process x 2 threads, the same global batch",
+                         ["strategy", "preset", "batch x seq", "2 x 1 thread tokens/s", "1 x 2 threads tokens/s", "ratio"],
+                         [[r["strategy"], r["preset"], f"{r['batch']} x {r['seq_len']}", f"{r['two_processes_tokens_per_sec']:,.0f}",
+                           f"{r['one_process_tokens_per_sec']:,.0f}", f"{r['ratio']:.3f}"] for r in report["scaling"]])
     if report.get("compile_effect"):
-        lines += [
-            "", "## `strategy.compile=true` against eager, per strategy: the same model and global batch", "",
-            "| strategy | processes x threads | preset | batch x seq | compiled tokens/s | eager tokens/s | ratio |", "|---|---|---|---|---|---|---|",
-        ]
-        for r in report["compile_effect"]:
-            lines.append(f"| {r['strategy']} | {r['processes']} x {r['threads_per_process']} | {r['preset']} | {r['batch']} x {r['seq_len']} | "
-                         f"{r['compiled_tokens_per_sec']:,.0f} | {r['eager_tokens_per_sec']:,.0f} | {r['ratio']:.3f} |")
+        lines += section("`strategy.compile=true` against eager, per strategy: the same model and global batch",
+                         ["strategy", "processes x threads", "preset", "batch x seq", "compiled tokens/s", "eager tokens/s", "ratio"],
+                         [[r["strategy"], f"{r['processes']} x {r['threads_per_process']}", r["preset"], f"{r['batch']} x {r['seq_len']}",
+                           f"{r['compiled_tokens_per_sec']:,.0f}", f"{r['eager_tokens_per_sec']:,.0f}", f"{r['ratio']:.3f}"]
+                          for r in report["compile_effect"]])
     if report.get("startup"):
         s = report["startup"]
         lines += [
@@ -409,6 +402,11 @@ def table(report: dict) -> str:
             f"peak resident memory {s['peak_rss_mib']:,} MiB.",
         ]
     return "\n".join(lines) + "\n"
+
+
+def section(title: str, columns: list[str], rows: list[list[str]]) -> list[str]:
+    return ["", f"## {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
+            *("| " + " | ".join(row) + " |" for row in rows)]
 
 
 def comparison_lines(report: dict) -> list[str]:
