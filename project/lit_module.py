@@ -113,24 +113,28 @@ class LlamaLitModule(LightningModule):
         init_on_meta: bool = False,
         weights_from_checkpoint: bool = False,
         init_from: str | None = None,
+        init_seed: int = 0,
     ):
         """`init_on_meta`: build the model without memory, for a strategy that shards it in
         `configure_model` and initializes the shards (LlamaParallelStrategy), so that no rank
         ever holds the whole model; with `weights_from_checkpoint` (a resumed run) the shards are
         only allocated, and the checkpoint fills them. `init_from`: a published Hugging Face folder
         whose weights fill the model in `configure_model` instead of random ones (a new run). None
-        is a hyperparameter: a checkpoint loads either way."""
+        is a hyperparameter: a checkpoint loads either way. `init_seed`: the random initial weights are a
+        function of it and each parameter's name only (the run's `seed`)."""
         super().__init__()
         model_cfg = model if isinstance(model, LlamaConfig) else LlamaConfig(**model)
         optim_cfg = optim if isinstance(optim, OptimConfig) else OptimConfig(**(optim or {}))
         if document_mask and eos_id is None:
             raise ValueError("document_mask needs the tokenizer's eos_id")
-        self.save_hyperparameters({"model": asdict(model_cfg), "optim": asdict(optim_cfg), "document_mask": document_mask, "eos_id": eos_id})
+        self.save_hyperparameters(
+            {"model": asdict(model_cfg), "optim": asdict(optim_cfg), "document_mask": document_mask, "eos_id": eos_id, "init_seed": init_seed}
+        )
         self.optim = optim_cfg
         # A model whose every value is about to be read from a file is built without memory, on any strategy.
         self._init_from = None if weights_from_checkpoint else init_from
         with torch.device("meta") if init_on_meta or self._init_from else contextlib.nullcontext():
-            self.model = Llama(model_cfg)
+            self.model = Llama(model_cfg, init_seed)
         self.val_losses = nn.ModuleList([MeanMetric()])  # one per validation loader: per corpus of a mixture (setup)
         self._loss_sum = 0.0  # micro-batch losses since the last optimizer step
         self._loss_count = 0

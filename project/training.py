@@ -224,6 +224,7 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
         init_on_meta=hasattr(trainer.strategy, "parallelize"),
         weights_from_checkpoint=cfg.ckpt_path is not None,
         init_from=cfg.get("init_from"),
+        init_seed=cfg.seed,
     )
     steps_per_update = (
         f"{plan.pipeline_microbatches} pipeline microbatches" if plan.pipeline_microbatches > 1 else f"{plan.accumulate_grad_batches} accumulation"

@@ -29,7 +29,7 @@ def tiny_model(seed: int = 0, **overrides) -> Llama:
     fields = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16, max_seq_len=64)
     torch.manual_seed(seed)
     # A larger init than training's 0.02 so that logits differ clearly between tokens and greedy has no near-ties.
-    return Llama(LlamaConfig(**{**fields, "init_std": 0.2, **overrides})).eval()
+    return Llama(LlamaConfig(**{**fields, "init_std": 0.2, **overrides}), init_seed=seed).eval()
 
 
 @torch.no_grad()

@@ -37,7 +37,7 @@ def tiny_config(**overrides) -> LlamaConfig:
 
 def seeded_llama(config: LlamaConfig, seed: int = 0) -> Llama:
     torch.manual_seed(seed)
-    return Llama(config).eval()
+    return Llama(config, init_seed=seed).eval()
 
 
 def hf_llama(config: LlamaConfig, attn_implementation: str = "eager"):

@@ -165,14 +165,14 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, init_seed: int = 0):
         super().__init__()
         self.config = config
-        # One draw from the global generator (seeded by the run), first: building the layers below
-        # draws from it too, but not on the meta device. Each parameter's own generator derives
-        # from this seed and the parameter's name, so its values depend on neither the order nor
-        # the device it is initialized on, nor on how it is sharded.
-        self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
+        # Each parameter's initial value comes from a generator of its own, seeded by `init_seed` and the
+        # parameter's name: not from torch's global generator, which whatever ran before in the process
+        # (preparing data, a conversion, an import) may have drawn from. So the weights depend on neither
+        # that, nor the order or device they are initialized on, nor how they are sharded.
+        self.init_seed = init_seed
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         # A ModuleDict keyed by layer index keeps names stable when pipeline stages drop layers.
         self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
