@@ -8,7 +8,7 @@ such lock; Python 3.12 warns at every such fork and 3.14 no longer forks by defa
 
 So on Linux workers fork from a forkserver instead: a process started for the purpose, running no
 Python thread but its main one, that has imported what a worker runs (project.data.blocks: torch and
-litdata; the main module, which each worker re-runs) once. `project.train` starts it before its own
+litdata; the imports of the main module, which each worker re-runs) once. `project.train` starts it before its own
 imports, so that the two import side by side and the first batch does not wait. Kept out of the
 project.data package, whose import would load litdata here, before the run's imports.
 """
@@ -38,12 +38,8 @@ def start_worker_server() -> None:
         return
     from multiprocessing import forkserver
 
-    # A worker also re-runs the main module (as __mp_main__, the rule of every start method but fork):
-    # imported once in the server, its own imports are ready in each worker.
-    main = getattr(sys.modules["__main__"].__spec__, "name", None)  # `python -m NAME`; None for a script
-    rerun = main is not None and not main.endswith("__main__")  # a package's __main__ is not re-run
     # Only the first start reads the list: later calls find the server running and change nothing.
-    multiprocessing.set_forkserver_preload(WORKER_IMPORTS + ([main] if rerun else []))
+    multiprocessing.set_forkserver_preload(WORKER_IMPORTS + imports_of_main())
     # Started with these ignored, the server and multiprocessing's resource tracker keep them ignored (exec
     # keeps an ignored signal ignored), and so do the workers the server forks. A launcher sends them to
     # every process of a job for the training process to act on (SLURM's SIGUSR1 ahead of a preemption or
@@ -57,6 +53,20 @@ def start_worker_server() -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def imports_of_main() -> list[str]:
+    """What the main module has imported so far of its own package and of Hydra, for the server to preload.
+
+    A worker re-runs the main module (as __mp_main__, the rule of every start method but fork); with these
+    loaded in the server, that re-run finds its imports ready. The main module itself is left out: runpy
+    warns in every worker when the module it is to run was imported already.
+    """
+    main = getattr(sys.modules["__main__"].__spec__, "name", None)  # `python -m NAME`; None for a script
+    if main is None or main.endswith("__main__"):  # a script or a package's __main__ is not re-run
+        return []
+    roots = {main.partition(".")[0], "hydra", "omegaconf"}
+    return sorted(name for name in list(sys.modules) if name != main and name.partition(".")[0] in roots)
 
 
 def loader_options(workers: int) -> dict[str, Any]:
