@@ -27,7 +27,7 @@ from project.errors import ConfigError
 from project.model.config import LlamaConfig
 from project.parallel.batch import BatchPlan, plan_batches, plan_pipeline_batches
 from project.parallel.mesh import MeshShape, check_tensor_parallel_degree, mesh_shape
-from project.parallel.pipeline_layout import check_pipeline, default_virtual_stages
+from project.parallel.pipeline_layout import SCHEDULE_NAMES, check_pipeline, default_virtual_stages
 
 # Derived from the batch plan and the step-based schedule; a value set by hand would silently disagree.
 COMPUTED_TRAINER_KEYS = {
@@ -79,6 +79,7 @@ def check_command_line(argv: list[str], config_name: str = "train") -> None:
     that does not exist, a key that is not in the config, an override that does not parse) as one
     paragraph with a suggestion, instead of Hydra's message and traceback hint. Command lines with
     Hydra's own flags (-m, --cfg, ...) are left to Hydra."""
+    _check_flags(argv, config_name)
     if any(arg.startswith("-") for arg in argv):
         return
     # Hydra's own settings are Hydra's to check, but for its search path: it adds config files (a planned sweep's layouts).
@@ -89,6 +90,54 @@ def check_command_line(argv: list[str], config_name: str = "train") -> None:
     except HydraException as error:
         raise ConfigError(_explain(error, overrides, config_name)) from None
     _check_run_dir(argv, cfg)
+
+
+# Hydra's own command-line flags (`--hydra-help` lists them); any other `--name` is an argparse habit.
+HYDRA_FLAGS = {
+    "--help", "--hydra-help", "--version", "--cfg", "--resolve", "--package", "--run", "--multirun", "--shell-completion",
+    "--config-path", "--config-name", "--config-dir", "--info", "--experimental-rerun",
+}
+
+
+def _check_flags(argv: list[str], config_name: str) -> None:
+    """`--max_steps 10` or `--max_steps=10` gets the override it meant (`trainer.max_steps=10`), not Hydra's usage text."""
+    for i, arg in enumerate(argv):
+        flag, equals, value = arg.partition("=")
+        if not flag.startswith("--") or flag in HYDRA_FLAGS:
+            continue
+        if not equals and i + 1 < len(argv) and not argv[i + 1].startswith("-") and "=" not in argv[i + 1]:
+            value = argv[i + 1]
+        name = flag[2:].replace("-", "_")
+        key = _setting_named(name, config_name) or name
+        raise ConfigError(
+            f"{arg}: settings are Hydra overrides, key=value without dashes: write {key}={value or 'VALUE'}"
+            f" (e.g. `python -m project.{'train' if config_name == 'train' else config_name} experiment=debug {key}={value or 'VALUE'}`)."
+        )
+
+
+def _setting_named(name: str, config_name: str) -> str | None:
+    """The full key of the setting whose last part is `name` (max_steps -> trainer.max_steps), or the closest one."""
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = OmegaConf.to_container(compose(config_name), resolve=False)
+    except HydraException:
+        return None
+    keys: list[str] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        for key, value in node.items():
+            keys.append(f"{prefix}{key}")
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+
+    walk(cfg, "")
+    if name in keys:
+        return name
+    exact = [key for key in keys if key.rpartition(".")[2] == name]
+    if exact:
+        return min(exact, key=len)
+    close = difflib.get_close_matches(name, keys, n=1) or difflib.get_close_matches(name, [k.rpartition(".")[2] for k in keys], n=1)
+    return next((key for key in keys if close and (key == close[0] or key.endswith("." + close[0]))), None)
 
 
 def _check_run_dir(argv: list[str], cfg: DictConfig) -> None:
@@ -168,7 +217,44 @@ RULES: list[Rule] = [
     ("model.rope_theta", lambda v: v > 0, "above 0, e.g. 10000"),
     ("model.max_seq_len", lambda v: isinstance(v, int) and v >= 1, "a whole number of tokens above 0"),
     ("model.init_std", lambda v: v > 0, "above 0, e.g. 0.02"),
+    # seed_everything takes an unsigned 32-bit seed; a string would end in Lightning's traceback.
+    ("seed", lambda v: isinstance(v, int) and 0 <= v < 2**32, "a whole number from 0 to 4294967295"),
+    ("data.seed", lambda v: isinstance(v, int) and 0 <= v < 2**32, "a whole number from 0 to 4294967295"),
+    ("data.loader_workers", lambda v: isinstance(v, int) and v >= 0, "a whole number, 0 (read in the training process) or more"),
 ]
+
+BOOLEAN_SETTINGS = ("document_mask", "data.overwrite", "data.auto_prepare", "data.allow_repeats", "dry_run.enabled")
+_BOOLEAN = (True, False)
+_DTYPE_NAMES = (None, "float32", "bfloat16", "float16")
+# Strategy settings that take one of a few values, checked here for whichever strategy has them, so that
+# a typo is answered before the imports (the strategies check them again when built from Python).
+STRATEGY_CHOICES: dict[str, tuple] = {
+    "grad_reduction": ("mean", "sum"),
+    "sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"),
+    "state_dict_type": ("sharded", "full"),
+    "compression": ("none", "fp16"),
+    "schedule": SCHEDULE_NAMES,
+    "param_dtype": _DTYPE_NAMES,
+    "reduce_dtype": _DTYPE_NAMES,
+    **dict.fromkeys(
+        ("sequence_parallel", "loss_parallel", "activation_checkpointing", "compile", "cpu_offload",
+         "find_unused_parameters", "static_graph", "hierarchical_allreduce"),
+        _BOOLEAN,
+    ),
+}
+
+
+def _one_of(value: Any, choices: tuple) -> bool:
+    # By type as well: 1 == True, and a YAML `yes` or `1` for a boolean setting is a mistake worth naming.
+    return any(value == choice and type(value) is type(choice) for choice in choices)
+
+
+def check_strategy_choices(strategy_cfg: Mapping[str, Any], strategy_name: str = "") -> None:
+    for key, choices in STRATEGY_CHOICES.items():
+        if key in strategy_cfg and not _one_of(strategy_cfg[key], choices):
+            shown = ", ".join("null" if c is None else str(c).lower() if isinstance(c, bool) else str(c) for c in choices)
+            where = f" (strategy={strategy_name})" if strategy_name else ""
+            raise ConfigError(f"strategy.{key}={strategy_cfg[key]}{where} is not a choice: it must be one of {shown}.")
 
 
 def check_values(cfg: DictConfig) -> None:
@@ -180,6 +266,11 @@ def check_values(cfg: DictConfig) -> None:
             ok = False
         if not ok:
             raise ConfigError(f"{key}={value} is out of range: it must be {must_be}.")
+    for key in BOOLEAN_SETTINGS:
+        if (value := OmegaConf.select(cfg, key)) is not None and not isinstance(value, bool):
+            raise ConfigError(f"{key}={value} must be true or false.")
+    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    check_strategy_choices(OmegaConf.to_container(cfg.strategy, resolve=True), choices.get("strategy", ""))
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}: the cosine decays from lr down to min_lr.")
     model_config(cfg)

@@ -16,6 +16,15 @@ class TrainingStopped(RuntimeError):
     """Training stopped on purpose (a non-finite loss or gradient, say); the message says why and what to do."""
 
 
+def config_error_behind(error: BaseException) -> "ConfigError | None":
+    """The ConfigError that `error` was raised from, if any: Hydra's `instantiate` wraps whatever the object
+    it builds raises (a strategy refusing a setting) in an InstantiationException of its own."""
+    cause = error.__cause__
+    while cause is not None and not isinstance(cause, ConfigError):
+        cause = cause.__cause__
+    return cause
+
+
 class exit_on_config_error(contextlib.ContextDecorator):
     """Print a `ConfigError` as `error: <message>` on stderr and exit with status 2 (usage error);
     a `TrainingStopped` likewise, with status 1.
@@ -28,6 +37,8 @@ class exit_on_config_error(contextlib.ContextDecorator):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None and not isinstance(exc, (ConfigError, TrainingStopped)) and (cause := config_error_behind(exc)):
+            exc_type, exc = ConfigError, cause
         if exc_type is not None and issubclass(exc_type, (ConfigError, TrainingStopped)):
             print(f"error: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(2 if issubclass(exc_type, ConfigError) else 1) from None

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from project.checks import check_command_line, preflight
 from project.dry_run import dry_run_argv
-from project.errors import ConfigError, TrainingStopped, exit_on_config_error
+from project.errors import ConfigError, TrainingStopped, config_error_behind, exit_on_config_error
 from project.loader_workers import start_worker_server
 from project.processes import die_with_launcher, report_failed_rank
 from project.startup import collector_paused_for_imports
@@ -61,6 +61,9 @@ def main(cfg: DictConfig) -> float | None:
         except TrainingStopped:
             raise
         except Exception as error:  # a bug, or a collective that failed because another rank did
+            if (cause := config_error_behind(error)) is not None:  # a setting refused inside Hydra's instantiate
+                forget_refused_run(Path(HydraConfig.get().runtime.output_dir))
+                raise cause from None
             # Printed here rather than by Hydra, whose report repeats the command line's overrides (secrets too).
             traceback.print_exc()
             report_failed_rank(error, Path(HydraConfig.get().runtime.output_dir))

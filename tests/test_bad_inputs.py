@@ -10,10 +10,12 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 
 from project.checks import CONF, check_command_line, preflight
-from project.errors import ConfigError
+from project.errors import ConfigError, exit_on_config_error
 from tests.conftest import ROOT
 
 COMMAND_LINE = [
@@ -27,6 +29,24 @@ COMMAND_LINE = [
     (["optim.learning_rate=1e-3"], r"optim.learning_rate: no such setting in optim"),
     (["globl_batch_size=8"], r"globl_batch_size: no such setting at the top level. Did you mean global_batch_size\?"),
     (["optim.lr=="], r"Error parsing override 'optim.lr=='"),
+    # The argparse habit: answered with the override it meant.
+    (["--max_steps", "10"], r"--max_steps: settings are Hydra overrides, key=value without dashes: write trainer.max_steps=10"),
+    (["--max_steps=10"], r"write trainer.max_steps=10"),
+    (["--global-batch-size=4"], r"write global_batch_size=4"),
+    (["--lr", "1e-3"], r"write optim.lr=1e-3"),
+]
+
+# Strategy settings that take any number (or a path, a backend's name): every other setting of a strategy
+# group has a closed set of values, and a value outside it must be refused before anything starts.
+OPEN_STRATEGY_SETTINGS = {
+    "_target_", "data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size", "hybrid_shard_size", "virtual_stages",
+    "n_microbatches", "stage_layers", "process_group_backend", "collective_timeout_minutes",
+}
+CLOSED_STRATEGY_SETTINGS = [
+    (path.stem, key)
+    for path in sorted((CONF / "strategy").glob("*.yaml"))
+    for key in yaml.safe_load(path.read_text())
+    if key not in OPEN_STRATEGY_SETTINGS
 ]
 
 VALUES = [
@@ -67,7 +87,12 @@ VALUES = [
     (["strategy=ddp", "trainer.devices=2", "global_batch_size=7"], r"global_batch_size=7 does not divide over 2 data-parallel ranks"),
     (["strategy=ddp", "trainer.devices=2", "micro_batch_size=3"], r"micro_batch_size=3 does not divide the 4 sequences"),
     (["strategy=pipeline", "trainer.devices=4"], r"model.n_layers=2 is fewer than the 4 pipeline stage chunks"),
-    (["strategy=pipeline", "trainer.devices=2", "strategy.schedule=zigzag"], r"strategy.schedule='zigzag': choose one of"),
+    (["strategy=pipeline", "trainer.devices=2", "strategy.schedule=zigzag"], r"strategy.schedule=zigzag is not a choice: it must be one of gpipe"),
+    (["seed=abc"], r"seed=abc is out of range: it must be a whole number"),
+    (["seed=-1"], r"seed=-1 is out of range"),
+    (["data.seed=1.5"], r"data.seed=1.5 is out of range"),
+    (["document_mask=1"], r"document_mask=1 must be true or false"),
+    (["data.loader_workers=-1"], r"data.loader_workers=-1 is out of range"),
     (["strategy=pipeline", "trainer.devices=2", "strategy.virtual_stages=2"], r"strategy.schedule=1f1b runs one stage chunk per rank"),
 ]
 
@@ -87,10 +112,43 @@ def test_a_setting_out_of_range_is_refused_before_training(overrides, message):
         preflight(cfg)
 
 
+@pytest.mark.parametrize("strategy, key", CLOSED_STRATEGY_SETTINGS, ids=[f"{s}.{k}" for s, k in CLOSED_STRATEGY_SETTINGS])
+def test_every_closed_set_strategy_setting_refuses_a_value_outside_it(strategy, key):
+    devices = "1" if strategy in ("single", "horovod") else "2"
+    overrides = ["experiment=debug", f"strategy={strategy}", f"trainer.devices={devices}", f"strategy.{key}=bogus"]
+    check_command_line(overrides)
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    with pytest.raises(ConfigError, match=rf"strategy.{key}=bogus .*must be one of"):
+        preflight(cfg)
+
+
+def test_a_setting_a_strategy_refuses_while_hydra_builds_it_is_one_paragraph(capsys):
+    # Hydra's instantiate wraps what the strategy raises in an InstantiationException of its own.
+    with pytest.raises(SystemExit) as stopped, exit_on_config_error():
+        instantiate({"_target_": "project.parallel.ddp.ddp_strategy", "grad_reduction": "median"})
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == "error: strategy.grad_reduction='median': choose 'mean' (default) or 'sum'.\n"
+
+
 def test_the_default_settings_pass_every_check():
     check_command_line(["experiment=debug"])
     with initialize_config_dir(str(CONF), version_base="1.3"):
         assert preflight(compose("train", overrides=["experiment=debug", "trainer.devices=1"])) is not None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [["seed=abc"], ["strategy=ddp", "trainer.devices=2", "strategy.grad_reduction=median"],
+     ["strategy=fsdp", "trainer.devices=2", "strategy.sharding_strategy=FULL"], ["--max_steps", "10"]],
+    ids=["seed", "grad_reduction", "sharding_strategy", "argparse-flag"],
+)
+def test_settings_that_once_ended_in_a_traceback_print_one_paragraph_and_exit_2(bad, tmp_path):
+    args = [sys.executable, "-m", "project.train", "experiment=debug", *bad, f"hydra.run.dir={tmp_path / 'run'}"]
+    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("module", ["project.train", "project.prepare"])
