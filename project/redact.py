@@ -1,20 +1,26 @@
 """Secrets stay out of what a run writes: config.yaml, Hydra's record, train.log, wandb.
 
-A setting is secret when its name says so (api_key, token, secret, password, credential, ...): a user
-who passes `+logger.wandb.api_key=...` or a data source's token on the command line must not find it
-in a run folder they share, or in a wandb project. Environment variables (WANDB_API_KEY) are never
-written by the platform in the first place.
+A setting is secret when its name says so (api_key, token, secret, password, credential, access key, ...):
+a user who passes `+logger.wandb.api_key=...`, a data source's token or boto3's credentials in
+`data.storage_options` on the command line must not find it in a run folder they share, or in a wandb
+project. Environment variables (WANDB_API_KEY, AWS_SECRET_ACCESS_KEY) are never written by the platform
+in the first place.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-SECRET_NAME = re.compile(r"api[_-]?key|token|secret|password|passwd|credential|private[_-]?key", re.IGNORECASE)
+# access_key: boto3's aws_access_key_id, which with its secret makes a usable credential and names an account.
+# Not a tokenizer (data.tokenizer is a path) nor a count of tokens.
+SECRET_NAME = re.compile(
+    r"api[_-]?key|token(?!izer|s)|secret|password|passwd|credential|private[_-]?key|access[_-]?key", re.IGNORECASE
+)
 REDACTED = "<redacted>"
 
 
@@ -54,6 +60,17 @@ def redacted_container(cfg: DictConfig) -> dict:
         return node
 
     return scrub(OmegaConf.to_container(cfg, resolve=True))
+
+
+def without_secrets(node: Any) -> Any:
+    """Plain data with every secret-looking key left out, for records a later process reads back as settings
+    (a checkpoint's data options, which project.export hands to boto3): a placeholder there would be sent as a
+    credential, where a missing key lets boto3 take the environment's."""
+    if isinstance(node, Mapping):
+        return {k: without_secrets(v) for k, v in node.items() if not SECRET_NAME.search(str(k))}
+    if isinstance(node, (list, tuple)):
+        return [without_secrets(item) for item in node]
+    return node
 
 
 def scrub_files(folder: Path, secrets: set[str]) -> None:

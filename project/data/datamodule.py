@@ -20,6 +20,7 @@ from project.data.storage import join
 from project.data.tokenizer import load_tokenizer
 from project.errors import ConfigError
 from project.loader_workers import loader_options
+from project.redact import without_secrets
 
 
 def data_parallel_coords(trainer: Any) -> tuple[int, int]:
@@ -93,7 +94,11 @@ class TokenShardDataModule(LightningDataModule):
         storage_options: Mapping[str, Any] | None = None,
     ):
         super().__init__()
-        self.save_hyperparameters()
+        # Lightning logs the hyperparameters to every logger and keeps them in checkpoints: they hold no credential
+        # given in storage_options (nor in an entry of mix), while reading still uses the options as given.
+        self.storage_options = dict(storage_options) if storage_options is not None else None
+        self.save_hyperparameters(ignore=["storage_options", "mix"])
+        self.save_hyperparameters(without_secrets({"storage_options": storage_options, "mix": mix}))
         self.corpora = corpora_from(mix) if mix else [Corpus(str(data_dir).rstrip("/").rsplit("/", 1)[-1], str(data_dir))]
         # Each corpus's folder of manifest, tokenizer and indexes: itself, or a local view of remote shards.
         checked = [check_prepared_shards(c.dir, seq_len, cache_dir, storage_options) for c in self.corpora]
@@ -161,8 +166,8 @@ class TokenShardDataModule(LightningDataModule):
     def _split(self, corpus: int, name: str) -> TokenBlocks:
         # The manifest's count, not len(StreamingDataset): litdata reports a per-rank length under DDP.
         num_blocks = int(self.manifests[corpus]["splits"][name]["blocks"])
-        hp = self.hparams
-        return TokenBlocks(join(self.corpora[corpus].dir, name), hp.seq_len + 1, num_blocks, hp.cache_dir, hp.cache_size, hp.storage_options)
+        hp, split_dir = self.hparams, join(self.corpora[corpus].dir, name)
+        return TokenBlocks(split_dir, hp.seq_len + 1, num_blocks, hp.cache_dir, hp.cache_size, self.storage_options)
 
     def setup(self, stage: str | None = None) -> None:
         if self.hparams.dp_rank is not None:
