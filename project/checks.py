@@ -9,6 +9,7 @@ torch: keep it so (tests/test_checks.py watches it).
 from __future__ import annotations
 
 import difflib
+import inspect
 import json
 import os
 import re
@@ -544,10 +545,22 @@ def _check_vocabulary(cfg: DictConfig, manifest: Mapping[str, Any]) -> None:
         )
 
 
-def check_ckpt_path(cfg: DictConfig) -> None:
-    """A checkpoint named by path exists (`last` needs the run directory, which Hydra knows later)."""
+def check_ckpt_path(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> None:
+    """A checkpoint named by path exists; `last`, that of the run directory `run_dir` (Hydra's, by default)."""
     ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path is None or str(ckpt_path) == "last":
+    if ckpt_path is None:
+        return
+    if str(ckpt_path) == "last":
+        if run_dir is None and HydraConfig.initialized():
+            run_dir = HydraConfig.get().runtime.output_dir
+        if run_dir is None:
+            return
+        path = Path(run_dir) / "checkpoints" / "last.ckpt"
+        if not path.exists() and not path.with_name(f"{path.name}.old").exists():
+            raise ConfigError(
+                f"ckpt_path=last: no checkpoint at {path}. `ckpt_path=last` resumes the run in this run directory: pass "
+                "the directory of the run to resume as hydra.run.dir=DIR."
+            )
         return
     path = Path(str(ckpt_path))
     # project.checkpoints.swap_in keeps the previous checkpoint as <name>.old while it replaces it.
@@ -601,14 +614,27 @@ def check_init_from(cfg: DictConfig) -> None:
         raise ConfigError(f"init_from={cfg.init_from}: its config.json gives a model this platform cannot build ({error}).") from None
 
 
-def preflight(cfg: DictConfig, dry_run: bool = False) -> Layout | None:
+def check_trainer_arguments(cfg: DictConfig) -> None:
+    """Every trainer.* setting is an argument of lightning.Trainer (a key added with +trainer.KEY=... may not be).
+    Imports Lightning: a real start checks this once it has, a dry run with its other checks."""
+    import lightning
+
+    accepted = set(inspect.signature(lightning.Trainer.__init__).parameters) - {"self"}
+    for key in sorted(cfg.trainer.keys() - accepted):
+        match = difflib.get_close_matches(str(key), sorted(accepted), n=1)
+        hint = f" Did you mean trainer.{match[0]}?" if match else ""
+        raise ConfigError(f"trainer.{key} is not an argument of lightning.Trainer.{hint}")
+
+
+def preflight(cfg: DictConfig, dry_run: bool = False, run_dir: str | os.PathLike | None = None) -> Layout | None:
     """Every check that the config alone allows; the layout too when the device count is explicit.
-    `dry_run`: the devices asked for are those of the job, not of this machine."""
+    `dry_run`: the devices asked for are those of the job, not of this machine. `run_dir`: where
+    `ckpt_path=last` looks (Hydra's run directory by default)."""
     check_init_from(cfg)
     check_trainer(cfg, here=not dry_run)
     check_values(cfg)
     check_data(cfg, shards=not dry_run or data_on_this_machine(cfg))
-    check_ckpt_path(cfg)
+    check_ckpt_path(cfg, run_dir)
     nodes, devices = cfg.trainer.get("num_nodes", 1), cfg.trainer.get("devices", "auto")
     if is_horovod(cfg.strategy):
         devices = horovod_devices(cfg, dry_run)

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from project.checks import Layout, data_on_this_machine, model_config
+from project.checks import Layout, check_trainer_arguments, data_on_this_machine, model_config
 from project.errors import ConfigError
 from project.parallel.mesh import MeshShape
 from project.parallel.pipeline_layout import chunk_ranks, default_virtual_stages
@@ -235,6 +235,18 @@ def check_precision(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.precision: {error}") from None
 
 
+def check_checkpoint_resumable(cfg: DictConfig, run_dir: Path) -> None:
+    """The checkpoint to resume from holds a model of this run's shape, as a real start checks before it loads."""
+    if cfg.get("ckpt_path") is None:
+        return
+    from project.checkpoints import checkpoint_metadata, previous_checkpoint
+    from project.lit_module import check_resumable
+
+    path = run_dir / "checkpoints" / "last.ckpt" if str(cfg.ckpt_path) == "last" else Path(str(cfg.ckpt_path))
+    path = path if path.exists() else previous_checkpoint(path) or path
+    check_resumable(checkpoint_metadata(path), OmegaConf.to_container(cfg.model, resolve=True), None, cfg.ckpt_path)
+
+
 def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir: Path) -> list[RankShare]:
     """Shard the representative ranks (or dry_run.ranks), print what each holds, write dry_run.json."""
     if layout is None:
@@ -243,6 +255,8 @@ def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir:
             "e.g. trainer.num_nodes=8 trainer.devices=8 for 64 GPUs."
         )
     check_precision(cfg)
+    check_trainer_arguments(cfg)
+    check_checkpoint_resumable(cfg, run_dir)
     shape = layout.shape
     schedule = cfg.strategy.get("schedule", "1f1b")
     virtual = cfg.strategy.get("virtual_stages") or default_virtual_stages(schedule)

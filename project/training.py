@@ -7,8 +7,6 @@ directory), so everything here runs on every rank.
 
 from __future__ import annotations
 
-import difflib
-import inspect
 import os
 import signal
 import sys
@@ -28,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from project.callbacks import BestCheckpoint, LayoutFacts, LlamaModelSummary, MemoryMonitor, StepCheckpoint, StepProgressBar, TokenThroughput
 from project.callbacks.preemption import REQUEUE_EXIT_STATUS, StopOnSignal
 from project.checkpoints import checkpoint_metadata, checkpoint_step, previous_checkpoint, resumable_by
-from project.checks import Layout, check_data, is_horovod, plan_layout
+from project.checks import Layout, check_data, check_trainer_arguments, is_horovod, plan_layout
 from project.console import keep_console, launch_rank, silence_known_noise
 from project.data.datamodule import TokenShardDataModule
 from project.data.prepare import prepare_from_config
@@ -106,12 +104,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
         callbacks.append(StepProgressBar())
     if cfg.trainer.get("enable_model_summary", True):
         callbacks.append(LlamaModelSummary())
+    check_trainer_arguments(cfg)
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-    accepted = set(inspect.signature(L.Trainer.__init__).parameters) - {"self"}
-    for key in trainer_kwargs.keys() - accepted:  # added with +trainer.KEY=...
-        match = difflib.get_close_matches(key, sorted(accepted), n=1)
-        hint = f" Did you mean trainer.{match[0]}?" if match else ""
-        raise ConfigError(f"trainer.{key} is not an argument of lightning.Trainer.{hint}")
     # Lightning logs every log_every_n_steps steps only: a shorter run would write no metrics at all.
     trainer_kwargs["log_every_n_steps"] = min(trainer_kwargs.get("log_every_n_steps", 50), trainer_kwargs["max_steps"])
     try:

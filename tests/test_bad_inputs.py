@@ -103,13 +103,14 @@ def test_a_command_line_hydra_would_refuse_is_one_clear_error(overrides, message
         check_command_line(["experiment=debug", *overrides])
 
 
+@pytest.mark.parametrize("dry_run", [False, True], ids=["start", "dry-run"])
 @pytest.mark.parametrize("overrides, message", VALUES, ids=[" ".join(o) for o, _ in VALUES])
-def test_a_setting_out_of_range_is_refused_before_training(overrides, message):
+def test_a_setting_out_of_range_is_refused_before_training(overrides, message, dry_run):
     check_command_line(["experiment=debug", *overrides])  # the command line itself is fine ...
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=["experiment=debug", *overrides])
-    with pytest.raises(ConfigError, match=message):  # ... its values are not
-        preflight(cfg)
+    with pytest.raises(ConfigError, match=message):  # ... its values are not, for a dry run either
+        preflight(cfg, dry_run=dry_run)
 
 
 @pytest.mark.parametrize("strategy, key", CLOSED_STRATEGY_SETTINGS, ids=[f"{s}.{k}" for s, k in CLOSED_STRATEGY_SETTINGS])

@@ -179,3 +179,33 @@ def test_a_dry_run_checks_the_shards_it_finds_and_says_when_they_are_elsewhere(t
     with pytest.raises(ConfigError, match="on-the-cluster"):
         preflight(elsewhere)  # a real start here has no shards
     assert tuple(preflight(elsewhere, dry_run=True).shape) == (1, 2, 1)
+
+
+def test_every_file_check_of_a_real_start_refuses_the_dry_run_too(single_reference, tiny_shards, tmp_path):
+    from project.dry_run import dry_run
+    from project.errors import ConfigError
+
+    not_a_checkpoint = tmp_path / "cut.ckpt"
+    not_a_checkpoint.write_bytes(b"PK\x03\x04 cut short")
+    before_preflight = {  # refused by the settings check, which a real start and a dry run share
+        "ckpt_path=last": (["ckpt_path=last"], "ckpt_path=last: no checkpoint at .*last.ckpt"),
+        "missing checkpoint": ([f"ckpt_path={tmp_path / 'none.ckpt'}"], "no checkpoint at"),
+        "not a checkpoint": ([f"ckpt_path={not_a_checkpoint}"], "is not a checkpoint this platform can read"),
+    }
+    for case, (overrides, message) in before_preflight.items():
+        cfg = compose_job(*train_overrides(tiny_shards, tmp_path / "run", *overrides))
+        for dry in (False, True):
+            with pytest.raises(ConfigError, match=message):
+                preflight(cfg, dry_run=dry, run_dir=tmp_path / "run")
+    # What a real start checks after its imports, a dry run checks too: Trainer arguments, the checkpoint's model.
+    checkpoint = single_reference / "checkpoints" / "last.ckpt"
+    after_imports = {
+        "unknown trainer argument": (["+trainer.max_stepz=3"], "trainer.max_stepz is not an argument of lightning.Trainer"),
+        "another model's checkpoint": ([f"ckpt_path={checkpoint}", "model.dim=32"], "holds a model of another shape"),
+    }
+    for case, (overrides, message) in after_imports.items():
+        cfg = compose_job(*train_overrides(tiny_shards, tmp_path / "run", *overrides, "trainer.devices=1"))
+        layout = preflight(cfg, dry_run=True)
+        with pytest.raises(ConfigError, match=message):
+            dry_run(cfg, layout, "single", tmp_path / "run")
+    assert not (tmp_path / "run").exists()
