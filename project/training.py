@@ -127,15 +127,24 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
 def record_console(cfg: DictConfig, run_dir: Path) -> None:
     """Known noise filtered, the console kept in the run directory, secrets out of what is written there."""
     silence_known_noise()
-    rank, secrets = launch_rank(cfg.trainer.get("num_nodes", 1)), secret_values(cfg)
-    keep_console(run_dir, rank, secrets)
-    if rank == 0:
-        scrub_files(run_dir / ".hydra", secrets)  # Hydra wrote its record of the config before this code ran
+    keep_console(run_dir, launch_rank(cfg.trainer.get("num_nodes", 1)), secret_values(cfg))
     if cfg.ckpt_path is not None:
         # Resuming in its own run directory, where its checkpoints are expected; or from another run's,
         # when the best checkpoint is tracked afresh in this one.
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
+
+
+def write_hydra_record(cfg: DictConfig, run_dir: Path) -> None:
+    """Hydra's record of the run in .hydra/ (config.yaml, hydra.yaml, overrides.yaml, as Hydra writes them),
+    secrets redacted. conf/train.yaml keeps Hydra from writing it before any of our code runs, which would
+    replace the record of a finished run with that of a start that then refuses or has nothing to do."""
+    hydra, folder = HydraConfig.get(), run_dir / ".hydra"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (folder / "hydra.yaml").write_text(OmegaConf.to_yaml({"hydra": hydra}))
+    (folder / "overrides.yaml").write_text(OmegaConf.to_yaml(hydra.overrides.task))
+    scrub_files(folder, secret_values(cfg))
 
 
 def attach_loggers(trainer: L.Trainer, cfg: DictConfig, run_dir: Path, layout: Layout) -> None:
@@ -236,8 +245,9 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
         return {}
     if ckpt_path is not None:  # a checkpoint of another model or tokenizer, refused by name before anything loads
         check_resumable(checkpoint_metadata(ckpt_path), model_cfg, datamodule.tokenizer_identity, ckpt_path, cfg.data.dir)
-    if trainer.is_global_zero:  # only now: a refused resume leaves the run's record as it was
+    if trainer.is_global_zero:  # only now: a refused or no-op start leaves the run's record as it was
         OmegaConf.save(redacted_container(cfg), run_dir / "config.yaml")
+        write_hydra_record(cfg, run_dir)
     ckpt_path = resumable_by(
         trainer.strategy, ckpt_path, run_dir, module.optimizer_parameter_names(), converts=is_first_process(trainer)
     )

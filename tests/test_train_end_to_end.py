@@ -157,9 +157,16 @@ def test_training_prepares_missing_shards_from_the_data_sources(tmp_path):
 def test_resuming_a_finished_run_says_there_is_nothing_to_do(debug_run, tiny_shards):
     run_dir, _ = debug_run
     before = (run_dir / "metrics.csv").read_text()
+    record = {p.name: p.read_text() for p in [*(run_dir / ".hydra").iterdir(), run_dir / "config.yaml"]}
+    assert {"config.yaml", "hydra.yaml", "overrides.yaml"} <= record.keys()
     result = run_train(tiny_shards, run_dir, f"peak_flops_per_device={PEAK}", "ckpt_path=last")
     assert "already trained to step 30 (trainer.max_steps=30): nothing to do" in result.stdout + result.stderr
     assert (run_dir / "metrics.csv").read_text() == before
+    # The run's record is the run's, not the no-op start's; nor a refused start's.
+    assert {p.name: p.read_text() for p in [*(run_dir / ".hydra").iterdir(), run_dir / "config.yaml"]} == record
+    refused = run_module("project.train", train_overrides(tiny_shards, run_dir, "ckpt_path=last", "trainer.max_steps=40", "model.dim=32"))
+    assert refused.returncode == 2 and "holds a model of another shape" in refused.stderr
+    assert {p.name: p.read_text() for p in [*(run_dir / ".hydra").iterdir(), run_dir / "config.yaml"]} == record
 
 
 def test_a_refused_run_leaves_no_run_directory(tiny_shards, tmp_path):
