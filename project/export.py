@@ -1,7 +1,10 @@
 """Export a training checkpoint as a Hugging Face model folder (LlamaForCausalLM + tokenizer).
 
-    python -m project.export ckpt_path=PATH output_dir=DIR [tokenizer=PATH] [dtype=float32|bfloat16|float16]
+    python -m project.export ckpt_path=PATH [output_dir=DIR] [tokenizer=PATH] [dtype=float32|bfloat16|float16]
                              [max_shard_size=5GB] [overwrite=true]
+
+The default output_dir is `outputs/hf/<run>-<checkpoint>` under $PROJECT_ROOT (as conf/paths), e.g.
+outputs/hf/r1-last for outputs/runs/r1/checkpoints/last.ckpt: generated files stay out of the source tree.
 
 Writes config.json, model.safetensors (past max_shard_size: model-0000N-of-0000M.safetensors and
 model.safetensors.index.json, as transformers does), generation_config.json and the tokenizer files, so that
@@ -42,7 +45,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEFAULTS = {"ckpt_path": None, "output_dir": None, "tokenizer": None, "dtype": "float32", "overwrite": "false", "max_shard_size": "5GB"}
 PASS_TOKENIZER = "Pass tokenizer=PATH (a HF tokenizer.json or a sentencepiece .model)."
 USAGE = (
-    "usage: python -m project.export ckpt_path=PATH output_dir=DIR [tokenizer=PATH] "
+    "usage: python -m project.export ckpt_path=PATH [output_dir=DIR] [tokenizer=PATH] "
     "[dtype=float32|bfloat16|float16] [max_shard_size=5GB] [overwrite=true]"
 )
 
@@ -57,14 +60,24 @@ def parse_args(argv: list[str]) -> dict[str, str | None]:
         if not sep or key not in DEFAULTS:
             raise ConfigError(f"unknown argument {arg!r}; expected key=value with key in {list(DEFAULTS)}.\n{USAGE}")
         args[key] = value
-    for key in ("ckpt_path", "output_dir"):
-        if not args[key]:
-            raise ConfigError(f"{key}= is required.\n{USAGE}")
+    if not args["ckpt_path"]:
+        raise ConfigError(f"ckpt_path= is required.\n{USAGE}")
+    args["output_dir"] = args["output_dir"] or str(default_output_dir(args["ckpt_path"]))
     if args["dtype"] not in DTYPES:
         raise ConfigError(f"dtype={args['dtype']} is not one of {list(DTYPES)}.")
     if args["overwrite"].lower() not in ("true", "false"):
         raise ConfigError(f"overwrite={args['overwrite']} must be true or false.")
     return args
+
+
+def default_output_dir(ckpt_path: str) -> Path:
+    """`outputs/hf/<run>-<checkpoint>` for a checkpoint in a run's checkpoints/ folder, else
+    `outputs/hf/<checkpoint>`, under $PROJECT_ROOT: the last and the best checkpoint of a run get folders apart."""
+    path = Path(ckpt_path).absolute()
+    name = path.stem if path.suffix == ".ckpt" else path.name
+    if path.parent.name == "checkpoints":
+        name = f"{path.parent.parent.name}-{name}"
+    return Path(os.environ.get("PROJECT_ROOT", ".")) / "outputs" / "hf" / name
 
 
 def load_checkpoint(path: Path) -> tuple[LlamaConfig, CheckpointWeights, Mapping]:

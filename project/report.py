@@ -6,10 +6,13 @@ Each argument is a run directory (the `hydra.run.dir` of `project.train`: `metri
 `memory/rank<N>.json`); a sweep folder of `project.sweep` (`points.jsonl`), which stands for all its
 points, failed ones included, with the error each printed as their status; a wandb run folder
 (`offline-run-*`, holding `run-<id>.wandb`); or `wandb:ENTITY/PROJECT[/SWEEP_ID]`, the runs of a wandb
-project or sweep on wandb's server. Writes `<out>/<name>/report.md` (default out: experiments/reports;
-default name: `<date>-<first argument's folder name>`) with one row per run, best throughput first, and
-beside it `throughput.svg`, `memory.svg` and `loss.svg`. A report of the same name is replaced: it is made
-from the runs alone, so making it again gives the same figures.
+project or sweep on wandb's server. Writes `report.md`, with one row per run, best throughput first, and
+beside it `throughput.svg`, `memory.svg` and `loss.svg`, into `out=DIR` itself, or by default into
+`outputs/reports/<name>/` (under $PROJECT_ROOT, as conf/paths): generated files stay out of the source tree,
+like every run's. `name=` titles the report; its default is out's folder name, else
+`<date>-<first argument's folder name>`. A report in the same folder is replaced: it is made from the runs
+alone, so making it again gives the same figures. The reports kept in git, under experiments/reports/, are
+made with `out=experiments/reports/<name>`.
 
 The CSV logger writes `metrics.csv` under every logger config, so a run directory is read from it. A run
 directory without it (deleted, say) is read from its `wandb/offline-run-*` folders: the transaction log
@@ -399,6 +402,8 @@ def write_plots(summaries: list[RunSummary], folder: Path) -> dict[str, str]:
         charts["loss"] = line_chart(PLOTS["loss"], curves, "optimizer step", "train/loss")
     for key, svg in charts.items():
         (folder / f"{key}.svg").write_text(svg, encoding="utf-8")
+    for key in PLOTS.keys() - charts.keys():  # a plot of the report this one replaces would outlive its data
+        (folder / f"{key}.svg").unlink(missing_ok=True)
     return {key: f"{key}.svg" for key in charts}
 
 
@@ -475,10 +480,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     options, sources = parse(argv)
     summaries = collect(sources)
-    name = options["name"] or default_name(sources)
-    out = Path(options["out"]) if options["out"] else Path(os.environ.get("PROJECT_ROOT", ".")) / "experiments" / "reports"
+    if options["out"]:
+        folder = Path(options["out"])
+        name = options["name"] or folder.resolve().name
+    else:
+        name = options["name"] or default_name(sources)
+        folder = Path(os.environ.get("PROJECT_ROOT", ".")) / "outputs" / "reports" / name
     command = shlex.join(["python", "-m", "project.report", *argv])
-    path = write_report(summaries, out / name, f"Report {name}", command)
+    path = write_report(summaries, folder, f"Report {name}", command)
     print(table(ranked(summaries)))
     print(f"\nwrote {path} and its plots")
     return 0

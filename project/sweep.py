@@ -13,6 +13,11 @@ PATH), and `hydra.run.dir` is the point's own folder, `<sweep_dir>/<point>/`. Th
 status, seconds, final metrics, error), for a report to read. `dry_run=true` prints the command lines an agent would run
 and runs nothing.
 
+The sweep's console gets a line as each point starts and one as it ends (status, seconds, final metrics or
+error): a point's own console, progress bars and all, is in its run folder's train.log, where project.train
+keeps it, so six points' bars would only bury which point is where. A point refused before it trained leaves no
+train.log; the error it printed is its end line, and is recorded.
+
 Extra `key=value` arguments are training overrides for every point: one whose key the command or a
 constant parameter sets already replaces it (`experiment=debug`, `logger=csv`, `trainer.devices=2`), the
 others are appended; a point's recorded parameters are the values it ran with, overrides included. A
@@ -382,15 +387,13 @@ def error_of(stderr_tail: str) -> str:
 
 
 def run_point(argv: list[str]) -> tuple[int, str]:
-    """Run one point, its output passing through to this console; its exit status and the tail of its stderr."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    process = subprocess.Popen(argv, stderr=subprocess.PIPE)
+    """Run one point, its console kept by the point itself (train.log), not shown here; its exit status and
+    the tail of its stderr."""
+    # No stdin: a point that asked for input (a login prompt) would wait on a question no one sees.
+    process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     tail = b""
     try:
-        for chunk in iter(lambda: process.stderr.read1(1 << 16), b""):  # chunks, not lines: progress bars redraw with \r
-            sys.stderr.buffer.write(chunk)
-            sys.stderr.buffer.flush()
+        for chunk in iter(lambda: process.stderr.read1(1 << 16), b""):  # until every rank it started has closed it
             tail = (tail + chunk)[-TAIL_BYTES:]
     finally:
         status = process.wait()
@@ -403,14 +406,26 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
+def metric_format(values: list[float]) -> Callable[[float], str]:
+    """One format for a column of a metric: whole numbers with thousands separators from 1,000 up
+    (tokens/s), else the decimals that give its largest value 4 significant digits (losses, MFU), never
+    an exponent beside plain numbers."""
+    largest = max((abs(v) for v in values if math.isfinite(v)), default=0.0)
+    if largest >= 1000:
+        return lambda v: f"{v:,.0f}"
+    decimals = min(6, max(0, 3 - math.floor(math.log10(largest)))) if largest > 0 else 0
+    return lambda v: f"{v:.{decimals}f}"
+
+
 def summary_table(results: list[PointResult], varied: list[str], metrics: list[str]) -> str:
     header = ["point", "status", "seconds", *metrics, *varied]
+    formats = {m: metric_format([r.metrics[m] for r in results if m in r.metrics]) for m in metrics}
     rows = [
         [
             str(r.index),
             "ok" if r.status == 0 else f"failed ({r.status})",
             f"{r.seconds:.1f}",
-            *(fmt(r.metrics[m]) if m in r.metrics else "-" for m in metrics),
+            *(formats[m](r.metrics[m]) if m in r.metrics else "-" for m in metrics),
             *(fmt(r.parameters[name]) for name in varied),
         ]
         for r in results
@@ -431,6 +446,23 @@ def default_sweep_dir(spec: Spec) -> Path:
     return candidate
 
 
+def start_line(result: PointResult, count: int, varied: list[str]) -> str:
+    """What sets the point apart (all its parameters where none varies), and where its console goes."""
+    names = [name for name in varied if name in result.parameters] or list(result.parameters)
+    settings = " ".join(f"{name}={fmt(result.parameters[name])}" for name in names)
+    console = result.run_dir / "train.log"
+    return f"point {result.index} ({result.index + 1}/{count}) started: {settings}; console: {console}"
+
+
+def end_line(result: PointResult) -> str:
+    if result.status == 0:
+        metrics = ", ".join(f"{name} {metric_format([value])(value)}" for name, value in result.metrics.items())
+        return f"point {result.index} ok after {result.seconds:.1f} s" + (f": {metrics}" if metrics else "")
+    log = result.run_dir / "train.log"
+    where = f" (console: {log})" if log.is_file() else ""
+    return f"point {result.index} failed ({result.status}) after {result.seconds:.1f} s: {result.error}{where}"
+
+
 def run_sweep(spec: Spec, points: list[dict[str, Any]], overrides: list[str], sweep_dir: Path) -> list[PointResult]:
     """Run every point in turn, each in `sweep_dir/<index>/`; a failure is recorded and the sweep goes on."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -441,15 +473,15 @@ def run_sweep(spec: Spec, points: list[dict[str, Any]], overrides: list[str], sw
         run_dir = (sweep_dir / str(index)).absolute()
         argv = agent_command(spec.command, point, spec.program, interpreter=sys.executable)
         argv = with_overrides(argv, [*overrides, f"hydra.run.dir={run_dir}"])
-        print(f"\n== point {index + 1}/{len(points)}: {shlex.join(argv)}", flush=True)
         result = PointResult(index, ran_with(point, values), argv, run_dir)
+        print(start_line(result, len(points), spec.varied), flush=True)
         start = time.monotonic()
         result.status, tail = run_point(argv)
         result.seconds = time.monotonic() - start
         result.metrics = final_metrics(run_dir, spec.reported)
         if result.status != 0:
             result.error = error_of(tail)
-            print(f"== point {index} failed ({result.status}) after {result.seconds:.1f} s: {result.error}", flush=True)
+        print(end_line(result), flush=True)
         results.append(result)
         record = {
             "point": index,

@@ -189,6 +189,27 @@ def test_export_refuses_a_non_empty_output_dir_and_leaves_it_untouched(bpe_check
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "hf", "last.ckpt"]  # no temp folder left
 
 
+def test_without_output_dir_an_export_goes_under_outputs_hf_named_for_run_and_checkpoint(bpe_checkpoint, monkeypatch):
+    tmp_path, bos_id, eos_id = bpe_checkpoint
+    ckpt_path, _ = write_checkpoint(tmp_path, tiny_config(), "tokenizer.json", bos_id, eos_id)
+    in_run = tmp_path / "runs" / "r1" / "checkpoints" / "last.ckpt"
+    in_run.parent.mkdir(parents=True)
+    os.link(ckpt_path, in_run)
+    root = tmp_path / "root"
+    root.mkdir()
+    monkeypatch.setenv("PROJECT_ROOT", str(root))
+    monkeypatch.chdir(root)
+
+    main([f"ckpt_path={in_run}"])
+    main([f"ckpt_path={ckpt_path}"])  # a checkpoint outside a run: named for itself
+
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("config.json")) == [
+        "outputs/hf/last/config.json",
+        "outputs/hf/r1-last/config.json",
+    ]
+    assert [p.name for p in root.iterdir()] == ["outputs"]
+
+
 def test_overwrite_replaces_exported_files_and_keeps_others(bpe_checkpoint):
     tmp_path, bos_id, eos_id = bpe_checkpoint
     ckpt_path, _ = write_checkpoint(tmp_path, tiny_config(), "tokenizer.json", bos_id, eos_id)

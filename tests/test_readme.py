@@ -120,6 +120,7 @@ def test_every_readme_command_runs_as_written_on_a_fresh_copy(tmp_path):
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
     env.pop("PYTEST_CURRENT_TEST", None)
+    before = set(repo.rglob("*"))
     ran, steps = [], {}
     for argv in readme_commands(repo / "README.md"):
         if skip_reason(argv) is not None:
@@ -142,5 +143,8 @@ def test_every_readme_command_runs_as_written_on_a_fresh_copy(tmp_path):
         assert result.returncode == 0, f"`{shlex.join(argv)}` failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
         ran.append(shlex.join(argv))
     assert len(ran) >= 10
-    assert (repo / "hf" / "my-llama" / "model.safetensors").is_file()  # the last command exported the r1 run
-    assert (repo / "hf" / "llama3-mytext" / "config.json").is_file()  # and one before it the continued pretraining
+    assert (repo / "outputs" / "hf" / "my-llama" / "model.safetensors").is_file()  # the last command exported the r1 run
+    assert (repo / "outputs" / "hf" / "llama3-mytext" / "config.json").is_file()  # and one before it the continued pretraining
+    # What the commands write lands in outputs/ and data/, never among the user's sources (Python's own caches aside).
+    written = {p.relative_to(repo) for p in set(repo.rglob("*")) - before if "__pycache__" not in p.parts}
+    assert {p for p in written if p.parts[0] not in ("outputs", "data")} == set()

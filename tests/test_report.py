@@ -82,7 +82,7 @@ def table_rows(report_md: Path) -> list[dict[str, str]]:
 
 
 def make_report(tmp_path: Path, *paths: Path, name: str = "r") -> list[dict[str, str]]:
-    assert report.main([*map(str, paths), f"out={tmp_path / 'reports'}", f"name={name}"]) == 0
+    assert report.main([*map(str, paths), f"out={tmp_path / 'reports' / name}"]) == 0
     return table_rows(tmp_path / "reports" / name / "report.md")
 
 
@@ -155,6 +155,40 @@ def test_the_report_links_its_plots_and_writes_them(tmp_path):
     text = (folder / "report.md").read_text()
     for plot in ("throughput.svg", "memory.svg", "loss.svg"):
         assert f"]({plot})" in text and (folder / plot).stat().st_size > 1000, plot
+
+
+def test_by_default_a_report_is_written_under_outputs_and_nothing_else_is_created(tmp_path, monkeypatch):
+    run = write_run(tmp_path / "runs" / "r0", "single")
+    root = tmp_path / "root"
+    root.mkdir()
+    monkeypatch.setenv("PROJECT_ROOT", str(root))
+    monkeypatch.chdir(root)
+    assert report.main([str(run), "name=two-runs"]) == 0
+    assert report.main([str(run)]) == 0  # the default name: <date>-<first folder's name>
+    written = sorted(str(p.relative_to(root)) for p in root.rglob("report.md"))
+    dated = report.default_name([str(run)])
+    assert written == sorted(["outputs/reports/two-runs/report.md", f"outputs/reports/{dated}/report.md"])
+    assert [p.name for p in root.iterdir()] == ["outputs"]
+
+
+def test_out_is_the_report_folder_itself_and_its_name_titles_the_report(tmp_path):
+    run = write_run(tmp_path / "run", "single")
+    folder = tmp_path / "experiments" / "reports" / "2026-11-23-cpu-layouts"
+    assert report.main([str(run), f"out={folder}"]) == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["loss.svg", "memory.svg", "report.md", "throughput.svg"]
+    assert (folder / "report.md").read_text().startswith("# Report 2026-11-23-cpu-layouts\n")
+    assert report.main([str(run), f"out={folder}", "name=layouts"]) == 0
+    assert (folder / "report.md").read_text().startswith("# Report layouts\n")
+
+
+def test_a_report_made_again_in_its_folder_leaves_no_plot_of_the_one_it_replaces(tmp_path):
+    run = write_run(tmp_path / "run", "single")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.yaml").write_text(yaml.safe_dump({"trainer": {"devices": 1, "max_steps": 5}}))
+    make_report(tmp_path, run, name="again")
+    make_report(tmp_path, bare, name="again")
+    assert sorted(p.name for p in (tmp_path / "reports" / "again").iterdir()) == ["report.md"]
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import shlex
 from pathlib import Path
 
@@ -213,6 +214,55 @@ def test_each_point_is_recorded_with_the_values_it_ran_with_after_the_overrides(
             assert {name: OmegaConf.select(cfg, name) for name in record["parameters"]} == record["parameters"]
 
 
+# A stand-in for project.train: progress bars on both streams, its own train.log and metrics.csv, or a refusal.
+FAKE_POINT = """
+import csv, pathlib, sys
+args = dict(arg.split("=", 1) for arg in sys.argv[1:])
+k = float(args["k"])
+if k == 0:
+    sys.exit(print("error: k=0 is refused", file=sys.stderr) or 2)
+run_dir = pathlib.Path(args["hydra.run.dir"])
+run_dir.mkdir(parents=True)
+(run_dir / "train.log").write_text("the point's console")
+for i in range(101):
+    print(f"\\rEpoch 0: {i}%|#| {i}/100 [00:00<00:00]", end="", flush=True)
+    print(f"\\rValidation: {i}/100", end="", file=sys.stderr, flush=True)
+with open(run_dir / "metrics.csv", "w", newline="") as file:
+    csv.writer(file).writerows([["step", "val/loss", "train/tokens_per_sec"], [9, 2.5, 1000 * k]])
+"""
+
+
+def test_the_sweep_console_has_a_line_as_each_point_starts_and_ends_and_a_table_of_plain_numbers(tmp_path, capfd):
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_POINT)
+    command = ["${interpreter}", str(script), "${args_no_hyphens}"]
+    metric = {"name": "train/tokens_per_sec", "goal": "maximize"}
+    path = write_spec(tmp_path, {"k": {"values": [26.0204, 6.625, 0]}}, command=command, metric=metric)
+    assert sweep.main([f"spec={path}", f"sweep_dir={tmp_path / 'sweep'}"]) == 0
+    out, err = capfd.readouterr()
+    assert err == ""  # nothing of the points' consoles: their progress bars are theirs to keep
+    points, table = out.split("\nsweep ")
+    runs = (tmp_path / "sweep").absolute()
+    assert [re.sub(r"after \d+\.\d s", "after S s", line) for line in points.splitlines()] == [
+        f"point 0 (1/3) started: k=26.02; console: {runs / '0' / 'train.log'}",
+        "point 0 ok after S s: val/loss 2.500, train/tokens_per_sec 26,020",
+        f"point 1 (2/3) started: k=6.625; console: {runs / '1' / 'train.log'}",
+        "point 1 ok after S s: val/loss 2.500, train/tokens_per_sec 6,625",
+        f"point 2 (3/3) started: k=0; console: {runs / '2' / 'train.log'}",
+        "point 2 failed (2) after S s: error: k=0 is refused",
+    ]
+    rows = [line.split() for line in table.splitlines()[3:6]]
+    assert [(row[-3], row[-2]) for row in rows] == [("2.500", "26,020"), ("2.500", "6,625"), ("-", "-")]
+    assert (runs / "0" / "train.log").read_text() == "the point's console"
+
+
+def test_a_metric_column_has_one_format_from_losses_to_tokens_per_second():
+    assert [sweep.metric_format([26020.4, 6625.0])(v) for v in (26020.4, 6625.0)] == ["26,020", "6,625"]
+    assert [sweep.metric_format([26020.4, 900.6])(v) for v in (26020.4, 900.6)] == ["26,020", "901"]
+    assert [sweep.metric_format([5.7561, 10.2])(v) for v in (5.7561, 10.2)] == ["5.76", "10.20"]
+    assert [sweep.metric_format([0.0123, 0.0456])(v) for v in (0.0123, 0.0456)] == ["0.01230", "0.04560"]
+
+
 def test_a_missing_spec_names_the_specs_there_are(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit):
@@ -251,9 +301,13 @@ def test_a_sweep_whose_every_point_is_refused_reports_each_and_exits_1(tiny_shar
 def test_a_local_sweep_runs_every_point_and_reports_the_invalid_one_within_seconds(tiny_shards, tmp_path):
     parameters = {"global_batch_size": {"values": [8, 7]}, "strategy": {"value": "ddp"}, "trainer.devices": {"value": 2}}
     path = write_spec(tmp_path, parameters)
-    overrides = [*data_overrides(tiny_shards), "trainer.max_steps=3", "val_every_n_steps=3", "logger=csv"]
+    overrides = [*data_overrides(tiny_shards), "trainer.max_steps=3", "val_every_n_steps=3", "logger=csv",
+                 "trainer.enable_progress_bar=true"]  # fmt: skip
     result = run_module("project.sweep", [f"spec={path}", f"sweep_dir={tmp_path / 'sweep'}", *overrides])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    console = (tmp_path / "sweep" / "0" / "train.log").read_text()
+    assert "run dir: " in console and "run dir: " not in result.stdout + result.stderr  # kept, not shown
+    assert len(result.stdout[: result.stdout.index("\nsweep ")].splitlines()) == 4 and result.stderr == ""
     records = [json.loads(line) for line in (tmp_path / "sweep" / "points.jsonl").read_text().splitlines()]
     assert [(r["parameters"]["global_batch_size"], r["status"]) for r in records] == [(8, 0), (7, 2)]
     assert records[0]["metrics"] == {"val/loss": list(read_metrics(tmp_path / "sweep" / "0", "val/loss").values())[-1]}
