@@ -10,7 +10,7 @@ _EXPORTS = {
     "LlamaConfig": "project.model",
     "Llama": "project.model",
     "LlamaLitModule": "project.lit_module",
-    "TokenShardDataModule": "project.data",
+    "TokenShardDataModule": "project.data.datamodule",
 }
 __all__ = list(_EXPORTS)
 

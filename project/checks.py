@@ -24,6 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
+from project.data.corpus import NoSourcesError, resolve_sources
 from project.errors import ConfigError
 from project.model.config import LlamaConfig
 from project.parallel.batch import BatchPlan, plan_batches, plan_pipeline_batches
@@ -500,7 +501,52 @@ def check_data(cfg: DictConfig, shards: bool = True) -> None:
                 "and will not be prepared into; point data.dir at prepared shards, or a new or empty folder."
             )
         return
+    if differences := data_settings_differ(cfg, read_manifest(data_dir)):
+        if cfg.data.get("overwrite") and cfg.data.get("auto_prepare"):
+            return  # training prepares them again from this run's settings
+        raise ConfigError(
+            f"data.dir={data_dir} holds shards prepared from other data settings than this run's: {'; '.join(differences)}. "
+            f"Point data.dir at a new folder (e.g. data.dir={data_dir.parent / 'NAME'}) to prepare them there and keep both, "
+            "or set data.overwrite=true to prepare them again in place from this run's settings."
+        )
     _check_vocabulary(cfg, check_prepared_shards(data_dir, cfg.data.seq_len)[1])
+
+
+def data_settings_differ(cfg: DictConfig, manifest: Mapping[str, Any]) -> list[str]:
+    """What of data.sources, data.tokenizer, data.vocab_size and data.seq_len differs from what the shards'
+    manifest records they were prepared from, each as `setting: there, here`. Sources are compared where they
+    are on this machine (shards copied without their raw text are taken as they are), the tokenizer and the
+    vocabulary where the manifest records them (shards prepared before it did are taken on trust)."""
+    data, differences = cfg.data, []
+    if manifest.get("block_size") != data.seq_len + 1:
+        differences.append(f"data.seq_len: {int(manifest.get('block_size', 0)) - 1} there, {data.seq_len} here")
+    try:
+        patterns = [data.sources] if isinstance(data.sources, str) else list(data.sources)
+        here = {str(path): path.stat().st_size for path in resolve_sources(patterns)}
+    except NoSourcesError:
+        here = None
+    there = {str(s.get("path")): s.get("bytes") for s in manifest.get("sources", []) if isinstance(s, Mapping)}
+    if here is not None and there and here.keys() != there.keys():
+        differences.append(f"data.sources: {_files(there)} there, {_files(here)} here")
+    elif here is not None and (changed := sorted(p for p in here if here[p] != there.get(p))) and there:
+        differences.append(f"data.sources: {changed[0]} held {there[changed[0]]} bytes when prepared, {here[changed[0]]} now")
+    settings = manifest.get("settings")
+    if isinstance(settings, Mapping):
+        given = str(Path(data.tokenizer).absolute()) if data.get("tokenizer") else None
+        if given != settings.get("tokenizer"):
+            said = lambda t: f"data.tokenizer={t}" if t else "a BPE trained on the sources (data.tokenizer=null)"  # noqa: E731
+            differences.append(f"tokenizer: {said(settings.get('tokenizer'))} there, {said(given)} here")
+        elif given is None and settings.get("vocab_size") != data.vocab_size:
+            differences.append(f"data.vocab_size: {settings.get('vocab_size')} there, {data.vocab_size} here")
+    return differences
+
+
+def _files(sizes: Mapping[str, Any]) -> str:
+    """`12 files in /data/raw/shakespeare (a_gut.txt, ...)`: what a list of source files is, said briefly."""
+    paths = sorted(sizes)
+    folder = os.path.commonpath([os.path.dirname(p) for p in paths])
+    names = ", ".join(os.path.relpath(p, folder) for p in paths[:2]) + (", ..." if len(paths) > 2 else "")
+    return f"{len(paths)} file{'s' if len(paths) != 1 else ''} in {folder} ({names})"
 
 
 def check_prepared_shards(

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from project.callbacks import BestCheckpoint, LayoutFacts, LlamaModelSummary, MemoryMonitor, StepCheckpoint, StepProgressBar, TokenThroughput
 from project.callbacks.preemption import REQUEUE_EXIT_STATUS, StopOnSignal
 from project.checkpoints import checkpoint_metadata, checkpoint_step, previous_checkpoint, resumable_by
-from project.checks import Layout, check_data, check_trainer_arguments, is_horovod, plan_layout
+from project.checks import Layout, check_data, check_trainer_arguments, data_settings_differ, is_horovod, plan_layout, read_manifest
 from project.console import keep_console, launch_rank, silence_known_noise
 from project.data.datamodule import TokenShardDataModule
 from project.data.prepare import prepare_from_config
@@ -192,9 +192,12 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
     trainer.val_check_interval = cfg.val_every_n_steps * plan.accumulate_grad_batches
 
     local = not cfg.data.get("mix") and not is_remote(cfg.data.dir)
-    if cfg.data.get("auto_prepare", False) and local and not (Path(cfg.data.dir) / "manifest.json").is_file():
+    manifest = Path(cfg.data.dir) / "manifest.json"
+    if cfg.data.get("auto_prepare", False) and local and (not manifest.is_file() or data_settings_differ(cfg, read_manifest(cfg.data.dir))):
+        # Missing, or prepared from other settings with data.overwrite=true (project.checks refuses them otherwise).
         # Every process may get here (torchrun, SLURM): prepare_shards lets one build, the others wait.
-        rank_zero_info(f"no prepared shards in {cfg.data.dir}: preparing them from data.sources (data.auto_prepare=false skips this)")
+        said = "no prepared shards" if not manifest.is_file() else "data.overwrite=true and shards from other settings"
+        rank_zero_info(f"{said} in {cfg.data.dir}: preparing them from data.sources (data.auto_prepare=false skips this)")
         prepare_from_config(OmegaConf.to_container(cfg.data, resolve=True))
         check_data(cfg)
     datamodule = TokenShardDataModule(

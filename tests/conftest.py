@@ -79,6 +79,10 @@ def train_overrides(shards: Path, run_dir: Path, *extra: str) -> list[str]:
     return [
         "experiment=debug",
         f"data.dir={shards}",
+        # The corpus the shards were prepared from (tiny_shards': raw/ beside them), so that a run's data settings
+        # are the shards' (project.checks refuses others); where there is none, the shards are taken as they are.
+        f"data.sources=[{Path(shards).parent / 'raw'}/*.txt]",
+        "data.fetch=null",
         "data.seq_len=32",
         "data.vocab_size=300",
         f"hydra.run.dir={run_dir}",

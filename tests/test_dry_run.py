@@ -170,7 +170,7 @@ def test_a_dry_run_checks_the_shards_it_finds_and_says_when_they_are_elsewhere(t
     from project.errors import ConfigError
 
     mismatched = compose_job(*train_overrides(tiny_shards, tmp_path, "data.seq_len=64"))  # the shards hold 33-token blocks
-    with pytest.raises(ConfigError, match="hold blocks of 33 tokens") as real:
+    with pytest.raises(ConfigError, match="data.seq_len: 32 there, 64 here") as real:
         preflight(mismatched)
     with pytest.raises(ConfigError) as dry:
         preflight(mismatched, dry_run=True)

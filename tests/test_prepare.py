@@ -13,8 +13,10 @@ import pytest
 import sentencepiece
 import tokenizers
 
-from project.data import corpus, load_tokenizer, prepare_shards
+from project.data import corpus
 from project.data import prepare as prepare_module
+from project.data.prepare import prepare_shards
+from project.data.tokenizer import load_tokenizer
 from project.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from conftest import ROOT, read_metrics, run_module, train_overrides
 from project import sweep
 from project.checks import preflight
+from test_quiet_runs import unexpected_warnings
 
 SPECS = sorted((ROOT / "experiments" / "sweeps").glob("*.yaml"))
 SOURCES = "\n".join(p.read_text() for p in (ROOT / "project").rglob("*.py") if p.name != "sweep.py")
@@ -308,6 +309,7 @@ def test_a_local_sweep_runs_every_point_and_reports_the_invalid_one_within_secon
     console = (tmp_path / "sweep" / "0" / "train.log").read_text()
     assert "run dir: " in console and "run dir: " not in result.stdout + result.stderr  # kept, not shown
     assert len(result.stdout[: result.stdout.index("\nsweep ")].splitlines()) == 4 and result.stderr == ""
+    assert unexpected_warnings(console) == [] and unexpected_warnings(result.stdout) == []  # loader workers on
     records = [json.loads(line) for line in (tmp_path / "sweep" / "points.jsonl").read_text().splitlines()]
     assert [(r["parameters"]["global_batch_size"], r["status"]) for r in records] == [(8, 0), (7, 2)]
     assert records[0]["metrics"] == {"val/loss": list(read_metrics(tmp_path / "sweep" / "0", "val/loss").values())[-1]}

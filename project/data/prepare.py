@@ -76,6 +76,7 @@ class _Settings:
     seed: int
     part_bytes: int = 4 << 20
     chunk_bytes: int = 1 << 20
+    tokenizer: str | None = None  # the tokenizer given (a file or folder, made absolute); None: a BPE trained here
 
 
 def prepare_from_config(data: Mapping[str, Any]) -> dict:
@@ -129,7 +130,7 @@ def prepare_shards(
         "tokenizer": {"kind": "hf"|"sentencepiece", "file": name in output_dir, "vocab_size", "eos_id", "bos_id"},
         "seq_len", "block_size": seq_len + 1, "dtype": "uint16"|"int32",
         "splits": {"train"|"val": {"documents", "tokens", "blocks"}},
-        "sources": [{"path", "bytes"}, ...], "val_fraction", "seed"}
+        "sources": [{"path", "bytes"}, ...], "settings": {"tokenizer", "vocab_size", "text_field"}, "val_fraction", "seed"}
     where `blocks` is what `StreamingDataset(split dir, item_loader=TokensLoader(block_size))` holds.
 
     `output_dir` may be an s3:// URL (`storage_options` go to boto3): the shards are built in a local
@@ -141,7 +142,7 @@ def prepare_shards(
     """
     patterns = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
     settings = _Settings(vocab_size, seq_len, val_fraction, text_field, num_workers, seed, int(part_mb * (1 << 20)),
-                         int(chunk_mb * (1 << 20)))
+                         int(chunk_mb * (1 << 20)), str(Path(tokenizer).absolute()) if tokenizer else None)
     _check(settings, part_mb, chunk_mb)
     rank, nodes = node_of(node_rank, num_nodes)
     if nodes > 1 and not tokenizer:
@@ -386,6 +387,8 @@ def _build(
                 "dtype": np.dtype(dtype).name,
                 "splits": counts,
                 "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
+                # The data settings as given, for training to check its own against (project.checks).
+                "settings": {"tokenizer": settings.tokenizer, "vocab_size": settings.vocab_size, "text_field": text_field},
                 "val_fraction": settings.val_fraction,
                 "seed": settings.seed,
                 "parts": len(parts),
