@@ -240,11 +240,14 @@ def check_checkpoint_resumable(cfg: DictConfig, run_dir: Path) -> None:
     if cfg.get("ckpt_path") is None:
         return
     from project.checkpoints import checkpoint_metadata, previous_checkpoint
+    from project.data.datamodule import tokenizer_identity
     from project.lit_module import check_resumable
 
     path = run_dir / "checkpoints" / "last.ckpt" if str(cfg.ckpt_path) == "last" else Path(str(cfg.ckpt_path))
     path = path if path.exists() else previous_checkpoint(path) or path
-    check_resumable(checkpoint_metadata(path), OmegaConf.to_container(cfg.model, resolve=True), None, cfg.ckpt_path)
+    local_shards = not cfg.data.get("mix") and (Path(str(cfg.data.dir)) / "manifest.json").is_file()
+    tokenizer = tokenizer_identity(str(cfg.data.dir)) if local_shards else None  # shards elsewhere: a real start checks
+    check_resumable(checkpoint_metadata(path), OmegaConf.to_container(cfg.model, resolve=True), tokenizer, path, cfg.data.dir)
 
 
 def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir: Path) -> list[RankShare]:

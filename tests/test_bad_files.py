@@ -511,6 +511,27 @@ def test_a_bad_file_is_one_clear_error_and_earlier_output_survives(case, tmp_pat
     assert file_hashes(built.keep) == before
 
 
+# Every refusal of a real start's files but two: a checkpoint whose tensors are damaged (a dry run reads no tensor),
+# and a data.dir that does not exist here (a dry run sizes a job for another machine, and says the shards are
+# elsewhere: tests/test_dry_run.py).
+DRY_RUN_CASES = [case for case in CASES if case.command == "train" and case.id not in ("ckpt-corrupt-inside", "data-dir-missing")]
+
+
+@pytest.mark.parametrize("case", DRY_RUN_CASES, ids=[case.id for case in DRY_RUN_CASES])
+def test_a_dry_run_refuses_every_bad_file_a_real_start_refuses(case, tmp_path, tiny_shards, request, capsys):
+    from project.dry_run import dry_run
+
+    built = case.build(Inputs(tmp_path, tiny_shards, request))
+    capsys.readouterr()
+    run_dir = Path(next(a for a in built.args if a.startswith("hydra.run.dir=")).partition("=")[2])
+    with pytest.raises(SystemExit) as exit_, exit_on_config_error():
+        check_command_line([*built.args, "dry_run.enabled=true"])
+        cfg = compose_for("train", [*built.args, "dry_run.enabled=true"])
+        dry_run(cfg, preflight(cfg, dry_run=True, run_dir=run_dir), "single", run_dir)
+    error = capsys.readouterr().err
+    assert exit_.value.code == 2 and error.startswith("error: ") and re.search(case.message, error), error
+
+
 def test_a_checkpoint_records_its_tokenizer_and_one_from_before_the_record_still_resumes(trained_run, tiny_shards):
     from project.checkpoints import read_checkpoint_file
     from project.data.datamodule import TokenShardDataModule

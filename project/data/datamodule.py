@@ -63,6 +63,17 @@ def corpora_from(mix: Sequence[Mapping[str, Any]]) -> list[Corpus]:
     return [Corpus(c.name, c.dir, c.weight / total) for c in corpora]
 
 
+def tokenizer_identity(data_dir: str | Path) -> dict[str, Any]:
+    """What the token ids of the shards prepared in `data_dir` (a local folder or view) mean: the tokenizer's
+    kind, size, end-of-text id and a digest of its vocabulary, for a checkpoint to record and a resume to compare."""
+    info = read_manifest(data_dir)["tokenizer"]
+    identity = {"kind": info.get("kind"), "vocab_size": int(info["vocab_size"]), "eos_id": int(info["eos_id"])}
+    path = Path(data_dir) / str(info.get("file", ""))
+    if info.get("file") and path.is_file():
+        identity["vocabulary_sha256"] = load_tokenizer(path).vocabulary_digest()
+    return identity
+
+
 class TokenShardDataModule(LightningDataModule):
     """Streams prepared token shards; one global sequence order whatever the number of replicas.
 
@@ -126,7 +137,7 @@ class TokenShardDataModule(LightningDataModule):
     def _check_one_tokenizer(self) -> None:
         first = self.corpora[0]
         for corpus in self.corpora[1:]:
-            theirs, ours = self._tokenizer_identity(self.views[corpus.dir]), self._tokenizer_identity(self.views[first.dir])
+            theirs, ours = tokenizer_identity(self.views[corpus.dir]), tokenizer_identity(self.views[first.dir])
             if theirs != ours:
                 differ = ", ".join(f"{k} {str(ours.get(k))[:12]} vs {str(theirs.get(k))[:12]}" for k in ours if ours.get(k) != theirs.get(k))
                 raise ConfigError(
@@ -143,20 +154,11 @@ class TokenShardDataModule(LightningDataModule):
     def eos_id(self) -> int:
         return int(self.manifest["tokenizer"]["eos_id"])
 
-    @staticmethod
-    def _tokenizer_identity(data_dir: Path) -> dict[str, Any]:
-        info = read_manifest(data_dir)["tokenizer"]
-        identity = {"kind": info.get("kind"), "vocab_size": int(info["vocab_size"]), "eos_id": int(info["eos_id"])}
-        path = Path(data_dir) / str(info.get("file", ""))
-        if info.get("file") and path.is_file():
-            identity["vocabulary_sha256"] = load_tokenizer(path).vocabulary_digest()
-        return identity
-
     @cached_property
     def tokenizer_identity(self) -> dict[str, Any]:
         """What the token ids of these shards mean, for a checkpoint to record and a resumed run to compare
         (project.lit_module): the tokenizer's kind, size, end-of-text id and a digest of its vocabulary."""
-        return self._tokenizer_identity(self.views[self.corpora[0].dir])
+        return tokenizer_identity(self.views[self.corpora[0].dir])
 
     @property
     def validation_corpora(self) -> list[tuple[str, float]]:
