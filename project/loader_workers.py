@@ -9,8 +9,7 @@ such lock; Python 3.12 warns at every such fork and 3.14 no longer forks by defa
 So on Linux workers fork from a forkserver instead: a process started for the purpose, running no
 Python thread but its main one, that has imported what a worker runs (project.data.blocks: torch and
 litdata; the imports of the main module, which each worker re-runs) once. `project.train` starts it before its own
-imports, so that the two import side by side and the first batch does not wait. Kept out of the
-project.data package, whose import would load litdata here, before the run's imports.
+imports, so that the two import side by side and the first batch does not wait.
 """
 
 from __future__ import annotations

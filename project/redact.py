@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -71,14 +70,3 @@ def without_secrets(node: Any) -> Any:
     if isinstance(node, (list, tuple)):
         return [without_secrets(item) for item in node]
     return node
-
-
-def scrub_files(folder: Path, secrets: set[str]) -> None:
-    """Redact secrets from the files already written in `folder` (Hydra's record of the config and overrides)."""
-    if not secrets or not folder.is_dir():
-        return
-    for path in folder.iterdir():
-        if path.is_file():
-            text = path.read_text()
-            if (clean := redact_text(text, secrets)) != text:
-                path.write_text(clean)

@@ -36,7 +36,7 @@ from project.errors import ConfigError
 from project.lit_module import LlamaLitModule, check_resumable
 from project.loggers import build_loggers
 from project.processes import watch_children
-from project.redact import redacted_container, scrub_files, secret_values
+from project.redact import redact_text, redacted_container, secret_values
 
 
 def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
@@ -139,12 +139,11 @@ def write_hydra_record(cfg: DictConfig, run_dir: Path) -> None:
     """Hydra's record of the run in .hydra/ (config.yaml, hydra.yaml, overrides.yaml, as Hydra writes them),
     secrets redacted. conf/train.yaml keeps Hydra from writing it before any of our code runs, which would
     replace the record of a finished run with that of a start that then refuses or has nothing to do."""
-    hydra, folder = HydraConfig.get(), run_dir / ".hydra"
+    hydra, folder, secrets = HydraConfig.get(), run_dir / ".hydra", secret_values(cfg)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    (folder / "hydra.yaml").write_text(OmegaConf.to_yaml({"hydra": hydra}))
-    (folder / "overrides.yaml").write_text(OmegaConf.to_yaml(hydra.overrides.task))
-    scrub_files(folder, secret_values(cfg))
+    records = {"config.yaml": cfg, "hydra.yaml": {"hydra": hydra}, "overrides.yaml": hydra.overrides.task}
+    for name, record in records.items():
+        (folder / name).write_text(redact_text(OmegaConf.to_yaml(record), secrets))
 
 
 def attach_loggers(trainer: L.Trainer, cfg: DictConfig, run_dir: Path, layout: Layout) -> None:
@@ -193,13 +192,14 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
 
     local = not cfg.data.get("mix") and not is_remote(cfg.data.dir)
     manifest = Path(cfg.data.dir) / "manifest.json"
-    if cfg.data.get("auto_prepare", False) and local and (not manifest.is_file() or data_settings_differ(cfg, read_manifest(cfg.data.dir))):
+    stale = manifest.is_file() and cfg.data.get("overwrite") and data_settings_differ(cfg, read_manifest(cfg.data.dir))
+    if cfg.data.get("auto_prepare", False) and local and (not manifest.is_file() or stale):
         # Missing, or prepared from other settings with data.overwrite=true (project.checks refuses them otherwise).
         # Every process may get here (torchrun, SLURM): prepare_shards lets one build, the others wait.
         said = "no prepared shards" if not manifest.is_file() else "data.overwrite=true and shards from other settings"
         rank_zero_info(f"{said} in {cfg.data.dir}: preparing them from data.sources (data.auto_prepare=false skips this)")
         prepare_from_config(OmegaConf.to_container(cfg.data, resolve=True))
-        check_data(cfg)
+        check_data(cfg, prepared=True)  # a process that did not merge the new shards must not train on the old ones
     datamodule = TokenShardDataModule(
         data_dir=cfg.data.dir,
         seq_len=cfg.data.seq_len,

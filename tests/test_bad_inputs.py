@@ -93,6 +93,7 @@ VALUES = [
     (["data.seed=1.5"], r"data.seed=1.5 is out of range"),
     (["document_mask=1"], r"document_mask=1 must be true or false"),
     (["data.loader_workers=-1"], r"data.loader_workers=-1 is out of range"),
+    (["strategy=ddp", "+strategy.grad_reduce=sum"], r"strategy.grad_reduce is not a setting of \S*ddp\S*. Did you mean grad_reduction\?"),
     (["strategy=pipeline", "trainer.devices=2", "strategy.virtual_stages=2"], r"strategy.schedule=1f1b runs one stage chunk per rank"),
 ]
 
@@ -132,6 +133,18 @@ def test_a_setting_a_strategy_refuses_while_hydra_builds_it_is_one_paragraph(cap
     assert capsys.readouterr().err == "error: strategy.grad_reduction='median': choose 'mean' (default) or 'sum'.\n"
 
 
+def test_the_strategy_choices_checked_early_are_those_the_strategies_take():
+    import typing
+
+    from project.checks import STRATEGY_CHOICES
+    from project.parallel import ddp, fsdp, fsdp2, pipeline_layout
+
+    assert STRATEGY_CHOICES["sharding_strategy"] == typing.get_args(fsdp.ShardingStrategy)
+    assert set(STRATEGY_CHOICES["grad_reduction"]) == set(typing.get_args(typing.get_type_hints(ddp.ddp_strategy)["grad_reduction"]))
+    assert set(STRATEGY_CHOICES["param_dtype"]) == set(STRATEGY_CHOICES["reduce_dtype"]) == {None, *fsdp2.DTYPES}
+    assert STRATEGY_CHOICES["schedule"] == pipeline_layout.SCHEDULE_NAMES
+
+
 def test_the_default_settings_pass_every_check():
     check_command_line(["experiment=debug"])
     with initialize_config_dir(str(CONF), version_base="1.3"):
@@ -144,7 +157,7 @@ def test_the_default_settings_pass_every_check():
      ["strategy=fsdp", "trainer.devices=2", "strategy.sharding_strategy=FULL"], ["--max_steps", "10"]],
     ids=["seed", "grad_reduction", "sharding_strategy", "argparse-flag"],
 )
-def test_settings_that_once_ended_in_a_traceback_print_one_paragraph_and_exit_2(bad, tmp_path):
+def test_a_bad_seed_strategy_setting_or_dashed_flag_prints_one_paragraph_and_exits_2(bad, tmp_path):
     args = [sys.executable, "-m", "project.train", "experiment=debug", *bad, f"hydra.run.dir={tmp_path / 'run'}"]
     result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 2, result.stderr

@@ -36,7 +36,8 @@ def test_a_run_whose_data_settings_differ_from_the_shards_is_refused_naming_both
     }
     for override, differs in cases.items():
         with pytest.raises(ConfigError, match=rf"data.dir={re.escape(str(tiny_shards))} holds shards prepared from other data settings than this "
-                           rf"run's: {differs}\. Point data.dir at a new folder .* or set data.overwrite=true"):
+                           rf"run's: {differs}\. Point data.dir at a new folder .*, set data.overwrite=true .*, or give the settings the shards "
+                           r"were prepared from to train on them as they are\.$"):
             preflight(compose_run(tiny_shards, tmp_path, override), dry_run=dry_run)
 
 
@@ -50,8 +51,40 @@ def test_a_source_file_changed_since_preparing_is_named(tiny_shards, tmp_path):
         preflight(compose_run(shards, tmp_path, sources))
 
 
-def test_shards_without_their_raw_text_are_taken_as_they_are(tiny_shards, tmp_path):
+def test_shards_whose_raw_text_is_not_on_this_machine_are_taken_as_they_are(tiny_shards, tmp_path):
+    shards = shutil.copytree(tiny_shards, tmp_path / "shards")  # as if prepared on another machine, or before a move
+    manifest = json.loads((shards / "manifest.json").read_text())
+    manifest["sources"] = [{**source, "path": f"/elsewhere/{source['path']}"} for source in manifest["sources"]]
+    (shards / "manifest.json").write_text(json.dumps(manifest))
+    assert preflight(compose_run(shards, tmp_path, f"data.sources=[{tmp_path / 'not-here'}/*.txt]")) is not None
+    with pytest.raises(ConfigError, match=r"data.sources: 8 files in \S*raw \(.*\) there, no files here"):
+        preflight(compose_run(tiny_shards, tmp_path, f"data.sources=[{tmp_path / 'not-here'}/*.txt]"))  # its own raw text is here
+
+
+def test_only_the_first_process_reads_the_sources(tiny_shards, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")  # a rank Lightning started: rank 0 has compared them already
     assert preflight(compose_run(tiny_shards, tmp_path, f"data.sources=[{tmp_path / 'not-here'}/*.txt]")) is not None
+
+
+def test_a_tokenizer_is_the_same_by_its_content_wherever_it_lies(tiny_shards, tmp_path):
+    from project.data.prepare import prepare_shards
+
+    tokenizer = shutil.copytree(tiny_shards, tmp_path / "a-folder") / "tokenizer.json"
+    raw = tiny_shards.parent / "raw"
+    prepare_shards([str(raw / "*.txt")], tmp_path / "shards", tokenizer=tokenizer, seq_len=32, num_workers=1)
+    elsewhere = shutil.copy(tokenizer, tmp_path / "moved.json")
+    sources = f"data.sources=[{raw}/*.txt]"
+    for given in (tokenizer, tokenizer.parent, elsewhere):  # the file, its folder, a copy
+        assert preflight(compose_run(tmp_path / "shards", tmp_path, sources, f"data.tokenizer={given}")) is not None
+    other = tmp_path / "other.json"
+    other.write_text(tokenizer.read_text().replace('"<|end_of_text|>"', '"<|eot|>"'))
+    with pytest.raises(ConfigError, match=rf"tokenizer: data.tokenizer={re.escape(str(tokenizer))} there, data.tokenizer={other} here"):
+        preflight(compose_run(tmp_path / "shards", tmp_path, sources, f"data.tokenizer={other}"))
+
+
+def test_a_mixture_is_checked_by_its_corpora_not_by_the_data_settings(tiny_shards, tmp_path):
+    mix = f"data.mix=[{{dir: {tiny_shards}, weight: 1.0}}]"
+    assert preflight(compose_run(tiny_shards, tmp_path, mix, "data.vocab_size=512", "data.sources=[]")) is not None
 
 
 @pytest.mark.slow

@@ -41,7 +41,7 @@ from project.data.corpus import (
 )
 from project.data.parts import assigned_parts, build_parts, is_done, merge_parts, node_of, plan_parts
 from project.data.storage import holds_objects, is_remote, read_remote_manifest, upload_dataset
-from project.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
+from project.data.tokenizer import Tokenizer, file_sha256, load_tokenizer, train_bpe
 from project.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ def prepare_shards(
         "tokenizer": {"kind": "hf"|"sentencepiece", "file": name in output_dir, "vocab_size", "eos_id", "bos_id"},
         "seq_len", "block_size": seq_len + 1, "dtype": "uint16"|"int32",
         "splits": {"train"|"val": {"documents", "tokens", "blocks"}},
-        "sources": [{"path", "bytes"}, ...], "settings": {"tokenizer", "vocab_size", "text_field"}, "val_fraction", "seed"}
+        "sources": [{"path", "bytes"}, ...], "settings": {"tokenizer", "tokenizer_sha256", "vocab_size", "text_field"}, "val_fraction", "seed"}
     where `blocks` is what `StreamingDataset(split dir, item_loader=TokensLoader(block_size))` holds.
 
     `output_dir` may be an s3:// URL (`storage_options` go to boto3): the shards are built in a local
@@ -270,7 +270,7 @@ def _fingerprint(files: list[Path], tokenizer: Tokenizer | None, settings: _Sett
     check on every run; re-hashing a corpus is not); a given tokenizer by content. The number of
     workers changes only how tokens are grouped into chunks, so it is left out."""
     if tokenizer is not None:
-        tokenizer_key = {"sha256": hashlib.sha256(tokenizer.path.read_bytes()).hexdigest()}
+        tokenizer_key = {"sha256": file_sha256(tokenizer.path)}
     else:
         tokenizer_key = {"train_bpe": settings.vocab_size}
     key = {
@@ -348,6 +348,7 @@ def _build(
     else:
         refs = {p: _split_documents(parts[p], text_field, settings.val_fraction, settings.seed, at_least_one=False) for p in mine}
     assert tokenizer is not None
+    given_file = tokenizer.path if settings.tokenizer else None
     with lock:  # machines share the work folder: one writes the tokenizer, the others find it
         tokenizer_file = tokenizer.save(work)
     # uint16 halves the shards and the loader's memory traffic; ids beyond 65535 need int32.
@@ -388,7 +389,8 @@ def _build(
                 "splits": counts,
                 "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
                 # The data settings as given, for training to check its own against (project.checks).
-                "settings": {"tokenizer": settings.tokenizer, "vocab_size": settings.vocab_size, "text_field": text_field},
+                "settings": {"tokenizer": settings.tokenizer, "tokenizer_sha256": file_sha256(given_file) if given_file else None,
+                             "vocab_size": settings.vocab_size, "text_field": text_field},
                 "val_fraction": settings.val_fraction,
                 "seed": settings.seed,
                 "parts": len(parts),

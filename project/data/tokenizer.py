@@ -133,12 +133,23 @@ class _SentencePieceTokenizer(Tokenizer):
 _KINDS_BY_SUFFIX: dict[str, type[Tokenizer]] = {".json": _HFTokenizer, ".model": _SentencePieceTokenizer}
 
 
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Load a HF `tokenizer.json` or a sentencepiece `.model` file, chosen by the file's suffix; given a folder
-    (a published model's, say), the `tokenizer.json` in it, else its `tokenizer.model`."""
+def tokenizer_file(path: str | os.PathLike) -> Path:
+    """The tokenizer file `path` names: itself, or in a folder (a published model's, say) its `tokenizer.json`,
+    else its `tokenizer.model`."""
     path = Path(path)
     if path.is_dir():
         path = next((path / kind.file_name for kind in _KINDS_BY_SUFFIX.values() if (path / kind.file_name).is_file()), path)
+    return path
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Load a HF `tokenizer.json` or a sentencepiece `.model` file, chosen by the file's suffix; given a folder
+    (a published model's, say), the `tokenizer.json` in it, else its `tokenizer.model`."""
+    path = tokenizer_file(path)
     kind = _KINDS_BY_SUFFIX.get(path.suffix)
     if not path.is_file() or kind is None:
         problem = (
