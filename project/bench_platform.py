@@ -126,13 +126,19 @@ def shards(root: Path) -> Path:
     return folder
 
 
+def data_settings(data: Path) -> list[str]:
+    """The settings `shards` prepared `data` from: a run with other ones is refused (project.checks)."""
+    return [f"data.dir={data}", f"data.sources=[{data.parent / 'raw'}]", "data.fetch=null", f"data.seq_len={SEQ_LEN}",
+            f"data.vocab_size={VOCAB_SIZE}"]
+
+
 def platform_run(preset: str, batch: int, steps: int, warmup: int, data: Path, run_dir: Path, env: dict, *extra: str,
                  micro_batch: str | None = None, launcher: list[str] = ()) -> dict:
     """A: `python -m project.train` for warmup + steps optimizer steps; tokens/s of the last `steps`. The micro
     batch is the whole batch unless given ("null": each data-parallel rank's share, no accumulation)."""
     command = [
-        *launcher, sys.executable, "-m", "project.train", "experiment=debug", f"model={preset}", f"data.dir={data}",
-        f"data.seq_len={SEQ_LEN}", f"data.vocab_size={VOCAB_SIZE}", f"global_batch_size={batch}",
+        *launcher, sys.executable, "-m", "project.train", "experiment=debug", f"model={preset}", *data_settings(data),
+        f"global_batch_size={batch}",
         f"micro_batch_size={micro_batch or batch}",
         f"trainer.max_steps={warmup + steps}", "trainer.log_every_n_steps=1", "val_every_n_steps=1000000",
         "ckpt_every_n_steps=1000000", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", *extra,
@@ -355,8 +361,7 @@ def startup(data: Path, scratch: Path, env: dict, runs: int = 3) -> dict:
     for i in range(runs):
         run_dir = scratch / f"startup-{i}"
         run_dir.mkdir(parents=True)
-        overrides = ["experiment=debug", f"data.dir={data}", f"data.seq_len={SEQ_LEN}", f"data.vocab_size={VOCAB_SIZE}",
-                     "trainer.max_steps=1", "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"]
+        overrides = ["experiment=debug", *data_settings(data), "trainer.max_steps=1", "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"]
         subprocess.run([sys.executable, "-c", _TIMED_IMPORT, str(run_dir / "import-seconds"), *overrides],
                        cwd=ROOT, env=env, check=True, capture_output=True)
         imports.append(float((run_dir / "import-seconds").read_text()))

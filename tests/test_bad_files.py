@@ -77,7 +77,8 @@ class Inputs:
         return Path(shutil.copytree(self.shards, self.tmp / "shards"))
 
     def train(self, data_dir: Path, *extra: str) -> list[str]:
-        return train_overrides(data_dir, self.tmp / "run", *extra)
+        # The source files of the shards (copies of tiny_shards included): their data settings are the run's.
+        return train_overrides(data_dir, self.tmp / "run", f"data.sources=[{self.raw}/*.txt]", *extra)
 
     def prepare(self, sources: str, data_dir: Path, *extra: str) -> list[str]:
         return ["data=tiny", f"data.sources=[{sources}]", f"data.dir={data_dir}", "data.vocab_size=300",

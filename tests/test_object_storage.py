@@ -45,11 +45,13 @@ def objects(prefix):
     return {item["Key"]: item["ETag"] for item in listing.get("Contents", [])}
 
 
-def test_training_from_object_storage_and_resuming_there_matches_a_local_folder(chunked_shards, bucket, tmp_path):
+def test_training_from_object_storage_and_resuming_there_matches_a_local_folder(chunked_shards, tiny_shards, bucket, tmp_path):
     upload_dataset(chunked_shards, f"{bucket}/tiny", None)
     chunks = len(json.loads((chunked_shards / "train" / "index.json").read_text())["chunks"])
     # Windows of 2 chunks, and a cache of 3 chunks (10 KB each): reads move between chunks, and chunks are evicted.
     common = ["data.shuffle_window=2", "data.cache_size=30KB", "global_batch_size=16", "val_sequences=8"]
+    # The data settings the shards were prepared with (fixture above).
+    common += [f"data.sources=[{tiny_shards.parent / 'raw'}/*.txt]", f"data.tokenizer={tiny_shards / 'tokenizer.json'}"]
     run_train(chunked_shards, tmp_path / "local", *common, "trainer.max_steps=4")
     local = read_metrics(tmp_path / "local", "train/loss")
     remote = [f"data.dir={bucket}/tiny", f"data.cache_dir={tmp_path / 'cache'}", "ckpt_every_n_steps=2", *common]
