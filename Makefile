@@ -23,7 +23,7 @@ RUN_STAMP := $(shell date +%Y-%m-%d_%H-%M-%S)
 RUN_DIR ?= outputs/runs/$(RUN_STAMP)
 SAMPLE_PROMPT ?= To be, or not to be
 
-.PHONY: install install-horovod train prepare test test-fast bench clean slurm
+.PHONY: install install-horovod train prepare test test-fast lint format bench clean slurm
 
 install: $(STAMP)
 
@@ -58,8 +58,18 @@ train: prepare
 	$(PY) -m project.train experiment=$(EXPERIMENT) hydra.run.dir=$(RUN_DIR)
 	$(PY) -m project.generate ckpt_path=$(RUN_DIR)/checkpoints/last.ckpt prompt="$(SAMPLE_PROMPT)" max_new_tokens=100
 
-test: install slurm install-horovod $(VENV)/litgpt-reference/.installed
+test: install slurm install-horovod $(VENV)/litgpt-reference/.installed lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
+# ruff's formatter (code wrapped at 120 characters) and linter (pyproject.toml): a second, before the tests.
+# `make format` applies both where they can.
+lint: install
+	$(PY) -m ruff format --check project tests
+	$(PY) -m ruff check project tests
+
+format: install
+	$(PY) -m ruff format project tests
+	$(PY) -m ruff check --fix project tests
 
 # A SLURM for tests/test_clusters.py, which starts a two-node cluster on this host: Debian's slurm-wlm,
 # installed where make runs as root with apt. Elsewhere those tests skip and say why.
@@ -70,7 +80,7 @@ slurm:
 		echo "installed slurm-wlm (apt) for tests/test_clusters.py"; } || \
 		echo "SLURM not installed (needs root and apt): tests/test_clusters.py will skip its SLURM tests"
 
-test-fast: install $(VENV)/litgpt-reference/.installed
+test-fast: install $(VENV)/litgpt-reference/.installed lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
 
 # Training-step throughput of the debug and small10m presets and the config error latency (new files

@@ -31,8 +31,15 @@ from project.errors import ConfigError, exit_on_config_error
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = {
-    "presets": "debug,small10m", "vocab_size": "", "batch": "", "seq_len": "", "steps": "", "precision": "32",
-    "compile": "false", "error_latency": "true", "out": "experiments/benchmarks",
+    "presets": "debug,small10m",
+    "vocab_size": "",
+    "batch": "",
+    "seq_len": "",
+    "steps": "",
+    "precision": "32",
+    "compile": "false",
+    "error_latency": "true",
+    "out": "experiments/benchmarks",
 }
 # What `make bench` measured before one invocation ran every preset; other presets take "*".
 PRESET_DEFAULTS = {
@@ -98,7 +105,11 @@ def parse(argv: list[str]) -> dict:
             settings[key] = int(value)
         presets.append(settings)
     out = Path(args["out"])
-    return {"presets": presets, "error_latency": args["error_latency"] == "true", "out": out if out.is_absolute() else ROOT / out}
+    return {
+        "presets": presets,
+        "error_latency": args["error_latency"] == "true",
+        "out": out if out.is_absolute() else ROOT / out,
+    }
 
 
 def load_preset(name: str, vocab_size: int):
@@ -183,7 +194,10 @@ def config_error_latency() -> dict:
         runs.append(time.perf_counter() - start)
     last_line = (result.stderr.strip().splitlines() or [""])[-1]
     if result.returncode != 2 or not last_line.startswith("error:"):
-        print(f"warning: {shlex.join(command)} exited {result.returncode} with {last_line!r}, not a settings error", file=sys.stderr)
+        print(
+            f"warning: {shlex.join(command)} exited {result.returncode} with {last_line!r}, not a settings error",
+            file=sys.stderr,
+        )
     return {
         "command": shlex.join(command),
         "median_seconds": round(statistics.median(runs), 3),
@@ -204,14 +218,16 @@ def table(report: dict) -> str:
         "",
         "Training step: forward + backward + AdamW of the plain model on random tokens, after one warm-up step.",
         "",
-        "| preset | device | parameters | batch | seq_len | steps | precision | step (s) | tokens/s | model TFLOP/s | MFU | peak memory (GiB) |",
+        "| preset | device | parameters | batch | seq_len | steps | precision | step (s) | tokens/s | model TFLOP/s | MFU "
+        "| peak memory (GiB) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["presets"]:
         lines.append(
             f"| {r['model']} | {r['device']} | {r['parameters']:,} | {r['batch']} | {r['seq_len']} | {r['steps']} | "
             f"{r['precision']}{' compiled' if r['compile'] else ''} | {r['step_seconds']} | {r['tokens_per_sec']:,.1f} | "
-            f"{r['model_tflops']} | {'-' if r['mfu'] is None else r['mfu']} | {'-' if r['peak_memory_gib'] is None else r['peak_memory_gib']} |"
+            f"{r['model_tflops']} | {'-' if r['mfu'] is None else r['mfu']} | "
+            f"{'-' if r['peak_memory_gib'] is None else r['peak_memory_gib']} |"
         )
     latency = report.get("config_error_latency")
     if latency:
@@ -231,8 +247,12 @@ def main() -> None:
 
     report = {
         "date": datetime.date.today().isoformat(),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_count": os.cpu_count(), "hostname": platform.node()},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "hostname": platform.node(),
+        },
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "command": shlex.join(sys.orig_argv),
@@ -247,7 +267,9 @@ def main() -> None:
     args["out"].mkdir(parents=True, exist_ok=True)
     stem = free_stem(result_stem(args["out"]), [".json", ".md"])
     for ext, text in ((".json", json.dumps(report, indent=2) + "\n"), (".md", table(report))):
-        with stem.with_name(stem.name + ext).open("x") as f:  # "x": never overwrite, even a file made since free_stem looked
+        with stem.with_name(stem.name + ext).open(
+            "x"
+        ) as f:  # "x": never overwrite, even a file made since free_stem looked
             f.write(text)
     print(f"wrote {stem}.json and .md")
 

@@ -39,14 +39,28 @@ def litgpt_twin(config: LlamaConfig, seq_len: int):
 
     if config.rope_scaling is not None:
         raise ValueError("the litgpt twin is built for plain RoPE presets (rope_scaling=null)")
-    twin = GPT(Config(
-        name="project-llama",  # litgpt changes its norms for names with "Gemma" or "OLMo" in them
-        block_size=seq_len, vocab_size=config.vocab_size, padded_vocab_size=config.vocab_size,
-        n_layer=config.n_layers, n_embd=config.dim, n_head=config.n_heads, head_size=config.head_dim,
-        n_query_groups=config.n_kv_heads, intermediate_size=config.ffn_hidden_dim, norm_class_name="RMSNorm",
-        norm_eps=config.norm_eps, rotary_percentage=1.0, rope_base=int(config.rope_theta), bias=False,
-        lm_head_bias=False, mlp_class_name="LLaMAMLP", parallel_residual=False,
-    ))
+    twin = GPT(
+        Config(
+            name="project-llama",  # litgpt changes its norms for names with "Gemma" or "OLMo" in them
+            block_size=seq_len,
+            vocab_size=config.vocab_size,
+            padded_vocab_size=config.vocab_size,
+            n_layer=config.n_layers,
+            n_embd=config.dim,
+            n_head=config.n_heads,
+            head_size=config.head_dim,
+            n_query_groups=config.n_kv_heads,
+            intermediate_size=config.ffn_hidden_dim,
+            norm_class_name="RMSNorm",
+            norm_eps=config.norm_eps,
+            rotary_percentage=1.0,
+            rope_base=int(config.rope_theta),
+            bias=False,
+            lm_head_bias=False,
+            mlp_class_name="LLaMAMLP",
+            parallel_residual=False,
+        )
+    )
     with torch.no_grad():
         for name, module in twin.named_modules():
             if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):

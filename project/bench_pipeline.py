@@ -37,8 +37,16 @@ from project.parallel.pipeline import SCHEDULES, build_schedule, split_into_stag
 from project.parallel.pipeline_layout import check_pipeline, default_virtual_stages
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULTS = {"pp": "2", "schedules": "gpipe,1f1b,interleaved_1f1b", "microbatches": "1,2,4,8,16", "dim": "512", "layers": "8", "seq_len": "256", "steps": "3",
-            "out": "experiments/benchmarks"}
+DEFAULTS = {
+    "pp": "2",
+    "schedules": "gpipe,1f1b,interleaved_1f1b",
+    "microbatches": "1,2,4,8,16",
+    "dim": "512",
+    "layers": "8",
+    "seq_len": "256",
+    "steps": "3",
+    "out": "experiments/benchmarks",
+}
 
 
 def parse(argv: list[str]) -> dict[str, str]:
@@ -51,11 +59,20 @@ def parse(argv: list[str]) -> dict[str, str]:
 
 def model_config(args: dict[str, str]) -> LlamaConfig:
     dim = int(args["dim"])
-    return LlamaConfig(vocab_size=512, dim=dim, n_layers=int(args["layers"]), n_heads=dim // 64, multiple_of=64, max_seq_len=int(args["seq_len"]))
+    return LlamaConfig(
+        vocab_size=512,
+        dim=dim,
+        n_layers=int(args["layers"]),
+        n_heads=dim // 64,
+        multiple_of=64,
+        max_seq_len=int(args["seq_len"]),
+    )
 
 
 def batch(config: LlamaConfig, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.randint(0, config.vocab_size, (m, config.max_seq_len + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, config.vocab_size, (m, config.max_seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -87,7 +104,9 @@ def timed(step, steps: int, barrier=lambda: None) -> float:
     return statistics.median(times)
 
 
-def _pipeline_rank(rank: int, pp: int, port: int, config: LlamaConfig, schedule: str, m: int, steps: int, result) -> None:
+def _pipeline_rank(
+    rank: int, pp: int, port: int, config: LlamaConfig, schedule: str, m: int, steps: int, result
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=pp)
     try:
@@ -99,7 +118,9 @@ def _pipeline_rank(rank: int, pp: int, port: int, config: LlamaConfig, schedule:
         args = (inputs,) if 0 in chunks else ()
         target = targets if pp * v - 1 in chunks else None
         seconds = timed(
-            lambda: pipeline.step(*args, target=target, seq_len=config.max_seq_len, return_outputs=False), steps, dist.barrier
+            lambda: pipeline.step(*args, target=target, seq_len=config.max_seq_len, return_outputs=False),
+            steps,
+            dist.barrier,
         )
         if rank == 0:
             result.put(seconds)
@@ -118,7 +139,11 @@ def pipeline_seconds(config: LlamaConfig, pp: int, schedule: str, m: int, steps:
 
 
 def chunks_per_rank(schedule: str) -> int:
-    return 2 if schedule in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble") else default_virtual_stages(schedule)
+    return (
+        2
+        if schedule in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
+        else default_virtual_stages(schedule)
+    )
 
 
 def ideal_efficiency(schedule: str, pp: int, m: int) -> float:
@@ -133,11 +158,16 @@ def write_plot(rows: list[dict], path: Path) -> None:
     x = lambda m: pad + (width - 2 * pad) * ms.index(m) / max(1, len(ms) - 1)  # noqa: E731
     y = lambda e: height - pad - (height - 2 * pad) * e  # noqa: E731
     colours = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">',
-             f'<rect width="{width}" height="{height}" fill="white"/>',
-             f'<text x="{width / 2}" y="20" text-anchor="middle">Pipeline efficiency, p={rows[0]["pp"]} (solid: measured, dashed: ideal)</text>']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">',
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+        f'<text x="{width / 2}" y="20" text-anchor="middle">Pipeline efficiency, p={rows[0]["pp"]} (solid: measured, dashed: ideal)</text>',
+    ]
     for e in (0, 0.25, 0.5, 0.75, 1.0):
-        parts.append(f'<line x1="{pad}" x2="{width - pad}" y1="{y(e)}" y2="{y(e)}" stroke="#ddd"/><text x="{pad - 8}" y="{y(e) + 4}" text-anchor="end">{e:.2f}</text>')
+        parts.append(
+            f'<line x1="{pad}" x2="{width - pad}" y1="{y(e)}" y2="{y(e)}" stroke="#ddd"/>'
+            f'<text x="{pad - 8}" y="{y(e) + 4}" text-anchor="end">{e:.2f}</text>'
+        )
     for m in ms:
         parts.append(f'<text x="{x(m)}" y="{height - pad + 18}" text-anchor="middle">{m}</text>')
     parts.append(f'<text x="{width / 2}" y="{height - 15}" text-anchor="middle">microbatches per step (m)</text>')
@@ -145,8 +175,12 @@ def write_plot(rows: list[dict], path: Path) -> None:
         mine = [r for r in rows if r["schedule"] == schedule]
         for key, dash in (("efficiency", ""), ("ideal_efficiency", ' stroke-dasharray="5,4"')):
             points = " ".join(f"{x(r['microbatches']):.1f},{y(r[key]):.1f}" for r in mine)
-            parts.append(f'<polyline points="{points}" fill="none" stroke="{colours[i % len(colours)]}" stroke-width="2"{dash}/>')
-        parts.append(f'<text x="{width - pad - 130}" y="{y(0.3) + 16 * i}" fill="{colours[i % len(colours)]}">{schedule}</text>')
+            parts.append(
+                f'<polyline points="{points}" fill="none" stroke="{colours[i % len(colours)]}" stroke-width="2"{dash}/>'
+            )
+        parts.append(
+            f'<text x="{width - pad - 130}" y="{y(0.3) + 16 * i}" fill="{colours[i % len(colours)]}">{schedule}</text>'
+        )
     path.write_text("\n".join(parts) + "\n</svg>\n")
 
 
@@ -174,7 +208,10 @@ def main() -> None:
     torch.set_num_threads(1)  # the reference, like each pipeline rank, computes on one thread
     config, pp, steps = model_config(args), int(args["pp"]), int(args["steps"])
     if pp > (os.cpu_count() or 1):
-        print(f"warning: {pp} ranks on {os.cpu_count()} cores share cores; the efficiency measured is not the schedule's.", file=sys.stderr)
+        print(
+            f"warning: {pp} ranks on {os.cpu_count()} cores share cores; the efficiency measured is not the schedule's.",
+            file=sys.stderr,
+        )
     rows, device = [], f"{platform.machine()} CPU, {os.cpu_count()} cores, 1 thread per rank"
     for m in [int(m) for m in args["microbatches"].split(",")]:
         reference = reference_seconds(config, m, steps)
@@ -187,10 +224,18 @@ def main() -> None:
                 continue
             seconds = pipeline_seconds(config, pp, schedule, m, steps)
             row = {
-                "date": datetime.date.today().isoformat(), "device": device, "torch": torch.__version__,
-                "model": f"dim {config.dim}, {config.n_layers} layers, seq {config.max_seq_len}", "pp": pp, "virtual_stages": v,
-                "schedule": schedule, "microbatches": m, "pipeline_seconds": round(seconds, 4), "reference_seconds": round(reference, 4),
-                "efficiency": round(reference / (pp * seconds), 4), "ideal_efficiency": round(ideal_efficiency(schedule, pp, m), 4),
+                "date": datetime.date.today().isoformat(),
+                "device": device,
+                "torch": torch.__version__,
+                "model": f"dim {config.dim}, {config.n_layers} layers, seq {config.max_seq_len}",
+                "pp": pp,
+                "virtual_stages": v,
+                "schedule": schedule,
+                "microbatches": m,
+                "pipeline_seconds": round(seconds, 4),
+                "reference_seconds": round(reference, 4),
+                "efficiency": round(reference / (pp * seconds), 4),
+                "ideal_efficiency": round(ideal_efficiency(schedule, pp, m), 4),
             }
             print(json.dumps(row), flush=True)
             rows.append(row)

@@ -29,7 +29,18 @@ from project.model.config import LlamaConfig
 
 # Where the model's weights are in a sharded folder: ModelParallelStrategy's "state_dict", FSDP1's "model".
 FOLDER_PREFIXES = ("state_dict.model.", "model.model.")
-UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 @dataclass
@@ -44,13 +55,17 @@ def checkpoint_weights(path: Path, state_dict: dict[str, torch.Tensor] | None = 
     """The model weights of a checkpoint file (its `state_dict`, memory-mapped, given) or of a sharded folder."""
     if state_dict is not None:
         tensors = {k.removeprefix("model."): v for k, v in state_dict.items() if k.startswith("model.")}
-        return CheckpointWeights({k: (v.shape, v.dtype) for k, v in tensors.items()}, lambda names: {n: tensors[n] for n in names})
+        return CheckpointWeights(
+            {k: (v.shape, v.dtype) for k, v in tensors.items()}, lambda names: {n: tensors[n] for n in names}
+        )
     verify_sharded_checkpoint(path)
     metadata = FileSystemReader(str(path)).read_metadata()
     stored = {k: m for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
     prefix = next((p for p in FOLDER_PREFIXES if any(k.startswith(p) for k in stored)), None)
     if prefix is None:
-        raise ConfigError(f"{path} holds no model weights (no {' or '.join(FOLDER_PREFIXES)}* entries): pass a checkpoint of this platform.")
+        raise ConfigError(
+            f"{path} holds no model weights (no {' or '.join(FOLDER_PREFIXES)}* entries): pass a checkpoint of this platform."
+        )
     shapes = {k.removeprefix(prefix): (m.size, m.properties.dtype) for k, m in stored.items() if k.startswith(prefix)}
 
     def read(names: list[str]) -> dict[str, torch.Tensor]:
@@ -61,7 +76,9 @@ def checkpoint_weights(path: Path, state_dict: dict[str, torch.Tensor] | None = 
                 dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=True)
         except Exception as error:  # a damaged shard: which exception depends on the damage
             reason = " ".join(f"{type(error).__name__}: {error}".split())[:500]
-            raise ConfigError(f"ckpt_path={path}: could not read its weights ({reason}); pass another checkpoint.") from None
+            raise ConfigError(
+                f"ckpt_path={path}: could not read its weights ({reason}); pass another checkpoint."
+            ) from None
         return {n: state[prefix + n] for n in names}
 
     return CheckpointWeights(shapes, read)
@@ -88,18 +105,26 @@ def plan_files(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     return files
 
 
-def write_safetensors(weights: CheckpointWeights, config: LlamaConfig, dtype: torch.dtype, out: Path, max_shard_size: int) -> list[str]:
+def write_safetensors(
+    weights: CheckpointWeights, config: LlamaConfig, dtype: torch.dtype, out: Path, max_shard_size: int
+) -> list[str]:
     """The model's weights under HF names in `out`: `model.safetensors`, or `model-0000N-of-0000M.safetensors` with
     an index once they pass `max_shard_size`, as transformers writes them. Returns the file names."""
     names = weight_names(config)  # a tied output matrix is the embedding, not written twice
     missing = [n for n in names if n not in weights.shapes]
     unexpected = sorted(set(weights.shapes) - set(names) - {"output.weight"})
     if missing or unexpected:
-        raise ConfigError(f"the checkpoint's weights do not fit its own model config: missing {missing[:5]}, unexpected {unexpected[:5]}.")
+        raise ConfigError(
+            f"the checkpoint's weights do not fit its own model config: missing {missing[:5]}, unexpected {unexpected[:5]}."
+        )
     itemsize = torch.empty((), dtype=dtype).element_size()
     sizes = {n: weights.shapes[n][0].numel() * itemsize for n in names}
     groups = plan_files(sizes, max_shard_size)
-    files = ["model.safetensors"] if len(groups) == 1 else [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
+    files = (
+        ["model.safetensors"]
+        if len(groups) == 1
+        else [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
+    )
     for group, file in zip(groups, files):
         tensors = {hf_name(n): t.detach().to(dtype).contiguous() for n, t in weights.read(group).items()}
         # transformers refuses safetensors files whose metadata does not name the framework.
@@ -111,4 +136,3 @@ def write_safetensors(weights: CheckpointWeights, config: LlamaConfig, dtype: to
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         files.append(INDEX)
     return files
-

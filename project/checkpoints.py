@@ -48,14 +48,21 @@ class _ShardedMetadataUnpickler(pickle.Unpickler):
     the types it holds may be built: torch.distributed.checkpoint's metadata classes, sizes, dtypes, paths."""
 
     MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-    NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
+    NAMES = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+    }
 
     def find_class(self, module: str, name: str) -> Any:
         found = super().find_class(module, name) if module in self.MODULES or (module, name) in self.NAMES else None
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             found = getattr(torch, name)
         if found is None or module in self.MODULES and not isinstance(found, type):
-            raise pickle.UnpicklingError(f"{module}.{name} is not among the types a distributed checkpoint's metadata holds")
+            raise pickle.UnpicklingError(
+                f"{module}.{name} is not among the types a distributed checkpoint's metadata holds"
+            )
         return found
 
 
@@ -78,7 +85,11 @@ def verify_sharded_checkpoint(folder: Path) -> None:
     try:
         with open(folder / SHARDED_METADATA, "rb") as file:
             metadata = _ShardedMetadataUnpickler(file).load()
-        entries = [MetadataIndex(fqn) for fqn, kind in metadata.state_dict_metadata.items() if isinstance(kind, BytesStorageMetadata)]
+        entries = [
+            MetadataIndex(fqn)
+            for fqn, kind in metadata.state_dict_metadata.items()
+            if isinstance(kind, BytesStorageMetadata)
+        ]
         for entry in entries:
             where = metadata.storage_data[entry]
             with open(folder / where.relative_path, "rb") as file:
@@ -106,7 +117,9 @@ def load_full_checkpoint(path: str | Path) -> dict[str, Any]:
     checkpoint = _load_distributed_checkpoint(path)
     if "model" in checkpoint:
         checkpoint["state_dict"] = checkpoint.pop("model")
-    optimizers = sorted((k for k in checkpoint if re.fullmatch(r"optimizer_\d+", k)), key=lambda k: int(k.split("_")[1]))
+    optimizers = sorted(
+        (k for k in checkpoint if re.fullmatch(r"optimizer_\d+", k)), key=lambda k: int(k.split("_")[1])
+    )
     if optimizers:
         checkpoint["optimizer_states"] = [checkpoint.pop(k) for k in optimizers]
     return checkpoint
@@ -115,7 +128,11 @@ def load_full_checkpoint(path: str | Path) -> dict[str, Any]:
 def checkpoint_metadata(path: str | Path) -> dict[str, Any]:
     """A checkpoint's (file or sharded folder) step, hyper-parameters and other records, without reading its tensors."""
     path = Path(path)
-    return read_checkpoint_file(path / _METADATA_FILENAME, mmap=False) if path.is_dir() else read_checkpoint_file(path, mmap=True)
+    return (
+        read_checkpoint_file(path / _METADATA_FILENAME, mmap=False)
+        if path.is_dir()
+        else read_checkpoint_file(path, mmap=True)
+    )
 
 
 def checkpoint_step(path: str | Path) -> int:
@@ -131,7 +148,9 @@ def _keyed_by_name(optimizer_state: dict[str, Any]) -> bool:
 def _rekeyed(optimizer_state: dict[str, Any], key: Mapping[Any, Any]) -> dict[str, Any]:
     return {
         "state": {key[k]: value for k, value in optimizer_state["state"].items()},
-        "param_groups": [{**group, "params": [key[k] for k in group["params"]]} for group in optimizer_state["param_groups"]],
+        "param_groups": [
+            {**group, "params": [key[k] for k in group["params"]]} for group in optimizer_state["param_groups"]
+        ],
     }
 
 
@@ -161,7 +180,7 @@ def _name_keyed(optimizer_state: dict[str, Any], names: list[str]) -> dict[str, 
 
 
 def checkpoint_format(path: str | Path) -> str:
-    """"file" (one torch.save file), or the strategy family that wrote a sharded folder.
+    """ "file" (one torch.save file), or the strategy family that wrote a sharded folder.
 
     FSDP1 ("fsdp") keeps the weights under the top-level key "model", ModelParallelStrategy
     ("model_parallel": fsdp2, tp, tp_fsdp) under "state_dict"; neither loads the other's folder.
@@ -196,7 +215,12 @@ def _fingerprint(source: Path, by_name: bool) -> str:
 
 
 def resumable_by(
-    strategy: Strategy, ckpt_path: str | None, run_dir: Path, parameter_names: list[str], converts: bool, wait_s: float = 3600
+    strategy: Strategy,
+    ckpt_path: str | None,
+    run_dir: Path,
+    parameter_names: list[str],
+    converts: bool,
+    wait_s: float = 3600,
 ) -> str | None:
     """`ckpt_path`, or a single-file copy of it that `strategy` resumes from correctly.
 

@@ -86,7 +86,9 @@ def check_command_line(argv: list[str], config_name: str = "train") -> None:
     if any(arg.startswith("-") for arg in argv):
         return
     # Hydra's own settings are Hydra's to check, but for its search path: it adds config files (a planned sweep's layouts).
-    overrides = [arg for arg in argv if not arg.lstrip("+~").startswith("hydra.") or arg.startswith("hydra.searchpath=")]
+    overrides = [
+        arg for arg in argv if not arg.lstrip("+~").startswith("hydra.") or arg.startswith("hydra.searchpath=")
+    ]
     try:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             cfg = compose(config_name, overrides=overrides)
@@ -97,8 +99,20 @@ def check_command_line(argv: list[str], config_name: str = "train") -> None:
 
 # Hydra's own command-line flags (`--hydra-help` lists them); any other `--name` is an argparse habit.
 HYDRA_FLAGS = {
-    "--help", "--hydra-help", "--version", "--cfg", "--resolve", "--package", "--run", "--multirun", "--shell-completion",
-    "--config-path", "--config-name", "--config-dir", "--info", "--experimental-rerun",
+    "--help",
+    "--hydra-help",
+    "--version",
+    "--cfg",
+    "--resolve",
+    "--package",
+    "--run",
+    "--multirun",
+    "--shell-completion",
+    "--config-path",
+    "--config-name",
+    "--config-dir",
+    "--info",
+    "--experimental-rerun",
 }
 
 
@@ -140,7 +154,9 @@ def _setting_named(name: str, config_name: str) -> str | None:
     exact = [key for key in keys if key.rpartition(".")[2] == name]
     if exact:
         return min(exact, key=len)
-    close = difflib.get_close_matches(name, keys, n=1) or difflib.get_close_matches(name, [k.rpartition(".")[2] for k in keys], n=1)
+    close = difflib.get_close_matches(name, keys, n=1) or difflib.get_close_matches(
+        name, [k.rpartition(".")[2] for k in keys], n=1
+    )
     return next((key for key in keys if close and (key == close[0] or key.endswith("." + close[0]))), None)
 
 
@@ -148,7 +164,9 @@ def _check_run_dir(argv: list[str], cfg: DictConfig) -> None:
     """Hydra makes the run directory before any of our code runs, and answers a folder it cannot write
     with a traceback: say it first. The directory is hydra.run.dir, or by default a folder in paths.log_dir."""
     given = [arg.partition("=")[2] for arg in argv if arg.startswith("hydra.run.dir=")]
-    setting, folder = ("hydra.run.dir", given[-1]) if given else ("paths.log_dir", OmegaConf.select(cfg, "paths.log_dir"))
+    setting, folder = (
+        ("hydra.run.dir", given[-1]) if given else ("paths.log_dir", OmegaConf.select(cfg, "paths.log_dir"))
+    )
     problem = unwritable(folder) if folder else None
     if problem:
         raise ConfigError(
@@ -187,36 +205,80 @@ RULES: list[Rule] = [
     ("optim.lr", lambda v: v > 0, "above 0, e.g. 3e-4"),
     ("optim.min_lr", lambda v: v >= 0, "0 or more (the cosine's floor)"),
     ("optim.warmup_steps", lambda v: isinstance(v, int) and v >= 0, "a whole number of steps, 0 or more"),
-    ("optim.decay_steps", lambda v: v is None or isinstance(v, int) and v > 0, "null (trainer.max_steps) or a number of steps above 0"),
+    (
+        "optim.decay_steps",
+        lambda v: v is None or isinstance(v, int) and v > 0,
+        "null (trainer.max_steps) or a number of steps above 0",
+    ),
     ("optim.weight_decay", lambda v: v >= 0, "0 or more"),
     ("optim.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1), e.g. [0.9, 0.95]"),
     ("optim.eps", lambda v: v > 0, "above 0, e.g. 1e-8"),
     ("optim.grad_clip", lambda v: v is None or v >= 0, "null or 0 (no clipping), or a norm above 0"),
-    ("optim.max_skipped_steps", lambda v: isinstance(v, int) and v >= 0, "a whole number of steps, 0 (stop at the first) or more"),
+    (
+        "optim.max_skipped_steps",
+        lambda v: isinstance(v, int) and v >= 0,
+        "a whole number of steps, 0 (stop at the first) or more",
+    ),
     ("trainer.max_steps", lambda v: isinstance(v, int) and v >= 1, "a whole number of optimizer steps, 1 or more"),
     ("global_batch_size", lambda v: isinstance(v, int) and v >= 1, "a whole number of sequences, 1 or more"),
-    ("micro_batch_size", lambda v: v is None or isinstance(v, int) and v >= 1, "null (the whole per-replica share) or 1 or more"),
+    (
+        "micro_batch_size",
+        lambda v: v is None or isinstance(v, int) and v >= 1,
+        "null (the whole per-replica share) or 1 or more",
+    ),
     ("val_every_n_steps", lambda v: isinstance(v, int) and v >= 1, "a whole number of steps, 1 or more"),
     ("ckpt_every_n_steps", lambda v: isinstance(v, int) and v >= 1, "a whole number of steps, 1 or more"),
     ("val_sequences", lambda v: v is None or isinstance(v, int) and v >= 1, "null (the whole split) or 1 or more"),
     ("ckpt_every_minutes", lambda v: v is None or v > 0, "null (by steps only) or minutes above 0"),
     ("threads_per_process", lambda v: v is None or isinstance(v, int) and v >= 1, "null (1) or 1 or more"),
-    ("strategy.collective_timeout_minutes", lambda v: v is None or v > 0, "minutes above 0 (multi-process strategies), e.g. 10"),
+    (
+        "strategy.collective_timeout_minutes",
+        lambda v: v is None or v > 0,
+        "minutes above 0 (multi-process strategies), e.g. 10",
+    ),
     ("peak_flops_per_device", lambda v: v is None or v > 0, "null (unknown) or FLOP/s above 0"),
     ("data.seq_len", lambda v: isinstance(v, int) and v >= 2, "a whole number of tokens, 2 or more"),
-    ("data.prepare_part_mb", lambda v: isinstance(v, (int, float)) and v > 0, "MB of source text per part, above 0 (4 by default)"),
-    ("data.prepare_nodes", lambda v: v is None or isinstance(v, int) and v >= 1, "null (from SLURM or torchrun) or a number of machines, 1 or more"),
-    ("data.prepare_node_rank", lambda v: v is None or isinstance(v, int) and v >= 0, "null (from SLURM or torchrun) or 0 to data.prepare_nodes - 1"),
-    ("data.chunk_mb", lambda v: isinstance(v, (int, float)) and v > 0, "MB per shard chunk, above 0 (1 small corpora, 64 large ones)"),
-    ("data.shuffle_window", lambda v: isinstance(v, int) and v >= 1, "a whole number of chunks, 1 or more (8 by default)"),
+    (
+        "data.prepare_part_mb",
+        lambda v: isinstance(v, (int, float)) and v > 0,
+        "MB of source text per part, above 0 (4 by default)",
+    ),
+    (
+        "data.prepare_nodes",
+        lambda v: v is None or isinstance(v, int) and v >= 1,
+        "null (from SLURM or torchrun) or a number of machines, 1 or more",
+    ),
+    (
+        "data.prepare_node_rank",
+        lambda v: v is None or isinstance(v, int) and v >= 0,
+        "null (from SLURM or torchrun) or 0 to data.prepare_nodes - 1",
+    ),
+    (
+        "data.chunk_mb",
+        lambda v: isinstance(v, (int, float)) and v > 0,
+        "MB per shard chunk, above 0 (1 small corpora, 64 large ones)",
+    ),
+    (
+        "data.shuffle_window",
+        lambda v: isinstance(v, int) and v >= 1,
+        "a whole number of chunks, 1 or more (8 by default)",
+    ),
     ("model.vocab_size", lambda v: isinstance(v, int) and v >= 2, "a whole number, at least the tokenizer's size"),
     ("model.dim", lambda v: isinstance(v, int) and v >= 1, "a whole number above 0"),
     ("model.n_layers", lambda v: isinstance(v, int) and v >= 1, "a whole number above 0"),
     ("model.n_heads", lambda v: isinstance(v, int) and v >= 1, "a whole number above 0"),
-    ("model.n_kv_heads", lambda v: v is None or isinstance(v, int) and v >= 1, "null (= n_heads) or a whole number above 0"),
+    (
+        "model.n_kv_heads",
+        lambda v: v is None or isinstance(v, int) and v >= 1,
+        "null (= n_heads) or a whole number above 0",
+    ),
     ("model.multiple_of", lambda v: isinstance(v, int) and v >= 1, "a whole number above 0"),
     ("model.ffn_dim_multiplier", lambda v: v is None or v > 0, "null or above 0"),
-    ("model.ffn_dim", lambda v: v is None or isinstance(v, int) and v >= 1, "null (the rule of multiple_of) or a whole number above 0"),
+    (
+        "model.ffn_dim",
+        lambda v: v is None or isinstance(v, int) and v >= 1,
+        "null (the rule of multiple_of) or a whole number above 0",
+    ),
     ("model.norm_eps", lambda v: v > 0, "above 0, e.g. 1e-5"),
     ("model.rope_theta", lambda v: v > 0, "above 0, e.g. 10000"),
     ("model.max_seq_len", lambda v: isinstance(v, int) and v >= 1, "a whole number of tokens above 0"),
@@ -224,7 +286,11 @@ RULES: list[Rule] = [
     # seed_everything takes an unsigned 32-bit seed; a string would end in Lightning's traceback.
     ("seed", lambda v: isinstance(v, int) and 0 <= v < 2**32, "a whole number from 0 to 4294967295"),
     ("data.seed", lambda v: isinstance(v, int) and 0 <= v < 2**32, "a whole number from 0 to 4294967295"),
-    ("data.loader_workers", lambda v: isinstance(v, int) and v >= 0, "a whole number, 0 (read in the training process) or more"),
+    (
+        "data.loader_workers",
+        lambda v: isinstance(v, int) and v >= 0,
+        "a whole number, 0 (read in the training process) or more",
+    ),
 ]
 
 BOOLEAN_SETTINGS = ("document_mask", "data.overwrite", "data.auto_prepare", "data.allow_repeats", "dry_run.enabled")
@@ -241,8 +307,16 @@ STRATEGY_CHOICES: dict[str, tuple] = {
     "param_dtype": _DTYPE_NAMES,
     "reduce_dtype": _DTYPE_NAMES,
     **dict.fromkeys(
-        ("sequence_parallel", "loss_parallel", "activation_checkpointing", "compile", "cpu_offload",
-         "find_unused_parameters", "static_graph", "hierarchical_allreduce"),
+        (
+            "sequence_parallel",
+            "loss_parallel",
+            "activation_checkpointing",
+            "compile",
+            "cpu_offload",
+            "find_unused_parameters",
+            "static_graph",
+            "hierarchical_allreduce",
+        ),
         _BOOLEAN,
     ),
 }
@@ -273,7 +347,9 @@ def check_strategy_choices(strategy_cfg: Mapping[str, Any], strategy_name: str =
         )
     for key, choices in STRATEGY_CHOICES.items():
         if key in strategy_cfg and not _one_of(strategy_cfg[key], choices):
-            shown = ", ".join("null" if c is None else str(c).lower() if isinstance(c, bool) else str(c) for c in choices)
+            shown = ", ".join(
+                "null" if c is None else str(c).lower() if isinstance(c, bool) else str(c) for c in choices
+            )
             where = f" (strategy={strategy_name})" if strategy_name else ""
             raise ConfigError(f"strategy.{key}={strategy_cfg[key]}{where} is not a choice: it must be one of {shown}.")
 
@@ -293,7 +369,9 @@ def check_values(cfg: DictConfig) -> None:
     choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
     check_strategy_choices(OmegaConf.to_container(cfg.strategy, resolve=True), choices.get("strategy", ""))
     if cfg.optim.min_lr > cfg.optim.lr:
-        raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}: the cosine decays from lr down to min_lr.")
+        raise ConfigError(
+            f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}: the cosine decays from lr down to min_lr."
+        )
     model_config(cfg)
 
 
@@ -379,7 +457,9 @@ def plan_layout(cfg: DictConfig, num_nodes: int, devices_per_node: int) -> Layou
         check_tensor_parallel_degree(model, shape.tensor_parallel, cfg.data.seq_len if sequence_parallel else None)
     if not is_pipeline(strategy_cfg):
         return Layout(shape, plan_batches(cfg.global_batch_size, shape.data_parallel, cfg.micro_batch_size))
-    plan = plan_pipeline_batches(cfg.global_batch_size, shape.data_parallel, cfg.micro_batch_size, strategy_cfg.get("n_microbatches"))
+    plan = plan_pipeline_batches(
+        cfg.global_batch_size, shape.data_parallel, cfg.micro_batch_size, strategy_cfg.get("n_microbatches")
+    )
     schedule = strategy_cfg.get("schedule", "1f1b")
     check_pipeline(
         model,
@@ -397,7 +477,12 @@ def plan_layout(cfg: DictConfig, num_nodes: int, devices_per_node: int) -> Layou
 MANIFEST_NAME = "manifest.json"
 SPLITS = ("train", "val")
 # What training reads of a manifest (project.data.prepare writes them all).
-MANIFEST_KEYS = (("tokenizer", "vocab_size"), ("tokenizer", "eos_id"), ("block_size",), *(("splits", s, "blocks") for s in SPLITS))
+MANIFEST_KEYS = (
+    ("tokenizer", "vocab_size"),
+    ("tokenizer", "eos_id"),
+    ("block_size",),
+    *(("splits", s, "blocks") for s in SPLITS),
+)
 
 
 def _prepare_again(data_dir: str | os.PathLike) -> str:
@@ -459,15 +544,22 @@ def check_shards(folder: str | os.PathLike, data_dir: str | os.PathLike | None =
     for split in SPLITS:
         index = Path(folder) / split / "index.json"
         try:
-            listed = [(c["filename"], int(c["chunk_bytes"]), int(c["chunk_size"])) for c in json.loads(index.read_bytes())["chunks"]]
+            listed = [
+                (c["filename"], int(c["chunk_bytes"]), int(c["chunk_size"]))
+                for c in json.loads(index.read_bytes())["chunks"]
+            ]
         except FileNotFoundError:
             raise ConfigError(f"data.dir={data_dir}: {index} is missing; {_prepare_again(data_dir)}.") from None
         except (ValueError, KeyError, TypeError) as error:  # not JSON, or not litdata's index
-            raise ConfigError(f"data.dir={data_dir}: {index} is damaged ({error!r}); {_prepare_again(data_dir)}.") from None
+            raise ConfigError(
+                f"data.dir={data_dir}: {index} is damaged ({error!r}); {_prepare_again(data_dir)}."
+            ) from None
         for name, size, items in listed if chunks else ():
             problem = _chunk_problem(index.parent / name, size, items)
             if problem:
-                raise ConfigError(f"data.dir={data_dir}: shard {index.parent / name} {problem}; {_prepare_again(data_dir)}.")
+                raise ConfigError(
+                    f"data.dir={data_dir}: shard {index.parent / name} {problem}; {_prepare_again(data_dir)}."
+                )
 
 
 def _chunk_problem(path: Path, size: int, items: int) -> str | None:
@@ -505,7 +597,9 @@ def check_data(cfg: DictConfig, shards: bool = True, prepared: bool = False) -> 
         for entry in cfg.data.mix:
             data_dir = entry.get("dir") if isinstance(entry, Mapping) else None
             if data_dir is None:
-                raise ConfigError(f"data.mix entry {entry!r} needs a `dir` (prepared shards) and a `weight`, e.g. {{dir: data/web, weight: 0.7}}.")
+                raise ConfigError(
+                    f"data.mix entry {entry!r} needs a `dir` (prepared shards) and a `weight`, e.g. {{dir: data/web, weight: 0.7}}."
+                )
             check_prepared_shards(data_dir, cfg.data.seq_len, *options)
     if "://" in str(cfg.data.dir):  # training does not prepare into object storage: the shards must be there
         _check_vocabulary(cfg, check_prepared_shards(cfg.data.dir, cfg.data.seq_len, *options)[1])
@@ -526,7 +620,9 @@ def check_data(cfg: DictConfig, shards: bool = True, prepared: bool = False) -> 
     if differences:
         if cfg.data.get("overwrite") and cfg.data.get("auto_prepare") and not prepared:
             return  # training prepares them again from this run's settings, then checks again (prepared=True)
-        again = "data.overwrite=true to prepare them again in place (with data.auto_prepare=true, training does it first)"
+        again = (
+            "data.overwrite=true to prepare them again in place (with data.auto_prepare=true, training does it first)"
+        )
         raise ConfigError(
             f"data.dir={data_dir} holds shards prepared from other data settings than this run's: {'; '.join(differences)}. "
             f"Point data.dir at a new folder to prepare them there and keep both, set {again}, or give the settings the "
@@ -557,14 +653,20 @@ def data_settings_differ(cfg: DictConfig, manifest: Mapping[str, Any]) -> list[s
         if here.keys() != there.keys():
             differences.append(f"data.sources: {_files(there)} there, {_files(here)} here")
         elif changed := sorted(path for path in here if here[path] != there[path]):
-            differences.append(f"data.sources: {changed[0]} held {there[changed[0]]} bytes when prepared, {here[changed[0]]} now")
+            differences.append(
+                f"data.sources: {changed[0]} held {there[changed[0]]} bytes when prepared, {here[changed[0]]} now"
+            )
     settings = manifest.get("settings")
     if not isinstance(settings, Mapping):
         return differences
     if settings.get("text_field") != data.text_field:
         differences.append(f"data.text_field: {settings.get('text_field')} there, {data.text_field} here")
     given, recorded = data.get("tokenizer"), settings.get("tokenizer")
-    if (given is None) != (recorded is None) or given is not None and not _same_tokenizer(given, settings.get("tokenizer_sha256")):
+    if (
+        (given is None) != (recorded is None)
+        or given is not None
+        and not _same_tokenizer(given, settings.get("tokenizer_sha256"))
+    ):
         differences.append(f"tokenizer: {_tokenizer_said(recorded)} there, {_tokenizer_said(given)} here")
     elif given is None and settings.get("vocab_size") != data.vocab_size:
         differences.append(f"data.vocab_size: {settings.get('vocab_size')} there, {data.vocab_size} here")
@@ -572,7 +674,10 @@ def data_settings_differ(cfg: DictConfig, manifest: Mapping[str, Any]) -> list[s
 
 
 def _same_tokenizer(given: str, sha256: str | None) -> bool:
-    from project.data.tokenizer import file_sha256, tokenizer_file  # tokenizers and sentencepiece: only when one is given
+    from project.data.tokenizer import (
+        file_sha256,
+        tokenizer_file,
+    )  # tokenizers and sentencepiece: only when one is given
 
     path = tokenizer_file(given)
     return path.is_file() and file_sha256(path) == sha256
@@ -593,7 +698,10 @@ def _files(sizes: Mapping[str, Any]) -> str:
 
 
 def check_prepared_shards(
-    data_dir: str | os.PathLike, seq_len: int, cache_dir: str | None = None, storage_options: Mapping[str, Any] | None = None
+    data_dir: str | os.PathLike,
+    seq_len: int,
+    cache_dir: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """(a local folder holding the manifest and indexes, the manifest) of shards prepared in `data_dir` for
     blocks of seq_len + 1, refused with a ConfigError otherwise. Remote shards (a URL) are read from a local
@@ -700,7 +808,9 @@ def check_init_from(cfg: DictConfig) -> None:
     except (ValueError, TypeError) as error:  # a shape LlamaConfig cannot take; ConfigError passes as it is
         if isinstance(error, ConfigError):
             raise
-        raise ConfigError(f"init_from={cfg.init_from}: its config.json gives a model this platform cannot build ({error}).") from None
+        raise ConfigError(
+            f"init_from={cfg.init_from}: its config.json gives a model this platform cannot build ({error})."
+        ) from None
 
 
 def check_trainer_arguments(cfg: DictConfig) -> None:

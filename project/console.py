@@ -37,8 +37,10 @@ KNOWN_WARNINGS = [
     # alone; a run on the cluster goes through srun (experiments/slurm/train.sbatch).
     (r"The `srun` command is available on your system but is not used", "a local run where SLURM is installed"),
     # Lightning's FSDP1 resume reads the sharded optimizer state through torch's old loader.
-    (r"`load_state_dict` is deprecated and will be removed in future versions. Please use `load` instead",
-     "Lightning's FSDP1 checkpoint loading"),
+    (
+        r"`load_state_dict` is deprecated and will be removed in future versions. Please use `load` instead",
+        "Lightning's FSDP1 checkpoint loading",
+    ),
 ]
 
 # torch.distributed.tensor logs this when a gradient norm sharded over both mesh dimensions (FSDP2 x
@@ -139,7 +141,10 @@ def keep_console(run_dir: Path, rank: int, secrets: set[str] = frozenset()) -> N
         console = getattr(sys, stream)
         replaced[id(console)] = tee = _Tee(console, log)
         setattr(sys, stream, tee)
-    loggers = [logging.getLogger(), *(logger for logger in logging.Logger.manager.loggerDict.values() if isinstance(logger, logging.Logger))]
+    loggers = [
+        logging.getLogger(),
+        *(logger for logger in logging.Logger.manager.loggerDict.values() if isinstance(logger, logging.Logger)),
+    ]
     for logger in loggers:
         for handler in logger.handlers:
             if type(handler) is logging.StreamHandler and id(handler.stream) in replaced:

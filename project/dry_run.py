@@ -36,7 +36,10 @@ ADAM_STEP_BYTES = 4  # AdamW's step count: one float32 scalar per parameter tens
 def dry_run_argv(argv: Sequence[str]) -> list[str]:
     """`dry_run=true|false` on the command line means `dry_run.enabled=...`: Hydra cannot set a group of
     settings (dry_run.ranks, ...) from one value."""
-    return [f"dry_run.enabled={a.split('=', 1)[1]}" if a.split("=", 1)[0] in ("dry_run", "+dry_run") and "=" in a else a for a in argv]
+    return [
+        f"dry_run.enabled={a.split('=', 1)[1]}" if a.split("=", 1)[0] in ("dry_run", "+dry_run") and "=" in a else a
+        for a in argv
+    ]
 
 
 @dataclass
@@ -51,7 +54,9 @@ class RankShare:
     parameters: int  # elements of this rank's parameter shards
     param_bytes: int
     grad_bytes: int
-    optimizer_bytes: int  # AdamW's two moments and step counts; no separate master weights (parameters are stored as trained)
+    optimizer_bytes: (
+        int  # AdamW's two moments and step counts; no separate master weights (parameters are stored as trained)
+    )
     largest_tensor: str  # name, local shape and bytes of the largest single parameter shard
     largest_bytes: int
 
@@ -88,13 +93,18 @@ def selected_ranks(setting: Any, shape: MeshShape, last_stage: int) -> list[int]
     ranks = list(setting) if OmegaConf.is_list(setting) or isinstance(setting, (list, tuple)) else [setting]
     if not ranks or not all(isinstance(r, int) and 0 <= r < world for r in ranks):
         raise ConfigError(
-            f"dry_run.ranks={setting}: choose representative, all, or a list of ranks from 0 to {world - 1} (e.g. dry_run.ranks=[0,{world - 1}])."
+            f"dry_run.ranks={setting}: choose representative, all, or a list of ranks from 0 to {world - 1} "
+            f"(e.g. dry_run.ranks=[0,{world - 1}])."
         )
     return sorted(set(ranks))
 
 
 def _tensor_line(name: str, shape: Sequence[int], nbytes: int) -> str:
-    return f"{name} {list(shape)} ({nbytes / GIB:.2f} GiB)" if nbytes >= GIB / 100 else f"{name} {list(shape)} ({nbytes:,} bytes)"
+    return (
+        f"{name} {list(shape)} ({nbytes / GIB:.2f} GiB)"
+        if nbytes >= GIB / 100
+        else f"{name} {list(shape)} ({nbytes:,} bytes)"
+    )
 
 
 def _stage_lines(chunks: dict[int, Any], n_chunks: int) -> list[str]:
@@ -118,12 +128,15 @@ def share_of(model: Any, rank: int, shape: MeshShape, stages: list[str]) -> Rank
     name, largest = max(local, key=lambda item: item[1].numel() * item[1].element_size())
     nbytes = largest.numel() * largest.element_size()
     return RankShare(
-        rank, *coordinates(rank, shape), stages,
+        rank,
+        *coordinates(rank, shape),
+        stages,
         parameters=sum(t.numel() for _, t in local),
         param_bytes=param_bytes,
         grad_bytes=param_bytes,  # gradients take their parameter's shard, shape and dtype
         optimizer_bytes=2 * param_bytes + ADAM_STEP_BYTES * len(params),
-        largest_tensor=_tensor_line(name, largest.shape, nbytes), largest_bytes=nbytes,
+        largest_tensor=_tensor_line(name, largest.shape, nbytes),
+        largest_bytes=nbytes,
     )
 
 
@@ -154,7 +167,9 @@ def shard_rank(cfg: DictConfig, shape: MeshShape, rank: int) -> RankShare:
         if pipeline:
             mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=MESH_DIMS)
         else:  # Lightning's ModelParallelStrategy's mesh
-            mesh = init_device_mesh("cpu", (shape.data_parallel, shape.tensor_parallel), mesh_dim_names=("data_parallel", "tensor_parallel"))
+            mesh = init_device_mesh(
+                "cpu", (shape.data_parallel, shape.tensor_parallel), mesh_dim_names=("data_parallel", "tensor_parallel")
+            )
         strategy._device_mesh = mesh  # what the strategy's setup_environment sets in a run
         model = build_meta_model(cfg)
         strategy.shard(model)
@@ -175,20 +190,27 @@ def fsdp1_share(cfg: DictConfig, shape: MeshShape, rank: int, devices_per_node: 
     model = build_meta_model(cfg)
     sharding = cfg.strategy.get("sharding_strategy", "FULL_SHARD")
     world = math.prod(shape)
-    group = {"NO_SHARD": 1, "HYBRID_SHARD": cfg.strategy.get("hybrid_shard_size") or devices_per_node}.get(sharding, world)
+    group = {"NO_SHARD": 1, "HYBRID_SHARD": cfg.strategy.get("hybrid_shard_size") or devices_per_node}.get(
+        sharding, world
+    )
     in_blocks = {id(p) for block in model.layers.values() for p in block.parameters()}
-    units = [list(block.parameters()) for block in model.layers.values()] + [[p for p in model.parameters() if id(p) not in in_blocks]]
+    units = [list(block.parameters()) for block in model.layers.values()] + [
+        [p for p in model.parameters() if id(p) not in in_blocks]
+    ]
     itemsize = next(model.parameters()).element_size()
     shards = [math.ceil(sum(p.numel() for p in unit) / group) for unit in units if unit]
     parameters = sum(shards)
     largest = max(shards)
     return RankShare(
-        rank, *coordinates(rank, shape), [],
+        rank,
+        *coordinates(rank, shape),
+        [],
         parameters=parameters,
         param_bytes=parameters * itemsize,
         grad_bytes=parameters * itemsize,
         optimizer_bytes=2 * parameters * itemsize + ADAM_STEP_BYTES * len(units),
-        largest_tensor=_tensor_line("a flat unit's shard", [largest], largest * itemsize), largest_bytes=largest * itemsize,
+        largest_tensor=_tensor_line("a flat unit's shard", [largest], largest * itemsize),
+        largest_bytes=largest * itemsize,
     )
 
 
@@ -243,7 +265,9 @@ def check_checkpoint_resumable(cfg: DictConfig, run_dir: Path) -> None:
     path = path if path.exists() else previous_checkpoint(path) or path
     local_shards = not cfg.data.get("mix") and (Path(str(cfg.data.dir)) / "manifest.json").is_file()
     tokenizer = tokenizer_identity(str(cfg.data.dir)) if local_shards else None  # shards elsewhere: a real start checks
-    check_resumable(checkpoint_metadata(path), OmegaConf.to_container(cfg.model, resolve=True), tokenizer, path, cfg.data.dir)
+    check_resumable(
+        checkpoint_metadata(path), OmegaConf.to_container(cfg.model, resolve=True), tokenizer, path, cfg.data.dir
+    )
 
 
 def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir: Path) -> list[RankShare]:
@@ -259,7 +283,11 @@ def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir:
     shape = layout.shape
     schedule = cfg.strategy.get("schedule", "1f1b")
     virtual = cfg.strategy.get("virtual_stages") or default_virtual_stages(schedule)
-    last_stage = chunk_ranks(schedule, shape.pipeline_parallel, shape.pipeline_parallel * virtual)[-1] if shape.pipeline_parallel > 1 else 0
+    last_stage = (
+        chunk_ranks(schedule, shape.pipeline_parallel, shape.pipeline_parallel * virtual)[-1]
+        if shape.pipeline_parallel > 1
+        else 0
+    )
     ranks = selected_ranks(cfg.dry_run.ranks, shape, last_stage)
     how = how_shared(cfg)  # the strategy's constructor runs its own checks here, as at a real start
     shares = [rank_share(cfg, layout, rank) for rank in ranks]
@@ -267,13 +295,26 @@ def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir:
     planned = {s.pipeline: planned_memory(cfg, layout, strategy_name, s.pipeline) for s in shares} if memory else {}
     print(render(cfg, layout, strategy_name, how, shares, memory, planned))
     record = {
-        "strategy": strategy_name, "how": how, "world_size": math.prod(shape),
-        "mesh": {"pipeline": shape.pipeline_parallel, "data_parallel": shape.data_parallel, "tensor_parallel": shape.tensor_parallel},
-        "batch": {"global": layout.plan.global_batch_size, "micro": layout.plan.micro_batch_size,
-                  "accumulation": layout.plan.accumulate_grad_batches, "pipeline_microbatches": layout.plan.pipeline_microbatches},
+        "strategy": strategy_name,
+        "how": how,
+        "world_size": math.prod(shape),
+        "mesh": {
+            "pipeline": shape.pipeline_parallel,
+            "data_parallel": shape.data_parallel,
+            "tensor_parallel": shape.tensor_parallel,
+        },
+        "batch": {
+            "global": layout.plan.global_batch_size,
+            "micro": layout.plan.micro_batch_size,
+            "accumulation": layout.plan.accumulate_grad_batches,
+            "pipeline_microbatches": layout.plan.pipeline_microbatches,
+        },
         "model_parameters": sum(p.numel() for p in build_meta_model(cfg).parameters()),
         "device_memory_bytes": memory[1] if memory else None,
-        "ranks": [{**asdict(s), "state_bytes": s.state_bytes, "planned": _planned_record(planned.get(s.pipeline), s)} for s in shares],
+        "ranks": [
+            {**asdict(s), "state_bytes": s.state_bytes, "planned": _planned_record(planned.get(s.pipeline), s)}
+            for s in shares
+        ],
     }
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "dry_run.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -295,13 +336,21 @@ def planned_memory(cfg: DictConfig, layout: Layout, strategy_name: str, pipeline
         return None
     schedule = s.get("schedule") if pp > 1 else None
     candidate = Candidate(
-        name, dp, tp, pp, plan.micro_batch_size, max(plan.accumulate_grad_batches, plan.pipeline_microbatches),
+        name,
+        dp,
+        tp,
+        pp,
+        plan.micro_batch_size,
+        max(plan.accumulate_grad_batches, plan.pipeline_microbatches),
         recompute="full" if s.get("activation_checkpointing") else "none" if cfg.document_mask else "selective",
-        sequence_parallel=bool(s.get("sequence_parallel")) and tp > 1, schedule=schedule,
+        sequence_parallel=bool(s.get("sequence_parallel")) and tp > 1,
+        schedule=schedule,
         virtual_stages=(s.get("virtual_stages") or default_virtual_stages(schedule)) if schedule else 1,
     )
     accelerator = "gpu" if s.get("compile") else "cpu"  # the planner counts compiled (fused) blocks on GPUs
-    return estimate_memory(model_config(cfg), candidate, int(cfg.data.seq_len), precision, accelerator, Allowance(), pipeline_rank)
+    return estimate_memory(
+        model_config(cfg), candidate, int(cfg.data.seq_len), precision, accelerator, Allowance(), pipeline_rank
+    )
 
 
 def _planned_record(estimate: Any | None, share: RankShare) -> dict[str, float] | None:
@@ -322,37 +371,58 @@ def _cluster_memory(cfg: DictConfig) -> tuple[str, float] | None:
 
 
 def render(
-    cfg: DictConfig, layout: Layout, strategy_name: str, how: str, shares: list[RankShare], memory: tuple[str, float] | None, planned: dict[int, Any]
+    cfg: DictConfig,
+    layout: Layout,
+    strategy_name: str,
+    how: str,
+    shares: list[RankShare],
+    memory: tuple[str, float] | None,
+    planned: dict[int, Any],
 ) -> str:
     pp, dp, tp = layout.shape
     plan = layout.plan
     lines = [
-        f"dry run: strategy={strategy_name} on {pp * dp * tp} devices ({cfg.trainer.num_nodes} node(s) x {cfg.trainer.devices}), "
-        f"mesh pipeline {pp} x data {dp} x tensor {tp}; batch: global {plan.global_batch_size} = micro {plan.micro_batch_size} x "
-        f"{max(plan.accumulate_grad_batches, plan.pipeline_microbatches)} x {dp} replicas; precision {cfg.trainer.get('precision', '32-true')}",
+        f"dry run: strategy={strategy_name} on {pp * dp * tp} devices ({cfg.trainer.num_nodes} node(s) x "
+        f"{cfg.trainer.devices}), mesh pipeline {pp} x data {dp} x tensor {tp}; batch: global {plan.global_batch_size} = "
+        f"micro {plan.micro_batch_size} x {max(plan.accumulate_grad_batches, plan.pipeline_microbatches)} x {dp} replicas; "
+        f"precision {cfg.trainer.get('precision', '32-true')}",
         f"shares: {how}. Every check of a real start passed"
         + ("." if data_on_this_machine(cfg) else f", but the shards': data.dir={cfg.data.dir} is not on this machine."),
-        "Parameters are held as trained (float32 under -mixed precision, which casts copies for compute): no separate master weights.",
+        "Parameters are held as trained (float32 under -mixed precision, which casts copies for compute): "
+        "no separate master weights.",
         "",
-        f"{'rank':>6} {'pp':>3} {'dp':>4} {'tp':>3} {'parameters':>12} {'params':>10} {'grads':>10} {'AdamW':>10} {'states':>10}  largest tensor",
+        f"{'rank':>6} {'pp':>3} {'dp':>4} {'tp':>3} {'parameters':>12} {'params':>10} {'grads':>10} {'AdamW':>10} "
+        f"{'states':>10}  largest tensor",
     ]
     for s in shares:
         gib = [f"{b / GIB:.2f} GiB" for b in (s.param_bytes, s.grad_bytes, s.optimizer_bytes, s.state_bytes)]
-        lines.append(f"{s.rank:>6} {s.pipeline:>3} {s.data_parallel:>4} {s.tensor_parallel:>3} {s.parameters / 1e9:>11.4f}B {gib[0]:>10} {gib[1]:>10} {gib[2]:>10} {gib[3]:>10}  {s.largest_tensor}")
+        lines.append(
+            f"{s.rank:>6} {s.pipeline:>3} {s.data_parallel:>4} {s.tensor_parallel:>3} {s.parameters / 1e9:>11.4f}B "
+            f"{gib[0]:>10} {gib[1]:>10} {gib[2]:>10} {gib[3]:>10}  {s.largest_tensor}"
+        )
         for stage in s.stages:
             lines.append(f"{'':>30}{stage}")
     if memory:
         name, capacity = memory
-        lines += ["", f"against {name}'s {capacity / GIB:.1f} GiB per device (activations, working copies and allowance: the planner's estimate for this layout):"]
+        lines += [
+            "",
+            f"against {name}'s {capacity / GIB:.1f} GiB per device (activations, working copies and allowance: "
+            "the planner's estimate for this layout):",
+        ]
         for s in shares:
             estimate = planned.get(s.pipeline)
             rest = estimate.total - estimate.states if estimate else 0.0
             total = s.state_bytes + rest
             left = capacity - total
             parts = f"model states {s.state_bytes / GIB:.1f}" + (
-                f" + activations {estimate.activations / GIB:.1f} + working copies {estimate.working / GIB:.1f} + allowance {estimate.overhead / GIB:.1f}"
-                f" = {total / GIB:.1f} GiB" if estimate else " GiB (no estimate of the rest for this strategy)"
+                f" + activations {estimate.activations / GIB:.1f} + working copies {estimate.working / GIB:.1f}"
+                f" + allowance {estimate.overhead / GIB:.1f}"
+                f" = {total / GIB:.1f} GiB"
+                if estimate
+                else " GiB (no estimate of the rest for this strategy)"
             )
-            verdict = f"fits, {left / GIB:.1f} GiB to spare" if left > 0 else f"does not fit: {-left / GIB:.1f} GiB over"
+            verdict = (
+                f"fits, {left / GIB:.1f} GiB to spare" if left > 0 else f"does not fit: {-left / GIB:.1f} GiB over"
+            )
             lines.append(f"rank {s.rank}: {parts} ({total / capacity:.0%}): {verdict}")
     return "\n".join(lines)

@@ -37,7 +37,11 @@ class exit_on_config_error(contextlib.ContextDecorator):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is not None and not isinstance(exc, (ConfigError, TrainingStopped)) and (cause := config_error_behind(exc)):
+        if (
+            exc is not None
+            and not isinstance(exc, (ConfigError, TrainingStopped))
+            and (cause := config_error_behind(exc))
+        ):
             exc_type, exc = ConfigError, cause
         if exc_type is not None and issubclass(exc_type, (ConfigError, TrainingStopped)):
             print(f"error: {exc}", file=sys.stderr, flush=True)

@@ -10,9 +10,10 @@ Writes config.json, model.safetensors (past max_shard_size: model-0000N-of-0000M
 model.safetensors.index.json, as transformers does), generation_config.json and the tokenizer files, so that
 `LlamaForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load offline. Needs no
 transformers. The weights are read one output file at a time (project.checkpoint_weights), so exporting
-never holds more of the model than max_shard_size, from a file or a sharded folder. The tokenizer comes from `tokenizer=` or else from the manifest.json in the checkpoint's data
-directory. A sentencepiece model is exported for transformers' LlamaTokenizer, which reads it as a Llama-style
-BPE with byte fallback and needs `protobuf` installed to load it.
+never holds more of the model than max_shard_size, from a file or a sharded folder. The tokenizer comes from
+`tokenizer=` or else from the manifest.json in the checkpoint's data directory. A sentencepiece model is exported
+for transformers' LlamaTokenizer, which reads it as a Llama-style BPE with byte fallback and needs `protobuf`
+installed to load it.
 
 Arguments are Hydra-style `key=value` for symmetry with project.train, parsed here without Hydra because
 there is nothing to compose. The checkpoint is unpickled (it holds hyper-parameters): export only files
@@ -42,7 +43,14 @@ from project.hf_format import hf_config_dict
 from project.model.llama import LlamaConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULTS = {"ckpt_path": None, "output_dir": None, "tokenizer": None, "dtype": "float32", "overwrite": "false", "max_shard_size": "5GB"}
+DEFAULTS = {
+    "ckpt_path": None,
+    "output_dir": None,
+    "tokenizer": None,
+    "dtype": "float32",
+    "overwrite": "false",
+    "max_shard_size": "5GB",
+}
 PASS_TOKENIZER = "Pass tokenizer=PATH (a HF tokenizer.json or a sentencepiece .model)."
 USAGE = (
     "usage: python -m project.export ckpt_path=PATH [output_dir=DIR] [tokenizer=PATH] "
@@ -85,7 +93,9 @@ def load_checkpoint(path: Path) -> tuple[LlamaConfig, CheckpointWeights, Mapping
     module: a `.ckpt` file (memory-mapped) or, from a sharded strategy, a distributed-checkpoint folder, whose
     tensors are read only as they are written out."""
     if not path.exists():
-        raise ConfigError(f"checkpoint {path} does not exist; pass ckpt_path= a Lightning .ckpt file or sharded checkpoint folder.")
+        raise ConfigError(
+            f"checkpoint {path} does not exist; pass ckpt_path= a Lightning .ckpt file or sharded checkpoint folder."
+        )
     try:
         ckpt = checkpoint_metadata(path)
         hparams = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, Mapping) else {}
@@ -100,7 +110,9 @@ def load_checkpoint(path: Path) -> tuple[LlamaConfig, CheckpointWeights, Mapping
         raise ConfigError(f"ckpt_path={path}: {e}") from None
     except Exception as e:  # a damaged sharded folder: which exception depends on the damage
         reason = " ".join(f"{type(e).__name__}: {e}".split())  # one paragraph, however many lines it had
-        raise ConfigError(f"ckpt_path={path}: could not read the checkpoint ({reason}); pass another checkpoint.") from None
+        raise ConfigError(
+            f"ckpt_path={path}: could not read the checkpoint ({reason}); pass another checkpoint."
+        ) from None
     try:
         config = LlamaConfig(**dict(hparams["model"]))
     except (TypeError, ValueError) as e:
@@ -181,7 +193,9 @@ def write_tokenizer(path: Path, bos_id: int | None, eos_id: int | None, config: 
     return bos_id, eos_id
 
 
-def write_model(config: LlamaConfig, weights: CheckpointWeights, dtype: str, bos_id, eos_id, out: Path, max_shard_size: int) -> None:
+def write_model(
+    config: LlamaConfig, weights: CheckpointWeights, dtype: str, bos_id, eos_id, out: Path, max_shard_size: int
+) -> None:
     write_safetensors(weights, config, DTYPES[dtype], out, max_shard_size)
     hf_config = hf_config_dict(config, bos_token_id=bos_id, eos_token_id=eos_id, torch_dtype=dtype)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
@@ -200,7 +214,11 @@ def give_default_modes(folder: Path) -> None:
 
 
 def export(
-    ckpt_path: str, output_dir: str, tokenizer: str | None = None, dtype: str = "float32", overwrite: bool = False,
+    ckpt_path: str,
+    output_dir: str,
+    tokenizer: str | None = None,
+    dtype: str = "float32",
+    overwrite: bool = False,
     max_shard_size: str = DEFAULTS["max_shard_size"],
 ) -> list[Path]:
     """Export `ckpt_path` into `output_dir`; returns the files written."""
@@ -258,7 +276,9 @@ def _unwritten(error: Exception, out: Path) -> Exception:
             f"output_dir, and run again; {out} was left as it was."
         )
     if code in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return ConfigError(f"output_dir={out}: could not write the export ({reason}); choose an output_dir you can write to.")
+        return ConfigError(
+            f"output_dir={out}: could not write the export ({reason}); choose an output_dir you can write to."
+        )
     return error
 
 
@@ -266,7 +286,9 @@ def _unwritten(error: Exception, out: Path) -> Exception:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     overwrite = args["overwrite"].lower() == "true"
-    files = export(args["ckpt_path"], args["output_dir"], args["tokenizer"], args["dtype"], overwrite, args["max_shard_size"])
+    files = export(
+        args["ckpt_path"], args["output_dir"], args["tokenizer"], args["dtype"], overwrite, args["max_shard_size"]
+    )
     print(f"exported {args['ckpt_path']} to {args['output_dir']}:")
     for path in files:
         print(f"  {path}  ({path.stat().st_size:,} bytes)")

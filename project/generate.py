@@ -137,7 +137,9 @@ def load(ckpt_path: str, tokenizer: str | None):
     document_mask = bool(ckpt["hyper_parameters"].get("document_mask"))
     del ckpt  # optimizer state can be twice the weights
     if tokenizer_path.suffix not in (".json", ".model"):
-        raise ConfigError(f"tokenizer {tokenizer_path} is neither a HF tokenizer.json (.json) nor a sentencepiece .model.")
+        raise ConfigError(
+            f"tokenizer {tokenizer_path} is neither a HF tokenizer.json (.json) nor a sentencepiece .model."
+        )
     tok = load_tokenizer(tokenizer_path)
     if tok.vocab_size > config.vocab_size:
         raise ConfigError(
@@ -184,7 +186,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"note: stopped after {n} new tokens: prompt and continuation reached model.max_seq_len={limit}.",
               file=sys.stderr)  # fmt: skip
     elif result.stop == "eos":
-        print(f"note: the model ended the document after {n} new tokens (stop_at_eos=false continues).", file=sys.stderr)
+        print(
+            f"note: the model ended the document after {n} new tokens (stop_at_eos=false continues).", file=sys.stderr
+        )
 
 
 if __name__ == "__main__":

@@ -57,14 +57,19 @@ def read_config(folder: Path) -> dict[str, Any]:
         raise _refuse(folder, f"its {CONFIG} is not JSON ({error}).") from None
     if not isinstance(config, dict) or config.get("model_type") != "llama":
         kind = config.get("model_type") if isinstance(config, dict) else None
-        raise _refuse(folder, f"its {CONFIG} describes a model_type={kind!r} model; this platform trains Llama models (model_type='llama').")
+        raise _refuse(
+            folder,
+            f"its {CONFIG} describes a model_type={kind!r} model; this platform trains Llama models (model_type='llama').",
+        )
     return config
 
 
 def _rope(folder: Path, config: Mapping[str, Any]) -> tuple[float, dict | None]:
     """(rope_theta, Llama-3 rope_scaling or None), from transformers 4's `rope_theta` + `rope_scaling` or 5's `rope_parameters`."""
     parameters = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or (parameters if parameters.get("rope_type", "default") != "default" else None)
+    scaling = config.get("rope_scaling") or (
+        parameters if parameters.get("rope_type", "default") != "default" else None
+    )
     theta = config.get("rope_theta", parameters.get("rope_theta", 10000.0))
     if scaling is None:
         return float(theta), None
@@ -72,7 +77,11 @@ def _rope(folder: Path, config: Mapping[str, Any]) -> tuple[float, dict | None]:
     if kind == "default":
         return float(theta), None
     if kind != "llama3" or any(k not in scaling for k in LLAMA3_ROPE_KEYS):
-        raise _refuse(folder, f"its RoPE scaling {dict(scaling)} is not one this model implements (none, or Llama 3's 'llama3' with {list(LLAMA3_ROPE_KEYS)}).")
+        raise _refuse(
+            folder,
+            f"its RoPE scaling {dict(scaling)} is not one this model implements (none, or Llama 3's 'llama3' with "
+            f"{list(LLAMA3_ROPE_KEYS)}).",
+        )
     return float(theta), {k: scaling[k] for k in LLAMA3_ROPE_KEYS}
 
 
@@ -90,12 +99,21 @@ def model_settings(folder: Path, config: Mapping[str, Any]) -> dict[str, Any]:
         unsupported["head_dim"] = True
     if any(unsupported.values()):
         said = ", ".join(f"{k}={config.get(k)!r}" for k, bad in unsupported.items() if bad)
-        raise _refuse(folder, f"its {CONFIG} has {said}, which this Llama (SwiGLU, no biases, head size hidden_size / heads) does not.")
-    missing = [hf for ours, hf in FIXED.items() if ours not in ("rope_theta", "rope_scaling", "n_kv_heads", "tie_embeddings") and hf not in config]
+        raise _refuse(
+            folder,
+            f"its {CONFIG} has {said}, which this Llama (SwiGLU, no biases, head size hidden_size / heads) does not.",
+        )
+    missing = [
+        hf
+        for ours, hf in FIXED.items()
+        if ours not in ("rope_theta", "rope_scaling", "n_kv_heads", "tie_embeddings") and hf not in config
+    ]
     if missing:
         raise _refuse(folder, f"its {CONFIG} lacks {missing}.")
     theta, scaling = _rope(folder, config)
-    settings = {ours: config[hf] for ours, hf in FIXED.items() if hf in config and ours not in ("rope_theta", "rope_scaling")}
+    settings = {
+        ours: config[hf] for ours, hf in FIXED.items() if hf in config and ours not in ("rope_theta", "rope_scaling")
+    }
     settings.update(
         n_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -119,9 +137,13 @@ def _header(path: Path) -> dict[str, Any]:
             header = json.loads(f.read(length))
         end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"), default=0)
     except (OSError, struct.error, ValueError, KeyError, TypeError, IndexError) as error:
-        raise ConfigError(f"init_from: {path} is not a readable safetensors file ({error}): download it again.") from None
+        raise ConfigError(
+            f"init_from: {path} is not a readable safetensors file ({error}): download it again."
+        ) from None
     if 8 + length + end > path.stat().st_size:
-        raise ConfigError(f"init_from: {path} is cut short ({path.stat().st_size} bytes of {8 + length + end}): download it again.")
+        raise ConfigError(
+            f"init_from: {path} is cut short ({path.stat().st_size} bytes of {8 + length + end}): download it again."
+        )
     header.pop("__metadata__", None)
     return header
 
@@ -141,12 +163,17 @@ def weight_files(folder: Path) -> list[Path]:
         named = present
     else:
         found = [p.name for p in present] or sorted(p.name for p in folder.glob("*.bin"))
-        raise _refuse(folder, f"it holds {found or 'no weight files'} and no {INDEX}: safetensors weights are needed (save them "
-                      "with transformers' save_pretrained, which writes safetensors).")
+        raise _refuse(
+            folder,
+            f"it holds {found or 'no weight files'} and no {INDEX}: safetensors weights are needed (save them "
+            "with transformers' save_pretrained, which writes safetensors).",
+        )
     # torch's reader takes every safetensors file in the folder: one the index does not name would be read too.
     stray = [p.name for p in present if p not in named]
     if stray:
-        raise _refuse(folder, f"it holds safetensors files its {INDEX} does not name ({stray[:5]}): move them out of the folder.")
+        raise _refuse(
+            folder, f"it holds safetensors files its {INDEX} does not name ({stray[:5]}): move them out of the folder."
+        )
     return named
 
 
@@ -160,13 +187,22 @@ def check_weights(folder: Path, config: LlamaConfig) -> None:
     extra = sorted(set(found) - set(expected) - ({"lm_head.weight"} if tied else set()))
     missing = sorted(set(expected) - set(found))
     if extra or missing:
-        said = "; ".join(f"{what} {names[:4]}{' and more' if len(names) > 4 else ''}" for what, names in (("missing", missing), ("unexpected", extra)) if names)
+        said = "; ".join(
+            f"{what} {names[:4]}{' and more' if len(names) > 4 else ''}"
+            for what, names in (("missing", missing), ("unexpected", extra))
+            if names
+        )
         raise _refuse(folder, f"its weights do not match its {CONFIG} ({said}).")
     for name, shape in expected.items():
         if tuple(found[name]["shape"]) != shape:
-            raise _refuse(folder, f"its weight {name} has shape {found[name]['shape']}, where its {CONFIG} implies {list(shape)}.")
+            raise _refuse(
+                folder, f"its weight {name} has shape {found[name]['shape']}, where its {CONFIG} implies {list(shape)}."
+            )
         if found[name]["dtype"] not in DTYPES:
-            raise _refuse(folder, f"its weight {name} is of type {found[name]['dtype']}; this platform loads {list(DTYPES)} weights.")
+            raise _refuse(
+                folder,
+                f"its weight {name} is of type {found[name]['dtype']}; this platform loads {list(DTYPES)} weights.",
+            )
 
 
 def _explicit_model_keys(overrides: list[str]) -> set[str]:
@@ -187,7 +223,11 @@ def apply_init_from(cfg: Any, overrides: list[str]) -> None:
         ours = cfg.model.get(key)
         theirs = settings.get(key) if key in FIXED else None
         if key in FFN_RULE or ours != theirs:
-            published = f"{FIXED[key]}={theirs}" if key in FIXED else f"intermediate_size={settings['ffn_dim']}, which fixes the FFN width"
+            published = (
+                f"{FIXED[key]}={theirs}"
+                if key in FIXED
+                else f"intermediate_size={settings['ffn_dim']}, which fixes the FFN width"
+            )
             raise ConfigError(
                 f"model.{key}={ours} contradicts init_from={folder}, whose {CONFIG} has {published}: the folder's weights "
                 f"have its shape. Drop model.{key}, or train a model of your own without init_from."

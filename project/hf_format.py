@@ -104,7 +104,12 @@ def weight_names(config: LlamaConfig) -> list[str]:
 
 def hf_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """The HF names and shapes of the weights of a LlamaForCausalLM of `config`, as a folder holds them."""
-    d, q, kv, ffn = config.dim, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.ffn_hidden_dim
+    d, q, kv, ffn = (
+        config.dim,
+        config.n_heads * config.head_dim,
+        config.n_kv_heads * config.head_dim,
+        config.ffn_hidden_dim,
+    )
     block = {
         "attention_norm.weight": (d,),
         "attention.wq.weight": (q, d),
@@ -116,7 +121,11 @@ def hf_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         "feed_forward.w3.weight": (ffn, d),
         "feed_forward.w2.weight": (d, ffn),
     }
-    top = {"tok_embeddings.weight": (config.vocab_size, d), "norm.weight": (d,), "output.weight": (config.vocab_size, d)}
+    top = {
+        "tok_embeddings.weight": (config.vocab_size, d),
+        "norm.weight": (d,),
+        "output.weight": (config.vocab_size, d),
+    }
     return {hf_name(name): top.get(name) or block[name.split(".", 2)[2]] for name in weight_names(config)}
 
 

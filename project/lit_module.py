@@ -11,10 +11,10 @@ from typing import IO, Any, Mapping
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.distributed.tensor import DTensor
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
 
 from project.checkpoints import load_full_checkpoint, rebase_batch_progress
@@ -60,13 +60,19 @@ def _weight_shapes(model: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def check_resumable(
-    checkpoint: Mapping[str, Any], model: Mapping[str, Any], tokenizer: Mapping[str, Any] | None, source: Any, data_dir: Any = None
+    checkpoint: Mapping[str, Any],
+    model: Mapping[str, Any],
+    tokenizer: Mapping[str, Any] | None,
+    source: Any,
+    data_dir: Any = None,
 ) -> None:
     """Refuse to resume from a checkpoint of another model shape, or one trained on the token ids of another
     tokenizer than `tokenizer` (that of the shards in `data_dir`), naming the settings that differ.
     Checkpoints from before the tokenizer was recorded are taken on trust."""
     recorded = checkpoint.get("tokenizer")
-    differ = [k for k in tokenizer or {} if isinstance(recorded, Mapping) and k in recorded and recorded[k] != tokenizer[k]]
+    differ = [
+        k for k in tokenizer or {} if isinstance(recorded, Mapping) and k in recorded and recorded[k] != tokenizer[k]
+    ]
     if differ:
         said = ", ".join(f"{k} {str(recorded[k])[:12]} there, {str(tokenizer[k])[:12]} here" for k in differ)
         raise ConfigError(
@@ -80,7 +86,9 @@ def check_resumable(
     try:
         theirs = _weight_shapes(saved)
     except (TypeError, ValueError) as error:
-        raise ConfigError(f"ckpt_path={source}: its hyper_parameters['model'] is not a model config this platform builds ({error}).") from None
+        raise ConfigError(
+            f"ckpt_path={source}: its hyper_parameters['model'] is not a model config this platform builds ({error})."
+        ) from None
     ours = _weight_shapes(model)
     if theirs != ours:
         name = next(n for n in sorted(theirs.keys() | ours.keys()) if theirs.get(n) != ours.get(n))
@@ -128,7 +136,13 @@ class LlamaLitModule(LightningModule):
         if document_mask and eos_id is None:
             raise ValueError("document_mask needs the tokenizer's eos_id")
         self.save_hyperparameters(
-            {"model": asdict(model_cfg), "optim": asdict(optim_cfg), "document_mask": document_mask, "eos_id": eos_id, "init_seed": init_seed}
+            {
+                "model": asdict(model_cfg),
+                "optim": asdict(optim_cfg),
+                "document_mask": document_mask,
+                "eos_id": eos_id,
+                "init_seed": init_seed,
+            }
         )
         self.optim = optim_cfg
         # A model whose every value is about to be read from a file is built without memory, on any strategy.
@@ -228,7 +242,10 @@ class LlamaLitModule(LightningModule):
             self._skipped_steps += 1
             for p in self.parameters():
                 p.grad = None  # AdamW leaves a parameter without a gradient untouched: no update, no moments
-            rank_zero_warn(f"step {step}: gradient norm {norm}, update skipped ({self._skipped_steps} of optim.max_skipped_steps={self.optim.max_skipped_steps}).")
+            rank_zero_warn(
+                f"step {step}: gradient norm {norm}, update skipped ({self._skipped_steps} of "
+                f"optim.max_skipped_steps={self.optim.max_skipped_steps})."
+            )
             return
         raise TrainingStopped(
             f"step {step}: the gradient norm is {norm} (a non-finite loss or gradient): training stopped before the "
@@ -249,13 +266,19 @@ class LlamaLitModule(LightningModule):
         while len(self.val_losses) < len(self._validation_corpora()):
             self.val_losses.append(MeanMetric())
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+    def validation_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         inputs, _ = batch
-        self.val_losses[dataloader_idx].update(self.loss(*batch), weight=inputs.shape[0])  # micro batches may differ in size
+        self.val_losses[dataloader_idx].update(
+            self.loss(*batch), weight=inputs.shape[0]
+        )  # micro batches may differ in size
 
     def on_validation_epoch_end(self) -> None:
         corpora = self._validation_corpora()
-        losses = [metric.compute() for metric in self.val_losses[: len(corpora)]]  # sequence-weighted means, synced over all ranks
+        losses = [
+            metric.compute() for metric in self.val_losses[: len(corpora)]
+        ]  # sequence-weighted means, synced over all ranks
         for metric in self.val_losses:
             metric.reset()
         if len(corpora) > 1:

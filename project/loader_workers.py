@@ -26,7 +26,7 @@ JOB_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 
 def start_method() -> str | None:
-    """"forkserver" on Linux; elsewhere multiprocessing's default (spawn on macOS and Windows), since only
+    """ "forkserver" on Linux; elsewhere multiprocessing's default (spawn on macOS and Windows), since only
     Linux can end the server with the training process (project.loader_server)."""
     return "forkserver" if sys.platform.startswith("linux") else None
 

@@ -88,7 +88,9 @@ def wandb_run_id(run_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def build_loggers(cfg: DictConfig, run_dir: Path, name: str, group: str | None = None, tags: list[str] = ()) -> list[Logger]:
+def build_loggers(
+    cfg: DictConfig, run_dir: Path, name: str, group: str | None = None, tags: list[str] = ()
+) -> list[Logger]:
     """CSV always; wandb with `name` (the layout's), `group` (the sweep's or experiment's) and `tags`,
     unless the logger config sets its own."""
     loggers: list[Logger] = [RunCSVLogger(run_dir)]

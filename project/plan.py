@@ -54,27 +54,47 @@ def run(cfg: DictConfig) -> dict:
     space = SearchSpace(**OmegaConf.to_container(cfg.search, resolve=True))
     allowance, fraction, calibration = Allowance(**cfg.memory), float(cfg.achievable_fraction), None
     if cfg.calibrate.layout is not None and cfg.calibrate.mfu is None:
-        raise ConfigError(f"calibrate.layout={cfg.calibrate.layout} needs calibrate.mfu: the MFU measured on that layout, e.g. 0.41.")
+        raise ConfigError(
+            f"calibrate.layout={cfg.calibrate.layout} needs calibrate.mfu: the MFU measured on that layout, e.g. 0.41."
+        )
     if cfg.calibrate.mfu is not None:
-        fraction, reference = calibrated_fraction(work, cluster, space, float(cfg.calibrate.mfu), cfg.calibrate.layout, allowance)
-        calibration = {"layout": reference.prediction.candidate.name, "mfu": float(cfg.calibrate.mfu), "fits": reference.prediction.fits,
-                       "memory_bytes": reference.prediction.memory.total}
+        fraction, reference = calibrated_fraction(
+            work, cluster, space, float(cfg.calibrate.mfu), cfg.calibrate.layout, allowance
+        )
+        calibration = {
+            "layout": reference.prediction.candidate.name,
+            "mfu": float(cfg.calibrate.mfu),
+            "fits": reference.prediction.fits,
+            "memory_bytes": reference.prediction.memory.total,
+        }
     outcomes = plan(work, cluster, space, fraction, allowance)
     name = model_name(cfg)
     model = model_arguments(name, OmegaConf.to_container(cfg.model, resolve=True))
     overrides = train_overrides(outcomes[0].prediction.candidate, work, cluster, model)
     records = [as_record(o, train_overrides(o.prediction.candidate, work, cluster, model)) for o in outcomes]
     summary = {
-        "model": name, "cluster": cluster.name, "devices": cluster.devices, "seq_len": work.seq_len,
-        "global_batch_size": work.global_batch_size, "train_tokens": work.train_tokens, "precision": work.precision,
-        "achievable_fraction": fraction, "calibrated_on": calibration, "layouts": records,
+        "model": name,
+        "cluster": cluster.name,
+        "devices": cluster.devices,
+        "seq_len": work.seq_len,
+        "global_batch_size": work.global_batch_size,
+        "train_tokens": work.train_tokens,
+        "precision": work.precision,
+        "achievable_fraction": fraction,
+        "calibrated_on": calibration,
+        "layouts": records,
     }
     text = report(outcomes, cluster, work, name, overrides, fraction, calibration)
     if cfg.check_with_dry_run:
         top = [o for o in outcomes if o.prediction.fits][: cfg.top_k]
         checked = dry_run_states(top, work, cluster, model)
         for record, (outcome, share) in zip(records, checked):
-            record["dry_run"] = {"rank": share.rank, "params": share.param_bytes, "grads": share.grad_bytes, "optimizer": share.optimizer_bytes}
+            record["dry_run"] = {
+                "rank": share.rank,
+                "params": share.param_bytes,
+                "grads": share.grad_bytes,
+                "optimizer": share.optimizer_bytes,
+            }
         text += "\n\n" + dry_run_table(checked)
     if cfg.out:
         folder = Path(cfg.out)
@@ -84,7 +104,10 @@ def run(cfg: DictConfig) -> dict:
         top = [o for o in outcomes if o.prediction.fits][: cfg.top_k]
         spec = sweep_spec(f"plan-{folder.name}", top, work, cluster, model, folder)
         (folder / "sweep.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-        text += f"\n\nwrote {folder}/plan.json, plan.md and sweep.yaml (the top {len(top)} layouts): python -m project.sweep spec={folder}/sweep.yaml"
+        text += (
+            f"\n\nwrote {folder}/plan.json, plan.md and sweep.yaml (the top {len(top)} layouts): "
+            f"python -m project.sweep spec={folder}/sweep.yaml"
+        )
     try:
         print(json.dumps(summary, indent=1) if cfg.format == "json" else text, flush=True)
     except BrokenPipeError:  # `python -m project.plan | head`: the reader has all it wanted
@@ -126,7 +149,15 @@ def dry_run_table(checked: list) -> str:
     return "\n".join(lines)
 
 
-def report(outcomes, cluster: Cluster, work: Workload, name: str | None, overrides: list[str], fraction: float, calibration: dict | None) -> str:
+def report(
+    outcomes,
+    cluster: Cluster,
+    work: Workload,
+    name: str | None,
+    overrides: list[str],
+    fraction: float,
+    calibration: dict | None,
+) -> str:
     fitting = sum(o.prediction.fits for o in outcomes)
     head = (
         f"{name or 'model'} on {cluster.nodes} x {cluster.gpus_per_node} {cluster.name} ({cluster.devices} devices), "

@@ -41,7 +41,9 @@ def ended_children(wait_seconds: float = 8.0) -> list[tuple[int, int, int]]:
         ended = [(local_rank, proc) for local_rank, proc in enumerate(procs, start=1) if proc.poll()]
         if ended or time.monotonic() > deadline:
             node = _launcher.cluster_environment.node_rank()
-            found = [(node * _launcher.num_processes + local_rank, proc.pid, proc.returncode) for local_rank, proc in ended]
+            found = [
+                (node * _launcher.num_processes + local_rank, proc.pid, proc.returncode) for local_rank, proc in ended
+            ]
             return sorted(found, key=lambda child: (child[2] > 0, child[0]))  # killed by a signal: negative codes
         time.sleep(0.2)
     return []
@@ -129,6 +131,17 @@ def _is_collective_failure(error: BaseException) -> bool:
     import torch.distributed as dist
 
     text = str(error)
-    return isinstance(error, dist.DistError) or type(error).__name__ == "HorovodInternalError" or any(
-        sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "Broken pipe")
+    return (
+        isinstance(error, dist.DistError)
+        or type(error).__name__ == "HorovodInternalError"
+        or any(
+            sign in text
+            for sign in (
+                "Connection closed by peer",
+                "Connection reset by peer",
+                "Timed out",
+                "timed out",
+                "Broken pipe",
+            )
+        )
     )

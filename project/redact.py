@@ -53,7 +53,9 @@ def redacted_container(cfg: DictConfig) -> dict:
 
     def scrub(node: Any) -> Any:
         if isinstance(node, dict):
-            return {k: REDACTED if SECRET_NAME.search(str(k)) and v not in (None, "") else scrub(v) for k, v in node.items()}
+            return {
+                k: REDACTED if SECRET_NAME.search(str(k)) and v not in (None, "") else scrub(v) for k, v in node.items()
+            }
         if isinstance(node, list):
             return [scrub(item) for item in node]
         return node

@@ -133,7 +133,14 @@ def read_config(run_dir: Path) -> dict[str, Any]:
 
 def logged_layout(rows: Rows, choices: dict[str, str]) -> str | None:
     """The run's layout name, as training named its wandb run: from the layout facts it logged at its start."""
-    names = ("pipeline_parallel", "data_parallel", "tensor_parallel", "micro_batch_size", "global_batch_size", "pipeline_microbatches")
+    names = (
+        "pipeline_parallel",
+        "data_parallel",
+        "tensor_parallel",
+        "micro_batch_size",
+        "global_batch_size",
+        "pipeline_microbatches",
+    )
     facts = {name: last(rows, f"layout/{name}") for name in names}
     if any(value is None for value in facts.values()):
         return None
@@ -161,7 +168,7 @@ def configured_devices(config: dict[str, Any]) -> int | None:
 
 
 def completion(rows: Rows, memory: list[dict[str, Any]], config: dict[str, Any]) -> str:
-    """"ok" when the run reached trainer.max_steps, else where it stopped."""
+    """ "ok" when the run reached trainer.max_steps, else where it stopped."""
     max_steps = (config.get("trainer") or {}).get("max_steps")
     steps = [record["step"] for record in memory if isinstance(record.get("step"), int)]
     done = max(steps) if steps else max((step + 1 for step, _ in series(rows, "train/loss")), default=0)
@@ -288,7 +295,9 @@ def summarize_sweep(sweep_dir: Path) -> list[RunSummary]:
     records = read_points(sweep_dir)
     keys = list(dict.fromkeys(key for record in records for key in record.get("parameters") or {}))
     # A failed point is named by the parameters that differ between points; a point alone, by all of them.
-    varied = [key for key in keys if len({json.dumps((r.get("parameters") or {}).get(key)) for r in records}) > 1] or keys
+    varied = [
+        key for key in keys if len({json.dumps((r.get("parameters") or {}).get(key)) for r in records}) > 1
+    ] or keys
     summaries = []
     for index, record in enumerate(records):
         point = str(record.get("point", index))
@@ -361,7 +370,18 @@ def cell(text: str) -> str:
 
 
 def table(summaries: list[RunSummary]) -> str:
-    header = ["#", "layout", "run", "devices", "tokens/s per device", "MFU", "peak memory per rank", "train/loss", "val/loss", "status"]
+    header = [
+        "#",
+        "layout",
+        "run",
+        "devices",
+        "tokens/s per device",
+        "MFU",
+        "peak memory per rank",
+        "train/loss",
+        "val/loss",
+        "status",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for rank, s in enumerate(summaries, 1):
         row = [
@@ -394,8 +414,9 @@ def write_plots(summaries: list[RunSummary], folder: Path) -> dict[str, str]:
     curves = [(labels[id(s)], s.train_losses) for s in summaries if s.train_losses]
     charts: dict[str, str] = {}  # bars in the table's order, which bar_chart draws from the top: best first
     if throughput:
-        charts["throughput"] = bar_chart(PLOTS["throughput"], throughput,
-                                         "tokens/s per device (median after the first logged window)", ",.0f")
+        charts["throughput"] = bar_chart(
+            PLOTS["throughput"], throughput, "tokens/s per device (median after the first logged window)", ",.0f"
+        )
     if memory:
         charts["memory"] = bar_chart(PLOTS["memory"], memory, "peak memory of the highest rank (MiB)", ",.0f")
     if curves:
@@ -456,11 +477,15 @@ def parse(argv: list[str]) -> tuple[dict[str, str | None], list[str]]:
         if sep and key in OPTIONS:
             options[key] = value
         elif sep and not Path(arg).exists():
-            raise ConfigError(f"unknown argument {arg!r}: the options are {', '.join(f'{k}=' for k in OPTIONS)}.\n{USAGE}")
+            raise ConfigError(
+                f"unknown argument {arg!r}: the options are {', '.join(f'{k}=' for k in OPTIONS)}.\n{USAGE}"
+            )
         else:
             sources.append(arg)
     if options["name"] is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", options["name"]):
-        raise ConfigError(f"name={options['name']}: give a folder name (letters, digits, '.', '_', '-'), e.g. name=2026-11-24-cpu-layouts.")
+        raise ConfigError(
+            f"name={options['name']}: give a folder name (letters, digits, '.', '_', '-'), e.g. name=2026-11-24-cpu-layouts."
+        )
     return options, sources
 
 

@@ -136,7 +136,11 @@ def connect(source: str):
 
     # prompt=False: no API key makes this False, where wandb.Api() would ask for one at a terminal.
     if not wandb.login(prompt=False, verify=False):
-        raise ConfigError(not_logged_in(source, "this machine is not logged in to wandb", "log in with `wandb login` (or set WANDB_API_KEY)"))
+        raise ConfigError(
+            not_logged_in(
+                source, "this machine is not logged in to wandb", "log in with `wandb login` (or set WANDB_API_KEY)"
+            )
+        )
     return wandb.Api()
 
 

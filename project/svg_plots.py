@@ -77,8 +77,10 @@ def bar_chart(title: str, bars: list[tuple[str, float]], xlabel: str, number_for
     body = x_axis(ticks, decimals, lambda v: left + v * scale, top, bottom, xlabel, (left + width - right) / 2)
     for row, ((name, value), shown) in enumerate(zip(bars, values)):
         middle = top + ROW * (row + 0.5)
-        body.append(f'<rect class="bar" x="{left:.1f}" y="{middle - 8:.1f}" width="{value * scale:.2f}" '
-                    f'height="16" fill="{BAR}"/>')
+        body.append(
+            f'<rect class="bar" x="{left:.1f}" y="{middle - 8:.1f}" width="{value * scale:.2f}" '
+            f'height="16" fill="{BAR}"/>'
+        )
         body.append(text(left - 6, middle, name, "end"))
         body.append(text(left + value * scale + 4, middle, shown))
     body.append(line(left, top, left, bottom, AXIS))
@@ -114,8 +116,10 @@ def line_chart(title: str, series: list[tuple[str, list[tuple[float, float]]]], 
         body.append(text(left - 6, to_y(t), shown, "end"))
     middle = (top + bottom) / 2
     body.append(text(14, middle, ylabel, "middle", f' transform="rotate(-90 14 {middle:.1f})"'))
-    body.append(f'<rect x="{left:.1f}" y="{top}" width="{WIDTH - left - right:.1f}" height="{bottom - top}" '
-                f'fill="none" stroke="{AXIS}"/>')
+    body.append(
+        f'<rect x="{left:.1f}" y="{top}" width="{WIDTH - left - right:.1f}" height="{bottom - top}" '
+        f'fill="none" stroke="{AXIS}"/>'
+    )
     legend = bottom + 56
     for i, (name, points) in enumerate(series):
         colour = PALETTE[i % len(PALETTE)]

@@ -119,7 +119,9 @@ class PointResult:
 def distribution(name: str, config: dict) -> str:
     """The distribution a parameter config names, or the one wandb infers from its keys."""
     if not isinstance(config, dict):
-        raise ConfigError(f"parameter {name}: expected a mapping such as {{values: [...]}} or {{value: ...}}, got {config!r}.")
+        raise ConfigError(
+            f"parameter {name}: expected a mapping such as {{values: [...]}} or {{value: ...}}, got {config!r}."
+        )
     if "parameters" in config:
         raise ConfigError(
             f"parameter {name} nests parameters: wandb would pass them as one dict ({name}={{...}}), which Hydra "
@@ -133,7 +135,9 @@ def distribution(name: str, config: dict) -> str:
         return "categorical_w_probabilities" if "probabilities" in config else "categorical"
     if "min" in config and "max" in config:
         return "int_uniform" if all(isinstance(config[k], int) for k in ("min", "max")) else "uniform"
-    raise ConfigError(f"parameter {name}: give value, values, or min and max (with a distribution), not {sorted(config)}.")
+    raise ConfigError(
+        f"parameter {name}: give value, values, or min and max (with a distribution), not {sorted(config)}."
+    )
 
 
 def _quantized(q: float | int) -> Callable[[float], float | int]:
@@ -196,7 +200,9 @@ def grid_values(name: str, config: dict) -> list:
 def check_value(name: str, value: Any) -> None:
     """wandb formats parameters with Python's str(): null would reach Hydra as the string "None"."""
     if value is None:
-        raise ConfigError(f'parameter {name}: null would reach Hydra as the string "None"; write "null" (quoted) for null.')
+        raise ConfigError(
+            f'parameter {name}: null would reach Hydra as the string "None"; write "null" (quoted) for null.'
+        )
 
 
 def load_spec(path: str | Path) -> Spec:
@@ -241,14 +247,19 @@ def load_spec(path: str | Path) -> Spec:
     metric = raw.get("metric") or {}
     if method == "bayes" and not metric.get("name"):
         raise ConfigError(f"spec={path}: method bayes needs metric: {{name: val/loss, goal: minimize}}.")
-    return Spec(path, method, [str(c) for c in command], str(raw["program"]), parameters, raw.get("run_cap"), metric.get("name"))
+    return Spec(
+        path, method, [str(c) for c in command], str(raw["program"]), parameters, raw.get("run_cap"), metric.get("name")
+    )
 
 
 def sweep_points(spec: Spec, count: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
     """The parameter values of each point to run: a grid's combinations, or `count` seeded random draws."""
     if spec.method == "grid":
         names = list(spec.parameters)
-        grid = [dict(zip(names, values)) for values in itertools.product(*(grid_values(n, c) for n, c in spec.parameters.items()))]
+        grid = [
+            dict(zip(names, values))
+            for values in itertools.product(*(grid_values(n, c) for n, c in spec.parameters.items()))
+        ]
         return grid[:count] if count is not None else grid
     count = count if count is not None else spec.run_cap
     if count is None:
@@ -338,7 +349,9 @@ def override_values(overrides: list[str]) -> dict[str, Any]:
         except OverrideParseException as error:
             raise ConfigError(f"{arg}: Hydra cannot read this override: {str(error).splitlines()[0]}.") from None
         if override.is_sweep_override():  # each point's Hydra would refuse it without --multirun
-            raise ConfigError(f"{arg}: one value per override; to run several, make {override_key(arg)} a parameter of the spec.")
+            raise ConfigError(
+                f"{arg}: one value per override; to run several, make {override_key(arg)} a parameter of the spec."
+            )
         values[override_key(arg)] = DELETED if override.is_delete() else override.value()
     return values
 
@@ -354,11 +367,15 @@ def check_overrides(spec: Spec, overrides: list[str]) -> None:
     for override in overrides:
         key = override_key(override)
         if key is None:
-            raise ConfigError(f"argument {override!r}: expected a training override key=value (Hydra's syntax, no leading -).")
+            raise ConfigError(
+                f"argument {override!r}: expected a training override key=value (Hydra's syntax, no leading -)."
+            )
         if key in spec.varied:
             raise ConfigError(f"{override}: {key} is what {spec.path} varies; drop it, or sweep with another spec.")
         if key == "hydra.run.dir":
-            raise ConfigError(f"{override}: each point runs in <sweep_dir>/<point>/; choose the sweep folder with sweep_dir=DIR.")
+            raise ConfigError(
+                f"{override}: each point runs in <sweep_dir>/<point>/; choose the sweep folder with sweep_dir=DIR."
+            )
     override_values(overrides)
 
 
@@ -382,7 +399,7 @@ def error_of(stderr_tail: str) -> str:
     else its last lines (a traceback's exception, Hydra's complaint)."""
     lines = [line for line in stderr_tail.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
     starts = [i for i, line in enumerate(lines) if line.startswith("error: ")]
-    chosen = lines[starts[-1]:] if starts else lines[-3:]
+    chosen = lines[starts[-1] :] if starts else lines[-3:]
     return " ".join(line.strip() for line in chosen)[:600]
 
 
@@ -493,7 +510,9 @@ def run_sweep(spec: Spec, points: list[dict[str, Any]], overrides: list[str], sw
             "metrics": result.metrics,
             "error": result.error,
         }
-        with open(sweep_dir / "points.jsonl", "a") as file:  # written as each point ends: a stopped sweep keeps its record
+        with open(
+            sweep_dir / "points.jsonl", "a"
+        ) as file:  # written as each point ends: a stopped sweep keeps its record
             file.write(json.dumps(record) + "\n")
     return results
 
@@ -537,7 +556,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             print(f"# {spec.path}: {len(points)} {spec.method} point(s), as wandb's agent runs them{extra}")
             for point in points:
-                print(shlex.join(with_overrides(agent_command(spec.command, point, spec.program), overrides)), flush=True)
+                print(
+                    shlex.join(with_overrides(agent_command(spec.command, point, spec.program), overrides)), flush=True
+                )
         except BrokenPipeError:  # the reader stopped early (`| head`): not an error
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -29,7 +29,9 @@ def forget_refused_run(run_dir: Path) -> None:
     """Remove the directory Hydra made for a run that was refused before it started: it holds only the
     console logs (and, from older versions, Hydra's record .hydra/), and would read as a run that trained.
     Anything else in it stays."""
-    if run_dir.is_dir() and all(p.name == ".hydra" or p.name.startswith("train.") and p.suffix == ".log" for p in run_dir.iterdir()):
+    if run_dir.is_dir() and all(
+        p.name == ".hydra" or p.name.startswith("train.") and p.suffix == ".log" for p in run_dir.iterdir()
+    ):
         shutil.rmtree(run_dir, ignore_errors=True)
 
 

@@ -23,10 +23,26 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
-from project.callbacks import BestCheckpoint, LayoutFacts, LlamaModelSummary, MemoryMonitor, StepCheckpoint, StepProgressBar, TokenThroughput
+from project.callbacks import (
+    BestCheckpoint,
+    LayoutFacts,
+    LlamaModelSummary,
+    MemoryMonitor,
+    StepCheckpoint,
+    StepProgressBar,
+    TokenThroughput,
+)
 from project.callbacks.preemption import REQUEUE_EXIT_STATUS, StopOnSignal
 from project.checkpoints import checkpoint_metadata, checkpoint_step, previous_checkpoint, resumable_by
-from project.checks import Layout, check_data, check_trainer_arguments, data_settings_differ, is_horovod, plan_layout, read_manifest
+from project.checks import (
+    Layout,
+    check_data,
+    check_trainer_arguments,
+    data_settings_differ,
+    is_horovod,
+    plan_layout,
+    read_manifest,
+)
 from project.console import keep_console, launch_rank, silence_known_noise
 from project.data.datamodule import TokenShardDataModule
 from project.data.prepare import prepare_from_config
@@ -80,7 +96,9 @@ def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
     checkpoints = [
         # last.ckpt every N steps and after the final step, for resuming ...
         StepCheckpoint(
-            dirpath=run_dir / "checkpoints", every_n_train_steps=cfg.ckpt_every_n_steps, every_minutes=cfg.get("ckpt_every_minutes")
+            dirpath=run_dir / "checkpoints",
+            every_n_train_steps=cfg.ckpt_every_n_steps,
+            every_minutes=cfg.get("ckpt_every_minutes"),
         ),
         # ... and the best model, ranked when each validation ends, so by its own val/loss.
         BestCheckpoint(
@@ -185,7 +203,10 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
     # runs never import it, nor torch's pipelining with it (0.05 s of start-up).
     pipeline = sys.modules.get("project.parallel.pipeline_strategy")
     if pipeline is not None and isinstance(trainer.strategy, pipeline.LlamaPipelineStrategy):
-        trainer.strategy.n_microbatches, trainer.strategy.micro_batch_size = plan.pipeline_microbatches, plan.micro_batch_size
+        trainer.strategy.n_microbatches, trainer.strategy.micro_batch_size = (
+            plan.pipeline_microbatches,
+            plan.micro_batch_size,
+        )
     # The Trainer resolves devices and nodes; only then is the accumulation count known.
     trainer.accumulate_grad_batches = plan.accumulate_grad_batches
     trainer.val_check_interval = cfg.val_every_n_steps * plan.accumulate_grad_batches
@@ -197,7 +218,9 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
         # Missing, or prepared from other settings with data.overwrite=true (project.checks refuses them otherwise).
         # Every process may get here (torchrun, SLURM): prepare_shards lets one build, the others wait.
         said = "no prepared shards" if not manifest.is_file() else "data.overwrite=true and shards from other settings"
-        rank_zero_info(f"{said} in {cfg.data.dir}: preparing them from data.sources (data.auto_prepare=false skips this)")
+        rank_zero_info(
+            f"{said} in {cfg.data.dir}: preparing them from data.sources (data.auto_prepare=false skips this)"
+        )
         prepare_from_config(OmegaConf.to_container(cfg.data, resolve=True))
         check_data(cfg, prepared=True)  # a process that did not merge the new shards must not train on the old ones
     datamodule = TokenShardDataModule(
@@ -213,7 +236,9 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
         shuffle_window=cfg.data.get("shuffle_window", DEFAULT_WINDOW_CHUNKS),
         cache_dir=cfg.data.get("cache_dir"),
         cache_size=cfg.data.get("cache_size"),
-        storage_options=OmegaConf.to_container(cfg.data.storage_options, resolve=True) if cfg.data.get("storage_options") else None,
+        storage_options=OmegaConf.to_container(cfg.data.storage_options, resolve=True)
+        if cfg.data.get("storage_options")
+        else None,
     )
     if model_cfg["vocab_size"] > datamodule.vocab_size:
         rank_zero_warn(
@@ -233,7 +258,9 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
         init_seed=cfg.seed,
     )
     steps_per_update = (
-        f"{plan.pipeline_microbatches} pipeline microbatches" if plan.pipeline_microbatches > 1 else f"{plan.accumulate_grad_batches} accumulation"
+        f"{plan.pipeline_microbatches} pipeline microbatches"
+        if plan.pipeline_microbatches > 1
+        else f"{plan.accumulate_grad_batches} accumulation"
     )
     rank_zero_info(
         f"run dir: {run_dir}\nbatch: global {plan.global_batch_size} = micro {plan.micro_batch_size} x "
@@ -247,7 +274,9 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
         )
         return {}
     if ckpt_path is not None:  # a checkpoint of another model or tokenizer, refused by name before anything loads
-        check_resumable(checkpoint_metadata(ckpt_path), model_cfg, datamodule.tokenizer_identity, ckpt_path, cfg.data.dir)
+        check_resumable(
+            checkpoint_metadata(ckpt_path), model_cfg, datamodule.tokenizer_identity, ckpt_path, cfg.data.dir
+        )
     if trainer.is_global_zero:  # only now: a refused or no-op start leaves the run's record as it was
         OmegaConf.save(redacted_container(cfg), run_dir / "config.yaml")
         write_hydra_record(cfg, run_dir)
@@ -257,7 +286,9 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
     watch_children(trainer.strategy.launcher)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if any(getattr(callback, "stopped_for_requeue", False) for callback in trainer.callbacks):
-        rank_zero_info(f"stopped at step {trainer.global_step}: resume with ckpt_path=last (exit status {REQUEUE_EXIT_STATUS})")
+        rank_zero_info(
+            f"stopped at step {trainer.global_step}: resume with ckpt_path=last (exit status {REQUEUE_EXIT_STATUS})"
+        )
         raise SystemExit(REQUEUE_EXIT_STATUS)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     rank_zero_info(

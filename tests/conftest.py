@@ -22,8 +22,12 @@ sys.path.append(str(Path(sys.prefix) / "hf-reference"))
 # Runs that several test files read, trained once per pytest session (fixtures below): under `make test`'s
 # workers (pytest-xdist, --dist loadgroup) the tests that read one stay on one worker, and every other
 # test stays with its file, so that module fixtures are not built twice either.
-SHARED_RUNS = {"trained": "reference-runs", "single_reference": "reference-runs", "pipeline_reference": "reference-runs",
-               "uninterrupted_reference": "uninterrupted-runs"}
+SHARED_RUNS = {
+    "trained": "reference-runs",
+    "single_reference": "reference-runs",
+    "pipeline_reference": "reference-runs",
+    "uninterrupted_reference": "uninterrupted-runs",
+}
 
 
 # The longest groups go to the workers first (longest processing time first): a long group handed out
@@ -35,7 +39,9 @@ LONGEST_FIRST = ("tests/test_readme.py", "reference-runs", "tests/test_crashes.p
 def pytest_collection_modifyitems(items):
     groups = {}
     for item in items:
-        group = next((SHARED_RUNS[name] for name in item.fixturenames if name in SHARED_RUNS), item.nodeid.split("::")[0])
+        group = next(
+            (SHARED_RUNS[name] for name in item.fixturenames if name in SHARED_RUNS), item.nodeid.split("::")[0]
+        )
         item.add_marker(pytest.mark.xdist_group(group))
         groups[item.nodeid] = group
     rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
@@ -47,6 +53,8 @@ def pytest_configure(config):
         # Two workers on two cores: one thread each for what the tests compute in-process, as the runs they
         # start have (OMP_NUM_THREADS=1).
         torch.set_num_threads(1)
+
+
 WORDS = (
     "the king queen lord lady sword crown night day love death war peace heart blood fair foul sweet "
     "bitter speak answer gentle noble villain honest fortune grave merry sorrow"
@@ -99,7 +107,13 @@ def run_module(module: str, args: list[str], timeout: int = 600) -> subprocess.C
     started (ranks and loader workers alike), so that a hang seen once in CI says where it was.
     """
     # PYTHONFAULTHANDLER: SIGABRT makes each process print every thread's stack to its stderr.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "PYTHONFAULTHANDLER": "1"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "WANDB_MODE": "offline",
+        "PYTHONFAULTHANDLER": "1",
+    }
     env.pop("PYTEST_CURRENT_TEST", None)
     command = [sys.executable, "-m", module, *args]
     with subprocess.Popen(
@@ -132,8 +146,13 @@ def stacks_of_hung_session(process: subprocess.Popen) -> tuple[str, str]:
         try:
             printed = process.communicate(timeout=30)  # a second call loses nothing the first one read
         except subprocess.TimeoutExpired as partial:
-            text = [(b or b"").decode(errors="replace") if not isinstance(b, str) else b for b in (partial.stdout, partial.stderr)]
-            return text[0], text[1] + "\n(the rest could not be read: a process outside the run's session holds its pipes open)"
+            text = [
+                (b or b"").decode(errors="replace") if not isinstance(b, str) else b
+                for b in (partial.stdout, partial.stderr)
+            ]
+            return text[0], text[
+                1
+            ] + "\n(the rest could not be read: a process outside the run's session holds its pipes open)"
     kill_session(process)  # those that did not hold the pipes
     return printed
 

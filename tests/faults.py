@@ -61,7 +61,9 @@ class Fault:
                 fault.op = int(extra)
         kinds = ("nan", "kill", "raise", "hang", "kill-in-save", "count-save-ops")
         if kind not in kinds or (kind == "kill-in-save") != (fault.op is not None):
-            raise ValueError(f"FAULT={text}: expected one of nan@STEP, kill@STEP, raise@STEP, hang@STEP, kill-in-save@N:OP, count-save-ops")
+            raise ValueError(
+                f"FAULT={text}: expected one of nan@STEP, kill@STEP, raise@STEP, hang@STEP, kill-in-save@N:OP, count-save-ops"
+            )
         return fault
 
     def applies_to(self, rank: int) -> bool:
@@ -184,7 +186,11 @@ def watch_saves(faults: list[Fault]) -> None:
         finally:
             watch.active = False
         if count:
-            print(f"faults: save {watch.save} of rank {trainer.global_rank} made {watch.changes} changes", file=sys.stderr, flush=True)
+            print(
+                f"faults: save {watch.save} of rank {trainer.global_rank} made {watch.changes} changes",
+                file=sys.stderr,
+                flush=True,
+            )
 
     StepCheckpoint._save_checkpoint = watched_save
 

@@ -16,7 +16,17 @@ from pathlib import Path
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
 NODES = ("n1", "n2")
 CRED_EXPIRE = 5  # seconds; SLURM's least
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"}
+FINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "OUT_OF_MEMORY",
+}
 
 
 def why_not_available() -> str | None:
@@ -106,7 +116,11 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
         result = self.run("scontrol", "show", "job", "-o", job, check=False)
         if result.returncode != 0:
             return [] if "Invalid job id" in result.stderr else None
-        return [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in result.stdout.splitlines() if line.strip()]
+        return [
+            dict(f.split("=", 1) for f in line.split() if "=" in f)
+            for line in result.stdout.splitlines()
+            if line.strip()
+        ]
 
     def job_state(self, job: str) -> str:
         """PENDING, RUNNING, ... of the job's first record; UNKNOWN when the controller did not answer."""

@@ -40,7 +40,12 @@ from tests.conftest import ROOT, run_train, train_overrides, write_corpus
 
 pytestmark = pytest.mark.slow
 
-MODULES = {"train": "project.train", "prepare": "project.prepare", "export": "project.export", "generate": "project.generate"}
+MODULES = {
+    "train": "project.train",
+    "prepare": "project.prepare",
+    "export": "project.export",
+    "generate": "project.generate",
+}
 # Bytes a file may grow to in a row that fills the disk: the tokenizer, manifests and configs fit, a
 # shard chunk (121 KB for the tiny corpus) or the tiny model's safetensors (~400 KB) do not.
 FILE_SIZE_LIMIT = 64 * 1024
@@ -249,7 +254,11 @@ def tokenizer_without_end_of_text(inputs: Inputs) -> Built:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
     tokenizer.train_from_iterator(["the king and the queen"] * 10, trainer)
     tokenizer.save(str(inputs.tmp / "tokenizer.json"))
-    return Built(inputs.prepare(str(inputs.raw / "*.txt"), inputs.tmp / "shards", f"data.tokenizer={inputs.tmp / 'tokenizer.json'}"))
+    return Built(
+        inputs.prepare(
+            str(inputs.raw / "*.txt"), inputs.tmp / "shards", f"data.tokenizer={inputs.tmp / 'tokenizer.json'}"
+        )
+    )
 
 
 def tokenizer_missing(inputs: Inputs) -> Built:
@@ -272,7 +281,9 @@ def prepare_into_a_file(inputs: Inputs) -> Built:
 
 def prepare_fills_the_disk(inputs: Inputs) -> Built:
     shards = inputs.copy_shards()  # earlier good shards, from other settings, replaced only once the new are whole
-    return Built(inputs.prepare(str(inputs.raw / "*.txt"), shards, "data.seq_len=16", "data.overwrite=true"), keep=[shards])
+    return Built(
+        inputs.prepare(str(inputs.raw / "*.txt"), shards, "data.seq_len=16", "data.overwrite=true"), keep=[shards]
+    )
 
 
 # --- checkpoints to resume from (ckpt_path) and where a run writes (hydra.run.dir) ---
@@ -306,9 +317,17 @@ def ckpt_of_another_model_shape(inputs: Inputs) -> Built:
 
 
 def ckpt_of_another_tokenizer(inputs: Inputs) -> Built:
-    shards = inputs.other_tokenizer_shards  # trained with the tokenizer they were prepared with: only the checkpoint differs
+    shards = (
+        inputs.other_tokenizer_shards
+    )  # trained with the tokenizer they were prepared with: only the checkpoint differs
     tokenizer = shards.parent / "tokenizer" / "tokenizer.json"
-    args = inputs.train(shards, f"ckpt_path={inputs.ckpt}", "trainer.max_steps=4", f"data.sources=[{inputs.raw}/*.txt]", f"data.tokenizer={tokenizer}")
+    args = inputs.train(
+        shards,
+        f"ckpt_path={inputs.ckpt}",
+        "trainer.max_steps=4",
+        f"data.sources=[{inputs.raw}/*.txt]",
+        f"data.tokenizer={tokenizer}",
+    )
     return Built(args, keep=[inputs.run / "checkpoints"])
 
 
@@ -365,51 +384,238 @@ def generate_ckpt_truncated(inputs: Inputs) -> Built:
 NOT_A_CHECKPOINT = r"is not a checkpoint this platform can read"
 RE_PREPARE = r"prepare the shards again with `python -m project.prepare data.dir=.* data.overwrite=true`"
 CASES = [
-    Case("data-dir-missing", "train", data_dir_missing, r"no prepared shards in data.dir=\S*nowhere \(missing manifest.json; the folder does not exist\): run `python -m project.prepare`"),
-    Case("data-dir-empty", "train", data_dir_empty, r"no prepared shards in data.dir=\S*empty \(missing manifest.json\): run `python -m project.prepare`"),
-    Case("data-dir-foreign", "train", data_dir_foreign, r"data.dir=\S*mine exists, is not empty and holds no manifest.json", subprocess=True),
-    Case("data-other-block-size", "train", shards_of_another_block_size, r"holds shards prepared from other data settings than this run's: data.seq_len: 32 there, 16 here\. .*data.overwrite=true"),
-    Case("data-manifest-not-json", "train", manifest_not_json, rf"data.dir=\S*: \S*manifest.json is not JSON \(.*\); {RE_PREPARE}"),
-    Case("data-manifest-without-keys", "train", manifest_without_keys, rf"manifest.json lacks block_size, splits.train.blocks, .*; {RE_PREPARE}"),
+    Case(
+        "data-dir-missing",
+        "train",
+        data_dir_missing,
+        r"no prepared shards in data.dir=\S*nowhere \(missing manifest.json; the folder does not exist\): run `python -m project.prepare`",
+    ),
+    Case(
+        "data-dir-empty",
+        "train",
+        data_dir_empty,
+        r"no prepared shards in data.dir=\S*empty \(missing manifest.json\): run `python -m project.prepare`",
+    ),
+    Case(
+        "data-dir-foreign",
+        "train",
+        data_dir_foreign,
+        r"data.dir=\S*mine exists, is not empty and holds no manifest.json",
+        subprocess=True,
+    ),
+    Case(
+        "data-other-block-size",
+        "train",
+        shards_of_another_block_size,
+        r"holds shards prepared from other data settings than this run's: data.seq_len: 32 there, 16 here\. .*data.overwrite=true",
+    ),
+    Case(
+        "data-manifest-not-json",
+        "train",
+        manifest_not_json,
+        rf"data.dir=\S*: \S*manifest.json is not JSON \(.*\); {RE_PREPARE}",
+    ),
+    Case(
+        "data-manifest-without-keys",
+        "train",
+        manifest_without_keys,
+        rf"manifest.json lacks block_size, splits.train.blocks, .*; {RE_PREPARE}",
+    ),
     Case("data-index-missing", "train", index_missing, rf"val/index.json is missing; {RE_PREPARE}"),
-    Case("data-chunk-truncated", "train", chunk_truncated, rf"shard \S*train/chunk-0-0.bin holds \d+ bytes where its index.json says \d+.*; {RE_PREPARE}"),
-    Case("data-chunk-corrupt", "train", chunk_corrupt, rf"shard \S*train/chunk-0-0.bin does not start with the header litdata wrote .*; {RE_PREPARE}"),
-    Case("sources-match-nothing", "prepare", sources_match_nothing, r"data.sources=\[\S*raw/\*.txt'\] matched no files"),
+    Case(
+        "data-chunk-truncated",
+        "train",
+        chunk_truncated,
+        rf"shard \S*train/chunk-0-0.bin holds \d+ bytes where its index.json says \d+.*; {RE_PREPARE}",
+    ),
+    Case(
+        "data-chunk-corrupt",
+        "train",
+        chunk_corrupt,
+        rf"shard \S*train/chunk-0-0.bin does not start with the header litdata wrote .*; {RE_PREPARE}",
+    ),
+    Case(
+        "sources-match-nothing", "prepare", sources_match_nothing, r"data.sources=\[\S*raw/\*.txt'\] matched no files"
+    ),
     Case("sources-all-empty", "prepare", sources_all_empty, r"data.sources hold 0 non-empty document\(s\)"),
-    Case("source-binary", "prepare", source_binary, r"\S*doc1.txt is not UTF-8 text \(.*\); convert it or drop it from data.sources"),
-    Case("source-latin1", "prepare", source_latin1, r"\S*doc1.txt is not UTF-8 text \(.*\); convert it or drop it from data.sources", subprocess=True),
-    Case("prepare-manifest-not-json", "prepare", prepared_manifest_not_json, r"data.dir=\S*shards holds a manifest.json that is not a manifest .* Set data.overwrite=true"),
-    Case("tokenizer-corrupt", "prepare", tokenizer_corrupt, r"data.tokenizer='\S*tokenizer.json' could not be read as a HF tokenizer.json"),
-    Case("tokenizer-without-eos", "prepare", tokenizer_without_end_of_text, r"data.tokenizer='\S*tokenizer.json' has no end-of-text token"),
-    Case("tokenizer-missing", "prepare", tokenizer_missing, r"data.tokenizer='\S*nowhere/tokenizer.json' is not a file"),
-    Case("prepare-read-only", "prepare", prepare_into_read_only_folder, r"data.dir=\S*ro/shards: cannot write there \(\S*ro is not writable by this user"),
-    Case("prepare-below-a-file", "prepare", prepare_below_a_file, r"data.dir=\S*a-file/shards: cannot write there \(\S*a-file is a file, not a folder\)"),
-    Case("prepare-into-a-file", "prepare", prepare_into_a_file, r"data.dir=\S*a-file: cannot write there \(\S*a-file is a file, not a folder\)"),
-    Case("prepare-disk-full", "prepare", prepare_fills_the_disk, r"data.dir=\S*shards: could not write \S* \(File too large\): free space on that disk.*left as it was",
-         subprocess=True, file_size_limit=FILE_SIZE_LIMIT, past_the_checks=True),  # fmt: skip
-    Case("ckpt-missing", "train", ckpt_missing, r"ckpt_path=\S*nowhere.ckpt: no checkpoint at \S*nowhere.ckpt. Pass a checkpoint file"),
-    Case("ckpt-corrupt", "train", ckpt_corrupt, rf"{NOT_A_CHECKPOINT} \(no whole zip archive.*\): set ckpt_path= to another checkpoint"),
-    Case("ckpt-truncated", "train", ckpt_truncated, rf"{NOT_A_CHECKPOINT} \(no whole zip archive.*\): set ckpt_path= to another", subprocess=True),
-    Case("ckpt-corrupt-inside", "train", ckpt_corrupt_inside, rf"{NOT_A_CHECKPOINT} \(.*\): it may be truncated or corrupt", subprocess=True,
-         past_the_checks=True),  # fmt: skip
-    Case("ckpt-other-model-shape", "train", ckpt_of_another_model_shape,
-         r"ckpt_path=\S*last.ckpt holds a model of another shape \(\S+: \[\d+, 64\] there, \[\d+, 32\] here\): it was trained with "
-         r"model.dim=64, this run has model.dim=32. Resume with the checkpoint's model settings", subprocess=True, past_the_checks=True),  # fmt: skip
-    Case("ckpt-other-tokenizer", "train", ckpt_of_another_tokenizer,
-         r"ckpt_path=\S*last.ckpt was trained on the token ids of another tokenizer than the shards in data.dir=\S* \(.*vocabulary_sha256"
-         r".*\).* Resume with data.dir set to shards prepared with the checkpoint's tokenizer", subprocess=True, past_the_checks=True),  # fmt: skip
-    Case("run-dir-read-only", "train", run_dir_read_only, r"hydra.run.dir=\S*ro/run: cannot make the run directory there \(\S*ro is not writable by this user", subprocess=True),
-    Case("run-dir-below-a-file", "train", run_dir_below_a_file, r"hydra.run.dir=\S*a-file/run: cannot make the run directory there \(\S*a-file is a file", subprocess=True),
-    Case("export-ckpt-missing", "export", export_ckpt_missing, r"checkpoint \S*nowhere.ckpt does not exist; pass ckpt_path="),
-    Case("export-ckpt-corrupt", "export", export_ckpt_corrupt, rf"ckpt_path=\S*last.ckpt: \S*last.ckpt {NOT_A_CHECKPOINT}"),
-    Case("export-ckpt-truncated", "export", export_ckpt_truncated, rf"ckpt_path=\S*last.ckpt: \S*last.ckpt {NOT_A_CHECKPOINT}", subprocess=True),
-    Case("export-read-only", "export", export_into_read_only_folder, r"output_dir=\S*ro/hf: cannot write there \(\S*ro is not writable by this user"),
-    Case("export-below-a-file", "export", export_below_a_file, r"output_dir=\S*a-file/hf: cannot write there \(\S*a-file is a file, not a folder\)"),
-    Case("export-disk-full", "export", export_fills_the_disk, r"output_dir=\S*hf: could not write the export \(.*File too large.*\): free space on that disk",
-         subprocess=True, file_size_limit=FILE_SIZE_LIMIT),  # fmt: skip
-    Case("generate-ckpt-missing", "generate", generate_ckpt_missing, r"checkpoint \S*nowhere.ckpt does not exist; pass ckpt_path=", subprocess=True),
-    Case("generate-ckpt-corrupt", "generate", generate_ckpt_corrupt, rf"ckpt_path=\S*last.ckpt: \S*last.ckpt {NOT_A_CHECKPOINT}"),
-    Case("generate-ckpt-truncated", "generate", generate_ckpt_truncated, rf"ckpt_path=\S*last.ckpt: \S*last.ckpt {NOT_A_CHECKPOINT}"),
+    Case(
+        "source-binary",
+        "prepare",
+        source_binary,
+        r"\S*doc1.txt is not UTF-8 text \(.*\); convert it or drop it from data.sources",
+    ),
+    Case(
+        "source-latin1",
+        "prepare",
+        source_latin1,
+        r"\S*doc1.txt is not UTF-8 text \(.*\); convert it or drop it from data.sources",
+        subprocess=True,
+    ),
+    Case(
+        "prepare-manifest-not-json",
+        "prepare",
+        prepared_manifest_not_json,
+        r"data.dir=\S*shards holds a manifest.json that is not a manifest .* Set data.overwrite=true",
+    ),
+    Case(
+        "tokenizer-corrupt",
+        "prepare",
+        tokenizer_corrupt,
+        r"data.tokenizer='\S*tokenizer.json' could not be read as a HF tokenizer.json",
+    ),
+    Case(
+        "tokenizer-without-eos",
+        "prepare",
+        tokenizer_without_end_of_text,
+        r"data.tokenizer='\S*tokenizer.json' has no end-of-text token",
+    ),
+    Case(
+        "tokenizer-missing", "prepare", tokenizer_missing, r"data.tokenizer='\S*nowhere/tokenizer.json' is not a file"
+    ),
+    Case(
+        "prepare-read-only",
+        "prepare",
+        prepare_into_read_only_folder,
+        r"data.dir=\S*ro/shards: cannot write there \(\S*ro is not writable by this user",
+    ),
+    Case(
+        "prepare-below-a-file",
+        "prepare",
+        prepare_below_a_file,
+        r"data.dir=\S*a-file/shards: cannot write there \(\S*a-file is a file, not a folder\)",
+    ),
+    Case(
+        "prepare-into-a-file",
+        "prepare",
+        prepare_into_a_file,
+        r"data.dir=\S*a-file: cannot write there \(\S*a-file is a file, not a folder\)",
+    ),
+    Case(
+        "prepare-disk-full",
+        "prepare",
+        prepare_fills_the_disk,
+        r"data.dir=\S*shards: could not write \S* \(File too large\): free space on that disk.*left as it was",
+        subprocess=True,
+        file_size_limit=FILE_SIZE_LIMIT,
+        past_the_checks=True,
+    ),  # fmt: skip
+    Case(
+        "ckpt-missing",
+        "train",
+        ckpt_missing,
+        r"ckpt_path=\S*nowhere.ckpt: no checkpoint at \S*nowhere.ckpt. Pass a checkpoint file",
+    ),
+    Case(
+        "ckpt-corrupt",
+        "train",
+        ckpt_corrupt,
+        rf"{NOT_A_CHECKPOINT} \(no whole zip archive.*\): set ckpt_path= to another checkpoint",
+    ),
+    Case(
+        "ckpt-truncated",
+        "train",
+        ckpt_truncated,
+        rf"{NOT_A_CHECKPOINT} \(no whole zip archive.*\): set ckpt_path= to another",
+        subprocess=True,
+    ),
+    Case(
+        "ckpt-corrupt-inside",
+        "train",
+        ckpt_corrupt_inside,
+        rf"{NOT_A_CHECKPOINT} \(.*\): it may be truncated or corrupt",
+        subprocess=True,
+        past_the_checks=True,
+    ),  # fmt: skip
+    Case(
+        "ckpt-other-model-shape",
+        "train",
+        ckpt_of_another_model_shape,
+        r"ckpt_path=\S*last.ckpt holds a model of another shape \(\S+: \[\d+, 64\] there, \[\d+, 32\] here\): it was trained with "
+        r"model.dim=64, this run has model.dim=32. Resume with the checkpoint's model settings",
+        subprocess=True,
+        past_the_checks=True,
+    ),  # fmt: skip
+    Case(
+        "ckpt-other-tokenizer",
+        "train",
+        ckpt_of_another_tokenizer,
+        r"ckpt_path=\S*last.ckpt was trained on the token ids of another tokenizer than the shards in data.dir=\S* \(.*vocabulary_sha256"
+        r".*\).* Resume with data.dir set to shards prepared with the checkpoint's tokenizer",
+        subprocess=True,
+        past_the_checks=True,
+    ),  # fmt: skip
+    Case(
+        "run-dir-read-only",
+        "train",
+        run_dir_read_only,
+        r"hydra.run.dir=\S*ro/run: cannot make the run directory there \(\S*ro is not writable by this user",
+        subprocess=True,
+    ),
+    Case(
+        "run-dir-below-a-file",
+        "train",
+        run_dir_below_a_file,
+        r"hydra.run.dir=\S*a-file/run: cannot make the run directory there \(\S*a-file is a file",
+        subprocess=True,
+    ),
+    Case(
+        "export-ckpt-missing",
+        "export",
+        export_ckpt_missing,
+        r"checkpoint \S*nowhere.ckpt does not exist; pass ckpt_path=",
+    ),
+    Case(
+        "export-ckpt-corrupt",
+        "export",
+        export_ckpt_corrupt,
+        rf"ckpt_path=\S*last.ckpt: \S*last.ckpt {NOT_A_CHECKPOINT}",
+    ),
+    Case(
+        "export-ckpt-truncated",
+        "export",
+        export_ckpt_truncated,
+        rf"ckpt_path=\S*last.ckpt: \S*last.ckpt {NOT_A_CHECKPOINT}",
+        subprocess=True,
+    ),
+    Case(
+        "export-read-only",
+        "export",
+        export_into_read_only_folder,
+        r"output_dir=\S*ro/hf: cannot write there \(\S*ro is not writable by this user",
+    ),
+    Case(
+        "export-below-a-file",
+        "export",
+        export_below_a_file,
+        r"output_dir=\S*a-file/hf: cannot write there \(\S*a-file is a file, not a folder\)",
+    ),
+    Case(
+        "export-disk-full",
+        "export",
+        export_fills_the_disk,
+        r"output_dir=\S*hf: could not write the export \(.*File too large.*\): free space on that disk",
+        subprocess=True,
+        file_size_limit=FILE_SIZE_LIMIT,
+    ),  # fmt: skip
+    Case(
+        "generate-ckpt-missing",
+        "generate",
+        generate_ckpt_missing,
+        r"checkpoint \S*nowhere.ckpt does not exist; pass ckpt_path=",
+        subprocess=True,
+    ),
+    Case(
+        "generate-ckpt-corrupt",
+        "generate",
+        generate_ckpt_corrupt,
+        rf"ckpt_path=\S*last.ckpt: \S*last.ckpt {NOT_A_CHECKPOINT}",
+    ),
+    Case(
+        "generate-ckpt-truncated",
+        "generate",
+        generate_ckpt_truncated,
+        rf"ckpt_path=\S*last.ckpt: \S*last.ckpt {NOT_A_CHECKPOINT}",
+    ),
 ]
 
 
@@ -417,7 +623,9 @@ CASES = [
 def trained_run(tiny_shards, tmp_path_factory) -> Path:
     """Two steps on the tiny shards, checkpointed: the run a user resumes, exports and samples from."""
     run_dir = tmp_path_factory.mktemp("trained")
-    run_train(tiny_shards, run_dir, "trainer.max_steps=2", "val_every_n_steps=2", "ckpt_every_n_steps=2", "val_sequences=8")
+    run_train(
+        tiny_shards, run_dir, "trainer.max_steps=2", "val_every_n_steps=2", "ckpt_every_n_steps=2", "val_sequences=8"
+    )
     return run_dir
 
 
@@ -431,7 +639,13 @@ def other_tokenizer_shards(tiny_shards, tmp_path_factory) -> Path:
     other_text = write_corpus(root / "other-text", seed=1)
     texts = (p.read_text()[::-1] for p in sorted(other_text.iterdir()))  # reversed: other words, other merges
     tokenizer = train_bpe(texts, 300, root / "tokenizer")
-    prepare_shards([str(tiny_shards.parent / "raw" / "*.txt")], root / "shards", tokenizer=tokenizer.path, seq_len=32, num_workers=1)
+    prepare_shards(
+        [str(tiny_shards.parent / "raw" / "*.txt")],
+        root / "shards",
+        tokenizer=tokenizer.path,
+        seq_len=32,
+        num_workers=1,
+    )
     return root / "shards"
 
 
@@ -442,7 +656,9 @@ def file_hashes(paths: list[Path]) -> dict[str, str]:
 
 def compose_for(command: str, args: list[str]):
     with initialize_config_dir(str(CONF), version_base="1.3"):
-        return compose("train" if command == "train" else "prepare", overrides=[a for a in args if not a.startswith("hydra.")])
+        return compose(
+            "train" if command == "train" else "prepare", overrides=[a for a in args if not a.startswith("hydra.")]
+        )
 
 
 def call_in_process(command: str, args: list[str]) -> None:
@@ -474,7 +690,13 @@ def limit_file_size(limit: int) -> Callable[[], None]:
 
 
 def run_command(command: str, args: list[str], file_size_limit: int | None) -> tuple[int, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "WANDB_MODE": "offline",
+        "HF_HUB_OFFLINE": "1",
+    }
     env.pop("PYTEST_CURRENT_TEST", None)
     result = subprocess.run(
         [sys.executable, "-m", MODULES[command], *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
@@ -515,7 +737,9 @@ def test_a_bad_file_is_one_clear_error_and_earlier_output_survives(case, tmp_pat
 # Every refusal of a real start's files but two: a checkpoint whose tensors are damaged (a dry run reads no tensor),
 # and a data.dir that does not exist here (a dry run sizes a job for another machine, and says the shards are
 # elsewhere: tests/test_dry_run.py).
-DRY_RUN_CASES = [case for case in CASES if case.command == "train" and case.id not in ("ckpt-corrupt-inside", "data-dir-missing")]
+DRY_RUN_CASES = [
+    case for case in CASES if case.command == "train" and case.id not in ("ckpt-corrupt-inside", "data-dir-missing")
+]
 
 
 @pytest.mark.parametrize("case", DRY_RUN_CASES, ids=[case.id for case in DRY_RUN_CASES])
@@ -539,7 +763,9 @@ def test_a_checkpoint_records_its_tokenizer_and_one_from_before_the_record_still
     from project.lit_module import check_resumable
 
     checkpoint = read_checkpoint_file(trained_run / "checkpoints" / "last.ckpt")
-    identity = TokenShardDataModule(str(tiny_shards), seq_len=32, global_batch_size=8, micro_batch_size=8).tokenizer_identity
+    identity = TokenShardDataModule(
+        str(tiny_shards), seq_len=32, global_batch_size=8, micro_batch_size=8
+    ).tokenizer_identity
     assert checkpoint["tokenizer"] == identity and len(identity["vocabulary_sha256"]) == 64
     model = checkpoint["hyper_parameters"]["model"]
     check_resumable(checkpoint, model, identity, "last.ckpt")  # the run's own shards: resumes

@@ -19,7 +19,10 @@ from project.errors import ConfigError, exit_on_config_error
 from tests.conftest import ROOT
 
 COMMAND_LINE = [
-    (["experiment=shakespere"], r"experiment=shakespere: there is no conf/experiment/shakespere.yaml. Did you mean shakespeare\?"),
+    (
+        ["experiment=shakespere"],
+        r"experiment=shakespere: there is no conf/experiment/shakespere.yaml. Did you mean shakespeare\?",
+    ),
     (["model=small3m"], r"model=small3m: there is no conf/model/small3m.yaml"),
     (["data=shakespear"], r"data=shakespear: .* Did you mean shakespeare\?"),
     (["strategy=fsdp3"], r"strategy=fsdp3: .* Did you mean fsdp"),
@@ -30,7 +33,10 @@ COMMAND_LINE = [
     (["globl_batch_size=8"], r"globl_batch_size: no such setting at the top level. Did you mean global_batch_size\?"),
     (["optim.lr=="], r"Error parsing override 'optim.lr=='"),
     # The argparse habit: answered with the override it meant.
-    (["--max_steps", "10"], r"--max_steps: settings are Hydra overrides, key=value without dashes: write trainer.max_steps=10"),
+    (
+        ["--max_steps", "10"],
+        r"--max_steps: settings are Hydra overrides, key=value without dashes: write trainer.max_steps=10",
+    ),
     (["--max_steps=10"], r"write trainer.max_steps=10"),
     (["--global-batch-size=4"], r"write global_batch_size=4"),
     (["--lr", "1e-3"], r"write optim.lr=1e-3"),
@@ -39,8 +45,16 @@ COMMAND_LINE = [
 # Strategy settings that take any number (or a path, a backend's name): every other setting of a strategy
 # group has a closed set of values, and a value outside it must be refused before anything starts.
 OPEN_STRATEGY_SETTINGS = {
-    "_target_", "data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size", "hybrid_shard_size", "virtual_stages",
-    "n_microbatches", "stage_layers", "process_group_backend", "collective_timeout_minutes",
+    "_target_",
+    "data_parallel_size",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "hybrid_shard_size",
+    "virtual_stages",
+    "n_microbatches",
+    "stage_layers",
+    "process_group_backend",
+    "collective_timeout_minutes",
 }
 CLOSED_STRATEGY_SETTINGS = [
     (path.stem, key)
@@ -72,7 +86,10 @@ VALUES = [
     (["val_sequences=0"], r"val_sequences=0 is out of range"),
     (["ckpt_every_minutes=0"], r"ckpt_every_minutes=0 is out of range"),
     (["threads_per_process=0"], r"threads_per_process=0 is out of range"),
-    (["strategy=ddp", "strategy.collective_timeout_minutes=0"], r"strategy.collective_timeout_minutes=0 is out of range"),
+    (
+        ["strategy=ddp", "strategy.collective_timeout_minutes=0"],
+        r"strategy.collective_timeout_minutes=0 is out of range",
+    ),
     (["data.seq_len=1"], r"data.seq_len=1 is out of range"),
     (["data.seq_len=4096"], r"data.seq_len=4096 exceeds model.max_seq_len=1024"),
     (["model.dim=90"], r"model.dim=90 must be divisible by model.n_heads=4"),
@@ -80,21 +97,45 @@ VALUES = [
     (["model.n_layers=0"], r"model.n_layers=0 is out of range"),
     (["model.norm_eps=0"], r"model.norm_eps=0 is out of range"),
     (["model.ffn_dim=0"], r"model.ffn_dim=0 is out of range"),
-    (["+trainer.gradient_clip_val=1.0"], r"trainer.gradient_clip_val is computed by project.train: set optim.grad_clip instead"),
+    (
+        ["+trainer.gradient_clip_val=1.0"],
+        r"trainer.gradient_clip_val is computed by project.train: set optim.grad_clip instead",
+    ),
     (["strategy=tp", "trainer.devices=3"], r"model n_heads=4 is not divisible by strategy.tensor_parallel_size=3"),
-    (["strategy=tp_fsdp", "strategy.tensor_parallel_size=3", "trainer.devices=4"], r"tensor_parallel_size=3 does not divide the 4 devices"),
-    (["strategy=tp", "trainer.devices=2", "model.vocab_size=513"], r"vocab_size=513 is not divisible by strategy.tensor_parallel_size=2"),
-    (["strategy=ddp", "trainer.devices=2", "global_batch_size=7"], r"global_batch_size=7 does not divide over 2 data-parallel ranks"),
-    (["strategy=ddp", "trainer.devices=2", "micro_batch_size=3"], r"micro_batch_size=3 does not divide the 4 sequences"),
+    (
+        ["strategy=tp_fsdp", "strategy.tensor_parallel_size=3", "trainer.devices=4"],
+        r"tensor_parallel_size=3 does not divide the 4 devices",
+    ),
+    (
+        ["strategy=tp", "trainer.devices=2", "model.vocab_size=513"],
+        r"vocab_size=513 is not divisible by strategy.tensor_parallel_size=2",
+    ),
+    (
+        ["strategy=ddp", "trainer.devices=2", "global_batch_size=7"],
+        r"global_batch_size=7 does not divide over 2 data-parallel ranks",
+    ),
+    (
+        ["strategy=ddp", "trainer.devices=2", "micro_batch_size=3"],
+        r"micro_batch_size=3 does not divide the 4 sequences",
+    ),
     (["strategy=pipeline", "trainer.devices=4"], r"model.n_layers=2 is fewer than the 4 pipeline stage chunks"),
-    (["strategy=pipeline", "trainer.devices=2", "strategy.schedule=zigzag"], r"strategy.schedule=zigzag is not a choice: it must be one of gpipe"),
+    (
+        ["strategy=pipeline", "trainer.devices=2", "strategy.schedule=zigzag"],
+        r"strategy.schedule=zigzag is not a choice: it must be one of gpipe",
+    ),
     (["seed=abc"], r"seed=abc is out of range: it must be a whole number"),
     (["seed=-1"], r"seed=-1 is out of range"),
     (["data.seed=1.5"], r"data.seed=1.5 is out of range"),
     (["document_mask=1"], r"document_mask=1 must be true or false"),
     (["data.loader_workers=-1"], r"data.loader_workers=-1 is out of range"),
-    (["strategy=ddp", "+strategy.grad_reduce=sum"], r"strategy.grad_reduce is not a setting of \S*ddp\S*. Did you mean grad_reduction\?"),
-    (["strategy=pipeline", "trainer.devices=2", "strategy.virtual_stages=2"], r"strategy.schedule=1f1b runs one stage chunk per rank"),
+    (
+        ["strategy=ddp", "+strategy.grad_reduce=sum"],
+        r"strategy.grad_reduce is not a setting of \S*ddp\S*. Did you mean grad_reduction\?",
+    ),
+    (
+        ["strategy=pipeline", "trainer.devices=2", "strategy.virtual_stages=2"],
+        r"strategy.schedule=1f1b runs one stage chunk per rank",
+    ),
 ]
 
 
@@ -114,7 +155,9 @@ def test_a_setting_out_of_range_is_refused_before_training(overrides, message, d
         preflight(cfg, dry_run=dry_run)
 
 
-@pytest.mark.parametrize("strategy, key", CLOSED_STRATEGY_SETTINGS, ids=[f"{s}.{k}" for s, k in CLOSED_STRATEGY_SETTINGS])
+@pytest.mark.parametrize(
+    "strategy, key", CLOSED_STRATEGY_SETTINGS, ids=[f"{s}.{k}" for s, k in CLOSED_STRATEGY_SETTINGS]
+)
 def test_every_closed_set_strategy_setting_refuses_a_value_outside_it(strategy, key):
     devices = "1" if strategy in ("single", "horovod") else "2"
     overrides = ["experiment=debug", f"strategy={strategy}", f"trainer.devices={devices}", f"strategy.{key}=bogus"]
@@ -140,7 +183,9 @@ def test_the_strategy_choices_checked_early_are_those_the_strategies_take():
     from project.parallel import ddp, fsdp, fsdp2, pipeline_layout
 
     assert STRATEGY_CHOICES["sharding_strategy"] == typing.get_args(fsdp.ShardingStrategy)
-    assert set(STRATEGY_CHOICES["grad_reduction"]) == set(typing.get_args(typing.get_type_hints(ddp.ddp_strategy)["grad_reduction"]))
+    assert set(STRATEGY_CHOICES["grad_reduction"]) == set(
+        typing.get_args(typing.get_type_hints(ddp.ddp_strategy)["grad_reduction"])
+    )
     assert set(STRATEGY_CHOICES["param_dtype"]) == set(STRATEGY_CHOICES["reduce_dtype"]) == {None, *fsdp2.DTYPES}
     assert STRATEGY_CHOICES["schedule"] == pipeline_layout.SCHEDULE_NAMES
 
@@ -153,8 +198,12 @@ def test_the_default_settings_pass_every_check():
 
 @pytest.mark.parametrize(
     "bad",
-    [["seed=abc"], ["strategy=ddp", "trainer.devices=2", "strategy.grad_reduction=median"],
-     ["strategy=fsdp", "trainer.devices=2", "strategy.sharding_strategy=FULL"], ["--max_steps", "10"]],
+    [
+        ["seed=abc"],
+        ["strategy=ddp", "trainer.devices=2", "strategy.grad_reduction=median"],
+        ["strategy=fsdp", "trainer.devices=2", "strategy.sharding_strategy=FULL"],
+        ["--max_steps", "10"],
+    ],
     ids=["seed", "grad_reduction", "sharding_strategy", "argparse-flag"],
 )
 def test_a_bad_seed_strategy_setting_or_dashed_flag_prints_one_paragraph_and_exits_2(bad, tmp_path):

@@ -6,7 +6,6 @@ import statistics
 from pathlib import Path
 
 import pytest
-
 from conftest import run_module
 
 TINY = ["presets=debug", "steps=2", "batch=2", "seq_len=16", "error_latency=false"]
@@ -26,7 +25,13 @@ def test_bench_writes_new_files_and_never_overwrites(tmp_path):
     assert report["command"].endswith(" ".join([*TINY, f"out={tmp_path}"]))
     assert report["machine"]["cpu_count"] >= 1 and report["threads"] >= 1 and report["torch"]
     [preset] = report["presets"]
-    assert (preset["model"], preset["batch"], preset["seq_len"], preset["steps"], preset["vocab_size"]) == ("debug", 2, 16, 2, 512)
+    assert (preset["model"], preset["batch"], preset["seq_len"], preset["steps"], preset["vocab_size"]) == (
+        "debug",
+        2,
+        16,
+        2,
+        512,
+    )
     assert preset["tokens_per_sec"] > 0 and preset["model_tflops"] > 0
     assert "config_error_latency" not in report
     assert "| debug |" in first[1].read_text()
@@ -48,7 +53,16 @@ def test_unknown_preset_is_a_config_error(tmp_path):
 
 @pytest.mark.slow
 def test_pipeline_bench_writes_its_rows_table_and_plot_where_out_says(tmp_path):
-    argv = ["pp=2", "schedules=1f1b", "microbatches=2", "dim=64", "layers=2", "seq_len=16", "steps=1", f"out={tmp_path}"]
+    argv = [
+        "pp=2",
+        "schedules=1f1b",
+        "microbatches=2",
+        "dim=64",
+        "layers=2",
+        "seq_len=16",
+        "steps=1",
+        f"out={tmp_path}",
+    ]
     result = run_module("project.bench_pipeline", argv, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     files = sorted(tmp_path.iterdir())
@@ -69,7 +83,17 @@ def skip_without_litgpt():
 def test_platform_bench_times_project_train_beside_a_hand_loop_and_writes_both_commands(tmp_path):
     skip_without_litgpt()
     # Eager only: compiling adds a minute and its plumbing is proved below without running it.
-    argv = ["presets=debug", "compiled=", "scaling=ddp", "scaling_preset=debug", "litgpt=true", "steps=2", "warmup=1", "repeats=1", "threads=1"]
+    argv = [
+        "presets=debug",
+        "compiled=",
+        "scaling=ddp",
+        "scaling_preset=debug",
+        "litgpt=true",
+        "steps=2",
+        "warmup=1",
+        "repeats=1",
+        "threads=1",
+    ]
     result = run_module("project.bench_platform", [*argv, f"out={tmp_path}"], timeout=900)
     assert result.returncode == 0, f"bench failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     [report_file] = tmp_path.glob("*-platform.json")
@@ -77,24 +101,43 @@ def test_platform_bench_times_project_train_beside_a_hand_loop_and_writes_both_c
     [row] = report["rows"]
     assert (row["preset"], row["mode"], row["steps"], row["warmup"], row["threads"]) == ("debug", "eager", 2, 1, 1)
     assert len(row["runs"]["project_train"]) == len(row["runs"]["hand_loop"]) == 1
-    assert row["project_train_tokens_per_sec"] == pytest.approx(statistics.median(row["runs"]["project_train"]), rel=1e-3)
-    assert row["ratio"] == pytest.approx(row["project_train_tokens_per_sec"] / row["hand_loop_tokens_per_sec"], rel=1e-2)
+    assert row["project_train_tokens_per_sec"] == pytest.approx(
+        statistics.median(row["runs"]["project_train"]), rel=1e-3
+    )
+    assert row["ratio"] == pytest.approx(
+        row["project_train_tokens_per_sec"] / row["hand_loop_tokens_per_sec"], rel=1e-2
+    )
     peak = report["matmul_peak"]["flops_per_sec"]  # the best of one measurement per alternation
-    assert len(report["matmul_peak"]["runs"]) == 1 and peak == pytest.approx(max(report["matmul_peak"]["runs"]), rel=1e-6)
-    assert row["project_train_mfu"] == pytest.approx(row["project_train_tokens_per_sec"] * row["flops_per_token"] / peak, rel=1e-2)
+    assert len(report["matmul_peak"]["runs"]) == 1 and peak == pytest.approx(
+        max(report["matmul_peak"]["runs"]), rel=1e-6
+    )
+    assert row["project_train_mfu"] == pytest.approx(
+        row["project_train_tokens_per_sec"] * row["flops_per_token"] / peak, rel=1e-2
+    )
     assert 0 < row["hand_loop_mfu"] < 1.5  # against a measured peak; a wrong unit would be off by 1e3 or more
     assert "project.train" in row["commands"]["project_train"] and "--hand-loop debug" in row["commands"]["hand_loop"]
     assert row["commands"]["litgpt"].endswith(f"{row['mode']} litgpt") and len(row["runs"]["litgpt"]) == 1
-    assert row["ratio_to_litgpt"] == pytest.approx(row["project_train_tokens_per_sec"] / row["litgpt_tokens_per_sec"], rel=1e-2)
-    assert "strategy.compile" not in row["commands"]["project_train"] and row["commands"]["hand_loop"].endswith("eager ours")
+    assert row["ratio_to_litgpt"] == pytest.approx(
+        row["project_train_tokens_per_sec"] / row["litgpt_tokens_per_sec"], rel=1e-2
+    )
+    assert "strategy.compile" not in row["commands"]["project_train"] and row["commands"]["hand_loop"].endswith(
+        "eager ours"
+    )
     assert "| debug | eager | 8 x 256 | 2 |" in table
     [scaled] = report["scaling"]  # 2 processes x 1 thread against 1 x 2 threads
     assert scaled["strategy"] == "ddp" and "trainer.devices=2" in scaled["commands"]["two_processes"]
     assert "trainer.devices" not in scaled["commands"]["one_process"]
-    assert scaled["ratio"] == pytest.approx(scaled["two_processes_tokens_per_sec"] / scaled["one_process_tokens_per_sec"], rel=1e-2)
+    assert scaled["ratio"] == pytest.approx(
+        scaled["two_processes_tokens_per_sec"] / scaled["one_process_tokens_per_sec"], rel=1e-2
+    )
     start = report["startup"]  # the debug experiment's first step, split at `import lightning`
-    assert len(start["runs"]["seconds_to_first_step"]) == 1 and start["seconds_to_first_step"] > start["import_lightning_seconds"] > 0
-    assert start["rest_seconds"] == pytest.approx(start["seconds_to_first_step"] - start["import_lightning_seconds"], abs=0.011)
+    assert (
+        len(start["runs"]["seconds_to_first_step"]) == 1
+        and start["seconds_to_first_step"] > start["import_lightning_seconds"] > 0
+    )
+    assert start["rest_seconds"] == pytest.approx(
+        start["seconds_to_first_step"] - start["import_lightning_seconds"], abs=0.011
+    )
     assert start["peak_rss_mib"] > 100 and "import lightning" in table
     svg = report_file.with_suffix(".svg").read_text()  # a bar per ratio: hand loop and litgpt per row, then scaling
     assert svg.count('class="bar"') == 3 and "debug eager: project.train / litgpt" in svg
@@ -109,29 +152,55 @@ def test_platform_bench_alternates_the_sides_and_compiles_all_three_for_compiled
 
     def platform_run(preset, batch, steps, warmup, data, run_dir, env, *extra, micro_batch=None):
         calls.append(("A", preset, *extra))
-        return {"tokens_per_sec": float(next(rates)), "command": " ".join(["-m project.train", f"model={preset}", *extra])}
+        return {
+            "tokens_per_sec": float(next(rates)),
+            "command": " ".join(["-m project.train", f"model={preset}", *extra]),
+        }
 
     def in_own_process(argv, env):
-        calls.append(("peak",) if argv == ["--matmul-peak"] else ("B" if argv[-1] == "ours" else "C", *argv[1:2], argv[-2]))
+        calls.append(
+            ("peak",) if argv == ["--matmul-peak"] else ("B" if argv[-1] == "ours" else "C", *argv[1:2], argv[-2])
+        )
         return {"tokens_per_sec": float(next(rates)), "flops_per_sec": 1e9, "command": " ".join(argv)}
 
     monkeypatch.setattr(bench_platform, "platform_run", platform_run)
     monkeypatch.setattr(bench_platform, "in_own_process", in_own_process)
-    args = {"presets": ["debug"], "compiled": ["debug"], "litgpt": True, "repeats": 2, "steps": 2, "warmup": 1, "threads": 1}
+    args = {
+        "presets": ["debug"],
+        "compiled": ["debug"],
+        "litgpt": True,
+        "repeats": 2,
+        "steps": 2,
+        "warmup": 1,
+        "threads": 1,
+    }
     peaks = []
     eager, compiled = bench_platform.compare(args, tmp_path, tmp_path, peaks)
     # A B C, then C B A: drift during the runs favours no side.
-    sides = lambda mode, extra: [("A", "debug", *extra), ("B", "debug", mode), ("C", "debug", mode)]
-    two_alternations = lambda mode, extra: [*sides(mode, extra), ("peak",), *reversed(sides(mode, extra)), ("peak",)]
+
+    def sides(mode, extra):
+        return [("A", "debug", *extra), ("B", "debug", mode), ("C", "debug", mode)]
+
+    def two_alternations(mode, extra):
+        return [*sides(mode, extra), ("peak",), *reversed(sides(mode, extra)), ("peak",)]
+
     assert calls == two_alternations("eager", []) + two_alternations("compiled", ["strategy.compile=true"])
     assert len(peaks) == 4
     assert eager["runs"] == {"project_train": [100.0, 700.0], "hand_loop": [200.0, 600.0], "litgpt": [300.0, 500.0]}
-    assert (eager["project_train_tokens_per_sec"], eager["hand_loop_tokens_per_sec"], eager["ratio"]) == (400.0, 400.0, 1.0)
+    assert (eager["project_train_tokens_per_sec"], eager["hand_loop_tokens_per_sec"], eager["ratio"]) == (
+        400.0,
+        400.0,
+        1.0,
+    )
     assert compiled["mode"] == "compiled" and "strategy.compile=true" in compiled["commands"]["project_train"]
-    assert compiled["commands"]["hand_loop"].endswith("compiled ours") and compiled["commands"]["litgpt"].endswith("compiled litgpt")
+    assert compiled["commands"]["hand_loop"].endswith("compiled ours") and compiled["commands"]["litgpt"].endswith(
+        "compiled litgpt"
+    )
 
 
-def test_compile_effect_alternates_compiled_and_eager_runs_of_each_strategy_with_its_processes_and_settings(monkeypatch, tmp_path):
+def test_compile_effect_alternates_compiled_and_eager_runs_of_each_strategy_with_its_processes_and_settings(
+    monkeypatch, tmp_path
+):
     """compile_effect() without running anything: per strategy, compiled then eager, eager then compiled, ...; the
     strategy's launcher, settings, micro batch and threads on both sides, strategy.compile=true on one; medians."""
     from project import bench_platform
@@ -145,22 +214,56 @@ def test_compile_effect_alternates_compiled_and_eager_runs_of_each_strategy_with
         return {"tokens_per_sec": next(rates), "command": " ".join(["-m project.train", *extra])}
 
     monkeypatch.setattr(bench_platform, "platform_run", platform_run)
-    args = {"compile_effect": ["single", "ddp", "pipeline"], "scaling_preset": "debug", "repeats": 3, "steps": None, "warmup": 1, "threads": 2}
+    args = {
+        "compile_effect": ["single", "ddp", "pipeline"],
+        "scaling_preset": "debug",
+        "repeats": 3,
+        "steps": None,
+        "warmup": 1,
+        "threads": 2,
+    }
     single, ddp, pipeline = bench_platform.compile_effect(args, tmp_path, tmp_path)
     untied, compiled = "model.tie_embeddings=false", "strategy.compile=true"
-    one = lambda mode, i, *extra: (f"compile-single-{mode}-{i}", "2", None, (), untied, *extra)
-    assert calls[:6] == [one("compiled", 0, compiled), one("eager", 0), one("eager", 1), one("compiled", 1, compiled),
-                         one("compiled", 2, compiled), one("eager", 2)]
+
+    def one(mode, i, *extra):
+        return (f"compile-single-{mode}-{i}", "2", None, (), untied, *extra)
+
+    assert calls[:6] == [
+        one("compiled", 0, compiled),
+        one("eager", 0),
+        one("eager", 1),
+        one("compiled", 1, compiled),
+        one("compiled", 2, compiled),
+        one("eager", 2),
+    ]
     two = ("threads_per_process=1", "strategy=ddp", "trainer.devices=2")
-    assert calls[6:8] == [("compile-ddp-compiled-0", "1", "null", (), untied, *two, compiled), ("compile-ddp-eager-0", "1", "null", (), untied, *two)]
+    assert calls[6:8] == [
+        ("compile-ddp-compiled-0", "1", "null", (), untied, *two, compiled),
+        ("compile-ddp-eager-0", "1", "null", (), untied, *two),
+    ]
     staged = ("threads_per_process=1", "strategy=pipeline", "trainer.devices=2")
     assert calls[12] == ("compile-pipeline-compiled-0", "1", "2", (), untied, *staged, compiled)
     assert single["runs"] == {"compiled": [300.0, 900.0, 330.0], "eager": [200.0, 210.0, 10.0]}
     assert (single["compiled_tokens_per_sec"], single["eager_tokens_per_sec"], single["ratio"]) == (330.0, 200.0, 1.65)
     assert (ddp["compiled_tokens_per_sec"], ddp["eager_tokens_per_sec"], ddp["ratio"]) == (155.0, 105.0, 1.476)
-    assert (pipeline["processes"], pipeline["threads_per_process"], single["processes"], single["threads_per_process"]) == (2, 1, 1, 2)
-    report = {"date": "d", "hostname": "h", "platform": "p", "torch": "t", "threads": 2, "repeats": 3, "command": "c",
-              "matmul_peak": None, "rows": [], "compile_effect": [single, ddp, pipeline]}
+    assert (
+        pipeline["processes"],
+        pipeline["threads_per_process"],
+        single["processes"],
+        single["threads_per_process"],
+    ) == (2, 1, 1, 2)
+    report = {
+        "date": "d",
+        "hostname": "h",
+        "platform": "p",
+        "torch": "t",
+        "threads": 2,
+        "repeats": 3,
+        "command": "c",
+        "matmul_peak": None,
+        "rows": [],
+        "compile_effect": [single, ddp, pipeline],
+    }
     written = bench_platform.table(report)  # compile_effect alone: no comparison rows, no MFU line
     assert "| single | 1 x 2 | debug | 8 x 256 | 330 | 200 | 1.650 |" in written and "MFU" not in written
     assert bench_platform.plot(report).count('class="bar"') == 3
@@ -171,18 +274,29 @@ def test_the_platform_bench_times_only_the_strategies_when_presets_is_empty_and_
     from project.errors import ConfigError
 
     args = bench_platform.parse(["presets=", "scaling=", "compile_effect=ddp,pipeline"])
-    assert (args["presets"], args["compiled"], args["scaling"], args["compile_effect"]) == ([], [], [], ["ddp", "pipeline"])
+    assert (args["presets"], args["compiled"], args["scaling"], args["compile_effect"]) == (
+        [],
+        [],
+        [],
+        ["ddp", "pipeline"],
+    )
     assert bench_platform.parse(["presets=", "compiled=debug"])["compiled"] == ["debug"]  # named, it still runs
     with pytest.raises(ConfigError, match="presets: empty, and so are scaling and compile_effect"):
         bench_platform.parse(["presets=", "scaling=", "compile_effect="])
 
 
-@pytest.mark.parametrize("setting, named", [
-    ("presets=no_such_model", "presets: no model preset 'no_such_model'"),
-    ("compiled=debug,no_such_model", "compiled: no model preset 'no_such_model'"),
-    ("scaling=ddp,deepspeed", "scaling: 'deepspeed' is not one of ['ddp', 'fsdp2', 'tp', 'horovod']"),
-    ("compile_effect=ddp,megatron", "compile_effect: 'megatron' is not one of ['single', 'ddp', 'fsdp2', 'tp', 'horovod', 'pipeline']"),
-])
+@pytest.mark.parametrize(
+    "setting, named",
+    [
+        ("presets=no_such_model", "presets: no model preset 'no_such_model'"),
+        ("compiled=debug,no_such_model", "compiled: no model preset 'no_such_model'"),
+        ("scaling=ddp,deepspeed", "scaling: 'deepspeed' is not one of ['ddp', 'fsdp2', 'tp', 'horovod']"),
+        (
+            "compile_effect=ddp,megatron",
+            "compile_effect: 'megatron' is not one of ['single', 'ddp', 'fsdp2', 'tp', 'horovod', 'pipeline']",
+        ),
+    ],
+)
 def test_platform_bench_refuses_an_unknown_preset_or_strategy_before_running_anything(tmp_path, setting, named):
     result = run_module("project.bench_platform", [setting, f"out={tmp_path}"], timeout=120)
     assert result.returncode == 2 and result.stderr.startswith("error: ") and named in result.stderr, result.stderr
@@ -199,4 +313,6 @@ def test_litgpt_twin_has_each_presets_parameter_count():
         config = load_preset(preset, 4096)
         ours, twin = Llama(config), litgpt_twin(config, seq_len=256)
         assert sum(p.numel() for p in twin.parameters()) == sum(p.numel() for p in ours.parameters()), preset
-        assert twin.config.n_query_groups == config.n_kv_heads and twin.config.intermediate_size == config.ffn_hidden_dim
+        assert (
+            twin.config.n_query_groups == config.n_kv_heads and twin.config.intermediate_size == config.ffn_hidden_dim
+        )

@@ -145,7 +145,15 @@ def test_checkpoints_get_the_users_file_mode(tiny_shards, tmp_path, strategy):
     devices = ["trainer.devices=2"] if strategy != "single" else []
     previous = os.umask(0o027)
     try:
-        run_train(tiny_shards, tmp_path, f"strategy={strategy}", *devices, "trainer.max_steps=2", "ckpt_every_n_steps=1", "val_every_n_steps=1")
+        run_train(
+            tiny_shards,
+            tmp_path,
+            f"strategy={strategy}",
+            *devices,
+            "trainer.max_steps=2",
+            "ckpt_every_n_steps=1",
+            "val_every_n_steps=1",
+        )
     finally:
         os.umask(previous)
     written = [tmp_path / "checkpoints", *(tmp_path / "checkpoints").rglob("*")]
@@ -204,7 +212,9 @@ def sharded_folder(folder):
     import torch.distributed.checkpoint as dcp
 
     # One process writes the format too; the optimizer settings are the non-tensor entries torch pickles.
-    dcp.save({"weight": torch.ones(4), "optimizer": {"lr": 1e-3, "betas": (0.9, 0.95)}}, checkpoint_id=folder, no_dist=True)
+    dcp.save(
+        {"weight": torch.ones(4), "optimizer": {"lr": 1e-3, "betas": (0.9, 0.95)}}, checkpoint_id=folder, no_dist=True
+    )
     return folder
 
 
@@ -221,7 +231,9 @@ def test_a_sharded_checkpoint_whose_metadata_would_run_code_is_refused(tmp_path)
     verify_sharded_checkpoint(folder)  # torch's own folders pass
     marker = tmp_path / "ran"
     (folder / SHARDED_METADATA).write_bytes(pickle.dumps(RunsCode(marker)))
-    with pytest.raises(ConfigError, match=r"not a sharded checkpoint this platform can read \(posix.system is not among"):
+    with pytest.raises(
+        ConfigError, match=r"not a sharded checkpoint this platform can read \(posix.system is not among"
+    ):
         verify_sharded_checkpoint(folder)
     assert not marker.exists()
 
@@ -247,10 +259,15 @@ def test_a_sharded_checkpoint_whose_entries_would_run_code_is_refused_and_torch_
     entry.relative_path, entry.offset, entry.length = "trap.distcp", 0, len(payload.getvalue())
     (folder / SHARDED_METADATA).write_bytes(pickle.dumps(metadata))
 
-    with pytest.raises(ConfigError, match=r"not a sharded checkpoint this platform can read \(Weights only load failed"):
+    with pytest.raises(
+        ConfigError, match=r"not a sharded checkpoint this platform can read \(Weights only load failed"
+    ):
         verify_sharded_checkpoint(folder)
     assert not marker.exists()
     # What the check prevents: torch's loader (as Lightning calls it on resume) runs the entry's code.
-    load = f"import torch.distributed.checkpoint as d; s={{'optimizer': {{'lr': 0.0}}}}; d.load(s, checkpoint_id={str(folder)!r}, no_dist=True)"
+    load = (
+        "import torch.distributed.checkpoint as d; s={'optimizer': {'lr': 0.0}}; "
+        f"d.load(s, checkpoint_id={str(folder)!r}, no_dist=True)"
+    )
     subprocess.run([sys.executable, "-c", load], check=True, capture_output=True)
     assert marker.exists()

@@ -19,8 +19,18 @@ def test_the_train_command_checks_settings_without_importing_torch_or_lightning(
 
 def test_a_settings_error_is_reported_before_torch_is_imported(tmp_path):
     # `python -m project.train` with a batch that cannot split; `-X importtime` lists every module imported.
-    args = [sys.executable, "-X", "importtime", "-m", "project.train", "experiment=debug", "strategy=ddp", "trainer.devices=2",
-            "global_batch_size=7", f"hydra.run.dir={tmp_path / 'run'}"]
+    args = [
+        sys.executable,
+        "-X",
+        "importtime",
+        "-m",
+        "project.train",
+        "experiment=debug",
+        "strategy=ddp",
+        "trainer.devices=2",
+        "global_batch_size=7",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 2
     assert "error: global_batch_size=7 does not divide over 2 data-parallel ranks" in result.stderr
@@ -42,9 +52,20 @@ def test_preflight_plans_the_layout_when_the_device_count_is_given():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["strategy=tp", "trainer.devices=2", "model.n_heads=3", "model.dim=96", "model.n_kv_heads=3"], "n_heads=3 is not divisible"),
-        (["strategy=pipeline", "strategy.schedule=zbv", "strategy.data_parallel_size=2", "trainer.devices=4", "model.n_layers=4"],
-         "splits each backward pass"),
+        (
+            ["strategy=tp", "trainer.devices=2", "model.n_heads=3", "model.dim=96", "model.n_kv_heads=3"],
+            "n_heads=3 is not divisible",
+        ),
+        (
+            [
+                "strategy=pipeline",
+                "strategy.schedule=zbv",
+                "strategy.data_parallel_size=2",
+                "trainer.devices=4",
+                "model.n_layers=4",
+            ],
+            "splits each backward pass",
+        ),
         (["data.seq_len=4096"], "exceeds model.max_seq_len"),
         (["+trainer.gradient_clip_val=1.0"], "set optim.grad_clip instead"),
     ],
@@ -55,7 +76,11 @@ def test_preflight_refuses_settings_that_cannot_run(overrides, message):
 
 
 def test_a_layout_names_the_run_and_describes_it_in_numbers():
-    layout = preflight(compose_train("strategy=tp_fsdp", "trainer.devices=4", "global_batch_size=8", "micro_batch_size=2"))
+    layout = preflight(
+        compose_train("strategy=tp_fsdp", "trainer.devices=4", "global_batch_size=8", "micro_batch_size=2")
+    )
     assert layout.name("debug", "tp_fsdp") == "debug_dp2-tp2-pp1_mb2_tp_fsdp"
     facts = layout.facts()
-    assert facts["layout/world_size"] == 4 and facts["layout/accumulation"] == 2 and facts["layout/global_batch_size"] == 8
+    assert (
+        facts["layout/world_size"] == 4 and facts["layout/accumulation"] == 2 and facts["layout/global_batch_size"] == 8
+    )

@@ -30,8 +30,18 @@ def launch_command(launcher: str, node_rank: int, port: int) -> tuple[list[str],
     """How each of two one-device nodes starts: through torchrun, or by hand with the variables Lightning
     reads (MASTER_ADDR, MASTER_PORT, NODE_RANK, WORLD_SIZE), one process per node."""
     if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node_rank}",
-                "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "project.train"], {}
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            f"--node-rank={node_rank}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            "-m",
+            "project.train",
+        ], {}
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node_rank), "WORLD_SIZE": "2"}
     return [sys.executable, "-m", "project.train"], env
 
@@ -39,13 +49,24 @@ def launch_command(launcher: str, node_rank: int, port: int) -> tuple[list[str],
 @pytest.mark.parametrize("launcher", ["torchrun", "environment"])
 def test_two_nodes_train_like_one_node_with_two_processes(tiny_shards, tmp_path, reference, launcher):
     port = free_port()
-    args = train_overrides(tiny_shards, tmp_path, *DDP, "trainer.num_nodes=2", "trainer.devices=1", "trainer.max_steps=40",
-                           "val_every_n_steps=100")
+    args = train_overrides(
+        tiny_shards,
+        tmp_path,
+        *DDP,
+        "trainer.num_nodes=2",
+        "trainer.devices=1",
+        "trainer.max_steps=40",
+        "val_every_n_steps=100",
+    )
     nodes = []
     for node_rank in (0, 1):
         command, variables = launch_command(launcher, node_rank, port)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **variables}
-        nodes.append(subprocess.Popen([*command, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        nodes.append(
+            subprocess.Popen(
+                [*command, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert read_metrics(tmp_path, "train/loss") == pytest.approx(reference, abs=1e-6)
@@ -64,10 +85,20 @@ def slurm(tmp_path_factory):
 
 
 def submit(slurm: LocalSlurm, run_dir, overrides, *sbatch_args: str) -> str:
-    env = {**slurm.env, "RUN_DIR": str(run_dir), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    env = {
+        **slurm.env,
+        "RUN_DIR": str(run_dir),
+        "PYTHON": sys.executable,
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "offline",
+    }
     result = subprocess.run(
         ["sbatch", "--parsable", f"--output={run_dir}.out", *sbatch_args, "experiments/slurm/train.sbatch", *overrides],
-        cwd=ROOT, env=env, capture_output=True, text=True, check=True,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return result.stdout.strip().split(";")[0]
 
@@ -90,11 +121,15 @@ def test_a_two_node_slurm_job_trains_like_one_node(slurm, tiny_shards, tmp_path,
 def test_a_preempted_slurm_job_saves_requeues_and_resumes_exactly(slurm, tiny_shards, tmp_path, reference):
     run_dir = tmp_path / "run"
     # No periodic checkpoint: the one the job resumes from is the one it saves on the signal.
-    overrides = slurm_overrides(tiny_shards, run_dir, "trainer.max_steps=40", "val_every_n_steps=100", "ckpt_every_n_steps=1000")
+    overrides = slurm_overrides(
+        tiny_shards, run_dir, "trainer.max_steps=40", "val_every_n_steps=100", "ckpt_every_n_steps=1000"
+    )
     job = submit(slurm, run_dir, overrides)
     deadline = time.monotonic() + 300
     while not (run_dir / "metrics.csv").is_file() or len(read_metrics(run_dir, "train/loss")) < 3:
-        assert time.monotonic() < deadline and slurm.job_state(job) not in {"", *FINAL_STATES}, "the job did not start training"
+        assert time.monotonic() < deadline and slurm.job_state(job) not in {"", *FINAL_STATES}, (
+            "the job did not start training"
+        )
         time.sleep(0.5)
     slurm.run("scancel", "--signal=USR1", job)  # what SLURM sends ahead of a preemption or the time limit
     [record] = slurm.wait_until_finished(job, timeout=300)
@@ -108,19 +143,49 @@ def test_a_preempted_slurm_job_saves_requeues_and_resumes_exactly(slurm, tiny_sh
 def test_a_slurm_job_array_prepares_the_corpus_as_one_machine_does(slurm, tiny_shards, tmp_path):
     from project.data.prepare import prepare_shards
 
-    settings = ["data.sources=" + str(tiny_shards.parent / "raw" / "*.txt"), f"data.tokenizer={tiny_shards / 'tokenizer.json'}",
-                "data.seq_len=32", "data.prepare_part_mb=0.01", "data.fetch=null", "data.val_fraction=0.3"]
+    settings = [
+        "data.sources=" + str(tiny_shards.parent / "raw" / "*.txt"),
+        f"data.tokenizer={tiny_shards / 'tokenizer.json'}",
+        "data.seq_len=32",
+        "data.prepare_part_mb=0.01",
+        "data.fetch=null",
+        "data.val_fraction=0.3",
+    ]
     env = {**slurm.env, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        ["sbatch", "--parsable", "--array=0-1", "--cpus-per-task=1", f"--output={tmp_path}/prepare-%a.out",
-         "experiments/slurm/prepare_array.sbatch", *settings, f"data.dir={tmp_path / 'shards'}", f"paths.log_dir={tmp_path}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, check=True,
+        [
+            "sbatch",
+            "--parsable",
+            "--array=0-1",
+            "--cpus-per-task=1",
+            f"--output={tmp_path}/prepare-%a.out",
+            "experiments/slurm/prepare_array.sbatch",
+            *settings,
+            f"data.dir={tmp_path / 'shards'}",
+            f"paths.log_dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     records = slurm.wait_until_finished(result.stdout.strip().split(";")[0], timeout=300)
     logs = "".join(p.read_text() for p in sorted(tmp_path.glob("prepare-*.out")))
-    assert [r["JobState"] for r in records] == ["COMPLETED", "COMPLETED"] and "prepare task 1 of 2" in logs, logs[-3000:]
-    one = prepare_shards([str(tiny_shards.parent / "raw" / "*.txt")], tmp_path / "one", tokenizer=tiny_shards / "tokenizer.json",
-                         seq_len=32, part_mb=0.01, num_workers=1, val_fraction=0.3)
+    assert [r["JobState"] for r in records] == ["COMPLETED", "COMPLETED"] and "prepare task 1 of 2" in logs, logs[
+        -3000:
+    ]
+    one = prepare_shards(
+        [str(tiny_shards.parent / "raw" / "*.txt")],
+        tmp_path / "one",
+        tokenizer=tiny_shards / "tokenizer.json",
+        seq_len=32,
+        part_mb=0.01,
+        num_workers=1,
+        val_fraction=0.3,
+    )
     assert one["parts"] >= 3, "each task had parts of its own"
     files = {p.relative_to(tmp_path / "one"): p.read_bytes() for p in (tmp_path / "one").rglob("*") if p.is_file()}
-    assert {p.relative_to(tmp_path / "shards"): p.read_bytes() for p in (tmp_path / "shards").rglob("*") if p.is_file()} == files, logs[-3000:]
+    assert {
+        p.relative_to(tmp_path / "shards"): p.read_bytes() for p in (tmp_path / "shards").rglob("*") if p.is_file()
+    } == files, logs[-3000:]

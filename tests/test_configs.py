@@ -54,7 +54,10 @@ def test_strategy_configs_build_the_strategy_they_name():
 
     assert type(instantiate(compose_train("strategy=single").strategy)) is TrainerDeviceStrategy
     for name in ("single", "ddp", "fsdp"):  # strategy.compile=true reaches the strategy of every group
-        assert hasattr(instantiate(compose_train(f"strategy={name}", "strategy.compile=true").strategy), "compile" if name == "fsdp" else "parallelize")
+        assert hasattr(
+            instantiate(compose_train(f"strategy={name}", "strategy.compile=true").strategy),
+            "compile" if name == "fsdp" else "parallelize",
+        )
     assert isinstance(instantiate(compose_train("strategy.compile=true").strategy), CompiledSingleDeviceStrategy)
     assert instantiate(compose_train("strategy=fsdp", "strategy.compile=true").strategy).compile
     fsdp = instantiate(compose_train("strategy=fsdp", "strategy.sharding_strategy=SHARD_GRAD_OP").strategy)
@@ -67,7 +70,11 @@ def test_strategy_configs_build_the_strategy_they_name():
 
     pipeline = instantiate(compose_train("strategy=pipeline", "strategy.schedule=zbv").strategy)
     assert isinstance(pipeline, LlamaPipelineStrategy) and isinstance(pipeline, LlamaParallelStrategy)
-    assert (pipeline._pipeline_parallel_size, pipeline._data_parallel_size, pipeline._tensor_parallel_size) == ("auto", 1, 1)
+    assert (pipeline._pipeline_parallel_size, pipeline._data_parallel_size, pipeline._tensor_parallel_size) == (
+        "auto",
+        1,
+        1,
+    )
     assert (pipeline.schedule, pipeline.virtual_stages) == ("zbv", 2)  # the V schedule's default: two chunks per rank
     ddp = instantiate(compose_train("strategy=ddp").strategy)
     assert isinstance(ddp, GlooFriendlyDDPStrategy) and ddp._ddp_comm_hook is None

@@ -67,7 +67,13 @@ def limit_file_size(size: int):
 
 
 def launch(
-    fault: str, shards: Path, run_dir: Path, *extra: str, torchrun: bool = False, timeout: float = 300, max_file_size: int | None = None
+    fault: str,
+    shards: Path,
+    run_dir: Path,
+    *extra: str,
+    torchrun: bool = False,
+    timeout: float = 300,
+    max_file_size: int | None = None,
 ) -> Ended:
     """`python -m tests.faults` (or under torchrun) in its own session, so that its processes can be found."""
     command = [sys.executable, "-m", "tests.faults", *train_overrides(shards, run_dir, *extra)]
@@ -76,8 +82,16 @@ def launch(
     env = {**os.environ, "FAULT": fault, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
     env.pop("PYTEST_CURRENT_TEST", None)
     start = time.monotonic()
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True, preexec_fn=max_file_size and limit_file_size(max_file_size))
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=max_file_size and limit_file_size(max_file_size),
+    )
     try:
         _, stderr = process.communicate(timeout=timeout)
     finally:
@@ -114,7 +128,13 @@ def test_a_run_killed_after_a_checkpoint_resumes_bit_for_bit(trained, tiny_shard
 
 
 # Each killed run moves one or two steps on; no validation, so that saves follow each other quickly.
-SAVE_RUN = ["trainer.max_steps=24", "optim.decay_steps=24", "global_batch_size=8", "ckpt_every_n_steps=1", "val_every_n_steps=1000"]
+SAVE_RUN = [
+    "trainer.max_steps=24",
+    "optim.decay_steps=24",
+    "global_batch_size=8",
+    "ckpt_every_n_steps=1",
+    "val_every_n_steps=1000",
+]
 
 
 # One process writes the sharded format too (a folder of shards and metadata, swapped in as a folder), at half
@@ -126,7 +146,9 @@ def test_a_run_killed_while_it_saves_resumes_every_time(tiny_shards, tmp_path, l
     assert counted.returncode == 0, counted.stderr[-3000:]
     # Rank 0 makes the most changes (it also writes the metadata and swaps the folders); from the second
     # save on, an earlier checkpoint is replaced, which is when a kill can do harm.
-    changes = min(int(n) for s, n in re.findall(r"faults: save (\d+) of rank 0 made (\d+) changes", counted.stderr) if int(s) > 1)
+    changes = min(
+        int(n) for s, n in re.findall(r"faults: save (\d+) of rank 0 made (\d+) changes", counted.stderr) if int(s) > 1
+    )
     moments = sorted({round(1 + i * (changes - 1) / 3) for i in range(4)})  # the first, the last, and between
     assert len(moments) == 4, f"a save makes only {changes} changes to the file system"
 
@@ -134,15 +156,23 @@ def test_a_run_killed_while_it_saves_resumes_every_time(tiny_shards, tmp_path, l
     for kill in moments:
         resume = ["ckpt_path=last"] if (run / "checkpoints").exists() else []
         ended = launch(f"kill-in-save@2:{kill}", tiny_shards, run, *SAVE_RUN, *layout, *resume)
-        assert ended.returncode == -signal.SIGKILL and not ended.survivors, f"killed before change {kill}: {ended.stderr[-3000:]}"
+        assert ended.returncode == -signal.SIGKILL and not ended.survivors, (
+            f"killed before change {kill}: {ended.stderr[-3000:]}"
+        )
         found = resolve_ckpt_path("last", run)  # as the next run does
-        assert 1 <= checkpoint_step(found) < 24 and load_full_checkpoint(found)["state_dict"], f"killed before change {kill}"
+        assert 1 <= checkpoint_step(found) < 24 and load_full_checkpoint(found)["state_dict"], (
+            f"killed before change {kill}"
+        )
     run_train(tiny_shards, run, *SAVE_RUN, *layout, "ckpt_path=last")
     assert_same_run(run, reference)
 
 
 def digest(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.mark.parametrize("layout", [[], ["strategy=fsdp2", "trainer.devices=2"]], ids=["single-file", "sharded"])
@@ -152,9 +182,14 @@ def test_a_full_disk_while_saving_is_one_clear_error_and_keeps_the_checkpoints(t
     before = digest(tmp_path / "checkpoints")
 
     # A checkpoint (or each rank's shard of one) is larger than 512 KiB; the logs stay well under.
-    ended = launch("", tiny_shards, tmp_path, *steps, *layout, "trainer.max_steps=4", "ckpt_path=last", max_file_size=512 * 1024)
+    ended = launch(
+        "", tiny_shards, tmp_path, *steps, *layout, "trainer.max_steps=4", "ckpt_path=last", max_file_size=512 * 1024
+    )
     assert ended.returncode == 2 and not ended.survivors, ended.stderr[-3000:]
-    assert re.search(r"error: last.ckpt of step 3 could not be written to .*checkpoints \(OSError: \[Errno 27\] File too large", ended.stderr)
+    assert re.search(
+        r"error: last.ckpt of step 3 could not be written to .*checkpoints \(OSError: \[Errno 27\] File too large",
+        ended.stderr,
+    )
     assert "Traceback" not in ended.stderr, ended.stderr[-3000:]
     assert digest(tmp_path / "checkpoints") == before  # nothing half written left, nothing earlier touched
     run_train(tiny_shards, tmp_path, *steps, *layout, "trainer.max_steps=4", "ckpt_path=last")  # once there is room
@@ -167,7 +202,10 @@ def test_a_full_disk_while_saving_is_one_clear_error_and_keeps_the_checkpoints(t
 NAMED = {
     ("killed", "lightning"): r"because rank 1 \(PID \d+\) ended: killed by SIGKILL"
     r"|\[rank: 1\] Child process with PID \d+ terminated with code -9",
-    ("killed", "torchrun"): r"Root Cause \(first observed failure\):\n.*\n.*\n.*\n\s+rank\s+: 1 \(local_rank: 1\)\n\s+exitcode\s+: -9",
+    (
+        "killed",
+        "torchrun",
+    ): r"Root Cause \(first observed failure\):\n.*\n.*\n.*\n\s+rank\s+: 1 \(local_rank: 1\)\n\s+exitcode\s+: -9",
     ("raising", "lightning"): r"error: rank 1 of 2 failed: RuntimeError: fault injected at step 3",
     ("raising", "torchrun"): r"error: rank 1 of 2 failed: RuntimeError: fault injected at step 3",
 }

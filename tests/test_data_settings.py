@@ -6,9 +6,9 @@ import re
 import shutil
 
 import pytest
+from conftest import read_metrics, run_module, run_train, train_overrides, write_corpus
 from hydra import compose, initialize_config_dir
 
-from conftest import read_metrics, run_module, run_train, train_overrides, write_corpus
 from project.checks import CONF, preflight
 from project.errors import ConfigError
 
@@ -35,9 +35,12 @@ def test_a_run_whose_data_settings_differ_from_the_shards_is_refused_naming_both
         "data.seq_len=16": r"data.seq_len: 32 there, 16 here",
     }
     for override, differs in cases.items():
-        with pytest.raises(ConfigError, match=rf"data.dir={re.escape(str(tiny_shards))} holds shards prepared from other data settings than this "
-                           rf"run's: {differs}\. Point data.dir at a new folder .*, set data.overwrite=true .*, or give the settings the shards "
-                           r"were prepared from to train on them as they are\.$"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"data.dir={re.escape(str(tiny_shards))} holds shards prepared from other data settings than this "
+            rf"run's: {differs}\. Point data.dir at a new folder .*, set data.overwrite=true .*, or give the settings the shards "
+            r"were prepared from to train on them as they are\.$",
+        ):
             preflight(compose_run(tiny_shards, tmp_path, override), dry_run=dry_run)
 
 
@@ -58,7 +61,9 @@ def test_shards_whose_raw_text_is_not_on_this_machine_are_taken_as_they_are(tiny
     (shards / "manifest.json").write_text(json.dumps(manifest))
     assert preflight(compose_run(shards, tmp_path, f"data.sources=[{tmp_path / 'not-here'}/*.txt]")) is not None
     with pytest.raises(ConfigError, match=r"data.sources: 8 files in \S*raw \(.*\) there, no files here"):
-        preflight(compose_run(tiny_shards, tmp_path, f"data.sources=[{tmp_path / 'not-here'}/*.txt]"))  # its own raw text is here
+        preflight(
+            compose_run(tiny_shards, tmp_path, f"data.sources=[{tmp_path / 'not-here'}/*.txt]")
+        )  # its own raw text is here
 
 
 def test_only_the_first_process_reads_the_sources(tiny_shards, tmp_path, monkeypatch):
@@ -78,7 +83,9 @@ def test_a_tokenizer_is_the_same_by_its_content_wherever_it_lies(tiny_shards, tm
         assert preflight(compose_run(tmp_path / "shards", tmp_path, sources, f"data.tokenizer={given}")) is not None
     other = tmp_path / "other.json"
     other.write_text(tokenizer.read_text().replace('"<|end_of_text|>"', '"<|eot|>"'))
-    with pytest.raises(ConfigError, match=rf"tokenizer: data.tokenizer={re.escape(str(tokenizer))} there, data.tokenizer={other} here"):
+    with pytest.raises(
+        ConfigError, match=rf"tokenizer: data.tokenizer={re.escape(str(tokenizer))} there, data.tokenizer={other} here"
+    ):
         preflight(compose_run(tmp_path / "shards", tmp_path, sources, f"data.tokenizer={other}"))
 
 

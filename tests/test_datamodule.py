@@ -13,5 +13,9 @@ def test_a_global_batch_larger_than_the_training_split_is_refused_unless_repeats
     with pytest.raises(ConfigError, match=f"global_batch_size={blocks + 1} is more than the {blocks} training blocks"):
         TokenShardDataModule(str(tiny_shards), seq_len=32, global_batch_size=blocks + 1, micro_batch_size=1)
     with pytest.warns(UserWarning, match=f"every block is read about {(2 * blocks) / blocks:.1f} times per step"):
-        TokenShardDataModule(str(tiny_shards), seq_len=32, global_batch_size=2 * blocks, micro_batch_size=2, allow_repeats=True)
-    TokenShardDataModule(str(tiny_shards), seq_len=32, global_batch_size=blocks, micro_batch_size=1)  # the whole split fits
+        TokenShardDataModule(
+            str(tiny_shards), seq_len=32, global_batch_size=2 * blocks, micro_batch_size=2, allow_repeats=True
+        )
+    TokenShardDataModule(
+        str(tiny_shards), seq_len=32, global_batch_size=blocks, micro_batch_size=1
+    )  # the whole split fits

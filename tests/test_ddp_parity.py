@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from conftest import PARITY_RUN as STEPS
 from conftest import read_metrics, run_train
 
@@ -21,7 +20,9 @@ def test_two_process_ddp_matches_single_process_loss_per_step(trained, single_ru
     assert sorted(ddp) == sorted(single) == list(range(12))
     for step in single:
         assert ddp[step] == pytest.approx(single[step], rel=1e-5), step
-    assert read_metrics(run_dir, "train/grad_norm")[11] == pytest.approx(read_metrics(single_run, "train/grad_norm")[11], rel=1e-4)
+    assert read_metrics(run_dir, "train/grad_norm")[11] == pytest.approx(
+        read_metrics(single_run, "train/grad_norm")[11], rel=1e-4
+    )
     assert read_metrics(run_dir, "val/loss")[9] == pytest.approx(read_metrics(single_run, "val/loss")[9], rel=1e-5)
     final_single = torch.load(single_run / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     final_ddp = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
@@ -31,6 +32,14 @@ def test_two_process_ddp_matches_single_process_loss_per_step(trained, single_ru
 
 
 def test_summed_gradients_are_data_parallel_size_times_the_mean(tiny_shards, single_run, tmp_path):
-    run_train(tiny_shards, tmp_path, *STEPS, "trainer.max_steps=1", "strategy=ddp", "trainer.devices=2", "strategy.grad_reduction=sum")
+    run_train(
+        tiny_shards,
+        tmp_path,
+        *STEPS,
+        "trainer.max_steps=1",
+        "strategy=ddp",
+        "trainer.devices=2",
+        "strategy.grad_reduction=sum",
+    )
     first_norm = read_metrics(tmp_path, "train/grad_norm")[0]
     assert first_norm == pytest.approx(2 * read_metrics(single_run, "train/grad_norm")[0], rel=1e-4)

@@ -7,18 +7,19 @@ import math
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
-
 from conftest import PARITY_RUN, PIPELINE_RUN, ROOT, run_module, train_overrides
+from hydra import compose, initialize_config_dir
+from test_pipeline import LAYOUTS as PIPELINES
+from test_sharded_parity import LAYOUTS as SHARDED
+
 from project.checks import CONF, model_config, plan_layout, preflight
 from project.dry_run import build_meta_model, coordinates, rank_share, representative_ranks
 from project.planning.candidates import Candidate
 from project.planning.cluster import Cluster
 from project.planning.memory import Allowance, estimate_memory
 from project.planning.planner import Workload
-from project.planning.render import model_arguments, train_overrides as planned_overrides
-from test_pipeline import LAYOUTS as PIPELINES
-from test_sharded_parity import LAYOUTS as SHARDED
+from project.planning.render import model_arguments
+from project.planning.render import train_overrides as planned_overrides
 
 
 def compose_job(*overrides: str):
@@ -33,7 +34,17 @@ def hand_share(config, shape, rank: int) -> int:
     pp, dp, tp = shape
     p, d, _ = coordinates(rank, shape)
     h, kv, f, v = config.dim, config.n_kv_heads * config.head_dim, config.ffn_hidden_dim, config.vocab_size
-    block = [(h, 1), (h // tp, h), (kv // tp, h), (kv // tp, h), (h, h // tp), (h, 1), (f // tp, h), (f // tp, h), (h, f // tp)]
+    block = [
+        (h, 1),
+        (h // tp, h),
+        (kv // tp, h),
+        (kv // tp, h),
+        (h, h // tp),
+        (h, 1),
+        (f // tp, h),
+        (f // tp, h),
+        (h, f // tp),
+    ]
     layers = config.n_layers // pp
     weights = block * layers + [(v // tp, h)] * (p == 0) + [(h, 1), (v // tp, h)] * (p == pp - 1)
     chunk = lambda rows: math.ceil(rows / dp)  # noqa: E731
@@ -43,7 +54,12 @@ def hand_share(config, shape, rank: int) -> int:
 JOBS = {  # 64 and 512 devices of 8 per node
     "fsdp2": ["strategy=fsdp2"],
     "tp_fsdp": ["strategy=tp_fsdp", "strategy.tensor_parallel_size=8"],
-    "pipeline-3d": ["strategy=pipeline", "strategy.tensor_parallel_size=8", "strategy.data_parallel_size=2", "micro_batch_size=1"],
+    "pipeline-3d": [
+        "strategy=pipeline",
+        "strategy.tensor_parallel_size=8",
+        "strategy.data_parallel_size=2",
+        "micro_batch_size=1",
+    ],
 }
 
 
@@ -51,7 +67,14 @@ JOBS = {  # 64 and 512 devices of 8 per node
 @pytest.mark.parametrize("nodes", [8, 64])
 @pytest.mark.parametrize("job", JOBS)
 def test_a_cluster_size_layout_shards_on_one_cpu_into_the_shares_computed_by_hand(model, nodes, job):
-    cfg = compose_job(f"model={model}", "trainer=gpu", f"trainer.num_nodes={nodes}", "trainer.devices=8", "global_batch_size=1024", *JOBS[job])
+    cfg = compose_job(
+        f"model={model}",
+        "trainer=gpu",
+        f"trainer.num_nodes={nodes}",
+        "trainer.devices=8",
+        "global_batch_size=1024",
+        *JOBS[job],
+    )
     layout = preflight(cfg, dry_run=True)
     world = math.prod(layout.shape)
     assert world == nodes * 8
@@ -59,7 +82,9 @@ def test_a_cluster_size_layout_shards_on_one_cpu_into_the_shares_computed_by_han
         share = rank_share(cfg, layout, rank)
         assert share.parameters == hand_share(model_config(cfg), layout.shape, rank), rank
         assert share.param_bytes == share.grad_bytes == 4 * share.parameters  # float32 parameters (bf16-mixed)
-    if job == "tp_fsdp" and nodes == 8:  # 70.55B (8.03B) over 8 x 8: each rank about a 64th, norms repeated per tensor-parallel rank
+    if (
+        job == "tp_fsdp" and nodes == 8
+    ):  # 70.55B (8.03B) over 8 x 8: each rank about a 64th, norms repeated per tensor-parallel rank
         total = sum(p.numel() for p in build_meta_model(cfg).parameters())
         assert share.parameters == pytest.approx(total / 64, rel=1e-3)
 
@@ -73,9 +98,19 @@ def test_representative_ranks_are_the_first_and_last_stage_and_the_last_tensor_a
 
 
 INVALID = {  # what a real start refuses, before any process starts
-    "tensor-parallel-over-kv-heads": ["model=llama3_8b", "strategy=tp", "strategy.tensor_parallel_size=16", "trainer.devices=16"],
+    "tensor-parallel-over-kv-heads": [
+        "model=llama3_8b",
+        "strategy=tp",
+        "strategy.tensor_parallel_size=16",
+        "trainer.devices=16",
+    ],
     "more-stages-than-layers": ["strategy=pipeline", "trainer.devices=4", "model.tie_embeddings=false"],
-    "degrees-not-the-world": ["strategy=pipeline", "strategy.pipeline_parallel_size=3", "trainer.devices=4", "model.tie_embeddings=false"],
+    "degrees-not-the-world": [
+        "strategy=pipeline",
+        "strategy.pipeline_parallel_size=3",
+        "trainer.devices=4",
+        "model.tie_embeddings=false",
+    ],
 }
 
 
@@ -85,14 +120,26 @@ def test_an_invalid_layout_is_the_same_one_paragraph_error_as_a_real_start(tiny_
     dry = run_module("project.train", [*args, "dry_run=true"])
     real = run_module("project.train", args)
     assert dry.returncode == real.returncode == 2, dry.stderr[-2000:]
-    assert dry.stderr.strip() == real.stderr.strip() and dry.stderr.startswith("error: ") and "Traceback" not in dry.stderr
+    assert (
+        dry.stderr.strip() == real.stderr.strip() and dry.stderr.startswith("error: ") and "Traceback" not in dry.stderr
+    )
     assert not (tmp_path / "run").exists()
 
 
 def test_a_64_gpu_dry_run_prints_and_writes_each_ranks_share_against_the_cluster_and_nothing_else(tmp_path):
     run_dir = tmp_path / "run"
-    job = ["model=llama3_8b", "strategy=tp_fsdp", "strategy.tensor_parallel_size=8", "trainer=gpu", "trainer.num_nodes=8",
-           "trainer.devices=8", "global_batch_size=512", "micro_batch_size=1", "cluster=h100_80gb", f"hydra.run.dir={run_dir}"]
+    job = [
+        "model=llama3_8b",
+        "strategy=tp_fsdp",
+        "strategy.tensor_parallel_size=8",
+        "trainer=gpu",
+        "trainer.num_nodes=8",
+        "trainer.devices=8",
+        "global_batch_size=512",
+        "micro_batch_size=1",
+        "cluster=h100_80gb",
+        f"hydra.run.dir={run_dir}",
+    ]
     result = run_module("project.train", [*job, "dry_run=true"])
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((run_dir / "dry_run.json").read_text())
@@ -113,7 +160,10 @@ def test_a_64_gpu_dry_run_prints_and_writes_each_ranks_share_against_the_cluster
     assert tuple(layout.shape) == (1, 8, 8)
     assert [p.name for p in run_dir.iterdir()] == ["dry_run.json"]  # no checkpoint, metrics, config or Hydra record
 
-    everyone = run_module("project.train", [*job[:-1], "trainer.num_nodes=1", f"hydra.run.dir={tmp_path / 'all'}", "dry_run=true", "dry_run.ranks=all"])
+    everyone = run_module(
+        "project.train",
+        [*job[:-1], "trainer.num_nodes=1", f"hydra.run.dir={tmp_path / 'all'}", "dry_run=true", "dry_run.ranks=all"],
+    )
     assert everyone.returncode == 0, everyone.stderr[-3000:]
     assert [r["rank"] for r in json.loads((tmp_path / "all" / "dry_run.json").read_text())["ranks"]] == list(range(8))
 
@@ -127,7 +177,9 @@ MEASURED = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", MEASURED)
-def test_a_dry_run_reports_exactly_the_bytes_memory_monitor_records_in_the_real_run(trained, tiny_shards, tmp_path, layout):
+def test_a_dry_run_reports_exactly_the_bytes_memory_monitor_records_in_the_real_run(
+    trained, tiny_shards, tmp_path, layout
+):
     run_dir = trained(*MEASURED[layout])
     cfg = compose_job(*train_overrides(tiny_shards, tmp_path, *MEASURED[layout]))
     layout_ = preflight(cfg, dry_run=True)
@@ -135,7 +187,10 @@ def test_a_dry_run_reports_exactly_the_bytes_memory_monitor_records_in_the_real_
         recorded = json.loads((run_dir / "memory" / f"rank{rank}.json").read_text())
         share = rank_share(cfg, layout_, rank)
         assert (share.param_bytes, share.grad_bytes, share.optimizer_bytes) == (
-            recorded["param_bytes"], recorded["grad_bytes"], recorded["optimizer_bytes"]), rank
+            recorded["param_bytes"],
+            recorded["grad_bytes"],
+            recorded["optimizer_bytes"],
+        ), rank
 
 
 PLANNED = {  # six layouts of 64 H100s (tensor parallelism alone: of one node), each as the planner's candidate
@@ -153,8 +208,12 @@ PLANNED = {  # six layouts of 64 H100s (tensor parallelism alone: of one node), 
 def test_the_planners_model_states_per_rank_agree_with_the_dry_run_within_two_percent(model, name):
     candidate = PLANNED[name]
     nodes = math.prod(candidate.shape) // 8
-    h100 = Cluster.from_config({**yaml.safe_load((ROOT / "conf" / "cluster" / "h100_80gb.yaml").read_text()), "nodes": nodes})
-    cfg = compose_job(*planned_overrides(candidate, Workload(None, 8192, 64, 1e12, "bf16-mixed"), h100, model_arguments(model, {})))
+    h100 = Cluster.from_config(
+        {**yaml.safe_load((ROOT / "conf" / "cluster" / "h100_80gb.yaml").read_text()), "nodes": nodes}
+    )
+    cfg = compose_job(
+        *planned_overrides(candidate, Workload(None, 8192, 64, 1e12, "bf16-mixed"), h100, model_arguments(model, {}))
+    )
     layout = plan_layout(cfg, nodes, 8)
     assert tuple(layout.shape) == tuple(candidate.shape)
     config = model_config(cfg)
@@ -169,13 +228,19 @@ def test_the_planners_model_states_per_rank_agree_with_the_dry_run_within_two_pe
 def test_a_dry_run_checks_the_shards_it_finds_and_says_when_they_are_elsewhere(tiny_shards, tmp_path):
     from project.errors import ConfigError
 
-    mismatched = compose_job(*train_overrides(tiny_shards, tmp_path, "data.seq_len=64"))  # the shards hold 33-token blocks
+    mismatched = compose_job(
+        *train_overrides(tiny_shards, tmp_path, "data.seq_len=64")
+    )  # the shards hold 33-token blocks
     with pytest.raises(ConfigError, match="data.seq_len: 32 there, 64 here") as real:
         preflight(mismatched)
     with pytest.raises(ConfigError) as dry:
         preflight(mismatched, dry_run=True)
     assert str(dry.value) == str(real.value)
-    elsewhere = compose_job(*train_overrides(tmp_path / "on-the-cluster", tmp_path, "data.auto_prepare=false", "trainer.devices=2", "strategy=ddp"))
+    elsewhere = compose_job(
+        *train_overrides(
+            tmp_path / "on-the-cluster", tmp_path, "data.auto_prepare=false", "trainer.devices=2", "strategy=ddp"
+        )
+    )
     with pytest.raises(ConfigError, match="on-the-cluster"):
         preflight(elsewhere)  # a real start here has no shards
     assert tuple(preflight(elsewhere, dry_run=True).shape) == (1, 2, 1)
@@ -200,7 +265,10 @@ def test_every_file_check_of_a_real_start_refuses_the_dry_run_too(single_referen
     # What a real start checks after its imports, a dry run checks too: Trainer arguments, the checkpoint's model.
     checkpoint = single_reference / "checkpoints" / "last.ckpt"
     after_imports = {
-        "unknown trainer argument": (["+trainer.max_stepz=3"], "trainer.max_stepz is not an argument of lightning.Trainer"),
+        "unknown trainer argument": (
+            ["+trainer.max_stepz=3"],
+            "trainer.max_stepz is not an argument of lightning.Trainer",
+        ),
         "another model's checkpoint": ([f"ckpt_path={checkpoint}", "model.dim=32"], "holds a model of another shape"),
     }
     for case, (overrides, message) in after_imports.items():

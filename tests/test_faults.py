@@ -23,7 +23,9 @@ pytestmark = pytest.mark.slow
 def run_with_fault(fault: str, shards, run_dir, *extra: str) -> subprocess.CompletedProcess:
     args = train_overrides(shards, run_dir, "trainer.max_steps=8", "ckpt_every_n_steps=1", *extra)
     env = {**os.environ, "FAULT": fault, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    return subprocess.run([sys.executable, "-m", "tests.faults", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "tests.faults", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.mark.parametrize("layout", [[], ["strategy=ddp", "trainer.devices=2"]], ids=["single", "ddp"])
@@ -43,7 +45,10 @@ def test_with_max_skipped_steps_a_nan_step_is_skipped_counted_and_training_goes_
     skipped, losses = read_metrics(tmp_path, "train/skipped_steps"), read_metrics(tmp_path, "train/loss")
     assert skipped[2] == 0 and skipped[3] == 1 and skipped[7] == 1
     assert math.isnan(losses[3]) and all(math.isfinite(losses[s]) for s in (0, 1, 2, 4, 5, 6, 7))
-    assert all(torch.isfinite(t).all() for t in load_full_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["state_dict"].values())
+    assert all(
+        torch.isfinite(t).all()
+        for t in load_full_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["state_dict"].values()
+    )
 
 
 @pytest.mark.parametrize("layout", [[], ["strategy=ddp", "trainer.devices=2"]], ids=["single", "ddp"])
@@ -54,8 +59,14 @@ def test_sigterm_saves_at_the_next_step_and_the_resumed_run_continues_exactly(ti
 
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    process = subprocess.Popen([sys.executable, "-m", "project.train", *train_overrides(tiny_shards, run_dir, *layout, *steps)],
-                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "project.train", *train_overrides(tiny_shards, run_dir, *layout, *steps)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 300
     while not (run_dir / "metrics.csv").is_file() or len(read_metrics(run_dir, "train/loss")) < 3:
         assert process.poll() is None and time.monotonic() < deadline, "training did not start"

@@ -8,8 +8,8 @@ same layout, which read shards prepared beforehand: the same per-step losses and
 
 import pytest
 import torch
-
 from conftest import PARITY_RUN, PIPELINE_RUN, read_metrics, run_train
+
 from project.checkpoints import load_full_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -23,7 +23,9 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
-def test_the_run_that_prepares_its_data_trains_as_the_next_run(trained, single_reference, tiny_shards, tmp_path, layout):
+def test_the_run_that_prepares_its_data_trains_as_the_next_run(
+    trained, single_reference, tiny_shards, tmp_path, layout
+):
     overrides = LAYOUTS[layout]
     later = single_reference if layout == "single" else trained(*overrides)
     fresh = tmp_path / "new-shards"  # prepared by the run itself, from the corpus tiny_shards was made from

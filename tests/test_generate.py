@@ -20,7 +20,14 @@ CONFIGS = {
     "gqa": {},
     "mha": {"n_kv_heads": 4},
     # original_max_position_embeddings well under the sequence, so that the scaled band is reached.
-    "rope_scaling": {"rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}},
+    "rope_scaling": {
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        }
+    },
     "tied": {"tie_embeddings": True},
 }
 
@@ -70,7 +77,9 @@ def test_same_seed_gives_the_same_sample_and_another_seed_another():
     prompt = [3, 14, 15]
 
     def sample(seed: int) -> list[int]:
-        return generate(model, prompt, 30, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(seed)).tokens
+        return generate(
+            model, prompt, 30, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(seed)
+        ).tokens
 
     assert sample(7) == sample(7)
     assert sample(7) != sample(8)  # 30 draws from ~20 tokens each: equal by chance with negligible probability
@@ -80,7 +89,10 @@ def test_same_seed_gives_the_same_sample_and_another_seed_another():
 def test_top_k_of_one_and_temperature_zero_are_both_greedy():
     model = tiny_model()
     greedy = generate(model, [5, 6], 20, temperature=0).tokens
-    assert generate(model, [5, 6], 20, temperature=1.5, top_k=1, generator=torch.Generator().manual_seed(0)).tokens == greedy
+    assert (
+        generate(model, [5, 6], 20, temperature=1.5, top_k=1, generator=torch.Generator().manual_seed(0)).tokens
+        == greedy
+    )
 
 
 def test_generation_stops_at_max_seq_len_and_says_so():
@@ -112,7 +124,14 @@ def data_dir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("data")
     corpus = write_corpus(directory / "raw", documents=2, lines=100)
     tokenizer = train_bpe((p.read_text() for p in sorted(corpus.iterdir())), 300, directory)
-    manifest = {"tokenizer": {"kind": "hf", "file": "tokenizer.json", "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}}
+    manifest = {
+        "tokenizer": {
+            "kind": "hf",
+            "file": "tokenizer.json",
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id,
+        }
+    }
     (directory / "manifest.json").write_text(json.dumps(manifest))
     return directory
 
@@ -184,7 +203,14 @@ def test_missing_checkpoint_is_a_clean_error_exit_with_status_2(tmp_path):
 
 def run_generate(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "project.generate", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "project.generate", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.slow

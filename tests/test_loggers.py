@@ -1,6 +1,6 @@
 import pytest
-
 from conftest import read_metrics, run_train
+
 from project.loggers import wandb_mode
 
 
@@ -32,6 +32,8 @@ def test_wandb_logger_records_an_offline_run_with_the_resolved_config(tiny_shard
     assert len(runs) == 1
     record = runs[0].read_bytes()
     assert b"global_batch_size" in record and b"train/loss" in record
-    assert b"debug_dp1-tp1-pp1_mb8_single" in record and b"layout/world_size" in record  # named and described by its layout
+    assert (
+        b"debug_dp1-tp1-pp1_mb8_single" in record and b"layout/world_size" in record
+    )  # named and described by its layout
     assert read_metrics(tmp_path, "layout/world_size") == {0: 1.0}  # CSV is kept beside wandb, with the same facts
     assert read_metrics(tmp_path, "layout/micro_batch_size") == {0: 8.0}

@@ -3,8 +3,8 @@
 import json
 
 import pytest
-
 from conftest import read_metrics, run_train
+
 from project.model import LlamaConfig, count_parameters
 
 pytestmark = pytest.mark.slow

@@ -34,7 +34,7 @@ def test_any_slice_of_the_stream_equals_the_same_slice_read_from_the_start():
     mix, _ = mixture()
     whole = mix.take(0, 25_000)  # past one period of the pattern
     for start, count in [(0, 7), (13, 50), (9_995, 20), (19_990, 5_010)]:
-        assert mix.take(start, count) == whole[start:start + count]
+        assert mix.take(start, count) == whole[start : start + count]
 
 
 def test_weights_are_apportioned_exactly_and_no_corpus_is_left_out():

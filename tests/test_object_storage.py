@@ -5,8 +5,8 @@ import os
 
 import boto3
 import pytest
-
 from conftest import read_metrics, run_train
+
 from project.data.prepare import prepare_shards
 from project.data.storage import upload_dataset
 from project.errors import ConfigError
@@ -35,8 +35,14 @@ def bucket():
 def chunked_shards(tiny_shards, tmp_path_factory):
     """The tiny corpus in chunks of 10 KB (seven for training), for reads that move between chunks."""
     root = tmp_path_factory.mktemp("chunked")
-    prepare_shards([str(tiny_shards.parent / "raw" / "*.txt")], root / "shards", tokenizer=tiny_shards / "tokenizer.json",
-                   seq_len=32, num_workers=1, chunk_mb=0.01)
+    prepare_shards(
+        [str(tiny_shards.parent / "raw" / "*.txt")],
+        root / "shards",
+        tokenizer=tiny_shards / "tokenizer.json",
+        seq_len=32,
+        num_workers=1,
+        chunk_mb=0.01,
+    )
     return root / "shards"
 
 
@@ -45,7 +51,9 @@ def objects(prefix):
     return {item["Key"]: item["ETag"] for item in listing.get("Contents", [])}
 
 
-def test_training_from_object_storage_and_resuming_there_matches_a_local_folder(chunked_shards, tiny_shards, bucket, tmp_path):
+def test_training_from_object_storage_and_resuming_there_matches_a_local_folder(
+    chunked_shards, tiny_shards, bucket, tmp_path
+):
     upload_dataset(chunked_shards, f"{bucket}/tiny", None)
     chunks = len(json.loads((chunked_shards / "train" / "index.json").read_text())["chunks"])
     # Windows of 2 chunks, and a cache of 3 chunks (10 KB each): reads move between chunks, and chunks are evicted.
@@ -70,11 +78,16 @@ def test_prepare_writes_straight_to_object_storage_the_shards_it_writes_locally(
     remote = prepare_shards(raw, f"{bucket}/prepared", **settings)
     assert remote == local
     uploaded = objects("prepared/")
-    assert sorted(uploaded) == sorted(f"prepared/{p.relative_to(tmp_path / 'local').as_posix()}"
-                                      for p in (tmp_path / "local").rglob("*") if p.is_file())
+    assert sorted(uploaded) == sorted(
+        f"prepared/{p.relative_to(tmp_path / 'local').as_posix()}"
+        for p in (tmp_path / "local").rglob("*")
+        if p.is_file()
+    )
     body = boto3.client("s3").get_object(Bucket="corpus", Key="prepared/train/chunk-0-0.bin")["Body"].read()
     assert body == (tmp_path / "local" / "train" / "chunk-0-0.bin").read_bytes()
-    assert prepare_shards(raw, f"{bucket}/prepared", **settings) == remote and objects("prepared/") == uploaded  # up to date
+    assert (
+        prepare_shards(raw, f"{bucket}/prepared", **settings) == remote and objects("prepared/") == uploaded
+    )  # up to date
     with pytest.raises(ConfigError, match="holds shards prepared from other settings"):
         prepare_shards(raw, f"{bucket}/prepared", **{**settings, "seq_len": 16})
     boto3.client("s3").put_object(Bucket="corpus", Key="other/notes.txt", Body=b"not a dataset")

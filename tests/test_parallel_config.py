@@ -15,7 +15,11 @@ def llama(**overrides):
 
 @pytest.mark.parametrize(
     "overrides, setting",
-    [(dict(n_kv_heads=2), "n_kv_heads=2"), (dict(n_heads=6, n_kv_heads=6, dim=48), "n_heads=6"), (dict(vocab_size=90), "vocab_size=90")],
+    [
+        (dict(n_kv_heads=2), "n_kv_heads=2"),
+        (dict(n_heads=6, n_kv_heads=6, dim=48), "n_heads=6"),
+        (dict(vocab_size=90), "vocab_size=90"),
+    ],
 )
 def test_tensor_parallel_degree_must_divide_heads_and_widths(overrides, setting):
     with pytest.raises(ConfigError, match=f"{setting} is not divisible by strategy.tensor_parallel_size=4"):
@@ -44,8 +48,14 @@ def test_data_parallel_size_fills_the_mesh():
 @pytest.mark.parametrize(
     "strategy, message",
     [
-        ({"data_parallel_size": "auto", "tensor_parallel_size": 3}, "tensor_parallel_size=3 does not divide the 8 devices"),
-        ({"data_parallel_size": 2, "tensor_parallel_size": 2}, "data_parallel_size=2 x tensor_parallel_size=2 must equal the 8 devices"),
+        (
+            {"data_parallel_size": "auto", "tensor_parallel_size": 3},
+            "tensor_parallel_size=3 does not divide the 8 devices",
+        ),
+        (
+            {"data_parallel_size": 2, "tensor_parallel_size": 2},
+            "data_parallel_size=2 x tensor_parallel_size=2 must equal the 8 devices",
+        ),
     ],
 )
 def test_mesh_that_does_not_match_the_devices_is_a_clear_error(strategy, message):

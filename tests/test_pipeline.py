@@ -9,8 +9,17 @@ import json
 
 import pytest
 import torch
+from conftest import (
+    PIPELINE_RUN,
+    RESUME_RUN,
+    assert_continues,
+    assert_reproduces,
+    read_metrics,
+    run_module,
+    run_train,
+    train_overrides,
+)
 
-from conftest import PIPELINE_RUN, RESUME_RUN, assert_continues, assert_reproduces, read_metrics, run_module, run_train, train_overrides
 from project.model import LlamaConfig, count_parameters
 
 pytestmark = pytest.mark.slow
@@ -28,7 +37,10 @@ LAYOUTS = {
     "pp2-dp2-fsdp2": ["strategy=pipeline", "trainer.devices=4", "strategy.data_parallel_size=2"],
     "pp2-tp2": ["strategy=pipeline", "trainer.devices=4", "strategy.tensor_parallel_size=2"],
     "pp2-dp2-tp2-sequence-parallel": [
-        "strategy=pipeline", "trainer.devices=8", "strategy.data_parallel_size=2", "strategy.tensor_parallel_size=2",
+        "strategy=pipeline",
+        "trainer.devices=8",
+        "strategy.data_parallel_size=2",
+        "strategy.tensor_parallel_size=2",
         "strategy.sequence_parallel=true",
     ],
 }
@@ -49,6 +61,7 @@ def test_pipeline_matches_single_device_loss_and_weights(trained, pipeline_refer
 def short_document_shards(tmp_path_factory):
     """Documents of about 30 tokens, so that every 32-token sequence spans two or more of them."""
     from conftest import write_corpus
+
     from project.data.prepare import prepare_shards
 
     root = tmp_path_factory.mktemp("short-documents")
@@ -61,9 +74,22 @@ def test_pipeline_passes_document_masks_to_every_stage(short_document_shards, tm
     run = ["trainer.max_steps=4", "global_batch_size=8", "model.n_layers=4"]
     run_train(short_document_shards, tmp_path / "unmasked", *run)
     run_train(short_document_shards, tmp_path / "single", *run, "document_mask=true")
-    run_train(short_document_shards, tmp_path / "pipeline", *run, "document_mask=true", *PP2, "strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=2")
-    single, pipeline = read_metrics(tmp_path / "single", "train/loss"), read_metrics(tmp_path / "pipeline", "train/loss")
-    assert read_metrics(tmp_path / "unmasked", "train/loss")[3] != pytest.approx(single[3], rel=1e-4)  # the masks matter here
+    run_train(
+        short_document_shards,
+        tmp_path / "pipeline",
+        *run,
+        "document_mask=true",
+        *PP2,
+        "strategy.schedule=interleaved_1f1b",
+        "strategy.virtual_stages=2",
+    )
+    single, pipeline = (
+        read_metrics(tmp_path / "single", "train/loss"),
+        read_metrics(tmp_path / "pipeline", "train/loss"),
+    )
+    assert read_metrics(tmp_path / "unmasked", "train/loss")[3] != pytest.approx(
+        single[3], rel=1e-4
+    )  # the masks matter here
     assert sorted(pipeline) == list(range(4))
     for step in single:
         assert pipeline[step] == pytest.approx(single[step], rel=1e-5), step
@@ -85,7 +111,11 @@ def test_pipeline_checkpoints_resume_under_other_layouts_and_back(tiny_shards, u
         [],  # one device writes a single file ...
         PP2,  # ... a 2-stage pipeline resumes from it ...
         [],  # ... one device from the pipeline's folder ...
-        ["strategy=pipeline", "trainer.devices=4", "strategy.tensor_parallel_size=2"],  # ... pipeline x tensor from a file ...
+        [
+            "strategy=pipeline",
+            "trainer.devices=4",
+            "strategy.tensor_parallel_size=2",
+        ],  # ... pipeline x tensor from a file ...
         ["strategy=fsdp2", "trainer.devices=2"],  # ... and FSDP2 from the pipeline x tensor folder.
     ]
     for hop, layout in enumerate(chain):
@@ -118,10 +148,16 @@ def test_pipeline_checkpoint_exports_to_transformers(tiny_shards, tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["strategy.pipeline_parallel_size=4", "trainer.devices=4"], "model.n_layers=2 is fewer than the 4 pipeline stage chunks"),
+        (
+            ["strategy.pipeline_parallel_size=4", "trainer.devices=4"],
+            "model.n_layers=2 is fewer than the 4 pipeline stage chunks",
+        ),
         (["strategy.n_microbatches=3", "trainer.devices=2"], "n_microbatches=3 microbatches"),
         (["strategy.n_microbatches=1", "trainer.devices=2"], "needs at least 2 microbatches per step"),
-        (["strategy.pipeline_parallel_size=2", "strategy.data_parallel_size=2", "trainer.devices=2"], "must equal the 2 devices"),
+        (
+            ["strategy.pipeline_parallel_size=2", "strategy.data_parallel_size=2", "trainer.devices=2"],
+            "must equal the 2 devices",
+        ),
     ],
     ids=["fewer-layers-than-stages", "batch-not-split", "too-few-microbatches", "degrees-not-world"],
 )

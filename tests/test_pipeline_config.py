@@ -10,7 +10,13 @@ from project.errors import ConfigError
 from project.model import Llama, LlamaConfig
 from project.parallel import MeshShape, mesh_shape, plan_pipeline_batches
 from project.parallel.pipeline import SCHEDULES, split_into_stages
-from project.parallel.pipeline_layout import SCHEDULE_NAMES, SINGLE_STAGE, chunk_ranks, check_pipeline, stage_layer_counts
+from project.parallel.pipeline_layout import (
+    SCHEDULE_NAMES,
+    SINGLE_STAGE,
+    check_pipeline,
+    chunk_ranks,
+    stage_layer_counts,
+)
 
 CONFIG = LlamaConfig(vocab_size=96, dim=32, n_layers=8, n_heads=4, n_kv_heads=2, multiple_of=32)
 
@@ -33,7 +39,9 @@ def test_layers_split_evenly_with_leftovers_in_the_middle_chunks_first():
 @pytest.mark.parametrize("schedule, style", [("1f1b", "loop"), ("interleaved_1f1b", "loop"), ("zbv", "v")])
 def test_chunks_are_placed_where_torch_schedules_expect_them(schedule, style):
     for pp, chunks in ((2, 4), (4, 8), (3, 6)):
-        assert chunk_ranks(schedule, pp, chunks) == [generate_stage_to_rank_mapping(pp, chunks, style)[s] for s in range(chunks)]
+        assert chunk_ranks(schedule, pp, chunks) == [
+            generate_stage_to_rank_mapping(pp, chunks, style)[s] for s in range(chunks)
+        ]
 
 
 def test_each_rank_keeps_only_its_chunks_under_the_plain_models_names():
@@ -47,7 +55,9 @@ def test_each_rank_keeps_only_its_chunks_under_the_plain_models_names():
     kept = dict(model.named_parameters())
     assert kept and all(kept[name] is names[name] for name in kept)  # the same parameters under the same names
 
-    first_and_last = split_into_stages(Llama(CONFIG), pipeline_rank=0, pipeline_parallel_size=2, schedule="zbv", virtual_stages=2)
+    first_and_last = split_into_stages(
+        Llama(CONFIG), pipeline_rank=0, pipeline_parallel_size=2, schedule="zbv", virtual_stages=2
+    )
     assert sorted(first_and_last) == [0, 3]
     assert first_and_last[0].tok_embeddings is not None and first_and_last[3].output is not None
 
@@ -68,17 +78,37 @@ def test_the_chain_of_stage_chunks_computes_the_models_logits():
 
 
 def test_pipeline_degree_fills_the_mesh_with_tensor_parallelism_innermost():
-    assert mesh_shape({"pipeline_parallel_size": "auto", "data_parallel_size": 1, "tensor_parallel_size": 1}, 4, 4) == (4, 1, 1)
-    assert mesh_shape({"pipeline_parallel_size": "auto", "data_parallel_size": 2, "tensor_parallel_size": 2}, 8, 8) == (2, 2, 2)
-    assert mesh_shape({"pipeline_parallel_size": 2, "data_parallel_size": "auto", "tensor_parallel_size": 2}, 16, 8) == (2, 4, 2)
-    assert mesh_shape({"pipeline_parallel_size": 4, "data_parallel_size": 1, "tensor_parallel_size": "auto"}, 8, 8) == (4, 1, 2)
+    assert mesh_shape({"pipeline_parallel_size": "auto", "data_parallel_size": 1, "tensor_parallel_size": 1}, 4, 4) == (
+        4,
+        1,
+        1,
+    )
+    assert mesh_shape({"pipeline_parallel_size": "auto", "data_parallel_size": 2, "tensor_parallel_size": 2}, 8, 8) == (
+        2,
+        2,
+        2,
+    )
+    assert mesh_shape(
+        {"pipeline_parallel_size": 2, "data_parallel_size": "auto", "tensor_parallel_size": 2}, 16, 8
+    ) == (2, 4, 2)
+    assert mesh_shape({"pipeline_parallel_size": 4, "data_parallel_size": 1, "tensor_parallel_size": "auto"}, 8, 8) == (
+        4,
+        1,
+        2,
+    )
 
 
 @pytest.mark.parametrize(
     "strategy, message",
     [
-        ({"pipeline_parallel_size": 3, "data_parallel_size": 1}, "pipeline_parallel_size=3 does not divide the 8 devices"),
-        ({"pipeline_parallel_size": 2, "data_parallel_size": 2, "tensor_parallel_size": 1}, "pipeline_parallel_size=2 x data_parallel_size=2 x tensor_parallel_size=1 must equal the 8 devices"),
+        (
+            {"pipeline_parallel_size": 3, "data_parallel_size": 1},
+            "pipeline_parallel_size=3 does not divide the 8 devices",
+        ),
+        (
+            {"pipeline_parallel_size": 2, "data_parallel_size": 2, "tensor_parallel_size": 1},
+            "pipeline_parallel_size=2 x data_parallel_size=2 x tensor_parallel_size=1 must equal the 8 devices",
+        ),
     ],
 )
 def test_pipeline_degrees_that_do_not_multiply_to_the_world_are_refused(strategy, message):
@@ -103,7 +133,10 @@ def test_a_batch_that_does_not_split_into_the_microbatches_is_refused():
 @pytest.mark.parametrize(
     "settings, message",
     [
-        (dict(schedule="looped_bfs", pipeline_parallel_size=4, virtual_stages=2), "model.n_layers=4 is fewer than the 8 pipeline stage chunks"),
+        (
+            dict(schedule="looped_bfs", pipeline_parallel_size=4, virtual_stages=2),
+            "model.n_layers=4 is fewer than the 8 pipeline stage chunks",
+        ),
         (dict(schedule="1f1b", n_microbatches=2), "needs at least 4 microbatches per step"),
         (dict(schedule="gpipe", virtual_stages=2), "runs one stage chunk per rank"),
         (dict(schedule="zbv", virtual_stages=1), "needs exactly 2 stage chunks per rank"),

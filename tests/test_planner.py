@@ -7,10 +7,12 @@ import json
 import pytest
 import torch
 import yaml
-from hydra import compose, initialize_config_dir
-
 from conftest import PARITY_RUN, PIPELINE_RUN, ROOT, run_module
 from conftest import train_overrides as train_overrides_for_tests
+from hydra import compose, initialize_config_dir
+from test_pipeline import LAYOUTS as PIPELINES
+from test_sharded_parity import LAYOUTS as SHARDED
+
 from project.checks import CONF, model_config, plan_layout
 from project.errors import ConfigError
 from project.model.config import LlamaConfig
@@ -21,8 +23,6 @@ from project.planning.memory import Allowance, estimate_memory, layer_activation
 from project.planning.planner import Workload, calibrated_fraction, evaluate, plan, training_days
 from project.planning.render import train_overrides
 from project.planning.step_time import block_flops_per_token, head_flops_per_token
-from test_pipeline import LAYOUTS as PIPELINES
-from test_sharded_parity import LAYOUTS as SHARDED
 
 
 def preset(name: str) -> LlamaConfig:
@@ -30,10 +30,14 @@ def preset(name: str) -> LlamaConfig:
 
 
 def cluster(name: str, nodes: int) -> Cluster:
-    return Cluster.from_config({**yaml.safe_load((ROOT / "conf" / "cluster" / f"{name}.yaml").read_text()), "nodes": nodes})
+    return Cluster.from_config(
+        {**yaml.safe_load((ROOT / "conf" / "cluster" / f"{name}.yaml").read_text()), "nodes": nodes}
+    )
 
 
-@pytest.mark.parametrize("name, billions", [("llama2_7b", 6.74), ("llama3_8b", 8.03), ("llama3_70b", 70.6), ("llama3_405b", 405.9)])
+@pytest.mark.parametrize(
+    "name, billions", [("llama2_7b", 6.74), ("llama3_8b", 8.03), ("llama3_70b", 70.6), ("llama3_405b", 405.9)]
+)
 def test_presets_have_their_published_parameter_counts(name, billions):
     assert round(count_parameters(preset(name)) / 1e9, 2 if billions < 10 else 1) == billions
 
@@ -45,11 +49,22 @@ LLAMA3_STEP = 16 * 2**20 // 8192  # 2,048 sequences
 
 def published_layout(nodes: int, data_parallel: int, fraction: float = 0.41):
     """The planner's best schedule for Meta's degrees: its fastest layout that fits with micro batches of one."""
-    space = SearchSpace(strategies=["pipeline"], schedules=["1f1b", "interleaved_1f1b"], virtual_stages=[2, 4, 7], micro_batch_sizes=[1])
+    space = SearchSpace(
+        strategies=["pipeline"], schedules=["1f1b", "interleaved_1f1b"], virtual_stages=[2, 4, 7], micro_batch_sizes=[1]
+    )
     work = Workload(preset("llama3_405b"), 8192, LLAMA3_STEP, 15.6e12)
     shape = (data_parallel, 8, 16)
     found = [o for o in plan(work, cluster("h100_80gb", nodes), space, fraction) if o.prediction.fits]
-    return next(o for o in found if (o.prediction.candidate.data_parallel, o.prediction.candidate.tensor_parallel, o.prediction.candidate.pipeline_parallel) == shape)
+    return next(
+        o
+        for o in found
+        if (
+            o.prediction.candidate.data_parallel,
+            o.prediction.candidate.tensor_parallel,
+            o.prediction.candidate.pipeline_parallel,
+        )
+        == shape
+    )
 
 
 def test_llama3_405b_published_layout_fits_in_80_gb_and_scales_as_published():
@@ -59,7 +74,10 @@ def test_llama3_405b_published_layout_fits_in_80_gb_and_scales_as_published():
     # Halving the replicas doubles the microbatches per replica and shrinks the bubble: the published
     # throughputs differ by 430 / 400 = 1.075, whatever fraction of the peak the kernels reach.
     for fraction in (0.41, 0.6):
-        ratio = published_layout(1024, 64, fraction).tflops_per_device / published_layout(2048, 128, fraction).tflops_per_device
+        ratio = (
+            published_layout(1024, 64, fraction).tflops_per_device
+            / published_layout(2048, 128, fraction).tflops_per_device
+        )
         assert ratio == pytest.approx(430 / 400, rel=0.02)
     # The published 41% MFU bounds the prediction at that fraction: bubbles, recompute and exposed
     # communication only take away from 0.41 x 989 = 405 TFLOP/s.
@@ -72,19 +90,34 @@ def test_calibrated_on_llama3_405b_published_mfu_predicts_its_400_and_430_tflops
     published figures of both cluster sizes. Meta trained without activation checkpointing, so the layout
     is calibrated with fused attention (selective), though our pipeline stages would need full recompute
     to fit it (README, "Where the formulas and published figures part")."""
-    space = SearchSpace(strategies=["pipeline"], schedules=["interleaved_1f1b"], virtual_stages=[7], micro_batch_sizes=[1], recompute=["selective"])
+    space = SearchSpace(
+        strategies=["pipeline"],
+        schedules=["interleaved_1f1b"],
+        virtual_stages=[7],
+        micro_batch_sizes=[1],
+        recompute=["selective"],
+    )
     work = Workload(preset("llama3_405b"), 8192, LLAMA3_STEP, 15.6e12)
     meta = "pipeline_dp{}-tp8-pp16_mb1_interleaved_1f1b-v7_sp_selective"
     fraction, at_16k = calibrated_fraction(work, cluster("h100_80gb", 2048), space, 0.41, meta.format(128))
     assert at_16k.mfu == pytest.approx(0.41, rel=1e-6) and at_16k.tflops_per_device == pytest.approx(400, rel=0.02)
     # The kernels' share lies between the end-to-end MFU and what large bf16 matmuls reach on an H100.
     assert 0.41 < fraction < 0.7
-    at_8k = next(o for o in plan(work, cluster("h100_80gb", 1024), space, fraction) if o.prediction.candidate.name == meta.format(64))
+    at_8k = next(
+        o
+        for o in plan(work, cluster("h100_80gb", 1024), space, fraction)
+        if o.prediction.candidate.name == meta.format(64)
+    )
     # Within 3%: the published pairs are rounded (430 / 400 = 1.075, their MFUs 43% / 41% = 1.049).
     assert at_8k.tflops_per_device == pytest.approx(430, rel=0.03)
     # The same layouts under full recompute, which is how they fit here: the fraction that gives 41% is higher.
     full = dataclasses.replace(space, recompute=["full"])
-    assert calibrated_fraction(work, cluster("h100_80gb", 2048), full, 0.41, meta.format(128).replace("selective", "full"))[0] > fraction
+    assert (
+        calibrated_fraction(
+            work, cluster("h100_80gb", 2048), full, 0.41, meta.format(128).replace("selective", "full")
+        )[0]
+        > fraction
+    )
 
 
 def test_calibration_refuses_a_layout_it_does_not_list_and_an_mfu_out_of_reach():
@@ -125,7 +158,9 @@ def test_megatron_end_to_end_estimates():
     assert training_days(450e9, 8 * 1e12, 3072, 163e12) == pytest.approx(84, rel=0.05)
     # The planner's FLOPs with full recompute are that 8P per token, plus the attention and head terms
     # the estimate leaves out (GPT-3's shape as a Llama: 4h-wide MLP as a 2/3 x 4h SwiGLU, same parameters).
-    gpt3 = LlamaConfig(vocab_size=51200, dim=12288, n_layers=96, n_heads=96, ffn_dim=2 * 4 * 12288 // 3, max_seq_len=2048)
+    gpt3 = LlamaConfig(
+        vocab_size=51200, dim=12288, n_layers=96, n_heads=96, ffn_dim=2 * 4 * 12288 // 3, max_seq_len=2048
+    )
     assert count_parameters(gpt3) == pytest.approx(175e9, rel=0.01)
     _, hardware = block_flops_per_token(gpt3, 2048, "full")
     per_token = gpt3.n_layers * hardware + head_flops_per_token(gpt3)
@@ -192,17 +227,40 @@ def test_layouts_that_fit_come_first_fastest_first():
 
 def test_more_recompute_less_memory_more_time():
     work, h100, _ = small_plan()
-    base = dict(strategy="tp_fsdp", data_parallel=4, tensor_parallel=2, pipeline_parallel=1, micro_batch_size=2, microbatches=16, sequence_parallel=True)
-    none, selective, full = (evaluate(work, h100, Candidate(**base, recompute=r), 0.5, Allowance()) for r in ("none", "selective", "full"))
-    assert none.prediction.memory.activations > selective.prediction.memory.activations > full.prediction.memory.activations
+    base = dict(
+        strategy="tp_fsdp",
+        data_parallel=4,
+        tensor_parallel=2,
+        pipeline_parallel=1,
+        micro_batch_size=2,
+        microbatches=16,
+        sequence_parallel=True,
+    )
+    none, selective, full = (
+        evaluate(work, h100, Candidate(**base, recompute=r), 0.5, Allowance()) for r in ("none", "selective", "full")
+    )
+    assert (
+        none.prediction.memory.activations
+        > selective.prediction.memory.activations
+        > full.prediction.memory.activations
+    )
     assert none.prediction.time.total < selective.prediction.time.total < full.prediction.time.total
 
 
 def test_pipeline_bubble_is_p_minus_1_over_m_and_shrinks_with_virtual_stages():
     work, h100, _ = small_plan()
-    common = dict(strategy="pipeline", data_parallel=2, tensor_parallel=1, pipeline_parallel=4, micro_batch_size=1, microbatches=64)
+    common = dict(
+        strategy="pipeline",
+        data_parallel=2,
+        tensor_parallel=1,
+        pipeline_parallel=4,
+        micro_batch_size=1,
+        microbatches=64,
+    )
     one = evaluate(work, h100, Candidate(**common, schedule="1f1b"), 0.5, Allowance()).prediction.time
-    four = evaluate(work, h100, Candidate(**common, schedule="interleaved_1f1b", virtual_stages=4), 0.5, Allowance()).prediction.time
+    four = evaluate(
+        work, h100, Candidate(**common, schedule="interleaved_1f1b", virtual_stages=4), 0.5, Allowance()
+    ).prediction.time
     slot = (one.compute + one.tensor_parallel + one.pipeline_transfers) / 64
     assert one.bubble == pytest.approx(3 * slot)
     assert four.bubble < one.bubble / 3
@@ -210,7 +268,9 @@ def test_pipeline_bubble_is_p_minus_1_over_m_and_shrinks_with_virtual_stages():
 
 def test_plan_command_prints_the_best_layout_and_writes_a_sweep(tmp_path):
     out = tmp_path / "plan"
-    result = run_module("project.plan", ["cluster.nodes=2", "global_batch_size=256", f"out={out}", "top_k=3"], timeout=120)
+    result = run_module(
+        "project.plan", ["cluster.nodes=2", "global_batch_size=256", f"out={out}", "top_k=3"], timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert "best layout:\npython -m project.train model=llama3_8b" in result.stdout
     spec = yaml.safe_load((out / "sweep.yaml").read_text())
@@ -231,16 +291,26 @@ def test_plan_json_and_clear_errors():
     result = run_module("project.plan", ["model=llama3_70b", "cluster=a100_40gb", "format=json"], timeout=120)
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout)
-    assert record["cluster"] == "a100_40gb" and not any(layout["fits"] for layout in record["layouts"])  # 70B on 8 x 40 GB
+    assert record["cluster"] == "a100_40gb" and not any(
+        layout["fits"] for layout in record["layouts"]
+    )  # 70B on 8 x 40 GB
     bad = run_module("project.plan", ["cluster=a100"], timeout=120)
     assert bad.returncode == 2 and "cluster" in bad.stderr and "Traceback" not in bad.stderr
-    odd = run_module("project.plan", ["global_batch_size=7", "search.strategies=[ddp,fsdp2]"], timeout=120)  # 7 over 8 replicas
+    odd = run_module(
+        "project.plan", ["global_batch_size=7", "search.strategies=[ddp,fsdp2]"], timeout=120
+    )  # 7 over 8 replicas
     assert odd.returncode == 2 and "global_batch_size=7" in odd.stderr and "Traceback" not in odd.stderr
-    calibrated = run_module("project.plan", ["format=json", "calibrate.mfu=0.3", "check_with_dry_run=false"], timeout=120)
+    calibrated = run_module(
+        "project.plan", ["format=json", "calibrate.mfu=0.3", "check_with_dry_run=false"], timeout=120
+    )
     assert calibrated.returncode == 0, calibrated.stderr
     record = json.loads(calibrated.stdout)
     best = record["layouts"][0]
-    assert record["calibrated_on"]["layout"] == best["layout"] and record["calibrated_on"]["mfu"] == 0.3 and record["calibrated_on"]["fits"]
+    assert (
+        record["calibrated_on"]["layout"] == best["layout"]
+        and record["calibrated_on"]["mfu"] == 0.3
+        and record["calibrated_on"]["fits"]
+    )
     assert best["mfu"] == pytest.approx(0.3, rel=1e-6)
     assert record["achievable_fraction"] > 0.3
     for bad, named in [
@@ -251,18 +321,27 @@ def test_plan_json_and_clear_errors():
         (["global_batch_size=7", "search.strategies=[ddp,fsdp2]", "calibrate.mfu=0.3"], "global_batch_size=7"),
     ]:
         refused = run_module("project.plan", bad, timeout=120)
-        assert refused.returncode == 2 and named in refused.stderr and "Traceback" not in refused.stderr, (bad, refused.stderr)
+        assert refused.returncode == 2 and named in refused.stderr and "Traceback" not in refused.stderr, (
+            bad,
+            refused.stderr,
+        )
 
 
 # Runs the parity tests train anyway (tests/test_sharded_parity.py, test_ddp_parity.py, test_pipeline.py),
 # with the layout the planner would describe them by: (overrides, strategy, dp, tp, pp, micro batch, microbatches).
 MEASURED = {
-    "ddp": ([*PARITY_RUN, "strategy=ddp", "trainer.devices=2", "micro_batch_size=null"], Candidate("ddp", 2, 1, 1, 4, 1)),
+    "ddp": (
+        [*PARITY_RUN, "strategy=ddp", "trainer.devices=2", "micro_batch_size=null"],
+        Candidate("ddp", 2, 1, 1, 4, 1),
+    ),
     "fsdp2": ([*PARITY_RUN, *SHARDED["fsdp2"]], Candidate("fsdp2", 2, 1, 1, 4, 1)),
     "tp": ([*PARITY_RUN, *SHARDED["tp"]], Candidate("tp", 1, 2, 1, 8, 1)),
     "tp_fsdp": ([*PARITY_RUN, *SHARDED["tp2-fsdp2-2d"]], Candidate("tp_fsdp", 2, 2, 1, 4, 1)),
     "pipeline": ([*PIPELINE_RUN, *PIPELINES["pp2-1f1b"]], Candidate("pipeline", 1, 1, 2, 1, 8, schedule="1f1b")),
-    "pipeline-dp2": ([*PIPELINE_RUN, *PIPELINES["pp2-dp2-fsdp2"]], Candidate("pipeline", 2, 1, 2, 1, 4, schedule="1f1b")),
+    "pipeline-dp2": (
+        [*PIPELINE_RUN, *PIPELINES["pp2-dp2-fsdp2"]],
+        Candidate("pipeline", 2, 1, 2, 1, 4, schedule="1f1b"),
+    ),
     "pipeline-tp2": ([*PIPELINE_RUN, *PIPELINES["pp2-tp2"]], Candidate("pipeline", 1, 2, 2, 1, 8, schedule="1f1b")),
 }
 
@@ -280,13 +359,27 @@ def test_predicted_model_state_per_rank_matches_what_memory_monitor_records(trai
         pipeline_rank = rank // (candidate.data_parallel * candidate.tensor_parallel)  # pipeline outermost
         predicted = estimate_memory(config, candidate, 32, "32-true", "cpu", Allowance(), pipeline_rank)
         for key in ("params", "grads", "optimizer"):
-            assert predicted.__dict__[key] == pytest.approx(recorded[f"{key[:-1] if key != 'optimizer' else key}_bytes"], rel=0.02), (rank, key)
+            assert predicted.__dict__[key] == pytest.approx(
+                recorded[f"{key[:-1] if key != 'optimizer' else key}_bytes"], rel=0.02
+            ), (rank, key)
 
 
 # The README's CPU example: its plan, and the sweep of it measured on this kind of machine (report committed).
-CPU_PLAN = ["model=small4m", "model.tie_embeddings=false", "data.vocab_size=300", "cluster=cpu", "seq_len=256", "global_batch_size=8",
-            "precision=32-true", "search.strategies=[ddp,fsdp2,tp,pipeline]", "search.micro_batch_sizes=[4]",
-            "search.recompute=[selective]", "search.schedules=[1f1b]", "top_k=4", "format=json"]
+CPU_PLAN = [
+    "model=small4m",
+    "model.tie_embeddings=false",
+    "data.vocab_size=300",
+    "cluster=cpu",
+    "seq_len=256",
+    "global_batch_size=8",
+    "precision=32-true",
+    "search.strategies=[ddp,fsdp2,tp,pipeline]",
+    "search.micro_batch_sizes=[4]",
+    "search.recompute=[selective]",
+    "search.schedules=[1f1b]",
+    "top_k=4",
+    "format=json",
+]
 CPU_SWEEP_REPORTS = ["2026-11-24-cpu-planned-layouts", "2026-11-24-cpu-planned-layouts-2"]  # two sweeps, hours apart
 
 
@@ -297,7 +390,9 @@ def test_predicted_order_of_cpu_layouts_is_the_measured_order_of_their_sweep(rep
     assert result.returncode == 0, result.stderr
     predicted = {o["candidate"]["strategy"]: o["tokens_per_second"] for o in json.loads(result.stdout)["layouts"]}
     measured = {}
-    for line in (ROOT / "experiments" / "reports" / report / "report.md").read_text().splitlines():  # | # | `debug_dp2-tp1-pp1_mb4_ddp` | run | devices | tokens/s per device | ...
+    for line in (
+        (ROOT / "experiments" / "reports" / report / "report.md").read_text().splitlines()
+    ):  # | # | `debug_dp2-tp1-pp1_mb4_ddp` | run | devices | tokens/s per device | ...
         cells = [c.strip() for c in line.split("|")]
         if len(cells) > 6 and cells[2].startswith("`debug_"):
             measured[cells[2].strip("`").rsplit("_", 1)[1]] = float(cells[5].replace(",", ""))

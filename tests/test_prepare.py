@@ -51,13 +51,18 @@ def split_documents(stream: np.ndarray, eos_id: int) -> list[np.ndarray]:
 
 
 def file_hashes(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def file_states(directory: Path) -> dict[str, tuple[int, str]]:
     return {
         str(p.relative_to(directory)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
-        for p in sorted(directory.rglob("*")) if p.is_file()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
     }
 
 
@@ -66,8 +71,15 @@ def prepared(tmp_path_factory):
     """A 10-document corpus prepared with two workers, in parts of about 8 KB (several parts, several chunks)."""
     root = tmp_path_factory.mktemp("prepared")
     docs = write_documents(root / "raw")
-    manifest = prepare_shards(str(root / "raw" / "*.txt"), root / "shards", vocab_size=320, seq_len=16,
-                              val_fraction=0.2, num_workers=2, part_mb=PART_MB)
+    manifest = prepare_shards(
+        str(root / "raw" / "*.txt"),
+        root / "shards",
+        vocab_size=320,
+        seq_len=16,
+        val_fraction=0.2,
+        num_workers=2,
+        part_mb=PART_MB,
+    )
     return docs, root / "shards", manifest
 
 
@@ -92,8 +104,13 @@ def test_manifest_counts_are_what_litdata_reads(prepared):
     docs, shards, manifest = prepared
     block_size = manifest["block_size"]
     assert (manifest["seq_len"], block_size) == (16, 17)
-    assert manifest["tokenizer"] == {"kind": "hf", "file": "tokenizer.json", "vocab_size": load_tokenizer(
-        shards / "tokenizer.json").vocab_size, "eos_id": 1, "bos_id": 0}
+    assert manifest["tokenizer"] == {
+        "kind": "hf",
+        "file": "tokenizer.json",
+        "vocab_size": load_tokenizer(shards / "tokenizer.json").vocab_size,
+        "eos_id": 1,
+        "bos_id": 0,
+    }
     assert manifest["sources"] == [{"path": str(p.resolve()), "bytes": p.stat().st_size} for p in docs]
     assert json.loads((shards / "manifest.json").read_text()) == manifest
     chunk_count = 0
@@ -127,8 +144,15 @@ def test_split_is_deterministic_about_as_large_as_asked_and_follows_the_seed(tmp
 
 def test_the_same_settings_give_the_same_shards_whatever_the_worker_count(prepared, tmp_path):
     docs, shards, manifest = prepared
-    again = prepare_shards(str(docs[0].parent / "*.txt"), tmp_path / "one_worker", vocab_size=320, seq_len=16,
-                           val_fraction=0.2, num_workers=1, part_mb=PART_MB)
+    again = prepare_shards(
+        str(docs[0].parent / "*.txt"),
+        tmp_path / "one_worker",
+        vocab_size=320,
+        seq_len=16,
+        val_fraction=0.2,
+        num_workers=1,
+        part_mb=PART_MB,
+    )
     assert again == manifest
     assert file_hashes(tmp_path / "one_worker") == file_hashes(shards), "the same chunks, byte for byte"
 
@@ -139,11 +163,15 @@ def test_jsonl_sources_give_one_document_per_line_from_text_field(tmp_path):
     lines = [json.dumps(r) for r in records[:6]] + [""] + [json.dumps(r) for r in records[6:]]
     (tmp_path / "raw").mkdir()
     (tmp_path / "raw" / "records.jsonl").write_text("\n".join(lines) + "\n")
-    manifest = prepare_shards(tmp_path / "raw", tmp_path / "shards", text_field="body", vocab_size=300, seq_len=8,
-                              num_workers=1)
+    manifest = prepare_shards(
+        tmp_path / "raw", tmp_path / "shards", text_field="body", vocab_size=300, seq_len=8, num_workers=1
+    )
     tok = load_tokenizer(tmp_path / "shards" / "tokenizer.json")
-    decoded = [tok.decode(ids.tolist()) for split in ("train", "val")
-               for ids in split_documents(read_stream(tmp_path / "shards" / split), tok.eos_id)]
+    decoded = [
+        tok.decode(ids.tolist())
+        for split in ("train", "val")
+        for ids in split_documents(read_stream(tmp_path / "shards" / split), tok.eos_id)
+    ]
     assert sorted(decoded) == sorted(r["body"] for r in records)
     assert manifest["splits"]["train"]["documents"] + manifest["splits"]["val"]["documents"] == 12
 
@@ -159,11 +187,22 @@ def test_a_given_sentencepiece_tokenizer_is_used_and_copied(tmp_path):
     sentencepiece.SentencePieceTrainer.train(
         input=[str(p) for p in docs], model_prefix=str(tmp_path / "sp"), vocab_size=40, minloglevel=2
     )
-    manifest = prepare_shards(str(tmp_path / "raw"), tmp_path / "shards", tokenizer=tmp_path / "sp.model", seq_len=8,
-                              val_fraction=0.3, num_workers=1)
+    manifest = prepare_shards(
+        str(tmp_path / "raw"),
+        tmp_path / "shards",
+        tokenizer=tmp_path / "sp.model",
+        seq_len=8,
+        val_fraction=0.3,
+        num_workers=1,
+    )
     sp = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
-    assert manifest["tokenizer"] == {"kind": "sentencepiece", "file": "tokenizer.model", "vocab_size": 40,
-                                     "eos_id": sp.eos_id(), "bos_id": sp.bos_id()}
+    assert manifest["tokenizer"] == {
+        "kind": "sentencepiece",
+        "file": "tokenizer.model",
+        "vocab_size": 40,
+        "eos_id": sp.eos_id(),
+        "bos_id": sp.bos_id(),
+    }
     assert (tmp_path / "shards" / "tokenizer.model").read_bytes() == (tmp_path / "sp.model").read_bytes()
     streams = [read_stream(tmp_path / "shards" / split) for split in ("train", "val")]
     expected = sorted(sp.encode(p.read_text()) + [sp.eos_id()] for p in docs)
@@ -178,20 +217,29 @@ def test_a_vocabulary_beyond_uint16_is_stored_as_int32(tmp_path):
     (tmp_path / "raw").mkdir()
     for d in range(3):
         (tmp_path / "raw" / f"{d}.txt").write_text(" ".join(f"w{69_990 - 10 * d + i}" for i in range(10)))
-    manifest = prepare_shards(tmp_path / "raw", tmp_path / "shards", tokenizer=tmp_path / "big.json", seq_len=4,
-                              num_workers=1)
+    manifest = prepare_shards(
+        tmp_path / "raw", tmp_path / "shards", tokenizer=tmp_path / "big.json", seq_len=4, num_workers=1
+    )
     assert manifest["dtype"] == "int32"
     stream = np.concatenate([read_stream(tmp_path / "shards" / s) for s in ("train", "val")])
     assert stream.dtype == np.int32 and sorted(stream[stream > 0].tolist()) == sorted(
-        vocab[f"w{69_990 - 10 * d + i}"] for d in range(3) for i in range(10))
+        vocab[f"w{69_990 - 10 * d + i}"] for d in range(3) for i in range(10)
+    )
 
 
 def test_a_second_run_with_the_same_settings_does_no_work(prepared, monkeypatch):
     docs, shards, manifest = prepared
     before = file_states(shards)
     monkeypatch.setattr(prepare_module.litdata, "optimize", lambda *a, **k: pytest.fail("optimize was called"))
-    again = prepare_shards(str(docs[0].parent / "*.txt"), shards, vocab_size=320, seq_len=16, val_fraction=0.2,
-                           num_workers=2, part_mb=PART_MB)
+    again = prepare_shards(
+        str(docs[0].parent / "*.txt"),
+        shards,
+        vocab_size=320,
+        seq_len=16,
+        val_fraction=0.2,
+        num_workers=2,
+        part_mb=PART_MB,
+    )
     assert again == manifest and file_states(shards) == before
 
 
@@ -238,8 +286,9 @@ def test_missing_sources_are_fetched_into_the_patterns_folder(tmp_path, monkeypa
 
     monkeypatch.setattr(prepare_module, "fetch_corpus", fake_fetch)
     pattern = str(tmp_path / "raw" / "corpus" / "*.txt")
-    manifest = prepare_shards(pattern, tmp_path / "shards", vocab_size=300, seq_len=8, num_workers=1,
-                              fetch="shakespeare")
+    manifest = prepare_shards(
+        pattern, tmp_path / "shards", vocab_size=300, seq_len=8, num_workers=1, fetch="shakespeare"
+    )
     assert calls == [("shakespeare", tmp_path / "raw" / "corpus")] and len(manifest["sources"]) == 3
     prepare_shards(pattern, tmp_path / "shards", vocab_size=300, seq_len=8, num_workers=1, fetch="shakespeare")
     assert len(calls) == 1, "sources present: no second fetch"
@@ -289,9 +338,19 @@ def test_resolve_sources_takes_files_folders_and_globs_sorted_and_once(tmp_path)
 
 def run_prepare(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "project.prepare", "data=tiny", f"paths.data_dir={tmp_path}",
-         f"paths.log_dir={tmp_path}/logs", *overrides],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "project.prepare",
+            "data=tiny",
+            f"paths.data_dir={tmp_path}",
+            f"paths.log_dir={tmp_path}/logs",
+            *overrides,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -311,28 +370,39 @@ def test_the_entry_point_prepares_data_tiny_and_reports_bad_input_without_traceb
 def test_a_corpus_too_small_for_the_vocabulary_is_said_and_recorded(tmp_path, caplog):
     write_documents(tmp_path / "raw", count=3)
     with caplog.at_level("WARNING", logger="project.data.prepare"):
-        manifest = prepare_shards(str(tmp_path / "raw" / "*.txt"), tmp_path / "shards", vocab_size=8192, seq_len=16, num_workers=1)
+        manifest = prepare_shards(
+            str(tmp_path / "raw" / "*.txt"), tmp_path / "shards", vocab_size=8192, seq_len=16, num_workers=1
+        )
     real = manifest["tokenizer"]["vocab_size"]
     assert real < 8192 and real == load_tokenizer(tmp_path / "shards" / "tokenizer.json").vocab_size
-    assert f"only {real} tokens, fewer than data.vocab_size=8192" in caplog.text and f"data.vocab_size={real}" in caplog.text
+    assert (
+        f"only {real} tokens, fewer than data.vocab_size=8192" in caplog.text
+        and f"data.vocab_size={real}" in caplog.text
+    )
 
 
 def test_machines_preparing_their_shares_merge_into_the_one_machine_result(prepared, tmp_path):
     docs, shards, manifest = prepared
     settings = dict(tokenizer=shards / "tokenizer.json", seq_len=16, val_fraction=0.2, num_workers=2, part_mb=PART_MB)
     single = prepare_shards(str(docs[0].parent / "*.txt"), tmp_path / "one", **settings)
-    results = [prepare_shards(str(docs[0].parent / "*.txt"), tmp_path / "three", node_rank=rank, num_nodes=3, **settings)
-               for rank in (2, 0, 1)]  # in any order: the last one done merges
+    results = [
+        prepare_shards(str(docs[0].parent / "*.txt"), tmp_path / "three", node_rank=rank, num_nodes=3, **settings)
+        for rank in (2, 0, 1)
+    ]  # in any order: the last one done merges
     assert results[:2] == [{}, {}] and results[2] == single
     assert file_hashes(tmp_path / "three") == file_hashes(tmp_path / "one")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".one.lock", ".three.lock", "one", "three"], "no parts left behind"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".one.lock", ".three.lock", "one", "three"], (
+        "no parts left behind"
+    )
 
 
 def test_the_machine_is_read_from_slurm_or_torchrun_and_checked():
     from project.data.parts import node_of
 
     assert node_of(environ={}) == (0, 1)
-    assert node_of(environ={"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "8"}) == (4, 8)
+    assert node_of(
+        environ={"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "8"}
+    ) == (4, 8)
     assert node_of(environ={"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "NODE_RANK": "0", "NUM_NODES": "2"}) == (3, 4)
     assert node_of(environ={"GROUP_RANK": "1", "NNODES": "2"}) == (1, 2)
     assert node_of(2, 3, environ={"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) == (2, 3)

@@ -12,7 +12,9 @@ from project import processes
 
 
 def fake_launcher(procs):
-    return SimpleNamespace(procs=procs, num_processes=len(procs) + 1, cluster_environment=SimpleNamespace(node_rank=lambda: 1))
+    return SimpleNamespace(
+        procs=procs, num_processes=len(procs) + 1, cluster_environment=SimpleNamespace(node_rank=lambda: 1)
+    )
 
 
 def test_a_child_killed_by_a_signal_is_named_before_one_that_failed_after_it(tmp_path, monkeypatch):

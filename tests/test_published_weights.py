@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, read_metrics, run_train, train_overrides
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from conftest import ROOT, read_metrics, run_train, train_overrides
 from project.hf_folder import model_settings
 from project.hf_format import hf_config_dict, hf_weight_shapes, to_hf_state_dict
 from project.model import LlamaConfig, count_parameters
@@ -25,8 +25,20 @@ transformers = pytest.importorskip("transformers")
 
 # GQA, untied embeddings, Llama 3.1 RoPE scaling, and an FFN width no rule of multiple_of gives (HF's intermediate_size).
 PUBLISHED = LlamaConfig(
-    vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, rope_theta=500000.0, max_seq_len=256,
-    rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    vocab_size=300,
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=160,
+    rope_theta=500000.0,
+    max_seq_len=256,
+    rope_scaling={
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
 )
 FIRST_STEP = ["trainer.max_steps=1", "global_batch_size=8", "val_every_n_steps=1000"]
 LAYOUTS = {
@@ -48,7 +60,9 @@ def published(tmp_path_factory) -> Path:
     config = transformers.LlamaConfig(**hf_config_dict(PUBLISHED, eos_token_id=0, torch_dtype="bfloat16"))
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="40KB")
-    assert len(list(folder.glob("model-*-of-*.safetensors"))) > 1 and (folder / "model.safetensors.index.json").is_file()
+    assert (
+        len(list(folder.glob("model-*-of-*.safetensors"))) > 1 and (folder / "model.safetensors.index.json").is_file()
+    )
     return folder
 
 
@@ -57,8 +71,15 @@ def hf_first_batch_loss(folder: Path, shards: Path, run_dir: Path) -> float:
     from project.data.datamodule import TokenShardDataModule
 
     cfg = OmegaConf.load(run_dir / "config.yaml")
-    data = TokenShardDataModule(data_dir=shards, seq_len=32, global_batch_size=8, micro_batch_size=8, seed=cfg.data.seed,
-                                num_workers=0, val_sequences=8)
+    data = TokenShardDataModule(
+        data_dir=shards,
+        seq_len=32,
+        global_batch_size=8,
+        micro_batch_size=8,
+        seed=cfg.data.seed,
+        num_workers=0,
+        val_sequences=8,
+    )
     data.setup("fit")
     inputs, targets = next(iter(data.train_dataloader()))
     model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -68,7 +89,10 @@ def hf_first_batch_loss(folder: Path, shards: Path, run_dir: Path) -> float:
 
 
 def test_the_weight_shapes_a_folder_must_hold_are_those_of_the_model():
-    for config in (PUBLISHED, LlamaConfig(vocab_size=96, dim=32, n_layers=1, n_heads=2, multiple_of=16, tie_embeddings=True)):
+    for config in (
+        PUBLISHED,
+        LlamaConfig(vocab_size=96, dim=32, n_layers=1, n_heads=2, multiple_of=16, tie_embeddings=True),
+    ):
         with torch.device("meta"):
             model = Llama(config)
         exported = to_hf_state_dict(model.state_dict(), config)
@@ -82,7 +106,9 @@ def test_a_config_json_gives_back_the_model_settings_it_was_written_from():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=list(LAYOUTS))
-def test_the_first_step_of_a_run_from_a_published_folder_has_transformers_loss(published, tiny_shards, tmp_path, layout):
+def test_the_first_step_of_a_run_from_a_published_folder_has_transformers_loss(
+    published, tiny_shards, tmp_path, layout
+):
     # The model's shape is not restated: it comes from the folder (the debug preset's would not fit its weights).
     extra = ["model.tie_embeddings=false"] if "strategy=pipeline" in layout else []
     run_train(tiny_shards, tmp_path, f"init_from={published}", *FIRST_STEP, *layout, *extra)
@@ -106,13 +132,17 @@ def test_weights_read_from_a_folder_export_to_the_same_tensors(published, tmp_pa
         published_tensors.update(load_file(file))
     assert again.keys() == published_tensors.keys()
     assert all(torch.equal(again[name].to(torch.bfloat16), published_tensors[name]) for name in again)
-    assert all(torch.equal(again[name], published_tensors[name].float()) for name in again)  # nothing lost on the way in
+    assert all(
+        torch.equal(again[name], published_tensors[name].float()) for name in again
+    )  # nothing lost on the way in
 
 
 def refused(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     env.pop("PYTEST_CURRENT_TEST", None)
-    return subprocess.run([sys.executable, "-m", "project.train", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "project.train", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def broken_copy(published: Path, target: Path, change) -> Path:
@@ -145,10 +175,26 @@ def with_config(**changes):
 CASES = {
     "no config.json": (lambda f: (f / "config.json").unlink(), [], r"holds no config.json"),
     "not a Llama": (with_config(model_type="mistral"), [], r"model_type='mistral' model; this platform trains Llama"),
-    "missing and extra weights": (drop_weight, [], r"missing \['model.layers.1.mlp.up_proj.weight'\]; unexpected \['model.layers.0.self_attn.q_norm.weight'\]"),
-    "override against the folder": (lambda f: None, ["model.n_kv_heads=4"], r"model.n_kv_heads=4 contradicts init_from=.*num_key_value_heads=2"),
-    "tokenizer larger than the model": (with_config(vocab_size=256), [], r"tokenizer of 300 tokens, more than the 256 of the model in init_from"),
-    "init_from and ckpt_path": (lambda f: None, ["ckpt_path=some/last.ckpt"], r"both given: init_from starts a new run"),
+    "missing and extra weights": (
+        drop_weight,
+        [],
+        r"missing \['model.layers.1.mlp.up_proj.weight'\]; unexpected \['model.layers.0.self_attn.q_norm.weight'\]",
+    ),
+    "override against the folder": (
+        lambda f: None,
+        ["model.n_kv_heads=4"],
+        r"model.n_kv_heads=4 contradicts init_from=.*num_key_value_heads=2",
+    ),
+    "tokenizer larger than the model": (
+        with_config(vocab_size=256),
+        [],
+        r"tokenizer of 300 tokens, more than the 256 of the model in init_from",
+    ),
+    "init_from and ckpt_path": (
+        lambda f: None,
+        ["ckpt_path=some/last.ckpt"],
+        r"both given: init_from starts a new run",
+    ),
 }
 
 
@@ -156,9 +202,13 @@ CASES = {
 def test_a_folder_that_cannot_start_a_run_is_one_clear_error(published, tiny_shards, tmp_path, case):
     change, extra, message = CASES[case]
     folder = broken_copy(published, tmp_path / "folder", change)
-    if case == "tokenizer larger than the model":  # weights of the smaller vocabulary too, so only the tokenizer is at odds
+    if (
+        case == "tokenizer larger than the model"
+    ):  # weights of the smaller vocabulary too, so only the tokenizer is at odds
         for file in folder.glob("*.safetensors"):
-            save_file({k: v[:256] if re.search("embed_tokens|lm_head", k) else v for k, v in load_file(file).items()}, file)
+            save_file(
+                {k: v[:256] if re.search("embed_tokens|lm_head", k) else v for k, v in load_file(file).items()}, file
+            )
     result = refused(*train_overrides(tiny_shards, tmp_path / "run", f"init_from={folder}", *FIRST_STEP, *extra))
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and re.search(message, result.stderr), result.stderr[-2000:]
@@ -167,21 +217,35 @@ def test_a_folder_that_cannot_start_a_run_is_one_clear_error(published, tiny_sha
 def test_prepare_takes_the_tokenizer_of_a_published_folder(published, tiny_shards, tmp_path):
     from project.data.prepare import prepare_shards
 
-    folder = broken_copy(published, tmp_path / "with-tokenizer", lambda f: (f / "tokenizer.json").write_bytes((tiny_shards / "tokenizer.json").read_bytes()))
-    manifest = prepare_shards([str(tiny_shards.parent / "raw" / "*.txt")], tmp_path / "shards", tokenizer=folder, seq_len=32, num_workers=1)
+    folder = broken_copy(
+        published,
+        tmp_path / "with-tokenizer",
+        lambda f: (f / "tokenizer.json").write_bytes((tiny_shards / "tokenizer.json").read_bytes()),
+    )
+    manifest = prepare_shards(
+        [str(tiny_shards.parent / "raw" / "*.txt")], tmp_path / "shards", tokenizer=folder, seq_len=32, num_workers=1
+    )
     assert manifest["tokenizer"]["vocab_size"] == 300
     assert (tmp_path / "shards" / "tokenizer.json").read_bytes() == (tiny_shards / "tokenizer.json").read_bytes()
 
 
 @pytest.mark.slow
-def test_a_sharded_checkpoint_exports_in_parts_that_init_from_reads_back_to_the_same_tensors(published, tiny_shards, tmp_path):
+def test_a_sharded_checkpoint_exports_in_parts_that_init_from_reads_back_to_the_same_tensors(
+    published, tiny_shards, tmp_path
+):
     from project.checkpoint_weights import checkpoint_weights, write_safetensors
     from project.lit_module import LlamaLitModule
 
     run_train(tiny_shards, tmp_path / "run", f"init_from={published}", *FIRST_STEP, *LAYOUTS["fsdp2"])
     exported = tmp_path / "exported"
-    args = [f"ckpt_path={tmp_path / 'run' / 'checkpoints' / 'last.ckpt'}", f"output_dir={exported}", "max_shard_size=40KB"]
-    result = subprocess.run([sys.executable, "-m", "project.export", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    args = [
+        f"ckpt_path={tmp_path / 'run' / 'checkpoints' / 'last.ckpt'}",
+        f"output_dir={exported}",
+        "max_shard_size=40KB",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "project.export", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     index = json.loads((exported / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # in parts, each read from the shards as it was written
@@ -197,4 +261,7 @@ def test_a_sharded_checkpoint_exports_in_parts_that_init_from_reads_back_to_the_
         first, second = load_file(exported / file), load_file(again / file)
         assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
     trained = checkpoint_weights(tmp_path / "run" / "checkpoints" / "last.ckpt")
-    assert all(torch.equal(module.model.state_dict()[name], tensor) for name, tensor in trained.read(list(trained.shapes)).items())
+    assert all(
+        torch.equal(module.model.state_dict()[name], tensor)
+        for name, tensor in trained.read(list(trained.shapes)).items()
+    )

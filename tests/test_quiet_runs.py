@@ -59,7 +59,9 @@ def test_a_debug_run_and_its_resume_print_no_warning_a_user_cannot_act_on(tiny_s
     assert unexpected_warnings(first) == [] and unexpected_warnings(resumed) == []
     if strategy == "single":  # and from another run's checkpoint, into a new run directory, checkpointing less often
         last = run_dir / "checkpoints" / "last.ckpt"
-        elsewhere = run(tiny_shards, run_dir / "next", strategy, "trainer.max_steps=8", f"ckpt_path={last}", "val_every_n_steps=2")
+        elsewhere = run(
+            tiny_shards, run_dir / "next", strategy, "trainer.max_steps=8", f"ckpt_path={last}", "val_every_n_steps=2"
+        )
         assert unexpected_warnings(elsewhere) == []
     # The summary states the model, not "FLOPs: 0".
     assert re.search(r"model: Llama, [\d.]+ \w? ?parameters.*training FLOPs per token", first)
@@ -75,4 +77,6 @@ def test_the_run_directory_keeps_what_each_rank_printed(debug_runs):
     assert "\r" not in log and "\x1b[" not in log  # progress bars kept as their last drawing, without escapes
     assert "[rank: 1]" in (run_dir / "train.rank1.log").read_text()  # the other rank's stderr, beside it
     assert log.count("== ") == 2 and log.count("done: train/loss=") == 2  # a resume appends to the record
-    assert log.index("batch: global 8") < log.index("done: train/loss=") < log.rindex("== ")  # the first run's record first
+    assert (
+        log.index("batch: global 8") < log.index("done: train/loss=") < log.rindex("== ")
+    )  # the first run's record first

@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, WORDS
 
 pytestmark = pytest.mark.slow
 
 SKIPS = {
-    "make train": "the test stands in for it: the packages are this environment's, and the corpus it fetches is generated below (tests reach no network)",
+    "make train": "the test stands in for it: the packages are this environment's, and the corpus it fetches is "
+    "generated below (tests reach no network)",
     "make test": "it runs this test",
     "trainer=gpu": "needs GPUs",
     "make install-horovod": "make test has run it before this test (the build is kept per machine)",
@@ -66,13 +66,17 @@ def write_text(path: Path, documents: int, lines: int, seed: int, suffix: str = 
     rng = random.Random(seed)
     path.mkdir(parents=True, exist_ok=True)
     for d in range(documents):
-        text = "\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "." for _ in range(lines))
+        text = "\n".join(
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "." for _ in range(lines)
+        )
         (path / f"doc{d}{suffix}").write_text(text + "\n")
 
 
 def fresh_copy(target: Path) -> Path:
     """The repository's tracked files as they are in the working tree, and nothing else."""
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split("\0")
+    files = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split("\0")
     for name in filter(None, files):
         if (ROOT / name).is_file():
             (target / name).parent.mkdir(parents=True, exist_ok=True)
@@ -92,8 +96,19 @@ def published_stand_in(folder: Path, texts: list[str]) -> None:
 
     tokenizer = train_bpe(texts, 512, folder)
     vocab = 4 * -(-tokenizer.vocab_size // 4)  # divisible by the tensor-parallel degree
-    config = LlamaConfig(vocab_size=vocab, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32, max_seq_len=8192, rope_theta=500000.0)
-    hf_config = transformers.LlamaConfig(**hf_config_dict(config, eos_token_id=tokenizer.eos_id, torch_dtype="bfloat16"))
+    config = LlamaConfig(
+        vocab_size=vocab,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        multiple_of=32,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    )
+    hf_config = transformers.LlamaConfig(
+        **hf_config_dict(config, eos_token_id=tokenizer.eos_id, torch_dtype="bfloat16")
+    )
     transformers.LlamaForCausalLM(hf_config).to(torch.bfloat16).save_pretrained(folder, max_shard_size="100KB")
 
 
@@ -101,7 +116,9 @@ def test_readme_lists_the_commands_this_test_runs():
     commands = readme_commands(ROOT / "README.md")
     runs = [c for c in commands if skip_reason(c) is None]
     assert ["make", "train"] in commands and ["make", "test"] in commands
-    assert len(runs) >= 10 and any(c[2] == "project.export" for c in runs) and any(c[2] == "project.prepare" for c in runs)
+    assert (
+        len(runs) >= 10 and any(c[2] == "project.export" for c in runs) and any(c[2] == "project.prepare" for c in runs)
+    )
 
 
 def test_every_readme_command_runs_as_written_on_a_fresh_copy(tmp_path):
@@ -132,7 +149,14 @@ def test_every_readme_command_runs_as_written_on_a_fresh_copy(tmp_path):
             # A run trains 2 steps; one that continues a run (its directory, or a checkpoint in it) one step more
             # than that run did, so that every resume has a step left.
             run = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")), None)
-            source = next((a.split("=", 1)[1].split("/checkpoints/")[0] for a in argv if a.startswith("ckpt_path=") and "/checkpoints/" in a), run)
+            source = next(
+                (
+                    a.split("=", 1)[1].split("/checkpoints/")[0]
+                    for a in argv
+                    if a.startswith("ckpt_path=") and "/checkpoints/" in a
+                ),
+                run,
+            )
             max_steps = steps.get(source, 1) + 1
             steps[run or source or len(steps)] = max_steps
             # A run from a published folder takes the folder's (small) shape; the others are made small here.
@@ -143,8 +167,12 @@ def test_every_readme_command_runs_as_written_on_a_fresh_copy(tmp_path):
         assert result.returncode == 0, f"`{shlex.join(argv)}` failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
         ran.append(shlex.join(argv))
     assert len(ran) >= 10
-    assert (repo / "outputs" / "hf" / "my-llama" / "model.safetensors").is_file()  # the last command exported the r1 run
-    assert (repo / "outputs" / "hf" / "llama3-mytext" / "config.json").is_file()  # and one before it the continued pretraining
+    assert (
+        repo / "outputs" / "hf" / "my-llama" / "model.safetensors"
+    ).is_file()  # the last command exported the r1 run
+    assert (
+        repo / "outputs" / "hf" / "llama3-mytext" / "config.json"
+    ).is_file()  # and one before it the continued pretraining
     # What the commands write lands in outputs/ and data/, never among the user's sources (Python's own caches aside).
     written = {p.relative_to(repo) for p in set(repo.rglob("*")) - before if "__pycache__" not in p.parts}
     assert {p for p in written if p.parts[0] not in ("outputs", "data")} == set()

@@ -10,12 +10,20 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import ROOT, read_metrics, run_module, run_train
+
 from project import report, report_wandb
 
-LAYOUT_COLUMNS = ["pipeline_parallel", "data_parallel", "tensor_parallel", "micro_batch_size", "accumulation",
-                  "pipeline_microbatches", "global_batch_size", "world_size"]
+LAYOUT_COLUMNS = [
+    "pipeline_parallel",
+    "data_parallel",
+    "tensor_parallel",
+    "micro_batch_size",
+    "accumulation",
+    "pipeline_microbatches",
+    "global_batch_size",
+    "world_size",
+]
 
 
 def write_run(
@@ -33,16 +41,32 @@ def write_run(
     the first step, Hydra's record of the config choices, config.yaml, and a memory file per rank."""
     world = dp * tp * pp
     steps = len(tokens_per_sec)
-    layout = {"pipeline_parallel": pp, "data_parallel": dp, "tensor_parallel": tp, "micro_batch_size": micro,
-              "accumulation": 1, "pipeline_microbatches": 1, "global_batch_size": 8, "world_size": world}
+    layout = {
+        "pipeline_parallel": pp,
+        "data_parallel": dp,
+        "tensor_parallel": tp,
+        "micro_batch_size": micro,
+        "accumulation": 1,
+        "pipeline_microbatches": 1,
+        "global_batch_size": 8,
+        "world_size": world,
+    }
     rows = [{"step": 0, **{f"layout/{k}": v for k, v in layout.items()}}]
-    rows += [{"step": s, "train/loss": 6.0 - 0.1 * s, "train/tokens_per_sec": t, "memory/max_peak_bytes": max(peaks)}
-             for s, t in enumerate(tokens_per_sec)]
+    rows += [
+        {"step": s, "train/loss": 6.0 - 0.1 * s, "train/tokens_per_sec": t, "memory/max_peak_bytes": max(peaks)}
+        for s, t in enumerate(tokens_per_sec)
+    ]
     rows.append({"step": steps - 1, "val/loss": 5.5})
     run_dir.mkdir(parents=True)
     with open(run_dir / "metrics.csv", "w", newline="") as file:
-        names = ["step", *(f"layout/{k}" for k in LAYOUT_COLUMNS), "train/loss", "train/tokens_per_sec",
-                 "memory/max_peak_bytes", "val/loss"]
+        names = [
+            "step",
+            *(f"layout/{k}" for k in LAYOUT_COLUMNS),
+            "train/loss",
+            "train/tokens_per_sec",
+            "memory/max_peak_bytes",
+            "val/loss",
+        ]
         writer = csv.DictWriter(file, fieldnames=names)
         writer.writeheader()
         writer.writerows(rows)
@@ -66,10 +90,24 @@ def write_sweep(sweep_dir: Path, points: list[tuple[dict, int, str]]) -> Path:
     with open(sweep_dir / "points.jsonl", "w") as file:
         for index, (parameters, status, error) in enumerate(points):
             parameters = {**parameters, "trainer.devices": 2}
-            command = ["python", "-m", "project.train", "experiment=debug", "trainer.devices=2",
-                       *(f"{k}={v}" for k, v in parameters.items() if k != "trainer.devices")]
-            record = {"point": index, "parameters": parameters, "command": command, "run_dir": str(sweep_dir / str(index)),
-                      "status": status, "seconds": 1.0, "metrics": {}, "error": error}
+            command = [
+                "python",
+                "-m",
+                "project.train",
+                "experiment=debug",
+                "trainer.devices=2",
+                *(f"{k}={v}" for k, v in parameters.items() if k != "trainer.devices"),
+            ]
+            record = {
+                "point": index,
+                "parameters": parameters,
+                "command": command,
+                "run_dir": str(sweep_dir / str(index)),
+                "status": status,
+                "seconds": 1.0,
+                "metrics": {},
+                "error": error,
+            }
             file.write(json.dumps(record) + "\n")
     return sweep_dir
 
@@ -87,11 +125,17 @@ def make_report(tmp_path: Path, *paths: Path, name: str = "r") -> list[dict[str,
 
 
 def test_a_sweep_folder_reports_every_point_with_a_failed_point_s_error_as_its_status(tmp_path):
-    sweep_dir = write_sweep(tmp_path / "layouts-x", [
-        ({"strategy": "ddp"}, 0, ""),
-        ({"strategy": "tp"}, 2,
-         "error: strategy.tensor_parallel_size=4 does not divide the 2 devices: choose a divisor."),
-    ])
+    sweep_dir = write_sweep(
+        tmp_path / "layouts-x",
+        [
+            ({"strategy": "ddp"}, 0, ""),
+            (
+                {"strategy": "tp"},
+                2,
+                "error: strategy.tensor_parallel_size=4 does not divide the 2 devices: choose a divisor.",
+            ),
+        ],
+    )
     write_run(sweep_dir / "0", "ddp", dp=2, micro=4, peaks=(300 * 2**20, 310 * 2**20))
     ok, failed = make_report(tmp_path, sweep_dir)
     assert ok["layout"] == "`debug_dp2-tp1-pp1_mb4_ddp`" and ok["run"] == "layouts-x/0" and ok["status"] == "ok"
@@ -99,7 +143,10 @@ def test_a_sweep_folder_reports_every_point_with_a_failed_point_s_error_as_its_s
     assert ok["train/loss"] == "5.7000" and ok["val/loss"] == "5.5000" and ok["MFU"] == "-"
     assert failed["run"] == "layouts-x/1" and failed["devices"] == "2"  # from its command: it left no run directory
     assert failed["layout"] == "strategy=tp"  # what sets it apart from the other points
-    assert failed["status"] == "failed (2): error: strategy.tensor_parallel_size=4 does not divide the 2 devices: choose a divisor."
+    assert (
+        failed["status"]
+        == "failed (2): error: strategy.tensor_parallel_size=4 does not divide the 2 devices: choose a divisor."
+    )
     assert failed["tokens/s per device"] == "-"
 
 
@@ -128,15 +175,29 @@ def test_runs_rank_by_median_tokens_per_second_per_device_after_the_first_window
 def test_a_run_resumed_under_another_layout_is_reported_in_its_last_layout_and_speed(tmp_path):
     run = write_run(tmp_path / "moved", "ddp", dp=2, micro=4, tokens_per_sec=(10.0, 2000.0, 2000.0, 2000.0))
     # Resumed at step 4 on one device: the layout logged again there, then slower steps.
-    resumed = [{"step": 4, "layout/pipeline_parallel": 1, "layout/data_parallel": 1, "layout/tensor_parallel": 1,
-                "layout/micro_batch_size": 8, "layout/accumulation": 1, "layout/pipeline_microbatches": 1,
-                "layout/global_batch_size": 8, "layout/world_size": 1}]
-    resumed += [{"step": s, "train/loss": 5.0, "train/tokens_per_sec": t} for s, t in ((4, 5.0), (5, 300.0), (6, 300.0))]
+    resumed = [
+        {
+            "step": 4,
+            "layout/pipeline_parallel": 1,
+            "layout/data_parallel": 1,
+            "layout/tensor_parallel": 1,
+            "layout/micro_batch_size": 8,
+            "layout/accumulation": 1,
+            "layout/pipeline_microbatches": 1,
+            "layout/global_batch_size": 8,
+            "layout/world_size": 1,
+        }
+    ]
+    resumed += [
+        {"step": s, "train/loss": 5.0, "train/tokens_per_sec": t} for s, t in ((4, 5.0), (5, 300.0), (6, 300.0))
+    ]
     with open(run / "metrics.csv", newline="") as file:
         names = csv.DictReader(file).fieldnames
     with open(run / "metrics.csv", "a", newline="") as file:
         csv.DictWriter(file, fieldnames=names).writerows(resumed)
-    (run / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": {"model": "debug", "strategy": "single"}}}}))
+    (run / ".hydra" / "hydra.yaml").write_text(
+        yaml.safe_dump({"hydra": {"runtime": {"choices": {"model": "debug", "strategy": "single"}}}})
+    )
     (row,) = make_report(tmp_path, run)
     assert row["layout"] == "`debug_dp1-tp1-pp1_mb8_single`" and row["devices"] == "1"
     assert row["tokens/s per device"] == "300"  # the resumed start-up window (5) left out, and nothing before it
@@ -231,8 +292,13 @@ def test_a_report_of_a_single_device_and_a_ddp_run_reads_their_layouts_devices_a
     for run_dir in (single, ddp):
         row = rows[run_dir.name]
         train_loss, val_loss = read_metrics(run_dir, "train/loss"), read_metrics(run_dir, "val/loss")
-        assert row["train/loss"] == f"{train_loss[max(train_loss)]:.4f}" and row["val/loss"] == f"{val_loss[max(val_loss)]:.4f}"
-        assert row["status"] == "ok" and row["tokens/s per device"] != "-" and row["peak memory per rank"].endswith("MiB")
+        assert (
+            row["train/loss"] == f"{train_loss[max(train_loss)]:.4f}"
+            and row["val/loss"] == f"{val_loss[max(val_loss)]:.4f}"
+        )
+        assert (
+            row["status"] == "ok" and row["tokens/s per device"] != "-" and row["peak memory per rank"].endswith("MiB")
+        )
     folder = tmp_path / "reports" / "real"
     for plot in ("throughput.svg", "memory.svg", "loss.svg"):
         assert (folder / plot).stat().st_size > 0 and f"]({plot})" in (folder / "report.md").read_text()
@@ -287,7 +353,10 @@ def as_wandb_run(run_dir: Path, id: str) -> StandInRun:
 
 @pytest.mark.parametrize(
     "source, asked",
-    [("wandb:team/llama-pretrain", "runs team/llama-pretrain"), ("wandb:team/llama-pretrain/sw33p", "sweep team/llama-pretrain/sw33p")],
+    [
+        ("wandb:team/llama-pretrain", "runs team/llama-pretrain"),
+        ("wandb:team/llama-pretrain/sw33p", "sweep team/llama-pretrain/sw33p"),
+    ],
     ids=["project", "sweep"],
 )
 def test_runs_on_wandbs_server_are_reported_as_their_metrics_csv_would_be(tmp_path, monkeypatch, source, asked):
@@ -301,13 +370,18 @@ def test_runs_on_wandbs_server_are_reported_as_their_metrics_csv_would_be(tmp_pa
     assert [row["run"] for row in from_wandb] == ["llama-pretrain/r2", "llama-pretrain/r1"]
     for row, reference in zip(from_wandb, from_csv):
         assert {**row, "run": reference["run"]} == reference
-    assert from_wandb[1]["layout"] == "`debug_dp2-tp1-pp1_mb4_ddp`" and from_wandb[0]["status"] == "stopped at step 3 of 30"
+    assert (
+        from_wandb[1]["layout"] == "`debug_dp2-tp1-pp1_mb4_ddp`"
+        and from_wandb[0]["status"] == "stopped at step 3 of 30"
+    )
 
 
 def test_wandbs_server_refusing_the_runs_is_one_error_paragraph(tmp_path, monkeypatch, capsys):
     from wandb.errors import CommError
 
-    monkeypatch.setattr(report_wandb, "connect", lambda source: StandInApi([], CommError("Could not find project nope")))
+    monkeypatch.setattr(
+        report_wandb, "connect", lambda source: StandInApi([], CommError("Could not find project nope"))
+    )
     with pytest.raises(SystemExit) as exit_:
         report.main(["wandb:team/nope", f"out={tmp_path / 'reports'}"])
     err = capsys.readouterr().err
@@ -319,21 +393,32 @@ def test_wandbs_server_refusing_the_runs_is_one_error_paragraph(tmp_path, monkey
 def test_a_wandb_source_without_a_login_or_offline_says_how_to_log_in_or_use_local_folders(tmp_path, mode):
     """wandb's own login check, in a fresh process with no API key and no netrc: never a prompt, never the network."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env.update(HOME=str(tmp_path), NETRC=str(tmp_path / "netrc"), **({"WANDB_MODE": "offline"} if mode == "offline" else {}))
+    env.update(
+        HOME=str(tmp_path), NETRC=str(tmp_path / "netrc"), **({"WANDB_MODE": "offline"} if mode == "offline" else {})
+    )
     result = subprocess.run(
         [sys.executable, "-m", "project.report", "wandb:team/llama-pretrain", f"out={tmp_path / 'reports'}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
     )
     assert result.returncode == 2, result.stderr
     error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(error) == 1 and error[0].startswith("error: wandb:team/llama-pretrain: ") and "offline-run-*" in error[0], result.stderr
+    assert (
+        len(error) == 1 and error[0].startswith("error: wandb:team/llama-pretrain: ") and "offline-run-*" in error[0]
+    ), result.stderr
     fix = "unset WANDB_MODE" if mode == "offline" else "log in with `wandb login`"
     assert fix in error[0]
     assert not (tmp_path / "reports").exists()
 
 
 @pytest.mark.slow
-def test_a_run_logged_to_wandb_offline_is_reported_from_its_transaction_log_as_from_its_metrics_csv(tiny_shards, tmp_path):
+def test_a_run_logged_to_wandb_offline_is_reported_from_its_transaction_log_as_from_its_metrics_csv(
+    tiny_shards, tmp_path
+):
     run_dir = tmp_path / "run"
     run_train(tiny_shards, run_dir, "logger=wandb", "trainer.max_steps=4", "val_every_n_steps=2")
     (from_csv,) = make_report(tmp_path, run_dir, name="csv")
@@ -344,9 +429,18 @@ def test_a_run_logged_to_wandb_offline_is_reported_from_its_transaction_log_as_f
     (run_dir / "metrics.csv").rename(run_dir / "metrics.csv.moved")
     in_run_dir, from_folder = make_report(tmp_path, run_dir, alone, name="wandb")
     assert in_run_dir == from_csv  # every column, the rank memory file's peak included
-    assert from_csv["layout"] == "`debug_dp1-tp1-pp1_mb8_single`" and from_csv["devices"] == "1" and from_csv["status"] == "ok"
-    assert from_csv["tokens/s per device"] == f"{tokens_per_sec[len(tokens_per_sec) // 2]:,.0f}"  # an odd count: the middle
-    assert from_csv["train/loss"] == f"{train_loss[max(train_loss)]:.4f}" and from_csv["val/loss"] == f"{val_loss[max(val_loss)]:.4f}"
+    assert (
+        from_csv["layout"] == "`debug_dp1-tp1-pp1_mb8_single`"
+        and from_csv["devices"] == "1"
+        and from_csv["status"] == "ok"
+    )
+    assert (
+        from_csv["tokens/s per device"] == f"{tokens_per_sec[len(tokens_per_sec) // 2]:,.0f}"
+    )  # an odd count: the middle
+    assert (
+        from_csv["train/loss"] == f"{train_loss[max(train_loss)]:.4f}"
+        and from_csv["val/loss"] == f"{val_loss[max(val_loss)]:.4f}"
+    )
     assert from_folder["run"] == folder.name and from_folder["peak memory per rank"].endswith("MiB")
     for column in ("layout", "devices", "tokens/s per device", "train/loss", "val/loss", "status"):
         assert from_folder[column] == from_csv[column], column

@@ -3,12 +3,11 @@
 import lightning as L
 import pytest
 import torch
-
+from conftest import RESUME_RUN as RUN
 from conftest import read_metrics, run_module, run_train, train_overrides
+
 from project.callbacks import StepCheckpoint
 from project.data.datamodule import TokenShardDataModule
-
-from conftest import RESUME_RUN as RUN
 
 
 @pytest.fixture
@@ -66,9 +65,17 @@ def fit(shards, run_dir, max_steps, ckpt_path=None):
     data = TokenShardDataModule(str(shards), seq_len=32, global_batch_size=4, micro_batch_size=2, num_workers=0)
     checkpoint = StepCheckpoint(dirpath=run_dir, every_n_train_steps=100)
     trainer = L.Trainer(
-        max_steps=max_steps, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False,
-        callbacks=[checkpoint], enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, use_distributed_sampler=False, default_root_dir=run_dir,
+        max_steps=max_steps,
+        accumulate_grad_batches=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        callbacks=[checkpoint],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        default_root_dir=run_dir,
     )
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     return module.seen

@@ -10,10 +10,19 @@ def take(sampler, n):
 def steps(num_samples, global_batch, micro, dp_size, n_steps, start=0):
     """Per optimizer step: the sorted indices all replicas read together."""
     accum = global_batch // (micro * dp_size)
-    per_rank = [take(GlobalBatchSampler(BlockOrder.single_chunk(num_samples, seed=3), global_batch, micro, r, dp_size, start_sample=start), accum * n_steps)
-                for r in range(dp_size)]
-    return [sorted(i for r in range(dp_size) for b in per_rank[r][s * accum:(s + 1) * accum] for i in b)
-            for s in range(n_steps)]
+    per_rank = [
+        take(
+            GlobalBatchSampler(
+                BlockOrder.single_chunk(num_samples, seed=3), global_batch, micro, r, dp_size, start_sample=start
+            ),
+            accum * n_steps,
+        )
+        for r in range(dp_size)
+    ]
+    return [
+        sorted(i for r in range(dp_size) for b in per_rank[r][s * accum : (s + 1) * accum] for i in b)
+        for s in range(n_steps)
+    ]
 
 
 def test_each_step_reads_the_same_sequences_on_one_or_many_replicas():
@@ -39,7 +48,9 @@ def test_every_epoch_is_a_new_permutation_of_all_blocks():
 
 def test_resuming_from_consumed_count_continues_the_stream():
     full = take(GlobalBatchSampler(BlockOrder([10, 0, 7, 20], seed=5, window_chunks=2), 6, 3, 1, 2), 20)
-    resumed = take(GlobalBatchSampler(BlockOrder([10, 0, 7, 20], seed=5, window_chunks=2), 6, 3, 1, 2, start_sample=6 * 4), 12)
+    resumed = take(
+        GlobalBatchSampler(BlockOrder([10, 0, 7, 20], seed=5, window_chunks=2), 6, 3, 1, 2, start_sample=6 * 4), 12
+    )
     assert resumed == full[4:16]
 
 
@@ -87,11 +98,11 @@ def test_reads_stay_within_a_window_of_chunks():
     for c in chunks:
         if c not in seen:
             seen.append(c)
-    window_sets = [set(seen[i:i + 3]) for i in range(0, len(seen), 3)]
+    window_sets = [set(seen[i : i + 3]) for i in range(0, len(seen), 3)]
     position = 0
     for members in window_sets:
         count = sum(sizes[c] for c in members)
-        assert set(chunks[position:position + count]) == members
+        assert set(chunks[position : position + count]) == members
         position += count
 
 

@@ -19,8 +19,14 @@ AWS_ENV_SECRET = "EnvSecretAccessKey0123456789abcdefEXAMPLE"
 
 
 def test_secret_looking_settings_are_found_and_redacted_and_others_kept():
-    cfg = OmegaConf.create({"optim": {"lr": 0.1}, "api_token": TOKEN, "data": {"access_token": "t2", "tokenizer": None},
-                            "logger": {"wandb": {"api_key": "k3", "project": "p"}}})
+    cfg = OmegaConf.create(
+        {
+            "optim": {"lr": 0.1},
+            "api_token": TOKEN,
+            "data": {"access_token": "t2", "tokenizer": None},
+            "logger": {"wandb": {"api_key": "k3", "project": "p"}},
+        }
+    )
     assert secret_values(cfg) == {TOKEN, "t2", "k3"}  # `tokenizer` is not a secret, however close its name
     clean = redacted_container(cfg)
     assert clean["api_token"] == clean["data"]["access_token"] == clean["logger"]["wandb"]["api_key"] == REDACTED
@@ -29,15 +35,26 @@ def test_secret_looking_settings_are_found_and_redacted_and_others_kept():
 
 
 def test_storage_credentials_are_secret_and_the_endpoint_is_not():
-    options = {"aws_access_key_id": AWS_KEY_ID, "aws_secret_access_key": AWS_SECRET, "aws_session_token": "s3",
-               "endpoint_url": "http://minio:9000", "region_name": "eu-west-1"}
+    options = {
+        "aws_access_key_id": AWS_KEY_ID,
+        "aws_secret_access_key": AWS_SECRET,
+        "aws_session_token": "s3",
+        "endpoint_url": "http://minio:9000",
+        "region_name": "eu-west-1",
+    }
     cfg = OmegaConf.create({"data": {"storage_options": options}})
     assert secret_values(cfg) == {AWS_KEY_ID, AWS_SECRET, "s3"}
     assert redacted_container(cfg)["data"]["storage_options"] == {
-        "aws_access_key_id": REDACTED, "aws_secret_access_key": REDACTED, "aws_session_token": REDACTED,
-        "endpoint_url": "http://minio:9000", "region_name": "eu-west-1"}
+        "aws_access_key_id": REDACTED,
+        "aws_secret_access_key": REDACTED,
+        "aws_session_token": REDACTED,
+        "endpoint_url": "http://minio:9000",
+        "region_name": "eu-west-1",
+    }
     assert without_secrets({"storage_options": options, "mix": [{"dir": "d", "hf_token": TOKEN}]}) == {
-        "storage_options": {"endpoint_url": "http://minio:9000", "region_name": "eu-west-1"}, "mix": [{"dir": "d"}]}
+        "storage_options": {"endpoint_url": "http://minio:9000", "region_name": "eu-west-1"},
+        "mix": [{"dir": "d"}],
+    }
 
 
 def test_datamodule_reads_with_its_credentials_and_records_none_of_them(tiny_shards, monkeypatch):
@@ -51,8 +68,14 @@ def test_datamodule_reads_with_its_credentials_and_records_none_of_them(tiny_sha
     monkeypatch.setattr(datamodule_module, "TokenBlocks", RecordingBlocks)
     endpoint = "http://minio:9000"
     options = {"aws_access_key_id": AWS_KEY_ID, "aws_secret_access_key": AWS_SECRET, "endpoint_url": endpoint}
-    dm = TokenShardDataModule(str(tiny_shards), seq_len=32, global_batch_size=2, micro_batch_size=2, num_workers=0,
-                              storage_options=dict(options))
+    dm = TokenShardDataModule(
+        str(tiny_shards),
+        seq_len=32,
+        global_batch_size=2,
+        micro_batch_size=2,
+        num_workers=0,
+        storage_options=dict(options),
+    )
     dm.setup("fit")
     assert given == [options, options]  # train and val, read with the credentials as given
     # What Lightning logs (hparams_initial) and checkpoints (hparams) holds the endpoint, not the credentials.
@@ -66,10 +89,17 @@ def test_no_file_a_run_writes_holds_a_secret(tiny_shards, tmp_path, monkeypatch)
     monkeypatch.setenv("WANDB_API_KEY", API_KEY)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", AWS_ENV_SECRET)
     run_dir = tmp_path / "run"
-    args = train_overrides(tiny_shards, run_dir, "logger=wandb", "trainer.max_steps=2", f"+api_token={TOKEN}",
-                           f"+data.access_token={TOKEN}x", f"+data.storage_options.aws_access_key_id={AWS_KEY_ID}",
-                           f"+data.storage_options.aws_secret_access_key={AWS_SECRET}",
-                           "+data.storage_options.region_name=eu-west-1")
+    args = train_overrides(
+        tiny_shards,
+        run_dir,
+        "logger=wandb",
+        "trainer.max_steps=2",
+        f"+api_token={TOKEN}",
+        f"+data.access_token={TOKEN}x",
+        f"+data.storage_options.aws_access_key_id={AWS_KEY_ID}",
+        f"+data.storage_options.aws_secret_access_key={AWS_SECRET}",
+        "+data.storage_options.region_name=eu-west-1",
+    )
     result = run_module("project.train", args)
     assert result.returncode == 0, result.stderr[-3000:]
     written = [p for p in run_dir.rglob("*") if p.is_file()]

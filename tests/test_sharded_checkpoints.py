@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from conftest import RESUME_RUN, assert_continues, run_module, run_train
 
 pytestmark = pytest.mark.slow
@@ -11,12 +10,22 @@ pytestmark = pytest.mark.slow
 def test_run_moves_from_tensor_parallel_to_fsdp2_to_one_device(tiny_shards, uninterrupted_reference, tmp_path):
     run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=7", "strategy=tp", "trainer.devices=2")
     assert (tmp_path / "checkpoints" / "last.ckpt").is_dir()  # a distributed checkpoint
-    run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=14", "strategy=fsdp2", "trainer.devices=2", "ckpt_path=last")
+    run_train(
+        tiny_shards,
+        tmp_path,
+        *RESUME_RUN,
+        "trainer.max_steps=14",
+        "strategy=fsdp2",
+        "trainer.devices=2",
+        "ckpt_path=last",
+    )
     assert_continues(tmp_path, uninterrupted_reference, 14)
     run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=20", "ckpt_path=last")
     assert_continues(tmp_path, uninterrupted_reference, 20)
     checkpoints = tmp_path / "checkpoints"
-    assert (checkpoints / "last.ckpt").is_file() and (checkpoints / "last-sharded.ckpt").is_dir()  # kept, not overwritten
+    assert (checkpoints / "last.ckpt").is_file() and (
+        checkpoints / "last-sharded.ckpt"
+    ).is_dir()  # kept, not overwritten
 
 
 def test_every_checkpoint_format_resumes_under_every_other_family(tiny_shards, uninterrupted_reference, tmp_path):
@@ -43,7 +52,9 @@ def test_sharded_checkpoint_exports_to_transformers(tiny_shards, tmp_path):
     from project.lit_module import LlamaLitModule
     from project.model import Llama, LlamaConfig
 
-    run_train(tiny_shards, tmp_path, "trainer.max_steps=3", "global_batch_size=8", "strategy=tp_fsdp", "trainer.devices=4")
+    run_train(
+        tiny_shards, tmp_path, "trainer.max_steps=3", "global_batch_size=8", "strategy=tp_fsdp", "trainer.devices=4"
+    )
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
     result = run_module("project.export", [f"ckpt_path={ckpt}", f"output_dir={tmp_path / 'hf'}"])
     assert result.returncode == 0, result.stderr[-3000:]

@@ -6,8 +6,8 @@ gloo processes on the CPU, launched as subprocesses.
 
 import pytest
 import torch
-
 from conftest import PARITY_RUN, assert_reproduces, read_metrics, run_train
+
 from project.checkpoints import load_full_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -18,7 +18,12 @@ LAYOUTS = {
     "ddp-compiled-blocks": ["strategy=ddp", "trainer.devices=2", "strategy.compile=true"],
     "fsdp-full-shard": ["strategy=fsdp", "trainer.devices=2"],
     "fsdp-shard-grad-op": ["strategy=fsdp", "trainer.devices=2", "strategy.sharding_strategy=SHARD_GRAD_OP"],
-    "fsdp-hybrid-2x2": ["strategy=fsdp", "trainer.devices=4", "strategy.sharding_strategy=HYBRID_SHARD", "strategy.hybrid_shard_size=2"],
+    "fsdp-hybrid-2x2": [
+        "strategy=fsdp",
+        "trainer.devices=4",
+        "strategy.sharding_strategy=HYBRID_SHARD",
+        "strategy.hybrid_shard_size=2",
+    ],
     "fsdp-compiled-blocks": ["strategy=fsdp", "trainer.devices=2", "strategy.compile=true"],
     "fsdp-activation-checkpointing": ["strategy=fsdp", "trainer.devices=2", "strategy.activation_checkpointing=true"],
     "fsdp2": ["strategy=fsdp2", "trainer.devices=2"],
@@ -40,7 +45,9 @@ def test_layout_matches_single_device_loss_and_weights(trained, single_reference
 def test_fsdp2_computes_in_bfloat16_when_asked(tiny_shards, single_reference, tmp_path):
     """param_dtype=bfloat16 really changes the compute dtype, and training stays close to float32's."""
     same_schedule = [*PARITY_RUN, "optim.decay_steps=12", "trainer.max_steps=3"]  # 3 of the reference's 12 steps
-    run_train(tiny_shards, tmp_path, *same_schedule, "strategy=fsdp2", "trainer.devices=2", "strategy.param_dtype=bfloat16")
+    run_train(
+        tiny_shards, tmp_path, *same_schedule, "strategy=fsdp2", "trainer.devices=2", "strategy.param_dtype=bfloat16"
+    )
     reference, loss = read_metrics(single_reference, "train/loss"), read_metrics(tmp_path, "train/loss")
     for step in range(3):
         assert loss[step] != reference[step]  # float32 would agree to ~1e-7

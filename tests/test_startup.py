@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
+
 from project import startup
 
 
@@ -57,6 +57,9 @@ def test_a_collector_that_was_off_stays_off(first_use):
 
 def test_training_module_leaves_torch_pipelining_unimported():
     """Only strategy=pipeline needs it (Hydra's instantiate imports it then): 0.05 s of every other start."""
-    code = "import sys, project.training; print('project.parallel.pipeline_strategy' in sys.modules, 'torch.distributed.pipelining' in sys.modules)"
+    code = (
+        "import sys, project.training; "
+        "print('project.parallel.pipeline_strategy' in sys.modules, 'torch.distributed.pipelining' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["False", "False"]

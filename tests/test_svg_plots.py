@@ -40,7 +40,9 @@ def is_nice(step: float) -> bool:
     return any(math.isclose(mantissa, m) for m in (1, 2, 5))
 
 
-@pytest.mark.parametrize("lo, hi", [(0, 1234), (0, 7.3), (2.31, 2.35), (-3, 17), (0, 1e6), (5, 5), (0, 0), (0.0004, 0.0009)])
+@pytest.mark.parametrize(
+    "lo, hi", [(0, 1234), (0, 7.3), (2.31, 2.35), (-3, 17), (0, 1e6), (5, 5), (0, 0), (0.0004, 0.0009)]
+)
 def test_ticks_are_evenly_nice_steps_that_cover_the_range(lo, hi):
     ticks, decimals = nice_ticks(lo, hi)
     assert ticks[0] <= lo and ticks[-1] >= hi and 3 <= len(ticks) <= 12

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import ROOT, read_metrics, run_module, train_overrides
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from test_quiet_runs import unexpected_warnings
 
-from conftest import ROOT, read_metrics, run_module, train_overrides
 from project import sweep
 from project.checks import preflight
-from test_quiet_runs import unexpected_warnings
 
 SPECS = sorted((ROOT / "experiments" / "sweeps").glob("*.yaml"))
 SOURCES = "\n".join(p.read_text() for p in (ROOT / "project").rglob("*.py") if p.name != "sweep.py")
@@ -31,7 +31,15 @@ def write_spec(directory: Path, parameters: dict, method: str = "grid", command:
         "method": method,
         "parameters": parameters,
         "command": command
-        or ["${env}", "${interpreter}", "-m", "project.train", "experiment=debug", "logger=wandb", "${args_no_hyphens}"],
+        or [
+            "${env}",
+            "${interpreter}",
+            "-m",
+            "project.train",
+            "experiment=debug",
+            "logger=wandb",
+            "${args_no_hyphens}",
+        ],
         **extra,
     }
     path = directory / "spec.yaml"
@@ -83,7 +91,9 @@ def test_every_point_of_every_spec_composes_and_passes_the_settings_check(path, 
 
 
 def test_grid_points_come_in_wandbs_order_and_count_takes_the_first():
-    spec = sweep.Spec(Path("x.yaml"), "grid", [], "p", {"a": {"values": ["x", "y"]}, "b": {"min": 1, "max": 2}, "c": {"value": 0}})
+    spec = sweep.Spec(
+        Path("x.yaml"), "grid", [], "p", {"a": {"values": ["x", "y"]}, "b": {"min": 1, "max": 2}, "c": {"value": 0}}
+    )
     assert sweep.sweep_points(spec) == [
         {"a": "x", "b": 1, "c": 0}, {"a": "x", "b": 2, "c": 0}, {"a": "y", "b": 1, "c": 0}, {"a": "y", "b": 2, "c": 0},
     ]  # fmt: skip
@@ -97,7 +107,9 @@ def test_random_and_bayes_points_are_seeded_draws_within_the_distributions(tmp_p
         "strategy": {"values": ["ddp", "fsdp2"]},
     }
     for method in ("random", "bayes"):
-        spec = sweep.load_spec(write_spec(tmp_path, parameters, method=method, metric={"name": "val/loss", "goal": "minimize"}))
+        spec = sweep.load_spec(
+            write_spec(tmp_path, parameters, method=method, metric={"name": "val/loss", "goal": "minimize"})
+        )
         points = sweep.sweep_points(spec, count=50, seed=1)
         assert points == sweep.sweep_points(spec, count=50, seed=1) != sweep.sweep_points(spec, count=50, seed=2)
         assert all(1e-4 <= p["optim.lr"] <= 1e-2 and p["micro_batch_size"] in (1, 2, 3, 4) for p in points)
@@ -121,10 +133,17 @@ def wandb_agent_commands(raw: dict, points: list[dict], tmp_path: Path, monkeypa
         monkeypatch.setenv(name, "sweep0")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     agent = wandb_agent.Agent.__new__(wandb_agent.Agent)  # no server: only the method that builds the command
-    agent._sweep_command, agent._function, agent._in_jupyter, agent._forward_signals = list(raw["command"]), None, False, False
+    agent._sweep_command, agent._function, agent._in_jupyter, agent._forward_signals = (
+        list(raw["command"]),
+        None,
+        False,
+        False,
+    )
     agent._run_processes = {}
     for index, point in enumerate(points):
-        agent._command_run({"run_id": f"run{index}", "program": raw["program"], "args": {k: {"value": v} for k, v in point.items()}})
+        agent._command_run(
+            {"run_id": f"run{index}", "program": raw["program"], "args": {k: {"value": v} for k, v in point.items()}}
+        )
     return started
 
 
@@ -142,7 +161,9 @@ def test_dry_run_prints_the_command_lines_wandbs_agent_runs(tmp_path, monkeypatc
     assert result.returncode == 0, result.stderr
     printed = [shlex.split(line) for line in result.stdout.splitlines() if not line.startswith("#")]
     points = sweep.sweep_points(sweep.load_spec(path))
-    assert len(printed) == 4 and printed == wandb_agent_commands(yaml.safe_load(path.read_text()), points, tmp_path, monkeypatch)
+    assert len(printed) == 4 and printed == wandb_agent_commands(
+        yaml.safe_load(path.read_text()), points, tmp_path, monkeypatch
+    )
     assert printed[0] == ["/usr/bin/env", "python", "-m", "project.train", "experiment=debug", "data.dir=/data/shards",
                           "optim.lr=0.0001", "strategy.activation_checkpointing=False", "trainer.devices=2"]  # fmt: skip
 
@@ -150,7 +171,9 @@ def test_dry_run_prints_the_command_lines_wandbs_agent_runs(tmp_path, monkeypatc
 def test_dry_run_of_a_bayes_spec_says_it_draws_at_random(tmp_path):
     path = write_spec(tmp_path, {"optim.lr": {"distribution": "log_uniform_values", "min": 1e-4, "max": 1e-2}}, method="bayes",
                       metric={"name": "val/loss", "goal": "minimize"}, run_cap=3)  # fmt: skip
-    result = run_module("project.sweep", [f"spec={path}", "dry_run=true", "experiment=shakespeare", "trainer.max_steps=5"])
+    result = run_module(
+        "project.sweep", [f"spec={path}", "dry_run=true", "experiment=shakespeare", "trainer.max_steps=5"]
+    )
     assert result.returncode == 0, result.stderr
     assert "bayes runs here as random draws" in result.stdout
     lines = [shlex.split(line) for line in result.stdout.splitlines() if line.startswith("/usr/bin/env")]
@@ -160,7 +183,15 @@ def test_dry_run_of_a_bayes_spec_says_it_draws_at_random(tmp_path):
 
 
 def test_extra_overrides_replace_what_the_command_or_a_constant_sets():
-    argv = ["python", "-m", "project.train", "experiment=shakespeare", "logger=wandb", "trainer.devices=4", "optim.lr=0.1"]
+    argv = [
+        "python",
+        "-m",
+        "project.train",
+        "experiment=shakespeare",
+        "logger=wandb",
+        "trainer.devices=4",
+        "optim.lr=0.1",
+    ]
     assert sweep.with_overrides(argv, ["logger=csv", "trainer.devices=2", "+seed=3"]) == [
         "python", "-m", "project.train", "experiment=shakespeare", "logger=csv", "trainer.devices=2", "optim.lr=0.1", "+seed=3",
     ]  # fmt: skip
@@ -169,8 +200,12 @@ def test_extra_overrides_replace_what_the_command_or_a_constant_sets():
 @pytest.mark.parametrize(
     "parameters, spec_extra, argv, message",
     [
-        ({"optim.lr": {"values": [1e-3]}}, {"command": ["${env}", "${interpreter}", "-m", "project.train", "${args}"]}, [],
-         "${args_no_hyphens}"),
+        (
+            {"optim.lr": {"values": [1e-3]}},
+            {"command": ["${env}", "${interpreter}", "-m", "project.train", "${args}"]},
+            [],
+            "${args_no_hyphens}",
+        ),
         ({"strategy.virtual_stages": {"values": [None, 2]}}, {}, [], 'write "null"'),
         ({"optim": {"parameters": {"lr": {"values": [1e-3]}}}}, {}, [], "optim.KEY"),
         ({"optim.lr": {"values": [1e-3]}}, {"program": None}, [], "set program"),
@@ -182,10 +217,23 @@ def test_extra_overrides_replace_what_the_command_or_a_constant_sets():
         ({"optim.lr": {"values": [1e-3]}}, {}, ["trainer.max_steps=5,10"], "one value per override"),
         ({"optim.lr": {"values": [1e-3]}}, {}, ["data.dir=[a"], "Hydra cannot read this override"),
     ],
-    ids=["hyphenated-args", "null", "nested", "no-program", "random-without-count", "grid-of-a-distribution",
-         "override-of-a-varied-key", "run-dir", "count", "several-values", "unreadable-override"],  # fmt: skip
+    ids=[
+        "hyphenated-args",
+        "null",
+        "nested",
+        "no-program",
+        "random-without-count",
+        "grid-of-a-distribution",
+        "override-of-a-varied-key",
+        "run-dir",
+        "count",
+        "several-values",
+        "unreadable-override",
+    ],  # fmt: skip
 )
-def test_a_bad_spec_or_argument_is_one_error_paragraph_with_status_2(tmp_path, capsys, parameters, spec_extra, argv, message):
+def test_a_bad_spec_or_argument_is_one_error_paragraph_with_status_2(
+    tmp_path, capsys, parameters, spec_extra, argv, message
+):
     spec_extra = dict(spec_extra)
     method = spec_extra.pop("method", "grid")
     path = write_spec(tmp_path, parameters, method=method, **spec_extra)
@@ -198,7 +246,11 @@ def test_a_bad_spec_or_argument_is_one_error_paragraph_with_status_2(tmp_path, c
 def test_each_point_is_recorded_with_the_values_it_ran_with_after_the_overrides(tmp_path, monkeypatch):
     """An override of a constant parameter replaces it in the point's command and in its record: a record's
     parameters are what Hydra composes from that point's own command, not the spec's values."""
-    parameters = {"optim.lr": {"values": [1e-3, 3e-3]}, "trainer.devices": {"value": 4}, "trainer.max_steps": {"value": 100}}
+    parameters = {
+        "optim.lr": {"values": [1e-3, 3e-3]},
+        "trainer.devices": {"value": 4},
+        "trainer.max_steps": {"value": 100},
+    }
     path = write_spec(tmp_path, parameters)
     monkeypatch.setattr(sweep, "run_point", lambda argv: (0, ""))  # nothing trains: the record is what is tested
     overrides = ["trainer.devices=2", "trainer.max_steps=5", "logger=csv"]
@@ -211,7 +263,9 @@ def test_each_point_is_recorded_with_the_values_it_ran_with_after_the_overrides(
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         for record in records:
             argv = record["command"]
-            cfg = compose(config_name="train", overrides=argv[argv.index("project.train") + 1 :], return_hydra_config=True)
+            cfg = compose(
+                config_name="train", overrides=argv[argv.index("project.train") + 1 :], return_hydra_config=True
+            )
             assert {name: OmegaConf.select(cfg, name) for name in record["parameters"]} == record["parameters"]
 
 
@@ -293,14 +347,20 @@ def test_a_sweep_whose_every_point_is_refused_reports_each_and_exits_1(tiny_shar
         (0, 2, {"micro_batch_size": 3}),
         (1, 2, {"micro_batch_size": 5}),
     ]
-    assert all(r["seconds"] < 10 and "logger=csv" in r["command"] and "logger=wandb" not in r["command"] for r in records)
+    assert all(
+        r["seconds"] < 10 and "logger=csv" in r["command"] and "logger=wandb" not in r["command"] for r in records
+    )
     assert not (tmp_path / "sweep" / "0").exists()  # a refused run leaves no run directory
     assert (tmp_path / "sweep" / "spec.yaml").read_text() == path.read_text()
 
 
 @pytest.mark.slow
 def test_a_local_sweep_runs_every_point_and_reports_the_invalid_one_within_seconds(tiny_shards, tmp_path):
-    parameters = {"global_batch_size": {"values": [8, 7]}, "strategy": {"value": "ddp"}, "trainer.devices": {"value": 2}}
+    parameters = {
+        "global_batch_size": {"values": [8, 7]},
+        "strategy": {"value": "ddp"},
+        "trainer.devices": {"value": 2},
+    }
     path = write_spec(tmp_path, parameters)
     overrides = [*data_overrides(tiny_shards), "trainer.max_steps=3", "val_every_n_steps=3", "logger=csv",
                  "trainer.enable_progress_bar=true"]  # fmt: skip
@@ -333,16 +393,30 @@ def test_hydra_multirun_runs_each_multi_process_job_once_with_all_its_ranks_in_i
     tiny_shards, tmp_path, monkeypatch, named_folder
 ):
     monkeypatch.setenv("PROJECT_ROOT", str(tmp_path))  # outputs/multiruns/<date>_<time>/ under tmp_path
-    args = ["-m", "experiment=debug", "strategy=ddp,fsdp2", "trainer.devices=2", "trainer.max_steps=3", *data_overrides(tiny_shards)]
+    args = [
+        "-m",
+        "experiment=debug",
+        "strategy=ddp,fsdp2",
+        "trainer.devices=2",
+        "trainer.max_steps=3",
+        *data_overrides(tiny_shards),
+    ]
     named = [f"hydra.sweep.dir={tmp_path / 'outputs' / 'multiruns' / 'layouts'}"] if named_folder else []
     result = run_module("project.train", [*args, *named])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     job_dirs = sorted({log.parent for log in (tmp_path / "outputs").rglob("train*.log")})
     assert len(job_dirs) == 2, job_dirs
     for job_dir in job_dirs:
-        assert (job_dir / "metrics.csv").is_file() and (job_dir / "train.log").is_file() and (job_dir / "train.rank1.log").is_file()
+        assert (
+            (job_dir / "metrics.csv").is_file()
+            and (job_dir / "train.log").is_file()
+            and (job_dir / "train.rank1.log").is_file()
+        )
         for log in ("train.log", "train.rank1.log"):  # each rank of each job started once
             assert sum(line.startswith("== ") for line in (job_dir / log).read_text().splitlines()) == 1
         assert sorted(read_metrics(job_dir, "train/loss")) == [0, 1, 2]  # no step logged twice
     strategies = [yaml.safe_load((d / ".hydra" / "overrides.yaml").read_text()) for d in job_dirs]
-    assert [[o for o in overrides if o.startswith("strategy=")] for overrides in strategies] == [["strategy=ddp"], ["strategy=fsdp2"]]
+    assert [[o for o in overrides if o.startswith("strategy=")] for overrides in strategies] == [
+        ["strategy=ddp"],
+        ["strategy=fsdp2"],
+    ]

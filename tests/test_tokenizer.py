@@ -73,8 +73,12 @@ def test_loads_a_sentencepiece_model(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(texts(count=2)))
     sentencepiece.SentencePieceTrainer.train(
-        input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=60, model_type="bpe",
-        character_coverage=1.0, minloglevel=2,
+        input=str(corpus),
+        model_prefix=str(tmp_path / "sp"),
+        vocab_size=60,
+        model_type="bpe",
+        character_coverage=1.0,
+        minloglevel=2,
     )
     reference = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
 

@@ -2,7 +2,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import read_metrics, run_module, run_train, train_overrides
 
 pytestmark = pytest.mark.slow
@@ -30,7 +29,15 @@ def test_run_directory_holds_config_metrics_and_checkpoints(debug_run):
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert list((run_dir / "checkpoints").glob("best-*.ckpt"))
     header = (run_dir / "metrics.csv").read_text().splitlines()[0].split(",")
-    for name in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec", "train/tokens_seen", "val/loss", "val/ppl"):
+    for name in (
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_sec",
+        "train/tokens_seen",
+        "val/loss",
+        "val/ppl",
+    ):
         assert name in header
     val = read_metrics(run_dir, "val/loss")
     ppl = read_metrics(run_dir, "val/ppl")
@@ -83,7 +90,9 @@ def test_trainer_settings_the_entry_point_computes_are_refused(tiny_shards, tmp_
 
 
 def test_cpu_offload_on_a_cpu_run_is_a_clear_error(tiny_shards, tmp_path):
-    args = train_overrides(tiny_shards, tmp_path, "strategy=fsdp", "strategy.cpu_offload=true", "trainer.devices=2", "global_batch_size=8")
+    args = train_overrides(
+        tiny_shards, tmp_path, "strategy=fsdp", "strategy.cpu_offload=true", "trainer.devices=2", "global_batch_size=8"
+    )
     result = run_module("project.train", args)
     assert result.returncode == 2
     assert "this run is already on the CPU: set strategy.cpu_offload=false" in result.stderr
@@ -146,8 +155,12 @@ def test_training_prepares_missing_shards_from_the_data_sources(tmp_path):
     corpus = write_corpus(tmp_path / "raw", documents=4, lines=100)
     shards = tmp_path / "fresh-shards"  # nothing prepared here yet
     data = [f"data.sources=[{corpus}/*.txt]", "data.fetch=null", "trainer.max_steps=2"]
-    refused = run_module("project.train", train_overrides(shards, tmp_path / "refused", *data, "data.auto_prepare=false"))
-    assert refused.returncode == 2 and "missing manifest.json" in refused.stderr and "data.auto_prepare" in refused.stderr
+    refused = run_module(
+        "project.train", train_overrides(shards, tmp_path / "refused", *data, "data.auto_prepare=false")
+    )
+    assert (
+        refused.returncode == 2 and "missing manifest.json" in refused.stderr and "data.auto_prepare" in refused.stderr
+    )
     # A run shorter than trainer.log_every_n_steps still writes its metrics (here: after its last step).
     run_train(shards, tmp_path / "run", *data, "trainer.log_every_n_steps=50")
     assert (shards / "manifest.json").is_file() and (shards / "tokenizer.json").is_file()
@@ -164,14 +177,19 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_do(debug_run, tiny_sha
     assert (run_dir / "metrics.csv").read_text() == before
     # The run's record is the run's, not the no-op start's; nor a refused start's.
     assert {p.name: p.read_text() for p in [*(run_dir / ".hydra").iterdir(), run_dir / "config.yaml"]} == record
-    refused = run_module("project.train", train_overrides(tiny_shards, run_dir, "ckpt_path=last", "trainer.max_steps=40", "model.dim=32"))
+    refused = run_module(
+        "project.train", train_overrides(tiny_shards, run_dir, "ckpt_path=last", "trainer.max_steps=40", "model.dim=32")
+    )
     assert refused.returncode == 2 and "holds a model of another shape" in refused.stderr
     assert {p.name: p.read_text() for p in [*(run_dir / ".hydra").iterdir(), run_dir / "config.yaml"]} == record
 
 
 def test_a_refused_run_leaves_no_run_directory(tiny_shards, tmp_path):
     run_dir = tmp_path / "never-ran"
-    result = run_module("project.train", train_overrides(tiny_shards, run_dir, "global_batch_size=7", "trainer.devices=2", "strategy=ddp"))
+    result = run_module(
+        "project.train",
+        train_overrides(tiny_shards, run_dir, "global_batch_size=7", "trainer.devices=2", "strategy=ddp"),
+    )
     assert result.returncode == 2 and "global_batch_size=7" in result.stderr
     assert not run_dir.exists()
 

@@ -5,4 +5,12 @@ from project.callbacks.progress import StepProgressBar
 from project.callbacks.summary import LlamaModelSummary
 from project.callbacks.throughput import TokenThroughput
 
-__all__ = ["BestCheckpoint", "LayoutFacts", "LlamaModelSummary", "MemoryMonitor", "StepCheckpoint", "StepProgressBar", "TokenThroughput"]
+__all__ = [
+    "BestCheckpoint",
+    "LayoutFacts",
+    "LlamaModelSummary",
+    "MemoryMonitor",
+    "StepCheckpoint",
+    "StepProgressBar",
+    "TokenThroughput",
+]

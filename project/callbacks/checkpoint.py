@@ -65,7 +65,9 @@ class StepCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero and self._last_checkpoint_saved:
             remove(Path(f"{self._last_checkpoint_saved}.old"))
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if trainer.global_step == trainer.max_steps:
             self.save(trainer)
@@ -138,8 +140,10 @@ def refused_by_storage(trainer: Trainer, written: Path, target: Path) -> Iterato
     try:
         yield
     except (OSError, CheckpointException) as error:
-        cause = error if isinstance(error, OSError) else next(
-            (failure for failure, _ in error.failures.values() if isinstance(failure, OSError)), None
+        cause = (
+            error
+            if isinstance(error, OSError)
+            else next((failure for failure, _ in error.failures.values() if isinstance(failure, OSError)), None)
         )
         if cause is None:
             raise

@@ -26,7 +26,9 @@ def local_bytes(tensors) -> int:
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the process's resident high-water mark (Linux: KiB)
+    return (
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )  # the process's resident high-water mark (Linux: KiB)
 
 
 class MemoryMonitor(Callback):
@@ -43,12 +45,16 @@ class MemoryMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._last_step, self._figures = trainer.global_step, {}
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step == self._last_step:  # inside a gradient-accumulation window
             return
         self._last_step = trainer.global_step
         params = list(pl_module.parameters())
-        optimizer_state = [v for state in trainer.optimizers[0].state.values() for v in state.values() if torch.is_tensor(v)]
+        optimizer_state = [
+            v for state in trainer.optimizers[0].state.values() for v in state.values() if torch.is_tensor(v)
+        ]
         self._figures = {
             "param_bytes": local_bytes(params),
             "grad_bytes": local_bytes(p.grad for p in params),
@@ -63,5 +69,10 @@ class MemoryMonitor(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         folder = self.output_dir / "memory"
         folder.mkdir(parents=True, exist_ok=True)
-        record = {"global_rank": trainer.global_rank, "world_size": trainer.world_size, "step": trainer.global_step, **self._figures}
+        record = {
+            "global_rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "step": trainer.global_step,
+            **self._figures,
+        }
         (folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(record, indent=1) + "\n")

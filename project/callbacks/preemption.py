@@ -52,7 +52,9 @@ class StopOnSignal(Callback):
             if previous != self._on_signal and signum not in self._previous_handlers:
                 self._previous_handlers[signum] = previous
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step == self._last_step:  # inside a gradient-accumulation window
             return
         self._last_step = trainer.global_step

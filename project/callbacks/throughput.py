@@ -53,13 +53,17 @@ class TokenThroughput(Callback):
             dtype = _PRECISION_DTYPE.get(str(trainer.precision).split("-")[0], torch.float32)
             self._peak = get_available_flops(pl_module.device, dtype)
         if self._peak is None:
-            rank_zero_info("train/mfu is not logged: the peak FLOP/s of this device is unknown (set peak_flops_per_device=...).")
+            rank_zero_info(
+                "train/mfu is not logged: the peak FLOP/s of this device is unknown (set peak_flops_per_device=...)."
+            )
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._step_start is None:
             self._step_start = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step == self._last_step:  # inside a gradient-accumulation window
             return
         self._last_step = trainer.global_step
@@ -71,7 +75,9 @@ class TokenThroughput(Callback):
         if first and trainer.is_global_zero and (age := process_age_seconds()) is not None:
             # Written at once: a value logged through self.log would wait for the next logging step.
             for logger in trainer.loggers:
-                logger.log_metrics({"time/seconds_to_first_step": age}, step=trainer.global_step - 1)  # the step's own row
+                logger.log_metrics(
+                    {"time/seconds_to_first_step": age}, step=trainer.global_step - 1
+                )  # the step's own row
             rank_zero_info(f"first optimizer step done {age:.1f} s after the command started")
         tokens_per_sec = sum(t for t, _ in self._steps) / sum(s for _, s in self._steps)
         pl_module.log("train/tokens_per_sec", tokens_per_sec, prog_bar=True)

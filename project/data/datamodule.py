@@ -51,14 +51,20 @@ def corpora_from(mix: Sequence[Mapping[str, Any]]) -> list[Corpus]:
     corpora = []
     for i, entry in enumerate(mix):
         if not isinstance(entry, Mapping) or "dir" not in entry:
-            raise ConfigError(f"data.mix[{i}]={entry!r} needs a `dir` (prepared shards) and a `weight`, e.g. {{dir: data/web, weight: 0.7}}.")
+            raise ConfigError(
+                f"data.mix[{i}]={entry!r} needs a `dir` (prepared shards) and a `weight`, e.g. {{dir: data/web, weight: 0.7}}."
+            )
         weight = entry.get("weight", 1.0)
         if not isinstance(weight, (int, float)) or not weight > 0:
-            raise ConfigError(f"data.mix[{i}].weight={weight!r} must be a positive number (weights are normalized to sum to 1).")
+            raise ConfigError(
+                f"data.mix[{i}].weight={weight!r} must be a positive number (weights are normalized to sum to 1)."
+            )
         corpora.append(Corpus(str(entry.get("name") or Path(str(entry["dir"])).name), str(entry["dir"]), float(weight)))
     names = [c.name for c in corpora]
     if not corpora or len(set(names)) != len(names):
-        raise ConfigError(f"data.mix needs at least one corpus, each with its own name (got {names}): set `name:` on each entry.")
+        raise ConfigError(
+            f"data.mix needs at least one corpus, each with its own name (got {names}): set `name:` on each entry."
+        )
     total = sum(c.weight for c in corpora)
     return [Corpus(c.name, c.dir, c.weight / total) for c in corpora]
 
@@ -110,7 +116,9 @@ class TokenShardDataModule(LightningDataModule):
         self.storage_options = dict(storage_options) if storage_options is not None else None
         self.save_hyperparameters(ignore=["storage_options", "mix"])
         self.save_hyperparameters(without_secrets({"storage_options": storage_options, "mix": mix}))
-        self.corpora = corpora_from(mix) if mix else [Corpus(str(data_dir).rstrip("/").rsplit("/", 1)[-1], str(data_dir))]
+        self.corpora = (
+            corpora_from(mix) if mix else [Corpus(str(data_dir).rstrip("/").rsplit("/", 1)[-1], str(data_dir))]
+        )
         # Each corpus's folder of manifest, tokenizer and indexes: itself, or a local view of remote shards.
         checked = [check_prepared_shards(c.dir, seq_len, cache_dir, storage_options) for c in self.corpora]
         self.views = {c.dir: view for c, (view, _) in zip(self.corpora, checked)}
@@ -139,7 +147,11 @@ class TokenShardDataModule(LightningDataModule):
         for corpus in self.corpora[1:]:
             theirs, ours = tokenizer_identity(self.views[corpus.dir]), tokenizer_identity(self.views[first.dir])
             if theirs != ours:
-                differ = ", ".join(f"{k} {str(ours.get(k))[:12]} vs {str(theirs.get(k))[:12]}" for k in ours if ours.get(k) != theirs.get(k))
+                differ = ", ".join(
+                    f"{k} {str(ours.get(k))[:12]} vs {str(theirs.get(k))[:12]}"
+                    for k in ours
+                    if ours.get(k) != theirs.get(k)
+                )
                 raise ConfigError(
                     f"data.mix: corpus {corpus.name!r} ({corpus.dir}) was prepared with another tokenizer than {first.name!r} "
                     f"({first.dir}): {differ}. Every corpus of a mixture must share one: prepare {corpus.dir} again with "
@@ -181,7 +193,8 @@ class TokenShardDataModule(LightningDataModule):
         train = [self._split(i, "train") for i in range(len(self.corpora))]
         self.val_sets = [self._split(i, "val") for i in range(len(self.corpora))]
         orders = [
-            BlockOrder(part.chunk_blocks, self.hparams.seed, self.hparams.shuffle_window, stream=i) for i, part in enumerate(train)
+            BlockOrder(part.chunk_blocks, self.hparams.seed, self.hparams.shuffle_window, stream=i)
+            for i, part in enumerate(train)
         ]
         if len(train) == 1:
             self.train_set, self.train_order = train[0], orders[0]
@@ -190,7 +203,9 @@ class TokenShardDataModule(LightningDataModule):
             self.train_order = MixtureOrder(orders, [c.weight for c in self.corpora])
 
     def _loader(self, dataset: Dataset, batch_sampler: Any) -> DataLoader:
-        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_blocks, **loader_options(self.hparams.num_workers))
+        return DataLoader(
+            dataset, batch_sampler=batch_sampler, collate_fn=collate_blocks, **loader_options(self.hparams.num_workers)
+        )
 
     def train_dataloader(self) -> DataLoader:
         # Lightning restores global_step before it asks for loaders, so this is the resumed step.
@@ -238,7 +253,11 @@ class TokenShardDataModule(LightningDataModule):
         return blocks[0] if len(blocks) == 1 else blocks
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"samples_consumed": self.samples_consumed, "seed": self.hparams.seed, "num_train_blocks": self._train_blocks()}
+        state = {
+            "samples_consumed": self.samples_consumed,
+            "seed": self.hparams.seed,
+            "num_train_blocks": self._train_blocks(),
+        }
         if len(self.corpora) > 1:
             state["mix"] = {c.name: c.weight for c in self.corpora}
         return state

@@ -53,7 +53,11 @@ def node_of(node_rank: int | None = None, num_nodes: int | None = None, environ:
         rank, count, source = 0, 1, None
         for rank_key, count_key, name in NODE_ENVIRONMENTS:
             if rank_key in environ and count_key in environ:
-                rank, count, source = int(environ[rank_key]), int(environ[count_key]), f"{name} ({rank_key}, {count_key})"
+                rank, count, source = (
+                    int(environ[rank_key]),
+                    int(environ[count_key]),
+                    f"{name} ({rank_key}, {count_key})",
+                )
                 if rank_key == "SLURM_ARRAY_TASK_ID":  # arrays may start anywhere: --array=1-8
                     rank -= int(environ.get("SLURM_ARRAY_TASK_MIN", 0))
                 break
@@ -105,7 +109,11 @@ def build_parts(
                 target = part_dir(work, part) / split
                 shutil.rmtree(target, ignore_errors=True)
                 target.mkdir(parents=True)
-                mine = [c for c in index["chunks"] if c["filename"].startswith(f"chunk-{worker}-")] if part in with_docs else []
+                mine = (
+                    [c for c in index["chunks"] if c["filename"].startswith(f"chunk-{worker}-")]
+                    if part in with_docs
+                    else []
+                )
                 for i, chunk in enumerate(mine):
                     name = f"chunk-{part}-{i}.bin"
                     (batch_dir / split / chunk["filename"]).rename(target / name)

@@ -130,7 +130,8 @@ def prepare_shards(
         "tokenizer": {"kind": "hf"|"sentencepiece", "file": name in output_dir, "vocab_size", "eos_id", "bos_id"},
         "seq_len", "block_size": seq_len + 1, "dtype": "uint16"|"int32",
         "splits": {"train"|"val": {"documents", "tokens", "blocks"}},
-        "sources": [{"path", "bytes"}, ...], "settings": {"tokenizer", "tokenizer_sha256", "vocab_size", "text_field"}, "val_fraction", "seed"}
+        "sources": [{"path", "bytes"}, ...], "val_fraction", "seed",
+        "settings": {"tokenizer", "tokenizer_sha256", "vocab_size", "text_field"}}
     where `blocks` is what `StreamingDataset(split dir, item_loader=TokensLoader(block_size))` holds.
 
     `output_dir` may be an s3:// URL (`storage_options` go to boto3): the shards are built in a local
@@ -141,8 +142,17 @@ def prepare_shards(
     them, and the last machine to finish merges them into `output_dir`; the others return {}.
     """
     patterns = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
-    settings = _Settings(vocab_size, seq_len, val_fraction, text_field, num_workers, seed, int(part_mb * (1 << 20)),
-                         int(chunk_mb * (1 << 20)), str(Path(tokenizer).absolute()) if tokenizer else None)
+    settings = _Settings(
+        vocab_size,
+        seq_len,
+        val_fraction,
+        text_field,
+        num_workers,
+        seed,
+        int(part_mb * (1 << 20)),
+        int(chunk_mb * (1 << 20)),
+        str(Path(tokenizer).absolute()) if tokenizer else None,
+    )
     _check(settings, part_mb, chunk_mb)
     rank, nodes = node_of(node_rank, num_nodes)
     if nodes > 1 and not tokenizer:
@@ -157,11 +167,15 @@ def prepare_shards(
                 f"data.dir={output_dir}: preparing on {nodes} machines writes to a folder they share; prepare into one, "
                 "then train from it or copy it into object storage with your storage's own tool."
             )
-        return _prepare_to_remote(patterns, str(output_dir).rstrip("/"), tokenizer, settings, overwrite, fetch, storage_options)
+        return _prepare_to_remote(
+            patterns, str(output_dir).rstrip("/"), tokenizer, settings, overwrite, fetch, storage_options
+        )
     output_dir = Path(output_dir).absolute()
     # The lock and the staging folder go beside data.dir, and the shards are renamed into place from there.
     if problem := unwritable(output_dir.parent) or (output_dir.is_file() and f"{output_dir} is a file, not a folder"):
-        raise ConfigError(f"data.dir={output_dir}: cannot write there ({problem}); point data.dir at a folder you can write to.")
+        raise ConfigError(
+            f"data.dir={output_dir}: cannot write there ({problem}); point data.dir at a folder you can write to."
+        )
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     # Ranks or jobs that prepare the same directory at once wait here, then find it up to date.
     lock = FileLock(output_dir.parent / f".{output_dir.name}.lock")
@@ -198,8 +212,15 @@ def prepare_shards(
     return manifest
 
 
-def _prepare_to_remote(patterns: list, url: str, tokenizer: Any, settings: _Settings, overwrite: bool,
-                       fetch: str | None, storage_options: Mapping[str, Any] | None) -> dict:
+def _prepare_to_remote(
+    patterns: list,
+    url: str,
+    tokenizer: Any,
+    settings: _Settings,
+    overwrite: bool,
+    fetch: str | None,
+    storage_options: Mapping[str, Any] | None,
+) -> dict:
     """prepare_shards into object storage: the same up-to-date and overwrite rules as a local folder."""
     files = _resolve_or_fetch(patterns, fetch)
     given = load_tokenizer(tokenizer) if tokenizer else None
@@ -220,7 +241,9 @@ def _prepare_to_remote(patterns: list, url: str, tokenizer: Any, settings: _Sett
         )
     with tempfile.TemporaryDirectory(prefix="prepare-") as staging:
         local = Path(staging) / "shards"
-        manifest = _build(local, Path(staging) / "parts", FileLock(Path(staging) / "lock"), fingerprint, files, given, settings, 0, 1)
+        manifest = _build(
+            local, Path(staging) / "parts", FileLock(Path(staging) / "lock"), fingerprint, files, given, settings, 0, 1
+        )
         log.info("Uploading the shards to %s", url)
         upload_dataset(local, url, storage_options)
     _log_summary(manifest, url)
@@ -229,7 +252,9 @@ def _prepare_to_remote(patterns: list, url: str, tokenizer: Any, settings: _Sett
 
 def _check(settings: _Settings, part_mb: float = 1, chunk_mb: float = 1) -> None:
     if not (chunk_mb > 0 and settings.chunk_bytes >= 4 * (settings.seq_len + 1)):
-        raise ConfigError(f"data.chunk_mb={chunk_mb} must hold at least one block of data.seq_len + 1 tokens; 1 (small corpora) to 64 (large ones).")
+        raise ConfigError(
+            f"data.chunk_mb={chunk_mb} must hold at least one block of data.seq_len + 1 tokens; 1 (small corpora) to 64 (large ones)."
+        )
     if not part_mb > 0:
         raise ConfigError(f"data.prepare_part_mb={part_mb} must be above 0 (MB of source text per part of the work).")
     if settings.seq_len < 1:
@@ -274,9 +299,15 @@ def _fingerprint(files: list[Path], tokenizer: Tokenizer | None, settings: _Sett
     else:
         tokenizer_key = {"train_bpe": settings.vocab_size}
     key = {
-        "format": MANIFEST_FORMAT, "tokenizer": tokenizer_key, "seq_len": settings.seq_len,
-        "val_fraction": settings.val_fraction, "text_field": settings.text_field, "seed": settings.seed,
-        "chunk_bytes": settings.chunk_bytes, "part_bytes": settings.part_bytes, "sources": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+        "format": MANIFEST_FORMAT,
+        "tokenizer": tokenizer_key,
+        "seq_len": settings.seq_len,
+        "val_fraction": settings.val_fraction,
+        "text_field": settings.text_field,
+        "seed": settings.seed,
+        "chunk_bytes": settings.chunk_bytes,
+        "part_bytes": settings.part_bytes,
+        "sources": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -317,8 +348,12 @@ def _refuse_to_clobber(
         return
     if overwrite or not _shards_present(output_dir):
         return  # asked to, or the remains of a dataset whose shards were deleted: nothing valid to lose
-    now = {"seq_len": settings.seq_len, "val_fraction": settings.val_fraction, "seed": settings.seed,
-           "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files]}
+    now = {
+        "seq_len": settings.seq_len,
+        "val_fraction": settings.val_fraction,
+        "seed": settings.seed,
+        "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
+    }
     changed = [key for key, value in now.items() if existing.get(key) != value]
     raise ConfigError(
         f"data.dir={output_dir} holds shards prepared from other settings (changed: "
@@ -328,8 +363,15 @@ def _refuse_to_clobber(
 
 
 def _build(
-    output_dir: Path, work: Path, lock: FileLock, fingerprint: str, files: list[Path], tokenizer: Tokenizer | None,
-    settings: _Settings, rank: int, nodes: int,
+    output_dir: Path,
+    work: Path,
+    lock: FileLock,
+    fingerprint: str,
+    files: list[Path],
+    tokenizer: Tokenizer | None,
+    settings: _Settings,
+    rank: int,
+    nodes: int,
 ) -> dict:
     """Prepare this machine's parts under `work`; the last machine done merges them all into `output_dir`
     and returns the manifest, the others {}."""
@@ -346,15 +388,23 @@ def _build(
         part_of = {str(path): i for i, group in enumerate(parts) for path in group}
         refs = {p: {split: [r for r in splits[split] if part_of[r.path] == p] for split in SPLITS} for p in mine}
     else:
-        refs = {p: _split_documents(parts[p], text_field, settings.val_fraction, settings.seed, at_least_one=False) for p in mine}
+        refs = {
+            p: _split_documents(parts[p], text_field, settings.val_fraction, settings.seed, at_least_one=False)
+            for p in mine
+        }
     assert tokenizer is not None
     given_file = tokenizer.path if settings.tokenizer else None
     with lock:  # machines share the work folder: one writes the tokenizer, the others find it
         tokenizer_file = tokenizer.save(work)
     # uint16 halves the shards and the loader's memory traffic; ids beyond 65535 need int32.
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
-    optimize = partial(_optimize, tokenizer_file=str(tokenizer_file), text_field=text_field, dtype=dtype,
-                       chunk_bytes=settings.chunk_bytes)
+    optimize = partial(
+        _optimize,
+        tokenizer_file=str(tokenizer_file),
+        text_field=text_field,
+        dtype=dtype,
+        chunk_bytes=settings.chunk_bytes,
+    )
     todo = [p for p in mine if not is_done(work, p)]
     if todo:
         log.info("Tokenizing %d of %d parts (machine %d of %d)", len(todo), len(parts), rank, nodes)
@@ -369,8 +419,15 @@ def _build(
             return existing  # another machine merged meanwhile
         waiting = [p for p in range(len(parts)) if not is_done(work, p)]
         if waiting:
-            log.info("Machine %d of %d has prepared its %d parts; %d parts of other machines are not done yet: the "
-                     "last machine to finish merges them into %s.", rank, nodes, len(mine), len(waiting), output_dir)
+            log.info(
+                "Machine %d of %d has prepared its %d parts; %d parts of other machines are not done yet: the "
+                "last machine to finish merges them into %s.",
+                rank,
+                nodes,
+                len(mine),
+                len(waiting),
+                output_dir,
+            )
             return {}
         staging = output_dir.parent / f".{output_dir.name}.partial"
         shutil.rmtree(staging, ignore_errors=True)  # left by an interrupted run
@@ -381,16 +438,25 @@ def _build(
             manifest = {
                 "format": MANIFEST_FORMAT,
                 "fingerprint": fingerprint,
-                "tokenizer": {"kind": tokenizer.kind, "file": tokenizer_file.name, "vocab_size": tokenizer.vocab_size,
-                              "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id},
+                "tokenizer": {
+                    "kind": tokenizer.kind,
+                    "file": tokenizer_file.name,
+                    "vocab_size": tokenizer.vocab_size,
+                    "eos_id": tokenizer.eos_id,
+                    "bos_id": tokenizer.bos_id,
+                },
                 "seq_len": settings.seq_len,
                 "block_size": settings.seq_len + 1,
                 "dtype": np.dtype(dtype).name,
                 "splits": counts,
                 "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
                 # The data settings as given, for training to check its own against (project.checks).
-                "settings": {"tokenizer": settings.tokenizer, "tokenizer_sha256": file_sha256(given_file) if given_file else None,
-                             "vocab_size": settings.vocab_size, "text_field": text_field},
+                "settings": {
+                    "tokenizer": settings.tokenizer,
+                    "tokenizer_sha256": file_sha256(given_file) if given_file else None,
+                    "vocab_size": settings.vocab_size,
+                    "text_field": text_field,
+                },
                 "val_fraction": settings.val_fraction,
                 "seed": settings.seed,
                 "parts": len(parts),
@@ -411,13 +477,24 @@ def _train_tokenizer(train_refs: list[DocumentRef], text_field: str, settings: _
             "The training documents gave a BPE of only %d tokens, fewer than data.vocab_size=%d (a small corpus has "
             "no more merges to learn). The manifest records %d; set data.vocab_size=%d so that the model presets "
             "that follow it carry no embedding rows that never train.",
-            tokenizer.vocab_size, settings.vocab_size, tokenizer.vocab_size, tokenizer.vocab_size,
+            tokenizer.vocab_size,
+            settings.vocab_size,
+            tokenizer.vocab_size,
+            tokenizer.vocab_size,
         )
     return tokenizer
 
 
-def _optimize(inputs: list[list[DocumentRef]], output_dir: Path, num_workers: int, *, tokenizer_file: str,
-              text_field: str, dtype: type, chunk_bytes: int) -> None:
+def _optimize(
+    inputs: list[list[DocumentRef]],
+    output_dir: Path,
+    num_workers: int,
+    *,
+    tokenizer_file: str,
+    text_field: str,
+    dtype: type,
+    chunk_bytes: int,
+) -> None:
     """litdata.optimize over parts, one worker each (keep_data_ordered: worker w takes inputs[w])."""
     with _litdata_chatter_hidden():
         litdata.optimize(
@@ -443,8 +520,10 @@ def _split_documents(
     """
     scored = [(_split_score(text, seed), ref) for file in files for ref, text in iter_document_refs(file, text_field)]
     if not at_least_one:  # a share of a corpus prepared on several machines: the merge checks both sides
-        return {"train": [ref for score, ref in scored if score >= val_fraction],
-                "val": [ref for score, ref in scored if score < val_fraction]}
+        return {
+            "train": [ref for score, ref in scored if score >= val_fraction],
+            "val": [ref for score, ref in scored if score < val_fraction],
+        }
     if len(scored) < 2:
         raise ConfigError(
             f"data.sources hold {len(scored)} non-empty document(s), but a train and a validation split need at "
@@ -469,7 +548,9 @@ def _split_score(text: str, seed: int) -> float:
     return int.from_bytes(digest, "little") / 2**64
 
 
-def tokenize_part(refs: list[DocumentRef], *, tokenizer_file: str, text_field: str, dtype: type) -> Iterator[np.ndarray]:
+def tokenize_part(
+    refs: list[DocumentRef], *, tokenizer_file: str, text_field: str, dtype: type
+) -> Iterator[np.ndarray]:
     """litdata's worker function: the documents of one part, one item each (see `tokenize_document`)."""
     for ref in refs:
         yield tokenize_document(ref, tokenizer_file=tokenizer_file, text_field=text_field, dtype=dtype)
@@ -559,6 +640,12 @@ def _swap_in(staging: Path, output_dir: Path) -> None:
 
 def _log_summary(manifest: dict, output_dir: Path | str) -> None:
     for split, counts in manifest["splits"].items():
-        log.info("%-5s %6d documents %10d tokens %8d blocks of %d", split, counts["documents"], counts["tokens"],
-                 counts["blocks"], manifest["block_size"])
+        log.info(
+            "%-5s %6d documents %10d tokens %8d blocks of %d",
+            split,
+            counts["documents"],
+            counts["tokens"],
+            counts["blocks"],
+            manifest["block_size"],
+        )
     log.info("Shards, tokenizer and manifest written to %s", output_dir)

@@ -48,7 +48,11 @@ class BlockOrder:
     """
 
     def __init__(
-        self, chunk_blocks: Sequence[int] | np.ndarray, seed: int, window_chunks: int = DEFAULT_WINDOW_CHUNKS, stream: int = 0
+        self,
+        chunk_blocks: Sequence[int] | np.ndarray,
+        seed: int,
+        window_chunks: int = DEFAULT_WINDOW_CHUNKS,
+        stream: int = 0,
     ):
         sizes = np.asarray(chunk_blocks, dtype=np.int64)
         if sizes.ndim != 1 or (sizes < 0).any():

@@ -46,7 +46,11 @@ def allow_plain_http(storage_options: Mapping[str, Any] | None) -> None:
     other S3-compatible server inside a cluster, a test server on loopback) with 'builder error' unless
     its client allows it; litdata passes obstore a fixed set of client options, so add the permission
     there, for http:// endpoints only. Fetches of index.json go through boto3, which needs nothing."""
-    endpoint = (storage_options or {}).get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = (
+        (storage_options or {}).get("endpoint_url")
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+    )
     if endpoint and str(endpoint).startswith("http://"):
         from litdata.streaming import downloader
 
@@ -68,8 +72,11 @@ def _downloader(url: str, storage_options: Mapping[str, Any] | None) -> Any:
     return get_downloader(url, "", [], dict(storage_options or {}))
 
 
-def local_view(data_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
-               storage_options: Mapping[str, Any] | None = None) -> Path:
+def local_view(
+    data_dir: str | os.PathLike,
+    cache_dir: str | os.PathLike | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Path:
     """A local folder with the manifest, tokenizer and split indexes of `data_dir`: itself when local,
     else a copy fetched under `cache_dir`. Missing remote files are simply not copied: the checks that
     read the folder then say what is missing, as for a local one."""
@@ -119,7 +126,9 @@ class ChunkCache:
         folder.mkdir(parents=True, exist_ok=True)
         fresh = folder / f".index.json.{os.getpid()}"
         if not _fetch(_downloader(self.url, storage_options), join(self.url, "index.json"), fresh):
-            raise ConfigError(f"{self.url}/index.json is missing: the split was not prepared there (run project.prepare again).")
+            raise ConfigError(
+                f"{self.url}/index.json is missing: the split was not prepared there (run project.prepare again)."
+            )
         fresh.replace(folder / "index.json")  # an index newer than the chunks cached before replaces theirs
         chunks = json.loads((folder / "index.json").read_bytes())["chunks"]
         self.files = [(c["filename"], int(c["chunk_bytes"])) for c in chunks]
@@ -134,7 +143,9 @@ class ChunkCache:
         if self._downloader is None:  # one per process: loader workers make their own after fork
             self._downloader = _downloader(self.url, self.storage_options)
         for _ in range(600):
-            self._downloader.download_file(join(self.url, name), str(path))  # returns at once if another process holds it
+            self._downloader.download_file(
+                join(self.url, name), str(path)
+            )  # returns at once if another process holds it
             if path.is_file() and path.stat().st_size == size:
                 self._evict(keep=name)
                 return
@@ -212,4 +223,4 @@ def upload_dataset(folder: Path, url: str, storage_options: Mapping[str, Any] | 
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/"):
         stale += [item["Key"] for item in page.get("Contents", []) if item["Key"] not in keys]
     for start in range(0, len(stale), 1000):
-        client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": key} for key in stale[start:start + 1000]]})
+        client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": key} for key in stale[start : start + 1000]]})

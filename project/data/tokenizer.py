@@ -138,7 +138,9 @@ def tokenizer_file(path: str | os.PathLike) -> Path:
     else its `tokenizer.model`."""
     path = Path(path)
     if path.is_dir():
-        path = next((path / kind.file_name for kind in _KINDS_BY_SUFFIX.values() if (path / kind.file_name).is_file()), path)
+        path = next(
+            (path / kind.file_name for kind in _KINDS_BY_SUFFIX.values() if (path / kind.file_name).is_file()), path
+        )
     return path
 
 
@@ -153,8 +155,11 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     kind = _KINDS_BY_SUFFIX.get(path.suffix)
     if not path.is_file() or kind is None:
         problem = (
-            "is a folder with neither a tokenizer.json nor a tokenizer.model" if path.is_dir()
-            else "is not a file" if not path.is_file() else "has an unknown suffix"
+            "is a folder with neither a tokenizer.json nor a tokenizer.model"
+            if path.is_dir()
+            else "is not a file"
+            if not path.is_file()
+            else "has an unknown suffix"
         )
         raise ConfigError(
             f"data.tokenizer={str(path)!r} {problem}. Point it at a HF tokenizer.json or a sentencepiece "

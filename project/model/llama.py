@@ -109,7 +109,12 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: LayerKV | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: LayerKV | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 instead of the head counts: under tensor parallelism each rank holds a slice of the heads.
@@ -157,7 +162,12 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: LayerKV | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: LayerKV | None = None,
     ) -> torch.Tensor:
         # By keyword: tensor parallelism's input hook on `attention` lays out the four positional inputs only.
         x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache=cache)
@@ -226,7 +236,12 @@ class Llama(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def run_layers(
-        self, h: torch.Tensor, layers, seq_len: int, document_ids: torch.Tensor | None = None, cache: KVCache | None = None
+        self,
+        h: torch.Tensor,
+        layers,
+        seq_len: int,
+        document_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Hidden states through `layers` (some or all of this model's blocks, in order).
 

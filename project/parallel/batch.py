@@ -55,7 +55,10 @@ def plan_batches(global_batch_size: int, data_parallel_size: int, micro_batch_si
 
 
 def plan_pipeline_batches(
-    global_batch_size: int, data_parallel_size: int, micro_batch_size: int | None = None, n_microbatches: int | None = None
+    global_batch_size: int,
+    data_parallel_size: int,
+    micro_batch_size: int | None = None,
+    n_microbatches: int | None = None,
 ) -> BatchPlan:
     """Each replica's share of the global batch is one training step, cut into `n_microbatches`
     microbatches of `micro_batch_size` sequences: give either (the other follows), or neither for

@@ -12,7 +12,9 @@ from project.parallel.compiled import CompiledBlocks
 from project.parallel.timeout import collective_timeout
 
 
-def _allreduce_sum(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _allreduce_sum(
+    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook that sums gradients instead of averaging them."""
     work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])

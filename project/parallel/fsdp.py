@@ -10,9 +10,9 @@ from lightning.pytorch.strategies.fsdp import _setup_activation_checkpointing
 from torch import nn
 
 from project.errors import ConfigError
+from project.model.llama import Block
 from project.parallel.compiled import compile_blocks
 from project.parallel.timeout import collective_timeout
-from project.model.llama import Block
 
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
 
@@ -48,7 +48,9 @@ class CPUCapableFSDPStrategy(FSDPStrategy):
             from torch.distributed.device_mesh import init_device_mesh
 
             shape = (self.world_size // size, size)
-            self.kwargs["device_mesh"] = init_device_mesh(self.root_device.type, shape, mesh_dim_names=("replicate", "shard"))
+            self.kwargs["device_mesh"] = init_device_mesh(
+                self.root_device.type, shape, mesh_dim_names=("replicate", "shard")
+            )
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         if self.compile:  # in place, before FSDP wraps each block
@@ -89,7 +91,9 @@ def fsdp_strategy(
     node) and replicates across groups, so only the gradient all-reduce crosses nodes.
     """
     if sharding_strategy not in ShardingStrategy.__args__:
-        raise ConfigError(f"strategy.sharding_strategy={sharding_strategy!r}: choose one of {list(ShardingStrategy.__args__)}.")
+        raise ConfigError(
+            f"strategy.sharding_strategy={sharding_strategy!r}: choose one of {list(ShardingStrategy.__args__)}."
+        )
     return CPUCapableFSDPStrategy(
         hybrid_shard_size=hybrid_shard_size,
         compile=compile,

@@ -12,7 +12,9 @@ from project.model.llama import Llama
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def apply_fsdp2(model: Llama | nn.Module, mesh: DeviceMesh, param_dtype: str | None = None, reduce_dtype: str | None = None) -> None:
+def apply_fsdp2(
+    model: Llama | nn.Module, mesh: DeviceMesh, param_dtype: str | None = None, reduce_dtype: str | None = None
+) -> None:
     """Shard parameters, gradients and optimizer state over `mesh`.
 
     Sharding each block separately lets one block's parameters be gathered while the previous

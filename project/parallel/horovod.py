@@ -36,12 +36,16 @@ def start_horovod(hierarchical_allreduce: bool = False, collective_timeout_minut
     try:
         import horovod.torch as hvd
     except ImportError as error:
-        raise ConfigError(f"strategy=horovod needs Horovod built with PyTorch, and this environment has none ({error}): {INSTALL}.") from error
+        raise ConfigError(
+            f"strategy=horovod needs Horovod built with PyTorch, and this environment has none ({error}): {INSTALL}."
+        ) from error
     if not hvd.is_initialized():
         if hierarchical_allreduce:
             os.environ["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
         if collective_timeout_minutes is not None:
-            os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(max(1, round(collective_timeout_minutes * 60))))
+            os.environ.setdefault(
+                "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(max(1, round(collective_timeout_minutes * 60)))
+            )
         hvd.init()
     return hvd
 
@@ -97,7 +101,13 @@ class HorovodStrategy(ParallelStrategy):
 
     strategy_name = "horovod"
 
-    def __init__(self, op: Any, compression: Any, hierarchical_allreduce: bool = False, collective_timeout_minutes: float | None = None) -> None:
+    def __init__(
+        self,
+        op: Any,
+        compression: Any,
+        hierarchical_allreduce: bool = False,
+        collective_timeout_minutes: float | None = None,
+    ) -> None:
         self.hvd = start_horovod(hierarchical_allreduce, collective_timeout_minutes)
         super().__init__(cluster_environment=HorovodEnvironment(self.hvd))
         self._op, self._compression = op, compression
@@ -208,12 +218,20 @@ class HorovodStrategy(ParallelStrategy):
         if not isinstance(tensor, torch.Tensor):
             return tensor
         if group is not None:
-            raise ValueError("strategy=horovod reduces over all processes only: Horovod has no torch.distributed groups.")
+            raise ValueError(
+                "strategy=horovod reduces over all processes only: Horovod has no torch.distributed groups."
+            )
         return self.hvd.allreduce(tensor, op=self._horovod_op(reduce_op))
 
     def _horovod_op(self, reduce_op: Any) -> Any:
         name = reduce_op.name.lower() if isinstance(reduce_op, ReduceOp.RedOpType) else str(reduce_op or "mean").lower()
-        ops = {"mean": self.hvd.Average, "avg": self.hvd.Average, "sum": self.hvd.Sum, "max": self.hvd.Max, "min": self.hvd.Min}
+        ops = {
+            "mean": self.hvd.Average,
+            "avg": self.hvd.Average,
+            "sum": self.hvd.Sum,
+            "max": self.hvd.Max,
+            "min": self.hvd.Min,
+        }
         if name not in ops:
             raise ValueError(f"strategy=horovod cannot reduce with {reduce_op!r}: use one of {sorted(ops)}.")
         return ops[name]
@@ -229,7 +247,10 @@ class HorovodStrategy(ParallelStrategy):
 
 
 def horovod_strategy(
-    grad_reduction: str = "mean", compression: str = "none", hierarchical_allreduce: bool = False, collective_timeout_minutes: float = 10
+    grad_reduction: str = "mean",
+    compression: str = "none",
+    hierarchical_allreduce: bool = False,
+    collective_timeout_minutes: float = 10,
 ) -> HorovodStrategy:
     """Horovod with averaged gradients (the default) or summed ones (N times the average, as under DDP's
     strategy.grad_reduction=sum), sent as they are or cast to fp16 for the allreduce (compression=fp16)."""
@@ -240,11 +261,17 @@ def horovod_strategy(
     if grad_reduction not in ops:
         raise ConfigError(f"strategy.grad_reduction={grad_reduction!r}: choose 'mean' (default) or 'sum'.")
     if compression not in compressions:
-        raise ConfigError(f"strategy.compression={compression!r}: choose 'none' (default) or 'fp16' (half the bytes on the wire).")
-    return HorovodStrategy(ops[grad_reduction], compressions[compression], hierarchical_allreduce, collective_timeout_minutes)
+        raise ConfigError(
+            f"strategy.compression={compression!r}: choose 'none' (default) or 'fp16' (half the bytes on the wire)."
+        )
+    return HorovodStrategy(
+        ops[grad_reduction], compressions[compression], hierarchical_allreduce, collective_timeout_minutes
+    )
 
 
 def horovod_world(strategy_cfg: dict[str, Any]) -> int:
     """The number of processes Horovod's launcher started (1 for a process started on its own)."""
-    hvd = start_horovod(bool(strategy_cfg.get("hierarchical_allreduce", False)), strategy_cfg.get("collective_timeout_minutes"))
+    hvd = start_horovod(
+        bool(strategy_cfg.get("hierarchical_allreduce", False)), strategy_cfg.get("collective_timeout_minutes")
+    )
     return hvd.size()

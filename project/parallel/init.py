@@ -23,7 +23,9 @@ def materialize(model: Llama, device: torch.device, initialize: bool = True) -> 
         return
     for name, param in model.named_parameters():
         value = laid_out_like(model.initial_value(name), param)
-        (param.to_local() if isinstance(param, DTensor) else param).copy_(value.to_local() if isinstance(value, DTensor) else value)
+        (param.to_local() if isinstance(param, DTensor) else param).copy_(
+            value.to_local() if isinstance(value, DTensor) else value
+        )
 
 
 def laid_out_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

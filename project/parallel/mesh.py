@@ -60,7 +60,12 @@ def mesh_shape(strategy_cfg: Mapping[str, Any], world_size: int, devices_per_nod
 
 def check_tensor_parallel_degree(config: LlamaConfig, tp: int, sequence_parallel_seq_len: int | None = None) -> None:
     """Refuse, before any process starts, a degree that cannot split the model (or the sequence) evenly."""
-    sizes = [("n_heads", config.n_heads), ("n_kv_heads", config.n_kv_heads), ("ffn hidden size", config.ffn_hidden_dim), ("vocab_size", config.vocab_size)]
+    sizes = [
+        ("n_heads", config.n_heads),
+        ("n_kv_heads", config.n_kv_heads),
+        ("ffn hidden size", config.ffn_hidden_dim),
+        ("vocab_size", config.vocab_size),
+    ]
     for name, value in sizes:
         if value % tp:
             raise ConfigError(
@@ -74,4 +79,6 @@ def check_tensor_parallel_degree(config: LlamaConfig, tp: int, sequence_parallel
             "or set strategy.sequence_parallel=false."
         )
     if config.tie_embeddings:
-        raise ConfigError("model.tie_embeddings=true is not supported with tensor parallelism yet: set model.tie_embeddings=false.")
+        raise ConfigError(
+            "model.tie_embeddings=true is not supported with tensor parallelism yet: set model.tie_embeddings=false."
+        )

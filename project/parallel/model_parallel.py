@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.utils.checkpoint import checkpoint
 
 from project.errors import ConfigError
 from project.model.llama import Llama
@@ -18,8 +18,8 @@ from project.parallel.compiled import compile_blocks
 from project.parallel.fsdp2 import DTYPES, apply_fsdp2
 from project.parallel.init import materialize
 from project.parallel.mesh import mesh_shape
-from project.parallel.timeout import collective_timeout
 from project.parallel.tensor_parallel import apply_tensor_parallel
+from project.parallel.timeout import collective_timeout
 
 
 def checkpoint_activations(block: nn.Module) -> None:
@@ -144,4 +144,3 @@ class LlamaParallelStrategy(ModelParallelStrategy):
         for params in by_mesh.values():
             nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
-

@@ -62,7 +62,12 @@ class LlamaStage(nn.Module):
 
 
 def split_into_stages(
-    model: Llama, pipeline_rank: int, pipeline_parallel_size: int, schedule: str, virtual_stages: int, stage_layers: Sequence[int] | None = None
+    model: Llama,
+    pipeline_rank: int,
+    pipeline_parallel_size: int,
+    schedule: str,
+    virtual_stages: int,
+    stage_layers: Sequence[int] | None = None,
 ) -> dict[int, LlamaStage]:
     """This rank's chunks by stage index; `model` is pruned to them, so it holds nothing else."""
     n_chunks = pipeline_parallel_size * virtual_stages
@@ -71,7 +76,8 @@ def split_into_stages(
     ranks = chunk_ranks(schedule, pipeline_parallel_size, n_chunks)
     mine = [s for s in range(n_chunks) if ranks[s] == pipeline_rank]
     chunks = {
-        s: LlamaStage(model, range(starts[s], starts[s] + counts[s]), first=s == 0, last=s == n_chunks - 1) for s in mine
+        s: LlamaStage(model, range(starts[s], starts[s] + counts[s]), first=s == 0, last=s == n_chunks - 1)
+        for s in mine
     }
     kept = {name for chunk in chunks.values() for name in chunk.layers}
     for name in [name for name in model.layers if name not in kept]:

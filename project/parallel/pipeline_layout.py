@@ -72,7 +72,9 @@ def check_pipeline(
             "set strategy.virtual_stages=1, or choose interleaved_1f1b, looped_bfs, interleaved_zero_bubble or zbv."
         )
     if schedule in V_SHAPED and virtual_stages != 2:
-        raise ConfigError(f"strategy.schedule={schedule} needs exactly 2 stage chunks per rank: set strategy.virtual_stages=2.")
+        raise ConfigError(
+            f"strategy.schedule={schedule} needs exactly 2 stage chunks per rank: set strategy.virtual_stages=2."
+        )
     if virtual_stages < 1:
         raise ConfigError(f"strategy.virtual_stages={virtual_stages} must be at least 1.")
     n_chunks = pipeline_parallel_size * virtual_stages

@@ -4,8 +4,9 @@ Lightning's loop stays as it is: one `training_step` per optimizer step, then ba
 and the optimizer. A pipeline schedule runs forward and backward of all microbatches at once, so
 this strategy runs the schedule inside the module's own training step (the module's `loss` goes
 through the schedule for its duration); the backward that Lightning asks for afterwards only puts
-back the schedule's gradients (Lightning zeroes them in between) and runs the hooks. Inside each stage, tensor parallelism, activation checkpointing, compile and FSDP2 over the
-data-parallel replicas are applied as in LlamaParallelStrategy.
+back the schedule's gradients (Lightning zeroes them in between) and runs the hooks. Inside each stage,
+tensor parallelism, activation checkpointing, compile and FSDP2 over the data-parallel replicas are applied
+as in LlamaParallelStrategy.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _HEADER = 8  # rank of the tensor, its shape, and its dtype's index in _DTYPES
 
 
-def send_activation(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup, tag: int) -> list[tuple[Any, torch.Tensor]]:
+def send_activation(
+    tensor: torch.Tensor, dst: int, group: dist.ProcessGroup, tag: int
+) -> list[tuple[Any, torch.Tensor]]:
     """Send a tensor of any shape and dtype to global rank `dst`: a fixed-size header, then the data.
     Returns the pending sends with the tensors they read, which must live until they complete."""
     tensor = tensor.contiguous()
@@ -75,7 +78,9 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
     ):
         """`stage_settings`: LlamaParallelStrategy's (sequence/loss parallel, activation checkpointing,
         compile, dtypes, backend), applied inside each stage."""
-        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **stage_settings)
+        super().__init__(
+            data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **stage_settings
+        )
         self._pipeline_parallel_size = pipeline_parallel_size
         self.schedule = schedule
         self.virtual_stages = virtual_stages or default_virtual_stages(schedule)
@@ -110,10 +115,18 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         pipeline = self.device_mesh["pipeline"]
         n_chunks = pipeline.size() * self.virtual_stages
         # Global ranks (of this rank's pipeline group) that run each chunk.
-        self._stage_ranks = [dist.get_global_rank(pipeline.get_group(), r) for r in chunk_ranks(self.schedule, pipeline.size(), n_chunks)]
+        self._stage_ranks = [
+            dist.get_global_rank(pipeline.get_group(), r) for r in chunk_ranks(self.schedule, pipeline.size(), n_chunks)
+        ]
         self._last_stage_rank = self._stage_ranks[-1]
         self._pipeline = build_schedule(
-            self._chunks, n_chunks, pipeline.get_group(), self.root_device, self.schedule, self.n_microbatches, self.lightning_module.criterion
+            self._chunks,
+            n_chunks,
+            pipeline.get_group(),
+            self.root_device,
+            self.schedule,
+            self.n_microbatches,
+            self.lightning_module.criterion,
         )
 
     def shard(self, model: Llama) -> None:
@@ -273,15 +286,21 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         checkpoint = read_checkpoint_file(path, mmap=True)
         module = self.model
         mine = get_model_state_dict(module)  # this rank's parameters, sharded as they are here
-        set_model_state_dict(module, {name: laid_out_like(checkpoint["state_dict"][name], p) for name, p in mine.items()})
+        set_model_state_dict(
+            module, {name: laid_out_like(checkpoint["state_dict"][name], p) for name, p in mine.items()}
+        )
         for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
             own = {
                 "state": {
-                    name: {k: laid_out_like(v, mine[name]) if v.shape == mine[name].shape else v for k, v in values.items()}
+                    name: {
+                        k: laid_out_like(v, mine[name]) if v.shape == mine[name].shape else v for k, v in values.items()
+                    }
                     for name, values in state["state"].items()
                     if name in mine
                 },
-                "param_groups": [{**group, "params": [n for n in group["params"] if n in mine]} for group in state["param_groups"]],
+                "param_groups": [
+                    {**group, "params": [n for n in group["params"] if n in mine]} for group in state["param_groups"]
+                ],
             }
             set_optimizer_state_dict(module, optimizer, own)
         checkpoint.pop("state_dict")

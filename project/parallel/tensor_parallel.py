@@ -16,7 +16,9 @@ from project.model.llama import Llama
 from project.parallel.mesh import check_tensor_parallel_degree
 
 
-def apply_tensor_parallel(model: Llama, mesh: DeviceMesh, sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
+def apply_tensor_parallel(
+    model: Llama, mesh: DeviceMesh, sequence_parallel: bool = False, loss_parallel: bool = False
+) -> None:
     """Megatron-style plan (torchtitan's layout) on the `tensor_parallel` mesh.
 
     q/k/v and w1/w3 split column-wise (heads and hidden units per rank), wo and w2 row-wise, so
@@ -39,7 +41,9 @@ def apply_tensor_parallel(model: Llama, mesh: DeviceMesh, sequence_parallel: boo
         **({"norm": SequenceParallel()} if sequence_parallel else {}),
     }
     # A pipeline stage keeps only some of these (the embedding on the first, norm and head on the last).
-    parallelize_module(model, mesh, {name: plan for name, plan in root_plan.items() if getattr(model, name) is not None})
+    parallelize_module(
+        model, mesh, {name: plan for name, plan in root_plan.items() if getattr(model, name) is not None}
+    )
     for block in model.layers.values():
         plan = {
             "attention.wq": ColwiseParallel(),

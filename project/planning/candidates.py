@@ -56,7 +56,11 @@ class Candidate:
     @property
     def name(self) -> str:
         """`fsdp2_dp8-tp1-pp1_mb2_selective`, `pipeline_dp4-tp8-pp2_mb1_1f1b-v1_sp_full`."""
-        parts = [self.strategy, f"dp{self.data_parallel}-tp{self.tensor_parallel}-pp{self.pipeline_parallel}", f"mb{self.micro_batch_size}"]
+        parts = [
+            self.strategy,
+            f"dp{self.data_parallel}-tp{self.tensor_parallel}-pp{self.pipeline_parallel}",
+            f"mb{self.micro_batch_size}",
+        ]
         if self.schedule:
             parts.append(f"{self.schedule}-v{self.virtual_stages}")
         if self.sequence_parallel:
@@ -86,7 +90,12 @@ class SearchSpace:
             unknown = [v for v in values if v not in known]
             if unknown or not values:
                 raise ConfigError(f"search.{name}={list(values)}: choose one or more of {list(known)}.")
-        if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1 or not self.virtual_stages or min(self.virtual_stages) < 1:
+        if (
+            not self.micro_batch_sizes
+            or min(self.micro_batch_sizes) < 1
+            or not self.virtual_stages
+            or min(self.virtual_stages) < 1
+        ):
             raise ConfigError("search.micro_batch_sizes and search.virtual_stages must list positive integers.")
 
 
@@ -94,7 +103,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(config: LlamaConfig, devices: int, gpus_per_node: int, global_batch_size: int, seq_len: int, space: SearchSpace) -> Iterator[Candidate]:
+def candidates(
+    config: LlamaConfig, devices: int, gpus_per_node: int, global_batch_size: int, seq_len: int, space: SearchSpace
+) -> Iterator[Candidate]:
     """Every layout of `space` that the strategies can build for this model, batch and device count."""
     max_tp = space.max_tensor_parallel or gpus_per_node
     for strategy, pp, tp in itertools.product(space.strategies, _divisors(devices), _divisors(devices)):
@@ -109,14 +120,24 @@ def candidates(config: LlamaConfig, devices: int, gpus_per_node: int, global_bat
             continue
         recomputes = space.recompute if strategy in HAS_CHECKPOINTING else [r for r in space.recompute if r != "full"]
         parallel_sequences = space.sequence_parallel if strategy in HAS_SEQUENCE_PARALLEL and tp > 1 else (False,)
-        schedules = [(s, v) for s in space.schedules for v in ((1,) if s in SINGLE_STAGE else space.virtual_stages)] if strategy == "pipeline" else [(None, 1)]
-        for micro, recompute, sp, (schedule, v) in itertools.product(sorted(set(space.micro_batch_sizes)), recomputes, sorted(set(parallel_sequences)), schedules):
-            candidate = _checked(config, strategy, dp, tp, pp, micro, recompute, sp, schedule, v, global_batch_size, seq_len)
+        schedules = (
+            [(s, v) for s in space.schedules for v in ((1,) if s in SINGLE_STAGE else space.virtual_stages)]
+            if strategy == "pipeline"
+            else [(None, 1)]
+        )
+        for micro, recompute, sp, (schedule, v) in itertools.product(
+            sorted(set(space.micro_batch_sizes)), recomputes, sorted(set(parallel_sequences)), schedules
+        ):
+            candidate = _checked(
+                config, strategy, dp, tp, pp, micro, recompute, sp, schedule, v, global_batch_size, seq_len
+            )
             if candidate is not None:
                 yield candidate
 
 
-def _checked(config, strategy, dp, tp, pp, micro, recompute, sp, schedule, v, global_batch_size, seq_len) -> Candidate | None:
+def _checked(
+    config, strategy, dp, tp, pp, micro, recompute, sp, schedule, v, global_batch_size, seq_len
+) -> Candidate | None:
     """The candidate if the training run's own checks accept it, else None."""
     try:
         if tp > 1:

@@ -23,7 +23,13 @@ from dataclasses import dataclass, field, replace
 
 from project.model.config import LlamaConfig
 from project.planning.candidates import HAS_COMPILE, Candidate
-from project.planning.parameters import block_weights, holds_first_and_last, rank_layers, sharded_parameters, unsharded_parameters
+from project.planning.parameters import (
+    block_weights,
+    holds_first_and_last,
+    rank_layers,
+    sharded_parameters,
+    unsharded_parameters,
+)
 
 # Bytes per parameter of what the optimizer updates (the parameters as stored), by trainer.precision.
 STORAGE_BYTES = {"32-true": 4, "bf16-mixed": 4, "16-mixed": 4, "bf16-true": 2}
@@ -63,7 +69,9 @@ class MemoryEstimate:
         return self.states + self.working + self.activations + self.overhead
 
 
-def layer_activation_bytes(config: LlamaConfig, seq_len: int, micro_batch: int, candidate: Candidate, compute_bytes: int, compiled: bool) -> float:
+def layer_activation_bytes(
+    config: LlamaConfig, seq_len: int, micro_batch: int, candidate: Candidate, compute_bytes: int, compiled: bool
+) -> float:
     """Bytes one block keeps from its forward for its backward, for one microbatch (module docstring)."""
     t, sp = candidate.tensor_parallel, candidate.sequence_parallel
     h, g, f = config.dim, config.n_kv_heads / config.n_heads, config.ffn_hidden_dim
@@ -91,7 +99,13 @@ def in_flight(candidate: Candidate, pipeline_rank: int, layers: list[int]) -> fl
 
 
 def estimate_memory(
-    config: LlamaConfig, candidate: Candidate, seq_len: int, precision: str, accelerator: str, allowance: Allowance, pipeline_rank: int = 0
+    config: LlamaConfig,
+    candidate: Candidate,
+    seq_len: int,
+    precision: str,
+    accelerator: str,
+    allowance: Allowance,
+    pipeline_rank: int = 0,
 ) -> MemoryEstimate:
     """Memory of one pipeline rank (rank 0 of its data- and tensor-parallel group)."""
     storage, compute = STORAGE_BYTES[precision], COMPUTE_BYTES[precision]
@@ -125,7 +139,9 @@ def estimate_memory(
     per_layer = layer_activation_bytes(config, seq_len, candidate.micro_batch_size, candidate, compute, compiled)
     activations = in_flight(candidate, pipeline_rank, layers) * per_layer
     if candidate.recompute == "full":  # one block's activations exist again while it is recomputed
-        activations += layer_activation_bytes(config, seq_len, candidate.micro_batch_size, _selective(candidate), compute, compiled)
+        activations += layer_activation_bytes(
+            config, seq_len, candidate.micro_batch_size, _selective(candidate), compute, compiled
+        )
     _, last = holds_first_and_last(candidate, pipeline_rank)
     if last:  # logits in the compute dtype and their float32 log-probabilities, for the microbatches in flight
         logits = seq_len * candidate.micro_batch_size * config.vocab_size / candidate.tensor_parallel * (compute + 4)
@@ -139,7 +155,12 @@ def _selective(candidate: Candidate) -> Candidate:
     return replace(candidate, recompute="selective")
 
 
-def peak_memory(config: LlamaConfig, candidate: Candidate, seq_len: int, precision: str, accelerator: str, allowance: Allowance) -> MemoryEstimate:
+def peak_memory(
+    config: LlamaConfig, candidate: Candidate, seq_len: int, precision: str, accelerator: str, allowance: Allowance
+) -> MemoryEstimate:
     """The estimate of the pipeline rank that needs the most memory."""
     ranks = range(candidate.pipeline_parallel)
-    return max((estimate_memory(config, candidate, seq_len, precision, accelerator, allowance, r) for r in ranks), key=lambda e: e.total)
+    return max(
+        (estimate_memory(config, candidate, seq_len, precision, accelerator, allowance, r) for r in ranks),
+        key=lambda e: e.total,
+    )

@@ -29,10 +29,14 @@ def block_weights(config: LlamaConfig) -> list[Weight]:
     h, kv, f = config.dim, config.n_kv_heads * config.head_dim, config.ffn_hidden_dim
     return [
         Weight(h, 1, None),  # attention_norm
-        Weight(h, h, "rows"), Weight(kv, h, "rows"), Weight(kv, h, "rows"),  # wq, wk, wv: column-wise parallel
+        Weight(h, h, "rows"),
+        Weight(kv, h, "rows"),
+        Weight(kv, h, "rows"),  # wq, wk, wv: column-wise parallel
         Weight(h, h, "cols"),  # wo: row-wise parallel
         Weight(h, 1, None),  # ffn_norm
-        Weight(f, h, "rows"), Weight(f, h, "rows"), Weight(h, f, "cols"),  # w1, w3, w2
+        Weight(f, h, "rows"),
+        Weight(f, h, "rows"),
+        Weight(h, f, "cols"),  # w1, w3, w2
     ]
 
 

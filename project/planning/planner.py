@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 from project.errors import ConfigError
 from project.model.config import LlamaConfig
+from project.model.flops import training_flops_per_token
 from project.planning.candidates import Candidate, SearchSpace, candidates
 from project.planning.cluster import GIB, Cluster
 from project.planning.memory import STORAGE_BYTES, Allowance, MemoryEstimate, peak_memory
-from project.model.flops import training_flops_per_token
 from project.planning.step_time import StepTime, step_time
 
 SECONDS_PER_DAY = 86_400
@@ -64,11 +64,18 @@ class Outcome:
 
 
 def evaluate(
-    workload: Workload, cluster: Cluster, candidate: Candidate, achievable_fraction: float, allowance: Allowance, memory: MemoryEstimate | None = None
+    workload: Workload,
+    cluster: Cluster,
+    candidate: Candidate,
+    achievable_fraction: float,
+    allowance: Allowance,
+    memory: MemoryEstimate | None = None,
 ) -> Outcome:
     """The candidate's prediction; `memory`, which no fraction changes, where it was estimated already."""
     if memory is None:
-        memory = peak_memory(workload.model, candidate, workload.seq_len, workload.precision, cluster.accelerator, allowance)
+        memory = peak_memory(
+            workload.model, candidate, workload.seq_len, workload.precision, cluster.accelerator, allowance
+        )
     time = step_time(workload.model, candidate, workload.seq_len, workload.precision, cluster, achievable_fraction)
     tokens_per_second = workload.tokens_per_step / time.total
     flops = training_flops_per_token(workload.model, workload.seq_len) * tokens_per_second / cluster.devices
@@ -87,7 +94,11 @@ def layouts(workload: Workload, cluster: Cluster, space: SearchSpace) -> list[Ca
     if workload.precision not in STORAGE_BYTES:
         raise ConfigError(f"precision={workload.precision}: choose one of {list(STORAGE_BYTES)}.")
     space.check()
-    found = list(candidates(workload.model, cluster.devices, cluster.gpus_per_node, workload.global_batch_size, workload.seq_len, space))
+    found = list(
+        candidates(
+            workload.model, cluster.devices, cluster.gpus_per_node, workload.global_batch_size, workload.seq_len, space
+        )
+    )
     if not found:
         raise ConfigError(
             f"no layout of {cluster.devices} devices can take global_batch_size={workload.global_batch_size} with the search "
@@ -97,16 +108,32 @@ def layouts(workload: Workload, cluster: Cluster, space: SearchSpace) -> list[Ca
     return found
 
 
-def plan(workload: Workload, cluster: Cluster, space: SearchSpace, achievable_fraction: float, allowance: Allowance = Allowance()) -> list[Outcome]:
+def plan(
+    workload: Workload,
+    cluster: Cluster,
+    space: SearchSpace,
+    achievable_fraction: float,
+    allowance: Allowance = Allowance(),
+) -> list[Outcome]:
     """Every layout of `space` on `cluster`: those that fit first, fastest first; then the rest, smallest first."""
     if not 0 < achievable_fraction <= 1:
-        raise ConfigError(f"achievable_fraction={achievable_fraction} must be in (0, 1]: the share of the peak FLOP/s that busy devices reach.")
+        raise ConfigError(
+            f"achievable_fraction={achievable_fraction} must be in (0, 1]: the share of the peak FLOP/s that busy devices reach."
+        )
     found = [evaluate(workload, cluster, c, achievable_fraction, allowance) for c in layouts(workload, cluster, space)]
-    return sorted(found, key=lambda o: (not o.prediction.fits, -o.tokens_per_second if o.prediction.fits else o.prediction.memory.total))
+    return sorted(
+        found,
+        key=lambda o: (not o.prediction.fits, -o.tokens_per_second if o.prediction.fits else o.prediction.memory.total),
+    )
 
 
 def calibrated_fraction(
-    workload: Workload, cluster: Cluster, space: SearchSpace, mfu: float, layout: str | None = None, allowance: Allowance = Allowance()
+    workload: Workload,
+    cluster: Cluster,
+    space: SearchSpace,
+    mfu: float,
+    layout: str | None = None,
+    allowance: Allowance = Allowance(),
 ) -> tuple[float, Outcome]:
     """The achievable_fraction at which `layout` (a name as the table prints it; None: the fastest layout
     that fits) predicts an end-to-end MFU of `mfu`, and that layout's outcome there.
@@ -133,13 +160,20 @@ def calibrated_fraction(
             )
     # Memory, and so whether a layout fits, does not depend on the fraction: estimated once, not in every
     # step of the bisection.
-    predictions = {o.prediction.candidate: o.prediction for o in (evaluate(workload, cluster, c, 1.0, allowance) for c in found)}
+    predictions = {
+        o.prediction.candidate: o.prediction for o in (evaluate(workload, cluster, c, 1.0, allowance) for c in found)
+    }
     pool = [c for c, prediction in predictions.items() if layout is not None or prediction.fits]
     if not pool:
-        raise ConfigError("calibrate.mfu: no layout fits, so none is the fastest to calibrate on; name the measured one with calibrate.layout.")
+        raise ConfigError(
+            "calibrate.mfu: no layout fits, so none is the fastest to calibrate on; name the measured one with calibrate.layout."
+        )
 
     def reference(fraction: float) -> Outcome:
-        return max((evaluate(workload, cluster, c, fraction, allowance, predictions[c].memory) for c in pool), key=lambda o: o.tokens_per_second)
+        return max(
+            (evaluate(workload, cluster, c, fraction, allowance, predictions[c].memory) for c in pool),
+            key=lambda o: o.tokens_per_second,
+        )
 
     if (best := reference(1.0)).mfu < mfu:
         raise ConfigError(

@@ -19,7 +19,11 @@ def model_arguments(name: str | None, fields: dict[str, Any]) -> list[str]:
     """`model=NAME` for a preset as it is, else every field of the model (a preset changed, or none)."""
     if name:
         return [f"model={name}"]
-    return [f"model.{key}={json.dumps(value) if not isinstance(value, str) else value}" for key, value in fields.items() if value is not None]
+    return [
+        f"model.{key}={json.dumps(value) if not isinstance(value, str) else value}"
+        for key, value in fields.items()
+        if value is not None
+    ]
 
 
 def train_overrides(candidate: Candidate, workload: Workload, cluster: Cluster, model: list[str]) -> list[str]:
@@ -83,7 +87,10 @@ def as_record(outcome: Outcome, overrides: list[str]) -> dict[str, Any]:
         "candidate": vars(p.candidate),
         "fits": p.fits,
         "reason": p.reason,
-        "memory_bytes": {**{k: getattr(p.memory, k) for k in ("params", "grads", "optimizer", "working", "activations", "overhead")}, "total": p.memory.total},
+        "memory_bytes": {
+            **{k: getattr(p.memory, k) for k in ("params", "grads", "optimizer", "working", "activations", "overhead")},
+            "total": p.memory.total,
+        },
         "memory_pipeline_rank": p.memory.pipeline_rank,
         "step_seconds": {**vars(p.time), "total": p.time.total},
         "tokens_per_second": outcome.tokens_per_second,
@@ -94,7 +101,9 @@ def as_record(outcome: Outcome, overrides: list[str]) -> dict[str, Any]:
     }
 
 
-def sweep_spec(name: str, outcomes: list[Outcome], workload: Workload, cluster: Cluster, model: list[str], folder: Path) -> dict[str, Any]:
+def sweep_spec(
+    name: str, outcomes: list[Outcome], workload: Workload, cluster: Cluster, model: list[str], folder: Path
+) -> dict[str, Any]:
     """A wandb sweep (experiments/sweeps/ format) over the top layouts: each layout is an experiment file in
     `folder`/experiment/, which the sweep's command adds to Hydra's search path."""
     experiments = folder / "experiment"
@@ -102,18 +111,24 @@ def sweep_spec(name: str, outcomes: list[Outcome], workload: Workload, cluster: 
     names = []
     for o in outcomes:
         layout = o.prediction.candidate.name
-        (experiments / f"{layout}.yaml").write_text(experiment_file(train_overrides(o.prediction.candidate, workload, cluster, model)))
+        (experiments / f"{layout}.yaml").write_text(
+            experiment_file(train_overrides(o.prediction.candidate, workload, cluster, model))
+        )
         names.append(layout)
     return {
         "name": name,
-        "description": f"the planner's top {len(names)} layouts of {model[0].removeprefix('model=') if len(model) == 1 else 'the model'} on {cluster.devices} devices of {cluster.name}",
+        "description": f"the planner's top {len(names)} layouts of "
+        f"{model[0].removeprefix('model=') if len(model) == 1 else 'the model'} on {cluster.devices} devices of {cluster.name}",
         "program": "project/train.py",
         "project": "llama-pretrain",
         "method": "grid",
         "metric": {"name": "train/tokens_per_sec", "goal": "maximize"},
         "parameters": {"experiment": {"values": names}},
         "command": [
-            "${env}", "${interpreter}", "-m", "project.train",
+            "${env}",
+            "${interpreter}",
+            "-m",
+            "project.train",
             f"hydra.searchpath=[file://{folder.resolve()}]",
             "logger=wandb",
             "hydra.run.dir=${paths.log_dir}/sweeps/${oc.env:WANDB_SWEEP_ID}/${oc.env:WANDB_RUN_ID}",

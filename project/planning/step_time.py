@@ -56,7 +56,14 @@ def _ring(bytes_: float, ranks: int, bandwidth: float, latency: float, all_reduc
     return volume / bandwidth + latency
 
 
-def step_time(config: LlamaConfig, candidate: Candidate, seq_len: int, precision: str, cluster: Cluster, achievable_fraction: float) -> StepTime:
+def step_time(
+    config: LlamaConfig,
+    candidate: Candidate,
+    seq_len: int,
+    precision: str,
+    cluster: Cluster,
+    achievable_fraction: float,
+) -> StepTime:
     c, dp, tp, pp = candidate, candidate.data_parallel, candidate.tensor_parallel, candidate.pipeline_parallel
     compute_bytes = COMPUTE_BYTES[precision]
     rate = cluster.peak_flops("fp32" if compute_bytes == 4 else "bf16") * achievable_fraction
@@ -84,7 +91,9 @@ def step_time(config: LlamaConfig, candidate: Candidate, seq_len: int, precision
             tensor += layers * cluster.tensor_parallel_block_overhead_ms * 1e-3
         chunks = len(rank_layers(config, c, rank)) if pp > 1 else 0
         boundary = activation / (tp if c.sequence_parallel else 1)
-        transfers = 2 * chunks * (boundary / cluster.bandwidth(2 * tp * dp) + latency)  # activations forward, gradients back
+        transfers = (
+            2 * chunks * (boundary / cluster.bandwidth(2 * tp * dp) + latency)
+        )  # activations forward, gradients back
         if flops / rate + tensor + transfers > sum(slowest):
             slowest = (flops / rate, tensor, transfers)
     compute, tensor, transfers = (c.microbatches * x for x in slowest)
@@ -94,11 +103,15 @@ def step_time(config: LlamaConfig, candidate: Candidate, seq_len: int, precision
         interleaved = c.schedule in ("interleaved_1f1b", "looped_bfs")
         bubble = (pp - 1) / (c.virtual_stages if interleaved else 1) * slot
 
-    data = _data_parallel_exposed(config, c, precision, cluster, latency, slowest[0] if cluster.overlaps_communication else 0.0)
+    data = _data_parallel_exposed(
+        config, c, precision, cluster, latency, slowest[0] if cluster.overlaps_communication else 0.0
+    )
     return StepTime(compute, tensor, transfers, bubble, data)
 
 
-def _data_parallel_exposed(config: LlamaConfig, c: Candidate, precision: str, cluster: Cluster, latency: float, microbatch_compute: float) -> float:
+def _data_parallel_exposed(
+    config: LlamaConfig, c: Candidate, precision: str, cluster: Cluster, latency: float, microbatch_compute: float
+) -> float:
     """Seconds of data-parallel communication per step that compute does not hide."""
     dp = c.data_parallel
     if dp == 1:
