@@ -91,6 +91,9 @@ def submit(slurm: LocalSlurm, run_dir, overrides, *sbatch_args: str) -> str:
         "PYTHON": sys.executable,
         "OMP_NUM_THREADS": "1",
         "WANDB_MODE": "offline",
+        # Lightning derives the rendezvous port from the job id (15000 + its last digits), and every test cluster
+        # numbers its jobs from 1: a port left in use by an earlier cluster's job would refuse this one's.
+        "MASTER_PORT": str(free_port()),
     }
     result = subprocess.run(
         ["sbatch", "--parsable", f"--output={run_dir}.out", *sbatch_args, "experiments/slurm/train.sbatch", *overrides],
