@@ -215,9 +215,13 @@ def fsdp1_share(cfg: DictConfig, shape: MeshShape, rank: int, devices_per_node: 
 
 
 def _kind(strategy: Any) -> str:
-    if hasattr(strategy, "shard"):
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from project.parallel.model_parallel import LlamaParallelStrategy
+
+    if isinstance(strategy, LlamaParallelStrategy):  # the pipeline's too
         return "sharded"
-    return "fsdp1" if "FSDP" in type(strategy).__name__ else "replica"
+    return "fsdp1" if isinstance(strategy, FSDPStrategy) else "replica"
 
 
 def how_shared(cfg: DictConfig) -> str:

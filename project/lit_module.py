@@ -18,8 +18,10 @@ from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
 
 from project.checkpoints import load_full_checkpoint, rebase_batch_progress
+from project.data.datamodule import TokenShardDataModule
 from project.errors import ConfigError, TrainingStopped
 from project.model import Llama, LlamaConfig
+from project.parallel.contract import LlamaStrategy, contract_of
 from project.published_weights import load_published_weights
 
 
@@ -169,17 +171,20 @@ class LlamaLitModule(LightningModule):
             checkpoint_path = buffer
         return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
+    def strategy(self) -> LlamaStrategy:
+        """The run's strategy, as the contract (project.parallel.contract) speaks of it; with no trainer (as
+        load_from_checkpoint builds the module), or one of Lightning's own strategies, the contract's defaults."""
+        return contract_of(self._trainer.strategy if self._trainer is not None else None)
+
     def configure_model(self) -> None:
         # Strategies that split the model itself (tensor parallel, FSDP2) do so here, on their mesh.
         # load_from_checkpoint calls this too, with no trainer: the plain model is what it wants.
-        parallelize = getattr(self._trainer.strategy, "parallelize", None) if self._trainer is not None else None
         if self._parallelized:
             return
-        if parallelize is not None:
-            parallelize(self.model, initialize=not (self._weights_from_checkpoint or self._init_from))
-        elif self._init_from:  # the strategy wraps (ddp, fsdp) or moves the whole model after this
-            self.model.to_empty(device="cpu")
+        self.strategy().parallelize(self.model, initialize=not (self._weights_from_checkpoint or self._init_from))
         if self._init_from:
+            if any(p.is_meta for p in self.model.parameters()):  # a strategy that wraps or moves the whole model later
+                self.model.to_empty(device="cpu")
             load_published_weights(self.model, self._init_from)
         self._parallelized = True
 
@@ -188,10 +193,10 @@ class LlamaLitModule(LightningModule):
         if self._trainer is not None:  # resuming a fit, not load_from_checkpoint
             rebase_batch_progress(checkpoint, self.trainer.accumulate_grad_batches)
 
-    def _training_data(self) -> Any:
+    def _training_data(self) -> TokenShardDataModule | None:
         """The TokenShardDataModule this module trains on, where it is one (it knows the tokenizer)."""
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        return datamodule if hasattr(datamodule, "tokenizer_identity") else None
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        return datamodule if isinstance(datamodule, TokenShardDataModule) else None
 
     def model_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """The model's inputs besides the tokens: the documents, with document masking."""
@@ -205,15 +210,21 @@ class LlamaLitModule(LightningModule):
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The batch's mean loss. A pipeline strategy runs this through its schedule instead
-        (model and criterion split over stages), for the duration of its training and validation steps."""
+        """The batch's mean loss, as the strategy's `step_loss` computes it unless it runs the model itself
+        (a pipeline: model and criterion split over stages)."""
         return self.criterion(self.model(inputs, **self.model_kwargs(inputs)), targets)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.loss(*batch)
+        loss = self.strategy().step_loss(self, *batch, train=True)
         self._loss_sum = self._loss_sum + loss.detach()
         self._loss_count += 1
         return loss
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        # Lightning zeroes the gradients between the training step and its backward. A strategy whose step
+        # computed them (a pipeline schedule) zeroed them before it instead.
+        if not self.strategy().gradients_in_step:
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Every micro batch holds the same number of tokens, so the mean of micro-batch means over
@@ -225,9 +236,7 @@ class LlamaLitModule(LightningModule):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         # Lightning calls this every step after gradients are reduced (and unscaled), clipping or not.
         # Sharding strategies know how to take the norm over all shards; whole gradients need no help.
-        max_norm = self.optim.grad_clip or float("inf")
-        clip = getattr(self.trainer.strategy, "clip_grad_norm", None) if self._trainer is not None else None
-        norm = clip(max_norm) if clip is not None else torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        norm = self.strategy().clip_grad_norm(self, self.optim.grad_clip or float("inf"))
         if not torch.isfinite(norm):  # the same global norm on every rank: they all decide alike
             self._skip_or_stop(float(norm))
         self.log("train/grad_norm", norm)
@@ -260,7 +269,8 @@ class LlamaLitModule(LightningModule):
 
     def _validation_corpora(self) -> list[tuple[str, float]]:
         """(name, weight) per validation loader: the corpora of a mixture, else one unnamed."""
-        return getattr(self._training_data(), "validation_corpora", None) or [("", 1.0)]
+        data = self._training_data()
+        return data.validation_corpora if data is not None else [("", 1.0)]
 
     def setup(self, stage: str) -> None:
         while len(self.val_losses) < len(self._validation_corpora()):
@@ -270,9 +280,8 @@ class LlamaLitModule(LightningModule):
         self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         inputs, _ = batch
-        self.val_losses[dataloader_idx].update(
-            self.loss(*batch), weight=inputs.shape[0]
-        )  # micro batches may differ in size
+        loss = self.strategy().step_loss(self, *batch, train=False)
+        self.val_losses[dataloader_idx].update(loss, weight=inputs.shape[0])  # micro batches may differ in size
 
     def on_validation_epoch_end(self) -> None:
         corpora = self._validation_corpora()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import warnings
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
@@ -51,6 +51,7 @@ from project.data.storage import is_remote
 from project.errors import ConfigError
 from project.lit_module import LlamaLitModule, check_resumable
 from project.loggers import build_loggers
+from project.parallel.contract import contract_of
 from project.processes import watch_children
 from project.redact import redact_text, redacted_container, secret_values
 
@@ -78,7 +79,7 @@ def limit_cpu_threads(trainer: L.Trainer, threads_per_process: int | None) -> No
     # Several processes sharing a few cores thrash if each takes all threads (about 30x slower on 2 cores).
     # Runs before fit, so the ranks Lightning launches inherit the setting.
     # A strategy whose processes another launcher started (Horovod) says how many share this node.
-    processes_here = getattr(trainer.strategy, "processes_per_node", trainer.num_devices)
+    processes_here = contract_of(trainer.strategy).processes_per_node(trainer)
     if isinstance(trainer.accelerator, CPUAccelerator) and processes_here > 1:
         threads = threads_per_process or 1
         os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -88,7 +89,9 @@ def limit_cpu_threads(trainer: L.Trainer, threads_per_process: int | None) -> No
 def is_first_process(trainer: L.Trainer) -> bool:
     """Global rank 0, known before the process group exists: from torchrun's or SLURM's variables,
     or, under Lightning's own launcher, from being the process that launches the others."""
-    env = getattr(trainer.strategy, "cluster_environment", None)
+    if not isinstance(trainer.strategy, ParallelStrategy):  # one process
+        return True
+    env = trainer.strategy.cluster_environment
     return env is None or (env.global_rank() == 0 and env.local_rank() == 0 and env.node_rank() == 0)
 
 
@@ -199,14 +202,7 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
         layout = plan_layout(cfg, trainer.num_nodes, trainer.num_devices)
     plan = layout.plan
     attach_loggers(trainer, cfg, run_dir, layout)
-    # A pipeline strategy's module is loaded wherever one was built (Hydra's instantiate imports it); other
-    # runs never import it, nor torch's pipelining with it (0.05 s of start-up).
-    pipeline = sys.modules.get("project.parallel.pipeline_strategy")
-    if pipeline is not None and isinstance(trainer.strategy, pipeline.LlamaPipelineStrategy):
-        trainer.strategy.n_microbatches, trainer.strategy.micro_batch_size = (
-            plan.pipeline_microbatches,
-            plan.micro_batch_size,
-        )
+    contract_of(trainer.strategy).plan_batches(plan)  # the pipeline's microbatches
     # The Trainer resolves devices and nodes; only then is the accumulation count known.
     trainer.accumulate_grad_batches = plan.accumulate_grad_batches
     trainer.val_check_interval = cfg.val_every_n_steps * plan.accumulate_grad_batches
@@ -252,7 +248,7 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
         document_mask=cfg.document_mask,
         eos_id=datamodule.eos_id,
         # Strategies that shard the model themselves also initialize it, after sharding.
-        init_on_meta=hasattr(trainer.strategy, "parallelize"),
+        init_on_meta=contract_of(trainer.strategy).model_on_meta,
         weights_from_checkpoint=cfg.ckpt_path is not None,
         init_from=cfg.get("init_from"),
         init_seed=cfg.seed,
@@ -285,7 +281,7 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
     )
     watch_children(trainer.strategy.launcher)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    if any(getattr(callback, "stopped_for_requeue", False) for callback in trainer.callbacks):
+    if any(isinstance(callback, StopOnSignal) and callback.stopped_for_requeue for callback in trainer.callbacks):
         rank_zero_info(
             f"stopped at step {trainer.global_step}: resume with ckpt_path=last (exit status {REQUEUE_EXIT_STATUS})"
         )

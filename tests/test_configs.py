@@ -1,5 +1,6 @@
 """Every experiment and preset composes into a config the code accepts."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,8 @@ from omegaconf import OmegaConf
 from project.lit_module import OptimConfig
 from project.model import LlamaConfig
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
 STRATEGIES = sorted(p.stem for p in (CONF / "strategy").glob("*.yaml"))
@@ -44,6 +46,7 @@ def test_every_model_preset_is_a_valid_llama_config(model):
 def test_strategy_configs_build_the_strategy_they_name():
     from hydra.utils import instantiate
 
+    from project.parallel.compiled import CompiledBlocks
     from project.parallel.ddp import GlooFriendlyDDPStrategy
     from project.parallel.fsdp import CPUCapableFSDPStrategy
     from project.parallel.model_parallel import LlamaParallelStrategy
@@ -54,10 +57,8 @@ def test_strategy_configs_build_the_strategy_they_name():
 
     assert type(instantiate(compose_train("strategy=single").strategy)) is TrainerDeviceStrategy
     for name in ("single", "ddp", "fsdp"):  # strategy.compile=true reaches the strategy of every group
-        assert hasattr(
-            instantiate(compose_train(f"strategy={name}", "strategy.compile=true").strategy),
-            "compile" if name == "fsdp" else "parallelize",
-        )
+        compiled = instantiate(compose_train(f"strategy={name}", "strategy.compile=true").strategy)
+        assert compiled.compile if name == "fsdp" else isinstance(compiled, CompiledBlocks)
     assert isinstance(instantiate(compose_train("strategy.compile=true").strategy), CompiledSingleDeviceStrategy)
     assert instantiate(compose_train("strategy=fsdp", "strategy.compile=true").strategy).compile
     fsdp = instantiate(compose_train("strategy=fsdp", "strategy.sharding_strategy=SHARD_GRAD_OP").strategy)
@@ -87,3 +88,26 @@ def test_prepare_composes_the_same_data_group_as_training():
         prepare = compose(config_name="prepare", overrides=["experiment=debug"])
     train = compose_train("experiment=debug")
     assert OmegaConf.to_container(prepare.data, resolve=True) == OmegaConf.to_container(train.data, resolve=True)
+
+
+def test_every_strategy_of_ours_speaks_the_contract_and_nothing_probes_for_another():
+    from hydra.utils import instantiate
+
+    from project.parallel.contract import LlamaStrategy
+
+    for name in STRATEGIES:
+        if name != "horovod":  # built by tests/test_horovod.py, which needs Horovod installed
+            strategy = instantiate(compose_train(f"strategy={name}", "trainer.devices=2").strategy)
+            assert isinstance(strategy, LlamaStrategy), name
+    # The module and the run call the contract: no strategy found by attribute, by module table or by class name.
+    probes = re.compile(
+        r"(hasattr|getattr)\([^)]*strategy|sys\.modules\.get|(in |[!=]= *)type\([^)]*strateg[^)]*\)\.__name__"
+        r"|type\([^)]*strateg[^)]*\)\.__name__ *[!=]="
+    )
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in sorted((ROOT / "project").rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if probes.search(line)
+    ]
+    assert found == []

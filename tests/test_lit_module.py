@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from project.lit_module import LlamaLitModule, OptimConfig, document_ids, lr_at
+from project.parallel.contract import LlamaStrategy
+from project.parallel.init import materialize
 
 MODEL = dict(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16, max_seq_len=32)
 
@@ -77,3 +79,63 @@ def test_gradient_clipping_caps_the_global_norm_and_reports_it_unclipped():
     assert logged["train/grad_norm"] == pytest.approx(expected_norm, rel=1e-5)
     clipped = torch.sqrt(sum((p.grad**2).sum() for p in module.parameters()))
     assert clipped.item() == pytest.approx(0.5, rel=1e-4)
+
+
+class StepRunningStrategy(LlamaStrategy):
+    """A strategy that runs the model itself, as a pipeline does: the module asks it for each step's loss."""
+
+    model_on_meta = True
+    gradients_in_step = True
+
+    def __init__(self):
+        self.steps, self.parallelized, self.clipped = [], [], []
+
+    def parallelize(self, model, initialize=True):
+        self.parallelized.append(initialize)
+        materialize(model, torch.device("cpu"), initialize)
+
+    def step_loss(self, module, inputs, targets, train):
+        self.steps.append(train)
+        return torch.tensor(2.5) if train else torch.tensor(1.5)
+
+    def clip_grad_norm(self, module, max_norm):
+        self.clipped.append(max_norm)
+        return torch.tensor(0.25)
+
+
+def test_the_module_trains_through_the_strategy_contract_alone():
+    from types import SimpleNamespace
+
+    strategy = StepRunningStrategy()
+    module = LlamaLitModule(MODEL, optim={"grad_clip": 0.5}, init_on_meta=strategy.model_on_meta)
+    module.trainer = SimpleNamespace(strategy=strategy, datamodule=None)
+    module.configure_model()
+    assert strategy.parallelized == [True] and not any(p.is_meta for p in module.parameters())
+    batch = torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 8))
+    assert module.training_step(batch, 0).item() == 2.5
+    module.validation_step(batch, 0)
+    assert strategy.steps == [True, False] and module.val_losses[0].compute().item() == 1.5
+    # The strategy computed the gradients within the step: Lightning's zeroing before backward must keep them.
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    module.optimizer_zero_grad(0, 0, optimizer)
+    assert all(p.grad is not None and bool((p.grad == 1).all()) for p in module.parameters())
+    module.log = lambda *args, **kwargs: None  # no Trainer to log into
+    module.configure_gradient_clipping(optimizer)
+    assert strategy.clipped == [0.5]
+
+
+def test_a_module_without_a_strategy_of_ours_keeps_lightnings_defaults():
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    module = LlamaLitModule(MODEL)
+    module.trainer = SimpleNamespace(strategy=object(), datamodule=None)  # Lightning's own, say
+    batch = torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 8))
+    assert module.training_step(batch, 0).item() == pytest.approx(module.loss(*batch).item())
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    module.optimizer_zero_grad(0, 0, optimizer)
+    assert all(p.grad is None for p in module.parameters())

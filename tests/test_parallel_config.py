@@ -72,14 +72,14 @@ def test_compile_setting_compiles_every_block_where_the_model_stays_whole(factor
     from project.parallel.single import single_device_strategy
 
     make = {"single": single_device_strategy, "ddp": ddp_strategy}[factory]
-    assert not hasattr(make(), "parallelize")  # eager: the model is built and wrapped as Lightning does
+    assert not make().model_on_meta  # eager: the model is built and wrapped as Lightning does
     strategy = make(compile=True)
     strategy.parallel_devices = [torch.device("cpu")]  # what Lightning's connector sets
     config = llama(n_layers=2, tie_embeddings=True)
     torch.manual_seed(0)
     eager = Llama(config)
     torch.manual_seed(0)
-    with torch.device("meta"):  # a strategy with `parallelize` gets its model built on meta
+    with torch.device("meta"):  # a strategy with model_on_meta gets its model built on meta
         model = Llama(config)
     strategy.parallelize(model)
     assert all(block._compiled_call_impl is not None for block in model.layers.values())

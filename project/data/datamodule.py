@@ -20,21 +20,14 @@ from project.data.storage import join
 from project.data.tokenizer import load_tokenizer
 from project.errors import ConfigError
 from project.loader_workers import loader_options
+from project.parallel.contract import contract_of
 from project.redact import without_secrets
 
 
 def data_parallel_coords(trainer: Any) -> tuple[int, int]:
-    """(rank, size) along the data-parallel dimension.
-
-    Strategies with a device mesh (Lightning's ModelParallelStrategy) name a `data_parallel`
-    dimension; ranks sharing a coordinate on it hold one replica and must read the same batch.
-    Without a mesh every rank is its own replica.
-    """
-    mesh = getattr(trainer.strategy, "device_mesh", None)
-    if mesh is not None and "data_parallel" in (mesh.mesh_dim_names or ()):
-        dp = mesh["data_parallel"]
-        return dp.get_local_rank(), dp.size()
-    return trainer.global_rank, trainer.world_size
+    """(rank, size) along the data-parallel dimension, as the strategy says (project.parallel.contract): ranks
+    of one model replica (a tensor-parallel group, a pipeline) must read the same batch."""
+    return contract_of(trainer.strategy).data_parallel_coords(trainer)
 
 
 @dataclass(frozen=True)

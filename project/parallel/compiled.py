@@ -20,6 +20,8 @@ def compile_blocks(model: Llama) -> None:
 class CompiledBlocks:
     """Mixin: a `parallelize` that compiles each transformer block before the strategy wraps the model."""
 
+    model_on_meta = True
+
     def parallelize(self, model: Llama, initialize: bool = True) -> None:
         if any(p.is_meta for p in model.parameters()):  # a strategy with this hook gets its model built on meta
             materialize(model, self.root_device, initialize)

@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from project.errors import ConfigError
 from project.parallel.compiled import CompiledBlocks
+from project.parallel.contract import LlamaStrategy
 from project.parallel.timeout import collective_timeout
 
 
@@ -20,7 +21,7 @@ def _allreduce_sum(
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-class GlooFriendlyDDPStrategy(DDPStrategy):
+class GlooFriendlyDDPStrategy(LlamaStrategy, DDPStrategy):
     """DDPStrategy that registers its communication hook on CPU (gloo) too.
 
     Lightning registers `ddp_comm_hook` only when the root device is CUDA and silently drops it

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.strategies.fsdp import _setup_activation_checkpointing
 from torch import nn
@@ -12,12 +13,13 @@ from torch import nn
 from project.errors import ConfigError
 from project.model.llama import Block
 from project.parallel.compiled import compile_blocks
+from project.parallel.contract import LlamaStrategy
 from project.parallel.timeout import collective_timeout
 
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
 
 
-class CPUCapableFSDPStrategy(FSDPStrategy):
+class CPUCapableFSDPStrategy(LlamaStrategy, FSDPStrategy):
     """FSDPStrategy that also runs on CPU with gloo.
 
     Lightning refuses FSDP on CPU by checking `type(strategy) is FSDPStrategy` (a subclass passes);
@@ -70,7 +72,7 @@ class CPUCapableFSDPStrategy(FSDPStrategy):
         _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
         return model
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, module: LightningModule, max_norm: float) -> torch.Tensor:
         """Global gradient norm over all shards (before clipping), gradients clipped to max_norm."""
         return self.model.clip_grad_norm_(max_norm)
 

@@ -21,6 +21,7 @@ from torch.distributed import ReduceOp
 from torchmetrics import Metric
 
 from project.errors import ConfigError
+from project.parallel.contract import LlamaStrategy
 from project.parallel.timeout import collective_timeout
 
 INSTALL = "`make install-horovod` builds it against this torch and installs it (about 3 minutes, once per machine)"
@@ -91,7 +92,7 @@ class HorovodEnvironment(ClusterEnvironment):
         return self._hvd.cross_rank()
 
 
-class HorovodStrategy(ParallelStrategy):
+class HorovodStrategy(LlamaStrategy, ParallelStrategy):
     """One process per device; Horovod's DistributedOptimizer reduces the gradients before each step.
 
     The module's optimizer is wrapped once built; its learning-rate schedule keeps working through the
@@ -130,9 +131,8 @@ class HorovodStrategy(ParallelStrategy):
     def is_distributed(self) -> bool:  # Lightning's cue to reduce what the module logs with sync_dist=True
         return True
 
-    @property
-    def processes_per_node(self) -> int:
-        return self.hvd.local_size()
+    def processes_per_node(self, trainer: Any) -> int:
+        return self.hvd.local_size()  # horovodrun started them, not the trainer
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:

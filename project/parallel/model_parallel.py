@@ -6,6 +6,7 @@ import contextlib
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -15,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from project.errors import ConfigError
 from project.model.llama import Llama
 from project.parallel.compiled import compile_blocks
+from project.parallel.contract import LlamaStrategy
 from project.parallel.fsdp2 import DTYPES, apply_fsdp2
 from project.parallel.init import materialize
 from project.parallel.mesh import mesh_shape
@@ -28,7 +30,7 @@ def checkpoint_activations(block: nn.Module) -> None:
     block.forward = lambda *args: checkpoint(forward, *args, use_reentrant=False)
 
 
-class LlamaParallelStrategy(ModelParallelStrategy):
+class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
     """The mesh is (data_parallel, tensor_parallel); `parallelize` runs in configure_model.
 
     Order, as in torchtitan: the tensor-parallel plan on the `tensor_parallel` dimension, activation
@@ -37,6 +39,8 @@ class LlamaParallelStrategy(ModelParallelStrategy):
     `loss_parallel` (the default) the training and validation steps and the backward pass run
     inside torch's loss_parallel context, so the loss works on vocabulary-split logits.
     """
+
+    model_on_meta = True  # no rank ever holds the whole model
 
     def __init__(
         self,
@@ -96,6 +100,10 @@ class LlamaParallelStrategy(ModelParallelStrategy):
         for root in self._sharded_roots(model):
             apply_fsdp2(root, dp_mesh, self.param_dtype, self.reduce_dtype)
 
+    def data_parallel_coords(self, trainer: Any) -> tuple[int, int]:
+        dp = self.device_mesh["data_parallel"]  # the ranks of one replica share a coordinate on it
+        return dp.get_local_rank(), dp.size()
+
     def _sharded_roots(self, model: Llama) -> list[nn.Module]:
         # The modules FSDP2 shards as a whole (each with its blocks); the pipeline shards each stage.
         return [model]
@@ -125,7 +133,7 @@ class LlamaParallelStrategy(ModelParallelStrategy):
         # One model replica on the ranks of this mesh: nothing to add. A pipeline adds its stages.
         return value
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, module: LightningModule, max_norm: float) -> torch.Tensor:
         """Global gradient norm over all shards and tensor-parallel slices (before clipping).
 
         Without sequence parallelism the norms' weights live on the data-parallel mesh only, the
@@ -133,7 +141,7 @@ class LlamaParallelStrategy(ModelParallelStrategy):
         mesh's gradients are reduced to a full norm separately and the results combined.
         """
         by_mesh: dict[object, list[nn.Parameter]] = {}
-        for p in self.lightning_module.parameters():
+        for p in module.parameters():
             if p.grad is not None:
                 by_mesh.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
         norms = []

@@ -2,19 +2,17 @@
 
 Lightning's loop stays as it is: one `training_step` per optimizer step, then backward, clipping
 and the optimizer. A pipeline schedule runs forward and backward of all microbatches at once, so
-this strategy runs the schedule inside the module's own training step (the module's `loss` goes
-through the schedule for its duration); the backward that Lightning asks for afterwards only puts
-back the schedule's gradients (Lightning zeroes them in between) and runs the hooks. Inside each stage,
+the module's training step asks this strategy for the step's loss (`step_loss`, project.parallel.contract),
+which runs the schedule, gradients included (`gradients_in_step`: the module then keeps Lightning from
+zeroing them before its backward, which here only runs the precision plugin's hooks). Inside each stage,
 tensor parallelism, activation checkpointing, compile and FSDP2 over the data-parallel replicas are applied
 as in LlamaParallelStrategy.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from project.checkpoints import read_checkpoint_file
 from project.model.llama import Llama
+from project.parallel.batch import BatchPlan
 from project.parallel.init import laid_out_like
 from project.parallel.mesh import MeshShape, mesh_shape
 from project.parallel.model_parallel import LlamaParallelStrategy
@@ -60,10 +59,12 @@ def receive_activation(src: int, group: dist.ProcessGroup, tag: int, device: tor
 class LlamaPipelineStrategy(LlamaParallelStrategy):
     """`pipeline_parallel_size` stages (x `virtual_stages` chunks each) run by one of torch's schedules.
 
-    `n_microbatches` and `micro_batch_size` come from the run's batch plan (project.train sets them):
+    `n_microbatches` and `micro_batch_size` come from the run's batch plan (`plan_batches`):
     each training step's batch is one data-parallel replica's share of the global batch, which the
     schedule cuts into `n_microbatches` microbatches of `micro_batch_size` sequences.
     """
+
+    gradients_in_step = True  # the schedule runs every microbatch's backward inside the training step
 
     def __init__(
         self,
@@ -87,7 +88,9 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         self.n_microbatches = n_microbatches
         self.micro_batch_size: int | None = None
         self.stage_layers = stage_layers
-        self._gradients: list[tuple[nn.Parameter, torch.Tensor | None]] = []  # from the schedule, until backward
+
+    def plan_batches(self, plan: BatchPlan) -> None:
+        self.n_microbatches, self.micro_batch_size = plan.pipeline_microbatches, plan.micro_batch_size
 
     @property
     def shape(self) -> MeshShape:
@@ -181,7 +184,6 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
                 return_outputs=False,
                 **kwargs,
             )
-            self._gradients = [(p, p.grad) for p in module.parameters()]
             loss = torch.stack(losses).detach().mean() if losses else torch.zeros((), device=self.root_device)
         else:
             loss = self._evaluate(inputs, targets)
@@ -224,35 +226,12 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
             work.wait()
         return total / inputs.shape[0]
 
-    @contextlib.contextmanager
-    def _loss_through_schedule(self, train: bool) -> Iterator[None]:
-        # The module's training and validation steps stay the same for every strategy; only its
-        # `loss` is replaced, for this step, by the schedule's.
-        module = self.lightning_module
-        module.loss = functools.partial(self._run_schedule, train)
-        try:
-            yield
-        finally:
-            del module.loss
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_through_schedule(train=True):
-            return super().training_step(*args, **kwargs)
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_through_schedule(train=False):
-            return super().validation_step(*args, **kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_through_schedule(train=False):
-            return super().test_step(*args, **kwargs)
+    def step_loss(self, module: Any, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor:
+        return self._run_schedule(train, inputs, targets)
 
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # The schedule ran every microbatch's backward in the training step. Lightning has zeroed
-        # the gradients since (it does so between the step and backward): put them back.
-        for param, grad in self._gradients:
-            param.grad = grad
-        self._gradients = []
+        # The schedule ran every microbatch's backward in the training step (gradients_in_step, so the
+        # module kept Lightning from zeroing them since): only the precision plugin's hooks are left to run.
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 

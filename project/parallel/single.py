@@ -6,6 +6,7 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from project.parallel.compiled import CompiledBlocks
+from project.parallel.contract import LlamaStrategy
 
 
 def single_device_strategy(compile: bool = False) -> SingleDeviceStrategy:
@@ -14,7 +15,7 @@ def single_device_strategy(compile: bool = False) -> SingleDeviceStrategy:
     return CompiledSingleDeviceStrategy() if compile else TrainerDeviceStrategy()
 
 
-class TrainerDeviceStrategy(SingleDeviceStrategy):
+class TrainerDeviceStrategy(LlamaStrategy, SingleDeviceStrategy):
     """Lightning's single-device strategy on the device the trainer names (trainer.accelerator, trainer.devices).
 
     Given by name ("single_device"), Lightning builds SingleDeviceStrategy() on the CPU whatever the

@@ -1,0 +1,64 @@
+"""What a strategy of ours may change in training, all in one place: the contract between the strategies
+(project.parallel.*) and the training module and run (project.lit_module, project.training).
+
+Lightning's own Strategy hooks (setup, backward, optimizer step, checkpoints) stay Lightning's. A Llama run
+needs a few more: how the model is built and sharded, the gradient norm over every shard, how many processes
+share a node, which ranks read the same batch, the batch plan, and the loss of a step when the strategy runs
+the model itself (the pipeline). Every strategy of ours inherits `LlamaStrategy` beside its Lightning base and
+overrides what it does differently; the module and the run call these methods and never look for others.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
+
+    from project.model import Llama
+    from project.parallel.batch import BatchPlan
+
+
+class LlamaStrategy:
+    """The defaults, which suit a strategy that keeps the whole model on each rank (single, ddp, fsdp, horovod)."""
+
+    #: The module builds the model on the meta device (no memory), and `parallelize` gives it memory.
+    model_on_meta: ClassVar[bool] = False
+    #: `step_loss` computes the gradients too (a pipeline schedule runs every backward inside the step), so
+    #: the module must not let Lightning zero them between the step and its backward.
+    gradients_in_step: ClassVar[bool] = False
+
+    def parallelize(self, model: Llama, initialize: bool = True) -> None:
+        """Shard or transform `model` in place before the optimizer is built (LightningModule.configure_model).
+        With `model_on_meta`, also give it memory and, unless a checkpoint or published weights are about to
+        fill it (`initialize=False`), the initial values one device would have."""
+
+    def plan_batches(self, plan: BatchPlan) -> None:
+        """The run's batch plan, known once the Trainer has resolved devices and nodes."""
+
+    def processes_per_node(self, trainer: Trainer) -> int:
+        """The processes of this run on this machine, which share its CPU cores."""
+        return trainer.num_devices
+
+    def data_parallel_coords(self, trainer: Trainer) -> tuple[int, int]:
+        """(rank, size) along data parallelism: the ranks of one model replica must read the same batch."""
+        return trainer.global_rank, trainer.world_size
+
+    def clip_grad_norm(self, module: LightningModule, max_norm: float) -> torch.Tensor:
+        """The global gradient norm (before clipping) over every shard of `module`, whose gradients are then
+        clipped to `max_norm`. Computed on every rank alike, so that every rank skips a bad step alike."""
+        return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+
+    def step_loss(self, module: Any, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor:
+        """The mean loss of a training (`train`) or validation batch, as the module computes it."""
+        return module.loss(inputs, targets)
+
+
+# What the module and the run call when the Trainer's strategy is not one of ours (Lightning's own, in a test).
+LIGHTNING_DEFAULTS = LlamaStrategy()
+
+
+def contract_of(strategy: Any) -> LlamaStrategy:
+    return strategy if isinstance(strategy, LlamaStrategy) else LIGHTNING_DEFAULTS
