@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from project.bench import ROOT, free_stem, load_preset, parse_key_values, preset_path, result_stem
@@ -380,39 +381,18 @@ def scaling(args: dict, data: Path, scratch: Path) -> list[dict]:
     steps, model = args["steps"] or min(shape["steps"], 3), ["model.tie_embeddings=false"]
     two_procs = [*model, "threads_per_process=1"]
     rows = []
+
+    def side(folder: str, threads: int, settings: list[str], launcher: list[str] = ()) -> Callable[[int], dict]:
+        """One side of the pair: the global batch on two processes of one thread, or one process of two."""
+        return lambda repeat: platform_run(
+            preset, shape["batch"], steps, args["warmup"], data, scratch / f"{folder}-{repeat}", thread_env(threads),
+            *settings, micro_batch="null", launcher=launcher,
+        )  # fmt: skip
+
     for name in args["scaling"]:
         launcher, settings = SCALED[name]
-
-        def split(
-            repeat: int, name: str = name, launcher: list[str] = launcher, settings: list[str] = settings
-        ) -> dict:
-            return platform_run(
-                preset,
-                shape["batch"],
-                steps,
-                args["warmup"],
-                data,
-                scratch / f"scale-{name}-{repeat}",
-                thread_env(1),
-                *two_procs,
-                *settings,
-                micro_batch="null",
-                launcher=launcher,
-            )
-
-        def whole(repeat: int, name: str = name) -> dict:
-            return platform_run(
-                preset,
-                shape["batch"],
-                steps,
-                args["warmup"],
-                data,
-                scratch / f"scale-single-{name}-{repeat}",
-                thread_env(2),
-                *model,
-                micro_batch="null",
-            )
-
+        split = side(f"scale-{name}", 1, [*two_procs, *settings], launcher)
+        whole = side(f"scale-single-{name}", 2, model)
         rows.append(
             {
                 "strategy": name,

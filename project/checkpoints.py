@@ -317,3 +317,24 @@ def previous_checkpoint(target: Path) -> Path | None:
     """The checkpoint `swap_in` had moved aside when its process died, if any."""
     old = target.with_name(f"{target.name}.old")
     return old if old.exists() else None
+
+
+def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
+    """The checkpoint a run resumes from: `ckpt_path`, or `last` in `run_dir`; the one swap_in kept aside
+    where the run stopped while replacing it."""
+    if ckpt_path is None:
+        return None
+    path = run_dir / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
+    previous = previous_checkpoint(path)
+    if not path.exists() and previous is not None:
+        rank_zero_info(f"{path} was being replaced when the run stopped: resuming from the previous one")
+        path = previous
+    if not path.exists():  # a file, or a folder from a sharded strategy
+        hint = (
+            " `ckpt_path=last` resumes the run in this run directory: pass the directory of the run to resume "
+            "as hydra.run.dir=DIR."
+            if ckpt_path == "last"
+            else ""
+        )
+        raise ConfigError(f"ckpt_path={ckpt_path}: no checkpoint at {path}.{hint}")
+    return str(path)

@@ -261,12 +261,11 @@ def check_checkpoint_resumable(cfg: DictConfig, run_dir: Path) -> None:
     """The checkpoint to resume from holds a model of this run's shape, as a real start checks before it loads."""
     if cfg.get("ckpt_path") is None:
         return
-    from project.checkpoints import checkpoint_metadata, previous_checkpoint
+    from project.checkpoints import checkpoint_metadata, resolve_ckpt_path
     from project.data.datamodule import tokenizer_identity
     from project.lit_module import check_resumable
 
-    path = run_dir / "checkpoints" / "last.ckpt" if str(cfg.ckpt_path) == "last" else Path(str(cfg.ckpt_path))
-    path = path if path.exists() else previous_checkpoint(path) or path
+    path = resolve_ckpt_path(str(cfg.ckpt_path), run_dir)  # as a real start finds it
     local_shards = not cfg.data.get("mix") and (Path(str(cfg.data.dir)) / "manifest.json").is_file()
     tokenizer = tokenizer_identity(str(cfg.data.dir)) if local_shards else None  # shards elsewhere: a real start checks
     check_resumable(

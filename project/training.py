@@ -33,7 +33,7 @@ from project.callbacks import (
     TokenThroughput,
 )
 from project.callbacks.preemption import REQUEUE_EXIT_STATUS, StopOnSignal
-from project.checkpoints import checkpoint_metadata, checkpoint_step, previous_checkpoint, resumable_by
+from project.checkpoints import checkpoint_metadata, checkpoint_step, resolve_ckpt_path, resumable_by
 from project.checks import (
     Layout,
     check_data,
@@ -54,25 +54,6 @@ from project.loggers import build_loggers
 from project.parallel.contract import contract_of
 from project.processes import watch_children
 from project.redact import redact_text, redacted_container, secret_values
-
-
-def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
-    if ckpt_path is None:
-        return None
-    path = run_dir / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
-    previous = previous_checkpoint(path)
-    if not path.exists() and previous is not None:
-        rank_zero_info(f"{path} was being replaced when the run stopped: resuming from the previous one")
-        path = previous
-    if not path.exists():  # a file, or a folder from a sharded strategy
-        hint = (
-            " `ckpt_path=last` resumes the run in this run directory: pass the directory of the run to resume "
-            "as hydra.run.dir=DIR."
-            if ckpt_path == "last"
-            else ""
-        )
-        raise ConfigError(f"ckpt_path={ckpt_path}: no checkpoint at {path}.{hint}")
-    return str(path)
 
 
 def limit_cpu_threads(trainer: L.Trainer, threads_per_process: int | None) -> None:

@@ -6,10 +6,9 @@ import pytest
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from project.checkpoints import _index_keyed, _name_keyed, previous_checkpoint, resumable_by, swap_in
+from project.checkpoints import _index_keyed, _name_keyed, previous_checkpoint, resolve_ckpt_path, resumable_by, swap_in
 from project.errors import ConfigError
 from project.lit_module import LlamaLitModule
-from project.training import resolve_ckpt_path
 from tests.conftest import run_train
 
 MODEL = {"vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 16}
