@@ -90,10 +90,10 @@ test-fast: install $(VENV)/litgpt-reference/.installed lint
 # project.train against a hand-written loop and litgpt, eager and compiled, with MFU, data-parallel scaling and
 # start-up (experiments/benchmarks/<date>-<host>-platform.*). No tracked file is edited.
 bench: install $(VENV)/litgpt-reference/.installed
-	$(PY) -m project.bench presets=debug  # small10m's bare step: the hand loop of bench_platform below
-	$(PY) -m project.bench_platform presets=debug,small10m  # small50m too: 5 more minutes here
-	$(PY) -m project.bench_pipeline pp=2 microbatches=1,2,4,8 layers=4  # the defaults (m up to 16, 8 layers): 7 more minutes
-	$(PY) -m project.bench_data
+	$(PY) -m project.tooling.bench presets=debug  # small10m's bare step: the hand loop of bench_platform below
+	$(PY) -m project.tooling.bench_platform presets=debug,small10m  # small50m too: 5 more minutes here
+	$(PY) -m project.tooling.bench_pipeline pp=2 microbatches=1,2,4,8 layers=4  # the defaults (m up to 16, 8 layers): 7 more minutes
+	$(PY) -m project.tooling.bench_data
 
 # Beside the environment, like transformers: litgpt's package imports psutil, which nothing else here needs,
 # and it declares versions of litdata and huggingface_hub that its model does not use.

@@ -1,21 +1,10 @@
 """Pretrain Llama-style models with PyTorch Lightning.
 
-Public API: LlamaConfig, Llama, LlamaLitModule, TokenShardDataModule. Imported lazily so that
-`project.model` stays a plain PyTorch import.
+The entry points sit here (`python -m project.train|prepare|export|generate|plan|sweep|report`); everything
+else lives in a package of its own concern, and imports point one way:
+
+    entry points -> tooling -> training -> parallel, data, checkpoint, hf -> model
+                               config and runtime, beside them all
+
+The package imports nothing itself, so that an entry point's settings check runs before torch is loaded.
 """
-
-from importlib import import_module
-
-_EXPORTS = {
-    "LlamaConfig": "project.model",
-    "Llama": "project.model",
-    "LlamaLitModule": "project.lit_module",
-    "TokenShardDataModule": "project.data.datamodule",
-}
-__all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'project' has no attribute {name!r}")

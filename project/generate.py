@@ -4,7 +4,7 @@
                                [seed=1234] [stop_at_eos=true] [tokenizer=PATH]
 
 Loads any checkpoint the platform writes (a .ckpt file, or the sharded folder of fsdp, fsdp2, tp, tp_fsdp or
-pipeline) whole, on the CPU; finds the tokenizer as project.export does (`tokenizer=`, else the manifest.json in
+pipeline) whole, on the CPU; finds the tokenizer as project.hf.export does (`tokenizer=`, else the manifest.json in
 the data directory the checkpoint names); prints the prompt followed by its continuation. temperature=0 is
 greedy decoding; otherwise each token is drawn from the `top_k` most likely (top_k=0: from all) by a generator
 seeded with `seed`, so the same command prints the same text. Generation stops after max_new_tokens, when prompt
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from project.bench import parse_key_values
-from project.errors import ConfigError, exit_on_config_error
 from project.model.llama import KVCache, Llama
+from project.runtime.arguments import parse_key_values
+from project.runtime.errors import ConfigError, exit_on_config_error
 
 DEFAULTS = {
     "ckpt_path": "", "prompt": "", "max_new_tokens": "200", "temperature": "0.8", "top_k": "50", "seed": "1234",
@@ -94,13 +94,7 @@ def generate(
 
 def parse_args(argv: list[str]) -> dict:
     """The arguments with their types, checked before any checkpoint is read."""
-    if any(arg in ("-h", "--help", "help") for arg in argv):
-        print(__doc__)
-        raise SystemExit(0)
-    try:
-        raw = parse_key_values(argv, DEFAULTS)
-    except ConfigError as e:
-        raise ConfigError(f"{e}\n{USAGE}") from None
+    raw = parse_key_values(argv, DEFAULTS, doc=__doc__, usage=USAGE)
     if not raw["ckpt_path"]:
         raise ConfigError(
             f"ckpt_path= is required: a checkpoint file or sharded folder, e.g. outputs/runs/<run>/checkpoints/last.ckpt.\n{USAGE}"
@@ -127,9 +121,9 @@ def parse_args(argv: list[str]) -> dict:
 
 def load(ckpt_path: str, tokenizer: str | None):
     """(the plain Llama in eval mode, its tokenizer, whether it was trained with document_mask)."""
-    # Imported here, after the arguments are checked: project.export imports Lightning, which takes seconds.
+    # Imported here, after the arguments are checked: project.hf.export imports Lightning, which takes seconds.
     from project.data.tokenizer import load_tokenizer
-    from project.export import load_checkpoint, resolve_tokenizer
+    from project.hf.export import load_checkpoint, resolve_tokenizer
 
     config, weights, ckpt = load_checkpoint(Path(ckpt_path))
     state_dict = weights.read(list(weights.shapes))  # the whole model: generation runs it on this process

@@ -19,13 +19,13 @@ import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from project.checks import check_command_line, model_config
-from project.errors import ConfigError, exit_on_config_error
+from project.config.checks import check_command_line, model_config
 from project.planning.candidates import SearchSpace
 from project.planning.cluster import GIB, Cluster
 from project.planning.memory import Allowance
 from project.planning.planner import Workload, calibrated_fraction, plan
 from project.planning.render import as_record, command_line, model_arguments, sweep_spec, table, train_overrides
+from project.runtime.errors import ConfigError, exit_on_config_error
 
 
 def workload(cfg: DictConfig) -> Workload:
@@ -120,8 +120,8 @@ def dry_run_states(outcomes: list, work: Workload, cluster: Cluster, model: list
     (the strategy's own code on a fake process group) for the pipeline rank the formulas found fullest."""
     from hydra import compose
 
-    from project.checks import plan_layout
-    from project.dry_run import rank_share
+    from project.config.checks import plan_layout
+    from project.planning.dry_run import rank_share
 
     checked = []
     for outcome in outcomes:

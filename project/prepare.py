@@ -9,9 +9,9 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from project.checks import check_command_line
+from project.config.checks import check_command_line
 from project.data.prepare import prepare_from_config
-from project.errors import exit_on_config_error
+from project.runtime.errors import exit_on_config_error
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="prepare")

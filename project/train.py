@@ -1,7 +1,7 @@
 """Train a Llama: `python -m project.train experiment=NAME [overrides]`.
 
-Composes the config with Hydra, checks the settings (project.checks) before torch and Lightning are
-imported, so a mistake is answered in about a second, then runs project.training.train.
+Composes the config with Hydra, checks the settings (project.config.checks) before torch and Lightning are
+imported, so a mistake is answered in about a second, then runs project.training.run.train.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from project.checks import check_command_line, preflight
-from project.dry_run import dry_run_argv
-from project.errors import ConfigError, TrainingStopped, config_error_behind, exit_on_config_error
-from project.loader_workers import start_worker_server
-from project.processes import die_with_launcher, report_failed_rank
-from project.startup import collector_paused_for_imports
+from project.config.checks import check_command_line, preflight
+from project.data.loader_workers import start_worker_server
+from project.planning.dry_run import dry_run_argv
+from project.runtime.errors import ConfigError, TrainingStopped, config_error_behind, exit_on_config_error
+from project.runtime.processes import die_with_launcher, report_failed_rank
+from project.runtime.startup import collector_paused_for_imports
 
 
 def forget_refused_run(run_dir: Path) -> None:
@@ -46,7 +46,7 @@ def main(cfg: DictConfig) -> float | None:
         try:
             layout = preflight(cfg, dry_run=cfg.dry_run.enabled)  # seconds, before the imports below
             if cfg.dry_run.enabled:
-                from project.dry_run import dry_run
+                from project.planning.dry_run import dry_run
 
                 strategy = HydraConfig.get().runtime.choices.get("strategy", "strategy")
                 dry_run(cfg, layout, strategy, Path(HydraConfig.get().runtime.output_dir))
@@ -54,7 +54,7 @@ def main(cfg: DictConfig) -> float | None:
             if cfg.data.get("loader_workers", 0) > 0:
                 start_worker_server()  # its imports run beside the ones below
             with collector_paused_for_imports():  # torch, Lightning, litdata: half a second faster
-                from project.training import train
+                from project.training.run import train
 
             return train(cfg, layout).get("val/loss")
         except ConfigError:

@@ -88,7 +88,7 @@ def train_overrides(shards: Path, run_dir: Path, *extra: str) -> list[str]:
         "experiment=debug",
         f"data.dir={shards}",
         # The corpus the shards were prepared from (tiny_shards': raw/ beside them), so that a run's data settings
-        # are the shards' (project.checks refuses others); where there is none, the shards are taken as they are.
+        # are the shards' (project.config.checks refuses others); where there is none, the shards are taken as they are.
         f"data.sources=[{Path(shards).parent / 'raw'}/*.txt]",
         "data.fetch=null",
         "data.seq_len=32",
@@ -192,7 +192,7 @@ def assert_reproduces(run_dir, reference_dir):
     # measured, 2e-5 and 4e-5 at the one sensitive step of the pipeline layouts (the losses within 2e-7).
     for step in reference_norms:
         assert norms[step] == pytest.approx(reference_norms[step], rel=1e-4), step
-    from project.checkpoints import load_full_checkpoint
+    from project.checkpoint.files import load_full_checkpoint
 
     weights = load_full_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
     reference_weights = load_full_checkpoint(reference_dir / "checkpoints" / "last.ckpt")["state_dict"]

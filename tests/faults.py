@@ -33,8 +33,8 @@ from typing import Any, Callable
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-import project.training
-from project.callbacks.checkpoint import StepCheckpoint
+import project.training.run
+from project.training.callbacks.checkpoint import StepCheckpoint
 
 
 def kill_the_run() -> None:
@@ -207,7 +207,7 @@ def with_faults(build_trainer, faults: list[Fault]):
 
 if __name__ == "__main__":
     faults = [Fault.parse(text) for text in os.environ["FAULT"].split(",") if text]
-    project.training.build_trainer = with_faults(project.training.build_trainer, faults)
+    project.training.run.build_trainer = with_faults(project.training.run.build_trainer, faults)
     watch_saves(faults)
     # As `python -m project.train`: Hydra finds the config relative to the file it runs as __main__.
     runpy.run_module("project.train", run_name="__main__")

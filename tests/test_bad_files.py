@@ -34,8 +34,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from project.checks import CONF, check_command_line, preflight
-from project.errors import exit_on_config_error
+from project.config.checks import CONF, check_command_line, preflight
+from project.runtime.errors import exit_on_config_error
 from tests.conftest import ROOT, run_train, train_overrides, write_corpus
 
 pytestmark = pytest.mark.slow
@@ -141,7 +141,7 @@ def first_half(source: Path, path: Path) -> Path:
 
 def good_export(inputs: Inputs) -> Path:
     """An export of the run's checkpoint, as a user would have it before exporting again."""
-    from project.export import export
+    from project.hf.export import export
 
     out = inputs.tmp / "hf"
     export(str(inputs.ckpt), str(out))
@@ -672,8 +672,8 @@ def call_in_process(command: str, args: list[str]) -> None:
         check_command_line(args, config_name="prepare")
         prepare_from_config(OmegaConf.to_container(compose_for(command, args).data, resolve=True))
     else:
-        from project.export import main as export_main
         from project.generate import main as generate_main
+        from project.hf.export import main as export_main
 
         {"export": export_main, "generate": generate_main}[command](args)
 
@@ -744,7 +744,7 @@ DRY_RUN_CASES = [
 
 @pytest.mark.parametrize("case", DRY_RUN_CASES, ids=[case.id for case in DRY_RUN_CASES])
 def test_a_dry_run_refuses_every_bad_file_a_real_start_refuses(case, tmp_path, tiny_shards, request, capsys):
-    from project.dry_run import dry_run
+    from project.planning.dry_run import dry_run
 
     built = case.build(Inputs(tmp_path, tiny_shards, request))
     capsys.readouterr()
@@ -758,9 +758,9 @@ def test_a_dry_run_refuses_every_bad_file_a_real_start_refuses(case, tmp_path, t
 
 
 def test_a_checkpoint_records_its_tokenizer_and_one_from_before_the_record_still_resumes(trained_run, tiny_shards):
-    from project.checkpoints import read_checkpoint_file
+    from project.checkpoint.files import read_checkpoint_file
     from project.data.datamodule import TokenShardDataModule
-    from project.lit_module import check_resumable
+    from project.training.lit_module import check_resumable
 
     checkpoint = read_checkpoint_file(trained_run / "checkpoints" / "last.ckpt")
     identity = TokenShardDataModule(
@@ -777,7 +777,7 @@ def test_the_datamodule_refuses_damaged_shards_too(tiny_shards, tmp_path):
     """The checks before training see the shards a run names; the datamodule, which other code builds
     directly, makes the same ones."""
     from project.data.datamodule import TokenShardDataModule
-    from project.errors import ConfigError
+    from project.runtime.errors import ConfigError
 
     shards = Path(shutil.copytree(tiny_shards, tmp_path / "shards"))
     first_half(shards / "val" / "chunk-0-0.bin", shards / "val" / "chunk-0-0.bin")

@@ -1,7 +1,7 @@
 """Every bad setting is one clear error that names it, before anything starts (issue: reliability).
 
 The table runs the checks `python -m project.train` makes before it imports torch: the command line as
-Hydra will compose it (project.checks.check_command_line), then the values (project.checks.preflight).
+Hydra will compose it (project.config.checks.check_command_line), then the values (project.config.checks.preflight).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from project.checks import CONF, check_command_line, preflight
-from project.errors import ConfigError, exit_on_config_error
+from project.config.checks import CONF, check_command_line, preflight
+from project.runtime.errors import ConfigError, exit_on_config_error
 from tests.conftest import ROOT
 
 COMMAND_LINE = [
@@ -179,7 +179,7 @@ def test_a_setting_a_strategy_refuses_while_hydra_builds_it_is_one_paragraph(cap
 def test_the_strategy_choices_checked_early_are_those_the_strategies_take():
     import typing
 
-    from project.checks import STRATEGY_CHOICES
+    from project.config.checks import STRATEGY_CHOICES
     from project.parallel import ddp, fsdp, fsdp2, pipeline_layout
 
     assert STRATEGY_CHOICES["sharding_strategy"] == typing.get_args(fsdp.ShardingStrategy)

@@ -1,7 +1,7 @@
 import pytest
 
-from project.errors import ConfigError
 from project.parallel import plan_batches
+from project.runtime.errors import ConfigError
 
 
 def test_same_global_batch_splits_into_accumulation_on_fewer_devices():

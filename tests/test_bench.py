@@ -1,4 +1,4 @@
-"""`python -m project.bench`, `project.bench_platform` and `project.bench_pipeline` write new result files and never
+"""`python -m project.tooling.bench`, `project.tooling.bench_platform` and `project.tooling.bench_pipeline` write new result files and never
 edit one already there."""
 
 import json
@@ -12,7 +12,7 @@ TINY = ["presets=debug", "steps=2", "batch=2", "seq_len=16", "error_latency=fals
 
 
 def run_bench(out: Path, *extra: str):
-    result = run_module("project.bench", [*TINY, f"out={out}", *extra], timeout=120)
+    result = run_module("project.tooling.bench", [*TINY, f"out={out}", *extra], timeout=120)
     assert result.returncode == 0, f"bench failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result
 
@@ -45,7 +45,7 @@ def test_bench_writes_new_files_and_never_overwrites(tmp_path):
 
 
 def test_unknown_preset_is_a_config_error(tmp_path):
-    result = run_module("project.bench", ["presets=debug,no_such_model", f"out={tmp_path}"], timeout=120)
+    result = run_module("project.tooling.bench", ["presets=debug,no_such_model", f"out={tmp_path}"], timeout=120)
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and "no_such_model" in result.stderr and "Traceback" not in result.stderr
     assert not list(tmp_path.iterdir())
@@ -63,17 +63,17 @@ def test_pipeline_bench_writes_its_rows_table_and_plot_where_out_says(tmp_path):
         "steps=1",
         f"out={tmp_path}",
     ]
-    result = run_module("project.bench_pipeline", argv, timeout=300)
+    result = run_module("project.tooling.bench_pipeline", argv, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     files = sorted(tmp_path.iterdir())
     assert [p.suffix for p in files] == [".jsonl", ".md", ".svg"] and files[0].stem.endswith("-pipeline-bubble-pp2")
     [row] = [json.loads(line) for line in files[0].read_text().splitlines()]
     assert (row["schedule"], row["microbatches"], row["pp"]) == ("1f1b", 2, 2) and row["pipeline_seconds"] > 0
-    assert "python -m project.bench_pipeline " + " ".join(argv) in files[1].read_text()
+    assert "python -m project.tooling.bench_pipeline " + " ".join(argv) in files[1].read_text()
 
 
 def skip_without_litgpt():
-    from project.bench_litgpt import available, reference_path
+    from project.tooling.bench_litgpt import available, reference_path
 
     if not available():
         pytest.skip(f"litgpt is not installed in {reference_path()}: `make test` installs it there")
@@ -94,7 +94,7 @@ def test_platform_bench_times_project_train_beside_a_hand_loop_and_writes_both_c
         "repeats=1",
         "threads=1",
     ]
-    result = run_module("project.bench_platform", [*argv, f"out={tmp_path}"], timeout=900)
+    result = run_module("project.tooling.bench_platform", [*argv, f"out={tmp_path}"], timeout=900)
     assert result.returncode == 0, f"bench failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     [report_file] = tmp_path.glob("*-platform.json")
     report, table = json.loads(report_file.read_text()), report_file.with_suffix(".md").read_text()
@@ -146,7 +146,7 @@ def test_platform_bench_times_project_train_beside_a_hand_loop_and_writes_both_c
 def test_platform_bench_alternates_the_sides_and_compiles_all_three_for_compiled_presets(monkeypatch, tmp_path):
     """compare() without running anything: A B C, C B A and the matmul rate per alternation; compiled rows pass
     strategy.compile=true to project.train and "compiled" to both loops; medians per side."""
-    from project import bench_platform
+    from project.tooling import bench_platform
 
     calls, rates = [], iter(range(100, 10_000, 100))
 
@@ -203,7 +203,7 @@ def test_compile_effect_alternates_compiled_and_eager_runs_of_each_strategy_with
 ):
     """compile_effect() without running anything: per strategy, compiled then eager, eager then compiled, ...; the
     strategy's launcher, settings, micro batch and threads on both sides, strategy.compile=true on one; medians."""
-    from project import bench_platform
+    from project.tooling import bench_platform
 
     calls = []
     # Per run, in call order: compiled runs fast, eager slow, one outlier each that a median sets aside.
@@ -270,8 +270,8 @@ def test_compile_effect_alternates_compiled_and_eager_runs_of_each_strategy_with
 
 
 def test_the_platform_bench_times_only_the_strategies_when_presets_is_empty_and_refuses_nothing_to_time():
-    from project import bench_platform
-    from project.errors import ConfigError
+    from project.runtime.errors import ConfigError
+    from project.tooling import bench_platform
 
     args = bench_platform.parse(["presets=", "scaling=", "compile_effect=ddp,pipeline"])
     assert (args["presets"], args["compiled"], args["scaling"], args["compile_effect"]) == (
@@ -298,15 +298,15 @@ def test_the_platform_bench_times_only_the_strategies_when_presets_is_empty_and_
     ],
 )
 def test_platform_bench_refuses_an_unknown_preset_or_strategy_before_running_anything(tmp_path, setting, named):
-    result = run_module("project.bench_platform", [setting, f"out={tmp_path}"], timeout=120)
+    result = run_module("project.tooling.bench_platform", [setting, f"out={tmp_path}"], timeout=120)
     assert result.returncode == 2 and result.stderr.startswith("error: ") and named in result.stderr, result.stderr
     assert not list(tmp_path.iterdir())
 
 
 def test_litgpt_twin_has_each_presets_parameter_count():
-    from project.bench import load_preset
-    from project.bench_litgpt import litgpt_twin
-    from project.model import Llama
+    from project.model.llama import Llama
+    from project.tooling.bench import load_preset
+    from project.tooling.bench_litgpt import litgpt_twin
 
     skip_without_litgpt()
     for preset in ("debug", "small10m", "small50m"):

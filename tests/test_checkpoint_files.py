@@ -6,9 +6,16 @@ import pytest
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from project.checkpoints import _index_keyed, _name_keyed, previous_checkpoint, resolve_ckpt_path, resumable_by, swap_in
-from project.errors import ConfigError
-from project.lit_module import LlamaLitModule
+from project.checkpoint.files import (
+    _index_keyed,
+    _name_keyed,
+    previous_checkpoint,
+    resolve_ckpt_path,
+    resumable_by,
+    swap_in,
+)
+from project.runtime.errors import ConfigError
+from project.training.lit_module import LlamaLitModule
 from tests.conftest import run_train
 
 MODEL = {"vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 16}
@@ -126,7 +133,7 @@ def test_a_single_file_is_converted_once_for_a_sharded_strategy_with_optimizer_s
 def test_a_failed_swap_on_rank_zero_is_an_error_on_every_rank(tmp_path):
     from types import SimpleNamespace
 
-    from project.callbacks import StepCheckpoint
+    from project.training.callbacks import StepCheckpoint
 
     sent = []
     strategy = SimpleNamespace(broadcast=lambda obj: sent.append(obj) or obj)  # what rank 0 tells the others
@@ -168,7 +175,7 @@ class _RunsCode:
 
 @pytest.mark.parametrize("damage", ["truncated", "runs_code", "not_a_checkpoint"])
 def test_a_damaged_or_code_carrying_checkpoint_is_refused_and_nothing_runs(tmp_path, damage):
-    from project.checkpoints import checkpoint_step, load_full_checkpoint
+    from project.checkpoint.files import checkpoint_step, load_full_checkpoint
 
     path = tmp_path / "last.ckpt"
     _RunsCode.marker = tmp_path / "code-ran"
@@ -224,7 +231,7 @@ SINGLE_PROCESS_DCP = pytest.mark.filterwarnings("ignore:torch.distributed is dis
 def test_a_sharded_checkpoint_whose_metadata_would_run_code_is_refused(tmp_path):
     import pickle
 
-    from project.checkpoints import SHARDED_METADATA, verify_sharded_checkpoint
+    from project.checkpoint.files import SHARDED_METADATA, verify_sharded_checkpoint
 
     folder = sharded_folder(tmp_path / "last.ckpt")
     verify_sharded_checkpoint(folder)  # torch's own folders pass
@@ -247,7 +254,7 @@ def test_a_sharded_checkpoint_whose_entries_would_run_code_is_refused_and_torch_
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from project.checkpoints import SHARDED_METADATA, verify_sharded_checkpoint
+    from project.checkpoint.files import SHARDED_METADATA, verify_sharded_checkpoint
 
     folder, marker = sharded_folder(tmp_path / "last.ckpt"), tmp_path / "ran"
     payload = io.BytesIO()

@@ -6,8 +6,8 @@ import sys
 import pytest
 from hydra import compose, initialize_config_dir
 
-from project.checks import preflight
-from project.errors import ConfigError
+from project.config.checks import preflight
+from project.runtime.errors import ConfigError
 from tests.conftest import ROOT
 
 

@@ -7,8 +7,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from project.lit_module import OptimConfig
-from project.model import LlamaConfig
+from project.model.config import LlamaConfig
+from project.training.lit_module import OptimConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

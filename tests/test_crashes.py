@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from project.checkpoints import checkpoint_step, load_full_checkpoint, resolve_ckpt_path
+from project.checkpoint.files import checkpoint_step, load_full_checkpoint, resolve_ckpt_path
 from tests.conftest import PARITY_RUN, PIPELINE_RUN, ROOT, read_metrics, run_train, train_overrides
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@ from conftest import read_metrics, run_train, write_corpus
 
 from project.data.datamodule import TokenShardDataModule
 from project.data.prepare import prepare_shards
-from project.errors import ConfigError
+from project.runtime.errors import ConfigError
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import pytest
 from conftest import read_metrics, run_module, run_train, train_overrides, write_corpus
 from hydra import compose, initialize_config_dir
 
-from project.checks import CONF, preflight
-from project.errors import ConfigError
+from project.config.checks import CONF, preflight
+from project.runtime.errors import ConfigError
 
 
 def compose_run(shards, tmp_path, *overrides):

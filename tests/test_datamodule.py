@@ -5,7 +5,7 @@ import json
 import pytest
 
 from project.data.datamodule import TokenShardDataModule
-from project.errors import ConfigError
+from project.runtime.errors import ConfigError
 
 
 def test_a_global_batch_larger_than_the_training_split_is_refused_unless_repeats_are_allowed(tiny_shards):

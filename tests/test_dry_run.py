@@ -12,10 +12,10 @@ from hydra import compose, initialize_config_dir
 from test_pipeline import LAYOUTS as PIPELINES
 from test_sharded_parity import LAYOUTS as SHARDED
 
-from project.checks import CONF, model_config, plan_layout, preflight
-from project.dry_run import build_meta_model, coordinates, rank_share, representative_ranks
+from project.config.checks import CONF, model_config, plan_layout, preflight
 from project.planning.candidates import Candidate
 from project.planning.cluster import Cluster
+from project.planning.dry_run import build_meta_model, coordinates, rank_share, representative_ranks
 from project.planning.memory import Allowance, estimate_memory
 from project.planning.planner import Workload
 from project.planning.render import model_arguments
@@ -226,7 +226,7 @@ def test_the_planners_model_states_per_rank_agree_with_the_dry_run_within_two_pe
 
 
 def test_a_dry_run_checks_the_shards_it_finds_and_says_when_they_are_elsewhere(tiny_shards, tmp_path):
-    from project.errors import ConfigError
+    from project.runtime.errors import ConfigError
 
     mismatched = compose_job(
         *train_overrides(tiny_shards, tmp_path, "data.seq_len=64")
@@ -247,8 +247,8 @@ def test_a_dry_run_checks_the_shards_it_finds_and_says_when_they_are_elsewhere(t
 
 
 def test_every_file_check_of_a_real_start_refuses_the_dry_run_too(single_reference, tiny_shards, tmp_path):
-    from project.dry_run import dry_run
-    from project.errors import ConfigError
+    from project.planning.dry_run import dry_run
+    from project.runtime.errors import ConfigError
 
     not_a_checkpoint = tmp_path / "cut.ckpt"
     not_a_checkpoint.write_bytes(b"PK\x03\x04 cut short")

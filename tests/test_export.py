@@ -1,4 +1,4 @@
-"""project.export: a checkpoint in the training format becomes a folder transformers loads offline.
+"""project.hf.export: a checkpoint in the training format becomes a folder transformers loads offline.
 
 The checkpoint and tokenizer are built here in the documented contract: a Lightning-style dict whose
 `state_dict` holds the Llama under `model.`, `hyper_parameters['model']` the LlamaConfig as a dict, and
@@ -17,7 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from project.export import main  # noqa: E402
+from project.hf.export import main  # noqa: E402
 from project.model.llama import Llama, LlamaConfig  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from project.checkpoints import checkpoint_step, load_full_checkpoint
+from project.checkpoint.files import checkpoint_step, load_full_checkpoint
 from tests.conftest import ROOT, read_metrics, run_train, train_overrides
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import PARITY_RUN, PIPELINE_RUN, read_metrics, run_train
 
-from project.checkpoints import load_full_checkpoint
+from project.checkpoint.files import load_full_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from project.hf_format import from_hf_state_dict, hf_config_dict, to_hf_state_dict  # noqa: E402
+from project.hf.conversion import from_hf_state_dict, hf_config_dict, to_hf_state_dict  # noqa: E402
 from project.model.llama import Llama, LlamaConfig, rope_frequencies  # noqa: E402
 
 # original_max_position_embeddings=64 (bands at wavelengths 16 and 64 tokens) with head_dim 16 and rope_theta 5e5

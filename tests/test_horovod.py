@@ -134,8 +134,8 @@ def test_the_layout_takes_horovodruns_process_count_and_its_processes_one_run_di
     from hydra.core.hydra_config import HydraConfig
 
     import project.parallel.horovod as horovod
-    from project.checks import preflight
-    from project.errors import ConfigError
+    from project.config.checks import preflight
+    from project.runtime.errors import ConfigError
 
     monkeypatch.setattr(horovod, "horovod_world", lambda strategy_cfg: 2)  # as under horovodrun -np 2
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
@@ -174,8 +174,8 @@ def test_a_dry_run_of_horovod_points_to_the_ddp_dry_run(tiny_shards, tmp_path):
 
 
 def test_without_horovod_installed_the_strategy_says_how_to_install_it(monkeypatch):
-    from project.errors import ConfigError
     from project.parallel.horovod import start_horovod
+    from project.runtime.errors import ConfigError
 
     monkeypatch.setitem(
         sys.modules, "horovod.torch", None

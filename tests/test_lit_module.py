@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from project.lit_module import LlamaLitModule, OptimConfig, document_ids, lr_at
 from project.parallel.contract import LlamaStrategy
 from project.parallel.init import materialize
+from project.training.lit_module import LlamaLitModule, OptimConfig, document_ids, lr_at
 
 MODEL = dict(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16, max_seq_len=32)
 

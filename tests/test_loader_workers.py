@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from project.loader_workers import loader_options
+from project.data.loader_workers import loader_options
 
 # Held by the test's main thread while the loader starts its worker, as another thread of a training
 # process (wandb's, a progress bar's, a queue feeder's) may hold one of its locks at that instant.

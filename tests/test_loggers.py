@@ -1,7 +1,7 @@
 import pytest
 from conftest import read_metrics, run_train
 
-from project.loggers import wandb_mode
+from project.training.loggers import wandb_mode
 
 
 def test_wandb_auto_mode_is_offline_unless_logged_in(monkeypatch, tmp_path):

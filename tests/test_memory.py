@@ -5,7 +5,8 @@ import json
 import pytest
 from conftest import read_metrics, run_train
 
-from project.model import LlamaConfig, count_parameters
+from project.model.config import LlamaConfig
+from project.model.flops import count_parameters
 
 pytestmark = pytest.mark.slow
 

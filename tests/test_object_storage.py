@@ -9,7 +9,7 @@ from conftest import read_metrics, run_train
 
 from project.data.prepare import prepare_shards
 from project.data.storage import upload_dataset
-from project.errors import ConfigError
+from project.runtime.errors import ConfigError
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 

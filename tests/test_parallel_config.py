@@ -2,10 +2,10 @@
 
 import pytest
 
-from project.errors import ConfigError
-from project.model import LlamaConfig
+from project.model.config import LlamaConfig
 from project.parallel import mesh_shape
 from project.parallel.mesh import check_tensor_parallel_degree
+from project.runtime.errors import ConfigError
 
 
 def llama(**overrides):
@@ -67,7 +67,7 @@ def test_mesh_that_does_not_match_the_devices_is_a_clear_error(strategy, message
 def test_compile_setting_compiles_every_block_where_the_model_stays_whole(factory):
     import torch
 
-    from project.model import Llama
+    from project.model.llama import Llama
     from project.parallel.ddp import ddp_strategy
     from project.parallel.single import single_device_strategy
 

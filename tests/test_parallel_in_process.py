@@ -13,7 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
-from project.model import Llama, LlamaConfig
+from project.model.config import LlamaConfig
+from project.model.llama import Llama
 from project.parallel.fsdp2 import apply_fsdp2
 from project.parallel.init import materialize
 from project.parallel.tensor_parallel import apply_tensor_parallel

@@ -20,7 +20,8 @@ from conftest import (
     train_overrides,
 )
 
-from project.model import LlamaConfig, count_parameters
+from project.model.config import LlamaConfig
+from project.model.flops import count_parameters
 
 pytestmark = pytest.mark.slow
 
@@ -126,9 +127,9 @@ def test_pipeline_checkpoints_resume_under_other_layouts_and_back(tiny_shards, u
 
 def test_pipeline_checkpoint_exports_to_transformers(tiny_shards, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from project.checkpoints import load_full_checkpoint
-    from project.lit_module import LlamaLitModule
-    from project.model import Llama
+    from project.checkpoint.files import load_full_checkpoint
+    from project.model.llama import Llama
+    from project.training.lit_module import LlamaLitModule
 
     run_train(tiny_shards, tmp_path, "trainer.max_steps=3", "global_batch_size=8", *PP2)
     ckpt = tmp_path / "checkpoints" / "last.ckpt"

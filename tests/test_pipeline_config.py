@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
-from project.errors import ConfigError
-from project.model import Llama, LlamaConfig
+from project.model.config import LlamaConfig
+from project.model.llama import Llama
 from project.parallel import MeshShape, mesh_shape, plan_pipeline_batches
 from project.parallel.pipeline import SCHEDULES, split_into_stages
 from project.parallel.pipeline_layout import (
@@ -17,6 +17,7 @@ from project.parallel.pipeline_layout import (
     chunk_ranks,
     stage_layer_counts,
 )
+from project.runtime.errors import ConfigError
 
 CONFIG = LlamaConfig(vocab_size=96, dim=32, n_layers=8, n_heads=4, n_kv_heads=2, multiple_of=32)
 

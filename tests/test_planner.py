@@ -13,8 +13,7 @@ from hydra import compose, initialize_config_dir
 from test_pipeline import LAYOUTS as PIPELINES
 from test_sharded_parity import LAYOUTS as SHARDED
 
-from project.checks import CONF, model_config, plan_layout
-from project.errors import ConfigError
+from project.config.checks import CONF, model_config, plan_layout
 from project.model.config import LlamaConfig
 from project.model.flops import count_parameters
 from project.planning.candidates import Candidate, SearchSpace
@@ -23,6 +22,7 @@ from project.planning.memory import Allowance, estimate_memory, layer_activation
 from project.planning.planner import Workload, calibrated_fraction, evaluate, plan, training_days
 from project.planning.render import train_overrides
 from project.planning.step_time import block_flops_per_token, head_flops_per_token
+from project.runtime.errors import ConfigError
 
 
 def preset(name: str) -> LlamaConfig:

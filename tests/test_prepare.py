@@ -17,7 +17,7 @@ from project.data import corpus
 from project.data import prepare as prepare_module
 from project.data.prepare import prepare_shards
 from project.data.tokenizer import load_tokenizer
-from project.errors import ConfigError
+from project.runtime.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 PART_MB = 8 / 1024

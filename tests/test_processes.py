@@ -8,7 +8,7 @@ import time
 from contextlib import redirect_stderr
 from types import SimpleNamespace
 
-from project import processes
+from project.runtime import processes
 
 
 def fake_launcher(procs):

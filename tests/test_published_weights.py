@@ -16,9 +16,10 @@ from conftest import ROOT, read_metrics, run_train, train_overrides
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from project.hf_folder import model_settings
-from project.hf_format import hf_config_dict, hf_weight_shapes, to_hf_state_dict
-from project.model import LlamaConfig, count_parameters
+from project.hf.conversion import hf_config_dict, hf_weight_shapes, to_hf_state_dict
+from project.hf.folder import model_settings
+from project.model.config import LlamaConfig
+from project.model.flops import count_parameters
 from project.model.llama import Llama
 
 transformers = pytest.importorskip("transformers")
@@ -121,7 +122,7 @@ def test_the_first_step_of_a_run_from_a_published_folder_has_transformers_loss(
 
 
 def test_weights_read_from_a_folder_export_to_the_same_tensors(published, tmp_path):
-    from project.lit_module import LlamaLitModule
+    from project.training.lit_module import LlamaLitModule
 
     module = LlamaLitModule(model=PUBLISHED.__dict__, init_from=str(published))
     module.configure_model()  # as the trainer calls it: the weights are read here
@@ -233,8 +234,8 @@ def test_prepare_takes_the_tokenizer_of_a_published_folder(published, tiny_shard
 def test_a_sharded_checkpoint_exports_in_parts_that_init_from_reads_back_to_the_same_tensors(
     published, tiny_shards, tmp_path
 ):
-    from project.checkpoint_weights import checkpoint_weights, write_safetensors
-    from project.lit_module import LlamaLitModule
+    from project.hf.checkpoint_weights import checkpoint_weights, write_safetensors
+    from project.training.lit_module import LlamaLitModule
 
     run_train(tiny_shards, tmp_path / "run", f"init_from={published}", *FIRST_STEP, *LAYOUTS["fsdp2"])
     exported = tmp_path / "exported"

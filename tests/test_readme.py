@@ -91,8 +91,8 @@ def published_stand_in(folder: Path, texts: list[str]) -> None:
     import torch
 
     from project.data.tokenizer import train_bpe
-    from project.hf_format import hf_config_dict
-    from project.model import LlamaConfig
+    from project.hf.conversion import hf_config_dict
+    from project.model.config import LlamaConfig
 
     tokenizer = train_bpe(texts, 512, folder)
     vocab = 4 * -(-tokenizer.vocab_size // 4)  # divisible by the tensor-parallel degree
@@ -117,7 +117,9 @@ def test_readme_lists_the_commands_this_test_runs():
     runs = [c for c in commands if skip_reason(c) is None]
     assert ["make", "train"] in commands and ["make", "test"] in commands
     assert (
-        len(runs) >= 10 and any(c[2] == "project.export" for c in runs) and any(c[2] == "project.prepare" for c in runs)
+        len(runs) >= 10
+        and any(c[2] == "project.export" for c in runs)
+        and any(c[2] == "project.prepare" for c in runs)
     )
 
 

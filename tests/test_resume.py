@@ -6,8 +6,8 @@ import torch
 from conftest import RESUME_RUN as RUN
 from conftest import read_metrics, run_module, run_train, train_overrides
 
-from project.callbacks import StepCheckpoint
 from project.data.datamodule import TokenShardDataModule
+from project.training.callbacks import StepCheckpoint
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from project.data import datamodule as datamodule_module
 from project.data.datamodule import TokenShardDataModule
-from project.redact import REDACTED, redact_text, redacted_container, secret_values, without_secrets
+from project.runtime.secrets import REDACTED, redact_text, redacted_container, secret_values, without_secrets
 from tests.conftest import run_module, train_overrides
 
 API_KEY = "local-0123456789abcdef0123456789abcdef01234567"  # the shape of a wandb key

@@ -48,9 +48,10 @@ def test_every_checkpoint_format_resumes_under_every_other_family(tiny_shards, u
 
 def test_sharded_checkpoint_exports_to_transformers(tiny_shards, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from project.checkpoints import load_full_checkpoint
-    from project.lit_module import LlamaLitModule
-    from project.model import Llama, LlamaConfig
+    from project.checkpoint.files import load_full_checkpoint
+    from project.model.config import LlamaConfig
+    from project.model.llama import Llama
+    from project.training.lit_module import LlamaLitModule
 
     run_train(
         tiny_shards, tmp_path, "trainer.max_steps=3", "global_batch_size=8", "strategy=tp_fsdp", "trainer.devices=4"

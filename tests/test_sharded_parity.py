@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import PARITY_RUN, assert_reproduces, read_metrics, run_train
 
-from project.checkpoints import load_full_checkpoint
+from project.checkpoint.files import load_full_checkpoint
 
 pytestmark = pytest.mark.slow
 

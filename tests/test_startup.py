@@ -1,4 +1,4 @@
-"""project.startup: the collector pause that shortens a command's imports."""
+"""project.runtime.startup: the collector pause that shortens a command's imports."""
 
 import gc
 import importlib
@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-from project import startup
+from project.runtime import startup
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_a_collector_that_was_off_stays_off(first_use):
 def test_training_module_leaves_torch_pipelining_unimported():
     """Only strategy=pipeline needs it (Hydra's instantiate imports it then): 0.05 s of every other start."""
     code = (
-        "import sys, project.training; "
+        "import sys, project.training.run; "
         "print('project.parallel.pipeline_strategy' in sys.modules, 'torch.distributed.pipelining' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

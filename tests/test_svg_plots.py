@@ -1,11 +1,11 @@
-"""project.svg_plots: the report's bar and line charts, read back as XML and checked against their data."""
+"""project.tooling.svg_plots: the report's bar and line charts, read back as XML and checked against their data."""
 
 import math
 import xml.etree.ElementTree as ET
 
 import pytest
 
-from project.svg_plots import PALETTE, bar_chart, line_chart, nice_ticks
+from project.tooling.svg_plots import PALETTE, bar_chart, line_chart, nice_ticks
 
 SVG = "{http://www.w3.org/2000/svg}"
 

@@ -1,4 +1,4 @@
-"""Sweep specs and the offline sweep runner (project.sweep); Hydra multirun with multi-process strategies."""
+"""Sweep specs and the offline sweep runner (project.tooling.sweep); Hydra multirun with multi-process strategies."""
 
 import json
 import math
@@ -13,8 +13,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from test_quiet_runs import unexpected_warnings
 
-from project import sweep
-from project.checks import preflight
+from project.config.checks import preflight
+from project.tooling import sweep
 
 SPECS = sorted((ROOT / "experiments" / "sweeps").glob("*.yaml"))
 SOURCES = "\n".join(p.read_text() for p in (ROOT / "project").rglob("*.py") if p.name != "sweep.py")

@@ -7,7 +7,7 @@ import sentencepiece
 import tokenizers
 
 from project.data.tokenizer import BOS_TOKEN, EOS_TOKEN, load_tokenizer, train_bpe
-from project.errors import ConfigError
+from project.runtime.errors import ConfigError
 
 WORDS = "thou art more lovely and more temperate rough winds do shake the darling buds of may".split()
 SAMPLE = "Shall I compare thee to a summer's day?\n  Naïve café — 日本語, tabs\tand 123!"

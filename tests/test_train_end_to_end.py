@@ -58,7 +58,8 @@ def test_best_checkpoint_is_the_lowest_validation_loss(debug_run):
 
 
 def test_mfu_is_model_flops_over_the_device_peak(debug_run):
-    from project.model import LlamaConfig, training_flops_per_token
+    from project.model.config import LlamaConfig
+    from project.model.flops import training_flops_per_token
 
     run_dir, _ = debug_run
     config = LlamaConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=32)
@@ -99,7 +100,8 @@ def test_cpu_offload_on_a_cpu_run_is_a_clear_error(tiny_shards, tmp_path):
 
 
 def test_checkpoint_loads_back_into_a_llama(debug_run):
-    from project import Llama, LlamaLitModule
+    from project.model.llama import Llama
+    from project.training.lit_module import LlamaLitModule
 
     run_dir, _ = debug_run
     module = LlamaLitModule.load_from_checkpoint(run_dir / "checkpoints" / "last.ckpt", map_location="cpu")
@@ -110,7 +112,7 @@ def test_checkpoint_loads_back_into_a_llama(debug_run):
 
 
 def test_learning_rate_follows_warmup_then_cosine(debug_run):
-    from project.lit_module import OptimConfig, lr_at
+    from project.training.lit_module import OptimConfig, lr_at
 
     run_dir, _ = debug_run
     lr = read_metrics(run_dir, "train/lr")
@@ -135,7 +137,7 @@ def test_global_batch_not_divisible_by_devices_is_a_clear_error(tiny_shards, tmp
 
 def test_trained_checkpoint_exports_to_transformers_with_equal_logits(debug_run, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from project import LlamaLitModule
+    from project.training.lit_module import LlamaLitModule
 
     run_dir, _ = debug_run
     ckpt = run_dir / "checkpoints" / "last.ckpt"

@@ -1,7 +1,7 @@
 """What a loader worker process runs: token blocks read by index, and their collation into batches.
 
 Kept apart from the data module and free of Lightning, so that the process loader workers start from
-imports only this (project.loader_workers): a worker is then ready in a fraction of a second.
+imports only this (project.data.loader_workers): a worker is then ready in a fraction of a second.
 """
 
 from __future__ import annotations

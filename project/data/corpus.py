@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from project.errors import ConfigError
+from project.runtime.errors import ConfigError
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIX = ".jsonl"

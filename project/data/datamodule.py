@@ -12,16 +12,16 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
-from project.checks import check_prepared_shards, read_manifest
 from project.data.blocks import MixedBlocks, TokenBlocks, collate_blocks
+from project.data.loader_workers import loader_options
 from project.data.mixture import MixtureOrder
 from project.data.sampler import DEFAULT_WINDOW_CHUNKS, BlockOrder, GlobalBatchSampler, ValidationSampler
-from project.data.storage import join
+from project.data.shards import read_manifest
+from project.data.storage import check_prepared_shards, join
 from project.data.tokenizer import load_tokenizer
-from project.errors import ConfigError
-from project.loader_workers import loader_options
 from project.parallel.contract import contract_of
-from project.redact import without_secrets
+from project.runtime.errors import ConfigError
+from project.runtime.secrets import without_secrets
 
 
 def data_parallel_coords(trainer: Any) -> tuple[int, int]:
@@ -162,7 +162,7 @@ class TokenShardDataModule(LightningDataModule):
     @cached_property
     def tokenizer_identity(self) -> dict[str, Any]:
         """What the token ids of these shards mean, for a checkpoint to record and a resumed run to compare
-        (project.lit_module): the tokenizer's kind, size, end-of-text id and a digest of its vocabulary."""
+        (project.training.lit_module): the tokenizer's kind, size, end-of-text id and a digest of its vocabulary."""
         return tokenizer_identity(self.views[self.corpora[0].dir])
 
     @property

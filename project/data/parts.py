@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from project.errors import ConfigError
+from project.runtime.errors import ConfigError
 
 DONE_NAME = "done.json"
 # Environment variables that say which machine this is, in the order they are consulted.

@@ -29,7 +29,6 @@ import litdata
 import numpy as np
 from filelock import FileLock
 
-from project.checks import unwritable
 from project.data.corpus import (
     SOURCE_SUFFIXES,
     DocumentRef,
@@ -40,15 +39,15 @@ from project.data.corpus import (
     resolve_sources,
 )
 from project.data.parts import assigned_parts, build_parts, is_done, merge_parts, node_of, plan_parts
+from project.data.shards import MANIFEST_NAME, SPLITS
 from project.data.storage import holds_objects, is_remote, read_remote_manifest, upload_dataset
 from project.data.tokenizer import Tokenizer, file_sha256, load_tokenizer, train_bpe
-from project.errors import ConfigError
+from project.runtime.errors import ConfigError
+from project.runtime.folders import unwritable
 
 log = logging.getLogger(__name__)
 
 MANIFEST_FORMAT = 1
-MANIFEST_NAME = "manifest.json"
-SPLITS = ("train", "val")
 # Small chunks by default (data.chunk_mb): the default corpus (~2.5 MB of uint16 tokens) becomes several chunks, which
 # litdata needs to spread work over ranks and loader workers. TokensLoader forms blocks within a
 # chunk only, so each chunk drops its last (tokens % block_size) tokens: < 0.05% at this size.
@@ -450,7 +449,7 @@ def _build(
                 "dtype": np.dtype(dtype).name,
                 "splits": counts,
                 "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
-                # The data settings as given, for training to check its own against (project.checks).
+                # The data settings as given, for training to check its own against (project.config.checks).
                 "settings": {
                     "tokenizer": settings.tokenizer,
                     "tokenizer_sha256": file_sha256(given_file) if given_file else None,

@@ -24,10 +24,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from project.errors import ConfigError
-
-MANIFEST_NAME = "manifest.json"
-SPLITS = ("train", "val")
+from project.data.shards import MANIFEST_NAME, SPLITS, check_block_size, check_shards, read_manifest
+from project.runtime.errors import ConfigError
 
 
 def is_remote(path: str | os.PathLike | None) -> bool:
@@ -224,3 +222,31 @@ def upload_dataset(folder: Path, url: str, storage_options: Mapping[str, Any] | 
         stale += [item["Key"] for item in page.get("Contents", []) if item["Key"] not in keys]
     for start in range(0, len(stale), 1000):
         client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": key} for key in stale[start : start + 1000]]})
+
+
+def check_prepared_shards(
+    data_dir: str | os.PathLike,
+    seq_len: int,
+    cache_dir: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> tuple[Path, dict[str, Any]]:
+    """(a local folder holding the manifest and indexes, the manifest) of shards prepared in `data_dir` for
+    blocks of seq_len + 1, refused with a ConfigError otherwise. Remote shards (a URL) are read from a local
+    view of their small files, and
+    checked by their indexes only: their chunks are fetched when read."""
+    if "://" not in str(data_dir):
+        manifest = read_manifest(data_dir)
+        check_block_size(data_dir, manifest, seq_len)
+        check_shards(data_dir)
+        return Path(data_dir), manifest
+    view = local_view(data_dir, cache_dir, storage_options)
+    if not (view / MANIFEST_NAME).is_file():
+        raise ConfigError(
+            f"no prepared shards at data.dir={data_dir} (missing {MANIFEST_NAME}): prepare them there first with "
+            f"`python -m project.prepare data.dir={data_dir}` and the same data settings (training does not "
+            "prepare into object storage), or point data.dir at prepared shards."
+        )
+    manifest = read_manifest(view, data_dir)
+    check_block_size(data_dir, manifest, seq_len)
+    check_shards(view, data_dir, chunks=False)
+    return view, manifest

@@ -16,7 +16,7 @@ import sentencepiece
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from project.errors import ConfigError
+from project.runtime.errors import ConfigError
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"

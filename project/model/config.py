@@ -1,6 +1,6 @@
 """LlamaConfig: the shape of a Llama, as plain data.
 
-Kept apart from the model so that settings can be checked (project.checks) without importing torch.
+Kept apart from the model so that settings can be checked (project.config.checks) without importing torch.
 """
 
 from __future__ import annotations

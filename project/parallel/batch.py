@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from project.errors import ConfigError
+from project.runtime.errors import ConfigError
 
 
 @dataclass(frozen=True)

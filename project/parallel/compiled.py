@@ -8,7 +8,7 @@ plain model's.
 
 from __future__ import annotations
 
-from project.model import Llama
+from project.model.llama import Llama
 from project.parallel.init import materialize
 
 

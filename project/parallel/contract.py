@@ -1,5 +1,5 @@
 """What a strategy of ours may change in training, all in one place: the contract between the strategies
-(project.parallel.*) and the training module and run (project.lit_module, project.training).
+(project.parallel.*) and the training module and run (project.training.lit_module, project.training.run).
 
 Lightning's own Strategy hooks (setup, backward, optimizer step, checkpoints) stay Lightning's. A Llama run
 needs a few more: how the model is built and sharded, the gradient norm over every shard, how many processes
@@ -17,7 +17,7 @@ import torch
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
 
-    from project.model import Llama
+    from project.model.llama import Llama
     from project.parallel.batch import BatchPlan
 
 

@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
-from project.errors import ConfigError
 from project.parallel.compiled import CompiledBlocks
 from project.parallel.contract import LlamaStrategy
 from project.parallel.timeout import collective_timeout
+from project.runtime.errors import ConfigError
 
 
 def _allreduce_sum(

@@ -10,11 +10,11 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.strategies.fsdp import _setup_activation_checkpointing
 from torch import nn
 
-from project.errors import ConfigError
 from project.model.llama import Block
 from project.parallel.compiled import compile_blocks
 from project.parallel.contract import LlamaStrategy
 from project.parallel.timeout import collective_timeout
+from project.runtime.errors import ConfigError
 
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
 

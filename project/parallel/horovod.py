@@ -20,9 +20,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch.distributed import ReduceOp
 from torchmetrics import Metric
 
-from project.errors import ConfigError
 from project.parallel.contract import LlamaStrategy
 from project.parallel.timeout import collective_timeout
+from project.runtime.errors import ConfigError
 
 INSTALL = "`make install-horovod` builds it against this torch and installs it (about 3 minutes, once per machine)"
 

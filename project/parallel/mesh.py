@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, NamedTuple
 
-from project.errors import ConfigError
 from project.model.config import LlamaConfig
+from project.runtime.errors import ConfigError
 
 
 class MeshShape(NamedTuple):

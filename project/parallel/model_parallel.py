@@ -13,7 +13,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
 
-from project.errors import ConfigError
 from project.model.llama import Llama
 from project.parallel.compiled import compile_blocks
 from project.parallel.contract import LlamaStrategy
@@ -22,6 +21,7 @@ from project.parallel.init import materialize
 from project.parallel.mesh import mesh_shape
 from project.parallel.tensor_parallel import apply_tensor_parallel
 from project.parallel.timeout import collective_timeout
+from project.runtime.errors import ConfigError
 
 
 def checkpoint_activations(block: nn.Module) -> None:
@@ -87,7 +87,7 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
 
     def shard(self, model: Llama) -> None:
         """What `parallelize` does before any memory is given: this rank's part of the model, as
-        DTensors on a model that may stay on the meta device (project.dry_run stops here)."""
+        DTensors on a model that may stay on the meta device (project.planning.dry_run stops here)."""
         tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
         if tp_mesh.size() > 1:
             apply_tensor_parallel(model, tp_mesh, self.sequence_parallel, self.loss_parallel)

@@ -1,15 +1,15 @@
 """Pipeline layouts as arithmetic: which schedules exist, how blocks are cut into stage chunks and
 placed on ranks, and which settings cannot be built. No torch here, so settings are checked
-(project.checks) before anything heavy is imported; project.parallel.pipeline builds the stages.
+(project.config.checks) before anything heavy is imported; project.parallel.pipeline builds the stages.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from project.errors import ConfigError
 from project.model.config import LlamaConfig
 from project.parallel.mesh import MeshShape
+from project.runtime.errors import ConfigError
 
 # torch.distributed.pipelining's schedules by their setting name (project.parallel.pipeline maps
 # them to classes); the single-stage ones run one chunk per rank.

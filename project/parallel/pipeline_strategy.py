@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
-from project.checkpoints import read_checkpoint_file
+from project.checkpoint.files import read_checkpoint_file
 from project.model.llama import Llama
 from project.parallel.batch import BatchPlan
 from project.parallel.init import laid_out_like
@@ -256,7 +256,7 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A folder loads as under ModelParallelStrategy: each rank reads its own parameters' shards.
-        A single file (keyed by parameter name: project.checkpoints converts one that is not) is read
+        A single file (keyed by parameter name: project.checkpoint.files converts one that is not) is read
         by every rank, which cuts its own stage's shards from it locally; Lightning's way broadcasts
         rank 0's parameters, which differ from the other stages'."""
         path = Path(self.broadcast(checkpoint_path))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from project.errors import ConfigError
+from project.runtime.errors import ConfigError
 
 
 def collective_timeout(minutes: float | None) -> timedelta | None:

@@ -12,11 +12,11 @@ import itertools
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from project.errors import ConfigError
 from project.model.config import LlamaConfig
 from project.parallel.batch import plan_batches, plan_pipeline_batches
 from project.parallel.mesh import MeshShape, check_tensor_parallel_degree
 from project.parallel.pipeline_layout import SINGLE_STAGE, check_pipeline
+from project.runtime.errors import ConfigError
 
 # What each strategy shards across data-parallel ranks, in ZeRO's terms (Rajbhandari et al. 2020):
 # 0 replicates everything, 2 shards gradients and optimizer state, 3 parameters too.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from project.errors import ConfigError
+from project.runtime.errors import ConfigError
 
 GIB = 2**30
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from project.errors import ConfigError
 from project.model.config import LlamaConfig
 from project.model.flops import training_flops_per_token
 from project.planning.candidates import Candidate, SearchSpace, candidates
 from project.planning.cluster import GIB, Cluster
 from project.planning.memory import STORAGE_BYTES, Allowance, MemoryEstimate, peak_memory
 from project.planning.step_time import StepTime, step_time
+from project.runtime.errors import ConfigError
 
 SECONDS_PER_DAY = 86_400
 

@@ -1,0 +1,288 @@
+"""Export a training checkpoint as a Hugging Face model folder (LlamaForCausalLM + tokenizer).
+
+    python -m project.export ckpt_path=PATH [output_dir=DIR] [tokenizer=PATH] [dtype=float32|bfloat16|float16]
+                             [max_shard_size=5GB] [overwrite=true]
+
+The default output_dir is `outputs/hf/<run>-<checkpoint>` under $PROJECT_ROOT (as conf/paths), e.g.
+outputs/hf/r1-last for outputs/runs/r1/checkpoints/last.ckpt: generated files stay out of the source tree.
+
+Writes config.json, model.safetensors (past max_shard_size: model-0000N-of-0000M.safetensors and
+model.safetensors.index.json, as transformers does), generation_config.json and the tokenizer files, so that
+`LlamaForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load offline. Needs no
+transformers. The weights are read one output file at a time (project.hf.checkpoint_weights), so exporting
+never holds more of the model than max_shard_size, from a file or a sharded folder. The tokenizer comes from
+`tokenizer=` or else from the manifest.json in the checkpoint's data directory. A sentencepiece model is exported
+for transformers' LlamaTokenizer, which reads it as a Llama-style BPE with byte fallback and needs `protobuf`
+installed to load it.
+
+Arguments are Hydra-style `key=value` for symmetry with project.train, parsed here without Hydra because
+there is nothing to compose. The checkpoint is unpickled (it holds hyper-parameters): export only files
+you trust.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+
+from project.checkpoint.files import checkpoint_metadata
+from project.data.shards import MANIFEST_NAME
+from project.hf.checkpoint_weights import CheckpointWeights, checkpoint_weights, parse_size, write_safetensors
+from project.hf.conversion import hf_config_dict
+from project.model.config import LlamaConfig
+from project.runtime.arguments import parse_key_values
+from project.runtime.errors import ConfigError, exit_on_config_error
+from project.runtime.folders import unwritable
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULTS = {
+    "ckpt_path": None,
+    "output_dir": None,
+    "tokenizer": None,
+    "dtype": "float32",
+    "overwrite": "false",
+    "max_shard_size": "5GB",
+}
+PASS_TOKENIZER = "Pass tokenizer=PATH (a HF tokenizer.json or a sentencepiece .model)."
+USAGE = (
+    "usage: python -m project.export ckpt_path=PATH [output_dir=DIR] [tokenizer=PATH] "
+    "[dtype=float32|bfloat16|float16] [max_shard_size=5GB] [overwrite=true]"
+)
+
+
+def parse_args(argv: list[str]) -> dict[str, str | None]:
+    args = parse_key_values(argv, DEFAULTS, doc=__doc__, usage=USAGE)
+    if not args["ckpt_path"]:
+        raise ConfigError(f"ckpt_path= is required.\n{USAGE}")
+    args["output_dir"] = args["output_dir"] or str(default_output_dir(args["ckpt_path"]))
+    if args["dtype"] not in DTYPES:
+        raise ConfigError(f"dtype={args['dtype']} is not one of {list(DTYPES)}.")
+    if args["overwrite"].lower() not in ("true", "false"):
+        raise ConfigError(f"overwrite={args['overwrite']} must be true or false.")
+    return args
+
+
+def default_output_dir(ckpt_path: str) -> Path:
+    """`outputs/hf/<run>-<checkpoint>` for a checkpoint in a run's checkpoints/ folder, else
+    `outputs/hf/<checkpoint>`, under $PROJECT_ROOT: the last and the best checkpoint of a run get folders apart."""
+    path = Path(ckpt_path).absolute()
+    name = path.stem if path.suffix == ".ckpt" else path.name
+    if path.parent.name == "checkpoints":
+        name = f"{path.parent.parent.name}-{name}"
+    return Path(os.environ.get("PROJECT_ROOT", ".")) / "outputs" / "hf" / name
+
+
+def load_checkpoint(path: Path) -> tuple[LlamaConfig, CheckpointWeights, Mapping]:
+    """(model config, its weights to read, the checkpoint's other records) from a Lightning checkpoint of our
+    module: a `.ckpt` file (memory-mapped) or, from a sharded strategy, a distributed-checkpoint folder, whose
+    tensors are read only as they are written out."""
+    if not path.exists():
+        raise ConfigError(
+            f"checkpoint {path} does not exist; pass ckpt_path= a Lightning .ckpt file or sharded checkpoint folder."
+        )
+    try:
+        ckpt = checkpoint_metadata(path)
+        hparams = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, Mapping) else {}
+        if not isinstance(ckpt, Mapping) or "model" not in hparams or not (path.is_dir() or "state_dict" in ckpt):
+            found = sorted(ckpt) if isinstance(ckpt, Mapping) else type(ckpt).__name__
+            raise ConfigError(
+                f"{path} is not a checkpoint of our LightningModule: it needs 'state_dict' (the model under the "
+                f"'model.' prefix) and 'hyper_parameters' -> 'model' (the LlamaConfig as a dict); found {found}."
+            )
+        weights = checkpoint_weights(path, None if path.is_dir() else ckpt["state_dict"])
+    except ConfigError as e:  # a damaged file, said by project.checkpoint.files
+        raise ConfigError(f"ckpt_path={path}: {e}") from None
+    except Exception as e:  # a damaged sharded folder: which exception depends on the damage
+        reason = " ".join(f"{type(e).__name__}: {e}".split())  # one paragraph, however many lines it had
+        raise ConfigError(
+            f"ckpt_path={path}: could not read the checkpoint ({reason}); pass another checkpoint."
+        ) from None
+    try:
+        config = LlamaConfig(**dict(hparams["model"]))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"hyper_parameters['model'] in {path} is not a valid LlamaConfig: {e}") from e
+    return config, weights, ckpt
+
+
+def resolve_tokenizer(ckpt: Mapping, override: str | None) -> tuple[Path, int | None, int | None]:
+    """(tokenizer file, bos id, eos id): `override` if given, else the data directory's manifest.json."""
+    data = ckpt.get("datamodule_hyper_parameters") or {}
+    data_dir = data.get("data_dir")
+    if data_dir and "://" in str(data_dir):  # shards in object storage: their manifest and tokenizer, fetched
+        from project.data.storage import local_view
+
+        data_dir = local_view(data_dir, data.get("cache_dir"), data.get("storage_options"))
+    manifest_path = Path(data_dir) / MANIFEST_NAME if data_dir else None
+    try:
+        manifest = json.loads(manifest_path.read_text()) if manifest_path and manifest_path.is_file() else None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{manifest_path} is not valid JSON ({e}). Pass tokenizer=PATH to bypass it.") from e
+    info = (manifest or {}).get("tokenizer") or {}
+    bos_id, eos_id = info.get("bos_id"), info.get("eos_id")
+    if override:
+        path = Path(override)
+    elif manifest is None:
+        where = f"{manifest_path} does not exist" if manifest_path else "the checkpoint names no data_dir"
+        raise ConfigError(f"cannot find the tokenizer: {where}. {PASS_TOKENIZER}")
+    elif not info.get("file"):
+        raise ConfigError(f"{manifest_path} names no tokenizer file. {PASS_TOKENIZER}")
+    else:
+        path = Path(data_dir) / info["file"]
+    if not path.is_file():
+        given = f"tokenizer={path}" if override else f"tokenizer file {path} (from {manifest_path})"
+        raise ConfigError(f"{given} does not exist. {PASS_TOKENIZER}")
+    return path, bos_id, eos_id
+
+
+def write_tokenizer(path: Path, bos_id: int | None, eos_id: int | None, config: LlamaConfig, out: Path) -> tuple:
+    """Write the tokenizer files AutoTokenizer needs into `out`; returns the (bos, eos) ids it settled on."""
+    if path.suffix == ".json":
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(path))
+        vocab_size, to_token = tok.get_vocab_size(), tok.id_to_token
+        shutil.copyfile(path, out / "tokenizer.json")
+        # The tokenizer.json's own post-processor decides on special tokens, as it did in training.
+        tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    elif path.suffix == ".model":
+        import sentencepiece as spm
+
+        sp = spm.SentencePieceProcessor(model_file=str(path))
+        vocab_size, to_token = sp.get_piece_size(), sp.id_to_piece
+        # sentencepiece marks an absent special token with -1.
+        bos_id = bos_id if bos_id is not None else (sp.bos_id() if sp.bos_id() >= 0 else None)
+        eos_id = eos_id if eos_id is not None else (sp.eos_id() if sp.eos_id() >= 0 else None)
+        shutil.copyfile(path, out / "tokenizer.model")
+        # No automatic BOS: encode exactly as the sentencepiece model does (LlamaTokenizer defaults to adding it).
+        tokenizer_config = {
+            "tokenizer_class": "LlamaTokenizer",
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "legacy": False,
+        }
+        if sp.unk_id() >= 0:
+            tokenizer_config["unk_token"] = sp.id_to_piece(sp.unk_id())
+    else:
+        raise ConfigError(f"tokenizer {path} is neither a HF tokenizer.json (.json) nor a sentencepiece .model.")
+    if vocab_size > config.vocab_size:
+        raise ConfigError(
+            f"tokenizer {path} has {vocab_size} tokens but the model only {config.vocab_size} embeddings: "
+            "is it the tokenizer this model was trained with?"
+        )
+    for name, token_id in (("bos_token", bos_id), ("eos_token", eos_id)):
+        if token_id is not None:
+            tokenizer_config[name] = to_token(token_id)
+    tokenizer_config |= {"model_max_length": config.max_seq_len, "clean_up_tokenization_spaces": False}
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    return bos_id, eos_id
+
+
+def write_model(
+    config: LlamaConfig, weights: CheckpointWeights, dtype: str, bos_id, eos_id, out: Path, max_shard_size: int
+) -> None:
+    write_safetensors(weights, config, DTYPES[dtype], out, max_shard_size)
+    hf_config = hf_config_dict(config, bos_token_id=bos_id, eos_token_id=eos_id, torch_dtype=dtype)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    generation = {k: v for k, v in {"bos_token_id": bos_id, "eos_token_id": eos_id}.items() if v is not None}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def give_default_modes(folder: Path) -> None:
+    """The modes a plain mkdir and open would give (0777 and 0666 less the umask): mkdtemp makes
+    the folder 0700, which would keep an exported model from colleagues sharing its directory."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.iterdir():
+        path.chmod(0o666 & ~umask)
+
+
+def export(
+    ckpt_path: str,
+    output_dir: str,
+    tokenizer: str | None = None,
+    dtype: str = "float32",
+    overwrite: bool = False,
+    max_shard_size: str = DEFAULTS["max_shard_size"],
+) -> list[Path]:
+    """Export `ckpt_path` into `output_dir`; returns the files written."""
+    max_bytes = parse_size(max_shard_size)
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output_dir {out} is a file, not a directory.")
+    # Said before the checkpoint is read: the export is built beside output_dir, then moved into it.
+    if problem := unwritable(out.parent) or (out.is_dir() and unwritable(out)):
+        raise ConfigError(f"output_dir={out}: cannot write there ({problem}); choose an output_dir you can write to.")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ConfigError(
+            f"output_dir {out} exists and is not empty; choose another or pass overwrite=true "
+            "(which replaces the files an export writes and leaves any others alone)."
+        )
+    config, weights, ckpt = load_checkpoint(Path(ckpt_path))
+    tokenizer_path, bos_id, eos_id = resolve_tokenizer(ckpt, tokenizer)
+
+    # Build everything in a sibling temp folder (same filesystem), so a failed export leaves no half-written model.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        bos_id, eos_id = write_tokenizer(tokenizer_path, bos_id, eos_id, config, tmp)
+        write_model(config, weights, dtype, bos_id, eos_id, tmp, max_bytes)
+        if eos_id is None:
+            print("warning: no manifest or tokenizer names an eos token, so generation will not stop by itself.",
+                  file=sys.stderr)  # fmt: skip
+        written = sorted(p.name for p in tmp.iterdir())
+        give_default_modes(tmp)
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        if out.exists():  # overwrite=true into a folder with other files: replace ours one by one, keep theirs
+            for name in written:
+                os.replace(tmp / name, out / name)
+            tmp.rmdir()
+        else:
+            os.replace(tmp, out)
+    except (OSError, SafetensorError) as error:
+        raise _unwritten(error, out) from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return [out / name for name in written]
+
+
+def _unwritten(error: Exception, out: Path) -> Exception:
+    """A ConfigError for a write that failed for want of space or permission; other errors as they are."""
+    code = getattr(error, "errno", None)
+    if code is None and (match := re.search(r"os error (\d+)", str(error))):  # safetensors' Rust I/O errors
+        code = int(match[1])
+    reason = getattr(error, "strerror", None) or str(error)
+    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return ConfigError(
+            f"output_dir={out}: could not write the export ({reason}): free space on that disk, or choose another "
+            f"output_dir, and run again; {out} was left as it was."
+        )
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return ConfigError(
+            f"output_dir={out}: could not write the export ({reason}); choose an output_dir you can write to."
+        )
+    return error
+
+
+@exit_on_config_error()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    overwrite = args["overwrite"].lower() == "true"
+    files = export(
+        args["ckpt_path"], args["output_dir"], args["tokenizer"], args["dtype"], overwrite, args["max_shard_size"]
+    )
+    print(f"exported {args['ckpt_path']} to {args['output_dir']}:")
+    for path in files:
+        print(f"  {path}  ({path.stat().st_size:,} bytes)")

@@ -1,0 +1,432 @@
+"""Dry run: a cluster-size job checked and sharded on this one CPU, before it waits a day in a queue.
+
+`python -m project.train ... dry_run=true` runs every check a real start makes (project.config.checks, the
+strategy's constructor, Lightning's reading of trainer.precision), then, for a few representative ranks,
+builds the model on the meta device and shards it with the strategy's own `shard` (the part of
+`parallelize` before memory is given) on torch's fake process group of the job's full world size, where
+collectives do nothing. What each rank would hold is read off the sharded model: nothing is allocated,
+nothing trains, and only the report (dry_run.json in the run directory) is written.
+
+Strategies that do not shard (ddp) hold a full replica. FSDP1 (strategy=fsdp) cannot wrap a meta model
+on a machine without a GPU (torch refuses), so its shares are computed from its rule instead (each block
+one flat unit, padded to a multiple of the shard group) and marked so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from project.config.checks import Layout, check_trainer_arguments, data_on_this_machine, model_config
+from project.data.shards import MANIFEST_NAME
+from project.parallel.mesh import MeshShape
+from project.parallel.pipeline_layout import chunk_ranks, default_virtual_stages
+from project.runtime.errors import ConfigError
+
+GIB = 2**30
+# Parameter storage by trainer.precision: "-mixed" keeps float32 parameters and computes in 16 bits.
+STORAGE_DTYPES = {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}
+ADAM_STEP_BYTES = 4  # AdamW's step count: one float32 scalar per parameter tensor
+
+
+def dry_run_argv(argv: Sequence[str]) -> list[str]:
+    """`dry_run=true|false` on the command line means `dry_run.enabled=...`: Hydra cannot set a group of
+    settings (dry_run.ranks, ...) from one value."""
+    return [
+        f"dry_run.enabled={a.split('=', 1)[1]}" if a.split("=", 1)[0] in ("dry_run", "+dry_run") and "=" in a else a
+        for a in argv
+    ]
+
+
+@dataclass
+class RankShare:
+    """What one rank holds: its mesh coordinates, stage chunks, and bytes of model state."""
+
+    rank: int
+    pipeline: int
+    data_parallel: int
+    tensor_parallel: int
+    stages: list[str]  # "chunk 0: layers 0-9, embedding"; [] without a pipeline
+    parameters: int  # elements of this rank's parameter shards
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: (
+        int  # AdamW's two moments and step counts; no separate master weights (parameters are stored as trained)
+    )
+    largest_tensor: str  # name, local shape and bytes of the largest single parameter shard
+    largest_bytes: int
+
+    @property
+    def state_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+def coordinates(rank: int, shape: MeshShape) -> tuple[int, int, int]:
+    """(pipeline, data_parallel, tensor_parallel) of a global rank: tensor parallelism innermost."""
+    _, dp, tp = shape
+    return rank // (dp * tp), rank // tp % dp, rank % tp
+
+
+def global_rank(shape: MeshShape, pipeline: int, data_parallel: int, tensor_parallel: int) -> int:
+    _, dp, tp = shape
+    return (pipeline * dp + data_parallel) * tp + tensor_parallel
+
+
+def representative_ranks(shape: MeshShape, last_stage: int) -> list[int]:
+    """The first rank; the first rank of the stage holding the last chunk (output head); the last
+    tensor-parallel and data-parallel ranks of the first stage (an uneven shard is the last one's); the last rank."""
+    pp, dp, tp = shape
+    picks = [(0, 0, 0), (last_stage, 0, 0), (0, 0, tp - 1), (0, dp - 1, 0), (pp - 1, dp - 1, tp - 1)]
+    return sorted({global_rank(shape, *p) for p in picks})
+
+
+def selected_ranks(setting: Any, shape: MeshShape, last_stage: int) -> list[int]:
+    world = math.prod(shape)
+    if setting == "representative":
+        return representative_ranks(shape, last_stage)
+    if setting == "all":
+        return list(range(world))
+    ranks = list(setting) if OmegaConf.is_list(setting) or isinstance(setting, (list, tuple)) else [setting]
+    if not ranks or not all(isinstance(r, int) and 0 <= r < world for r in ranks):
+        raise ConfigError(
+            f"dry_run.ranks={setting}: choose representative, all, or a list of ranks from 0 to {world - 1} "
+            f"(e.g. dry_run.ranks=[0,{world - 1}])."
+        )
+    return sorted(set(ranks))
+
+
+def _tensor_line(name: str, shape: Sequence[int], nbytes: int) -> str:
+    return (
+        f"{name} {list(shape)} ({nbytes / GIB:.2f} GiB)"
+        if nbytes >= GIB / 100
+        else f"{name} {list(shape)} ({nbytes:,} bytes)"
+    )
+
+
+def _stage_lines(chunks: dict[int, Any], n_chunks: int) -> list[str]:
+    lines = []
+    for index, chunk in sorted(chunks.items()):
+        layers = [int(name) for name in chunk.layers]
+        extras = ["embedding"] * (index == 0) + ["norm and output head"] * (index == n_chunks - 1)
+        lines.append(f"chunk {index}: layers {layers[0]}-{layers[-1]}" + "".join(f", {e}" for e in extras))
+    return lines
+
+
+def share_of(model: Any, rank: int, shape: MeshShape, stages: list[str]) -> RankShare:
+    """Read a (sharded, meta) model's local parameters as MemoryMonitor reads a real run's."""
+    from torch.distributed.tensor import DTensor
+
+    from project.training.callbacks.memory import local_bytes
+
+    params = list(model.parameters())
+    param_bytes = local_bytes(params)
+    local = [(n, p.to_local() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()]
+    name, largest = max(local, key=lambda item: item[1].numel() * item[1].element_size())
+    nbytes = largest.numel() * largest.element_size()
+    return RankShare(
+        rank,
+        *coordinates(rank, shape),
+        stages,
+        parameters=sum(t.numel() for _, t in local),
+        param_bytes=param_bytes,
+        grad_bytes=param_bytes,  # gradients take their parameter's shard, shape and dtype
+        optimizer_bytes=2 * param_bytes + ADAM_STEP_BYTES * len(params),
+        largest_tensor=_tensor_line(name, largest.shape, nbytes),
+        largest_bytes=nbytes,
+    )
+
+
+def build_meta_model(cfg: DictConfig) -> Any:
+    import torch
+
+    from project.model.llama import Llama
+
+    with torch.device("meta"):
+        model = Llama(model_config(cfg))
+    dtype = STORAGE_DTYPES.get(str(cfg.trainer.get("precision", "32-true")))
+    return model.to(getattr(torch, dtype)) if dtype else model
+
+
+def shard_rank(cfg: DictConfig, shape: MeshShape, rank: int) -> RankShare:
+    """Rank `rank`'s share, from the strategy's own `shard` on a fake process group of the full world."""
+    import torch.distributed as dist
+    from hydra.utils import instantiate
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's: collectives that do nothing
+
+    from project.parallel.pipeline_strategy import MESH_DIMS, LlamaPipelineStrategy
+
+    strategy = instantiate(cfg.strategy, _convert_="all")
+    pipeline = isinstance(strategy, LlamaPipelineStrategy)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(shape))
+    try:
+        if pipeline:
+            mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=MESH_DIMS)
+        else:  # Lightning's ModelParallelStrategy's mesh
+            mesh = init_device_mesh(
+                "cpu", (shape.data_parallel, shape.tensor_parallel), mesh_dim_names=("data_parallel", "tensor_parallel")
+            )
+        strategy._device_mesh = mesh  # what the strategy's setup_environment sets in a run
+        model = build_meta_model(cfg)
+        strategy.shard(model)
+        n_chunks = shape.pipeline_parallel * strategy.virtual_stages if pipeline else 1
+        return share_of(model, rank, shape, _stage_lines(strategy.stage_chunks, n_chunks) if pipeline else [])
+    finally:
+        dist.destroy_process_group()
+
+
+def replica_share(cfg: DictConfig, shape: MeshShape, rank: int) -> RankShare:
+    """DDP: every rank holds the whole model."""
+    return share_of(build_meta_model(cfg), rank, shape, [])
+
+
+def fsdp1_share(cfg: DictConfig, shape: MeshShape, rank: int, devices_per_node: int) -> RankShare:
+    """FSDP1, computed: each block one flat unit and the rest (embedding, norm, head) the root's, each
+    padded to a multiple of the shard group and split evenly (every rank the same)."""
+    model = build_meta_model(cfg)
+    sharding = cfg.strategy.get("sharding_strategy", "FULL_SHARD")
+    world = math.prod(shape)
+    group = {"NO_SHARD": 1, "HYBRID_SHARD": cfg.strategy.get("hybrid_shard_size") or devices_per_node}.get(
+        sharding, world
+    )
+    in_blocks = {id(p) for block in model.layers.values() for p in block.parameters()}
+    units = [list(block.parameters()) for block in model.layers.values()] + [
+        [p for p in model.parameters() if id(p) not in in_blocks]
+    ]
+    itemsize = next(model.parameters()).element_size()
+    shards = [math.ceil(sum(p.numel() for p in unit) / group) for unit in units if unit]
+    parameters = sum(shards)
+    largest = max(shards)
+    return RankShare(
+        rank,
+        *coordinates(rank, shape),
+        [],
+        parameters=parameters,
+        param_bytes=parameters * itemsize,
+        grad_bytes=parameters * itemsize,
+        optimizer_bytes=2 * parameters * itemsize + ADAM_STEP_BYTES * len(units),
+        largest_tensor=_tensor_line("a flat unit's shard", [largest], largest * itemsize),
+        largest_bytes=largest * itemsize,
+    )
+
+
+def _kind(strategy: Any) -> str:
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from project.parallel.model_parallel import LlamaParallelStrategy
+
+    if isinstance(strategy, LlamaParallelStrategy):  # the pipeline's too
+        return "sharded"
+    return "fsdp1" if isinstance(strategy, FSDPStrategy) else "replica"
+
+
+def how_shared(cfg: DictConfig) -> str:
+    from hydra.utils import instantiate
+
+    strategy = instantiate(cfg.strategy, _convert_="all")
+    return {
+        "sharded": f"{type(strategy).__name__}.shard on a fake process group of the job's size",
+        "fsdp1": "computed from FSDP1's flat units (torch cannot wrap a meta model without a GPU)",
+        "replica": "a full replica on every rank",
+    }[_kind(strategy)]
+
+
+def rank_share(cfg: DictConfig, layout: Layout, rank: int) -> RankShare:
+    """What global rank `rank` of the run `cfg` describes holds, by the strategy's kind."""
+    from hydra.utils import instantiate
+
+    kind = _kind(instantiate(cfg.strategy, _convert_="all"))
+    if kind == "sharded":
+        return shard_rank(cfg, layout.shape, rank)
+    if kind == "fsdp1":
+        return fsdp1_share(cfg, layout.shape, rank, int(cfg.trainer.devices))
+    return replica_share(cfg, layout.shape, rank)
+
+
+def check_precision(cfg: DictConfig) -> None:
+    """trainer.precision as Lightning reads it at a real start."""
+    from lightning.fabric.connector import _convert_precision_to_unified_args
+
+    try:
+        _convert_precision_to_unified_args(cfg.trainer.get("precision", "32-true"))
+    except ValueError as error:
+        raise ConfigError(f"trainer.precision: {error}") from None
+
+
+def check_checkpoint_resumable(cfg: DictConfig, run_dir: Path) -> None:
+    """The checkpoint to resume from holds a model of this run's shape, as a real start checks before it loads."""
+    if cfg.get("ckpt_path") is None:
+        return
+    from project.checkpoint.files import checkpoint_metadata, resolve_ckpt_path
+    from project.data.datamodule import tokenizer_identity
+    from project.training.lit_module import check_resumable
+
+    path = resolve_ckpt_path(str(cfg.ckpt_path), run_dir)  # as a real start finds it
+    local_shards = not cfg.data.get("mix") and (Path(str(cfg.data.dir)) / MANIFEST_NAME).is_file()
+    tokenizer = tokenizer_identity(str(cfg.data.dir)) if local_shards else None  # shards elsewhere: a real start checks
+    check_resumable(
+        checkpoint_metadata(path), OmegaConf.to_container(cfg.model, resolve=True), tokenizer, path, cfg.data.dir
+    )
+
+
+def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir: Path) -> list[RankShare]:
+    """Shard the representative ranks (or dry_run.ranks), print what each holds, write dry_run.json."""
+    if layout is None:
+        raise ConfigError(
+            "dry_run=true needs the job's size: set trainer.num_nodes and trainer.devices (devices per node), "
+            "e.g. trainer.num_nodes=8 trainer.devices=8 for 64 GPUs."
+        )
+    check_precision(cfg)
+    check_trainer_arguments(cfg)
+    check_checkpoint_resumable(cfg, run_dir)
+    shape = layout.shape
+    schedule = cfg.strategy.get("schedule", "1f1b")
+    virtual = cfg.strategy.get("virtual_stages") or default_virtual_stages(schedule)
+    last_stage = (
+        chunk_ranks(schedule, shape.pipeline_parallel, shape.pipeline_parallel * virtual)[-1]
+        if shape.pipeline_parallel > 1
+        else 0
+    )
+    ranks = selected_ranks(cfg.dry_run.ranks, shape, last_stage)
+    how = how_shared(cfg)  # the strategy's constructor runs its own checks here, as at a real start
+    shares = [rank_share(cfg, layout, rank) for rank in ranks]
+    memory = _cluster_memory(cfg)
+    planned = {s.pipeline: planned_memory(cfg, layout, strategy_name, s.pipeline) for s in shares} if memory else {}
+    print(render(cfg, layout, strategy_name, how, shares, memory, planned))
+    record = {
+        "strategy": strategy_name,
+        "how": how,
+        "world_size": math.prod(shape),
+        "mesh": {
+            "pipeline": shape.pipeline_parallel,
+            "data_parallel": shape.data_parallel,
+            "tensor_parallel": shape.tensor_parallel,
+        },
+        "batch": {
+            "global": layout.plan.global_batch_size,
+            "micro": layout.plan.micro_batch_size,
+            "accumulation": layout.plan.accumulate_grad_batches,
+            "pipeline_microbatches": layout.plan.pipeline_microbatches,
+        },
+        "model_parameters": sum(p.numel() for p in build_meta_model(cfg).parameters()),
+        "device_memory_bytes": memory[1] if memory else None,
+        "ranks": [
+            {**asdict(s), "state_bytes": s.state_bytes, "planned": _planned_record(planned.get(s.pipeline), s)}
+            for s in shares
+        ],
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "dry_run.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"written: {run_dir / 'dry_run.json'}")
+    return shares
+
+
+def planned_memory(cfg: DictConfig, layout: Layout, strategy_name: str, pipeline_rank: int) -> Any | None:
+    """The planner's estimate of the whole memory of a rank of this layout (project.planning.memory:
+    activations, working copies and an allowance besides the model states), where it models the strategy."""
+    from project.planning.candidates import STRATEGIES, Candidate
+    from project.planning.memory import STORAGE_BYTES, Allowance, estimate_memory
+
+    s, (pp, dp, tp), plan = cfg.strategy, layout.shape, layout.plan
+    name = "ddp" if strategy_name == "single" else strategy_name
+    precision = str(cfg.trainer.get("precision", "32-true"))
+    zero2 = name != "fsdp" or s.get("sharding_strategy") == "SHARD_GRAD_OP"  # the planner's fsdp is ZeRO-2
+    if name not in STRATEGIES or precision not in STORAGE_BYTES or not zero2:
+        return None
+    schedule = s.get("schedule") if pp > 1 else None
+    candidate = Candidate(
+        name,
+        dp,
+        tp,
+        pp,
+        plan.micro_batch_size,
+        max(plan.accumulate_grad_batches, plan.pipeline_microbatches),
+        recompute="full" if s.get("activation_checkpointing") else "none" if cfg.document_mask else "selective",
+        sequence_parallel=bool(s.get("sequence_parallel")) and tp > 1,
+        schedule=schedule,
+        virtual_stages=(s.get("virtual_stages") or default_virtual_stages(schedule)) if schedule else 1,
+    )
+    accelerator = "gpu" if s.get("compile") else "cpu"  # the planner counts compiled (fused) blocks on GPUs
+    return estimate_memory(
+        model_config(cfg), candidate, int(cfg.data.seq_len), precision, accelerator, Allowance(), pipeline_rank
+    )
+
+
+def _planned_record(estimate: Any | None, share: RankShare) -> dict[str, float] | None:
+    """The planner's parts beside the dry run's model states, and their sum: this rank's memory as planned."""
+    if estimate is None:
+        return None
+    parts = {"activations": estimate.activations, "working": estimate.working, "allowance": estimate.overhead}
+    return {**parts, "total_bytes": share.state_bytes + sum(parts.values())}
+
+
+def _cluster_memory(cfg: DictConfig) -> tuple[str, float] | None:
+    if cfg.get("cluster") is None:
+        return None
+    from project.planning.cluster import Cluster
+
+    cluster = Cluster.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
+    return cluster.name, cluster.memory_bytes
+
+
+def render(
+    cfg: DictConfig,
+    layout: Layout,
+    strategy_name: str,
+    how: str,
+    shares: list[RankShare],
+    memory: tuple[str, float] | None,
+    planned: dict[int, Any],
+) -> str:
+    pp, dp, tp = layout.shape
+    plan = layout.plan
+    lines = [
+        f"dry run: strategy={strategy_name} on {pp * dp * tp} devices ({cfg.trainer.num_nodes} node(s) x "
+        f"{cfg.trainer.devices}), mesh pipeline {pp} x data {dp} x tensor {tp}; batch: global {plan.global_batch_size} = "
+        f"micro {plan.micro_batch_size} x {max(plan.accumulate_grad_batches, plan.pipeline_microbatches)} x {dp} replicas; "
+        f"precision {cfg.trainer.get('precision', '32-true')}",
+        f"shares: {how}. Every check of a real start passed"
+        + ("." if data_on_this_machine(cfg) else f", but the shards': data.dir={cfg.data.dir} is not on this machine."),
+        "Parameters are held as trained (float32 under -mixed precision, which casts copies for compute): "
+        "no separate master weights.",
+        "",
+        f"{'rank':>6} {'pp':>3} {'dp':>4} {'tp':>3} {'parameters':>12} {'params':>10} {'grads':>10} {'AdamW':>10} "
+        f"{'states':>10}  largest tensor",
+    ]
+    for s in shares:
+        gib = [f"{b / GIB:.2f} GiB" for b in (s.param_bytes, s.grad_bytes, s.optimizer_bytes, s.state_bytes)]
+        lines.append(
+            f"{s.rank:>6} {s.pipeline:>3} {s.data_parallel:>4} {s.tensor_parallel:>3} {s.parameters / 1e9:>11.4f}B "
+            f"{gib[0]:>10} {gib[1]:>10} {gib[2]:>10} {gib[3]:>10}  {s.largest_tensor}"
+        )
+        for stage in s.stages:
+            lines.append(f"{'':>30}{stage}")
+    if memory:
+        name, capacity = memory
+        lines += [
+            "",
+            f"against {name}'s {capacity / GIB:.1f} GiB per device (activations, working copies and allowance: "
+            "the planner's estimate for this layout):",
+        ]
+        for s in shares:
+            estimate = planned.get(s.pipeline)
+            rest = estimate.total - estimate.states if estimate else 0.0
+            total = s.state_bytes + rest
+            left = capacity - total
+            parts = f"model states {s.state_bytes / GIB:.1f}" + (
+                f" + activations {estimate.activations / GIB:.1f} + working copies {estimate.working / GIB:.1f}"
+                f" + allowance {estimate.overhead / GIB:.1f}"
+                f" = {total / GIB:.1f} GiB"
+                if estimate
+                else " GiB (no estimate of the rest for this strategy)"
+            )
+            verdict = (
+                f"fits, {left / GIB:.1f} GiB to spare" if left > 0 else f"does not fit: {-left / GIB:.1f} GiB over"
+            )
+            lines.append(f"rank {s.rank}: {parts} ({total / capacity:.0%}): {verdict}")
+    return "\n".join(lines)

@@ -1,0 +1,2 @@
+"""Tools beside the training core, never imported by it: benchmarks (bench*), reports and their plots, and
+the sweep runner."""

@@ -1,0 +1,16 @@
+from project.training.callbacks.checkpoint import BestCheckpoint, StepCheckpoint
+from project.training.callbacks.layout import LayoutFacts
+from project.training.callbacks.memory import MemoryMonitor
+from project.training.callbacks.progress import StepProgressBar
+from project.training.callbacks.summary import LlamaModelSummary
+from project.training.callbacks.throughput import TokenThroughput
+
+__all__ = [
+    "BestCheckpoint",
+    "LayoutFacts",
+    "LlamaModelSummary",
+    "MemoryMonitor",
+    "StepCheckpoint",
+    "StepProgressBar",
+    "TokenThroughput",
+]

@@ -1,0 +1,157 @@
+"""last.ckpt every N optimizer steps and after the final one, in a state that resumes exactly; the best
+checkpoint by val/loss; both with a write the file system refuses (a full disk) reported as one clear error."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any, Callable, Iterator
+from weakref import proxy
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
+from torch.distributed.checkpoint.api import CheckpointException
+
+from project.checkpoint.files import remove, swap_in
+from project.runtime.errors import ConfigError
+
+
+class StepCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint for last.ckpt that also saves after the step that reaches max_steps, and, with
+    `every_minutes`, after the first step that ends that long after the last save (rank 0's clock
+    decides for every rank; Lightning allows steps or a time interval, not both).
+
+    `trainer.save_checkpoint` after `fit` would record a finished epoch, and a run resumed from it
+    (to train longer) would start a new epoch with shifted step counters. Saving from the batch
+    hook, as the periodic checkpoints do, keeps the mid-stream state that resumes exactly.
+
+    Each save is written beside last.ckpt and then swapped in, so a run killed while saving
+    (preemption, out of memory) keeps its previous last.ckpt; one of another layout's format (a
+    sharded folder, now a single file, or the reverse) is kept under another name.
+    """
+
+    def __init__(self, every_minutes: float | None = None, **kwargs: Any):
+        # Always last.ckpt, never last-v1.ckpt: a run directory moved elsewhere restores a stale
+        # last_model_path, and Lightning would then version the name, leaving `ckpt_path=last` behind.
+        super().__init__(save_top_k=0, save_last=True, enable_version_counter=False, **kwargs)
+        self.every_minutes = every_minutes
+        self._saved_at = time.monotonic()
+
+    @property
+    def state_key(self) -> str:
+        # Lightning keys a callback's saved state by its settings, the interval among them: a run resumed
+        # with another ckpt_every_n_steps would drop this state and warn that the callback is missing.
+        return type(self).__name__
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._saved_at, self._seen_step = time.monotonic(), trainer.global_step
+        # Every rank has restored its checkpoint by now: a copy converted for this layout is spent.
+        trainer.strategy.barrier("checkpoint restored")
+        if trainer.is_global_zero and self.dirpath is not None:
+            for copy in [*Path(self.dirpath).glob("resume-*.ckpt"), *Path(self.dirpath).glob(".resume-*.partial")]:
+                copy.unlink()
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._remove_replaced(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._remove_replaced(trainer)
+
+    def _remove_replaced(self, trainer: Trainer) -> None:
+        if trainer.is_global_zero and self._last_checkpoint_saved:
+            remove(Path(f"{self._last_checkpoint_saved}.old"))
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if trainer.global_step == trainer.max_steps:
+            self.save(trainer)
+        elif self.every_minutes and trainer.global_step != self._seen_step:  # an optimizer step just ended
+            self._seen_step = trainer.global_step
+            if trainer.strategy.broadcast(time.monotonic() - self._saved_at >= 60 * self.every_minutes):
+                self.save(trainer)
+
+    def save(self, trainer: Trainer) -> None:
+        """Save last.ckpt now, between optimizer steps (unless this step is saved already)."""
+        if self._last_global_step_saved != trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        staged = Path(f"{filepath}.partial")
+        # Only rank 0 touches the files; the others learn whether it worked (or they would wait for
+        # it at the next collective until the process group times out).
+        self._on_rank_zero(trainer, remove, staged)  # left by a save that was killed: never mix old shards with new
+        with refused_by_storage(trainer, staged, Path(filepath)):
+            trainer.save_checkpoint(staged, self.save_weights_only)  # ends with a barrier: every rank has written
+        # The replaced checkpoint is removed at the next step, not here: Lightning logs this step's metrics
+        # after the save returns, and a run killed between the swap and that row would lose the row for good.
+        kept = self._on_rank_zero(trainer, swap_in, staged, Path(filepath), False)
+        if kept is not None:
+            rank_zero_info(f"the previous {Path(filepath).name}, of another layout's format, is now {kept}")
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+        self._saved_at = time.monotonic()
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(proxy(self))
+
+    @staticmethod
+    def _on_rank_zero(trainer: Trainer, fn: Callable[..., Any], *args: Any) -> Any:
+        outcome: tuple[bool, Any] = (True, None)
+        if trainer.is_global_zero:
+            try:
+                outcome = (True, fn(*args))
+            except OSError as error:  # a full disk, permissions
+                outcome = (False, f"{type(error).__name__}: {error}")
+        ok, value = trainer.strategy.broadcast(outcome)
+        if not ok:
+            raise ConfigError(
+                f"rank 0 could not put the checkpoint in place ({fn.__name__} {', '.join(map(str, args))}: {value}). Free space or "
+                f"fix the permissions in {args[0].parent}, then resume with hydra.run.dir=<this run's directory> ckpt_path=last."
+            )
+        return value
+
+
+class BestCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint, with a full disk or a refused write reported as one clear error."""
+
+    @property
+    def state_key(self) -> str:
+        # Lightning's key, named after ModelCheckpoint, so that checkpoints from before this class resume its state.
+        return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
+
+    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        with refused_by_storage(trainer, Path(filepath), Path(filepath)):
+            super()._save_checkpoint(trainer, filepath)
+
+
+@contextmanager
+def refused_by_storage(trainer: Trainer, written: Path, target: Path) -> Iterator[None]:
+    """A save that the file system refused (full disk, quota, permissions) becomes a ConfigError that says
+    so, with what was half written removed; the checkpoints saved before are untouched.
+
+    No collective here: the other ranks may not have failed, and they are ended with this one.
+    """
+    try:
+        yield
+    except (OSError, CheckpointException) as error:
+        cause = (
+            error
+            if isinstance(error, OSError)
+            else next((failure for failure, _ in error.failures.values() if isinstance(failure, OSError)), None)
+        )
+        if cause is None:
+            raise
+        if trainer.is_global_zero:
+            with suppress(OSError):
+                remove(written)
+        raise ConfigError(
+            f"{target.name} of step {trainer.global_step} could not be written to {target.parent} "
+            f"({type(cause).__name__}: {cause}). The checkpoints saved before are untouched: free space (or raise the "
+            "quota, or fix the permissions) there, then resume with hydra.run.dir=<this run's directory> ckpt_path=last."
+        ) from None

@@ -1,0 +1,74 @@
+"""Stop signals (SIGTERM from a scheduler or a user, SLURM's warning of a preemption or time limit):
+checkpoint at the next optimizer step and stop, to be resumed."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+
+from project.training.callbacks.checkpoint import StepCheckpoint
+
+# project.train's exit status after such a stop: "saved, run me again" (experiments/slurm/train.sbatch).
+REQUEUE_EXIT_STATUS = 3
+
+
+class StopOnSignal(Callback):
+    """On SIGTERM (what schedulers and `kill` send), or the signal SLURM sends ahead of a time limit or a
+    preemption (`#SBATCH --signal=USR1@120`), finish the optimizer step under way, save last.ckpt as the
+    periodic saves do, and stop; project.train then exits with REQUEUE_EXIT_STATUS, on which
+    experiments/slurm/train.sbatch requeues the job, and `ckpt_path=last` resumes exactly.
+
+    Lightning's own handlers save nothing on SIGTERM (they end the other ranks at once), and on SLURM's
+    signal save from inside the handler, in the middle of a step or an accumulation window, a state that a
+    resumed run cannot continue exactly (project.training.run turns SLURM's auto-requeue off). The signal may
+    reach one rank only, or the ranks at different steps, so they agree on it at each step boundary: the
+    stop happens when any rank has seen it.
+    """
+
+    def __init__(self, checkpoint: StepCheckpoint, signums: tuple[signal.Signals, ...] = (signal.SIGTERM,)):
+        self.checkpoint, self.signums = checkpoint, signums
+        self._signalled: signal.Signals | None = None
+        self._previous_handlers: dict[signal.Signals, Any] = {}
+        self.stopped_for_requeue = False
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signalled = signal.Signals(signum)  # only a flag: the state is saved between steps
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Early, so that data-loader workers forked later inherit the handler: SLURM signals every process
+        # of the job, and a worker left with the default action would die of it.
+        self._install()
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._install()  # again: Lightning installs its own handlers as fit starts
+        self._last_step = trainer.global_step
+
+    def _install(self) -> None:
+        for signum in self.signums:
+            previous = signal.signal(signum, self._on_signal)
+            if previous != self._on_signal and signum not in self._previous_handlers:
+                self._previous_handlers[signum] = previous
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step == self._last_step:  # inside a gradient-accumulation window
+            return
+        self._last_step = trainer.global_step
+        if trainer.global_step >= trainer.max_steps:  # finished: nothing to requeue
+            return
+        if not trainer.strategy.reduce_boolean_decision(self._signalled is not None, all=False):
+            return
+        name = self._signalled.name if self._signalled is not None else "a stop signal (on another rank)"
+        rank_zero_info(f"{name} received: saving step {trainer.global_step} and stopping, to be resumed")
+        self.checkpoint.save(trainer)
+        trainer.should_stop = True
+        self.stopped_for_requeue = True
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers = {}

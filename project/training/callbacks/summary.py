@@ -1,0 +1,38 @@
+"""The model summary printed when training starts."""
+
+from __future__ import annotations
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelSummary
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
+from torch.distributed.tensor import DTensor
+
+from project.model.config import LlamaConfig
+from project.model.flops import count_parameters, training_flops_per_token
+
+
+class LlamaModelSummary(ModelSummary):
+    """The whole model's size and training cost, and this rank's share of the parameters.
+
+    Lightning's summary counts the parameters this rank holds, a fraction of the model under sharding
+    and pipeline or tensor parallelism, and prints "FLOPs 0" unless the module has an example input,
+    whose forward pass at that point would run collectives on rank 0 alone. Here the size and FLOPs
+    come from the config (project.model.flops), the share from the parameters on rank 0.
+    """
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._max_depth or not trainer.is_global_zero:
+            return
+        config = LlamaConfig(**pl_module.hparams["model"])
+        seq_len = trainer.datamodule.hparams.seq_len
+        tokens_per_step = trainer.datamodule.hparams.global_batch_size * seq_len
+        flops_per_token = training_flops_per_token(config, seq_len)
+        held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in pl_module.parameters())
+        total = count_parameters(config)
+        share = "" if held == total else f" (rank 0 holds {get_human_readable_count(held)})"
+        rank_zero_info(
+            f"model: Llama, {get_human_readable_count(total)} parameters{share}, {config.n_layers} layers of width {config.dim}; "
+            f"{get_human_readable_count(int(flops_per_token))} training FLOPs per token, "
+            f"{get_human_readable_count(int(flops_per_token * tokens_per_step))} per optimizer step of {tokens_per_step} tokens"
+        )

@@ -1,0 +1,328 @@
+"""LlamaLitModule: next-token loss, AdamW with warmup + cosine, clipping, metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torchmetrics import MeanMetric
+
+from project.checkpoint.files import load_full_checkpoint, rebase_batch_progress
+from project.data.datamodule import TokenShardDataModule
+from project.hf.published import load_published_weights
+from project.model.config import LlamaConfig
+from project.model.llama import Llama
+from project.parallel.contract import LlamaStrategy, contract_of
+from project.runtime.errors import ConfigError, TrainingStopped
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5  # the cosine decays to this, then stays
+    warmup_steps: int = 100
+    decay_steps: int | None = None  # warmup + cosine length in optimizer steps; None: trainer.max_steps
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0  # max global gradient norm; None or 0 disables clipping
+    max_skipped_steps: int = 0  # steps with a non-finite gradient norm to skip before stopping the run
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Learning rate of optimizer step `step` (0-based) in a run of `total_steps`.
+
+    Linear warmup: steps 0 .. warmup-1 use lr * (step + 1) / warmup, reaching lr at the last one;
+    then a cosine from there down to min_lr, which the final step (total_steps - 1) uses.
+    """
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step + 1 - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Index of the document each token belongs to; an EOS closes its own document."""
+    is_eos = (tokens == eos_id).long()
+    return is_eos.cumsum(dim=1) - is_eos
+
+
+def _weight_shapes(model: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):  # shapes only: no memory, whatever the model's size
+        return {name: tuple(t.shape) for name, t in Llama(LlamaConfig(**model)).state_dict().items()}
+
+
+def check_resumable(
+    checkpoint: Mapping[str, Any],
+    model: Mapping[str, Any],
+    tokenizer: Mapping[str, Any] | None,
+    source: Any,
+    data_dir: Any = None,
+) -> None:
+    """Refuse to resume from a checkpoint of another model shape, or one trained on the token ids of another
+    tokenizer than `tokenizer` (that of the shards in `data_dir`), naming the settings that differ.
+    Checkpoints from before the tokenizer was recorded are taken on trust."""
+    recorded = checkpoint.get("tokenizer")
+    differ = [
+        k for k in tokenizer or {} if isinstance(recorded, Mapping) and k in recorded and recorded[k] != tokenizer[k]
+    ]
+    if differ:
+        said = ", ".join(f"{k} {str(recorded[k])[:12]} there, {str(tokenizer[k])[:12]} here" for k in differ)
+        raise ConfigError(
+            f"ckpt_path={source} was trained on the token ids of another tokenizer than the shards in data.dir={data_dir} ({said}): "
+            "its embeddings would stand for other tokens. Resume with data.dir set to shards prepared with the "
+            "checkpoint's tokenizer (data.tokenizer=PATH when preparing), or start a new run without ckpt_path."
+        )
+    saved = (checkpoint.get("hyper_parameters") or {}).get("model")
+    if not isinstance(saved, Mapping):
+        return  # not written by this module: load_state_dict has the last word
+    try:
+        theirs = _weight_shapes(saved)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(
+            f"ckpt_path={source}: its hyper_parameters['model'] is not a model config this platform builds ({error})."
+        ) from None
+    ours = _weight_shapes(model)
+    if theirs != ours:
+        name = next(n for n in sorted(theirs.keys() | ours.keys()) if theirs.get(n) != ours.get(n))
+        keys = [key for key in model if saved.get(key) != model[key]]
+        raise ConfigError(
+            f"ckpt_path={source} holds a model of another shape ({name}: {list(theirs.get(name, []))} there, "
+            f"{list(ours.get(name, []))} here): it was trained with {_settings(saved, keys)}, this run has "
+            f"{_settings(model, keys)}. Resume with the checkpoint's model settings, or start a new run without ckpt_path."
+        )
+
+
+def _settings(model: Mapping[str, Any], keys: list[str]) -> str:
+    """`model.dim=64 model.n_kv_heads=null`, as the command line takes them."""
+    return " ".join(f"model.{key}={'null' if model.get(key) is None else model.get(key)}" for key in keys)
+
+
+class LlamaLitModule(LightningModule):
+    """Trains a `Llama` built from `model` (a LlamaConfig or its fields as a dict).
+
+    Everything is kept as hyperparameters, so `LlamaLitModule.load_from_checkpoint(path).model`
+    rebuilds the model with no other input.
+    """
+
+    def __init__(
+        self,
+        model: LlamaConfig | dict,
+        optim: OptimConfig | dict | None = None,
+        document_mask: bool = False,
+        eos_id: int | None = None,
+        init_on_meta: bool = False,
+        weights_from_checkpoint: bool = False,
+        init_from: str | None = None,
+        init_seed: int = 0,
+    ):
+        """`init_on_meta`: build the model without memory, for a strategy that shards it in
+        `configure_model` and initializes the shards (LlamaParallelStrategy), so that no rank
+        ever holds the whole model; with `weights_from_checkpoint` (a resumed run) the shards are
+        only allocated, and the checkpoint fills them. `init_from`: a published Hugging Face folder
+        whose weights fill the model in `configure_model` instead of random ones (a new run). None
+        is a hyperparameter: a checkpoint loads either way. `init_seed`: the random initial weights are a
+        function of it and each parameter's name only (the run's `seed`)."""
+        super().__init__()
+        model_cfg = model if isinstance(model, LlamaConfig) else LlamaConfig(**model)
+        optim_cfg = optim if isinstance(optim, OptimConfig) else OptimConfig(**(optim or {}))
+        if document_mask and eos_id is None:
+            raise ValueError("document_mask needs the tokenizer's eos_id")
+        self.save_hyperparameters(
+            {
+                "model": asdict(model_cfg),
+                "optim": asdict(optim_cfg),
+                "document_mask": document_mask,
+                "eos_id": eos_id,
+                "init_seed": init_seed,
+            }
+        )
+        self.optim = optim_cfg
+        # A model whose every value is about to be read from a file is built without memory, on any strategy.
+        self._init_from = None if weights_from_checkpoint else init_from
+        with torch.device("meta") if init_on_meta or self._init_from else contextlib.nullcontext():
+            self.model = Llama(model_cfg, init_seed)
+        self.val_losses = nn.ModuleList([MeanMetric()])  # one per validation loader: per corpus of a mixture (setup)
+        self._loss_sum = 0.0  # micro-batch losses since the last optimizer step
+        self._loss_count = 0
+        self._skipped_steps = 0  # updates skipped for a non-finite gradient norm (optim.max_skipped_steps)
+        self._parallelized = False
+        self._weights_from_checkpoint = weights_from_checkpoint
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: str | Path | IO, *args: Any, **kwargs: Any) -> "LlamaLitModule":
+        """Lightning's `load_from_checkpoint`, for every checkpoint the platform writes: a single file,
+        or a sharded folder (fsdp, fsdp2, tp, tp_fsdp, pipeline), read whole on this one process.
+        `.model` of the result is the plain `Llama`."""
+        if isinstance(checkpoint_path, (str, Path)) and Path(checkpoint_path).is_dir():
+            # Lightning reads files only: hand it the folder's consolidated checkpoint as one, in memory.
+            buffer = io.BytesIO()
+            torch.save(load_full_checkpoint(checkpoint_path), buffer)
+            buffer.seek(0)
+            checkpoint_path = buffer
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+
+    def strategy(self) -> LlamaStrategy:
+        """The run's strategy, as the contract (project.parallel.contract) speaks of it; with no trainer (as
+        load_from_checkpoint builds the module), or one of Lightning's own strategies, the contract's defaults."""
+        return contract_of(self._trainer.strategy if self._trainer is not None else None)
+
+    def configure_model(self) -> None:
+        # Strategies that split the model itself (tensor parallel, FSDP2) do so here, on their mesh.
+        # load_from_checkpoint calls this too, with no trainer: the plain model is what it wants.
+        if self._parallelized:
+            return
+        self.strategy().parallelize(self.model, initialize=not (self._weights_from_checkpoint or self._init_from))
+        if self._init_from:
+            if any(p.is_meta for p in self.model.parameters()):  # a strategy that wraps or moves the whole model later
+                self.model.to_empty(device="cpu")
+            load_published_weights(self.model, self._init_from)
+        self._parallelized = True
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._skipped_steps = checkpoint.get("skipped_steps", 0)
+        if self._trainer is not None:  # resuming a fit, not load_from_checkpoint
+            rebase_batch_progress(checkpoint, self.trainer.accumulate_grad_batches)
+
+    def _training_data(self) -> TokenShardDataModule | None:
+        """The TokenShardDataModule this module trains on, where it is one (it knows the tokenizer)."""
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        return datamodule if isinstance(datamodule, TokenShardDataModule) else None
+
+    def model_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's inputs besides the tokens: the documents, with document masking."""
+        return {"document_ids": document_ids(inputs, self.hparams.eos_id)} if self.hparams.document_mask else {}
+
+    def criterion(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of logits [B, T, vocab] against targets [B, T]."""
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        # Logits split over the vocabulary (tensor parallel with loss_parallel) give a replicated
+        # DTensor; logging and accumulation want a plain tensor. The conversion is differentiable.
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The batch's mean loss, as the strategy's `step_loss` computes it unless it runs the model itself
+        (a pipeline: model and criterion split over stages)."""
+        return self.criterion(self.model(inputs, **self.model_kwargs(inputs)), targets)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.strategy().step_loss(self, *batch, train=True)
+        self._loss_sum = self._loss_sum + loss.detach()
+        self._loss_count += 1
+        return loss
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        # Lightning zeroes the gradients between the training step and its backward. A strategy whose step
+        # computed them (a pipeline schedule) zeroed them before it instead.
+        if not self.strategy().gradients_in_step:
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Every micro batch holds the same number of tokens, so the mean of micro-batch means over
+        # accumulation steps and ranks is the mean over the whole global batch.
+        self.log("train/loss", self._loss_sum / self._loss_count, prog_bar=True, sync_dist=True)
+        self.log("train/lr", optimizer.param_groups[0]["lr"])
+        self._loss_sum, self._loss_count = 0.0, 0
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        # Lightning calls this every step after gradients are reduced (and unscaled), clipping or not.
+        # Sharding strategies know how to take the norm over all shards; whole gradients need no help.
+        norm = self.strategy().clip_grad_norm(self, self.optim.grad_clip or float("inf"))
+        if not torch.isfinite(norm):  # the same global norm on every rank: they all decide alike
+            self._skip_or_stop(float(norm))
+        self.log("train/grad_norm", norm)
+        if self.optim.max_skipped_steps:
+            self.log("train/skipped_steps", float(self._skipped_steps))
+
+    def _skip_or_stop(self, norm: float) -> None:
+        """A NaN or Inf loss or gradient: skip the update (up to optim.max_skipped_steps times), else stop
+        before it, so that the weights and the checkpoints written so far stay as they were."""
+        step = self.trainer.global_step
+        if self._skipped_steps < self.optim.max_skipped_steps:
+            self._skipped_steps += 1
+            for p in self.parameters():
+                p.grad = None  # AdamW leaves a parameter without a gradient untouched: no update, no moments
+            rank_zero_warn(
+                f"step {step}: gradient norm {norm}, update skipped ({self._skipped_steps} of "
+                f"optim.max_skipped_steps={self.optim.max_skipped_steps})."
+            )
+            return
+        raise TrainingStopped(
+            f"step {step}: the gradient norm is {norm} (a non-finite loss or gradient): training stopped before the "
+            f"update; the checkpoints written so far are untouched. Resume from last.ckpt (ckpt_path=last) with a lower "
+            f"optim.lr or a tighter optim.grad_clip, or let such steps be skipped with optim.max_skipped_steps=N."
+        )
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["skipped_steps"] = self._skipped_steps
+        if (data := self._training_data()) is not None:  # what the embedding rows mean, checked on resume
+            checkpoint["tokenizer"] = data.tokenizer_identity
+
+    def _validation_corpora(self) -> list[tuple[str, float]]:
+        """(name, weight) per validation loader: the corpora of a mixture, else one unnamed."""
+        data = self._training_data()
+        return data.validation_corpora if data is not None else [("", 1.0)]
+
+    def setup(self, stage: str) -> None:
+        while len(self.val_losses) < len(self._validation_corpora()):
+            self.val_losses.append(MeanMetric())
+
+    def validation_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        inputs, _ = batch
+        loss = self.strategy().step_loss(self, *batch, train=False)
+        self.val_losses[dataloader_idx].update(loss, weight=inputs.shape[0])  # micro batches may differ in size
+
+    def on_validation_epoch_end(self) -> None:
+        corpora = self._validation_corpora()
+        losses = [
+            metric.compute() for metric in self.val_losses[: len(corpora)]
+        ]  # sequence-weighted means, synced over all ranks
+        for metric in self.val_losses:
+            metric.reset()
+        if len(corpora) > 1:
+            for (name, _), corpus_loss in zip(corpora, losses):
+                self.log(f"val/loss/{name}", corpus_loss, sync_dist=True)
+        # A mixture's loss is its corpora's losses weighted as training draws them: comparable with train/loss.
+        loss = sum(weight * corpus_loss for (_, weight), corpus_loss in zip(corpora, losses))
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)  # equal on every rank: the mean of equal values
+        self.log("val/ppl", torch.exp(loss), sync_dist=True)
+
+    def decay_groups(self) -> list[tuple[float, list[tuple[str, nn.Parameter]]]]:
+        """(weight decay, [(name, parameter)]) per AdamW group: weight matrices and the embedding decay,
+        norm gains do not. Chosen by name, not by p.ndim: FSDP1 with use_orig_params exposes each
+        parameter as a flat 1-D shard. Names are relative to this module, as in checkpoints."""
+        named = [(f"model.{name}", p) for name, p in self.model.named_parameters() if p.requires_grad]
+        is_gain = [name.endswith("norm.weight") for name, _ in named]
+        return [
+            (self.optim.weight_decay, [item for item, gain in zip(named, is_gain) if not gain]),
+            (0.0, [item for item, gain in zip(named, is_gain) if gain]),
+        ]
+
+    def optimizer_parameter_names(self) -> list[str]:
+        """Parameter names in the optimizer's order (torch.optim numbers them group after group)."""
+        return [name for _, group in self.decay_groups() for name, _ in group]
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(
+            [{"params": [p for _, p in group], "weight_decay": decay} for decay, group in self.decay_groups()],
+            lr=self.optim.lr,
+            betas=tuple(self.optim.betas),
+            eps=self.optim.eps,
+        )
+        total = self.optim.decay_steps or self.trainer.max_steps
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_at(step, self.optim, total) / self.optim.lr
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -1,0 +1,118 @@
+"""Loggers: a CSV file in the run directory always; wandb when the logger group asks for it."""
+
+from __future__ import annotations
+
+import csv
+import netrc
+import os
+import secrets
+from pathlib import Path
+from urllib.parse import urlparse
+
+from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
+from omegaconf import DictConfig
+
+from project.runtime.secrets import redacted_container, secret_values
+
+
+def wandb_mode(mode: str) -> str:
+    """'auto' -> online when the user is logged in (WANDB_API_KEY or `wandb login`'s netrc entry), else offline."""
+    if mode != "auto":
+        return mode
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return "online" if netrc.netrc(os.environ.get("NETRC")).authenticators(host) else "offline"
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return "offline"
+
+
+class _AppendingWriter(ExperimentWriter):
+    """Lightning's CSV writer deletes an existing metrics.csv; a resumed run continues it instead.
+
+    Rows the interrupted run logged after its last checkpoint are replayed by the resumed run, so
+    the first step this run logs drops every older row at that step or later.
+    """
+
+    def _check_log_dir_exists(self) -> None:
+        self._resuming = self._fs.isfile(self.metrics_file_path)
+        if self._resuming:
+            with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+                self.metrics_keys = list(csv.DictReader(file).fieldnames or [])
+
+    def log_metrics(self, metrics_dict: dict, step: int | None = None) -> None:
+        if self._resuming and step is not None:
+            self._resuming = False
+            with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+                kept = [row for row in csv.DictReader(file) if int(row["step"]) < step]
+            with self._fs.open(self.metrics_file_path, "w", newline="") as file:
+                writer = csv.DictWriter(file, fieldnames=self.metrics_keys)
+                writer.writeheader()
+                writer.writerows(kept)
+        super().log_metrics(metrics_dict, step)
+
+
+class RunCSVLogger(CSVLogger):
+    """metrics.csv and hparams.yaml directly in the run directory, kept across resumes."""
+
+    def __init__(self, run_dir: Path):
+        # Each row is written as it is logged: a run killed later has the metrics of every step it checkpointed.
+        super().__init__(save_dir=run_dir, name="", version="", flush_logs_every_n_steps=1)
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.log_dir, exist_ok=True)
+            self._experiment = _AppendingWriter(log_dir=self.log_dir)
+        return self._experiment
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The wandb run id of this run directory, created once (every rank reads the same file); under a
+    wandb agent, the sweep run's own id, which wandb would use whatever we pass."""
+    path = run_dir / "wandb_id"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if os.environ.get("WANDB_RUN_ID") and not path.exists():
+        path.write_text(os.environ["WANDB_RUN_ID"])
+    try:  # exclusive create: with ranks started together (torchrun, srun), the first writer wins
+        with open(path, "x") as f:
+            f.write(secrets.token_hex(4))
+    except FileExistsError:
+        pass
+    return path.read_text().strip()
+
+
+def build_loggers(
+    cfg: DictConfig, run_dir: Path, name: str, group: str | None = None, tags: list[str] = ()
+) -> list[Logger]:
+    """CSV always; wandb with `name` (the layout's), `group` (the sweep's or experiment's) and `tags`,
+    unless the logger config sets its own."""
+    loggers: list[Logger] = [RunCSVLogger(run_dir)]
+    wandb_cfg = cfg.logger.get("wandb")
+    if wandb_cfg is not None:
+        import wandb  # here, not at the top: 0.8 s of every process's start, and most runs log to CSV only
+
+        wandb_logger = WandbLogger(
+            id=wandb_run_id(run_dir),  # a run resumed in its directory continues its wandb run
+            resume="allow",
+            project=wandb_cfg.project,
+            name=wandb_cfg.name or name,
+            group=wandb_cfg.get("group") or group,
+            tags=[*tags, *(wandb_cfg.get("tags") or [])],
+            save_dir=str(run_dir),
+            mode=wandb_mode(wandb_cfg.mode),
+            config=redacted_container(cfg),
+            # wandb records the command line among its system metadata; with a secret on it, it records none.
+            settings=wandb.Settings(x_disable_meta=True) if secret_values(cfg) else None,
+        )
+        # Lightning passes `anonymous` to wandb.init even when unset, and wandb 0.31 warns on every run
+        # that the setting has no effect.
+        wandb_logger._wandb_init.pop("anonymous", None)
+        loggers.append(wandb_logger)
+    return loggers
