@@ -117,9 +117,7 @@ def test_readme_lists_the_commands_this_test_runs():
     runs = [c for c in commands if skip_reason(c) is None]
     assert ["make", "train"] in commands and ["make", "test"] in commands
     assert (
-        len(runs) >= 10
-        and any(c[2] == "project.export" for c in runs)
-        and any(c[2] == "project.prepare" for c in runs)
+        len(runs) >= 10 and any(c[2] == "project.export" for c in runs) and any(c[2] == "project.prepare" for c in runs)
     )
 
 

@@ -674,7 +674,7 @@ def check_trainer_arguments(cfg: DictConfig) -> None:
     import lightning
 
     accepted = set(inspect.signature(lightning.Trainer.__init__).parameters) - {"self"}
-    for key in sorted(cfg.trainer.keys() - accepted):
+    for key in sorted(cfg.trainer.keys() - accepted - {"_target_"}):
         match = difflib.get_close_matches(str(key), sorted(accepted), n=1)
         hint = f" Did you mean trainer.{match[0]}?" if match else ""
         raise ConfigError(f"trainer.{key} is not an argument of lightning.Trainer.{hint}")

@@ -106,7 +106,7 @@ class TokenShardDataModule(LightningDataModule):
         super().__init__()
         # Lightning logs the hyperparameters to every logger and keeps them in checkpoints: they hold no credential
         # given in storage_options (nor in an entry of mix), while reading still uses the options as given.
-        self.storage_options = dict(storage_options) if storage_options is not None else None
+        self.storage_options = dict(storage_options) if storage_options else None
         self.save_hyperparameters(ignore=["storage_options", "mix"])
         self.save_hyperparameters(without_secrets({"storage_options": storage_options, "mix": mix}))
         self.corpora = (

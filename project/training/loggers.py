@@ -6,15 +6,14 @@ import csv
 import netrc
 import os
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
-from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
-from omegaconf import DictConfig
-
-from project.runtime.secrets import redacted_container, secret_values
 
 
 def wandb_mode(mode: str) -> str:
@@ -57,12 +56,25 @@ class _AppendingWriter(ExperimentWriter):
         super().log_metrics(metrics_dict, step)
 
 
+@dataclass(frozen=True)
+class RunIdentity:
+    """What a logger is told of the run it logs, known only once the layout is: each logger of conf/logger is a
+    partial that the run calls with this."""
+
+    dir: Path
+    name: str  # the layout's, e.g. small10m_dp2-tp1-pp1_mb8_ddp
+    group: str | None  # the sweep's id under a wandb agent, else the experiment's name
+    tags: list[str]  # the strategy, the model and the device count
+    config: dict[str, Any]  # the run's config, secrets redacted
+    has_secrets: bool
+
+
 class RunCSVLogger(CSVLogger):
     """metrics.csv and hparams.yaml directly in the run directory, kept across resumes."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run: RunIdentity):
         # Each row is written as it is logged: a run killed later has the metrics of every step it checkpointed.
-        super().__init__(save_dir=run_dir, name="", version="", flush_logs_every_n_steps=1)
+        super().__init__(save_dir=run.dir, name="", version="", flush_logs_every_n_steps=1)
 
     @property
     @rank_zero_experiment
@@ -88,31 +100,31 @@ def wandb_run_id(run_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def build_loggers(
-    cfg: DictConfig, run_dir: Path, name: str, group: str | None = None, tags: list[str] = ()
-) -> list[Logger]:
-    """CSV always; wandb with `name` (the layout's), `group` (the sweep's or experiment's) and `tags`,
-    unless the logger config sets its own."""
-    loggers: list[Logger] = [RunCSVLogger(run_dir)]
-    wandb_cfg = cfg.logger.get("wandb")
-    if wandb_cfg is not None:
-        import wandb  # here, not at the top: 0.8 s of every process's start, and most runs log to CSV only
+def run_wandb_logger(
+    run: RunIdentity,
+    project: str,
+    name: str | None = None,
+    group: str | None = None,
+    tags: list[str] | None = None,
+    mode: str = "auto",
+) -> WandbLogger:
+    """wandb, continuing the run directory's own wandb run; `name`, `group` and `tags` add to or replace the run's."""
+    import wandb  # here, not at the top: 0.8 s of every process's start, and most runs log to CSV only
 
-        wandb_logger = WandbLogger(
-            id=wandb_run_id(run_dir),  # a run resumed in its directory continues its wandb run
-            resume="allow",
-            project=wandb_cfg.project,
-            name=wandb_cfg.name or name,
-            group=wandb_cfg.get("group") or group,
-            tags=[*tags, *(wandb_cfg.get("tags") or [])],
-            save_dir=str(run_dir),
-            mode=wandb_mode(wandb_cfg.mode),
-            config=redacted_container(cfg),
-            # wandb records the command line among its system metadata; with a secret on it, it records none.
-            settings=wandb.Settings(x_disable_meta=True) if secret_values(cfg) else None,
-        )
-        # Lightning passes `anonymous` to wandb.init even when unset, and wandb 0.31 warns on every run
-        # that the setting has no effect.
-        wandb_logger._wandb_init.pop("anonymous", None)
-        loggers.append(wandb_logger)
-    return loggers
+    logger = WandbLogger(
+        id=wandb_run_id(run.dir),  # a run resumed in its directory continues its wandb run
+        resume="allow",
+        project=project,
+        name=name or run.name,
+        group=group or run.group,
+        tags=[*run.tags, *(tags or [])],
+        save_dir=str(run.dir),
+        mode=wandb_mode(mode),
+        config=run.config,
+        # wandb records the command line among its system metadata; with a secret on it, it records none.
+        settings=wandb.Settings(x_disable_meta=True) if run.has_secrets else None,
+    )
+    # Lightning passes `anonymous` to wandb.init even when unset, and wandb 0.31 warns on every run
+    # that the setting has no effect.
+    logger._wandb_init.pop("anonymous", None)
+    return logger

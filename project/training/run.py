@@ -7,6 +7,7 @@ directory), so everything here runs on every rank.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import warnings
@@ -16,9 +17,11 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.accelerators import AcceleratorRegistry, CPUAccelerator
+from lightning.pytorch.callbacks import Callback, ModelSummary, ProgressBar
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
-from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies import ParallelStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
@@ -29,32 +32,22 @@ from project.config.checks import (
     check_data,
     check_trainer_arguments,
     data_settings_differ,
-    is_horovod,
     plan_layout,
     read_manifest,
 )
-from project.data.datamodule import TokenShardDataModule
 from project.data.prepare import prepare_from_config
-from project.data.sampler import DEFAULT_WINDOW_CHUNKS
 from project.data.shards import MANIFEST_NAME
 from project.data.storage import is_remote
 from project.parallel.contract import contract_of
+from project.parallel.horovod import HorovodStrategy
 from project.runtime.console import keep_console, launch_rank, silence_known_noise
 from project.runtime.errors import ConfigError
 from project.runtime.processes import watch_children
 from project.runtime.secrets import redact_text, redacted_container, secret_values
-from project.training.callbacks import (
-    BestCheckpoint,
-    LayoutFacts,
-    LlamaModelSummary,
-    MemoryMonitor,
-    StepCheckpoint,
-    StepProgressBar,
-    TokenThroughput,
-)
+from project.training.callbacks import LayoutFacts, StepCheckpoint
 from project.training.callbacks.preemption import REQUEUE_EXIT_STATUS, StopOnSignal
-from project.training.lit_module import LlamaLitModule, check_resumable
-from project.training.loggers import build_loggers
+from project.training.lit_module import check_resumable
+from project.training.loggers import RunIdentity
 
 
 def limit_cpu_threads(trainer: L.Trainer, threads_per_process: int | None) -> None:
@@ -77,54 +70,77 @@ def is_first_process(trainer: L.Trainer) -> bool:
     return env is None or (env.global_rank() == 0 and env.local_rank() == 0 and env.node_rank() == 0)
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path) -> L.Trainer:
-    checkpoints = [
-        # last.ckpt every N steps and after the final step, for resuming ...
-        StepCheckpoint(
-            dirpath=run_dir / "checkpoints",
-            every_n_train_steps=cfg.ckpt_every_n_steps,
-            every_minutes=cfg.get("ckpt_every_minutes"),
-        ),
-        # ... and the best model, ranked when each validation ends, so by its own val/loss.
-        BestCheckpoint(
-            dirpath=run_dir / "checkpoints",
-            filename="best-step{step:06d}",
-            auto_insert_metric_name=False,
-            monitor="val/loss",
-            mode="min",
-            save_top_k=1,
-            save_on_train_epoch_end=False,
-        ),
-    ]
-    callbacks = [*checkpoints, TokenThroughput(cfg.peak_flops_per_device), MemoryMonitor(run_dir)]
-    plugins, stop_signals = [], (signal.SIGTERM,)
-    if SLURMEnvironment.detect():  # our handler checkpoints between steps; Lightning's would save mid-step
-        if not is_horovod(cfg.strategy):  # under horovodrun in a batch job, Horovod gives the ranks, not SLURM's tasks
-            plugins.append(SLURMEnvironment(auto_requeue=False))
-        stop_signals += (signal.SIGUSR1,)
-    callbacks.append(StopOnSignal(checkpoints[0], stop_signals))
-    if cfg.trainer.get("enable_progress_bar", True):
-        callbacks.append(StepProgressBar())
-    if cfg.trainer.get("enable_model_summary", True):
-        callbacks.append(LlamaModelSummary())
+def devices_per_node(cfg: DictConfig) -> int:
+    """The devices per node the Trainer will take for trainer.accelerator and trainer.devices (`auto`, -1, a list),
+    asked of Lightning's accelerator before the Trainer exists, so that it is built once, with the layout's values."""
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    if accelerator in ("auto", "gpu"):
+        found = next((name for name in ("cuda", "mps") if AcceleratorRegistry.get(name).is_available()), None)
+        accelerator = found or ("cpu" if accelerator == "auto" else "cuda")
+    kind = type(AcceleratorRegistry.get(accelerator))
+    devices = cfg.trainer.get("devices", "auto")
+    devices = kind.auto_device_count() if devices == "auto" else devices
+    return len(kind.get_parallel_devices(kind.parse_devices(devices)))
+
+
+def build_callbacks(cfg: DictConfig, layout: Layout) -> list[Callback]:
+    """conf/callbacks' (those the trainer settings leave on), the layout's facts, and the stop on a signal."""
+    callbacks = [instantiate(node) for node in cfg.callbacks.values() if node is not None]
+    if not cfg.trainer.get("enable_progress_bar", True):
+        callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
+    if not cfg.trainer.get("enable_model_summary", True):
+        callbacks = [c for c in callbacks if not isinstance(c, ModelSummary)]
+    stop_signals = (signal.SIGTERM, signal.SIGUSR1) if SLURMEnvironment.detect() else (signal.SIGTERM,)
+    step_checkpoints = [c for c in callbacks if isinstance(c, StepCheckpoint)]
+    if step_checkpoints:  # without one (~callbacks.last_checkpoint), a signal stops the run as Lightning does
+        callbacks.append(StopOnSignal(step_checkpoints[0], stop_signals))
+    return [*callbacks, LayoutFacts(layout.facts())]
+
+
+def build_loggers(cfg: DictConfig, run_dir: Path, layout: Layout) -> list[Logger]:
+    """conf/logger's loggers, each told the run it logs: named after the layout, grouped by sweep or experiment."""
+    choices = HydraConfig.get().runtime.choices
+    model_name, strategy_name = choices.get("model", "model"), choices.get("strategy", "strategy")
+    run = RunIdentity(
+        dir=run_dir,
+        name=layout.name(model_name, strategy_name),
+        group=os.environ.get("WANDB_SWEEP_ID") or choices.get("experiment") or None,
+        tags=[strategy_name, model_name, f"{math.prod(layout.shape)}-devices"],
+        config=redacted_container(cfg),
+        has_secrets=bool(secret_values(cfg)),
+    )
+    return [instantiate(node)(run) for node in cfg.logger.values() if node is not None]
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path, strategy: Strategy, layout: Layout) -> L.Trainer:
+    """lightning.Trainer from conf/trainer, with what the run computes: the strategy, callbacks and loggers, and the
+    layout's accumulation and validation interval (validation is counted in optimizer steps)."""
     check_trainer_arguments(cfg)
-    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-    # Lightning logs every log_every_n_steps steps only: a shorter run would write no metrics at all.
-    trainer_kwargs["log_every_n_steps"] = min(trainer_kwargs.get("log_every_n_steps", 50), trainer_kwargs["max_steps"])
+    plan = layout.plan
+    # Our handler checkpoints between steps; Lightning's would save mid-step. Under horovodrun in a batch job,
+    # Horovod gives the ranks, not SLURM's tasks.
+    slurm = SLURMEnvironment.detect() and not isinstance(strategy, HorovodStrategy)
     try:
-        return L.Trainer(
-            **trainer_kwargs,
-            strategy=instantiate(cfg.strategy, _convert_="all"),
-            callbacks=callbacks,
-            plugins=plugins,
-            logger=False,  # set once the layout, which names the run, is known
+        return instantiate(
+            cfg.trainer,
+            strategy=strategy,
+            callbacks=build_callbacks(cfg, layout),
+            logger=build_loggers(cfg, run_dir, layout),
+            plugins=[SLURMEnvironment(auto_requeue=False)] if slurm else [],
+            # Lightning logs every log_every_n_steps steps only: a shorter run would write no metrics at all.
+            log_every_n_steps=min(cfg.trainer.get("log_every_n_steps", 50), cfg.trainer.max_steps),
+            accumulate_grad_batches=plan.accumulate_grad_batches,
+            val_check_interval=cfg.val_every_n_steps * plan.accumulate_grad_batches,
             default_root_dir=run_dir,
-            check_val_every_n_epoch=None,  # validation is counted in steps: the training stream has no epochs
+            check_val_every_n_epoch=None,  # the training stream has no epochs
             use_distributed_sampler=False,  # our sampler splits by data-parallel replica, not by global rank
         )
-    except (ValueError, MisconfigurationException) as error:  # Lightning's word on devices, precision, strategy
+    except Exception as error:  # Lightning's word on devices, precision, strategy, wrapped by Hydra's instantiate
+        cause = error.__cause__ if isinstance(error.__cause__, (ValueError, MisconfigurationException)) else error
+        if not isinstance(cause, (ValueError, MisconfigurationException)) or isinstance(cause, ConfigError):
+            raise
         choice = HydraConfig.get().runtime.choices.get("strategy")
-        raise ConfigError(f"Lightning refused the trainer settings (trainer.*, strategy={choice}): {error}") from error
+        raise ConfigError(f"Lightning refused the trainer settings (trainer.*, strategy={choice}): {cause}") from error
 
 
 def record_console(cfg: DictConfig, run_dir: Path) -> None:
@@ -149,91 +165,65 @@ def write_hydra_record(cfg: DictConfig, run_dir: Path) -> None:
         (folder / name).write_text(redact_text(OmegaConf.to_yaml(record), secrets))
 
 
-def attach_loggers(trainer: L.Trainer, cfg: DictConfig, run_dir: Path, layout: Layout) -> None:
-    """Loggers named after the layout, which is known only now, and the layout logged as metrics."""
-    choices = HydraConfig.get().runtime.choices
-    model_name, strategy_name = choices.get("model", "model"), choices.get("strategy", "strategy")
-    trainer.loggers = build_loggers(
-        cfg,
-        run_dir,
-        name=layout.name(model_name, strategy_name),
-        group=os.environ.get("WANDB_SWEEP_ID") or choices.get("experiment") or None,
-        tags=[strategy_name, model_name, f"{trainer.world_size}-devices"],
-    )
-    trainer.callbacks.append(LayoutFacts(layout.facts()))
+def prepare_if_needed(cfg: DictConfig) -> None:
+    """With data.auto_prepare, shards missing from a local data.dir, or prepared from other settings with
+    data.overwrite=true (project.config.checks refuses them otherwise), are prepared first. Every process may
+    get here (torchrun, SLURM): prepare_shards lets one build, the others wait."""
+    manifest = Path(cfg.data.dir) / MANIFEST_NAME
+    if not cfg.data.get("auto_prepare", False) or cfg.data.get("mix") or is_remote(cfg.data.dir):
+        return
+    stale = manifest.is_file() and cfg.data.get("overwrite") and data_settings_differ(cfg, read_manifest(cfg.data.dir))
+    if manifest.is_file() and not stale:
+        return
+    said = "no prepared shards" if not manifest.is_file() else "data.overwrite=true and shards from other settings"
+    rank_zero_info(f"{said} in {cfg.data.dir}: preparing them from data.sources (data.auto_prepare=false skips this)")
+    prepare_from_config(OmegaConf.to_container(cfg.data, resolve=True))
+    check_data(cfg, prepared=True)  # a process that did not merge the new shards must not train on the old ones
 
 
 def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
     """Fit; `layout` is what project.config.checks.preflight planned, None where it could not (devices: auto)."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    cfg.paths.run_dir = str(run_dir)
     record_console(cfg, run_dir)
     # Loader workers draw no random numbers (the sampler orders the data), so Lightning need not seed
     # them: its seeding function would be a Lightning import in every worker (project.data.loader_workers).
     L.seed_everything(cfg.seed, workers=False)
 
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    trainer = build_trainer(cfg, run_dir)
+    strategy = instantiate(cfg.strategy, _convert_="all")
+    layout = layout or plan_layout(cfg, cfg.trainer.get("num_nodes", 1), devices_per_node(cfg))
+    plan = layout.plan
+    contract_of(strategy).plan_batches(plan)  # the pipeline's microbatches
+    trainer = build_trainer(cfg, run_dir, strategy, layout)
     requested = cfg.trainer.devices
     if str(requested).isdigit() and int(requested) != trainer.num_devices:
+        strategy_name = HydraConfig.get().runtime.choices.get("strategy")
         raise ConfigError(
-            f"strategy={HydraConfig.get().runtime.choices.get('strategy')} runs on {trainer.num_devices} device(s) per node, "
-            f"not trainer.devices={requested}: choose a multi-device strategy (strategy=ddp) or trainer.devices={trainer.num_devices}."
+            f"strategy={strategy_name} runs on {trainer.num_devices} device(s) per node, not trainer.devices={requested}: "
+            f"choose a multi-device strategy (strategy=ddp) or trainer.devices={trainer.num_devices}."
         )
     limit_cpu_threads(trainer, cfg.threads_per_process)
-    if layout is None:  # trainer.devices or num_nodes was left to Lightning
-        layout = plan_layout(cfg, trainer.num_nodes, trainer.num_devices)
-    plan = layout.plan
-    attach_loggers(trainer, cfg, run_dir, layout)
-    contract_of(trainer.strategy).plan_batches(plan)  # the pipeline's microbatches
-    # The Trainer resolves devices and nodes; only then is the accumulation count known.
-    trainer.accumulate_grad_batches = plan.accumulate_grad_batches
-    trainer.val_check_interval = cfg.val_every_n_steps * plan.accumulate_grad_batches
 
-    local = not cfg.data.get("mix") and not is_remote(cfg.data.dir)
-    manifest = Path(cfg.data.dir) / MANIFEST_NAME
-    stale = manifest.is_file() and cfg.data.get("overwrite") and data_settings_differ(cfg, read_manifest(cfg.data.dir))
-    if cfg.data.get("auto_prepare", False) and local and (not manifest.is_file() or stale):
-        # Missing, or prepared from other settings with data.overwrite=true (project.config.checks refuses them otherwise).
-        # Every process may get here (torchrun, SLURM): prepare_shards lets one build, the others wait.
-        said = "no prepared shards" if not manifest.is_file() else "data.overwrite=true and shards from other settings"
-        rank_zero_info(
-            f"{said} in {cfg.data.dir}: preparing them from data.sources (data.auto_prepare=false skips this)"
-        )
-        prepare_from_config(OmegaConf.to_container(cfg.data, resolve=True))
-        check_data(cfg, prepared=True)  # a process that did not merge the new shards must not train on the old ones
-    datamodule = TokenShardDataModule(
-        data_dir=cfg.data.dir,
-        seq_len=cfg.data.seq_len,
+    prepare_if_needed(cfg)
+    datamodule = instantiate(
+        cfg.datamodule,
         global_batch_size=plan.global_batch_size,
         micro_batch_size=plan.loader_batch_size,
-        seed=cfg.data.seed,
-        num_workers=cfg.data.loader_workers,
-        val_sequences=cfg.val_sequences,
-        allow_repeats=cfg.data.get("allow_repeats", False),
-        mix=OmegaConf.to_container(cfg.data.mix, resolve=True) if cfg.data.get("mix") else None,
-        shuffle_window=cfg.data.get("shuffle_window", DEFAULT_WINDOW_CHUNKS),
-        cache_dir=cfg.data.get("cache_dir"),
-        cache_size=cfg.data.get("cache_size"),
-        storage_options=OmegaConf.to_container(cfg.data.storage_options, resolve=True)
-        if cfg.data.get("storage_options")
-        else None,
+        _convert_="all",
     )
-    if model_cfg["vocab_size"] > datamodule.vocab_size:
+    if cfg.model.vocab_size > datamodule.vocab_size:
         rank_zero_warn(
-            f"model.vocab_size={model_cfg['vocab_size']} is larger than the tokenizer's {datamodule.vocab_size} tokens: "
-            f"{model_cfg['vocab_size'] - datamodule.vocab_size} embedding rows will never train. Set model.vocab_size (or "
+            f"model.vocab_size={cfg.model.vocab_size} is larger than the tokenizer's {datamodule.vocab_size} tokens: "
+            f"{cfg.model.vocab_size - datamodule.vocab_size} embedding rows will never train. Set model.vocab_size (or "
             f"data.vocab_size, which the small presets follow) to {datamodule.vocab_size} unless you mean to grow the vocabulary."
         )
-    module = LlamaLitModule(
-        model=model_cfg,
-        optim=OmegaConf.to_container(cfg.optim, resolve=True),
-        document_mask=cfg.document_mask,
+    module = instantiate(
+        cfg.module,
         eos_id=datamodule.eos_id,
         # Strategies that shard the model themselves also initialize it, after sharding.
-        init_on_meta=contract_of(trainer.strategy).model_on_meta,
+        init_on_meta=contract_of(strategy).model_on_meta,
         weights_from_checkpoint=cfg.ckpt_path is not None,
-        init_from=cfg.get("init_from"),
-        init_seed=cfg.seed,
+        _convert_="all",
     )
     steps_per_update = (
         f"{plan.pipeline_microbatches} pipeline microbatches"
@@ -252,6 +242,7 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
         )
         return {}
     if ckpt_path is not None:  # a checkpoint of another model or tokenizer, refused by name before anything loads
+        model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
         check_resumable(
             checkpoint_metadata(ckpt_path), model_cfg, datamodule.tokenizer_identity, ckpt_path, cfg.data.dir
         )
