@@ -23,7 +23,7 @@ RUN_STAMP := $(shell date +%Y-%m-%d_%H-%M-%S)
 RUN_DIR ?= outputs/runs/$(RUN_STAMP)
 SAMPLE_PROMPT ?= To be, or not to be
 
-.PHONY: install install-horovod train prepare test test-fast lint format bench clean slurm
+.PHONY: install install-horovod train prepare test test-fast lint typecheck format bench clean slurm
 
 install: $(STAMP)
 
@@ -58,7 +58,7 @@ train: prepare
 	$(PY) -m project.train experiment=$(EXPERIMENT) hydra.run.dir=$(RUN_DIR)
 	$(PY) -m project.generate ckpt_path=$(RUN_DIR)/checkpoints/last.ckpt prompt="$(SAMPLE_PROMPT)" max_new_tokens=100
 
-test: install slurm install-horovod $(VENV)/litgpt-reference/.installed lint
+test: install slurm install-horovod $(VENV)/litgpt-reference/.installed lint typecheck
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # ruff's formatter (code wrapped at 120 characters) and linter (pyproject.toml): a second, before the tests.
@@ -66,6 +66,10 @@ test: install slurm install-horovod $(VENV)/litgpt-reference/.installed lint
 lint: install
 	$(PY) -m ruff format --check project tests
 	$(PY) -m ruff check project tests
+
+# mypy on the core packages (model, parallel, training, checkpoint, data), as pyproject.toml sets it.
+typecheck: install
+	$(PY) -m mypy
 
 format: install
 	$(PY) -m ruff format project tests

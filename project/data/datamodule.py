@@ -85,6 +85,8 @@ class TokenShardDataModule(LightningDataModule):
     `shuffle_window` is the number of chunks whose blocks are shuffled together (project.data.sampler).
     """
 
+    hparams: Any  # Lightning's AttributeDict of the arguments above (typed by Lightning as a plain mapping)
+
     def __init__(
         self,
         data_dir: str | None,
@@ -189,6 +191,8 @@ class TokenShardDataModule(LightningDataModule):
             BlockOrder(part.chunk_blocks, self.hparams.seed, self.hparams.shuffle_window, stream=i)
             for i, part in enumerate(train)
         ]
+        self.train_set: TokenBlocks | MixedBlocks
+        self.train_order: BlockOrder | MixtureOrder
         if len(train) == 1:
             self.train_set, self.train_order = train[0], orders[0]
         else:

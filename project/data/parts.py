@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,22 +44,24 @@ def plan_parts(files: Sequence[Path], part_bytes: int) -> list[list[Path]]:
     return parts
 
 
-def node_of(node_rank: int | None = None, num_nodes: int | None = None, environ: dict | None = None) -> tuple[int, int]:
+def node_of(
+    node_rank: int | None = None, num_nodes: int | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[int, int]:
     """(this machine's rank, the number of machines): as given, else from the launcher's environment, else (0, 1)."""
-    environ = os.environ if environ is None else environ
+    env: Mapping[str, str] = os.environ if environ is None else environ
     if num_nodes is not None or node_rank is not None:
         rank, count, source = node_rank or 0, num_nodes or 1, "data.prepare_node_rank / data.prepare_nodes"
     else:
         rank, count, source = 0, 1, None
         for rank_key, count_key, name in NODE_ENVIRONMENTS:
-            if rank_key in environ and count_key in environ:
+            if rank_key in env and count_key in env:
                 rank, count, source = (
-                    int(environ[rank_key]),
-                    int(environ[count_key]),
+                    int(env[rank_key]),
+                    int(env[count_key]),
                     f"{name} ({rank_key}, {count_key})",
                 )
                 if rank_key == "SLURM_ARRAY_TASK_ID":  # arrays may start anywhere: --array=1-8
-                    rank -= int(environ.get("SLURM_ARRAY_TASK_MIN", 0))
+                    rank -= int(env.get("SLURM_ARRAY_TASK_MIN", 0))
                 break
     if not (count >= 1 and 0 <= rank < count):
         raise ConfigError(

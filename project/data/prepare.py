@@ -293,6 +293,7 @@ def _fingerprint(files: list[Path], tokenizer: Tokenizer | None, settings: _Sett
     """A hash of everything the shards depend on. Source files count by path, size and mtime (cheap to
     check on every run; re-hashing a corpus is not); a given tokenizer by content. The number of
     workers changes only how tokens are grouped into chunks, so it is left out."""
+    tokenizer_key: dict[str, Any]
     if tokenizer is not None:
         tokenizer_key = {"sha256": file_sha256(tokenizer.path)}
     else:

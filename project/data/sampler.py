@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -113,6 +114,12 @@ class BlockOrder:
         return int(np.searchsorted(self.starts, block, side="right")) - 1
 
 
+class OrderOfBlocks(Protocol):
+    """A global order of block indices: a BlockOrder, or a mixture of them (project.data.mixture)."""
+
+    def take(self, start: int, count: int) -> list[int]: ...
+
+
 class GlobalBatchSampler(Sampler[list[int]]):
     """Yields this replica's micro batches of `order`'s indices, forever (training stops at max_steps).
 
@@ -121,7 +128,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def __init__(
         self,
-        order: BlockOrder,
+        order: OrderOfBlocks,
         global_batch_size: int,
         micro_batch_size: int,
         dp_rank: int,

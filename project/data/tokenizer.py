@@ -116,9 +116,8 @@ class _SentencePieceTokenizer(Tokenizer):
                 f"data.tokenizer={str(path)!r} was trained without an end-of-text piece (eos_id=-1); "
                 f"documents in the shards are separated by one, so train it with eos_id set."
             )
-        bos_id = self._processor.bos_id()  # -1: trained without one
-        bos_id = bos_id if bos_id >= 0 else None
-        super().__init__(path, self._processor.get_piece_size(), self._processor.eos_id(), bos_id)
+        bos = self._processor.bos_id()  # -1: trained without one
+        super().__init__(path, self._processor.get_piece_size(), self._processor.eos_id(), bos if bos >= 0 else None)
 
     def encode(self, text: str) -> list[int]:
         return self._processor.encode(text, out_type=int)
@@ -130,7 +129,10 @@ class _SentencePieceTokenizer(Tokenizer):
         return self._processor.decode(list(ids))
 
 
-_KINDS_BY_SUFFIX: dict[str, type[Tokenizer]] = {".json": _HFTokenizer, ".model": _SentencePieceTokenizer}
+_KINDS_BY_SUFFIX: dict[str, type[_HFTokenizer] | type[_SentencePieceTokenizer]] = {
+    ".json": _HFTokenizer,
+    ".model": _SentencePieceTokenizer,
+}
 
 
 def tokenizer_file(path: str | os.PathLike) -> Path:

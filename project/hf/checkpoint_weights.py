@@ -9,7 +9,6 @@ whatever the model's size: the scaling that gathering the whole model on one pro
 from __future__ import annotations
 
 import json
-import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,18 +28,6 @@ from project.runtime.errors import ConfigError
 
 # Where the model's weights are in a sharded folder: ModelParallelStrategy's "state_dict", FSDP1's "model".
 FOLDER_PREFIXES = ("state_dict.model.", "model.model.")
-UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
 
 
 @dataclass
@@ -82,14 +69,6 @@ def checkpoint_weights(path: Path, state_dict: dict[str, torch.Tensor] | None = 
         return {n: state[prefix + n] for n in names}
 
     return CheckpointWeights(shapes, read)
-
-
-def parse_size(text: str) -> int:
-    """Bytes of `5GB`, `500MB`, `2GiB` or a plain number (transformers' spelling of max_shard_size)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(text).upper())
-    if not match or float(match[1]) <= 0:
-        raise ConfigError(f"max_shard_size={text} is not a size: write it as 5GB, 500MB, 2GiB or a number of bytes.")
-    return int(float(match[1]) * UNITS[match[2] or ""])
 
 
 def plan_files(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:

@@ -107,7 +107,7 @@ def hf_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     d, q, kv, ffn = (
         config.dim,
         config.n_heads * config.head_dim,
-        config.n_kv_heads * config.head_dim,
+        config.kv_heads * config.head_dim,
         config.ffn_hidden_dim,
     )
     block = {

@@ -37,10 +37,10 @@ from safetensors import SafetensorError
 
 from project.checkpoint.files import checkpoint_metadata
 from project.data.shards import MANIFEST_NAME
-from project.hf.checkpoint_weights import CheckpointWeights, checkpoint_weights, parse_size, write_safetensors
+from project.hf.checkpoint_weights import CheckpointWeights, checkpoint_weights, write_safetensors
 from project.hf.conversion import hf_config_dict
 from project.model.config import LlamaConfig
-from project.runtime.arguments import parse_key_values
+from project.runtime.arguments import parse_key_values, parse_size
 from project.runtime.errors import ConfigError, exit_on_config_error
 from project.runtime.folders import unwritable
 
@@ -216,7 +216,7 @@ def export(
     max_shard_size: str = DEFAULTS["max_shard_size"],
 ) -> list[Path]:
     """Export `ckpt_path` into `output_dir`; returns the files written."""
-    max_bytes = parse_size(max_shard_size)
+    max_bytes = parse_size(max_shard_size, "max_shard_size")
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output_dir {out} is a file, not a directory.")

@@ -42,6 +42,11 @@ class LlamaConfig:
             self.rope_scaling = dict(self.rope_scaling)
 
     @property
+    def kv_heads(self) -> int:
+        """n_kv_heads as resolved (set to n_heads when given as None)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 

@@ -7,7 +7,7 @@ from project.model.config import LlamaConfig
 
 def count_parameters(config: LlamaConfig) -> int:
     """Exact parameter count of Llama(config), tied output head counted once."""
-    d, kv_dim = config.dim, config.n_kv_heads * config.head_dim
+    d, kv_dim = config.dim, config.kv_heads * config.head_dim
     attention = d * d * 2 + d * kv_dim * 2  # wq, wo, wk, wv
     feed_forward = 3 * d * config.ffn_hidden_dim
     block = attention + feed_forward + 2 * d  # two RMSNorm weights

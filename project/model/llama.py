@@ -89,7 +89,7 @@ class KVCache:
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
     ):
-        shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
+        shape = (batch_size, config.kv_heads, max_len, config.head_dim)
         self.layers = [LayerKV(shape, device, dtype) for _ in range(config.n_layers)]
         self.max_len = max_len
 
@@ -102,10 +102,10 @@ class KVCache:
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_dim
         self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
 
     def forward(
@@ -193,7 +193,7 @@ class Llama(nn.Module):
         if not self.output.weight.is_meta:  # built on the meta device: initialized after sharding
             self.init_weights()
 
-    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> "Llama":
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> "Llama":
         super().to_empty(device=device, recurse=recurse)
         # nn.Module.to_empty gives each module a Parameter of its own: a tied head would come apart.
         if self.config.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:

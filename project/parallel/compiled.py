@@ -8,8 +8,13 @@ plain model's.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from project.model.llama import Llama
 from project.parallel.init import materialize
+
+if TYPE_CHECKING:
+    import torch
 
 
 def compile_blocks(model: Llama) -> None:
@@ -21,6 +26,11 @@ class CompiledBlocks:
     """Mixin: a `parallelize` that compiles each transformer block before the strategy wraps the model."""
 
     model_on_meta = True
+
+    if TYPE_CHECKING:
+
+        @property
+        def root_device(self) -> torch.device: ...  # the strategy's that this mixes into
 
     def parallelize(self, model: Llama, initialize: bool = True) -> None:
         if any(p.is_meta for p in model.parameters()):  # a strategy with this hook gets its model built on meta

@@ -10,7 +10,7 @@ overrides what it does differently; the module and the run call these methods an
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -19,6 +19,25 @@ if TYPE_CHECKING:
 
     from project.model.llama import Llama
     from project.parallel.batch import BatchPlan
+
+
+class TrainingModule(Protocol):
+    """The module's side of the contract: what a strategy may call on the LightningModule it trains
+    (project.training.lit_module.LlamaLitModule, which this package must not import)."""
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The batch's mean loss, the model run whole."""
+        ...
+
+    def model_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's inputs besides the tokens (the documents, with document masking)."""
+        ...
+
+    def criterion(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss of logits against targets (a pipeline's last stage computes it)."""
+        ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
 
 
 class LlamaStrategy:
@@ -36,7 +55,7 @@ class LlamaStrategy:
         fill it (`initialize=False`), the initial values one device would have."""
 
     def plan_batches(self, plan: BatchPlan) -> None:
-        """The run's batch plan, known once the Trainer has resolved devices and nodes."""
+        """The run's batch plan, given before the Trainer is built (the devices are known by then)."""
 
     def processes_per_node(self, trainer: Trainer) -> int:
         """The processes of this run on this machine, which share its CPU cores."""
@@ -51,7 +70,9 @@ class LlamaStrategy:
         clipped to `max_norm`. Computed on every rank alike, so that every rank skips a bad step alike."""
         return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
 
-    def step_loss(self, module: Any, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor:
+    def step_loss(
+        self, module: TrainingModule, inputs: torch.Tensor, targets: torch.Tensor, train: bool
+    ) -> torch.Tensor:
         """The mean loss of a training (`train`) or validation batch, as the module computes it."""
         return module.loss(inputs, targets)
 

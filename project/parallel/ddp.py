@@ -1,11 +1,12 @@
 """Data parallelism through Lightning's DDPStrategy: gloo on CPU, NCCL on GPU."""
 
 # No `from __future__ import annotations` here: torch checks the comm hook's annotations at runtime.
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
 
 from project.parallel.compiled import CompiledBlocks
 from project.parallel.contract import LlamaStrategy
@@ -31,7 +32,8 @@ class GlooFriendlyDDPStrategy(LlamaStrategy, DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         if self.root_device.type == "cuda" or self._ddp_comm_hook is None:
             return super()._register_ddp_hooks()
-        self.model.register_comm_hook(state=self._ddp_comm_state, hook=self._ddp_comm_hook)
+        model = cast(DistributedDataParallel, self.model)  # wrapped by DDPStrategy before its hooks are registered
+        model.register_comm_hook(state=self._ddp_comm_state, hook=self._ddp_comm_hook)
 
 
 class CompiledDDPStrategy(CompiledBlocks, GlooFriendlyDDPStrategy):

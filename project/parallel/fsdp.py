@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, cast, get_args
 
 import torch
 from lightning.pytorch import LightningModule
@@ -10,11 +10,14 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.strategies.fsdp import _setup_activation_checkpointing
 from torch import nn
 
-from project.model.llama import Block
+from project.model.llama import Block, Llama
 from project.parallel.compiled import compile_blocks
 from project.parallel.contract import LlamaStrategy
 from project.parallel.timeout import collective_timeout
 from project.runtime.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
 
@@ -56,7 +59,7 @@ class CPUCapableFSDPStrategy(LlamaStrategy, FSDPStrategy):
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         if self.compile:  # in place, before FSDP wraps each block
-            compile_blocks(model.model)
+            compile_blocks(cast(Llama, model.model))  # the LightningModule's Llama
         if self.root_device.type != "cpu":
             return super()._setup_model(model)
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -74,7 +77,7 @@ class CPUCapableFSDPStrategy(LlamaStrategy, FSDPStrategy):
 
     def clip_grad_norm(self, module: LightningModule, max_norm: float) -> torch.Tensor:
         """Global gradient norm over all shards (before clipping), gradients clipped to max_norm."""
-        return self.model.clip_grad_norm_(max_norm)
+        return cast("FullyShardedDataParallel", self.model).clip_grad_norm_(max_norm)  # wrapped in _setup_model
 
 
 def fsdp_strategy(
@@ -92,9 +95,9 @@ def fsdp_strategy(
     HYBRID_SHARD shards within groups of `hybrid_shard_size` ranks (default: the devices of one
     node) and replicates across groups, so only the gradient all-reduce crosses nodes.
     """
-    if sharding_strategy not in ShardingStrategy.__args__:
+    if sharding_strategy not in get_args(ShardingStrategy):
         raise ConfigError(
-            f"strategy.sharding_strategy={sharding_strategy!r}: choose one of {list(ShardingStrategy.__args__)}."
+            f"strategy.sharding_strategy={sharding_strategy!r}: choose one of {list(get_args(ShardingStrategy))}."
         )
     return CPUCapableFSDPStrategy(
         hybrid_shard_size=hybrid_shard_size,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -28,6 +30,7 @@ def apply_fsdp2(
         param_dtype=DTYPES[param_dtype] if param_dtype else None,
         reduce_dtype=DTYPES[reduce_dtype or "float32"],
     )
-    for block in model.layers.values():
+    # nn.Module's attribute typing (Tensor | Module) does not know a stage's `layers` is a ModuleDict.
+    for block in cast(nn.ModuleDict, model.layers).values():
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

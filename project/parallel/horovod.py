@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
@@ -114,7 +114,7 @@ class HorovodStrategy(LlamaStrategy, ParallelStrategy):
         self._op, self._compression = op, compression
         self._accumulating = False
         self._built: list[torch.optim.Optimizer] = []
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning keeps the rank on the function
         if hierarchical_allreduce and not self.hvd.nccl_built():
             rank_zero_warn(
                 "strategy.hierarchical_allreduce=true has no effect here: Horovod reduces within and then across nodes "
@@ -123,6 +123,7 @@ class HorovodStrategy(LlamaStrategy, ParallelStrategy):
 
     @property
     def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None  # the accelerator connector sets them
         device = self.parallel_devices[0]  # trainer.devices=1: this process's device
         # The GPU of this process's local rank, among those it sees (all of the node's, or only its own).
         return torch.device("cuda", self.local_rank % torch.cuda.device_count()) if device.type == "cuda" else device
@@ -141,6 +142,7 @@ class HorovodStrategy(LlamaStrategy, ParallelStrategy):
     def model_to_device(self) -> None:
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)
+        assert self.model is not None  # connected before the trainer sets up
         self.model.to(self.root_device)
 
     def setup_environment(self) -> None:
@@ -153,6 +155,7 @@ class HorovodStrategy(LlamaStrategy, ParallelStrategy):
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
+        assert self.model is not None and self.lightning_module is not None  # connected before the trainer sets up
         # Rank 0's weights (fresh, or restored by now) for all: a process seeded or resumed otherwise does not drift apart.
         self.hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
         # torchmetrics syncs its states over torch.distributed only; the validation loss is a MeanMetric whose
@@ -172,9 +175,11 @@ class HorovodStrategy(LlamaStrategy, ParallelStrategy):
 
     def _distributed(self, optimizer: torch.optim.Optimizer, backward_passes: int) -> torch.optim.Optimizer:
         owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        module = self.lightning_module
+        assert module is not None  # optimizers are built for a connected module
         distributed = self.hvd.DistributedOptimizer(
             optimizer,
-            named_parameters=[(n, p) for n, p in self.lightning_module.named_parameters() if id(p) in owned],
+            named_parameters=[(n, p) for n, p in module.named_parameters() if id(p) in owned],
             compression=self._compression,
             op=self._op,
             backward_passes_per_step=backward_passes,
@@ -182,10 +187,10 @@ class HorovodStrategy(LlamaStrategy, ParallelStrategy):
         # Horovod's optimizer is a new one over the same parameter groups: the schedule, which holds the
         # module's, sets the learning rates it steps with. Torch's check that the optimizer steps before its
         # schedule watches the module's, so it is told that it does.
-        optimizer._opt_called = True
+        optimizer._opt_called = True  # type: ignore[attr-defined]
         return distributed
 
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         super().load_optimizer_state_dict(checkpoint)
         for built, distributed in zip(self._built, self.optimizers):
             built.param_groups = distributed.param_groups  # loading made new groups: share them again
@@ -212,7 +217,7 @@ class HorovodStrategy(LlamaStrategy, ParallelStrategy):
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         if not self._accumulating:  # the gradients are reduced before the module clips them and the step
             for optimizer in self.optimizers:
-                optimizer.synchronize()
+                optimizer.synchronize()  # type: ignore[attr-defined]  # Horovod's, since setup_optimizers
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if not isinstance(tensor, torch.Tensor):

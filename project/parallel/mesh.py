@@ -62,7 +62,7 @@ def check_tensor_parallel_degree(config: LlamaConfig, tp: int, sequence_parallel
     """Refuse, before any process starts, a degree that cannot split the model (or the sequence) evenly."""
     sizes = [
         ("n_heads", config.n_heads),
-        ("n_kv_heads", config.n_kv_heads),
+        ("n_kv_heads", config.kv_heads),
         ("ffn hidden size", config.ffn_hidden_dim),
         ("vocab_size", config.vocab_size),
     ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
@@ -44,8 +44,8 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
 
     def __init__(
         self,
-        data_parallel_size: int | str = "auto",
-        tensor_parallel_size: int | str = "auto",
+        data_parallel_size: int | Literal["auto"] = "auto",
+        tensor_parallel_size: int | Literal["auto"] = "auto",
         sequence_parallel: bool = False,
         loss_parallel: bool = True,
         activation_checkpointing: bool = False,
@@ -146,7 +146,7 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
                 by_mesh.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
         norms = []
         for params in by_mesh.values():
-            norm = nn.utils.get_total_norm([p.grad for p in params])
+            norm = nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])  # all of them
             norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         total = self._sum_over_stages(torch.stack(norms).square().sum()).sqrt()
         for params in by_mesh.values():

@@ -9,7 +9,7 @@ rank s mod p) or, for the V-shaped schedules, down and back up (rank 0 holds the
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence, cast
 
 import torch
 from torch import nn
@@ -23,12 +23,13 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineSchedule
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from project.model.llama import Llama
 from project.parallel.pipeline_layout import chunk_ranks, stage_layer_counts
 
-SCHEDULES: dict[str, type[_PipelineSchedule]] = {  # by SCHEDULE_NAMES
+PipelineSchedule = PipelineScheduleSingle | PipelineScheduleMulti
+SCHEDULES: dict[str, type[PipelineScheduleSingle] | type[PipelineScheduleMulti]] = {  # by SCHEDULE_NAMES
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -58,7 +59,10 @@ class LlamaStage(nn.Module):
     def forward(self, x: torch.Tensor, seq_len: int, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         h = self.run_layers(h, self.layers.values(), seq_len, document_ids)
-        return self.output(self.norm(h)) if self.output is not None else h
+        if self.output is None:
+            return h
+        assert self.norm is not None  # the last chunk holds both
+        return self.output(self.norm(h))
 
 
 def split_into_stages(
@@ -82,27 +86,31 @@ def split_into_stages(
     kept = {name for chunk in chunks.values() for name in chunk.layers}
     for name in [name for name in model.layers if name not in kept]:
         del model.layers[name]
+    # The pruned model no longer holds them, which Llama's annotations do not foresee.
     if 0 not in chunks:
-        model.tok_embeddings = None
+        model.tok_embeddings = None  # type: ignore[assignment]
     if n_chunks - 1 not in chunks:
-        model.norm = model.output = None
+        model.norm = model.output = None  # type: ignore[assignment]
     return chunks
 
 
 def build_schedule(
-    chunks: dict[int, nn.Module],
+    chunks: Mapping[int, nn.Module],
     n_chunks: int,
     group: ProcessGroup,
     device: torch.device,
     schedule: str,
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> _PipelineSchedule:
+) -> PipelineSchedule:
     """torch's schedule over this rank's chunks. `loss_fn` returns a microbatch's mean loss; the
     schedule divides the accumulated gradients by the number of microbatches, so they are those of
     the mean over the whole batch."""
-    stages = [PipelineStage(chunk, index, n_chunks, device, group=group) for index, chunk in sorted(chunks.items())]
+    stages: list = [  # of PipelineStage (torch types the argument by its private base class)
+        PipelineStage(chunk, index, n_chunks, device, group=group) for index, chunk in sorted(chunks.items())
+    ]
     cls = SCHEDULES[schedule]
     if issubclass(cls, PipelineScheduleSingle):
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
-    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+    # Every schedule of SCHEDULES that is not single-stage is multi-stage.
+    return cast(type[PipelineScheduleMulti], cls)(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)

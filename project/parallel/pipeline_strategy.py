@@ -12,10 +12,11 @@ as in LlamaParallelStrategy.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch import LightningModule
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -23,10 +24,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from project.checkpoint.files import read_checkpoint_file
 from project.model.llama import Llama
 from project.parallel.batch import BatchPlan
+from project.parallel.contract import TrainingModule
 from project.parallel.init import laid_out_like
 from project.parallel.mesh import MeshShape, mesh_shape
 from project.parallel.model_parallel import LlamaParallelStrategy
-from project.parallel.pipeline import build_schedule, split_into_stages
+from project.parallel.pipeline import LlamaStage, build_schedule, split_into_stages
 from project.parallel.pipeline_layout import SPLIT_BACKWARD, chunk_ranks, default_virtual_stages
 
 MESH_DIMS = ("pipeline", "data_parallel", "tensor_parallel")
@@ -50,8 +52,8 @@ def send_activation(
 def receive_activation(src: int, group: dist.ProcessGroup, tag: int, device: torch.device) -> torch.Tensor:
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
     dist.recv(header, src, group=group, tag=tag)
-    header = header.tolist()
-    tensor = torch.empty(header[1 : 1 + header[0]], dtype=_DTYPES[header[-1]], device=device)
+    meta: list[int] = header.tolist()
+    tensor = torch.empty(meta[1 : 1 + meta[0]], dtype=_DTYPES[meta[-1]], device=device)
     dist.recv(tensor, src, group=group, tag=tag)
     return tensor
 
@@ -68,9 +70,9 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
 
     def __init__(
         self,
-        pipeline_parallel_size: int | str = "auto",
-        data_parallel_size: int | str = 1,
-        tensor_parallel_size: int | str = 1,
+        pipeline_parallel_size: int | Literal["auto"] = "auto",
+        data_parallel_size: int | Literal["auto"] = 1,
+        tensor_parallel_size: int | Literal["auto"] = 1,
         schedule: str = "1f1b",
         virtual_stages: int | None = None,
         n_microbatches: int | None = None,
@@ -93,6 +95,16 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         self.n_microbatches, self.micro_batch_size = plan.pipeline_microbatches, plan.micro_batch_size
 
     @property
+    def _lit_module(self) -> LightningModule:
+        module = self.lightning_module
+        assert module is not None  # connected before the trainer sets the strategy up
+        return module
+
+    @property
+    def _llama_module(self) -> TrainingModule:
+        return cast(TrainingModule, self._lit_module)
+
+    @property
     def shape(self) -> MeshShape:
         degrees = {
             "pipeline_parallel_size": self._pipeline_parallel_size,
@@ -106,7 +118,7 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         self._pipeline_parallel_size, self._data_parallel_size, self._tensor_parallel_size = shape
         self._setup_distributed()  # the process group; ModelParallelStrategy's own mesh is 2-D
         self._device_mesh = init_device_mesh(self.root_device.type, tuple(shape), mesh_dim_names=MESH_DIMS)
-        self.lightning_module._device_mesh = self._device_mesh
+        self._lit_module._device_mesh = self._device_mesh
 
     # -- building the stages ------------------------------------------------------------------------
 
@@ -129,7 +141,7 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
             self.root_device,
             self.schedule,
             self.n_microbatches,
-            self.lightning_module.criterion,
+            self._llama_module.criterion,
         )
 
     def shard(self, model: Llama) -> None:
@@ -143,7 +155,7 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         super().shard(model)  # tensor parallel, checkpointing, compile, FSDP2 per chunk
 
     @property
-    def stage_chunks(self) -> dict[int, nn.Module]:
+    def stage_chunks(self) -> dict[int, LlamaStage]:
         """This rank's stage chunks by index, once sharded."""
         return self._chunks
 
@@ -166,15 +178,16 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
 
     # -- one training or validation step through the schedule --------------------------------------
 
-    def _run_schedule(self, train: bool, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _run_schedule(
+        self, module: TrainingModule, train: bool, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
         """The batch's mean loss, on every rank of the pipeline (computed by the last stage).
 
         Training runs the schedule: forward and backward of every microbatch. Evaluation runs
         forward only (`_evaluate`).
         """
-        module = self.lightning_module
         if train:
-            kwargs = {"seq_len": inputs.shape[1], **module.model_kwargs(inputs)}
+            kwargs: dict[str, Any] = {"seq_len": inputs.shape[1], **module.model_kwargs(inputs)}
             losses: list[torch.Tensor] = []
             module.zero_grad(set_to_none=True)  # Lightning zeroes gradients after the step, not before
             self._pipeline.step(
@@ -186,12 +199,12 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
             )
             loss = torch.stack(losses).detach().mean() if losses else torch.zeros((), device=self.root_device)
         else:
-            loss = self._evaluate(inputs, targets)
+            loss = self._evaluate(module, inputs, targets)
         dist.broadcast(loss, src=self._last_stage_rank, group=self.device_mesh["pipeline"].get_group())
         return loss
 
     @torch.no_grad()
-    def _evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _evaluate(self, module: TrainingModule, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward only: microbatches of `micro_batch_size` through this rank's chunks in stage order,
         activations sent on to the rank of the next chunk. The sequence-weighted mean loss on the rank
         of the last chunk, zero elsewhere.
@@ -200,9 +213,11 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         steal_bwd_input if this stage doesn't have backward"), and its buffers keep the training
         batch's shape, which the last validation batch of a replica need not have.
         """
-        module, group = self.lightning_module, self.device_mesh["pipeline"].get_group()
+        group = self.device_mesh["pipeline"].get_group()
         kwargs, seq_len = module.model_kwargs(inputs), inputs.shape[1]
-        rows = [slice(i, i + self.micro_batch_size) for i in range(0, inputs.shape[0], self.micro_batch_size)]
+        size = self.micro_batch_size
+        assert size is not None  # parallelize refuses to build the stages without it
+        rows = [slice(i, i + size) for i in range(0, inputs.shape[0], size)]
         last = self.pipeline_size * self.virtual_stages - 1
         here: dict[tuple[int, int], torch.Tensor] = {}  # outputs for the next chunk, when it is on this rank too
         sends: list[tuple[Any, torch.Tensor]] = []
@@ -226,14 +241,16 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
             work.wait()
         return total / inputs.shape[0]
 
-    def step_loss(self, module: Any, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor:
-        return self._run_schedule(train, inputs, targets)
+    def step_loss(
+        self, module: TrainingModule, inputs: torch.Tensor, targets: torch.Tensor, train: bool
+    ) -> torch.Tensor:
+        return self._run_schedule(module, train, inputs, targets)
 
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         # The schedule ran every microbatch's backward in the training step (gradients_in_step, so the
         # module kept Lightning from zeroing them since): only the precision plugin's hooks are left to run.
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self._lit_module)
+        return self.precision_plugin.post_backward(closure_loss, self._lit_module)
 
     def _sum_over_stages(self, value: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.device_mesh["pipeline"].get_group())
@@ -264,12 +281,14 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
             return super().load_checkpoint(path, weights_only)
         checkpoint = read_checkpoint_file(path, mmap=True)
         module = self.model
-        mine = get_model_state_dict(module)  # this rank's parameters, sharded as they are here
+        assert module is not None  # the model is set up before a checkpoint is loaded into it
+        # This rank's parameters, sharded as they are here: a model's state dict holds tensors only.
+        mine = cast(dict[str, torch.Tensor], get_model_state_dict(module))
         set_model_state_dict(
             module, {name: laid_out_like(checkpoint["state_dict"][name], p) for name, p in mine.items()}
         )
         for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
-            own = {
+            own: dict[str, Any] = {
                 "state": {
                     name: {
                         k: laid_out_like(v, mine[name]) if v.shape == mine[name].shape else v for k, v in values.items()

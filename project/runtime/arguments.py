@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 from project.runtime.errors import ConfigError
@@ -49,3 +50,15 @@ def true_or_false(key: str, value: str | None) -> bool:
     if str(value).lower() not in ("true", "false"):
         raise ConfigError(f"{key}={value}: choose true or false.")
     return str(value).lower() == "true"
+
+
+# Decimal units as transformers and litdata read them (5GB, 50G), binary ones spelt out (2GiB).
+_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+def parse_size(text: str | int, setting: str) -> int:
+    """Bytes of `5GB`, `50G`, `500MB`, `2GiB` or a plain number; anything else is a ConfigError naming `setting`."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT]I?)B?|B)?\s*", str(text).upper())
+    if not match or float(match[1]) <= 0:
+        raise ConfigError(f"{setting}={text} is not a size: write it as 5GB, 500MB, 2GiB or a number of bytes.")
+    return int(float(match[1]) * _UNITS[match[2] or ""])

@@ -7,11 +7,11 @@ import io
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any, Mapping
+from typing import IO, Any, Mapping, cast
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -73,11 +73,11 @@ def check_resumable(
     tokenizer than `tokenizer` (that of the shards in `data_dir`), naming the settings that differ.
     Checkpoints from before the tokenizer was recorded are taken on trust."""
     recorded = checkpoint.get("tokenizer")
-    differ = [
-        k for k in tokenizer or {} if isinstance(recorded, Mapping) and k in recorded and recorded[k] != tokenizer[k]
-    ]
+    given: Mapping[str, Any] = tokenizer or {}
+    differ = [k for k in given if isinstance(recorded, Mapping) and k in recorded and recorded[k] != given[k]]
     if differ:
-        said = ", ".join(f"{k} {str(recorded[k])[:12]} there, {str(tokenizer[k])[:12]} here" for k in differ)
+        assert isinstance(recorded, Mapping)
+        said = ", ".join(f"{k} {str(recorded[k])[:12]} there, {str(given[k])[:12]} here" for k in differ)
         raise ConfigError(
             f"ckpt_path={source} was trained on the token ids of another tokenizer than the shards in data.dir={data_dir} ({said}): "
             "its embeddings would stand for other tokens. Resume with data.dir set to shards prepared with the "
@@ -114,6 +114,8 @@ class LlamaLitModule(LightningModule):
     Everything is kept as hyperparameters, so `LlamaLitModule.load_from_checkpoint(path).model`
     rebuilds the model with no other input.
     """
+
+    hparams: Any  # Lightning's AttributeDict of the arguments (typed by Lightning as a plain mapping)
 
     def __init__(
         self,
@@ -153,7 +155,7 @@ class LlamaLitModule(LightningModule):
         with torch.device("meta") if init_on_meta or self._init_from else contextlib.nullcontext():
             self.model = Llama(model_cfg, init_seed)
         self.val_losses = nn.ModuleList([MeanMetric()])  # one per validation loader: per corpus of a mixture (setup)
-        self._loss_sum = 0.0  # micro-batch losses since the last optimizer step
+        self._loss_sum: float | torch.Tensor = 0.0  # micro-batch losses since the last optimizer step
         self._loss_count = 0
         self._skipped_steps = 0  # updates skipped for a non-finite gradient norm (optim.max_skipped_steps)
         self._parallelized = False
@@ -172,10 +174,18 @@ class LlamaLitModule(LightningModule):
             checkpoint_path = buffer
         return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
+    def attached_trainer(self) -> Trainer | None:
+        """The Trainer fitting this module, or None where there is none (load_from_checkpoint, a test)."""
+        try:
+            return self.trainer
+        except RuntimeError:  # Lightning's word for "not attached to a Trainer"
+            return None
+
     def strategy(self) -> LlamaStrategy:
         """The run's strategy, as the contract (project.parallel.contract) speaks of it; with no trainer (as
         load_from_checkpoint builds the module), or one of Lightning's own strategies, the contract's defaults."""
-        return contract_of(self._trainer.strategy if self._trainer is not None else None)
+        trainer = self.attached_trainer()
+        return contract_of(trainer.strategy if trainer is not None else None)
 
     def configure_model(self) -> None:
         # Strategies that split the model itself (tensor parallel, FSDP2) do so here, on their mesh.
@@ -191,12 +201,13 @@ class LlamaLitModule(LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._skipped_steps = checkpoint.get("skipped_steps", 0)
-        if self._trainer is not None:  # resuming a fit, not load_from_checkpoint
-            rebase_batch_progress(checkpoint, self.trainer.accumulate_grad_batches)
+        if (trainer := self.attached_trainer()) is not None:  # resuming a fit, not load_from_checkpoint
+            rebase_batch_progress(checkpoint, trainer.accumulate_grad_batches)
 
     def _training_data(self) -> TokenShardDataModule | None:
         """The TokenShardDataModule this module trains on, where it is one (it knows the tokenizer)."""
-        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        trainer = self.attached_trainer()
+        datamodule = trainer.datamodule if trainer is not None else None  # type: ignore[attr-defined]
         return datamodule if isinstance(datamodule, TokenShardDataModule) else None
 
     def model_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -282,20 +293,20 @@ class LlamaLitModule(LightningModule):
     ) -> None:
         inputs, _ = batch
         loss = self.strategy().step_loss(self, *batch, train=False)
-        self.val_losses[dataloader_idx].update(loss, weight=inputs.shape[0])  # micro batches may differ in size
+        metric: MeanMetric = self.val_losses[dataloader_idx]  # type: ignore[assignment]  # ModuleList indexes as Module
+        metric.update(loss, weight=inputs.shape[0])  # micro batches may differ in size
 
     def on_validation_epoch_end(self) -> None:
         corpora = self._validation_corpora()
-        losses = [
-            metric.compute() for metric in self.val_losses[: len(corpora)]
-        ]  # sequence-weighted means, synced over all ranks
-        for metric in self.val_losses:
+        metrics = cast(list[MeanMetric], list(self.val_losses))
+        losses = [metric.compute() for metric in metrics[: len(corpora)]]  # sequence-weighted means, synced over ranks
+        for metric in metrics:
             metric.reset()
         if len(corpora) > 1:
             for (name, _), corpus_loss in zip(corpora, losses):
                 self.log(f"val/loss/{name}", corpus_loss, sync_dist=True)
         # A mixture's loss is its corpora's losses weighted as training draws them: comparable with train/loss.
-        loss = sum(weight * corpus_loss for (_, weight), corpus_loss in zip(corpora, losses))
+        loss = torch.stack([weight * corpus_loss for (_, weight), corpus_loss in zip(corpora, losses)]).sum()
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)  # equal on every rank: the mean of equal values
         self.log("val/ppl", torch.exp(loss), sync_dist=True)
 

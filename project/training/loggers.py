@@ -24,7 +24,7 @@ def wandb_mode(mode: str) -> str:
         return os.environ["WANDB_MODE"]
     if os.environ.get("WANDB_API_KEY"):
         return "online"
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
     try:
         return "online" if netrc.netrc(os.environ.get("NETRC")).authenticators(host) else "offline"
     except (FileNotFoundError, netrc.NetrcParseError):
@@ -82,7 +82,7 @@ class RunCSVLogger(CSVLogger):
         if self._experiment is None:
             self._fs.makedirs(self.log_dir, exist_ok=True)
             self._experiment = _AppendingWriter(log_dir=self.log_dir)
-        return self._experiment
+        return self._experiment  # type: ignore[return-value]  # Lightning types it as its private writer class
 
 
 def wandb_run_id(run_dir: Path) -> str:

@@ -12,6 +12,7 @@ import os
 import signal
 import warnings
 from pathlib import Path
+from typing import cast
 
 import lightning as L
 import torch
@@ -177,7 +178,7 @@ def prepare_if_needed(cfg: DictConfig) -> None:
         return
     said = "no prepared shards" if not manifest.is_file() else "data.overwrite=true and shards from other settings"
     rank_zero_info(f"{said} in {cfg.data.dir}: preparing them from data.sources (data.auto_prepare=false skips this)")
-    prepare_from_config(OmegaConf.to_container(cfg.data, resolve=True))
+    prepare_from_config(cast(dict, OmegaConf.to_container(cfg.data, resolve=True)))
     check_data(cfg, prepared=True)  # a process that did not merge the new shards must not train on the old ones
 
 
@@ -242,7 +243,7 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
         )
         return {}
     if ckpt_path is not None:  # a checkpoint of another model or tokenizer, refused by name before anything loads
-        model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+        model_cfg = cast(dict, OmegaConf.to_container(cfg.model, resolve=True))
         check_resumable(
             checkpoint_metadata(ckpt_path), model_cfg, datamodule.tokenizer_identity, ckpt_path, cfg.data.dir
         )
@@ -254,7 +255,8 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
     )
     watch_children(trainer.strategy.launcher)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    if any(isinstance(callback, StopOnSignal) and callback.stopped_for_requeue for callback in trainer.callbacks):
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
+    if any(isinstance(callback, StopOnSignal) and callback.stopped_for_requeue for callback in callbacks):
         rank_zero_info(
             f"stopped at step {trainer.global_step}: resume with ckpt_path=last (exit status {REQUEUE_EXIT_STATUS})"
         )

@@ -43,7 +43,7 @@ class MemoryMonitor(Callback):
         self.output_dir = Path(output_dir)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._last_step, self._figures = trainer.global_step, {}
+        self._last_step, self._figures = trainer.global_step, dict[str, Any]()
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int

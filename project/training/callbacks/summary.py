@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities import rank_zero_info
@@ -25,8 +27,9 @@ class LlamaModelSummary(ModelSummary):
         if not self._max_depth or not trainer.is_global_zero:
             return
         config = LlamaConfig(**pl_module.hparams["model"])
-        seq_len = trainer.datamodule.hparams.seq_len
-        tokens_per_step = trainer.datamodule.hparams.global_batch_size * seq_len
+        data: Any = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector, undeclared
+        seq_len = data.hparams.seq_len
+        tokens_per_step = data.hparams.global_batch_size * seq_len
         flops_per_token = training_flops_per_token(config, seq_len)
         held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in pl_module.parameters())
         total = count_parameters(config)

@@ -13,6 +13,7 @@ from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
+from project.model.config import LlamaConfig
 from project.model.flops import training_flops_per_token
 
 _PRECISION_DTYPE = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32, "64": torch.float64}
@@ -44,7 +45,7 @@ class TokenThroughput(Callback):
         self.peak_flops_per_device = peak_flops_per_device
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._steps: deque[tuple[float, float]] = deque(maxlen=max(1, trainer.log_every_n_steps))
+        self._steps: deque[tuple[float, float]] = deque(maxlen=max(1, trainer.log_every_n_steps))  # type: ignore[attr-defined]
         self._step_start: float | None = None
         self._timed_a_step = False
         self._last_step = trainer.global_step
@@ -68,7 +69,8 @@ class TokenThroughput(Callback):
             return
         self._last_step = trainer.global_step
         seq_len = batch[0].shape[1]
-        tokens = trainer.datamodule.hparams.global_batch_size * seq_len
+        tokens = trainer.datamodule.hparams.global_batch_size * seq_len  # type: ignore[attr-defined]
+        assert self._step_start is not None  # set when the step's first micro batch started
         self._steps.append((tokens, time.perf_counter() - self._step_start))
         self._step_start = None
         first, self._timed_a_step = not self._timed_a_step, True
@@ -82,8 +84,8 @@ class TokenThroughput(Callback):
         tokens_per_sec = sum(t for t, _ in self._steps) / sum(s for _, s in self._steps)
         pl_module.log("train/tokens_per_sec", tokens_per_sec, prog_bar=True)
         # float64: a float32 count stops being exact past 16M tokens
-        seen = torch.tensor(trainer.datamodule.samples_consumed * seq_len, dtype=torch.float64)
+        seen = torch.tensor(trainer.datamodule.samples_consumed * seq_len, dtype=torch.float64)  # type: ignore[attr-defined]
         pl_module.log("train/tokens_seen", seen)
         if self._peak:
-            flops_per_token = training_flops_per_token(pl_module.model.config, seq_len)
+            flops_per_token = training_flops_per_token(LlamaConfig(**pl_module.hparams["model"]), seq_len)
             pl_module.log("train/mfu", flops_per_token * tokens_per_sec / (self._peak * trainer.world_size))
