@@ -97,7 +97,8 @@ def parse_args(argv: list[str]) -> dict:
     raw = parse_key_values(argv, DEFAULTS, doc=__doc__, usage=USAGE)
     if not raw["ckpt_path"]:
         raise ConfigError(
-            f"ckpt_path= is required: a checkpoint file or sharded folder, e.g. outputs/runs/<run>/checkpoints/last.ckpt.\n{USAGE}"
+            "ckpt_path= is required: a checkpoint file or sharded folder, e.g. "
+            f"outputs/runs/<run>/checkpoints/last.ckpt.\n{USAGE}"
         )
     args: dict = {"ckpt_path": raw["ckpt_path"], "prompt": raw["prompt"], "tokenizer": raw["tokenizer"] or None}
     numbers = (("max_new_tokens", int, 0), ("top_k", int, 0), ("seed", int, None), ("temperature", float, 0.0))
@@ -137,8 +138,8 @@ def load(ckpt_path: str, tokenizer: str | None):
     tok = load_tokenizer(tokenizer_path)
     if tok.vocab_size > config.vocab_size:
         raise ConfigError(
-            f"tokenizer {tokenizer_path} has {tok.vocab_size} tokens but the model only {config.vocab_size} embeddings: "
-            "is it the tokenizer this model was trained with?"
+            f"tokenizer {tokenizer_path} has {tok.vocab_size} tokens but the model only {config.vocab_size} "
+            "embeddings: is it the tokenizer this model was trained with?"
         )
     model = Llama(config)
     try:

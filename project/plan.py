@@ -33,8 +33,8 @@ def workload(cfg: DictConfig) -> Workload:
     if batch is None:
         if cfg.global_batch_tokens % cfg.seq_len:
             raise ConfigError(
-                f"global_batch_tokens={cfg.global_batch_tokens} is not a whole number of sequences of seq_len={cfg.seq_len}: "
-                "set global_batch_size (sequences) instead, or a multiple of seq_len."
+                f"global_batch_tokens={cfg.global_batch_tokens} is not a whole number of sequences of "
+                f"seq_len={cfg.seq_len}: set global_batch_size (sequences) instead, or a multiple of seq_len."
             )
         batch = cfg.global_batch_tokens // cfg.seq_len
     return Workload(model_config(cfg), int(cfg.seq_len), int(batch), float(cfg.train_tokens), str(cfg.precision))
@@ -136,15 +136,16 @@ def dry_run_states(outcomes: list, work: Workload, cluster: Cluster, model: list
 def dry_run_table(checked: list) -> str:
     width = max([len("layout")] + [len(o.prediction.candidate.name) for o, _ in checked])
     lines = [
-        "model states per device (parameters, gradients, AdamW), the formulas against the dry run (project.train dry_run=true:",
+        "model states per device (parameters, gradients, AdamW), the formulas against the dry run (project.train "
+        "dry_run=true:",
         "the strategy's own sharding of the model on a fake process group of the cluster's size):",
         f"{'layout':<{width}} {'rank':>5} {'formulas GiB':>13} {'dry run GiB':>12} {'difference':>11}",
     ]
     for outcome, share in checked:
         predicted = outcome.prediction.memory.states
         lines.append(
-            f"{outcome.prediction.candidate.name:<{width}} {share.rank:>5} {predicted / GIB:>13.2f} {share.state_bytes / GIB:>12.2f} "
-            f"{predicted / share.state_bytes - 1:>+11.2%}"
+            f"{outcome.prediction.candidate.name:<{width}} {share.rank:>5} {predicted / GIB:>13.2f} "
+            f"{share.state_bytes / GIB:>12.2f} {predicted / share.state_bytes - 1:>+11.2%}"
         )
     return "\n".join(lines)
 
@@ -166,7 +167,10 @@ def report(
     )
     basis = f"achievable_fraction {fraction:.3g}"
     if calibration:
-        basis += f", calibrated: {calibration['layout']} predicts the {calibration['mfu']:.1%} MFU given (calibrate.mfu) at it"
+        basis += (
+            f", calibrated: {calibration['layout']} predicts the {calibration['mfu']:.1%} MFU given "
+            "(calibrate.mfu) at it"
+        )
         if not calibration["fits"]:
             basis += f" (though the formulas find it too large: {calibration['memory_bytes'] / GIB:.1f} GiB)"
     lines = [head, basis, "", table(outcomes, 10), ""]

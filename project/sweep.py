@@ -1,4 +1,5 @@
-"""`python -m project.sweep`: run a sweep over parallelism degrees and settings (the work is in project.tooling.sweep)."""
+"""`python -m project.sweep`: run a sweep over parallelism degrees and settings (the work is in
+project.tooling.sweep)."""
 
 import sys
 

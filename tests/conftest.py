@@ -204,23 +204,42 @@ def assert_reproduces(run_dir, reference_dir):
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=5e-5, msg=name)
 
 
-@pytest.fixture(scope="session")
-def trained(tiny_shards, tmp_path_factory):
-    """`trained(*overrides)`: the run directory of a run with those overrides, trained once per session.
+class TrainedRuns:
+    """Runs trained once per session, by their overrides, for tests that only read a run (its metrics, its
+    checkpoint): a parity test and a crash test of the same layout share one run instead of training it twice.
 
-    For tests that only read a run (its metrics, its checkpoint): a parity test and a crash test of the
-    same layout share one run instead of training it twice.
+    `trained(*overrides)` trains a run not yet trained with `python -m project.train`, end to end.
+    `trained.ahead([overrides, ...])` trains those not yet trained together, in process (tests/in_process.py):
+    one group of gloo ranks per device count runs them all, without a process start per run.
     """
-    runs: dict[tuple[str, ...], Path] = {}
 
-    def train(*overrides: str) -> Path:
-        if overrides not in runs:
-            run_dir = tmp_path_factory.mktemp("trained")
-            run_train(tiny_shards, run_dir, *overrides)
-            runs[overrides] = run_dir
-        return runs[overrides]
+    def __init__(self, shards: Path, tmp_path_factory: pytest.TempPathFactory):
+        self.shards, self.tmp_path_factory, self.runs = shards, tmp_path_factory, dict[tuple[str, ...], Path]()
 
-    return train
+    def __call__(self, *overrides: str) -> Path:
+        if overrides not in self.runs:
+            run_dir = self.tmp_path_factory.mktemp("trained")
+            run_train(self.shards, run_dir, *overrides)
+            self.runs[overrides] = run_dir
+        return self.runs[overrides]
+
+    def ahead(self, runs: list[tuple[str, ...]]) -> None:
+        from in_process import train_in_process
+
+        by_devices: dict[int, list[tuple[str, ...]]] = {}
+        for overrides in dict.fromkeys(runs):  # in order, once each
+            if overrides not in self.runs:
+                devices = [int(o.split("=", 1)[1]) for o in overrides if o.startswith("trainer.devices=")]
+                by_devices.setdefault(devices[-1] if devices else 1, []).append(overrides)
+        for devices, group in sorted(by_devices.items()):
+            cases = [(self.tmp_path_factory.mktemp("trained"), overrides) for overrides in group]
+            train_in_process(devices, [(d, train_overrides(self.shards, d, *o)) for d, o in cases])
+            self.runs.update((overrides, run_dir) for run_dir, overrides in cases)
+
+
+@pytest.fixture(scope="session")
+def trained(tiny_shards, tmp_path_factory) -> TrainedRuns:
+    return TrainedRuns(tiny_shards, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

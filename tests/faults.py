@@ -62,7 +62,8 @@ class Fault:
         kinds = ("nan", "kill", "raise", "hang", "kill-in-save", "count-save-ops")
         if kind not in kinds or (kind == "kill-in-save") != (fault.op is not None):
             raise ValueError(
-                f"FAULT={text}: expected one of nan@STEP, kill@STEP, raise@STEP, hang@STEP, kill-in-save@N:OP, count-save-ops"
+                f"FAULT={text}: expected one of nan@STEP, kill@STEP, raise@STEP, hang@STEP, "
+                "kill-in-save@N:OP, count-save-ops"
             )
         return fault
 

@@ -388,7 +388,8 @@ CASES = [
         "data-dir-missing",
         "train",
         data_dir_missing,
-        r"no prepared shards in data.dir=\S*nowhere \(missing manifest.json; the folder does not exist\): run `python -m project.prepare`",
+        r"no prepared shards in data.dir=\S*nowhere \(missing manifest.json; the folder does not exist\): "
+        r"run `python -m project.prepare`",
     ),
     Case(
         "data-dir-empty",
@@ -407,7 +408,8 @@ CASES = [
         "data-other-block-size",
         "train",
         shards_of_another_block_size,
-        r"holds shards prepared from other data settings than this run's: data.seq_len: 32 there, 16 here\. .*data.overwrite=true",
+        r"holds shards prepared from other data settings than this run's: data.seq_len: 32 there, 16 here\. "
+        r".*data.overwrite=true",
     ),
     Case(
         "data-manifest-not-json",
@@ -530,8 +532,8 @@ CASES = [
         "ckpt-other-model-shape",
         "train",
         ckpt_of_another_model_shape,
-        r"ckpt_path=\S*last.ckpt holds a model of another shape \(\S+: \[\d+, 64\] there, \[\d+, 32\] here\): it was trained with "
-        r"model.dim=64, this run has model.dim=32. Resume with the checkpoint's model settings",
+        r"ckpt_path=\S*last.ckpt holds a model of another shape \(\S+: \[\d+, 64\] there, \[\d+, 32\] here\): "
+        r"it was trained with model.dim=64, this run has model.dim=32. Resume with the checkpoint's model settings",
         subprocess=True,
         past_the_checks=True,
     ),  # fmt: skip
@@ -539,8 +541,9 @@ CASES = [
         "ckpt-other-tokenizer",
         "train",
         ckpt_of_another_tokenizer,
-        r"ckpt_path=\S*last.ckpt was trained on the token ids of another tokenizer than the shards in data.dir=\S* \(.*vocabulary_sha256"
-        r".*\).* Resume with data.dir set to shards prepared with the checkpoint's tokenizer",
+        r"ckpt_path=\S*last.ckpt was trained on the token ids of another tokenizer than the shards in "
+        r"data.dir=\S* \(.*vocabulary_sha256.*\).* Resume with data.dir set to shards prepared with the checkpoint's "
+        r"tokenizer",
         subprocess=True,
         past_the_checks=True,
     ),  # fmt: skip

@@ -1,5 +1,5 @@
-"""`python -m project.tooling.bench`, `project.tooling.bench_platform` and `project.tooling.bench_pipeline` write new result files and never
-edit one already there."""
+"""`python -m project.tooling.bench`, `project.tooling.bench_platform` and `project.tooling.bench_pipeline` write
+new result files and never edit one already there."""
 
 import json
 import statistics

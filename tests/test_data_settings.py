@@ -30,15 +30,18 @@ def test_a_run_whose_data_settings_differ_from_the_shards_is_refused_naming_both
         f"data.sources=[{mine}/]": rf"data.sources: 8 files in {raw} \(doc0.txt, doc1.txt, ...\) there, "
         rf"2 files in {re.escape(str(mine))} \(doc0.txt, doc1.txt\) here",
         "data.vocab_size=512": r"data.vocab_size: 300 there, 512 here",
-        f"data.tokenizer={tiny_shards / 'tokenizer.json'}": r"tokenizer: a BPE trained on the sources \(data.tokenizer=null\) there, "
-        rf"data.tokenizer={tokenizer} here",
+        f"data.tokenizer={tiny_shards / 'tokenizer.json'}": (
+            r"tokenizer: a BPE trained on the sources \(data.tokenizer=null\) there, "
+            rf"data.tokenizer={tokenizer} here"
+        ),
         "data.seq_len=16": r"data.seq_len: 32 there, 16 here",
     }
     for override, differs in cases.items():
         with pytest.raises(
             ConfigError,
             match=rf"data.dir={re.escape(str(tiny_shards))} holds shards prepared from other data settings than this "
-            rf"run's: {differs}\. Point data.dir at a new folder .*, set data.overwrite=true .*, or give the settings the shards "
+            rf"run's: {differs}\. Point data.dir at a new folder .*, "
+            r"set data.overwrite=true .*, or give the settings the shards "
             r"were prepared from to train on them as they are\.$",
         ):
             preflight(compose_run(tiny_shards, tmp_path, override), dry_run=dry_run)

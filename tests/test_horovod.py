@@ -25,7 +25,10 @@ from conftest import (
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 needs_horovod = pytest.mark.skipif(
     importlib.util.find_spec("horovod") is None or not HOROVODRUN.exists(),
-    reason="Horovod is not installed in this environment: `make install-horovod` builds it (make test does), about 3 minutes once",
+    reason=(
+        "Horovod is not installed in this environment: `make install-horovod` builds it (make test does), "
+        "about 3 minutes once"
+    ),
 )
 
 

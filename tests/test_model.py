@@ -121,7 +121,8 @@ def test_model_module_imports_no_distributed_lightning_or_hydra():
     # `import torch` itself loads parts of torch.distributed: compare against it.
     code = (
         "import sys, torch; before = set(sys.modules); import project.model.llama; "
-        "print(sorted(m for m in set(sys.modules) - before if m.startswith(('torch.distributed', 'lightning', 'hydra'))))"
+        "print(sorted(m for m in set(sys.modules) - before "
+        "if m.startswith(('torch.distributed', 'lightning', 'hydra'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,8 +1,9 @@
 """Pipeline parallelism trains like one device: every schedule, and pipelines with data and tensor
 parallelism inside the stages; its checkpoints resume in any layout and export to Hugging Face.
 
-Runs are gloo processes on the CPU, launched as subprocesses, each under run_module's time limit
-(torch's pipelining has been reported to hang on gloo: pytorch#132644).
+The parity layouts train on gloo processes on the CPU together (tests/in_process.py), the others as
+`python -m project.train` subprocesses, each under a time limit (torch's pipelining has been reported to hang on
+gloo: pytorch#132644).
 """
 
 import json
@@ -45,6 +46,11 @@ LAYOUTS = {
         "strategy.sequence_parallel=true",
     ],
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def layouts_trained_together(trained):
+    trained.ahead([(*PIPELINE_RUN, *overrides) for overrides in LAYOUTS.values()])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))

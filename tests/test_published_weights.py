@@ -24,7 +24,8 @@ from project.model.llama import Llama
 
 transformers = pytest.importorskip("transformers")
 
-# GQA, untied embeddings, Llama 3.1 RoPE scaling, and an FFN width no rule of multiple_of gives (HF's intermediate_size).
+# GQA, untied embeddings, Llama 3.1 RoPE scaling, and an FFN width no rule of multiple_of gives
+# (HF's intermediate_size).
 PUBLISHED = LlamaConfig(
     vocab_size=300,
     dim=64,

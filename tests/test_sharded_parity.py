@@ -1,7 +1,8 @@
-"""Every sharded and tensor-parallel layout (and compiled blocks) optimizes like one device: same per-step loss and final weights.
+"""Every sharded and tensor-parallel layout (and compiled blocks) optimizes like one device: same per-step loss and
+final weights.
 
-torchtitan's method: the same seed weights, the same global batch, a 1-device reference. Runs are
-gloo processes on the CPU, launched as subprocesses.
+torchtitan's method: the same seed weights, the same global batch, a 1-device reference (`python -m project.train`
+on one process). The layouts train on gloo processes on the CPU, together (tests/in_process.py).
 """
 
 import pytest
@@ -35,6 +36,11 @@ LAYOUTS = {
     "tp2-fsdp2-2d": ["strategy=tp_fsdp", "trainer.devices=4"],
     "tp2-sequence-parallel-fsdp2-2d": ["strategy=tp_fsdp", "trainer.devices=4", "strategy.sequence_parallel=true"],
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def layouts_trained_together(trained):
+    trained.ahead([(*PARITY_RUN, *overrides) for overrides in LAYOUTS.values()])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))

@@ -148,8 +148,8 @@ def wandb_agent_commands(raw: dict, points: list[dict], tmp_path: Path, monkeypa
 
 
 def test_dry_run_prints_the_command_lines_wandbs_agent_runs(tmp_path, monkeypatch):
-    command = ["${env}", "${interpreter}", "-m", "project.train", "experiment=debug", "data.dir=${envvar:SWEEP_TEST_DATA}",
-               "${args_no_hyphens}", "${unknown_macro}"]  # fmt: skip
+    command = ["${env}", "${interpreter}", "-m", "project.train", "experiment=debug",
+               "data.dir=${envvar:SWEEP_TEST_DATA}", "${args_no_hyphens}", "${unknown_macro}"]  # fmt: skip
     parameters = {
         "strategy.activation_checkpointing": {"values": [False, True]},
         "optim.lr": {"values": [1e-4, 0.003]},
@@ -164,13 +164,14 @@ def test_dry_run_prints_the_command_lines_wandbs_agent_runs(tmp_path, monkeypatc
     assert len(printed) == 4 and printed == wandb_agent_commands(
         yaml.safe_load(path.read_text()), points, tmp_path, monkeypatch
     )
-    assert printed[0] == ["/usr/bin/env", "python", "-m", "project.train", "experiment=debug", "data.dir=/data/shards",
-                          "optim.lr=0.0001", "strategy.activation_checkpointing=False", "trainer.devices=2"]  # fmt: skip
+    assert printed[0] == ["/usr/bin/env", "python", "-m", "project.train", "experiment=debug",
+                          "data.dir=/data/shards", "optim.lr=0.0001", "strategy.activation_checkpointing=False",
+                          "trainer.devices=2"]  # fmt: skip
 
 
 def test_dry_run_of_a_bayes_spec_says_it_draws_at_random(tmp_path):
-    path = write_spec(tmp_path, {"optim.lr": {"distribution": "log_uniform_values", "min": 1e-4, "max": 1e-2}}, method="bayes",
-                      metric={"name": "val/loss", "goal": "minimize"}, run_cap=3)  # fmt: skip
+    path = write_spec(tmp_path, {"optim.lr": {"distribution": "log_uniform_values", "min": 1e-4, "max": 1e-2}},
+                      method="bayes", metric={"name": "val/loss", "goal": "minimize"}, run_cap=3)  # fmt: skip
     result = run_module(
         "project.sweep", [f"spec={path}", "dry_run=true", "experiment=shakespeare", "trainer.max_steps=5"]
     )
@@ -193,7 +194,8 @@ def test_extra_overrides_replace_what_the_command_or_a_constant_sets():
         "optim.lr=0.1",
     ]
     assert sweep.with_overrides(argv, ["logger=csv", "trainer.devices=2", "+seed=3"]) == [
-        "python", "-m", "project.train", "experiment=shakespeare", "logger=csv", "trainer.devices=2", "optim.lr=0.1", "+seed=3",
+        "python", "-m", "project.train", "experiment=shakespeare", "logger=csv", "trainer.devices=2", "optim.lr=0.1",
+        "+seed=3",
     ]  # fmt: skip
 
 

@@ -83,7 +83,8 @@ def verify_sharded_checkpoint(folder: Path) -> None:
     def refuse(reason: str) -> ConfigError:
         return ConfigError(
             f"{folder} is not a sharded checkpoint this platform can read ({reason}): it may be truncated or corrupt, "
-            "or hold objects other than tensors and plain data, which are not loaded because loading them could run code."
+            "or hold objects other than tensors and plain data, which are not loaded because loading them could run "
+            "code."
         )
 
     try:

@@ -86,7 +86,8 @@ def check_command_line(argv: list[str], config_name: str = "train") -> None:
     _check_flags(argv, config_name)
     if any(arg.startswith("-") for arg in argv):
         return
-    # Hydra's own settings are Hydra's to check, but for its search path: it adds config files (a planned sweep's layouts).
+    # Hydra's own settings are Hydra's to check, but for its search path: it adds config files (a planned sweep's
+    # layouts).
     overrides = [
         arg for arg in argv if not arg.lstrip("+~").startswith("hydra.") or arg.startswith("hydra.searchpath=")
     ]
@@ -118,7 +119,8 @@ HYDRA_FLAGS = {
 
 
 def _check_flags(argv: list[str], config_name: str) -> None:
-    """`--max_steps 10` or `--max_steps=10` gets the override it meant (`trainer.max_steps=10`), not Hydra's usage text."""
+    """`--max_steps 10` or `--max_steps=10` gets the override it meant (`trainer.max_steps=10`), not Hydra's usage
+    text."""
     for i, arg in enumerate(argv):
         flag, equals, value = arg.partition("=")
         if not flag.startswith("--") or flag in HYDRA_FLAGS or flag == "--":
@@ -181,7 +183,10 @@ def _explain(error: HydraException, overrides: list[str], config_name: str) -> s
     if missing := re.search(r"Could not find '([\w/]+)/([^']+)'", message):
         group, name = missing.groups()
         options = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-        return f"{group}={name}: there is no conf/{group}/{name}.yaml.{_close(name, options)} Choose one of: {', '.join(options)}."
+        return (
+            f"{group}={name}: there is no conf/{group}/{name}.yaml.{_close(name, options)} Choose one of: "
+            f"{', '.join(options)}."
+        )
     if unknown := re.search(r"Could not override '([^']+)'", message):
         key = unknown.group(1)
         parent, _, leaf = key.rpartition(".")
@@ -195,7 +200,10 @@ def _explain(error: HydraException, overrides: list[str], config_name: str) -> s
             siblings = []
         where = f"in {parent}" if parent else "at the top level"
         listed = f" Settings there: {', '.join(siblings)}." if siblings and len(siblings) <= 20 else ""
-        return f"{key}: no such setting {where}.{_close(leaf, siblings)}{listed} To add a new key on purpose, write +{key}=VALUE."
+        return (
+            f"{key}: no such setting {where}.{_close(leaf, siblings)}{listed} To add a new key on purpose, write "
+            f"+{key}=VALUE."
+        )
     first_line = message.strip().splitlines()[0]
     return f"{first_line} (Hydra's override syntax: https://hydra.cc/docs/advanced/override_grammar/basic/)."
 
@@ -324,7 +332,8 @@ STRATEGY_CHOICES: dict[str, tuple] = {
 
 
 def _strategy_settings(strategy_cfg: Mapping[str, Any], strategy_name: str) -> list[str] | None:
-    """The settings of the strategy group `strategy_name`, or (unnamed) of every group that builds the same `_target_`."""
+    """The settings of the strategy group `strategy_name`, or (unnamed) of every group that builds the same
+    `_target_`."""
     groups = sorted((CONF / "strategy").glob("*.yaml"))
     named = [path for path in groups if path.stem == strategy_name]
     configs = [OmegaConf.load(path) for path in named or groups]
@@ -371,7 +380,8 @@ def check_values(cfg: DictConfig) -> None:
     check_strategy_choices(OmegaConf.to_container(cfg.strategy, resolve=True), choices.get("strategy", ""))
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(
-            f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}: the cosine decays from lr down to min_lr."
+            f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}: the cosine decays from lr down to "
+            "min_lr."
         )
     model_config(cfg)
 
@@ -396,8 +406,8 @@ def horovod_devices(cfg: DictConfig, dry_run: bool) -> int:
     """The processes horovodrun started: Horovod's launcher, not the trainer settings, says how many."""
     if dry_run:
         raise ConfigError(
-            "dry_run=true does not model strategy=horovod: dry-run strategy=ddp with trainer.devices and trainer.num_nodes "
-            "of your job instead (the same replicas, memory and batch plan)."
+            "dry_run=true does not model strategy=horovod: dry-run strategy=ddp with trainer.devices and "
+            "trainer.num_nodes of your job instead (the same replicas, memory and batch plan)."
         )
     if cfg.trainer.get("devices", 1) != 1 or cfg.trainer.get("num_nodes", 1) != 1:
         raise ConfigError(
@@ -407,9 +417,9 @@ def horovod_devices(cfg: DictConfig, dry_run: bool) -> int:
         )
     if str(cfg.trainer.get("precision")) == "bf16-true":  # Lightning reads "bf16" as bf16-mixed
         raise ConfigError(
-            f"strategy=horovod with trainer.precision={cfg.trainer.precision}: Horovod 0.28's PyTorch operations have no "
-            "bfloat16, and weights and gradients would be bfloat16. Use trainer.precision=bf16-mixed (bfloat16 compute, "
-            "float32 weights and gradients) or 32-true."
+            f"strategy=horovod with trainer.precision={cfg.trainer.precision}: Horovod 0.28's PyTorch operations have "
+            "no bfloat16, and weights and gradients would be bfloat16. Use trainer.precision=bf16-mixed (bfloat16 "
+            "compute, float32 weights and gradients) or 32-true."
         )
     from project.parallel.horovod import horovod_world  # imports torch and Horovod: only for Horovod runs
 
@@ -418,13 +428,15 @@ def horovod_devices(cfg: DictConfig, dry_run: bool) -> int:
     if processes > 1 and not any(o.lstrip("+").startswith("hydra.run.dir=") for o in overrides):
         raise ConfigError(
             f"strategy=horovod with {processes} processes needs one run directory for all of them: add "
-            "hydra.run.dir=outputs/runs/NAME (on a file system every node shares); each would otherwise name its own from its clock."
+            "hydra.run.dir=outputs/runs/NAME (on a file system every node shares); each would otherwise name its own "
+            "from its clock."
         )
     return processes
 
 
 def check_trainer(cfg: DictConfig, here: bool = True) -> None:
-    """`here`: the run is to start on this machine (not a dry run of a job for another), so a GPU it asks for must be here."""
+    """`here`: the run is to start on this machine (not a dry run of a job for another), so a GPU it asks for must be
+    here."""
     if cfg.trainer.get("max_steps", -1) in (None, -1):
         raise ConfigError("trainer.max_steps must be set: training length is counted in optimizer steps.")
     for key, fix in COMPUTED_TRAINER_KEYS.items():
@@ -439,10 +451,12 @@ def check_trainer(cfg: DictConfig, here: bool = True) -> None:
                 f"this torch ({torch.__version__}) is a CPU build: on a GPU machine install a CUDA build, e.g. "
                 '`make install TORCH="torch==2.11.0"`'
                 if torch.version.cuda is None
-                else f"this torch (CUDA {torch.version.cuda}) sees no GPU: check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES"
+                else f"this torch (CUDA {torch.version.cuda}) sees no GPU: check the driver (nvidia-smi) and "
+                "CUDA_VISIBLE_DEVICES"
             )
             raise ConfigError(
-                f"trainer.accelerator={accelerator} (trainer=gpu) needs a CUDA GPU, but {reason}; or train on the CPU with trainer=cpu."
+                f"trainer.accelerator={accelerator} (trainer=gpu) needs a CUDA GPU, but {reason}; or train on the CPU "
+                "with trainer=cpu."
             )
 
 
@@ -495,7 +509,8 @@ def check_data(cfg: DictConfig, shards: bool = True, prepared: bool = False) -> 
             data_dir = entry.get("dir") if isinstance(entry, Mapping) else None
             if data_dir is None:
                 raise ConfigError(
-                    f"data.mix entry {entry!r} needs a `dir` (prepared shards) and a `weight`, e.g. {{dir: data/web, weight: 0.7}}."
+                    f"data.mix entry {entry!r} needs a `dir` (prepared shards) and a `weight`, e.g. "
+                    f"{{dir: data/web, weight: 0.7}}."
                 )
             check_prepared_shards(data_dir, cfg.data.seq_len, *options)
     if "://" in str(cfg.data.dir):  # training does not prepare into object storage: the shards must be there
@@ -508,8 +523,8 @@ def check_data(cfg: DictConfig, shards: bool = True, prepared: bool = False) -> 
         elif data_dir.is_dir() and any(data_dir.iterdir()):
             # Said by project.data.prepare too, but only once it has the sources, which it may first download.
             raise ConfigError(
-                f"data.dir={data_dir} exists, is not empty and holds no {MANIFEST_NAME}, so it is not a prepared dataset "
-                "and will not be prepared into; point data.dir at prepared shards, or a new or empty folder."
+                f"data.dir={data_dir} exists, is not empty and holds no {MANIFEST_NAME}, so it is not a prepared "
+                "dataset and will not be prepared into; point data.dir at prepared shards, or a new or empty folder."
             )
         return
     # A mixture's corpora are prepared one by one with settings of their own, which data.* does not describe.
@@ -521,9 +536,9 @@ def check_data(cfg: DictConfig, shards: bool = True, prepared: bool = False) -> 
             "data.overwrite=true to prepare them again in place (with data.auto_prepare=true, training does it first)"
         )
         raise ConfigError(
-            f"data.dir={data_dir} holds shards prepared from other data settings than this run's: {'; '.join(differences)}. "
-            f"Point data.dir at a new folder to prepare them there and keep both, set {again}, or give the settings the "
-            "shards were prepared from to train on them as they are."
+            f"data.dir={data_dir} holds shards prepared from other data settings than this run's: "
+            f"{'; '.join(differences)}. Point data.dir at a new folder to prepare them there and keep both, set "
+            f"{again}, or give the settings the shards were prepared from to train on them as they are."
         )
     _check_vocabulary(cfg, check_prepared_shards(data_dir, cfg.data.seq_len)[1])
 
@@ -598,9 +613,10 @@ def _check_vocabulary(cfg: DictConfig, manifest: Mapping[str, Any]) -> None:
     tokenizer_vocab = int(manifest["tokenizer"]["vocab_size"])
     if cfg.model.vocab_size < tokenizer_vocab and cfg.get("init_from") is not None:
         raise ConfigError(
-            f"the shards in data.dir={cfg.data.dir} were made with a tokenizer of {tokenizer_vocab} tokens, more than the "
-            f"{cfg.model.vocab_size} of the model in init_from={cfg.init_from}: prepare your text with the folder's own "
-            f"tokenizer (python -m project.prepare data.tokenizer={cfg.init_from} ...) and train on those shards."
+            f"the shards in data.dir={cfg.data.dir} were made with a tokenizer of {tokenizer_vocab} tokens, more than "
+            f"the {cfg.model.vocab_size} of the model in init_from={cfg.init_from}: prepare your text with the "
+            f"folder's own tokenizer (python -m project.prepare data.tokenizer={cfg.init_from} ...) and train on those "
+            "shards."
         )
     if cfg.model.vocab_size < tokenizer_vocab:
         raise ConfigError(
@@ -622,16 +638,16 @@ def check_ckpt_path(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -
         path = Path(run_dir) / "checkpoints" / "last.ckpt"
         if not path.exists() and not path.with_name(f"{path.name}.old").exists():
             raise ConfigError(
-                f"ckpt_path=last: no checkpoint at {path}. `ckpt_path=last` resumes the run in this run directory: pass "
-                "the directory of the run to resume as hydra.run.dir=DIR."
+                f"ckpt_path=last: no checkpoint at {path}. `ckpt_path=last` resumes the run in this run directory: "
+                "pass the directory of the run to resume as hydra.run.dir=DIR."
             )
         return
     path = Path(str(ckpt_path))
     # project.checkpoint.files.swap_in keeps the previous checkpoint as <name>.old while it replaces it.
     if not path.exists() and not path.with_name(f"{path.name}.old").exists():
         raise ConfigError(
-            f"ckpt_path={ckpt_path}: no checkpoint at {path}. Pass a checkpoint file or sharded checkpoint folder (a run's "
-            "checkpoints/last.ckpt), or ckpt_path=last with hydra.run.dir=DIR to resume the run in DIR."
+            f"ckpt_path={ckpt_path}: no checkpoint at {path}. Pass a checkpoint file or sharded checkpoint folder (a "
+            "run's checkpoints/last.ckpt), or ckpt_path=last with hydra.run.dir=DIR to resume the run in DIR."
         )
     # torch.save writes a zip archive whose directory is its last bytes: a file cut short, or not a checkpoint
     # at all, is told by reading them, before torch is imported to read the rest. (Files in torch's format
@@ -650,10 +666,11 @@ def check_init_from(cfg: DictConfig) -> None:
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path is not None and str(ckpt_path) != "last":
         raise ConfigError(
-            f"init_from={cfg.init_from} and ckpt_path={ckpt_path} both given: init_from starts a new run from a published "
-            "model's weights (step 0, a fresh optimizer and schedule); ckpt_path resumes a run from its checkpoint. Drop "
-            "ckpt_path to start from the folder, or init_from to resume. (ckpt_path=last beside init_from resumes the run "
-            "in hydra.run.dir, the folder giving only the model's shape, so that a requeued job's command line still works.)"
+            f"init_from={cfg.init_from} and ckpt_path={ckpt_path} both given: init_from starts a new run from a "
+            "published model's weights (step 0, a fresh optimizer and schedule); ckpt_path resumes a run from its "
+            "checkpoint. Drop ckpt_path to start from the folder, or init_from to resume. (ckpt_path=last beside "
+            "init_from resumes the run in hydra.run.dir, the folder giving only the model's shape, so that a requeued "
+            "job's command line still works.)"
         )
     from project.hf.folder import apply_init_from
 

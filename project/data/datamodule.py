@@ -45,7 +45,8 @@ def corpora_from(mix: Sequence[Mapping[str, Any]]) -> list[Corpus]:
     for i, entry in enumerate(mix):
         if not isinstance(entry, Mapping) or "dir" not in entry:
             raise ConfigError(
-                f"data.mix[{i}]={entry!r} needs a `dir` (prepared shards) and a `weight`, e.g. {{dir: data/web, weight: 0.7}}."
+                f"data.mix[{i}]={entry!r} needs a `dir` (prepared shards) and a `weight`, e.g. "
+                f"{{dir: data/web, weight: 0.7}}."
             )
         weight = entry.get("weight", 1.0)
         if not isinstance(weight, (int, float)) or not weight > 0:
@@ -126,13 +127,15 @@ class TokenShardDataModule(LightningDataModule):
         if global_batch_size > train_blocks:
             if not allow_repeats:
                 raise ConfigError(
-                    f"global_batch_size={global_batch_size} is more than the {train_blocks} training blocks in {where}: "
-                    f"every step would read some blocks twice. Lower global_batch_size to {train_blocks} or less, add "
-                    "text (or lower data.seq_len and re-prepare), or set data.allow_repeats=true to train this way."
+                    f"global_batch_size={global_batch_size} is more than the {train_blocks} training blocks in "
+                    f"{where}: every step would read some blocks twice. Lower global_batch_size to {train_blocks} or "
+                    "less, add text (or lower data.seq_len and re-prepare), or set data.allow_repeats=true to train "
+                    "this way."
                 )
             rank_zero_warn(
-                f"each step reads {global_batch_size} sequences from {train_blocks} training blocks (data.allow_repeats=true): "
-                f"every block is read about {global_batch_size / train_blocks:.1f} times per step."
+                f"each step reads {global_batch_size} sequences from {train_blocks} training blocks "
+                f"(data.allow_repeats=true): every block is read about {global_batch_size / train_blocks:.1f} times "
+                "per step."
             )
         self._start_sample = 0  # sequences consumed before this run (resume)
         self._start_step = 0
@@ -148,9 +151,10 @@ class TokenShardDataModule(LightningDataModule):
                     if ours.get(k) != theirs.get(k)
                 )
                 raise ConfigError(
-                    f"data.mix: corpus {corpus.name!r} ({corpus.dir}) was prepared with another tokenizer than {first.name!r} "
-                    f"({first.dir}): {differ}. Every corpus of a mixture must share one: prepare {corpus.dir} again with "
-                    f"data.tokenizer={Path(first.dir) / str(self.manifests[0]['tokenizer'].get('file', 'tokenizer.json'))}."
+                    f"data.mix: corpus {corpus.name!r} ({corpus.dir}) was prepared with another tokenizer than "
+                    f"{first.name!r} ({first.dir}): {differ}. Every corpus of a mixture must share one: prepare "
+                    f"{corpus.dir} again with data.tokenizer="
+                    f"{Path(first.dir) / str(self.manifests[0]['tokenizer'].get('file', 'tokenizer.json'))}."
                 )
 
     @property
@@ -225,7 +229,8 @@ class TokenShardDataModule(LightningDataModule):
         if len(val_set) == 0:
             raise ConfigError(
                 f"the validation split in {corpus.dir} holds no complete block of {self.hparams.seq_len + 1} "
-                "tokens: its documents are too few or too short. Raise data.val_fraction (or lower data.seq_len) and re-prepare."
+                "tokens: its documents are too few or too short. Raise data.val_fraction (or lower data.seq_len) and "
+                "re-prepare."
             )
         count = min(len(val_set), self.hparams.val_sequences or len(val_set))
         if count < self.dp_size:
@@ -262,8 +267,9 @@ class TokenShardDataModule(LightningDataModule):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("seed") != self.hparams.seed:
             raise ConfigError(
-                f"the checkpoint was trained with data.seed={state.get('seed')}, this run has data.seed={self.hparams.seed}: "
-                "resuming would read a different sequence order; set data.seed to the checkpoint's value."
+                f"the checkpoint was trained with data.seed={state.get('seed')}, this run has "
+                f"data.seed={self.hparams.seed}: resuming would read a different sequence order; set data.seed to the "
+                "checkpoint's value."
             )
         mix = {c.name: c.weight for c in self.corpora} if len(self.corpora) > 1 else None
         if state.get("mix") != mix:

@@ -123,8 +123,9 @@ def build_parts(
                 written = sum(c["chunk_size"] for c in mine)
                 if written != len(refs[part][split]):
                     raise RuntimeError(
-                        f"litdata wrote {written} of {len(refs[part][split])} {split} documents of part {part}; a worker "
-                        "process probably died (out of memory?). The existing data.dir, if any, was left as it was."
+                        f"litdata wrote {written} of {len(refs[part][split])} {split} documents of part {part}; a "
+                        "worker process probably died (out of memory?). The existing data.dir, if any, was left as it "
+                        "was."
                     )
                 (target / "chunks.json").write_text(json.dumps({"config": index["config"], "chunks": mine}))
                 counts[part][split] = {"documents": written, "tokens": sum(c["dim"] for c in mine), "chunks": len(mine)}
@@ -151,8 +152,8 @@ def merge_parts(work: Path, num_parts: int, staging: Path, splits: Sequence[str]
         if not documents:
             raise ConfigError(
                 f"the {split} split holds no document: data.val_fraction puts each document in validation by a hash of "
-                f"its text, and none of this corpus's {'fell outside' if split == 'train' else 'fell inside'} it. Choose "
-                "a data.val_fraction nearer 0.5, or add documents."
+                f"its text, and none of this corpus's {'fell outside' if split == 'train' else 'fell inside'} it. "
+                "Choose a data.val_fraction nearer 0.5, or add documents."
             )
         (target / "index.json").write_text(json.dumps({"chunks": chunks, "config": config}, sort_keys=True))
         tokens = [c["dim"] for c in chunks]

@@ -157,14 +157,14 @@ def prepare_shards(
     if nodes > 1 and not tokenizer:
         raise ConfigError(
             f"prepare on {nodes} machines needs a tokenizer they all share: set data.tokenizer (a tokenizer.json, a "
-            "sentencepiece .model or a model folder). To train a BPE on your text, prepare a sample of it on one machine "
-            "first (data.sources=SAMPLE data.dir=OTHER) and use the tokenizer.json it writes."
+            "sentencepiece .model or a model folder). To train a BPE on your text, prepare a sample of it on one "
+            "machine first (data.sources=SAMPLE data.dir=OTHER) and use the tokenizer.json it writes."
         )
     if is_remote(output_dir):
         if nodes > 1:
             raise ConfigError(
-                f"data.dir={output_dir}: preparing on {nodes} machines writes to a folder they share; prepare into one, "
-                "then train from it or copy it into object storage with your storage's own tool."
+                f"data.dir={output_dir}: preparing on {nodes} machines writes to a folder they share; prepare into "
+                "one, then train from it or copy it into object storage with your storage's own tool."
             )
         return _prepare_to_remote(
             patterns, str(output_dir).rstrip("/"), tokenizer, settings, overwrite, fetch, storage_options
@@ -252,7 +252,8 @@ def _prepare_to_remote(
 def _check(settings: _Settings, part_mb: float = 1, chunk_mb: float = 1) -> None:
     if not (chunk_mb > 0 and settings.chunk_bytes >= 4 * (settings.seq_len + 1)):
         raise ConfigError(
-            f"data.chunk_mb={chunk_mb} must hold at least one block of data.seq_len + 1 tokens; 1 (small corpora) to 64 (large ones)."
+            f"data.chunk_mb={chunk_mb} must hold at least one block of data.seq_len + 1 tokens; 1 (small corpora) to "
+            "64 (large ones)."
         )
     if not part_mb > 0:
         raise ConfigError(f"data.prepare_part_mb={part_mb} must be above 0 (MB of source text per part of the work).")

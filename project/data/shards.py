@@ -37,8 +37,9 @@ def read_manifest(folder: str | os.PathLike, data_dir: str | os.PathLike | None 
     if not path.is_file():
         absent = "" if Path(folder).exists() else "; the folder does not exist"
         raise ConfigError(
-            f"no prepared shards in data.dir={data_dir} (missing {MANIFEST_NAME}{absent}): run `python -m project.prepare` "
-            "with the same data settings first (or train with data.auto_prepare=true), or point data.dir at prepared shards."
+            f"no prepared shards in data.dir={data_dir} (missing {MANIFEST_NAME}{absent}): run `python -m "
+            "project.prepare` with the same data settings first (or train with data.auto_prepare=true), or point "
+            "data.dir at prepared shards."
         )
     try:
         manifest = json.loads(path.read_bytes())
@@ -62,9 +63,9 @@ def read_manifest(folder: str | os.PathLike, data_dir: str | os.PathLike | None 
 def check_block_size(data_dir: str | os.PathLike, manifest: Mapping[str, Any], seq_len: int) -> None:
     if manifest["block_size"] != seq_len + 1:
         raise ConfigError(
-            f"shards in data.dir={data_dir} hold blocks of {manifest['block_size']} tokens, but data.seq_len={seq_len} needs "
-            f"{seq_len + 1}: re-run `python -m project.prepare` with data.seq_len={seq_len} (into another data.dir, or with "
-            f"data.overwrite=true), or use data.seq_len={manifest['block_size'] - 1}."
+            f"shards in data.dir={data_dir} hold blocks of {manifest['block_size']} tokens, but data.seq_len={seq_len} "
+            f"needs {seq_len + 1}: re-run `python -m project.prepare` with data.seq_len={seq_len} (into another "
+            f"data.dir, or with data.overwrite=true), or use data.seq_len={manifest['block_size'] - 1}."
         )
 
 

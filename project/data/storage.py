@@ -181,7 +181,8 @@ def _s3(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str, 
     if parsed.scheme != "s3":
         raise ConfigError(
             f"data.dir={url}: project.prepare writes to local folders and s3:// URLs (S3 and S3-compatible servers). "
-            "Prepare into a local folder and copy it with your storage's own tool, then train with data.dir set to the URL."
+            "Prepare into a local folder and copy it with your storage's own tool, then train with data.dir set to the "
+            "URL."
         )
     from litdata.streaming.client import S3Client
 

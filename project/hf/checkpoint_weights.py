@@ -51,7 +51,8 @@ def checkpoint_weights(path: Path, state_dict: dict[str, torch.Tensor] | None = 
     prefix = next((p for p in FOLDER_PREFIXES if any(k.startswith(p) for k in stored)), None)
     if prefix is None:
         raise ConfigError(
-            f"{path} holds no model weights (no {' or '.join(FOLDER_PREFIXES)}* entries): pass a checkpoint of this platform."
+            f"{path} holds no model weights (no {' or '.join(FOLDER_PREFIXES)}* entries): pass a checkpoint of this "
+            "platform."
         )
     shapes = {k.removeprefix(prefix): (m.size, m.properties.dtype) for k, m in stored.items() if k.startswith(prefix)}
 
@@ -72,7 +73,8 @@ def checkpoint_weights(path: Path, state_dict: dict[str, torch.Tensor] | None = 
 
 
 def plan_files(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
-    """Tensors in order, a new file whenever the next would pass `max_bytes` (a larger tensor gets a file of its own)."""
+    """Tensors in order, a new file whenever the next would pass `max_bytes` (a larger tensor gets a file of its
+    own)."""
     files: list[list[str]] = [[]]
     used = 0
     for name, size in sizes.items():
@@ -94,7 +96,8 @@ def write_safetensors(
     unexpected = sorted(set(weights.shapes) - set(names) - {"output.weight"})
     if missing or unexpected:
         raise ConfigError(
-            f"the checkpoint's weights do not fit its own model config: missing {missing[:5]}, unexpected {unexpected[:5]}."
+            f"the checkpoint's weights do not fit its own model config: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}."
         )
     itemsize = torch.empty((), dtype=dtype).element_size()
     sizes = {n: weights.shapes[n][0].numel() * itemsize for n in names}

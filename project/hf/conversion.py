@@ -130,7 +130,8 @@ def hf_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 def hf_name(name: str) -> str:
-    """The HF name of one of our parameters (`layers.0.attention.wq.weight` -> `model.layers.0.self_attn.q_proj.weight`)."""
+    """The HF name of one of our parameters (`layers.0.attention.wq.weight` ->
+    `model.layers.0.self_attn.q_proj.weight`)."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)

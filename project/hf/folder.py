@@ -59,13 +59,15 @@ def read_config(folder: Path) -> dict[str, Any]:
         kind = config.get("model_type") if isinstance(config, dict) else None
         raise _refuse(
             folder,
-            f"its {CONFIG} describes a model_type={kind!r} model; this platform trains Llama models (model_type='llama').",
+            f"its {CONFIG} describes a model_type={kind!r} model; this platform trains Llama models "
+            "(model_type='llama').",
         )
     return config
 
 
 def _rope(folder: Path, config: Mapping[str, Any]) -> tuple[float, dict | None]:
-    """(rope_theta, Llama-3 rope_scaling or None), from transformers 4's `rope_theta` + `rope_scaling` or 5's `rope_parameters`."""
+    """(rope_theta, Llama-3 rope_scaling or None), from transformers 4's `rope_theta` + `rope_scaling` or 5's
+    `rope_parameters`."""
     parameters = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or (
         parameters if parameters.get("rope_type", "default") != "default" else None
@@ -212,7 +214,8 @@ def _explicit_model_keys(overrides: list[str]) -> set[str]:
 
 
 def apply_init_from(cfg: Any, overrides: list[str]) -> None:
-    """Set `cfg.model` to the shape of the folder `cfg.init_from`, refusing command-line overrides that contradict it."""
+    """Set `cfg.model` to the shape of the folder `cfg.init_from`, refusing command-line overrides that contradict
+    it."""
     from omegaconf import open_dict
 
     folder = Path(str(cfg.init_from))
@@ -229,8 +232,8 @@ def apply_init_from(cfg: Any, overrides: list[str]) -> None:
                 else f"intermediate_size={settings['ffn_dim']}, which fixes the FFN width"
             )
             raise ConfigError(
-                f"model.{key}={ours} contradicts init_from={folder}, whose {CONFIG} has {published}: the folder's weights "
-                f"have its shape. Drop model.{key}, or train a model of your own without init_from."
+                f"model.{key}={ours} contradicts init_from={folder}, whose {CONFIG} has {published}: the folder's "
+                f"weights have its shape. Drop model.{key}, or train a model of your own without init_from."
             )
     with open_dict(cfg):
         for key, value in settings.items():

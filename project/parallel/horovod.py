@@ -118,7 +118,8 @@ class HorovodStrategy(LlamaStrategy, ParallelStrategy):
         if hierarchical_allreduce and not self.hvd.nccl_built():
             rank_zero_warn(
                 "strategy.hierarchical_allreduce=true has no effect here: Horovod reduces within and then across nodes "
-                "only in builds with NCCL (GPU clusters, several nodes); this one reduces every gradient in one allreduce."
+                "only in builds with NCCL (GPU clusters, several nodes); this one reduces every gradient in one "
+                "allreduce."
             )
 
     @property
@@ -148,15 +149,17 @@ class HorovodStrategy(LlamaStrategy, ParallelStrategy):
     def setup_environment(self) -> None:
         if self.root_device.type == "cuda" and not self.hvd.cuda_built():
             raise ConfigError(
-                "strategy=horovod on GPUs needs a Horovod built with CUDA and NCCL, and this one has neither (a CPU build): "
-                "rebuild it where nvcc and NCCL are found, with a CUDA build of torch installed (make install-horovod)."
+                "strategy=horovod on GPUs needs a Horovod built with CUDA and NCCL, and this one has neither (a CPU "
+                "build): rebuild it where nvcc and NCCL are found, with a CUDA build of torch installed (make "
+                "install-horovod)."
             )
         super().setup_environment()
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
         assert self.model is not None and self.lightning_module is not None  # connected before the trainer sets up
-        # Rank 0's weights (fresh, or restored by now) for all: a process seeded or resumed otherwise does not drift apart.
+        # Rank 0's weights (fresh, or restored by now) for all: a process seeded or resumed otherwise does not drift
+        # apart.
         self.hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
         # torchmetrics syncs its states over torch.distributed only; the validation loss is a MeanMetric whose
         # ranks may hold shares of different sizes, so it is gathered over Horovod instead.
@@ -165,7 +168,8 @@ class HorovodStrategy(LlamaStrategy, ParallelStrategy):
                 metric.distributed_available_fn, metric.dist_sync_fn = (lambda: True), self._gather_metric_state
 
     def _gather_metric_state(self, tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
-        """Each rank's copy of a metric state of the same shape on every rank (MeanMetric's sums), as torchmetrics wants."""
+        """Each rank's copy of a metric state of the same shape on every rank (MeanMetric's sums), as torchmetrics
+        wants."""
         return list(self.hvd.allgather(tensor.unsqueeze(0)).unbind(0))
 
     def setup_optimizers(self, trainer) -> None:

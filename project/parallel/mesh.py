@@ -42,8 +42,8 @@ def mesh_shape(strategy_cfg: Mapping[str, Any], world_size: int, devices_per_nod
             )
     if world_size % math.prod(degrees.values()):
         raise ConfigError(
-            f"strategy.pipeline_parallel_size={pp} x tensor_parallel_size={tp} does not divide the {world_size} devices "
-            "(trainer.devices x trainer.num_nodes): choose degrees whose product divides it."
+            f"strategy.pipeline_parallel_size={pp} x tensor_parallel_size={tp} does not divide the {world_size} "
+            "devices (trainer.devices x trainer.num_nodes): choose degrees whose product divides it."
         )
     replicas = world_size // math.prod(degrees.values())
     if dp != "auto" and int(dp) != replicas:
@@ -69,14 +69,14 @@ def check_tensor_parallel_degree(config: LlamaConfig, tp: int, sequence_parallel
     for name, value in sizes:
         if value % tp:
             raise ConfigError(
-                f"model {name}={value} is not divisible by strategy.tensor_parallel_size={tp}: each tensor-parallel rank "
-                f"holds an equal slice of it. Choose a tensor-parallel size that divides it."
+                f"model {name}={value} is not divisible by strategy.tensor_parallel_size={tp}: each tensor-parallel "
+                "rank holds an equal slice of it. Choose a tensor-parallel size that divides it."
             )
     if sequence_parallel_seq_len is not None and sequence_parallel_seq_len % tp:
         raise ConfigError(
-            f"data.seq_len={sequence_parallel_seq_len} is not divisible by strategy.tensor_parallel_size={tp}: sequence "
-            "parallelism splits each sequence evenly across the tensor-parallel ranks. Choose a divisible data.seq_len "
-            "or set strategy.sequence_parallel=false."
+            f"data.seq_len={sequence_parallel_seq_len} is not divisible by strategy.tensor_parallel_size={tp}: "
+            "sequence parallelism splits each sequence evenly across the tensor-parallel ranks. Choose a divisible "
+            "data.seq_len or set strategy.sequence_parallel=false."
         )
     if config.tie_embeddings:
         raise ConfigError(

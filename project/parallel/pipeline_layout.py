@@ -68,8 +68,9 @@ def check_pipeline(
         raise ConfigError(f"strategy.schedule={schedule!r}: choose one of {list(SCHEDULE_NAMES)}.")
     if schedule in SINGLE_STAGE and virtual_stages != 1:
         raise ConfigError(
-            f"strategy.schedule={schedule} runs one stage chunk per rank, not strategy.virtual_stages={virtual_stages}: "
-            "set strategy.virtual_stages=1, or choose interleaved_1f1b, looped_bfs, interleaved_zero_bubble or zbv."
+            f"strategy.schedule={schedule} runs one stage chunk per rank, not "
+            f"strategy.virtual_stages={virtual_stages}: set strategy.virtual_stages=1, or choose interleaved_1f1b, "
+            "looped_bfs, interleaved_zero_bubble or zbv."
         )
     if schedule in V_SHAPED and virtual_stages != 2:
         raise ConfigError(
@@ -81,15 +82,15 @@ def check_pipeline(
     if stage_layers is not None:
         if len(stage_layers) != n_chunks or sum(stage_layers) != config.n_layers or min(stage_layers) < 1:
             raise ConfigError(
-                f"strategy.stage_layers={list(stage_layers)} must give at least one layer to each of the {n_chunks} stage "
-                f"chunks (pipeline_parallel_size={pipeline_parallel_size} x virtual_stages={virtual_stages}) and sum to "
-                f"model.n_layers={config.n_layers}; or leave it null for a balanced split."
+                f"strategy.stage_layers={list(stage_layers)} must give at least one layer to each of the {n_chunks} "
+                f"stage chunks (pipeline_parallel_size={pipeline_parallel_size} x virtual_stages={virtual_stages}) and "
+                f"sum to model.n_layers={config.n_layers}; or leave it null for a balanced split."
             )
     elif config.n_layers < n_chunks:
         raise ConfigError(
-            f"model.n_layers={config.n_layers} is fewer than the {n_chunks} pipeline stage chunks (pipeline_parallel_size="
-            f"{pipeline_parallel_size} x virtual_stages={virtual_stages}): each chunk needs at least one layer. "
-            "Lower strategy.pipeline_parallel_size or strategy.virtual_stages."
+            f"model.n_layers={config.n_layers} is fewer than the {n_chunks} pipeline stage chunks "
+            f"(pipeline_parallel_size={pipeline_parallel_size} x virtual_stages={virtual_stages}): each chunk needs at "
+            "least one layer. Lower strategy.pipeline_parallel_size or strategy.virtual_stages."
         )
     if config.tie_embeddings and n_chunks > 1:
         raise ConfigError(
@@ -100,15 +101,16 @@ def check_pipeline(
     if n_microbatches < needs:
         raise ConfigError(
             f"strategy.schedule={schedule} needs at least {needs} microbatches per step (one per stage), but gets "
-            f"{n_microbatches}: raise strategy.n_microbatches (or lower micro_batch_size), or choose strategy.schedule=gpipe."
+            f"{n_microbatches}: raise strategy.n_microbatches (or lower micro_batch_size), or choose "
+            "strategy.schedule=gpipe."
         )
     if schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
         rounds = max(1, n_microbatches // pipeline_parallel_size)
         if n_microbatches % rounds:
             raise ConfigError(
-                f"strategy.schedule={schedule} runs microbatches in rounds of pipeline_parallel_size={pipeline_parallel_size}: "
-                f"{n_microbatches} microbatches are not a whole number of rounds. Choose a multiple of "
-                f"{pipeline_parallel_size}, or fewer microbatches than that."
+                f"strategy.schedule={schedule} runs microbatches in rounds of "
+                f"pipeline_parallel_size={pipeline_parallel_size}: {n_microbatches} microbatches are not a whole "
+                f"number of rounds. Choose a multiple of {pipeline_parallel_size}, or fewer microbatches than that."
             )
     if schedule in SPLIT_BACKWARD and (data_parallel_size > 1 or tensor_parallel_size > 1 or param_dtype is not None):
         raise ConfigError(

@@ -55,11 +55,13 @@ class Cluster:
         for key in ("nodes", "gpus_per_node", "memory_gib", "intra_node_gbps", "inter_node_gbps"):
             if not getattr(cluster, key) > 0:
                 raise ConfigError(
-                    f"cluster.{key}={getattr(cluster, key)} must be positive: fix it in the cluster preset or on the command line."
+                    f"cluster.{key}={getattr(cluster, key)} must be positive: fix it in the cluster preset or on the "
+                    "command line."
                 )
         if not cluster.tensor_parallel_block_overhead_ms >= 0:
             raise ConfigError(
-                f"cluster.tensor_parallel_block_overhead_ms={cluster.tensor_parallel_block_overhead_ms} must be 0 or more (milliseconds)."
+                f"cluster.tensor_parallel_block_overhead_ms={cluster.tensor_parallel_block_overhead_ms} must be 0 or "
+                "more (milliseconds)."
             )
         for dtype in ("bf16", "fp32"):
             if not cluster.peak_tflops.get(dtype, 0) > 0:

@@ -387,9 +387,9 @@ def render(
     plan = layout.plan
     lines = [
         f"dry run: strategy={strategy_name} on {pp * dp * tp} devices ({cfg.trainer.num_nodes} node(s) x "
-        f"{cfg.trainer.devices}), mesh pipeline {pp} x data {dp} x tensor {tp}; batch: global {plan.global_batch_size} = "
-        f"micro {plan.micro_batch_size} x {max(plan.accumulate_grad_batches, plan.pipeline_microbatches)} x {dp} replicas; "
-        f"precision {cfg.trainer.get('precision', '32-true')}",
+        f"{cfg.trainer.devices}), mesh pipeline {pp} x data {dp} x tensor {tp}; batch: global {plan.global_batch_size} "
+        f"= micro {plan.micro_batch_size} x {max(plan.accumulate_grad_batches, plan.pipeline_microbatches)} x {dp} "
+        f"replicas; precision {cfg.trainer.get('precision', '32-true')}",
         f"shares: {how}. Every check of a real start passed"
         + ("." if data_on_this_machine(cfg) else f", but the shards': data.dir={cfg.data.dir} is not on this machine."),
         "Parameters are held as trained (float32 under -mixed precision, which casts copies for compute): "

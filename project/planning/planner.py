@@ -101,9 +101,9 @@ def layouts(workload: Workload, cluster: Cluster, space: SearchSpace) -> list[Ca
     )
     if not found:
         raise ConfigError(
-            f"no layout of {cluster.devices} devices can take global_batch_size={workload.global_batch_size} with the search "
-            "settings given: each data-parallel replica needs whole micro batches. Choose a global batch divisible by the "
-            "device count, or widen search.micro_batch_sizes and search.strategies."
+            f"no layout of {cluster.devices} devices can take global_batch_size={workload.global_batch_size} with the "
+            "search settings given: each data-parallel replica needs whole micro batches. Choose a global batch "
+            "divisible by the device count, or widen search.micro_batch_sizes and search.strategies."
         )
     return found
 
@@ -118,7 +118,8 @@ def plan(
     """Every layout of `space` on `cluster`: those that fit first, fastest first; then the rest, smallest first."""
     if not 0 < achievable_fraction <= 1:
         raise ConfigError(
-            f"achievable_fraction={achievable_fraction} must be in (0, 1]: the share of the peak FLOP/s that busy devices reach."
+            f"achievable_fraction={achievable_fraction} must be in (0, 1]: the share of the peak FLOP/s that busy "
+            "devices reach."
         )
     found = [evaluate(workload, cluster, c, achievable_fraction, allowance) for c in layouts(workload, cluster, space)]
     return sorted(
@@ -155,8 +156,8 @@ def calibrated_fraction(
         if not found:
             raise ConfigError(
                 f"calibrate.layout={layout} is not a layout the search settings give for {cluster.devices} devices and "
-                f"global_batch_size={workload.global_batch_size}: copy a name from the plan's table (run it without calibrate.mfu), "
-                "or widen search.* to include it."
+                f"global_batch_size={workload.global_batch_size}: copy a name from the plan's table (run it without "
+                "calibrate.mfu), or widen search.* to include it."
             )
     # Memory, and so whether a layout fits, does not depend on the fraction: estimated once, not in every
     # step of the bisection.
@@ -166,7 +167,8 @@ def calibrated_fraction(
     pool = [c for c, prediction in predictions.items() if layout is not None or prediction.fits]
     if not pool:
         raise ConfigError(
-            "calibrate.mfu: no layout fits, so none is the fastest to calibrate on; name the measured one with calibrate.layout."
+            "calibrate.mfu: no layout fits, so none is the fastest to calibrate on; name the measured one with "
+            "calibrate.layout."
         )
 
     def reference(fraction: float) -> Outcome:
@@ -178,8 +180,8 @@ def calibrated_fraction(
     if (best := reference(1.0)).mfu < mfu:
         raise ConfigError(
             f"calibrate.mfu={mfu}: {best.prediction.candidate.name} predicts at most {best.mfu:.1%} MFU even at "
-            "achievable_fraction=1, so the bubble, recompute and communication the planner counts leave no room for it. "
-            "Check the layout, the cluster's peak FLOP/s and links, or set achievable_fraction directly."
+            "achievable_fraction=1, so the bubble, recompute and communication the planner counts leave no room for "
+            "it. Check the layout, the cluster's peak FLOP/s and links, or set achievable_fraction directly."
         )
     low, high = 0.0, 1.0
     while high - low > 1e-9:

@@ -68,14 +68,18 @@ def table(outcomes: list[Outcome], limit: int) -> str:
     fitting = [o for o in outcomes if o.prediction.fits][:limit]
     other = [o for o in outcomes if not o.prediction.fits][: max(0, limit - len(fitting)) or 3]
     width = max(len(o.prediction.candidate.name) for o in fitting + other)
-    head = f"{'layout':<{width}} {'GiB/dev':>8} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} {'days':>9}  {'bubble':>6}  note"
+    head = (
+        f"{'layout':<{width}} {'GiB/dev':>8} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6} {'days':>9}  "
+        f"{'bubble':>6}  note"
+    )
     lines = [head, "-" * len(head)]
     for o in fitting + other:
         t = o.prediction.time
         note = "" if o.prediction.fits else o.prediction.reason
         lines.append(
-            f"{o.prediction.candidate.name:<{width}} {o.prediction.memory.total / GIB:>8.1f} {o.tokens_per_second:>11,.0f} "
-            f"{o.tflops_per_device:>8.3g} {o.mfu:>6.1%} {o.days:>9,.1f}  {t.bubble / t.total:>6.1%}  {note}"
+            f"{o.prediction.candidate.name:<{width}} {o.prediction.memory.total / GIB:>8.1f} "
+            f"{o.tokens_per_second:>11,.0f} {o.tflops_per_device:>8.3g} {o.mfu:>6.1%} {o.days:>9,.1f}  "
+            f"{t.bubble / t.total:>6.1%}  {note}"
         )
     return "\n".join(lines)
 
@@ -118,7 +122,8 @@ def sweep_spec(
     return {
         "name": name,
         "description": f"the planner's top {len(names)} layouts of "
-        f"{model[0].removeprefix('model=') if len(model) == 1 else 'the model'} on {cluster.devices} devices of {cluster.name}",
+        f"{model[0].removeprefix('model=') if len(model) == 1 else 'the model'} on {cluster.devices} devices of "
+        f"{cluster.name}",
         "program": "project/train.py",
         "project": "llama-pretrain",
         "method": "grid",

@@ -20,7 +20,7 @@ import re
 import sys
 import warnings
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
 
 from project.runtime.secrets import redact_text
 
@@ -126,10 +126,11 @@ def launch_rank(num_nodes: int = 1) -> int:
     return node * per_node + local
 
 
-def keep_console(run_dir: Path, rank: int, secrets: set[str] = frozenset()) -> None:
+def keep_console(run_dir: Path, rank: int, secrets: set[str] = frozenset()) -> Callable[[], None]:
     """From now on, copy this process's console into the run directory (appending: a resumed run
     continues the same log). Rank 0: stdout and stderr in train.log; other ranks: stderr in
-    train.rank<N>.log. Logging handlers that already hold the console streams are pointed at the copies."""
+    train.rank<N>.log. Logging handlers that already hold the console streams are pointed at the copies.
+    Returns what puts the console back as it was (a run that ended; the process may train again)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     name = "train.log" if rank == 0 else f"train.rank{rank}.log"
     log = open(run_dir / name, "a", encoding="utf-8", buffering=1)
@@ -145,8 +146,23 @@ def keep_console(run_dir: Path, rank: int, secrets: set[str] = frozenset()) -> N
         logging.getLogger(),
         *(logger for logger in logging.Logger.manager.loggerDict.values() if isinstance(logger, logging.Logger)),
     ]
-    for logger in loggers:
-        for handler in logger.handlers:
-            if type(handler) is logging.StreamHandler and id(handler.stream) in replaced:
-                handler.setStream(replaced[id(handler.stream)])
+    handlers = [
+        (handler, handler.stream)
+        for logger in loggers
+        for handler in logger.handlers
+        if type(handler) is logging.StreamHandler and id(handler.stream) in replaced
+    ]
+    for handler, stream in handlers:
+        handler.setStream(replaced[id(stream)])
     atexit.register(log.flush)
+
+    def restore() -> None:
+        for stream, tee in zip(streams, replaced.values()):
+            if getattr(sys, stream) is tee:
+                setattr(sys, stream, tee.console)
+        for handler, stream in handlers:
+            handler.setStream(stream)
+        atexit.unregister(log.flush)
+        log.close()
+
+    return restore

@@ -209,15 +209,15 @@ def table(report: dict) -> str:
         "",
         "Training step: forward + backward + AdamW of the plain model on random tokens, after one warm-up step.",
         "",
-        "| preset | device | parameters | batch | seq_len | steps | precision | step (s) | tokens/s | model TFLOP/s | MFU "
-        "| peak memory (GiB) |",
+        "| preset | device | parameters | batch | seq_len | steps | precision | step (s) | tokens/s | model TFLOP/s | "
+        "MFU | peak memory (GiB) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["presets"]:
         lines.append(
             f"| {r['model']} | {r['device']} | {r['parameters']:,} | {r['batch']} | {r['seq_len']} | {r['steps']} | "
-            f"{r['precision']}{' compiled' if r['compile'] else ''} | {r['step_seconds']} | {r['tokens_per_sec']:,.1f} | "
-            f"{r['model_tflops']} | {'-' if r['mfu'] is None else r['mfu']} | "
+            f"{r['precision']}{' compiled' if r['compile'] else ''} | {r['step_seconds']} | {r['tokens_per_sec']:,.1f} "
+            f"| {r['model_tflops']} | {'-' if r['mfu'] is None else r['mfu']} | "
             f"{'-' if r['peak_memory_gib'] is None else r['peak_memory_gib']} |"
         )
     latency = report.get("config_error_latency")

@@ -263,7 +263,8 @@ def table(report: dict) -> str:
         "",
         f"## Locality (replica 0 of {REPLICAS}, global batch {GLOBAL_BATCH}, window {WINDOW} chunks)",
         "",
-        f"| order | blocks | blocks per chunk | chunk changes per 1,000 reads | loads per 1,000 reads, LRU cache of {WINDOW} chunks |",
+        "| order | blocks | blocks per chunk | chunk changes per 1,000 reads | loads per 1,000 reads, LRU cache of "
+        f"{WINDOW} chunks |",
         "|---|---|---|---|---|",
     ]
     for r in report["locality"]:
@@ -288,10 +289,10 @@ def table(report: dict) -> str:
         "",
         "## Training loader (one loader worker, micro batch 16 x 256 tokens)",
         "",
-        f"Local folder: {loader['local_tokens_per_s']:,} tokens/s; S3 on loopback: {loader['s3_loopback_tokens_per_s']:,} "
-        f"tokens/s; training {train['preset']} consumes {train['tokens_per_s']:,} tokens/s here "
-        f"(ratios {loader['local_tokens_per_s'] / train['tokens_per_s']:.0f}x and "
-        f"{loader['s3_loopback_tokens_per_s'] / train['tokens_per_s']:.0f}x).",
+        f"Local folder: {loader['local_tokens_per_s']:,} tokens/s; S3 on loopback: "
+        f"{loader['s3_loopback_tokens_per_s']:,} tokens/s; training {train['preset']} consumes "
+        f"{train['tokens_per_s']:,} tokens/s here (ratios {loader['local_tokens_per_s'] / train['tokens_per_s']:.0f}x "
+        f"and {loader['s3_loopback_tokens_per_s'] / train['tokens_per_s']:.0f}x).",
     ]
     return "\n".join(lines) + "\n"
 

@@ -161,9 +161,11 @@ def write_plot(rows: list[dict], path: Path) -> None:
     y = lambda e: height - pad - (height - 2 * pad) * e  # noqa: E731
     colours = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">',
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+        'font-size="12">',
         f'<rect width="{width}" height="{height}" fill="white"/>',
-        f'<text x="{width / 2}" y="20" text-anchor="middle">Pipeline efficiency, p={rows[0]["pp"]} (solid: measured, dashed: ideal)</text>',
+        f'<text x="{width / 2}" y="20" text-anchor="middle">Pipeline efficiency, p={rows[0]["pp"]} (solid: measured, '
+        "dashed: ideal)</text>",
     ]
     for e in (0, 0.25, 0.5, 0.75, 1.0):
         parts.append(
@@ -188,7 +190,8 @@ def write_plot(rows: list[dict], path: Path) -> None:
 
 def write_table(rows: list[dict], path: Path, command: str) -> None:
     lines = [
-        f"# Pipeline bubble, p={rows[0]['pp']}, measured {rows[0]['date']} on {rows[0]['device']} (torch {rows[0]['torch']})",
+        f"# Pipeline bubble, p={rows[0]['pp']}, measured {rows[0]['date']} on {rows[0]['device']} (torch "
+        f"{rows[0]['torch']})",
         "",
         f"`{command}`: {rows[0]['model']}. Step time of forward + backward over m microbatches of one sequence;",
         "efficiency = one-process time / (p x pipeline time); ideal m/(m+p-1), interleaved m/(m+(p-1)/v).",
@@ -211,7 +214,8 @@ def main() -> None:
     config, pp, steps = model_config(args), int(args["pp"]), int(args["steps"])
     if pp > (os.cpu_count() or 1):
         print(
-            f"warning: {pp} ranks on {os.cpu_count()} cores share cores; the efficiency measured is not the schedule's.",
+            f"warning: {pp} ranks on {os.cpu_count()} cores share cores; the efficiency measured is not the "
+            "schedule's.",
             file=sys.stderr,
         )
     rows, device = [], f"{platform.machine()} CPU, {os.cpu_count()} cores, 1 thread per rank"

@@ -106,7 +106,8 @@ def parse(argv: list[str]) -> dict:
     if not presets and not scaling and not compile_effect:
         raise ConfigError(
             "presets: empty, and so are scaling and compile_effect: nothing to time. Name model presets "
-            "(comma-separated, e.g. presets=debug,small10m) or strategies to time alone (e.g. presets= compile_effect=ddp)."
+            "(comma-separated, e.g. presets=debug,small10m) or strategies to time alone (e.g. presets= "
+            "compile_effect=ddp)."
         )
     for key, names in (("presets", presets), ("compiled", compiled), ("scaling_preset", [args["scaling_preset"]])):
         for name in names:
@@ -335,8 +336,8 @@ def compare(args: dict, data: Path, scratch: Path, peaks: list[dict]) -> list[di
             run_in_balanced_order(sides, repeat)
             peaks.append(in_own_process(["--matmul-peak"], env))
             print(
-                f"{preset} {mode} run {repeat + 1}/{args['repeats']}: project.train {ours[-1]['tokens_per_sec']:,.0f} tokens/s, "
-                f"hand loop {hand[-1]['tokens_per_sec']:,.0f}"
+                f"{preset} {mode} run {repeat + 1}/{args['repeats']}: project.train {ours[-1]['tokens_per_sec']:,.0f} "
+                f"tokens/s, hand loop {hand[-1]['tokens_per_sec']:,.0f}"
                 + (f", litgpt {twin[-1]['tokens_per_sec']:,.0f}" if twin else ""),
                 flush=True,
             )
@@ -601,8 +602,8 @@ def table(report: dict) -> str:
             "",
             f"Start-up of `{s['command']}` (one process; medians of {len(s['runs']['seconds_to_first_step'])}):",
             f"**{s['seconds_to_first_step']} s** from the command to the end of the first optimizer step = "
-            f"`import lightning` {s['import_lightning_seconds']} s (from the process's start) + the rest {s['rest_seconds']} s "
-            f"(target: the rest <= 2 s); "
+            f"`import lightning` {s['import_lightning_seconds']} s (from the process's start) + the rest "
+            f"{s['rest_seconds']} s (target: the rest <= 2 s); "
             f"peak resident memory {s['peak_rss_mib']:,} MiB.",
         ]
     return "\n".join(lines) + "\n"
@@ -624,16 +625,17 @@ def comparison_lines(report: dict) -> list[str]:
     peak = report["matmul_peak"]
     lines = [
         "",
-        f"MFU: model FLOPs (6N + attention) x tokens/s over this machine's fp32 matrix-product rate, measured in the same "
-        f"run at the same threads: {peak['flops_per_sec'] / 1e9:,.1f} GFLOP/s ({peak['size']} x {peak['size']}, best of 10 products, "
+        "MFU: model FLOPs (6N + attention) x tokens/s over this machine's fp32 matrix-product rate, measured in the "
+        f"same run at the same threads: {peak['flops_per_sec'] / 1e9:,.1f} GFLOP/s ({peak['size']} x {peak['size']}, "
+        "best of 10 products, "
         + (
             f"best of {len(peak['runs'])} measurements, one per alternation)."
             if "runs" in peak
             else "measured once, at the start)."
         ),
         "",
-        "| preset | mode | batch x seq | timed steps | project.train tokens/s | hand loop tokens/s | ratio (target >= 0.97) "
-        "| litgpt tokens/s | project.train / litgpt (target >= 1.0) | MFU project.train | MFU hand loop |",
+        "| preset | mode | batch x seq | timed steps | project.train tokens/s | hand loop tokens/s | ratio (target >= "
+        "0.97) | litgpt tokens/s | project.train / litgpt (target >= 1.0) | MFU project.train | MFU hand loop |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
@@ -643,9 +645,9 @@ def comparison_lines(report: dict) -> list[str]:
             else "not run | -"
         )
         lines.append(
-            f"| {r['preset']} | {r['mode']} | {r['batch']} x {r['seq_len']} | {r['steps']} | {r['project_train_tokens_per_sec']:,.0f} | "
-            f"{r['hand_loop_tokens_per_sec']:,.0f} | {r['ratio']:.3f} | {litgpt} | {r['project_train_mfu']:.1%} | "
-            f"{r['hand_loop_mfu']:.1%} |"
+            f"| {r['preset']} | {r['mode']} | {r['batch']} x {r['seq_len']} | {r['steps']} | "
+            f"{r['project_train_tokens_per_sec']:,.0f} | {r['hand_loop_tokens_per_sec']:,.0f} | {r['ratio']:.3f} | "
+            f"{litgpt} | {r['project_train_mfu']:.1%} | {r['hand_loop_mfu']:.1%} |"
         )
     eager = {r["preset"]: r for r in report["rows"] if r["mode"] == "eager"}
     effects = [
@@ -657,8 +659,8 @@ def comparison_lines(report: dict) -> list[str]:
         lines += ["", "`strategy.compile=true` against eager, project.train: " + ", ".join(effects) + "."]
     return lines + [
         "",
-        "litgpt: its `GPT` with our preset's architecture and parameter count (project/tooling/bench_litgpt.py), in the hand loop, "
-        "compiled block by block as ours. Each run's figures are in the .json file, with the commands.",
+        "litgpt: its `GPT` with our preset's architecture and parameter count (project/tooling/bench_litgpt.py), in "
+        "the hand loop, compiled block by block as ours. Each run's figures are in the .json file, with the commands.",
     ]
 
 

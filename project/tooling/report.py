@@ -51,7 +51,10 @@ from project.tooling.report_wandb import UnreadableLog, WandbRun, api_runs, is_r
 from project.tooling.svg_plots import bar_chart, line_chart
 
 OPTIONS = {"name": None, "out": None}
-USAGE = "usage: python -m project.report RUN_DIR|SWEEP_DIR|WANDB_RUN_DIR|wandb:ENTITY/PROJECT[/SWEEP_ID]... [name=NAME] [out=DIR]"
+USAGE = (
+    "usage: python -m project.report RUN_DIR|SWEEP_DIR|WANDB_RUN_DIR|wandb:ENTITY/PROJECT[/SWEEP_ID]... "
+    "[name=NAME] [out=DIR]"
+)
 PLOTS = {
     "throughput": "Tokens/s per device",
     "memory": "Peak memory per rank",
@@ -285,7 +288,8 @@ def read_points(sweep_dir: Path) -> list[dict[str, Any]]:
             record = None
         if not isinstance(record, dict):
             raise ConfigError(
-                f"{sweep_dir / 'points.jsonl'} line {number} is not a point's JSON record: is this a project.tooling.sweep folder?"
+                f"{sweep_dir / 'points.jsonl'} line {number} is not a point's JSON record: is this a "
+                "project.tooling.sweep folder?"
             )
         records.append(record)
     return records
@@ -341,8 +345,9 @@ def collect(sources: list[str]) -> list[RunSummary]:
             what = "does not exist" if not path.exists() else "is neither a run directory nor a sweep folder"
             raise ConfigError(
                 f"{path} {what}: give the run directories of project.train (holding metrics.csv or config.yaml), "
-                f"sweep folders of project.tooling.sweep (holding points.jsonl), e.g. outputs/sweeps/layouts-<date>_<time>, "
-                f"wandb run folders (holding run-*.wandb), or wandb:ENTITY/PROJECT[/SWEEP_ID]."
+                "sweep folders of project.tooling.sweep (holding points.jsonl), e.g. "
+                "outputs/sweeps/layouts-<date>_<time>, wandb run folders (holding run-*.wandb), or "
+                "wandb:ENTITY/PROJECT[/SWEEP_ID]."
             )
     return summaries
 
@@ -475,7 +480,8 @@ def parse(argv: list[str]) -> tuple[dict[str, str | None], list[str]]:
     )
     if options["name"] is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", options["name"]):
         raise ConfigError(
-            f"name={options['name']}: give a folder name (letters, digits, '.', '_', '-'), e.g. name=2026-11-24-cpu-layouts."
+            f"name={options['name']}: give a folder name (letters, digits, '.', '_', '-'), e.g. "
+            "name=2026-11-24-cpu-layouts."
         )
     return options, sources
 

@@ -179,6 +179,7 @@ def api_runs(source: str, api=None) -> list[WandbRun]:
     # ValueError: wandb's "Could not find project/sweep"; OSError: the network (requests' errors are OSErrors).
     except (WandbError, WandbApiFailedError, ValueError, OSError) as error:
         raise ConfigError(
-            f"{source}: wandb's server did not give the runs ({str(error).strip().rstrip('.')}). Check ENTITY/PROJECT[/SWEEP_ID] and "
-            "that this machine reaches wandb and is logged in (`wandb login`), or give the run directories instead."
+            f"{source}: wandb's server did not give the runs ({str(error).strip().rstrip('.')}). Check "
+            "ENTITY/PROJECT[/SWEEP_ID] and that this machine reaches wandb and is logged in (`wandb login`), or give "
+            "the run directories instead."
         ) from None

@@ -265,7 +265,8 @@ def sweep_points(spec: Spec, count: int | None = None, seed: int = 0) -> list[di
     count = count if count is not None else spec.run_cap
     if count is None:
         raise ConfigError(
-            f"spec={spec.path}: method {spec.method} draws points until it is stopped; give count=N (or run_cap in the spec)."
+            f"spec={spec.path}: method {spec.method} draws points until it is stopped; give count=N (or run_cap in the "
+            "spec)."
         )
     rng = random.Random(seed)
     draws = {name: sampler(name, config) for name, config in spec.parameters.items()}

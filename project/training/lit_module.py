@@ -79,9 +79,10 @@ def check_resumable(
         assert isinstance(recorded, Mapping)
         said = ", ".join(f"{k} {str(recorded[k])[:12]} there, {str(given[k])[:12]} here" for k in differ)
         raise ConfigError(
-            f"ckpt_path={source} was trained on the token ids of another tokenizer than the shards in data.dir={data_dir} ({said}): "
-            "its embeddings would stand for other tokens. Resume with data.dir set to shards prepared with the "
-            "checkpoint's tokenizer (data.tokenizer=PATH when preparing), or start a new run without ckpt_path."
+            f"ckpt_path={source} was trained on the token ids of another tokenizer than the shards in "
+            f"data.dir={data_dir} ({said}): its embeddings would stand for other tokens. Resume with data.dir set to "
+            "shards prepared with the checkpoint's tokenizer (data.tokenizer=PATH when preparing), or start a new run "
+            "without ckpt_path."
         )
     saved = (checkpoint.get("hyper_parameters") or {}).get("model")
     if not isinstance(saved, Mapping):
@@ -99,7 +100,8 @@ def check_resumable(
         raise ConfigError(
             f"ckpt_path={source} holds a model of another shape ({name}: {list(theirs.get(name, []))} there, "
             f"{list(ours.get(name, []))} here): it was trained with {_settings(saved, keys)}, this run has "
-            f"{_settings(model, keys)}. Resume with the checkpoint's model settings, or start a new run without ckpt_path."
+            f"{_settings(model, keys)}. Resume with the checkpoint's model settings, or start a new run without "
+            "ckpt_path."
         )
 
 
@@ -270,8 +272,8 @@ class LlamaLitModule(LightningModule):
             return
         raise TrainingStopped(
             f"step {step}: the gradient norm is {norm} (a non-finite loss or gradient): training stopped before the "
-            f"update; the checkpoints written so far are untouched. Resume from last.ckpt (ckpt_path=last) with a lower "
-            f"optim.lr or a tighter optim.grad_clip, or let such steps be skipped with optim.max_skipped_steps=N."
+            "update; the checkpoints written so far are untouched. Resume from last.ckpt (ckpt_path=last) with a "
+            "lower optim.lr or a tighter optim.grad_clip, or let such steps be skipped with optim.max_skipped_steps=N."
         )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -12,7 +12,7 @@ import os
 import signal
 import warnings
 from pathlib import Path
-from typing import cast
+from typing import Callable, cast
 
 import lightning as L
 import torch
@@ -144,15 +144,17 @@ def build_trainer(cfg: DictConfig, run_dir: Path, strategy: Strategy, layout: La
         raise ConfigError(f"Lightning refused the trainer settings (trainer.*, strategy={choice}): {cause}") from error
 
 
-def record_console(cfg: DictConfig, run_dir: Path) -> None:
-    """Known noise filtered, the console kept in the run directory, secrets out of what is written there."""
+def record_console(cfg: DictConfig, run_dir: Path) -> Callable[[], None]:
+    """Known noise filtered, the console kept in the run directory, secrets out of what is written there;
+    returns what puts the console back."""
     silence_known_noise()
-    keep_console(run_dir, launch_rank(cfg.trainer.get("num_nodes", 1)), secret_values(cfg))
+    restore = keep_console(run_dir, launch_rank(cfg.trainer.get("num_nodes", 1)), secret_values(cfg))
     if cfg.ckpt_path is not None:
         # Resuming in its own run directory, where its checkpoints are expected; or from another run's,
         # when the best checkpoint is tracked afresh in this one.
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
+    return restore
 
 
 def write_hydra_record(cfg: DictConfig, run_dir: Path) -> None:
@@ -186,7 +188,15 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
     """Fit; `layout` is what project.config.checks.preflight planned, None where it could not (devices: auto)."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     cfg.paths.run_dir = str(run_dir)
-    record_console(cfg, run_dir)
+    restore_console = record_console(cfg, run_dir)
+    metrics = fit(cfg, run_dir, layout)
+    # Not after an error: what the entry point then prints (the error, a failed rank's report) belongs in the log.
+    restore_console()
+    return metrics
+
+
+def fit(cfg: DictConfig, run_dir: Path, layout: Layout | None) -> dict[str, float]:
+    """Build the run from `cfg` (strategy, layout, data, module, Trainer) in `run_dir` and fit; the final metrics."""
     # Loader workers draw no random numbers (the sampler orders the data), so Lightning need not seed
     # them: its seeding function would be a Lightning import in every worker (project.data.loader_workers).
     L.seed_everything(cfg.seed, workers=False)
@@ -200,8 +210,9 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
     if str(requested).isdigit() and int(requested) != trainer.num_devices:
         strategy_name = HydraConfig.get().runtime.choices.get("strategy")
         raise ConfigError(
-            f"strategy={strategy_name} runs on {trainer.num_devices} device(s) per node, not trainer.devices={requested}: "
-            f"choose a multi-device strategy (strategy=ddp) or trainer.devices={trainer.num_devices}."
+            f"strategy={strategy_name} runs on {trainer.num_devices} device(s) per node, not "
+            f"trainer.devices={requested}: choose a multi-device strategy (strategy=ddp) or "
+            f"trainer.devices={trainer.num_devices}."
         )
     limit_cpu_threads(trainer, cfg.threads_per_process)
 
@@ -216,7 +227,8 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
         rank_zero_warn(
             f"model.vocab_size={cfg.model.vocab_size} is larger than the tokenizer's {datamodule.vocab_size} tokens: "
             f"{cfg.model.vocab_size - datamodule.vocab_size} embedding rows will never train. Set model.vocab_size (or "
-            f"data.vocab_size, which the small presets follow) to {datamodule.vocab_size} unless you mean to grow the vocabulary."
+            f"data.vocab_size, which the small presets follow) to {datamodule.vocab_size} unless you mean to grow the "
+            "vocabulary."
         )
     module = instantiate(
         cfg.module,
@@ -238,8 +250,9 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
     if ckpt_path is not None and (trained := checkpoint_step(ckpt_path)) >= cfg.trainer.max_steps:
         rank_zero_info(
-            f"already trained to step {trained} (trainer.max_steps={cfg.trainer.max_steps}): nothing to do. To train longer, "
-            "raise trainer.max_steps (and set optim.decay_steps to the original schedule's length to keep its learning rates)."
+            f"already trained to step {trained} (trainer.max_steps={cfg.trainer.max_steps}): nothing to do. To train "
+            "longer, raise trainer.max_steps (and set optim.decay_steps to the original schedule's length to keep its "
+            "learning rates)."
         )
         return {}
     if ckpt_path is not None:  # a checkpoint of another model or tokenizer, refused by name before anything loads

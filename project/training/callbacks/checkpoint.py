@@ -111,8 +111,9 @@ class StepCheckpoint(ModelCheckpoint):
         ok, value = trainer.strategy.broadcast(outcome)
         if not ok:
             raise ConfigError(
-                f"rank 0 could not put the checkpoint in place ({fn.__name__} {', '.join(map(str, args))}: {value}). Free space or "
-                f"fix the permissions in {args[0].parent}, then resume with hydra.run.dir=<this run's directory> ckpt_path=last."
+                f"rank 0 could not put the checkpoint in place ({fn.__name__} {', '.join(map(str, args))}: {value}). "
+                f"Free space or fix the permissions in {args[0].parent}, then resume with hydra.run.dir=<this run's "
+                "directory> ckpt_path=last."
             )
         return value
 
@@ -153,5 +154,6 @@ def refused_by_storage(trainer: Trainer, written: Path, target: Path) -> Iterato
         raise ConfigError(
             f"{target.name} of step {trainer.global_step} could not be written to {target.parent} "
             f"({type(cause).__name__}: {cause}). The checkpoints saved before are untouched: free space (or raise the "
-            "quota, or fix the permissions) there, then resume with hydra.run.dir=<this run's directory> ckpt_path=last."
+            "quota, or fix the permissions) there, then resume with hydra.run.dir=<this run's directory> "
+            "ckpt_path=last."
         ) from None

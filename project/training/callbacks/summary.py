@@ -35,7 +35,8 @@ class LlamaModelSummary(ModelSummary):
         total = count_parameters(config)
         share = "" if held == total else f" (rank 0 holds {get_human_readable_count(held)})"
         rank_zero_info(
-            f"model: Llama, {get_human_readable_count(total)} parameters{share}, {config.n_layers} layers of width {config.dim}; "
-            f"{get_human_readable_count(int(flops_per_token))} training FLOPs per token, "
-            f"{get_human_readable_count(int(flops_per_token * tokens_per_step))} per optimizer step of {tokens_per_step} tokens"
+            f"model: Llama, {get_human_readable_count(total)} parameters{share}, {config.n_layers} layers of width "
+            f"{config.dim}; {get_human_readable_count(int(flops_per_token))} training FLOPs per token, "
+            f"{get_human_readable_count(int(flops_per_token * tokens_per_step))} per optimizer step of "
+            f"{tokens_per_step} tokens"
         )

@@ -45,7 +45,9 @@ class TokenThroughput(Callback):
         self.peak_flops_per_device = peak_flops_per_device
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._steps: deque[tuple[float, float]] = deque(maxlen=max(1, trainer.log_every_n_steps))  # type: ignore[attr-defined]
+        self._steps: deque[tuple[float, float]] = deque(
+            maxlen=max(1, trainer.log_every_n_steps)  # type: ignore[attr-defined]
+        )
         self._step_start: float | None = None
         self._timed_a_step = False
         self._last_step = trainer.global_step
@@ -84,7 +86,10 @@ class TokenThroughput(Callback):
         tokens_per_sec = sum(t for t, _ in self._steps) / sum(s for _, s in self._steps)
         pl_module.log("train/tokens_per_sec", tokens_per_sec, prog_bar=True)
         # float64: a float32 count stops being exact past 16M tokens
-        seen = torch.tensor(trainer.datamodule.samples_consumed * seq_len, dtype=torch.float64)  # type: ignore[attr-defined]
+        seen = torch.tensor(
+            trainer.datamodule.samples_consumed * seq_len,  # type: ignore[attr-defined]
+            dtype=torch.float64,
+        )
         pl_module.log("train/tokens_seen", seen)
         if self._peak:
             flops_per_token = training_flops_per_token(LlamaConfig(**pl_module.hparams["model"]), seq_len)
