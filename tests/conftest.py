@@ -238,8 +238,14 @@ class TrainedRuns:
 
 
 @pytest.fixture(scope="session")
-def trained(tiny_shards, tmp_path_factory) -> TrainedRuns:
-    return TrainedRuns(tiny_shards, tmp_path_factory)
+def trained(request, tiny_shards, tmp_path_factory) -> TrainedRuns:
+    """The session's shared runs. Those that the selected tests' modules list in TRAINED_TOGETHER (their overrides)
+    are trained together, in process, when the first test asks for one: most of them are of 2 or 4 ranks, and
+    started one by one each would cost its own process start-ups."""
+    runs = TrainedRuns(tiny_shards, tmp_path_factory)
+    modules = dict.fromkeys(item.module for item in request.session.items)
+    runs.ahead([tuple(overrides) for module in modules for overrides in getattr(module, "TRAINED_TOGETHER", [])])
+    return runs
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,7 @@ LAYOUTS = {
     "tp_fsdp": [*PARITY_RUN, "strategy=tp_fsdp", "trainer.devices=4"],
     "pipeline": [*PIPELINE_RUN, "strategy=pipeline", "trainer.devices=2", "strategy.schedule=1f1b"],
 }
+TRAINED_TOGETHER = list(LAYOUTS.values())  # trained together before the first test (tests/conftest.py: trained)
 
 
 @dataclass

@@ -13,6 +13,12 @@ def single_run(single_reference):
     return single_reference
 
 
+# Trained together before the first test (tests/conftest.py: trained).
+TRAINED_TOGETHER = [
+    [*STEPS, "strategy=ddp", "trainer.devices=2", f"micro_batch_size={micro}"] for micro in ("null", "2")
+]
+
+
 @pytest.mark.parametrize("micro", ["null", "2"])  # no accumulation, and 2 accumulation steps per rank
 def test_two_process_ddp_matches_single_process_loss_per_step(trained, single_run, micro):
     run_dir = trained(*STEPS, "strategy=ddp", "trainer.devices=2", f"micro_batch_size={micro}")

@@ -173,6 +173,7 @@ MEASURED = {
     "tp2-fsdp2-2d": [*PARITY_RUN, *SHARDED["tp2-fsdp2-2d"]],
     "pp2-dp2-fsdp2": [*PIPELINE_RUN, *PIPELINES["pp2-dp2-fsdp2"]],
 }
+TRAINED_TOGETHER = list(MEASURED.values())  # trained together before the first test (tests/conftest.py: trained)
 
 
 @pytest.mark.slow

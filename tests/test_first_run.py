@@ -20,6 +20,8 @@ LAYOUTS = {
     "fsdp2": [*PARITY_RUN, "strategy=fsdp2", "trainer.devices=2"],
     "pipeline": [*PIPELINE_RUN, "strategy=pipeline", "trainer.devices=2", "strategy.schedule=1f1b"],
 }
+# The later runs, trained together before the first test (tests/conftest.py: trained).
+TRAINED_TOGETHER = [overrides for name, overrides in LAYOUTS.items() if name != "single"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))

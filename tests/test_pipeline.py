@@ -47,10 +47,8 @@ LAYOUTS = {
     ],
 }
 
-
-@pytest.fixture(scope="module", autouse=True)
-def layouts_trained_together(trained):
-    trained.ahead([(*PIPELINE_RUN, *overrides) for overrides in LAYOUTS.values()])
+# Trained before the first test that reads one (tests/conftest.py: trained).
+TRAINED_TOGETHER = [(*PIPELINE_RUN, *overrides) for overrides in LAYOUTS.values()]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))

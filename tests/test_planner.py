@@ -344,6 +344,7 @@ MEASURED = {
     ),
     "pipeline-tp2": ([*PIPELINE_RUN, *PIPELINES["pp2-tp2"]], Candidate("pipeline", 1, 2, 2, 1, 8, schedule="1f1b")),
 }
+TRAINED_TOGETHER = [overrides for overrides, _ in MEASURED.values()]  # before the first test (conftest: trained)
 
 
 @pytest.mark.slow

@@ -37,10 +37,8 @@ LAYOUTS = {
     "tp2-sequence-parallel-fsdp2-2d": ["strategy=tp_fsdp", "trainer.devices=4", "strategy.sequence_parallel=true"],
 }
 
-
-@pytest.fixture(scope="module", autouse=True)
-def layouts_trained_together(trained):
-    trained.ahead([(*PARITY_RUN, *overrides) for overrides in LAYOUTS.values()])
+# Trained before the first test that reads one (tests/conftest.py: trained).
+TRAINED_TOGETHER = [(*PARITY_RUN, *overrides) for overrides in LAYOUTS.values()]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
