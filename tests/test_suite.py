@@ -1,6 +1,5 @@
 """The test suite's own machinery: what `make test` relies on to share runs between tests."""
 
-
 import pytest
 
 

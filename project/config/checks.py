@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from project.data.corpus import NoSourcesError, resolve_sources
 from project.data.shards import MANIFEST_NAME, read_manifest
 from project.data.storage import check_prepared_shards
-from project.model.config import LlamaConfig
+from project.model.config import DTYPE_NAMES, LlamaConfig
 from project.parallel.batch import BatchPlan, plan_batches, plan_pipeline_batches
 from project.parallel.mesh import MeshShape, check_tensor_parallel_degree, mesh_shape
 from project.parallel.pipeline_layout import SCHEDULE_NAMES, check_pipeline, default_virtual_stages
@@ -304,7 +304,7 @@ RULES: list[Rule] = [
 
 BOOLEAN_SETTINGS = ("document_mask", "data.overwrite", "data.auto_prepare", "data.allow_repeats", "dry_run.enabled")
 _BOOLEAN = (True, False)
-_DTYPE_NAMES = (None, "float32", "bfloat16", "float16")
+_DTYPE_NAMES = (None, *DTYPE_NAMES)
 # Strategy settings that take one of a few values, checked here for whichever strategy has them, so that
 # a typo is answered before the imports (the strategies check them again when built from Python).
 STRATEGY_CHOICES: dict[str, tuple] = {

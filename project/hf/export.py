@@ -39,12 +39,11 @@ from project.checkpoint.files import checkpoint_metadata
 from project.data.shards import MANIFEST_NAME
 from project.hf.checkpoint_weights import CheckpointWeights, checkpoint_weights, write_safetensors
 from project.hf.conversion import hf_config_dict
-from project.model.config import LlamaConfig
+from project.model.config import DTYPE_NAMES, LlamaConfig
 from project.runtime.arguments import parse_key_values, parse_size
 from project.runtime.errors import ConfigError, exit_on_config_error
 from project.runtime.folders import unwritable
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULTS = {
     "ckpt_path": None,
     "output_dir": None,
@@ -65,8 +64,8 @@ def parse_args(argv: list[str]) -> dict[str, str | None]:
     if not args["ckpt_path"]:
         raise ConfigError(f"ckpt_path= is required.\n{USAGE}")
     args["output_dir"] = args["output_dir"] or str(default_output_dir(args["ckpt_path"]))
-    if args["dtype"] not in DTYPES:
-        raise ConfigError(f"dtype={args['dtype']} is not one of {list(DTYPES)}.")
+    if args["dtype"] not in DTYPE_NAMES:
+        raise ConfigError(f"dtype={args['dtype']} is not one of {list(DTYPE_NAMES)}.")
     if args["overwrite"].lower() not in ("true", "false"):
         raise ConfigError(f"overwrite={args['overwrite']} must be true or false.")
     return args
@@ -190,7 +189,7 @@ def write_tokenizer(path: Path, bos_id: int | None, eos_id: int | None, config: 
 def write_model(
     config: LlamaConfig, weights: CheckpointWeights, dtype: str, bos_id, eos_id, out: Path, max_shard_size: int
 ) -> None:
-    write_safetensors(weights, config, DTYPES[dtype], out, max_shard_size)
+    write_safetensors(weights, config, getattr(torch, dtype), out, max_shard_size)
     hf_config = hf_config_dict(config, bos_token_id=bos_id, eos_token_id=eos_id, torch_dtype=dtype)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     generation = {k: v for k, v in {"bos_token_id": bos_id, "eos_token_id": eos_id}.items() if v is not None}

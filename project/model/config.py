@@ -8,6 +8,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# The dtypes a model's weights, compute or gradient reductions may take, by torch's names (getattr(torch, name)).
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
 
 @dataclass
 class LlamaConfig:

@@ -11,8 +11,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from project.model.llama import Llama
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def apply_fsdp2(
     model: Llama | nn.Module, mesh: DeviceMesh, param_dtype: str | None = None, reduce_dtype: str | None = None
@@ -27,8 +25,8 @@ def apply_fsdp2(
     would sum bfloat16 gradients across ranks; we keep float32 unless asked, as torchtitan does.
     """
     policy = MixedPrecisionPolicy(
-        param_dtype=DTYPES[param_dtype] if param_dtype else None,
-        reduce_dtype=DTYPES[reduce_dtype or "float32"],
+        param_dtype=getattr(torch, param_dtype) if param_dtype else None,
+        reduce_dtype=getattr(torch, reduce_dtype or "float32"),
     )
     # nn.Module's attribute typing (Tensor | Module) does not know a stage's `layers` is a ModuleDict.
     for block in cast(nn.ModuleDict, model.layers).values():

@@ -13,10 +13,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
 
+from project.model.config import DTYPE_NAMES
 from project.model.llama import Llama
 from project.parallel.compiled import compile_blocks
 from project.parallel.contract import LlamaStrategy
-from project.parallel.fsdp2 import DTYPES, apply_fsdp2
+from project.parallel.fsdp2 import apply_fsdp2
 from project.parallel.init import materialize
 from project.parallel.mesh import mesh_shape
 from project.parallel.tensor_parallel import apply_tensor_parallel
@@ -62,8 +63,8 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
             timeout=collective_timeout(collective_timeout_minutes),
         )
         for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
-            if dtype is not None and dtype not in DTYPES:
-                raise ConfigError(f"strategy.{name}={dtype!r}: choose one of {list(DTYPES)} or null.")
+            if dtype is not None and dtype not in DTYPE_NAMES:
+                raise ConfigError(f"strategy.{name}={dtype!r}: choose one of {list(DTYPE_NAMES)} or null.")
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
         self.activation_checkpointing = activation_checkpointing
