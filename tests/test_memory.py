@@ -28,7 +28,6 @@ def test_each_of_two_fsdp_ranks_holds_half_the_model_and_optimizer_state(tiny_sh
         assert r["grad_bytes"] == r["param_bytes"]
         # AdamW's two moments per parameter, plus a step counter per tensor
         assert 2 * r["param_bytes"] <= r["optimizer_bytes"] <= 2 * r["param_bytes"] + 1024
-        assert r["peak_bytes"] > r["param_bytes"]
     peaks = read_metrics(tmp_path, "memory/max_peak_bytes")
     assert peaks[max(peaks)] == pytest.approx(max(r["peak_bytes"] for r in ranks), rel=1e-6)  # the rank that needs most
 
