@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -111,3 +112,20 @@ def test_every_strategy_of_ours_speaks_the_contract_and_nothing_probes_for_anoth
         if probes.search(line)
     ]
     assert found == []
+
+
+def test_the_module_builds_the_optimizer_the_config_names():
+    from hydra.utils import instantiate
+
+    cfg = compose_train("experiment=debug", "optim.lr=0.02", "optim.decay_steps=10")
+    optimizer = instantiate(cfg.module, _convert_="all").configure_optimizers()["optimizer"]
+    assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["lr"] == 0.02
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [cfg.optim.weight_decay, 0.0]
+    swapped = compose_train(
+        "experiment=debug",
+        "optim.decay_steps=10",
+        "module.optimizer._target_=torch.optim.SGD",
+        "~module.optimizer.betas",
+        "~module.optimizer.eps",
+    )
+    assert type(instantiate(swapped.module, _convert_="all").configure_optimizers()["optimizer"]) is torch.optim.SGD

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any, Mapping, cast
+from typing import IO, Any, Callable, Mapping, cast
 
 import torch
 import torch.nn.functional as F
@@ -129,14 +130,18 @@ class LlamaLitModule(LightningModule):
         weights_from_checkpoint: bool = False,
         init_from: str | None = None,
         init_seed: int = 0,
+        optimizer: Callable[..., torch.optim.Optimizer] | None = None,
     ):
-        """`init_on_meta`: build the model without memory, for a strategy that shards it in
-        `configure_model` and initializes the shards (LlamaParallelStrategy), so that no rank
-        ever holds the whole model; with `weights_from_checkpoint` (a resumed run) the shards are
-        only allocated, and the checkpoint fills them. `init_from`: a published Hugging Face folder
-        whose weights fill the model in `configure_model` instead of random ones (a new run). None
-        is a hyperparameter: a checkpoint loads either way. `init_seed`: the random initial weights are a
-        function of it and each parameter's name only (the run's `seed`)."""
+        """`optimizer`: builds the optimizer from the parameter groups (conf/train.yaml's module.optimizer, a
+        partial of torch.optim.AdamW with optim.lr, betas and eps); None: that AdamW. The groups carry the weight
+        decay (optim.weight_decay on matrices, none on norms).
+
+        `init_on_meta`: build the model without memory, for a strategy that shards it in `configure_model` and
+        initializes the shards (LlamaParallelStrategy), so that no rank ever holds the whole model; with
+        `weights_from_checkpoint` (a resumed run) the shards are only allocated, and the checkpoint fills them.
+        `init_from`: a published Hugging Face folder whose weights fill the model in `configure_model` instead of
+        random ones (a new run). None is a hyperparameter: a checkpoint loads either way. `init_seed`: the random
+        initial weights are a function of it and each parameter's name only (the run's `seed`)."""
         super().__init__()
         model_cfg = model if isinstance(model, LlamaConfig) else LlamaConfig(**model)
         optim_cfg = optim if isinstance(optim, OptimConfig) else OptimConfig(**(optim or {}))
@@ -152,6 +157,9 @@ class LlamaLitModule(LightningModule):
             }
         )
         self.optim = optim_cfg
+        self._optimizer = optimizer or functools.partial(
+            torch.optim.AdamW, lr=optim_cfg.lr, betas=(optim_cfg.betas[0], optim_cfg.betas[1]), eps=optim_cfg.eps
+        )
         # A model whose every value is about to be read from a file is built without memory, on any strategy.
         self._init_from = None if weights_from_checkpoint else init_from
         with torch.device("meta") if init_on_meta or self._init_from else contextlib.nullcontext():
@@ -328,11 +336,8 @@ class LlamaLitModule(LightningModule):
         return [name for _, group in self.decay_groups() for name, _ in group]
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(
-            [{"params": [p for _, p in group], "weight_decay": decay} for decay, group in self.decay_groups()],
-            lr=self.optim.lr,
-            betas=tuple(self.optim.betas),
-            eps=self.optim.eps,
+        optimizer = self._optimizer(
+            [{"params": [p for _, p in group], "weight_decay": decay} for decay, group in self.decay_groups()]
         )
         total = self.optim.decay_steps or self.trainer.max_steps
         schedule = torch.optim.lr_scheduler.LambdaLR(
