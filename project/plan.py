@@ -19,7 +19,8 @@ import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from project.config.checks import check_command_line, model_config
+from project.config.command_line import check_command_line
+from project.config.values import model_config
 from project.planning.candidates import SearchSpace
 from project.planning.cluster import GIB, Cluster
 from project.planning.memory import Allowance
@@ -120,7 +121,7 @@ def dry_run_states(outcomes: list, work: Workload, cluster: Cluster, model: list
     (the strategy's own code on a fake process group) for the pipeline rank the formulas found fullest."""
     from hydra import compose
 
-    from project.config.checks import plan_layout
+    from project.config.layout import plan_layout
     from project.planning.dry_run import rank_share
 
     checked = []

@@ -9,7 +9,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from project.config.checks import check_command_line
+from project.config.command_line import check_command_line
 from project.data.prepare import prepare_from_config
 from project.runtime.errors import exit_on_config_error
 

@@ -17,7 +17,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from project.config.checks import check_command_line, preflight
+from project.config.checks import preflight
+from project.config.command_line import check_command_line
 from project.data.loader_workers import start_worker_server
 from project.planning.dry_run import dry_run_argv
 from project.runtime.errors import ConfigError, TrainingStopped, config_error_behind, exit_on_config_error

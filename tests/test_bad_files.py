@@ -34,7 +34,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from project.config.checks import CONF, check_command_line, preflight
+from project.config.checks import preflight
+from project.config.command_line import CONF, check_command_line
 from project.runtime.errors import exit_on_config_error
 from tests.conftest import ROOT, run_train, train_overrides, write_corpus
 

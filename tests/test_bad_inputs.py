@@ -1,7 +1,8 @@
 """Every bad setting is one clear error that names it, before anything starts (issue: reliability).
 
 The table runs the checks `python -m project.train` makes before it imports torch: the command line as
-Hydra will compose it (project.config.checks.check_command_line), then the values (project.config.checks.preflight).
+Hydra will compose it (project.config.command_line.check_command_line), then the values
+(project.config.checks.preflight).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from project.config.checks import CONF, check_command_line, preflight
+from project.config.checks import preflight
+from project.config.command_line import CONF, check_command_line
 from project.runtime.errors import ConfigError, exit_on_config_error
 from tests.conftest import ROOT
 
@@ -181,7 +183,7 @@ def test_the_strategy_choices_checked_early_are_those_the_strategies_take():
 
     import torch
 
-    from project.config.checks import STRATEGY_CHOICES
+    from project.config.values import STRATEGY_CHOICES
     from project.parallel import ddp, fsdp, pipeline_layout
 
     assert STRATEGY_CHOICES["sharding_strategy"] == typing.get_args(fsdp.ShardingStrategy)

@@ -9,7 +9,8 @@ import pytest
 from conftest import read_metrics, run_module, run_train, train_overrides, write_corpus
 from hydra import compose, initialize_config_dir
 
-from project.config.checks import CONF, preflight
+from project.config.checks import preflight
+from project.config.command_line import CONF
 from project.runtime.errors import ConfigError
 
 

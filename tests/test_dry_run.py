@@ -12,7 +12,10 @@ from hydra import compose, initialize_config_dir
 from test_pipeline import LAYOUTS as PIPELINES
 from test_sharded_parity import LAYOUTS as SHARDED
 
-from project.config.checks import CONF, model_config, plan_layout, preflight
+from project.config.checks import preflight
+from project.config.command_line import CONF
+from project.config.layout import plan_layout
+from project.config.values import model_config
 from project.planning.candidates import Candidate
 from project.planning.cluster import Cluster
 from project.planning.dry_run import build_meta_model, coordinates, rank_share, representative_ranks

@@ -74,4 +74,4 @@ def test_the_graph_sees_imports_inside_functions():
     # The checks above would pass vacuously if the graph missed imports: one known edge of each kind.
     graph = import_graph()
     assert "project.model.config" in graph["project.model.llama"]  # at the top
-    assert "project.hf.folder" in graph["project.config.checks"]  # inside a function
+    assert "project.hf.folder" in graph["project.config.checkpoints"]  # inside a function

@@ -13,7 +13,9 @@ from hydra import compose, initialize_config_dir
 from test_pipeline import LAYOUTS as PIPELINES
 from test_sharded_parity import LAYOUTS as SHARDED
 
-from project.config.checks import CONF, model_config, plan_layout
+from project.config.command_line import CONF
+from project.config.layout import plan_layout
+from project.config.values import model_config
 from project.model.config import LlamaConfig
 from project.model.flops import count_parameters
 from project.planning.candidates import Candidate, SearchSpace

@@ -22,7 +22,10 @@ from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from project.config.checks import Layout, check_trainer_arguments, data_on_this_machine, model_config
+from project.config.data import data_on_this_machine
+from project.config.layout import Layout
+from project.config.trainer import check_trainer_arguments
+from project.config.values import model_config
 from project.data.shards import MANIFEST_NAME
 from project.parallel.mesh import MeshShape
 from project.parallel.pipeline_layout import chunk_ranks, default_virtual_stages

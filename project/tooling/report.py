@@ -42,7 +42,7 @@ from typing import Any
 
 import yaml
 
-from project.config.checks import Layout
+from project.config.layout import Layout
 from project.parallel.batch import BatchPlan
 from project.parallel.mesh import MeshShape
 from project.runtime.arguments import parse_options

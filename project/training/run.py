@@ -28,16 +28,11 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
 from project.checkpoint.files import checkpoint_metadata, checkpoint_step, resolve_ckpt_path, resumable_by
-from project.config.checks import (
-    Layout,
-    check_data,
-    check_trainer_arguments,
-    data_settings_differ,
-    plan_layout,
-    read_manifest,
-)
+from project.config.data import check_data, data_settings_differ
+from project.config.layout import Layout, plan_layout
+from project.config.trainer import check_trainer_arguments
 from project.data.prepare import prepare_from_config
-from project.data.shards import MANIFEST_NAME
+from project.data.shards import MANIFEST_NAME, read_manifest
 from project.data.storage import is_remote
 from project.parallel.contract import contract_of
 from project.parallel.horovod import HorovodStrategy

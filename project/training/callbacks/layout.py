@@ -6,7 +6,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 
 class LayoutFacts(Callback):
-    """Writes `facts` (project.config.checks.Layout.facts: world size, degrees, micro batch, accumulation)
+    """Writes `facts` (project.config.layout.Layout.facts: world size, degrees, micro batch, accumulation)
     to every logger at the step training starts from: a column each in metrics.csv, a series in wandb."""
 
     def __init__(self, facts: dict[str, int]):

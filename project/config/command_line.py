@@ -1,0 +1,153 @@
+"""The command line of project.train, prepare and plan, checked before Hydra composes it: a typo in a group,
+a setting or a flag is answered with the names it meant, in one paragraph."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+
+from project.runtime.errors import ConfigError
+from project.runtime.folders import unwritable
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+def close_match(word: str, choices: list[str]) -> str:
+    match = difflib.get_close_matches(word, choices, n=1)
+    return f" Did you mean {match[0]}?" if match else ""
+
+
+def check_command_line(argv: list[str], config_name: str = "train") -> None:
+    """Compose the config from `argv` as Hydra will, and answer what it refuses (a config group option
+    that does not exist, a key that is not in the config, an override that does not parse) as one
+    paragraph with a suggestion, instead of Hydra's message and traceback hint. Command lines with
+    Hydra's own flags (-m, --cfg, ...) are left to Hydra."""
+    _check_flags(argv, config_name)
+    if any(arg.startswith("-") for arg in argv):
+        return
+    # Hydra's own settings are Hydra's to check, but for its search path: it adds config files (a planned sweep's
+    # layouts).
+    overrides = [
+        arg for arg in argv if not arg.lstrip("+~").startswith("hydra.") or arg.startswith("hydra.searchpath=")
+    ]
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose(config_name, overrides=overrides)
+    except HydraException as error:
+        raise ConfigError(_explain(error, overrides, config_name)) from None
+    _check_run_dir(argv, cfg)
+
+
+# Hydra's own command-line flags (`--hydra-help` lists them); any other `--name` is an argparse habit.
+HYDRA_FLAGS = {
+    "--help",
+    "--hydra-help",
+    "--version",
+    "--cfg",
+    "--resolve",
+    "--package",
+    "--run",
+    "--multirun",
+    "--shell-completion",
+    "--config-path",
+    "--config-name",
+    "--config-dir",
+    "--info",
+    "--experimental-rerun",
+}
+
+
+def _check_flags(argv: list[str], config_name: str) -> None:
+    """`--max_steps 10` or `--max_steps=10` gets the override it meant (`trainer.max_steps=10`), not Hydra's usage
+    text."""
+    for i, arg in enumerate(argv):
+        flag, equals, value = arg.partition("=")
+        if not flag.startswith("--") or flag in HYDRA_FLAGS or flag == "--":
+            continue
+        if not equals and i + 1 < len(argv) and not argv[i + 1].startswith("-") and "=" not in argv[i + 1]:
+            value = argv[i + 1]
+        name = flag[2:].replace("-", "_")
+        key = _setting_named(name, config_name) or name
+        override = f"{key}={value or 'VALUE'}"
+        raise ConfigError(
+            f"{arg}: settings are Hydra overrides, key=value without dashes: write {override} "
+            f"(e.g. `python -m project.{config_name} {override}`)."
+        )
+
+
+def _setting_named(name: str, config_name: str) -> str | None:
+    """The full key of the setting whose last part is `name` (max_steps -> trainer.max_steps), or the closest one."""
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = OmegaConf.to_container(compose(config_name), resolve=False)
+    except HydraException:
+        return None
+    keys: list[str] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        for key, value in node.items():
+            keys.append(f"{prefix}{key}")
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+
+    walk(cfg, "")
+    if name in keys:
+        return name
+    exact = [key for key in keys if key.rpartition(".")[2] == name]
+    if exact:
+        return min(exact, key=len)
+    close = difflib.get_close_matches(name, keys, n=1) or difflib.get_close_matches(
+        name, [k.rpartition(".")[2] for k in keys], n=1
+    )
+    return next((key for key in keys if close and (key == close[0] or key.endswith("." + close[0]))), None)
+
+
+def _check_run_dir(argv: list[str], cfg: DictConfig) -> None:
+    """Hydra makes the run directory before any of our code runs, and answers a folder it cannot write
+    with a traceback: say it first. The directory is hydra.run.dir, or by default a folder in paths.log_dir."""
+    given = [arg.partition("=")[2] for arg in argv if arg.startswith("hydra.run.dir=")]
+    setting, folder = (
+        ("hydra.run.dir", given[-1]) if given else ("paths.log_dir", OmegaConf.select(cfg, "paths.log_dir"))
+    )
+    problem = unwritable(folder) if folder else None
+    if problem:
+        raise ConfigError(
+            f"{setting}={folder}: cannot make the run directory there ({problem}). Choose a folder you can write to "
+            "with hydra.run.dir=DIR (or paths.log_dir=DIR, where run directories go by default)."
+        )
+
+
+def _explain(error: HydraException, overrides: list[str], config_name: str) -> str:
+    message = str(error)
+    if missing := re.search(r"Could not find '([\w/]+)/([^']+)'", message):
+        group, name = missing.groups()
+        options = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+        return (
+            f"{group}={name}: there is no conf/{group}/{name}.yaml.{close_match(name, options)} Choose one of: "
+            f"{', '.join(options)}."
+        )
+    if unknown := re.search(r"Could not override '([^']+)'", message):
+        key = unknown.group(1)
+        parent, _, leaf = key.rpartition(".")
+        groups_only = [o for o in overrides if (CONF / o.split("=")[0]).is_dir()]  # the structure, without the typo
+        try:
+            with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+                base = compose(config_name, overrides=groups_only)
+            node = OmegaConf.select(base, parent) if parent else base
+            siblings = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+        except HydraException:
+            siblings = []
+        where = f"in {parent}" if parent else "at the top level"
+        listed = f" Settings there: {', '.join(siblings)}." if siblings and len(siblings) <= 20 else ""
+        return (
+            f"{key}: no such setting {where}.{close_match(leaf, siblings)}{listed} To add a new key on purpose, write "
+            f"+{key}=VALUE."
+        )
+    first_line = message.strip().splitlines()[0]
+    return f"{first_line} (Hydra's override syntax: https://hydra.cc/docs/advanced/override_grammar/basic/)."

@@ -1,0 +1,151 @@
+"""A run's data settings against the prepared shards they name: sources, tokenizer, sizes, the shards' state."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from omegaconf import DictConfig
+
+from project.data.corpus import NoSourcesError, resolve_sources
+from project.data.shards import MANIFEST_NAME, read_manifest
+from project.data.storage import check_prepared_shards
+from project.runtime.console import launch_rank
+from project.runtime.errors import ConfigError
+
+
+def data_on_this_machine(cfg: DictConfig) -> bool:
+    """False for a local data.dir that does not exist here: a dry run of a job for another machine, whose
+    shards are there, cannot check them (a real start prepares them, or refuses)."""
+    return bool(cfg.data.get("mix")) or "://" in str(cfg.data.dir) or Path(cfg.data.dir).exists()
+
+
+def check_data(cfg: DictConfig, shards: bool = True, prepared: bool = False) -> None:
+    """The model against the prepared shards, and the shards themselves, when they exist (they may yet be
+    prepared by the run). `shards=False`: the sequence length against the model only. `prepared`: the run has
+    just prepared them, so their settings must now be the run's, data.overwrite or not."""
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}.")
+    if not shards:
+        return
+    options = (cfg.data.get("cache_dir"), cfg.data.get("storage_options"))
+    if cfg.data.get("mix"):  # corpora prepared one by one beforehand; the datamodule checks their tokenizers agree
+        for entry in cfg.data.mix:
+            data_dir = entry.get("dir") if isinstance(entry, Mapping) else None
+            if data_dir is None:
+                raise ConfigError(
+                    f"data.mix entry {entry!r} needs a `dir` (prepared shards) and a `weight`, e.g. "
+                    f"{{dir: data/web, weight: 0.7}}."
+                )
+            check_prepared_shards(data_dir, cfg.data.seq_len, *options)
+    if "://" in str(cfg.data.dir):  # training does not prepare into object storage: the shards must be there
+        _check_vocabulary(cfg, check_prepared_shards(cfg.data.dir, cfg.data.seq_len, *options)[1])
+        return
+    data_dir = Path(cfg.data.dir)
+    if not (data_dir / MANIFEST_NAME).is_file():
+        if cfg.data.get("mix") or not cfg.data.get("auto_prepare", False):
+            read_manifest(data_dir)  # refuses
+        elif data_dir.is_dir() and any(data_dir.iterdir()):
+            # Said by project.data.prepare too, but only once it has the sources, which it may first download.
+            raise ConfigError(
+                f"data.dir={data_dir} exists, is not empty and holds no {MANIFEST_NAME}, so it is not a prepared "
+                "dataset and will not be prepared into; point data.dir at prepared shards, or a new or empty folder."
+            )
+        return
+    # A mixture's corpora are prepared one by one with settings of their own, which data.* does not describe.
+    differences = [] if cfg.data.get("mix") else data_settings_differ(cfg, read_manifest(data_dir))
+    if differences:
+        if cfg.data.get("overwrite") and cfg.data.get("auto_prepare") and not prepared:
+            return  # training prepares them again from this run's settings, then checks again (prepared=True)
+        again = (
+            "data.overwrite=true to prepare them again in place (with data.auto_prepare=true, training does it first)"
+        )
+        raise ConfigError(
+            f"data.dir={data_dir} holds shards prepared from other data settings than this run's: "
+            f"{'; '.join(differences)}. Point data.dir at a new folder to prepare them there and keep both, set "
+            f"{again}, or give the settings the shards were prepared from to train on them as they are."
+        )
+    _check_vocabulary(cfg, check_prepared_shards(data_dir, cfg.data.seq_len)[1])
+
+
+def data_settings_differ(cfg: DictConfig, manifest: Mapping[str, Any]) -> list[str]:
+    """What of data.sources, data.text_field, data.tokenizer, data.vocab_size and data.seq_len differs from what
+    the shards' manifest records they were prepared from, each as `setting: there, here`.
+
+    Sources are compared on the first process only (a glob of a large corpus on every rank of a job would
+    flood a shared file system), and only where the shards' own source files are on this machine: shards
+    copied, or moved with their project, without their raw text are taken as they are. The tokenizer is
+    compared by its file's content, the rest where the manifest records them (older shards are taken on trust).
+    """
+    data, differences = cfg.data, []
+    if manifest.get("block_size") != data.seq_len + 1:
+        differences.append(f"data.seq_len: {int(manifest['block_size']) - 1} there, {data.seq_len} here")
+    there = {str(s.get("path")): s.get("bytes") for s in manifest.get("sources", []) if isinstance(s, Mapping)}
+    if there and any(Path(path).exists() for path in there) and launch_rank(cfg.trainer.get("num_nodes", 1)) == 0:
+        patterns = [data.sources] if isinstance(data.sources, str) else list(data.get("sources") or [])
+        try:
+            here = {str(path): path.stat().st_size for path in resolve_sources(patterns)}
+        except NoSourcesError:
+            here = {}
+        if here.keys() != there.keys():
+            differences.append(f"data.sources: {_files(there)} there, {_files(here)} here")
+        elif changed := sorted(path for path in here if here[path] != there[path]):
+            differences.append(
+                f"data.sources: {changed[0]} held {there[changed[0]]} bytes when prepared, {here[changed[0]]} now"
+            )
+    settings = manifest.get("settings")
+    if not isinstance(settings, Mapping):
+        return differences
+    if settings.get("text_field") != data.text_field:
+        differences.append(f"data.text_field: {settings.get('text_field')} there, {data.text_field} here")
+    given, recorded = data.get("tokenizer"), settings.get("tokenizer")
+    if (
+        (given is None) != (recorded is None)
+        or given is not None
+        and not _same_tokenizer(given, settings.get("tokenizer_sha256"))
+    ):
+        differences.append(f"tokenizer: {_tokenizer_said(recorded)} there, {_tokenizer_said(given)} here")
+    elif given is None and settings.get("vocab_size") != data.vocab_size:
+        differences.append(f"data.vocab_size: {settings.get('vocab_size')} there, {data.vocab_size} here")
+    return differences
+
+
+def _same_tokenizer(given: str, sha256: str | None) -> bool:
+    from project.data.tokenizer import (
+        file_sha256,
+        tokenizer_file,
+    )  # tokenizers and sentencepiece: only when one is given
+
+    path = tokenizer_file(given)
+    return path.is_file() and file_sha256(path) == sha256
+
+
+def _tokenizer_said(tokenizer: str | None) -> str:
+    return f"data.tokenizer={tokenizer}" if tokenizer else "a BPE trained on the sources (data.tokenizer=null)"
+
+
+def _files(sizes: Mapping[str, Any]) -> str:
+    """`12 files in /data/raw/shakespeare (a_gut.txt, ...)`: what a list of source files is, said briefly."""
+    paths = sorted(sizes)
+    if not paths:
+        return "no files"
+    folder = os.path.commonpath([os.path.dirname(p) for p in paths])
+    names = ", ".join(os.path.relpath(p, folder) for p in paths[:2]) + (", ..." if len(paths) > 2 else "")
+    return f"{len(paths)} file{'s' if len(paths) != 1 else ''} in {folder} ({names})"
+
+
+def _check_vocabulary(cfg: DictConfig, manifest: Mapping[str, Any]) -> None:
+    tokenizer_vocab = int(manifest["tokenizer"]["vocab_size"])
+    if cfg.model.vocab_size < tokenizer_vocab and cfg.get("init_from") is not None:
+        raise ConfigError(
+            f"the shards in data.dir={cfg.data.dir} were made with a tokenizer of {tokenizer_vocab} tokens, more than "
+            f"the {cfg.model.vocab_size} of the model in init_from={cfg.init_from}: prepare your text with the "
+            f"folder's own tokenizer (python -m project.prepare data.tokenizer={cfg.init_from} ...) and train on those "
+            "shards."
+        )
+    if cfg.model.vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} "
+            f"(shards in {cfg.data.dir}): set model.vocab_size={tokenizer_vocab} or more."
+        )

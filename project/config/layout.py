@@ -1,0 +1,112 @@
+"""The run's layout (mesh degrees and batch plan) planned from its settings before any process starts, refusing
+what cannot be built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from project.config.values import model_config
+from project.parallel.batch import BatchPlan, plan_batches, plan_pipeline_batches
+from project.parallel.mesh import MeshShape, check_tensor_parallel_degree, mesh_shape
+from project.parallel.pipeline_layout import check_pipeline, default_virtual_stages
+from project.runtime.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run spreads over its devices: the mesh degrees and the batch plan."""
+
+    shape: MeshShape
+    plan: BatchPlan
+
+    def name(self, model: str, strategy: str) -> str:
+        """`small10m_dp2-tp2-pp1_mb4_fsdp2`: the model preset, the degrees, the micro batch and the strategy."""
+        pp, dp, tp = self.shape
+        return f"{model}_dp{dp}-tp{tp}-pp{pp}_mb{self.plan.micro_batch_size}_{strategy}"
+
+    def facts(self) -> dict[str, int]:
+        """The layout as numbers, logged beside the metrics so that runs can be compared by them."""
+        pp, dp, tp = self.shape
+        return {
+            "layout/world_size": pp * dp * tp,
+            "layout/data_parallel": dp,
+            "layout/tensor_parallel": tp,
+            "layout/pipeline_parallel": pp,
+            "layout/micro_batch_size": self.plan.micro_batch_size,
+            "layout/accumulation": self.plan.accumulate_grad_batches,
+            "layout/pipeline_microbatches": self.plan.pipeline_microbatches,
+            "layout/global_batch_size": self.plan.global_batch_size,
+        }
+
+
+def is_pipeline(strategy_cfg: Mapping[str, Any]) -> bool:
+    return str(strategy_cfg.get("_target_", "")).endswith("LlamaPipelineStrategy")
+
+
+def is_horovod(strategy_cfg: Mapping[str, Any]) -> bool:
+    return str(strategy_cfg.get("_target_", "")).startswith("project.parallel.horovod.")
+
+
+def horovod_devices(cfg: DictConfig, dry_run: bool) -> int:
+    """The processes horovodrun started: Horovod's launcher, not the trainer settings, says how many."""
+    if dry_run:
+        raise ConfigError(
+            "dry_run=true does not model strategy=horovod: dry-run strategy=ddp with trainer.devices and "
+            "trainer.num_nodes of your job instead (the same replicas, memory and batch plan)."
+        )
+    if cfg.trainer.get("devices", 1) != 1 or cfg.trainer.get("num_nodes", 1) != 1:
+        raise ConfigError(
+            f"strategy=horovod runs one process per device and horovodrun starts them (-np N -H host:slots,...): "
+            f"leave trainer.devices=1 and trainer.num_nodes=1 (they are {cfg.trainer.get('devices')} and "
+            f"{cfg.trainer.get('num_nodes', 1)})."
+        )
+    if str(cfg.trainer.get("precision")) == "bf16-true":  # Lightning reads "bf16" as bf16-mixed
+        raise ConfigError(
+            f"strategy=horovod with trainer.precision={cfg.trainer.precision}: Horovod 0.28's PyTorch operations have "
+            "no bfloat16, and weights and gradients would be bfloat16. Use trainer.precision=bf16-mixed (bfloat16 "
+            "compute, float32 weights and gradients) or 32-true."
+        )
+    from project.parallel.horovod import horovod_world  # imports torch and Horovod: only for Horovod runs
+
+    processes = horovod_world(OmegaConf.to_container(cfg.strategy, resolve=True))
+    overrides = HydraConfig.get().overrides.hydra if HydraConfig.initialized() else []
+    if processes > 1 and not any(o.lstrip("+").startswith("hydra.run.dir=") for o in overrides):
+        raise ConfigError(
+            f"strategy=horovod with {processes} processes needs one run directory for all of them: add "
+            "hydra.run.dir=outputs/runs/NAME (on a file system every node shares); each would otherwise name its own "
+            "from its clock."
+        )
+    return processes
+
+
+def plan_layout(cfg: DictConfig, num_nodes: int, devices_per_node: int) -> Layout:
+    """Degrees and batch plan of the run on `num_nodes x devices_per_node` devices, refusing what
+    cannot be built: degrees that do not divide the devices or the model, batches that do not split,
+    pipelines that cannot be scheduled."""
+    strategy_cfg = OmegaConf.to_container(cfg.strategy, resolve=True)
+    model = model_config(cfg)
+    shape = mesh_shape(strategy_cfg, num_nodes * devices_per_node, devices_per_node)
+    if shape.tensor_parallel > 1:
+        sequence_parallel = strategy_cfg.get("sequence_parallel", False)
+        check_tensor_parallel_degree(model, shape.tensor_parallel, cfg.data.seq_len if sequence_parallel else None)
+    if not is_pipeline(strategy_cfg):
+        return Layout(shape, plan_batches(cfg.global_batch_size, shape.data_parallel, cfg.micro_batch_size))
+    plan = plan_pipeline_batches(
+        cfg.global_batch_size, shape.data_parallel, cfg.micro_batch_size, strategy_cfg.get("n_microbatches")
+    )
+    schedule = strategy_cfg.get("schedule", "1f1b")
+    check_pipeline(
+        model,
+        schedule,
+        shape,
+        strategy_cfg.get("virtual_stages") or default_virtual_stages(schedule),
+        plan.pipeline_microbatches,
+        strategy_cfg.get("stage_layers"),
+        strategy_cfg.get("compile", False),
+        strategy_cfg.get("param_dtype"),
+    )
+    return Layout(shape, plan)
