@@ -139,3 +139,14 @@ def test_a_module_without_a_strategy_of_ours_keeps_lightnings_defaults():
         p.grad = torch.ones_like(p)
     module.optimizer_zero_grad(0, 0, optimizer)
     assert all(p.grad is None for p in module.parameters())
+
+
+def test_only_horovod_takes_its_ranks_from_its_own_launcher():
+    # Under SLURM, the run gives Lightning SLURM's environment unless the strategy's launcher gives the ranks.
+    from project.parallel.contract import LlamaStrategy
+    from project.parallel.ddp import GlooFriendlyDDPStrategy
+    from project.parallel.horovod import HorovodStrategy
+    from project.parallel.model_parallel import LlamaParallelStrategy
+
+    assert HorovodStrategy.ranks_from_own_launcher
+    assert not any(s.ranks_from_own_launcher for s in (LlamaStrategy, GlooFriendlyDDPStrategy, LlamaParallelStrategy))

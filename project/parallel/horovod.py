@@ -100,6 +100,8 @@ class HorovodStrategy(LlamaStrategy, ParallelStrategy):
     learning rate (Horovod's examples do): the global batch is set as such (global_batch_size), as for DDP.
     """
 
+    ranks_from_own_launcher = True
+
     strategy_name = "horovod"
 
     def __init__(

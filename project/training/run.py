@@ -35,7 +35,6 @@ from project.data.prepare import prepare_from_config
 from project.data.shards import MANIFEST_NAME, read_manifest
 from project.data.storage import is_remote
 from project.parallel.contract import contract_of
-from project.parallel.horovod import HorovodStrategy
 from project.runtime.console import keep_console, launch_rank, silence_known_noise
 from project.runtime.errors import ConfigError
 from project.runtime.processes import watch_children
@@ -115,7 +114,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, strategy: Strategy, layout: La
     plan = layout.plan
     # Our handler checkpoints between steps; Lightning's would save mid-step. Under horovodrun in a batch job,
     # Horovod gives the ranks, not SLURM's tasks.
-    slurm = SLURMEnvironment.detect() and not isinstance(strategy, HorovodStrategy)
+    slurm = SLURMEnvironment.detect() and not contract_of(strategy).ranks_from_own_launcher
     try:
         return instantiate(
             cfg.trainer,
