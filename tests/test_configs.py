@@ -114,6 +114,28 @@ def test_every_strategy_of_ours_speaks_the_contract_and_nothing_probes_for_anoth
     assert found == []
 
 
+def test_the_settings_check_knows_each_strategy_as_its_built_class_does():
+    """The torch-free kinds (project.parallel.kinds) answer as the strategies' classes do, once built."""
+    from hydra.utils import instantiate
+
+    from project.parallel.contract import contract_of
+    from project.parallel.horovod import HorovodStrategy, horovod_strategy
+    from project.parallel.kinds import strategy_kind
+    from project.parallel.pipeline_strategy import LlamaPipelineStrategy
+
+    for name in STRATEGIES:
+        node = compose_train(f"strategy={name}", "trainer.devices=2").strategy
+        kind = strategy_kind(node)
+        if name == "horovod":  # built by tests/test_horovod.py, which needs Horovod installed
+            assert node._target_ == f"{horovod_strategy.__module__}.{horovod_strategy.__name__}"
+            assert kind.own_launcher == HorovodStrategy.ranks_from_own_launcher and not kind.pipeline
+            continue
+        strategy = instantiate(node)
+        assert kind.pipeline == isinstance(strategy, LlamaPipelineStrategy), name
+        assert kind.own_launcher == contract_of(strategy).ranks_from_own_launcher, name
+    assert {n for n in STRATEGIES if strategy_kind(compose_train(f"strategy={n}").strategy).pipeline} == {"pipeline"}
+
+
 def test_the_module_builds_the_optimizer_the_config_names():
     from hydra.utils import instantiate
 

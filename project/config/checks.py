@@ -14,9 +14,10 @@ from omegaconf import DictConfig
 
 from project.config.checkpoints import check_ckpt_path, check_init_from
 from project.config.data import check_data, data_on_this_machine
-from project.config.layout import Layout, horovod_devices, is_horovod, plan_layout
+from project.config.layout import Layout, horovod_devices, plan_layout
 from project.config.trainer import check_trainer
 from project.config.values import check_values
+from project.parallel.kinds import strategy_kind
 
 
 def preflight(cfg: DictConfig, dry_run: bool = False, run_dir: str | os.PathLike | None = None) -> Layout | None:
@@ -29,7 +30,7 @@ def preflight(cfg: DictConfig, dry_run: bool = False, run_dir: str | os.PathLike
     check_data(cfg, shards=not dry_run or data_on_this_machine(cfg))
     check_ckpt_path(cfg, run_dir)
     nodes, devices = cfg.trainer.get("num_nodes", 1), cfg.trainer.get("devices", "auto")
-    if is_horovod(cfg.strategy):
+    if strategy_kind(cfg.strategy).own_launcher:
         devices = horovod_devices(cfg, dry_run)
     if isinstance(nodes, int) and isinstance(devices, int):
         return plan_layout(cfg, nodes, devices)

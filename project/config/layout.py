@@ -4,13 +4,13 @@ what cannot be built."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from project.config.values import model_config
 from project.parallel.batch import BatchPlan, plan_batches, plan_pipeline_batches
+from project.parallel.kinds import strategy_kind
 from project.parallel.mesh import MeshShape, check_tensor_parallel_degree, mesh_shape
 from project.parallel.pipeline_layout import check_pipeline, default_virtual_stages
 from project.runtime.errors import ConfigError
@@ -41,14 +41,6 @@ class Layout:
             "layout/pipeline_microbatches": self.plan.pipeline_microbatches,
             "layout/global_batch_size": self.plan.global_batch_size,
         }
-
-
-def is_pipeline(strategy_cfg: Mapping[str, Any]) -> bool:
-    return str(strategy_cfg.get("_target_", "")).endswith("LlamaPipelineStrategy")
-
-
-def is_horovod(strategy_cfg: Mapping[str, Any]) -> bool:
-    return str(strategy_cfg.get("_target_", "")).startswith("project.parallel.horovod.")
 
 
 def horovod_devices(cfg: DictConfig, dry_run: bool) -> int:
@@ -93,7 +85,7 @@ def plan_layout(cfg: DictConfig, num_nodes: int, devices_per_node: int) -> Layou
     if shape.tensor_parallel > 1:
         sequence_parallel = strategy_cfg.get("sequence_parallel", False)
         check_tensor_parallel_degree(model, shape.tensor_parallel, cfg.data.seq_len if sequence_parallel else None)
-    if not is_pipeline(strategy_cfg):
+    if not strategy_kind(strategy_cfg).pipeline:
         return Layout(shape, plan_batches(cfg.global_batch_size, shape.data_parallel, cfg.micro_batch_size))
     plan = plan_pipeline_batches(
         cfg.global_batch_size, shape.data_parallel, cfg.micro_batch_size, strategy_cfg.get("n_microbatches")
