@@ -1,141 +1,37 @@
 """One training run, from a composed and pre-checked config (project.train is its command line).
 
-Builds in order: strategy -> trainer -> layout -> data -> module, and fits. With a multi-process
-strategy Lightning re-runs the same command for the other local ranks (pointing them at this run's
+Builds in order: strategy -> layout -> Trainer (project.training.trainer) -> data -> module, and fits. With a
+multi-process strategy Lightning re-runs the same command for the other local ranks (pointing them at this run's
 directory), so everything here runs on every rank.
 """
 
 from __future__ import annotations
 
-import math
-import os
-import signal
 import warnings
 from pathlib import Path
 from typing import Callable, cast
 
 import lightning as L
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from lightning.pytorch.accelerators import AcceleratorRegistry, CPUAccelerator
-from lightning.pytorch.callbacks import Callback, ModelSummary, ProgressBar
-from lightning.pytorch.loggers import Logger
-from lightning.pytorch.plugins.environments import SLURMEnvironment
-from lightning.pytorch.strategies import ParallelStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
 from project.checkpoint.files import checkpoint_metadata, checkpoint_step, resolve_ckpt_path, resumable_by
 from project.config.data import check_data, data_settings_differ
 from project.config.layout import Layout, plan_layout
-from project.config.trainer import check_trainer_arguments
+from project.data.datamodule import TokenShardDataModule
 from project.data.prepare import prepare_from_config
 from project.data.shards import MANIFEST_NAME, read_manifest
 from project.data.storage import is_remote
+from project.parallel.batch import BatchPlan
 from project.parallel.contract import contract_of
 from project.runtime.console import keep_console, launch_rank, silence_known_noise
-from project.runtime.errors import ConfigError
 from project.runtime.processes import watch_children
 from project.runtime.secrets import redact_text, redacted_container, secret_values
-from project.training.callbacks import LayoutFacts, StepCheckpoint
 from project.training.callbacks.preemption import REQUEUE_EXIT_STATUS, StopOnSignal
 from project.training.lit_module import check_resumable
-from project.training.loggers import RunIdentity
-
-
-def limit_cpu_threads(trainer: L.Trainer, threads_per_process: int | None) -> None:
-    # Several processes sharing a few cores thrash if each takes all threads (about 30x slower on 2 cores).
-    # Runs before fit, so the ranks Lightning launches inherit the setting.
-    # A strategy whose processes another launcher started (Horovod) says how many share this node.
-    processes_here = contract_of(trainer.strategy).processes_per_node(trainer)
-    if isinstance(trainer.accelerator, CPUAccelerator) and processes_here > 1:
-        threads = threads_per_process or 1
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        torch.set_num_threads(threads)
-
-
-def is_first_process(trainer: L.Trainer) -> bool:
-    """Global rank 0, known before the process group exists: from torchrun's or SLURM's variables,
-    or, under Lightning's own launcher, from being the process that launches the others."""
-    if not isinstance(trainer.strategy, ParallelStrategy):  # one process
-        return True
-    env = trainer.strategy.cluster_environment
-    return env is None or (env.global_rank() == 0 and env.local_rank() == 0 and env.node_rank() == 0)
-
-
-def devices_per_node(cfg: DictConfig) -> int:
-    """The devices per node the Trainer will take for trainer.accelerator and trainer.devices (`auto`, -1, a list),
-    asked of Lightning's accelerator before the Trainer exists, so that it is built once, with the layout's values."""
-    accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    if accelerator in ("auto", "gpu"):
-        found = next((name for name in ("cuda", "mps") if AcceleratorRegistry.get(name).is_available()), None)
-        accelerator = found or ("cpu" if accelerator == "auto" else "cuda")
-    kind = type(AcceleratorRegistry.get(accelerator))
-    devices = cfg.trainer.get("devices", "auto")
-    devices = kind.auto_device_count() if devices == "auto" else devices
-    return len(kind.get_parallel_devices(kind.parse_devices(devices)))
-
-
-def build_callbacks(cfg: DictConfig, layout: Layout) -> list[Callback]:
-    """conf/callbacks' (those the trainer settings leave on), the layout's facts, and the stop on a signal."""
-    callbacks = [instantiate(node) for node in cfg.callbacks.values() if node is not None]
-    if not cfg.trainer.get("enable_progress_bar", True):
-        callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
-    if not cfg.trainer.get("enable_model_summary", True):
-        callbacks = [c for c in callbacks if not isinstance(c, ModelSummary)]
-    stop_signals = (signal.SIGTERM, signal.SIGUSR1) if SLURMEnvironment.detect() else (signal.SIGTERM,)
-    step_checkpoints = [c for c in callbacks if isinstance(c, StepCheckpoint)]
-    if step_checkpoints:  # without one (~callbacks.last_checkpoint), a signal stops the run as Lightning does
-        callbacks.append(StopOnSignal(step_checkpoints[0], stop_signals))
-    return [*callbacks, LayoutFacts(layout.facts())]
-
-
-def build_loggers(cfg: DictConfig, run_dir: Path, layout: Layout) -> list[Logger]:
-    """conf/logger's loggers, each told the run it logs: named after the layout, grouped by sweep or experiment."""
-    choices = HydraConfig.get().runtime.choices
-    model_name, strategy_name = choices.get("model", "model"), choices.get("strategy", "strategy")
-    run = RunIdentity(
-        dir=run_dir,
-        name=layout.name(model_name, strategy_name),
-        group=os.environ.get("WANDB_SWEEP_ID") or choices.get("experiment") or None,
-        tags=[strategy_name, model_name, f"{math.prod(layout.shape)}-devices"],
-        config=redacted_container(cfg),
-        has_secrets=bool(secret_values(cfg)),
-    )
-    return [instantiate(node)(run) for node in cfg.logger.values() if node is not None]
-
-
-def build_trainer(cfg: DictConfig, run_dir: Path, strategy: Strategy, layout: Layout) -> L.Trainer:
-    """lightning.Trainer from conf/trainer, with what the run computes: the strategy, callbacks and loggers, and the
-    layout's accumulation and validation interval (validation is counted in optimizer steps)."""
-    check_trainer_arguments(cfg)
-    plan = layout.plan
-    # Our handler checkpoints between steps; Lightning's would save mid-step. Under horovodrun in a batch job,
-    # Horovod gives the ranks, not SLURM's tasks.
-    slurm = SLURMEnvironment.detect() and not contract_of(strategy).ranks_from_own_launcher
-    try:
-        return instantiate(
-            cfg.trainer,
-            strategy=strategy,
-            callbacks=build_callbacks(cfg, layout),
-            logger=build_loggers(cfg, run_dir, layout),
-            plugins=[SLURMEnvironment(auto_requeue=False)] if slurm else [],
-            # Lightning logs every log_every_n_steps steps only: a shorter run would write no metrics at all.
-            log_every_n_steps=min(cfg.trainer.get("log_every_n_steps", 50), cfg.trainer.max_steps),
-            accumulate_grad_batches=plan.accumulate_grad_batches,
-            val_check_interval=cfg.val_every_n_steps * plan.accumulate_grad_batches,
-            default_root_dir=run_dir,
-            check_val_every_n_epoch=None,  # the training stream has no epochs
-            use_distributed_sampler=False,  # our sampler splits by data-parallel replica, not by global rank
-        )
-    except Exception as error:  # Lightning's word on devices, precision, strategy, wrapped by Hydra's instantiate
-        cause = error.__cause__ if isinstance(error.__cause__, (ValueError, MisconfigurationException)) else error
-        if not isinstance(cause, (ValueError, MisconfigurationException)) or isinstance(cause, ConfigError):
-            raise
-        choice = HydraConfig.get().runtime.choices.get("strategy")
-        raise ConfigError(f"Lightning refused the trainer settings (trainer.*, strategy={choice}): {cause}") from error
+from project.training.trainer import build_trainer, check_devices, devices_per_node, is_first_process, limit_cpu_threads
 
 
 def record_console(cfg: DictConfig, run_dir: Path) -> Callable[[], None]:
@@ -190,64 +86,28 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
 
 
 def fit(cfg: DictConfig, run_dir: Path, layout: Layout | None) -> dict[str, float]:
-    """Build the run from `cfg` (strategy, layout, data, module, Trainer) in `run_dir` and fit; the final metrics."""
+    """Build the run from `cfg` (strategy, layout, Trainer, data, module) in `run_dir` and fit; the final metrics."""
     # Loader workers draw no random numbers (the sampler orders the data), so Lightning need not seed
     # them: its seeding function would be a Lightning import in every worker (project.data.loader_workers).
     L.seed_everything(cfg.seed, workers=False)
-
     strategy = instantiate(cfg.strategy, _convert_="all")
     layout = layout or plan_layout(cfg, cfg.trainer.get("num_nodes", 1), devices_per_node(cfg))
-    plan = layout.plan
-    contract_of(strategy).plan_batches(plan)  # the pipeline's microbatches
+    contract_of(strategy).plan_batches(layout.plan)  # the pipeline's microbatches
     trainer = build_trainer(cfg, run_dir, strategy, layout)
-    requested = cfg.trainer.devices
-    if str(requested).isdigit() and int(requested) != trainer.num_devices:
-        strategy_name = HydraConfig.get().runtime.choices.get("strategy")
-        raise ConfigError(
-            f"strategy={strategy_name} runs on {trainer.num_devices} device(s) per node, not "
-            f"trainer.devices={requested}: choose a multi-device strategy (strategy=ddp) or "
-            f"trainer.devices={trainer.num_devices}."
-        )
+    check_devices(cfg, trainer)
     limit_cpu_threads(trainer, cfg.threads_per_process)
-
     prepare_if_needed(cfg)
-    datamodule = instantiate(
-        cfg.datamodule,
-        global_batch_size=plan.global_batch_size,
-        micro_batch_size=plan.loader_batch_size,
-        _convert_="all",
-    )
-    if cfg.model.vocab_size > datamodule.vocab_size:
-        rank_zero_warn(
-            f"model.vocab_size={cfg.model.vocab_size} is larger than the tokenizer's {datamodule.vocab_size} tokens: "
-            f"{cfg.model.vocab_size - datamodule.vocab_size} embedding rows will never train. Set model.vocab_size (or "
-            f"data.vocab_size, which the small presets follow) to {datamodule.vocab_size} unless you mean to grow the "
-            "vocabulary."
-        )
+    datamodule = build_datamodule(cfg, layout.plan)
     module = instantiate(
         cfg.module,
         eos_id=datamodule.eos_id,
-        # Strategies that shard the model themselves also initialize it, after sharding.
-        init_on_meta=contract_of(strategy).model_on_meta,
+        init_on_meta=contract_of(strategy).model_on_meta,  # a strategy that shards the model initializes it
         weights_from_checkpoint=cfg.ckpt_path is not None,
         _convert_="all",
     )
-    steps_per_update = (
-        f"{plan.pipeline_microbatches} pipeline microbatches"
-        if plan.pipeline_microbatches > 1
-        else f"{plan.accumulate_grad_batches} accumulation"
-    )
-    rank_zero_info(
-        f"run dir: {run_dir}\nbatch: global {plan.global_batch_size} = micro {plan.micro_batch_size} x "
-        f"{steps_per_update} x {plan.data_parallel_size} data-parallel replicas"
-    )
+    announce(run_dir, layout.plan)
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
-    if ckpt_path is not None and (trained := checkpoint_step(ckpt_path)) >= cfg.trainer.max_steps:
-        rank_zero_info(
-            f"already trained to step {trained} (trainer.max_steps={cfg.trainer.max_steps}): nothing to do. To train "
-            "longer, raise trainer.max_steps (and set optim.decay_steps to the original schedule's length to keep its "
-            "learning rates)."
-        )
+    if ckpt_path is not None and trained_to_the_end(cfg, ckpt_path):
         return {}
     if ckpt_path is not None:  # a checkpoint of another model or tokenizer, refused by name before anything loads
         model_cfg = cast(dict, OmegaConf.to_container(cfg.model, resolve=True))
@@ -262,6 +122,54 @@ def fit(cfg: DictConfig, run_dir: Path, layout: Layout | None) -> dict[str, floa
     )
     watch_children(trainer.strategy.launcher)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    return finish(trainer, run_dir)
+
+
+def build_datamodule(cfg: DictConfig, plan: BatchPlan) -> TokenShardDataModule:
+    """conf/train.yaml's datamodule with the batch plan's sizes; a model vocabulary beyond the tokenizer's is said."""
+    datamodule = instantiate(
+        cfg.datamodule,
+        global_batch_size=plan.global_batch_size,
+        micro_batch_size=plan.loader_batch_size,
+        _convert_="all",
+    )
+    if cfg.model.vocab_size > datamodule.vocab_size:
+        rank_zero_warn(
+            f"model.vocab_size={cfg.model.vocab_size} is larger than the tokenizer's {datamodule.vocab_size} tokens: "
+            f"{cfg.model.vocab_size - datamodule.vocab_size} embedding rows will never train. Set model.vocab_size (or "
+            f"data.vocab_size, which the small presets follow) to {datamodule.vocab_size} unless you mean to grow the "
+            "vocabulary."
+        )
+    return datamodule
+
+
+def announce(run_dir: Path, plan: BatchPlan) -> None:
+    steps_per_update = (
+        f"{plan.pipeline_microbatches} pipeline microbatches"
+        if plan.pipeline_microbatches > 1
+        else f"{plan.accumulate_grad_batches} accumulation"
+    )
+    rank_zero_info(
+        f"run dir: {run_dir}\nbatch: global {plan.global_batch_size} = micro {plan.micro_batch_size} x "
+        f"{steps_per_update} x {plan.data_parallel_size} data-parallel replicas"
+    )
+
+
+def trained_to_the_end(cfg: DictConfig, ckpt_path: str) -> bool:
+    """The checkpoint to resume already reached trainer.max_steps: said, and nothing to do."""
+    trained = checkpoint_step(ckpt_path)
+    if trained < cfg.trainer.max_steps:
+        return False
+    rank_zero_info(
+        f"already trained to step {trained} (trainer.max_steps={cfg.trainer.max_steps}): nothing to do. To train "
+        "longer, raise trainer.max_steps (and set optim.decay_steps to the original schedule's length to keep its "
+        "learning rates)."
+    )
+    return True
+
+
+def finish(trainer: L.Trainer, run_dir: Path) -> dict[str, float]:
+    """The final metrics, said; a run stopped by a signal exits with the status that asks for a requeue."""
     callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
     if any(isinstance(callback, StopOnSignal) and callback.stopped_for_requeue for callback in callbacks):
         rank_zero_info(

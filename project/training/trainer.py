@@ -1,0 +1,136 @@
+"""The Lightning Trainer of a run, built once from conf/trainer with what the run computes (strategy, callbacks,
+loggers, accumulation, validation interval), and what is asked of it before fit: the devices it took, the threads
+of each process, whether this process is the first."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from pathlib import Path
+
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from lightning.pytorch.accelerators import AcceleratorRegistry, CPUAccelerator
+from lightning.pytorch.callbacks import Callback, ModelSummary, ProgressBar
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.strategies import ParallelStrategy, Strategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from omegaconf import DictConfig
+
+from project.config.layout import Layout
+from project.config.trainer import check_trainer_arguments
+from project.parallel.contract import contract_of
+from project.runtime.errors import ConfigError
+from project.runtime.secrets import redacted_container, secret_values
+from project.training.callbacks import LayoutFacts, StepCheckpoint
+from project.training.callbacks.preemption import StopOnSignal
+from project.training.loggers import RunIdentity
+
+
+def limit_cpu_threads(trainer: L.Trainer, threads_per_process: int | None) -> None:
+    # Several processes sharing a few cores thrash if each takes all threads (about 30x slower on 2 cores).
+    # Runs before fit, so the ranks Lightning launches inherit the setting.
+    # A strategy whose processes another launcher started (Horovod) says how many share this node.
+    processes_here = contract_of(trainer.strategy).processes_per_node(trainer)
+    if isinstance(trainer.accelerator, CPUAccelerator) and processes_here > 1:
+        threads = threads_per_process or 1
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+def is_first_process(trainer: L.Trainer) -> bool:
+    """Global rank 0, known before the process group exists: from torchrun's or SLURM's variables,
+    or, under Lightning's own launcher, from being the process that launches the others."""
+    if not isinstance(trainer.strategy, ParallelStrategy):  # one process
+        return True
+    env = trainer.strategy.cluster_environment
+    return env is None or (env.global_rank() == 0 and env.local_rank() == 0 and env.node_rank() == 0)
+
+
+def devices_per_node(cfg: DictConfig) -> int:
+    """The devices per node the Trainer will take for trainer.accelerator and trainer.devices (`auto`, -1, a list),
+    asked of Lightning's accelerator before the Trainer exists, so that it is built once, with the layout's values."""
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    if accelerator in ("auto", "gpu"):
+        found = next((name for name in ("cuda", "mps") if AcceleratorRegistry.get(name).is_available()), None)
+        accelerator = found or ("cpu" if accelerator == "auto" else "cuda")
+    kind = type(AcceleratorRegistry.get(accelerator))
+    devices = cfg.trainer.get("devices", "auto")
+    devices = kind.auto_device_count() if devices == "auto" else devices
+    return len(kind.get_parallel_devices(kind.parse_devices(devices)))
+
+
+def build_callbacks(cfg: DictConfig, layout: Layout) -> list[Callback]:
+    """conf/callbacks' (those the trainer settings leave on), the layout's facts, and the stop on a signal."""
+    callbacks = [instantiate(node) for node in cfg.callbacks.values() if node is not None]
+    if not cfg.trainer.get("enable_progress_bar", True):
+        callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
+    if not cfg.trainer.get("enable_model_summary", True):
+        callbacks = [c for c in callbacks if not isinstance(c, ModelSummary)]
+    stop_signals = (signal.SIGTERM, signal.SIGUSR1) if SLURMEnvironment.detect() else (signal.SIGTERM,)
+    step_checkpoints = [c for c in callbacks if isinstance(c, StepCheckpoint)]
+    if step_checkpoints:  # without one (~callbacks.last_checkpoint), a signal stops the run as Lightning does
+        callbacks.append(StopOnSignal(step_checkpoints[0], stop_signals))
+    return [*callbacks, LayoutFacts(layout.facts())]
+
+
+def build_loggers(cfg: DictConfig, run_dir: Path, layout: Layout) -> list[Logger]:
+    """conf/logger's loggers, each told the run it logs: named after the layout, grouped by sweep or experiment."""
+    choices = HydraConfig.get().runtime.choices
+    model_name, strategy_name = choices.get("model", "model"), choices.get("strategy", "strategy")
+    run = RunIdentity(
+        dir=run_dir,
+        name=layout.name(model_name, strategy_name),
+        group=os.environ.get("WANDB_SWEEP_ID") or choices.get("experiment") or None,
+        tags=[strategy_name, model_name, f"{math.prod(layout.shape)}-devices"],
+        config=redacted_container(cfg),
+        has_secrets=bool(secret_values(cfg)),
+    )
+    return [instantiate(node)(run) for node in cfg.logger.values() if node is not None]
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path, strategy: Strategy, layout: Layout) -> L.Trainer:
+    """lightning.Trainer from conf/trainer, with what the run computes: the strategy, callbacks and loggers, and the
+    layout's accumulation and validation interval (validation is counted in optimizer steps)."""
+    check_trainer_arguments(cfg)
+    plan = layout.plan
+    # Our handler checkpoints between steps; Lightning's would save mid-step. Under horovodrun in a batch job,
+    # Horovod gives the ranks, not SLURM's tasks.
+    slurm = SLURMEnvironment.detect() and not contract_of(strategy).ranks_from_own_launcher
+    try:
+        return instantiate(
+            cfg.trainer,
+            strategy=strategy,
+            callbacks=build_callbacks(cfg, layout),
+            logger=build_loggers(cfg, run_dir, layout),
+            plugins=[SLURMEnvironment(auto_requeue=False)] if slurm else [],
+            # Lightning logs every log_every_n_steps steps only: a shorter run would write no metrics at all.
+            log_every_n_steps=min(cfg.trainer.get("log_every_n_steps", 50), cfg.trainer.max_steps),
+            accumulate_grad_batches=plan.accumulate_grad_batches,
+            val_check_interval=cfg.val_every_n_steps * plan.accumulate_grad_batches,
+            default_root_dir=run_dir,
+            check_val_every_n_epoch=None,  # the training stream has no epochs
+            use_distributed_sampler=False,  # our sampler splits by data-parallel replica, not by global rank
+        )
+    except Exception as error:  # Lightning's word on devices, precision, strategy, wrapped by Hydra's instantiate
+        cause = error.__cause__ if isinstance(error.__cause__, (ValueError, MisconfigurationException)) else error
+        if not isinstance(cause, (ValueError, MisconfigurationException)) or isinstance(cause, ConfigError):
+            raise
+        choice = HydraConfig.get().runtime.choices.get("strategy")
+        raise ConfigError(f"Lightning refused the trainer settings (trainer.*, strategy={choice}): {cause}") from error
+
+
+def check_devices(cfg: DictConfig, trainer: L.Trainer) -> None:
+    """A single-device strategy takes one device whatever trainer.devices asks: refuse the difference."""
+    requested = cfg.trainer.devices
+    if str(requested).isdigit() and int(requested) != trainer.num_devices:
+        strategy_name = HydraConfig.get().runtime.choices.get("strategy")
+        raise ConfigError(
+            f"strategy={strategy_name} runs on {trainer.num_devices} device(s) per node, not "
+            f"trainer.devices={requested}: choose a multi-device strategy (strategy=ddp) or "
+            f"trainer.devices={trainer.num_devices}."
+        )
