@@ -12,9 +12,9 @@ from project.runtime import startup
 
 
 @pytest.fixture
-def first_use(monkeypatch):
-    """As in a fresh process; the collector and the frozen set as they were, afterwards."""
-    monkeypatch.setattr(startup, "_paused_once", False)
+def first_use():
+    """As in a fresh process, nothing frozen yet; the collector as it was, afterwards."""
+    gc.unfreeze()
     enabled = gc.isenabled()
     yield
     gc.unfreeze()

@@ -6,8 +6,6 @@ import gc
 from contextlib import contextmanager
 from typing import Iterator
 
-_paused_once = False
-
 
 @contextmanager
 def collector_paused_for_imports() -> Iterator[None]:
@@ -18,14 +16,13 @@ def collector_paused_for_imports() -> Iterator[None]:
     here against 2.2-2.4 s. Frozen afterwards, the objects stay out of the later passes as well. The
     price is the imports' own cyclic garbage, kept for good: about 8 MiB.
 
-    Only the first use in a process does this. A later one (the next job of a Hydra multirun, which runs
-    in the same process) would freeze the previous job's garbage, trainer and model included, for good.
+    Kept for what a user notices: each rank of a run starts this much sooner. Only a process that has frozen
+    nothing yet does it: a later use (the next job of a Hydra multirun, which runs in the same process) would
+    freeze the previous job's garbage, trainer and model included, for good.
     """
-    global _paused_once
-    if _paused_once:
+    if gc.get_freeze_count():
         yield
         return
-    _paused_once = True
     was_enabled = gc.isenabled()
     gc.disable()
     try:
