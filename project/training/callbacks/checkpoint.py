@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from project.checkpoint.files import remove, swap_in
 from project.runtime.errors import ConfigError
+from project.training.callbacks.steps import OptimizerSteps
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -38,6 +39,7 @@ class StepCheckpoint(ModelCheckpoint):
         super().__init__(save_top_k=0, save_last=True, enable_version_counter=False, **kwargs)
         self.every_minutes = every_minutes
         self._saved_at = time.monotonic()
+        self._steps = OptimizerSteps()
 
     @property
     def state_key(self) -> str:
@@ -47,7 +49,8 @@ class StepCheckpoint(ModelCheckpoint):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        self._saved_at, self._seen_step = time.monotonic(), trainer.global_step
+        self._saved_at = time.monotonic()
+        self._steps.start(trainer)
         # Every rank has restored its checkpoint by now: a copy converted for this layout is spent.
         trainer.strategy.barrier("checkpoint restored")
         if trainer.is_global_zero and self.dirpath is not None:
@@ -71,8 +74,7 @@ class StepCheckpoint(ModelCheckpoint):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if trainer.global_step == trainer.max_steps:
             self.save(trainer)
-        elif self.every_minutes and trainer.global_step != self._seen_step:  # an optimizer step just ended
-            self._seen_step = trainer.global_step
+        elif self._steps.just_ended(trainer) and self.every_minutes:
             if trainer.strategy.broadcast(time.monotonic() - self._saved_at >= 60 * self.every_minutes):
                 self.save(trainer)
 

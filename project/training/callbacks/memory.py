@@ -11,6 +11,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.distributed.tensor import DTensor
 
+from project.training.callbacks.steps import OptimizerSteps
+
 
 def local_bytes(tensors) -> int:
     """Bytes of the parts of `tensors` stored on this rank (a DTensor's local shard, not its global size)."""
@@ -41,16 +43,17 @@ class MemoryMonitor(Callback):
 
     def __init__(self, output_dir: str | Path):
         self.output_dir = Path(output_dir)
+        self._steps = OptimizerSteps()
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._last_step, self._figures = trainer.global_step, dict[str, Any]()
+        self._steps.start(trainer)
+        self._figures = dict[str, Any]()
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.global_step == self._last_step:  # inside a gradient-accumulation window
+        if not self._steps.just_ended(trainer):  # inside a gradient-accumulation window
             return
-        self._last_step = trainer.global_step
         params = list(pl_module.parameters())
         optimizer_state = [
             v for state in trainer.optimizers[0].state.values() for v in state.values() if torch.is_tensor(v)

@@ -10,6 +10,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
 from project.training.callbacks.checkpoint import StepCheckpoint
+from project.training.callbacks.steps import OptimizerSteps
 
 # project.train's exit status after such a stop: "saved, run me again" (experiments/slurm/train.sbatch).
 REQUEUE_EXIT_STATUS = 3
@@ -33,6 +34,7 @@ class StopOnSignal(Callback):
         self._signalled: signal.Signals | None = None
         self._previous_handlers: dict[signal.Signals, Any] = {}
         self.stopped_for_requeue = False
+        self._steps = OptimizerSteps()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signalled = signal.Signals(signum)  # only a flag: the state is saved between steps
@@ -44,7 +46,7 @@ class StopOnSignal(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._install()  # again: Lightning installs its own handlers as fit starts
-        self._last_step = trainer.global_step
+        self._steps.start(trainer)
 
     def _install(self) -> None:
         for signum in self.signums:
@@ -55,9 +57,8 @@ class StopOnSignal(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.global_step == self._last_step:  # inside a gradient-accumulation window
+        if not self._steps.just_ended(trainer):  # inside a gradient-accumulation window
             return
-        self._last_step = trainer.global_step
         if trainer.global_step >= trainer.max_steps:  # finished: nothing to requeue
             return
         if not trainer.strategy.reduce_boolean_decision(self._signalled is not None, all=False):

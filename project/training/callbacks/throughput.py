@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from project.model.config import LlamaConfig
 from project.model.flops import training_flops_per_token
+from project.training.callbacks.steps import OptimizerSteps
 
 _PRECISION_DTYPE = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32, "64": torch.float64}
 
@@ -43,6 +44,7 @@ class TokenThroughput(Callback):
 
     def __init__(self, peak_flops_per_device: float | None = None):
         self.peak_flops_per_device = peak_flops_per_device
+        self._optimizer_steps = OptimizerSteps()
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._steps: deque[tuple[float, float]] = deque(
@@ -50,7 +52,7 @@ class TokenThroughput(Callback):
         )
         self._step_start: float | None = None
         self._timed_a_step = False
-        self._last_step = trainer.global_step
+        self._optimizer_steps.start(trainer)
         self._peak = self.peak_flops_per_device
         if self._peak is None:
             dtype = _PRECISION_DTYPE.get(str(trainer.precision).split("-")[0], torch.float32)
@@ -67,9 +69,8 @@ class TokenThroughput(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.global_step == self._last_step:  # inside a gradient-accumulation window
+        if not self._optimizer_steps.just_ended(trainer):  # inside a gradient-accumulation window
             return
-        self._last_step = trainer.global_step
         seq_len = batch[0].shape[1]
         tokens = trainer.datamodule.hparams.global_batch_size * seq_len  # type: ignore[attr-defined]
         assert self._step_start is not None  # set when the step's first micro batch started
