@@ -173,7 +173,7 @@ def test_every_closed_set_strategy_setting_refuses_a_value_outside_it(strategy, 
 def test_a_setting_a_strategy_refuses_while_hydra_builds_it_is_one_paragraph(capsys):
     # Hydra's instantiate wraps what the strategy raises in an InstantiationException of its own.
     with pytest.raises(SystemExit) as stopped, exit_on_config_error():
-        instantiate({"_target_": "project.parallel.ddp.ddp_strategy", "grad_reduction": "median"})
+        instantiate({"_target_": "project.parallel.strategies.ddp.ddp_strategy", "grad_reduction": "median"})
     assert stopped.value.code == 2
     assert capsys.readouterr().err == "error: strategy.grad_reduction='median': choose 'mean' (default) or 'sum'.\n"
 
@@ -184,7 +184,8 @@ def test_the_strategy_choices_checked_early_are_those_the_strategies_take():
     import torch
 
     from project.config.values import STRATEGY_CHOICES
-    from project.parallel import ddp, fsdp, pipeline_layout
+    from project.parallel import pipeline_layout
+    from project.parallel.strategies import ddp, fsdp
 
     assert STRATEGY_CHOICES["sharding_strategy"] == typing.get_args(fsdp.ShardingStrategy)
     assert set(STRATEGY_CHOICES["grad_reduction"]) == set(

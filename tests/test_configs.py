@@ -48,13 +48,13 @@ def test_strategy_configs_build_the_strategy_they_name():
     from hydra.utils import instantiate
 
     from project.parallel.compiled import CompiledBlocks
-    from project.parallel.ddp import GlooFriendlyDDPStrategy
-    from project.parallel.fsdp import CPUCapableFSDPStrategy
-    from project.parallel.model_parallel import LlamaParallelStrategy
+    from project.parallel.strategies.ddp import GlooFriendlyDDPStrategy
+    from project.parallel.strategies.fsdp import CPUCapableFSDPStrategy
+    from project.parallel.strategies.model_parallel import LlamaParallelStrategy
 
     # A new strategy config gets a line here (horovod: built by tests/test_horovod.py, which needs Horovod installed).
     assert STRATEGIES == ["ddp", "fsdp", "fsdp2", "horovod", "pipeline", "single", "tp", "tp_fsdp"]
-    from project.parallel.single import CompiledSingleDeviceStrategy, TrainerDeviceStrategy
+    from project.parallel.strategies.single import CompiledSingleDeviceStrategy, TrainerDeviceStrategy
 
     assert type(instantiate(compose_train("strategy=single").strategy)) is TrainerDeviceStrategy
     for name in ("single", "ddp", "fsdp"):  # strategy.compile=true reaches the strategy of every group
@@ -68,7 +68,7 @@ def test_strategy_configs_build_the_strategy_they_name():
         strategy = instantiate(compose_train(f"strategy={name}").strategy)
         assert isinstance(strategy, LlamaParallelStrategy)
         assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (dp, tp)
-    from project.parallel.pipeline_strategy import LlamaPipelineStrategy
+    from project.parallel.strategies.pipeline import LlamaPipelineStrategy
 
     pipeline = instantiate(compose_train("strategy=pipeline", "strategy.schedule=zbv").strategy)
     assert isinstance(pipeline, LlamaPipelineStrategy) and isinstance(pipeline, LlamaParallelStrategy)
@@ -119,9 +119,9 @@ def test_the_settings_check_knows_each_strategy_as_its_built_class_does():
     from hydra.utils import instantiate
 
     from project.parallel.contract import contract_of
-    from project.parallel.horovod import HorovodStrategy, horovod_strategy
     from project.parallel.kinds import strategy_kind
-    from project.parallel.pipeline_strategy import LlamaPipelineStrategy
+    from project.parallel.strategies.horovod import HorovodStrategy, horovod_strategy
+    from project.parallel.strategies.pipeline import LlamaPipelineStrategy
 
     for name in STRATEGIES:
         node = compose_train(f"strategy={name}", "trainer.devices=2").strategy

@@ -136,7 +136,7 @@ def test_the_layout_takes_horovodruns_process_count_and_its_processes_one_run_di
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
 
-    import project.parallel.horovod as horovod
+    import project.parallel.strategies.horovod as horovod
     from project.config.checks import preflight
     from project.runtime.errors import ConfigError
 
@@ -177,7 +177,7 @@ def test_a_dry_run_of_horovod_points_to_the_ddp_dry_run(tiny_shards, tmp_path):
 
 
 def test_without_horovod_installed_the_strategy_says_how_to_install_it(monkeypatch):
-    from project.parallel.horovod import start_horovod
+    from project.parallel.strategies.horovod import start_horovod
     from project.runtime.errors import ConfigError
 
     monkeypatch.setitem(

@@ -144,9 +144,9 @@ def test_a_module_without_a_strategy_of_ours_keeps_lightnings_defaults():
 def test_only_horovod_takes_its_ranks_from_its_own_launcher():
     # Under SLURM, the run gives Lightning SLURM's environment unless the strategy's launcher gives the ranks.
     from project.parallel.contract import LlamaStrategy
-    from project.parallel.ddp import GlooFriendlyDDPStrategy
-    from project.parallel.horovod import HorovodStrategy
-    from project.parallel.model_parallel import LlamaParallelStrategy
+    from project.parallel.strategies.ddp import GlooFriendlyDDPStrategy
+    from project.parallel.strategies.horovod import HorovodStrategy
+    from project.parallel.strategies.model_parallel import LlamaParallelStrategy
 
     assert HorovodStrategy.ranks_from_own_launcher
     assert not any(s.ranks_from_own_launcher for s in (LlamaStrategy, GlooFriendlyDDPStrategy, LlamaParallelStrategy))

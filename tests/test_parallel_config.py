@@ -68,8 +68,8 @@ def test_compile_setting_compiles_every_block_where_the_model_stays_whole(factor
     import torch
 
     from project.model.llama import Llama
-    from project.parallel.ddp import ddp_strategy
-    from project.parallel.single import single_device_strategy
+    from project.parallel.strategies.ddp import ddp_strategy
+    from project.parallel.strategies.single import single_device_strategy
 
     make = {"single": single_device_strategy, "ddp": ddp_strategy}[factory]
     assert not make().model_on_meta  # eager: the model is built and wrapped as Lightning does
@@ -92,7 +92,7 @@ def test_compile_setting_compiles_every_block_where_the_model_stays_whole(factor
 def test_single_device_runs_on_the_device_the_trainer_names_and_counts_one():
     import torch
 
-    from project.parallel.single import single_device_strategy
+    from project.parallel.strategies.single import single_device_strategy
 
     for compile in (False, True):
         strategy = single_device_strategy(compile=compile)

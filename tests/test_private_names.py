@@ -21,14 +21,14 @@ ATTRIBUTES = [
     (
         FSDPStrategy,
         "_setup_model",
-        "parallel/fsdp.py",
+        "parallel/strategies/fsdp.py",
         "wraps the model in FSDP with device_id=cpu, so that FSDP1 runs on CPU with gloo (Lightning's passes a "
         "CUDA index); no public hook sits between Lightning's setup and the wrap",
     ),
     (
         DDPStrategy,
         "_register_ddp_hooks",
-        "parallel/ddp.py",
+        "parallel/strategies/ddp.py",
         "registers strategy.ddp_comm_hook on gloo too (Lightning drops it silently unless the device is CUDA)",
     ),
     (
@@ -50,37 +50,42 @@ ATTRIBUTES = [
     (
         ModelParallelStrategy,
         "_setup_distributed",
-        "parallel/pipeline_strategy.py",
+        "parallel/strategies/pipeline.py",
         "the process group without ModelParallelStrategy's own 2-D mesh: the pipeline's mesh is 3-D",
     ),
 ]
 # Names set on instances, so checked on one.
 INSTANCE_ATTRIBUTES = [
-    (lambda: DDPStrategy(), "_ddp_comm_hook", "parallel/ddp.py", "the hook the strategy was given, to register it"),
-    (lambda: DDPStrategy(), "_ddp_comm_state", "parallel/ddp.py", "the hook's state, to register it"),
+    (
+        lambda: DDPStrategy(),
+        "_ddp_comm_hook",
+        "parallel/strategies/ddp.py",
+        "the hook the strategy was given, to register it",
+    ),
+    (lambda: DDPStrategy(), "_ddp_comm_state", "parallel/strategies/ddp.py", "the hook's state, to register it"),
     (
         lambda: ModelParallelStrategy(),
         "_device_mesh",
-        "parallel/pipeline_strategy.py, planning/dry_run.py",
+        "parallel/strategies/pipeline.py, planning/dry_run.py",
         "the strategy's device_mesh property is read-only; the pipeline sets its 3-D mesh, the dry run a mesh on "
         "a fake process group",
     ),
     (
         lambda: ModelParallelStrategy(),
         "_data_parallel_size",
-        "parallel/pipeline_strategy.py",
+        "parallel/strategies/pipeline.py",
         "the degrees, resolved once the world size is known",
     ),
     (
         lambda: ModelParallelStrategy(),
         "_tensor_parallel_size",
-        "parallel/pipeline_strategy.py",
+        "parallel/strategies/pipeline.py",
         "the degrees, resolved once the world size is known",
     ),
     (
         lambda: FSDPStrategy(),
         "_activation_checkpointing_kwargs",
-        "parallel/fsdp.py",
+        "parallel/strategies/fsdp.py",
         "what Lightning would pass to its activation checkpointing, applied by our CPU wrap",
     ),
     (
@@ -101,7 +106,7 @@ FUNCTIONS = [
     (
         "lightning.pytorch.strategies.fsdp",
         "_setup_activation_checkpointing",
-        "parallel/fsdp.py",
+        "parallel/strategies/fsdp.py",
         "activation checkpointing on our CPU wrap, as Lightning's own wrap applies it",
     ),
     (
@@ -145,9 +150,9 @@ def test_the_lightning_metadata_file_of_a_sharded_checkpoint_is_named_as_we_read
 
 
 def test_torch_lr_schedulers_still_read_the_flag_horovod_optimizers_lack():
-    # parallel/horovod.py sets _opt_called on the module's optimizer, which Horovod's optimizer wraps and which never
-    # steps itself: torch's LRScheduler reads the flag, and without it every run warns that scheduler.step() came
-    # before optimizer.step().
+    # parallel/strategies/horovod.py sets _opt_called on the module's optimizer, which Horovod's optimizer wraps and
+    # which never steps itself: torch's LRScheduler reads the flag, and without it every run warns that
+    # scheduler.step() came before optimizer.step().
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     optimizer.step()

@@ -59,7 +59,7 @@ def test_training_module_leaves_torch_pipelining_unimported():
     """Only strategy=pipeline needs it (Hydra's instantiate imports it then): 0.05 s of every other start."""
     code = (
         "import sys, project.training.run; "
-        "print('project.parallel.pipeline_strategy' in sys.modules, 'torch.distributed.pipelining' in sys.modules)"
+        "print('project.parallel.strategies.pipeline' in sys.modules, 'torch.distributed.pipelining' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["False", "False"]

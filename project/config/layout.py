@@ -62,7 +62,7 @@ def horovod_devices(cfg: DictConfig, dry_run: bool) -> int:
             "no bfloat16, and weights and gradients would be bfloat16. Use trainer.precision=bf16-mixed (bfloat16 "
             "compute, float32 weights and gradients) or 32-true."
         )
-    from project.parallel.horovod import horovod_world  # imports torch and Horovod: only for Horovod runs
+    from project.parallel.strategies.horovod import horovod_world  # imports torch and Horovod: only for Horovod runs
 
     processes = horovod_world(OmegaConf.to_container(cfg.strategy, resolve=True))
     overrides = HydraConfig.get().overrides.hydra if HydraConfig.initialized() else []

@@ -22,8 +22,8 @@ class StrategyKind:
 DATA_PARALLEL = StrategyKind()
 
 KINDS: dict[str, StrategyKind] = {
-    "project.parallel.pipeline_strategy.LlamaPipelineStrategy": StrategyKind(pipeline=True),
-    "project.parallel.horovod.horovod_strategy": StrategyKind(own_launcher=True),
+    "project.parallel.strategies.pipeline.LlamaPipelineStrategy": StrategyKind(pipeline=True),
+    "project.parallel.strategies.horovod.horovod_strategy": StrategyKind(own_launcher=True),
 }
 
 

@@ -162,7 +162,7 @@ def shard_rank(cfg: DictConfig, shape: MeshShape, rank: int) -> RankShare:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's: collectives that do nothing
 
-    from project.parallel.pipeline_strategy import MESH_DIMS, LlamaPipelineStrategy
+    from project.parallel.strategies.pipeline import MESH_DIMS, LlamaPipelineStrategy
 
     strategy = instantiate(cfg.strategy, _convert_="all")
     pipeline = isinstance(strategy, LlamaPipelineStrategy)
@@ -221,7 +221,7 @@ def fsdp1_share(cfg: DictConfig, shape: MeshShape, rank: int, devices_per_node: 
 def _kind(strategy: Any) -> str:
     from lightning.pytorch.strategies import FSDPStrategy
 
-    from project.parallel.model_parallel import LlamaParallelStrategy
+    from project.parallel.strategies.model_parallel import LlamaParallelStrategy
 
     if isinstance(strategy, LlamaParallelStrategy):  # the pipeline's too
         return "sharded"

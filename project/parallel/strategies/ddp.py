@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from project.parallel.compiled import CompiledBlocks
 from project.parallel.contract import LlamaStrategy
-from project.parallel.timeout import collective_timeout
+from project.parallel.strategies.timeout import collective_timeout
 from project.runtime.errors import ConfigError
 
 

@@ -27,9 +27,9 @@ from project.parallel.batch import BatchPlan
 from project.parallel.contract import TrainingModule
 from project.parallel.init import laid_out_like
 from project.parallel.mesh import MeshShape, mesh_shape
-from project.parallel.model_parallel import LlamaParallelStrategy
 from project.parallel.pipeline import LlamaStage, build_schedule, split_into_stages
 from project.parallel.pipeline_layout import SPLIT_BACKWARD, chunk_ranks, default_virtual_stages
+from project.parallel.strategies.model_parallel import LlamaParallelStrategy
 
 MESH_DIMS = ("pipeline", "data_parallel", "tensor_parallel")
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

@@ -20,8 +20,8 @@ from project.parallel.contract import LlamaStrategy
 from project.parallel.fsdp2 import apply_fsdp2
 from project.parallel.init import materialize
 from project.parallel.mesh import mesh_shape
+from project.parallel.strategies.timeout import collective_timeout
 from project.parallel.tensor_parallel import apply_tensor_parallel
-from project.parallel.timeout import collective_timeout
 from project.runtime.errors import ConfigError
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from project.model.llama import Block, Llama
 from project.parallel.compiled import compile_blocks
 from project.parallel.contract import LlamaStrategy
-from project.parallel.timeout import collective_timeout
+from project.parallel.strategies.timeout import collective_timeout
 from project.runtime.errors import ConfigError
 
 if TYPE_CHECKING:

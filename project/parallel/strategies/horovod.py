@@ -21,7 +21,7 @@ from torch.distributed import ReduceOp
 from torchmetrics import Metric
 
 from project.parallel.contract import LlamaStrategy
-from project.parallel.timeout import collective_timeout
+from project.parallel.strategies.timeout import collective_timeout
 from project.runtime.errors import ConfigError
 
 INSTALL = "`make install-horovod` builds it against this torch and installs it (about 3 minutes, once per machine)"
