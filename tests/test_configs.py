@@ -8,8 +8,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from project.config.optim import OptimConfig
 from project.model.config import LlamaConfig
-from project.training.lit_module import OptimConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -151,3 +151,25 @@ def test_the_module_builds_the_optimizer_the_config_names():
         "~module.optimizer.eps",
     )
     assert type(instantiate(swapped.module, _convert_="all").configure_optimizers()["optimizer"]) is torch.optim.SGD
+
+
+def test_the_settings_dataclasses_refuse_what_the_settings_check_refuses_with_the_same_words():
+    """One rule per field (project.runtime.settings): built from Python or checked from the command line alike."""
+    from project.config.optim import OptimConfig
+    from project.config.values import check_values
+    from project.runtime.errors import ConfigError
+
+    for cls, prefix, bad in [(LlamaConfig, "model", {"n_layers": 0}), (OptimConfig, "optim", {"eps": 0.0})]:
+        (name, value), *_ = bad.items()
+        with pytest.raises(ValueError) as built:
+            cls(**bad)
+        with pytest.raises(ConfigError) as checked:
+            check_values(compose_train("experiment=debug", f"{prefix}.{name}={value}"))
+        assert (
+            str(built.value)
+            == str(checked.value)
+            == f"{prefix}.{name}={value} is out of range: "
+            + ("it must be a whole number above 0." if prefix == "model" else "it must be above 0, e.g. 1e-8.")
+        )
+    with pytest.raises(ValueError, match="optim.min_lr=0.1 is above optim.lr=0.01"):
+        OptimConfig(lr=0.01, min_lr=0.1)

@@ -2,55 +2,40 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from project.config.command_line import CONF, close_match
+from project.config.optim import OptimConfig
 from project.model.config import DTYPE_NAMES, LlamaConfig
 from project.parallel.pipeline_layout import SCHEDULE_NAMES
 from project.runtime.errors import ConfigError
+from project.runtime.settings import Rule, above, accepted, field_rules, or_null, out_of_range, whole
 
-Rule = tuple[str, Callable[[Any], bool], str]
 # Settings whose range the code relies on: (key, accepts, what it must be). None is allowed only where stated.
+# Those of a dataclass (model.*: LlamaConfig, optim.*: OptimConfig) are declared on its fields.
 RULES: list[Rule] = [
-    ("optim.lr", lambda v: v > 0, "above 0, e.g. 3e-4"),
-    ("optim.min_lr", lambda v: v >= 0, "0 or more (the cosine's floor)"),
-    ("optim.warmup_steps", lambda v: isinstance(v, int) and v >= 0, "a whole number of steps, 0 or more"),
-    (
-        "optim.decay_steps",
-        lambda v: v is None or isinstance(v, int) and v > 0,
-        "null (trainer.max_steps) or a number of steps above 0",
-    ),
-    ("optim.weight_decay", lambda v: v >= 0, "0 or more"),
-    ("optim.betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1), e.g. [0.9, 0.95]"),
-    ("optim.eps", lambda v: v > 0, "above 0, e.g. 1e-8"),
-    ("optim.grad_clip", lambda v: v is None or v >= 0, "null or 0 (no clipping), or a norm above 0"),
-    (
-        "optim.max_skipped_steps",
-        lambda v: isinstance(v, int) and v >= 0,
-        "a whole number of steps, 0 (stop at the first) or more",
-    ),
-    ("trainer.max_steps", lambda v: isinstance(v, int) and v >= 1, "a whole number of optimizer steps, 1 or more"),
-    ("global_batch_size", lambda v: isinstance(v, int) and v >= 1, "a whole number of sequences, 1 or more"),
+    ("trainer.max_steps", whole(1), "a whole number of optimizer steps, 1 or more"),
+    ("global_batch_size", whole(1), "a whole number of sequences, 1 or more"),
     (
         "micro_batch_size",
-        lambda v: v is None or isinstance(v, int) and v >= 1,
+        or_null(whole(1)),
         "null (the whole per-replica share) or 1 or more",
     ),
-    ("val_every_n_steps", lambda v: isinstance(v, int) and v >= 1, "a whole number of steps, 1 or more"),
-    ("ckpt_every_n_steps", lambda v: isinstance(v, int) and v >= 1, "a whole number of steps, 1 or more"),
-    ("val_sequences", lambda v: v is None or isinstance(v, int) and v >= 1, "null (the whole split) or 1 or more"),
-    ("ckpt_every_minutes", lambda v: v is None or v > 0, "null (by steps only) or minutes above 0"),
-    ("threads_per_process", lambda v: v is None or isinstance(v, int) and v >= 1, "null (1) or 1 or more"),
+    ("val_every_n_steps", whole(1), "a whole number of steps, 1 or more"),
+    ("ckpt_every_n_steps", whole(1), "a whole number of steps, 1 or more"),
+    ("val_sequences", or_null(whole(1)), "null (the whole split) or 1 or more"),
+    ("ckpt_every_minutes", or_null(above(0)), "null (by steps only) or minutes above 0"),
+    ("threads_per_process", or_null(whole(1)), "null (1) or 1 or more"),
     (
         "strategy.collective_timeout_minutes",
-        lambda v: v is None or v > 0,
+        or_null(above(0)),
         "minutes above 0 (multi-process strategies), e.g. 10",
     ),
-    ("peak_flops_per_device", lambda v: v is None or v > 0, "null (unknown) or FLOP/s above 0"),
-    ("data.seq_len", lambda v: isinstance(v, int) and v >= 2, "a whole number of tokens, 2 or more"),
+    ("peak_flops_per_device", or_null(above(0)), "null (unknown) or FLOP/s above 0"),
+    ("data.seq_len", whole(2), "a whole number of tokens, 2 or more"),
     (
         "data.prepare_part_mb",
         lambda v: isinstance(v, (int, float)) and v > 0,
@@ -58,12 +43,12 @@ RULES: list[Rule] = [
     ),
     (
         "data.prepare_nodes",
-        lambda v: v is None or isinstance(v, int) and v >= 1,
+        or_null(whole(1)),
         "null (from SLURM or torchrun) or a number of machines, 1 or more",
     ),
     (
         "data.prepare_node_rank",
-        lambda v: v is None or isinstance(v, int) and v >= 0,
+        or_null(whole(0)),
         "null (from SLURM or torchrun) or 0 to data.prepare_nodes - 1",
     ),
     (
@@ -73,35 +58,15 @@ RULES: list[Rule] = [
     ),
     (
         "data.shuffle_window",
-        lambda v: isinstance(v, int) and v >= 1,
+        whole(1),
         "a whole number of chunks, 1 or more (8 by default)",
     ),
-    ("model.vocab_size", lambda v: isinstance(v, int) and v >= 2, "a whole number, at least the tokenizer's size"),
-    ("model.dim", lambda v: isinstance(v, int) and v >= 1, "a whole number above 0"),
-    ("model.n_layers", lambda v: isinstance(v, int) and v >= 1, "a whole number above 0"),
-    ("model.n_heads", lambda v: isinstance(v, int) and v >= 1, "a whole number above 0"),
-    (
-        "model.n_kv_heads",
-        lambda v: v is None or isinstance(v, int) and v >= 1,
-        "null (= n_heads) or a whole number above 0",
-    ),
-    ("model.multiple_of", lambda v: isinstance(v, int) and v >= 1, "a whole number above 0"),
-    ("model.ffn_dim_multiplier", lambda v: v is None or v > 0, "null or above 0"),
-    (
-        "model.ffn_dim",
-        lambda v: v is None or isinstance(v, int) and v >= 1,
-        "null (the rule of multiple_of) or a whole number above 0",
-    ),
-    ("model.norm_eps", lambda v: v > 0, "above 0, e.g. 1e-5"),
-    ("model.rope_theta", lambda v: v > 0, "above 0, e.g. 10000"),
-    ("model.max_seq_len", lambda v: isinstance(v, int) and v >= 1, "a whole number of tokens above 0"),
-    ("model.init_std", lambda v: v > 0, "above 0, e.g. 0.02"),
     # seed_everything takes an unsigned 32-bit seed; a string would end in Lightning's traceback.
     ("seed", lambda v: isinstance(v, int) and 0 <= v < 2**32, "a whole number from 0 to 4294967295"),
     ("data.seed", lambda v: isinstance(v, int) and 0 <= v < 2**32, "a whole number from 0 to 4294967295"),
     (
         "data.loader_workers",
-        lambda v: isinstance(v, int) and v >= 0,
+        whole(0),
         "a whole number, 0 (read in the training process) or more",
     ),
 ]
@@ -169,24 +134,19 @@ def check_strategy_choices(strategy_cfg: Mapping[str, Any], strategy_name: str =
 
 
 def check_values(cfg: DictConfig) -> None:
-    for key, accepts, must_be in RULES:
+    for key, accepts, must_be in [*RULES, *field_rules(OptimConfig, "optim"), *field_rules(LlamaConfig, "model")]:
         value = OmegaConf.select(cfg, key)
-        try:
-            ok = not isinstance(value, bool) and accepts(value)
-        except TypeError:  # a string or a list where a number belongs, or a null where none is allowed
-            ok = False
-        if not ok:
-            raise ConfigError(f"{key}={value} is out of range: it must be {must_be}.")
+        if not accepted(value, accepts):
+            raise ConfigError(out_of_range(key, value, must_be))
     for key in BOOLEAN_SETTINGS:
         if (value := OmegaConf.select(cfg, key)) is not None and not isinstance(value, bool):
             raise ConfigError(f"{key}={value} must be true or false.")
     choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
     check_strategy_choices(OmegaConf.to_container(cfg.strategy, resolve=True), choices.get("strategy", ""))
-    if cfg.optim.min_lr > cfg.optim.lr:
-        raise ConfigError(
-            f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}: the cosine decays from lr down to "
-            "min_lr."
-        )
+    try:
+        OptimConfig(**OmegaConf.to_container(cfg.optim, resolve=True))
+    except (ValueError, TypeError) as error:
+        raise ConfigError(str(error)) from None
     model_config(cfg)
 
 

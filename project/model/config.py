@@ -8,30 +8,38 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from project.runtime.settings import above, check_fields, or_null, setting, whole
+
 # The dtypes a model's weights, compute or gradient reductions may take, by torch's names (getattr(torch, name)).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
+WHOLE = "a whole number above 0"
+
+
 @dataclass
 class LlamaConfig:
-    vocab_size: int = 32000
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int | None = None  # None: multi-head attention (n_kv_heads == n_heads)
-    ffn_dim_multiplier: float | None = None
-    multiple_of: int = 256
-    ffn_dim: int | None = None  # the FFN's width as published (HF's intermediate_size); None: Meta's rule below
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    vocab_size: int = setting(32000, whole(2), "a whole number, at least the tokenizer's size")
+    dim: int = setting(4096, whole(1), WHOLE)
+    n_layers: int = setting(32, whole(1), WHOLE)
+    n_heads: int = setting(32, whole(1), WHOLE)
+    # None: multi-head attention (n_kv_heads == n_heads)
+    n_kv_heads: int | None = setting(None, or_null(whole(1)), "null (= n_heads) or a whole number above 0")
+    ffn_dim_multiplier: float | None = setting(None, or_null(above(0)), "null or above 0")
+    multiple_of: int = setting(256, whole(1), WHOLE)
+    # The FFN's width as published (HF's intermediate_size); None: Meta's rule (ffn_hidden_dim).
+    ffn_dim: int | None = setting(None, or_null(whole(1)), "null (the rule of multiple_of) or a whole number above 0")
+    norm_eps: float = setting(1e-5, above(0), "above 0, e.g. 1e-5")
+    rope_theta: float = setting(10000.0, above(0), "above 0, e.g. 10000")
     # Llama-3.1 style frequency scaling: {factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings}; None keeps plain RoPE.
     rope_scaling: dict | None = None
-    max_seq_len: int = 2048
+    max_seq_len: int = setting(2048, whole(1), "a whole number of tokens above 0")
     tie_embeddings: bool = False
-    init_std: float = 0.02
+    init_std: float = setting(0.02, above(0), "above 0, e.g. 0.02")
 
     def __post_init__(self) -> None:
+        check_fields(self, "model")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.dim % self.n_heads:

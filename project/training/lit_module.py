@@ -6,7 +6,7 @@ import contextlib
 import functools
 import io
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, cast
 
@@ -19,25 +19,13 @@ from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
 
 from project.checkpoint.files import load_full_checkpoint, rebase_batch_progress
+from project.config.optim import OptimConfig
 from project.data.datamodule import TokenShardDataModule
 from project.hf.published import load_published_weights
 from project.model.config import LlamaConfig
 from project.model.llama import Llama
 from project.parallel.contract import LlamaStrategy, contract_of
 from project.runtime.errors import ConfigError, TrainingStopped
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 3e-4
-    min_lr: float = 3e-5  # the cosine decays to this, then stays
-    warmup_steps: int = 100
-    decay_steps: int | None = None  # warmup + cosine length in optimizer steps; None: trainer.max_steps
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    grad_clip: float | None = 1.0  # max global gradient norm; None or 0 disables clipping
-    max_skipped_steps: int = 0  # steps with a non-finite gradient norm to skip before stopping the run
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
