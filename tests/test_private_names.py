@@ -73,13 +73,13 @@ INSTANCE_ATTRIBUTES = [
     (
         lambda: ModelParallelStrategy(),
         "_data_parallel_size",
-        "parallel/strategies/pipeline.py",
+        "parallel/strategies/model_parallel.py, parallel/strategies/pipeline.py",
         "the degrees, resolved once the world size is known",
     ),
     (
         lambda: ModelParallelStrategy(),
         "_tensor_parallel_size",
-        "parallel/strategies/pipeline.py",
+        "parallel/strategies/model_parallel.py, parallel/strategies/pipeline.py",
         "the degrees, resolved once the world size is known",
     ),
     (
