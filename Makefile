@@ -23,7 +23,7 @@ RUN_STAMP := $(shell date +%Y-%m-%d_%H-%M-%S)
 RUN_DIR ?= outputs/runs/$(RUN_STAMP)
 SAMPLE_PROMPT ?= To be, or not to be
 
-.PHONY: install install-horovod train prepare test test-fast lint typecheck format bench clean slurm
+.PHONY: install install-horovod train prepare test test-fast lint typecheck format bench docs clean slurm
 
 install: $(STAMP)
 
@@ -103,6 +103,15 @@ bench: install $(VENV)/litgpt-reference/.installed
 # and it declares versions of litdata and huggingface_hub that its model does not use.
 $(VENV)/litgpt-reference/.installed: $(STAMP)
 	$(PIP) install -q --no-deps --upgrade --target $(VENV)/litgpt-reference "$(LITGPT)" psutil
+	touch $@
+
+# The documentation site (mkdocs.yml, docs/), built strictly (every page in nav, no broken link) into outputs/site/.
+# The `docs` extra (pyproject.toml) goes into the environment once, with its own stamp.
+docs: $(VENV)/.installed-docs
+	$(PY) -m mkdocs build --strict
+
+$(VENV)/.installed-docs: $(STAMP)
+	$(PIP) install -q -e ".[docs]"
 	touch $@
 
 clean:
