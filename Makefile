@@ -58,7 +58,8 @@ train: prepare
 	$(PY) -m project.train experiment=$(EXPERIMENT) hydra.run.dir=$(RUN_DIR)
 	$(PY) -m project.generate ckpt_path=$(RUN_DIR)/checkpoints/last.ckpt prompt="$(SAMPLE_PROMPT)" max_new_tokens=100
 
-test: install slurm install-horovod $(VENV)/litgpt-reference/.installed lint typecheck
+# The docs build too (make docs, --strict): a broken link or a page missing from the nav fails the tests.
+test: install slurm install-horovod $(VENV)/litgpt-reference/.installed lint typecheck docs
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # ruff's formatter (code wrapped at 120 characters) and linter (pyproject.toml): a second, before the tests.
@@ -108,7 +109,7 @@ $(VENV)/litgpt-reference/.installed: $(STAMP)
 # The documentation site (mkdocs.yml, docs/), built strictly (every page in nav, no broken link) into outputs/site/.
 # The `docs` extra (pyproject.toml) goes into the environment once, with its own stamp.
 docs: $(VENV)/.installed-docs
-	$(PY) -m mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict  # without mkdocs-material's banner about its successor
 
 $(VENV)/.installed-docs: $(STAMP)
 	$(PIP) install -q -e ".[docs]"

@@ -1,20 +1,24 @@
-"""The README is executable truth: every `python -m project.*` and `make` command in its code blocks runs,
-in order, on a fresh copy of the repository, as a user would run them after `make train`.
+"""The README and the documentation pages are executable truth: every `python -m project.*`, `python -c` and `make`
+command in their bash blocks runs, the README's first and then each page in the site's order (mkdocs.yml), on one
+fresh copy of the repository, as a user would run them after `make train`.
 
-Only small overrides are appended (a tiny model, few steps); the README's own values stay in the command.
-Where the user brings something (text for `make train` to have fetched, their own corpus), the test makes
-a small stand-in first. Commands that cannot run here are skipped, each for the reason named in SKIPS.
+Only small overrides are appended (a tiny model, few steps); the pages' own values stay in the command. Where the
+user brings something (text for `make train` to have fetched, their own corpus), the test makes a small stand-in
+first. Commands that cannot run here are skipped, each for the reason named in SKIPS; a command that an earlier
+page already ran, word for word, is not run again (a page may show a run of another page again as an example).
 """
 
 import json
 import os
 import random
+import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import ROOT, WORDS
 
 pytestmark = pytest.mark.slow
@@ -27,12 +31,23 @@ SKIPS = {
     "make install-horovod": "make test has run it before this test (the build is kept per machine)",
 }
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
+ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 TINY_MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.multiple_of=32"]
 
 
+def documented_pages(repo: Path) -> list[Path]:
+    """README.md, then the site's pages in the order of mkdocs.yml's nav."""
+
+    def walk(nav: list) -> list[str]:
+        return [p for entry in nav for v in entry.values() for p in (walk(v) if isinstance(v, list) else [v])]
+
+    docs = yaml.safe_load((repo / "mkdocs.yml").read_text())
+    return [repo / "README.md", *(repo / docs["docs_dir"] / page for page in walk(docs["nav"]))]
+
+
 def readme_commands(readme: Path) -> list[list[str]]:
-    """The shell commands of the README's bash blocks that run `python -m project.*` (also under horovodrun) or
-    `make`, as argv lists."""
+    """The shell commands of a page's bash blocks that run `python -m project.*` (also under horovodrun),
+    `python -c` or `make`, as argv lists; variables set before a command (`PYTHONPATH=... python ...`) included."""
     commands, block, in_bash = [], "", False
     for line in readme.read_text().splitlines():
         if line.startswith("```"):
@@ -45,12 +60,26 @@ def readme_commands(readme: Path) -> list[list[str]]:
         python = python_part(argv)
         if python[:2] == ["python", "-m"] and python[2].startswith("project.") or argv[:1] == ["make"]:
             commands.append(argv)
+        elif python[:2] == ["python", "-c"]:
+            commands.append(argv)
     return commands
 
 
 def python_part(argv: list[str]) -> list[str]:
-    """`python -m ...` of a command, also of one that a launcher (horovodrun) starts."""
-    return argv[argv.index("python") :] if argv[:1] == ["horovodrun"] and "python" in argv else argv
+    """`python ...` of a command, also of one that a launcher (horovodrun) starts or that sets variables first."""
+    if argv[:1] == ["horovodrun"] or argv and ENV_ASSIGNMENT.match(argv[0]):
+        return argv[argv.index("python") :] if "python" in argv else argv
+    return argv
+
+
+def command_environment(argv: list[str], env: dict[str, str]) -> dict[str, str]:
+    """The variables a command sets before `python`; `.venv/...` is this environment, which the copy lacks."""
+    for assignment in argv[: argv.index("python")] if ENV_ASSIGNMENT.match(argv[0]) else []:
+        name, value = assignment.split("=", 1)
+        if value.startswith(".venv/"):
+            value = str(Path(sys.prefix) / value.removeprefix(".venv/"))
+        env = {**env, name: value}
+    return env
 
 
 def skip_reason(argv: list[str]) -> str | None:
@@ -112,16 +141,22 @@ def published_stand_in(folder: Path, texts: list[str]) -> None:
     transformers.LlamaForCausalLM(hf_config).to(torch.bfloat16).save_pretrained(folder, max_shard_size="100KB")
 
 
-def test_readme_lists_the_commands_this_test_runs():
-    commands = readme_commands(ROOT / "README.md")
-    runs = [c for c in commands if skip_reason(c) is None]
+def test_the_readme_gives_the_set_up_commands_first_and_stays_short():
+    readme = (ROOT / "README.md").read_text()
+    assert readme_commands(ROOT / "README.md")[:2] == [["make", "train"], ["make", "test"]]
+    assert len(readme.splitlines()) <= 250
+
+
+def test_the_pages_list_the_commands_this_test_runs():
+    commands = [c for page in documented_pages(ROOT) for c in readme_commands(page)]
+    runs = [python_part(c) for c in commands if skip_reason(c) is None]
     assert ["make", "train"] in commands and ["make", "test"] in commands
-    assert (
-        len(runs) >= 10 and any(c[2] == "project.export" for c in runs) and any(c[2] == "project.prepare" for c in runs)
-    )
+    for entry in ("project.train", "project.prepare", "project.export", "project.generate", "project.plan"):
+        assert any(c[2] == entry for c in runs if c[1] == "-m"), entry
+    assert any(c[1] == "-c" and "transformers" in c[2] for c in runs)  # the export loads in transformers
 
 
-def test_every_readme_command_runs_as_written_on_a_fresh_copy(tmp_path):
+def test_every_documented_command_runs_as_written_on_a_fresh_copy(tmp_path):
     repo = fresh_copy(tmp_path / "repo")
     # What `make train` leaves behind, in small: the corpus it fetches (generated here, under the names the
     # shakespeare data config globs for), prepared by training itself on first use (data.auto_prepare).
@@ -139,10 +174,13 @@ def test_every_readme_command_runs_as_written_on_a_fresh_copy(tmp_path):
     env.pop("PYTEST_CURRENT_TEST", None)
     before = set(repo.rglob("*"))
     ran, steps = [], {}
-    for argv in readme_commands(repo / "README.md"):
-        if skip_reason(argv) is not None:
+    commands = [argv for page in documented_pages(repo) for argv in readme_commands(page)]
+    for shown in commands:
+        if skip_reason(shown) is not None or shlex.join(shown) in ran:
             continue
+        argv = shown
         launcher = [str(HOROVODRUN), *argv[1 : argv.index("python")]] if argv[0] == "horovodrun" else []
+        command_env = command_environment(argv, env)
         argv = python_part(argv)
         command = [*launcher, sys.executable, *argv[1:]]
         if argv[2] == "project.train":
@@ -163,16 +201,14 @@ def test_every_readme_command_runs_as_written_on_a_fresh_copy(tmp_path):
             # A dry run shards the model as written (on the meta device: no memory, no training).
             tiny = [] if any(a.startswith(("init_from=", "dry_run=")) for a in argv) else TINY_MODEL
             command += [*tiny, f"trainer.max_steps={max_steps}", "trainer.enable_progress_bar=false"]
-        result = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, f"`{shlex.join(argv)}` failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
-        ran.append(shlex.join(argv))
+        result = subprocess.run(command, cwd=repo, env=command_env, capture_output=True, text=True, timeout=600)
+        output = f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+        assert result.returncode == 0, f"`{shlex.join(shown)}` failed:\n{output}"
+        ran.append(shlex.join(shown))
     assert len(ran) >= 10
-    assert (
-        repo / "outputs" / "hf" / "my-llama" / "model.safetensors"
-    ).is_file()  # the last command exported the r1 run
-    assert (
-        repo / "outputs" / "hf" / "llama3-mytext" / "config.json"
-    ).is_file()  # and one before it the continued pretraining
+    # The exports of the tour, of the Runs page's r1 run and of the continued pretraining.
+    for export in ("tour", "my-llama", "llama3-mytext"):
+        assert (repo / "outputs" / "hf" / export / "model.safetensors").is_file(), export
     # What the commands write lands in outputs/ and data/, never among the user's sources (Python's own caches aside).
     written = {p.relative_to(repo) for p in set(repo.rglob("*")) - before if "__pycache__" not in p.parts}
     assert {p for p in written if p.parts[0] not in ("outputs", "data")} == set()
