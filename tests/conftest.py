@@ -100,25 +100,50 @@ def train_overrides(shards: Path, run_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def run_module(module: str, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run `python -m module args` in a fresh process; Lightning's DDP re-launches this same command per rank.
+def pytest_sessionfinish(session):
+    from warm_start import close_shared_server
 
+    close_shared_server()
+
+
+def run_module(
+    module: str,
+    args: list[str],
+    timeout: int = 600,
+    warm: bool = True,
+    env: dict[str, str] | None = None,
+    file_size_limit: int | None = None,
+) -> subprocess.CompletedProcess:
+    """Run `python -m module args` in a process of its own; Lightning's DDP re-launches this same command per rank.
+
+    `warm`: forked from a process that has done the imports (tests/warm_start.py), two to three seconds sooner;
+    `warm=False` for a test of what a fresh interpreter does before the module runs (its imports, their output).
+    `env`: variables set besides this process's; `file_size_limit`: writes past it fail, as on a full disk.
     A run still going after `timeout` seconds fails the test with the Python stacks of every process it
     started (ranks and loader workers alike), so that a hang seen once in CI says where it was.
     """
     # PYTHONFAULTHANDLER: SIGABRT makes each process print every thread's stack to its stderr.
-    env = {
+    variables = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
         "WANDB_MODE": "offline",
         "PYTHONFAULTHANDLER": "1",
+        **(env or {}),
     }
-    env.pop("PYTEST_CURRENT_TEST", None)
+    variables.pop("PYTEST_CURRENT_TEST", None)
     command = [sys.executable, "-m", module, *args]
-    with subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    ) as process:
+    if warm:
+        from warm_start import shared_server  # tests/ is on the path: one module, whichever way conftest was imported
+
+        process = shared_server().start(module, args, ROOT, variables, file_size_limit)
+    else:
+        assert file_size_limit is None, "a limit is set in the warm child only"
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+        process = subprocess.Popen(command, cwd=ROOT, env=variables, **pipes, text=True, start_new_session=True)
+    with contextlib.ExitStack() as cleanup:
+        if not warm:
+            cleanup.enter_context(process)
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -18,14 +18,9 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import os
 import random
 import re
-import resource
 import shutil
-import signal
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +32,7 @@ from omegaconf import OmegaConf
 from project.config.checks import preflight
 from project.config.command_line import CONF, check_command_line
 from project.runtime.errors import exit_on_config_error
-from tests.conftest import ROOT, run_train, train_overrides, write_corpus
+from tests.conftest import run_module, run_train, train_overrides, write_corpus
 
 pytestmark = pytest.mark.slow
 
@@ -682,30 +677,10 @@ def call_in_process(command: str, args: list[str]) -> None:
         {"export": export_main, "generate": generate_main}[command](args)
 
 
-def limit_file_size(limit: int) -> Callable[[], None]:
-    """For the child: writes past `limit` bytes fail with EFBIG, as they fail with ENOSPC on a full disk
-    (SIGXFSZ, which would kill the writer instead, ignored)."""
-
-    def apply() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-
-    return apply
-
-
 def run_command(command: str, args: list[str], file_size_limit: int | None) -> tuple[int, str]:
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        "WANDB_MODE": "offline",
-        "HF_HUB_OFFLINE": "1",
-    }
-    env.pop("PYTEST_CURRENT_TEST", None)
-    result = subprocess.run(
-        [sys.executable, "-m", MODULES[command], *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-        preexec_fn=limit_file_size(file_size_limit) if file_size_limit else None,
-    )  # fmt: skip
+    result = run_module(
+        MODULES[command], args, timeout=300, env={"HF_HUB_OFFLINE": "1"}, file_size_limit=file_size_limit
+    )
     return result.returncode, result.stderr
 
 

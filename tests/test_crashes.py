@@ -8,16 +8,14 @@ import hashlib
 import os
 import random
 import re
-import resource
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from warm_start import shared_server
 
 from project.checkpoint.files import checkpoint_step, load_full_checkpoint, resolve_ckpt_path
 from tests.conftest import PARITY_RUN, PIPELINE_RUN, ROOT, read_metrics, run_train, train_overrides
@@ -56,16 +54,6 @@ def processes_in_session(session: int) -> list[str]:
     return found
 
 
-def limit_file_size(size: int):
-    """For preexec_fn: writes past `size` bytes fail (OSError EFBIG), as they do on a full disk (ENOSPC)."""
-
-    def limit() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error from write(), not a signal that kills
-        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-
-    return limit
-
-
 def launch(
     fault: str,
     shards: Path,
@@ -75,23 +63,15 @@ def launch(
     timeout: float = 300,
     max_file_size: int | None = None,
 ) -> Ended:
-    """`python -m tests.faults` (or under torchrun) in its own session, so that its processes can be found."""
-    command = [sys.executable, "-m", "tests.faults", *train_overrides(shards, run_dir, *extra)]
+    """`python -m tests.faults` (or under torchrun) in its own session, so that its processes can be found; started
+    warm (tests/warm_start.py), as tests.conftest.run_module starts a run."""
+    module, args = "tests.faults", train_overrides(shards, run_dir, *extra)
     if torchrun:
-        command[1:3] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tests.faults"]
+        module, args = "torch.distributed.run", ["--standalone", "--nproc-per-node=2", "-m", "tests.faults", *args]
     env = {**os.environ, "FAULT": fault, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
     env.pop("PYTEST_CURRENT_TEST", None)
     start = time.monotonic()
-    process = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=max_file_size and limit_file_size(max_file_size),
-    )
+    process = shared_server().start(module, args, ROOT, env, max_file_size)
     try:
         _, stderr = process.communicate(timeout=timeout)
     finally:

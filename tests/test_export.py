@@ -8,7 +8,6 @@ The checkpoint and tokenizer are built here in the documented contract: a Lightn
 import json
 import os
 import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -19,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from project.hf.export import main  # noqa: E402
 from project.model.llama import Llama, LlamaConfig  # noqa: E402
+from tests.conftest import run_module  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = "To be, or not to be: that is the question. Héllo wörld 123!"
@@ -94,10 +94,7 @@ def bpe_checkpoint(tmp_path):
 
 
 def run_export(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "project.export", *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True
-    )
+    return run_module("project.export", list(args), env={"HF_HUB_OFFLINE": "1"})
 
 
 @pytest.fixture(autouse=True)

@@ -15,17 +15,14 @@ import pytest
 import torch
 
 from project.checkpoint.files import checkpoint_step, load_full_checkpoint
-from tests.conftest import ROOT, read_metrics, run_train, train_overrides
+from tests.conftest import ROOT, read_metrics, run_module, run_train, train_overrides
 
 pytestmark = pytest.mark.slow
 
 
 def run_with_fault(fault: str, shards, run_dir, *extra: str) -> subprocess.CompletedProcess:
     args = train_overrides(shards, run_dir, "trainer.max_steps=8", "ckpt_every_n_steps=1", *extra)
-    env = {**os.environ, "FAULT": fault, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    return subprocess.run(
-        [sys.executable, "-m", "tests.faults", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
+    return run_module("tests.faults", args, env={"FAULT": fault})
 
 
 @pytest.mark.parametrize("layout", [[], ["strategy=ddp", "trainer.devices=2"]], ids=["single", "ddp"])

@@ -1,9 +1,7 @@
 """project.generate: KV-cached decoding against full recomputation, seeded sampling, and the CLI on checkpoints."""
 
 import json
-import os
 import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -13,7 +11,7 @@ import torch
 from project.data.tokenizer import train_bpe
 from project.generate import generate, main
 from project.model.llama import KVCache, Llama, LlamaConfig
-from tests.conftest import ROOT, run_train, write_corpus
+from tests.conftest import run_module, run_train, write_corpus
 
 PROMPT = "The king"
 CONFIGS = {
@@ -192,25 +190,14 @@ def test_cli_explains_unusable_input_in_one_message(data_dir, tmp_path, capsys, 
 
 
 def test_missing_checkpoint_is_a_clean_error_exit_with_status_2(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "project.generate", f"ckpt_path={tmp_path / 'missing.ckpt'}", "prompt=hi"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    result = run_module("project.generate", [f"ckpt_path={tmp_path / 'missing.ckpt'}", "prompt=hi"], timeout=120)
     assert result.returncode == 2
     assert result.stderr.startswith("error: checkpoint ") and "Traceback" not in result.stderr
     assert result.stdout == ""
 
 
 def run_generate(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "project.generate", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_module("project.generate", list(args), timeout=300)
 
 
 @pytest.mark.slow

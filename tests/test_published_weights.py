@@ -4,15 +4,13 @@ layout, and a folder that cannot be loaded is one clear error before training st
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, read_metrics, run_train, train_overrides
+from conftest import read_metrics, run_module, run_train, train_overrides
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
@@ -140,11 +138,7 @@ def test_weights_read_from_a_folder_export_to_the_same_tensors(published, tmp_pa
 
 
 def refused(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    env.pop("PYTEST_CURRENT_TEST", None)
-    return subprocess.run(
-        [sys.executable, "-m", "project.train", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
-    )
+    return run_module("project.train", list(args), timeout=120)
 
 
 def broken_copy(published: Path, target: Path, change) -> Path:
@@ -245,9 +239,7 @@ def test_a_sharded_checkpoint_exports_in_parts_that_init_from_reads_back_to_the_
         f"output_dir={exported}",
         "max_shard_size=40KB",
     ]
-    result = subprocess.run(
-        [sys.executable, "-m", "project.export", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    result = run_module("project.export", list(args), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     index = json.loads((exported / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # in parts, each read from the shards as it was written
