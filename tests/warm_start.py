@@ -79,7 +79,8 @@ class WarmProcess:
 class WarmServer:
     """The test side: starts the server process, asks it for runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: Path = ROOT) -> None:
+        """A server that imports from the repository at `root` (another copy of it, for a test of a fresh copy)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
         env.pop("PYTEST_CURRENT_TEST", None)
@@ -87,7 +88,7 @@ class WarmServer:
         self.log = tempfile.NamedTemporaryFile(prefix="warm-start-", suffix=".log", delete=False)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.warm_start", str(theirs.fileno())],
-            cwd=ROOT,
+            cwd=root,
             env=env,
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
@@ -177,7 +178,7 @@ _shared: WarmServer | None = None
 def shared_server() -> WarmServer:
     """This process's server (one per pytest worker), started on first use."""
     global _shared
-    if _shared is None:
+    if _shared is None or _shared.process.poll() is not None:  # a test may have signalled it away
         _shared = WarmServer()
     return _shared
 
@@ -237,6 +238,7 @@ def run_child(request: dict, fds: list[int]) -> None:
     if os.environ.get("PYTHONFAULTHANDLER"):
         faulthandler.enable()  # on the run's stderr
     sys.argv = [request["module"], *request["args"]]
+    sys.orig_argv = [sys.executable, "-m", request["module"], *request["args"]]  # the command, as a run records it
     sys.path[0] = request["cwd"]  # `python -m` puts the working directory first
     global _exit_code
     try:
