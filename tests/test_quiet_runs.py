@@ -23,13 +23,13 @@ def unexpected_warnings(text: str) -> list[str]:
     return [line for line in text.splitlines() if WARNING.search(line) and not any(re.search(p, line) for p in ALLOWED)]
 
 
-def run(shards, run_dir, strategy, *extra):
+def run(shards, run_dir, strategy, *extra, warm=True):
     args = train_overrides(shards, run_dir, f"strategy={strategy}", "logger=wandb", *extra)
     # The user's view: progress bar and model summary on, as in a plain `experiment=debug` run.
     args = [a for a in args if a not in ("trainer.enable_progress_bar=false", "trainer.enable_model_summary=false")]
     if strategy != "single":
         args.append("trainer.devices=2")
-    result = run_module("project.train", args, warm=False)  # what the imports print is part of what a user sees
+    result = run_module("project.train", args, warm=warm)
     assert result.returncode == 0, f"training failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result.stdout + result.stderr
 
@@ -44,7 +44,10 @@ def debug_runs(tiny_shards, tmp_path_factory):
         if strategy not in runs:
             run_dir = tmp_path_factory.mktemp(f"debug-{strategy}")
             steps = ["val_every_n_steps=2", "ckpt_every_n_steps=2"]
-            first = run(tiny_shards, run_dir, strategy, "trainer.max_steps=4", *steps)
+            # What rank 0's imports print is part of what a user sees: the single run starts cold, as a user's does.
+            # The imports are those of every layout (a strategy's own are made in the run, warm or not), and the
+            # other ranks start cold under Lightning's launcher with the run's console as theirs.
+            first = run(tiny_shards, run_dir, strategy, "trainer.max_steps=4", *steps, warm=strategy != "single")
             resumed = run(tiny_shards, run_dir, strategy, "trainer.max_steps=6", "ckpt_path=last", *steps)
             runs[strategy] = run_dir, first, resumed
         return runs[strategy]
