@@ -31,6 +31,14 @@ SKIPS = {
     "trainer=gpu": "needs GPUs",
     "make install-horovod": "make test has run it before this test (the build is kept per machine)",
 }
+# Commands of other programs, none run here, each for its reason.
+SKIPPED_PROGRAMS = {
+    "source": "the test runs the environment's interpreter directly, as `.venv/bin/python` would",
+    "wandb": "needs a wandb server (the offline runner on the same page runs the same specs)",
+    "torchrun": "needs two machines (tests/test_clusters.py runs torchrun on two local nodes)",
+    "sbatch": "needs a SLURM cluster (tests/test_clusters.py runs the scripts on a local one)",
+    "mkdir": "prepares the SLURM job's log folder, for the sbatch command after it",
+}
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 TINY_MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.multiple_of=32"]
@@ -47,8 +55,8 @@ def documented_pages(repo: Path) -> list[Path]:
 
 
 def readme_commands(readme: Path) -> list[list[str]]:
-    """The shell commands of a page's bash blocks that run `python -m project.*` (also under horovodrun),
-    `python -c` or `make`, as argv lists; variables set before a command (`PYTHONPATH=... python ...`) included."""
+    """Every shell command of a page's bash blocks, as an argv list (`.venv/bin/python` read as `python`);
+    variables set before a command (`PYTHONPATH=... python ...`) included."""
     commands, block, in_bash = [], "", False
     for line in readme.read_text().splitlines():
         if line.startswith("```"):
@@ -57,13 +65,22 @@ def readme_commands(readme: Path) -> list[list[str]]:
         if in_bash:
             block += line.rstrip()[:-1] + " " if line.rstrip().endswith("\\") else line + "\n"
     for line in block.splitlines():
-        argv = shlex.split(line, comments=True)
-        python = python_part(argv)
-        if python[:2] == ["python", "-m"] and python[2].startswith("project.") or argv[:1] == ["make"]:
-            commands.append(argv)
-        elif python[:2] == ["python", "-c"]:
+        argv = ["python" if word == ".venv/bin/python" else word for word in shlex.split(line, comments=True)]
+        if argv:
             commands.append(argv)
     return commands
+
+
+def runnable(argv: list[str]) -> bool:
+    """`python -m project.*` (also under horovodrun or after variables), `python -c` or `make`."""
+    python = python_part(argv)
+    return (
+        python[:2] == ["python", "-m"]
+        and len(python) > 2
+        and python[2].startswith("project.")
+        or python[:2] == ["python", "-c"]
+        or argv[:1] == ["make"]
+    )
 
 
 def python_part(argv: list[str]) -> list[str]:
@@ -89,6 +106,8 @@ def skip_reason(argv: list[str]) -> str | None:
         return None
     if argv[0] == "horovodrun" and not HOROVODRUN.exists():
         return "Horovod is not installed here (make install-horovod)"
+    if argv[0] in SKIPPED_PROGRAMS:
+        return SKIPPED_PROGRAMS[argv[0]]
     return next((reason for key, reason in SKIPS.items() if key in text), None)
 
 
@@ -152,6 +171,8 @@ def test_the_pages_list_the_commands_this_test_runs():
     commands = [c for page in documented_pages(ROOT) for c in readme_commands(page)]
     runs = [python_part(c) for c in commands if skip_reason(c) is None]
     assert ["make", "train"] in commands and ["make", "test"] in commands
+    unaccounted = [shlex.join(c) for c in commands if not runnable(c) and skip_reason(c) is None]
+    assert unaccounted == []  # each command runs, or is skipped for a reason named above
     for entry in ("project.train", "project.prepare", "project.export", "project.generate", "project.plan"):
         assert any(c[2] == entry for c in runs if c[1] == "-m"), entry
     assert any(c[1] == "-c" and "transformers" in c[2] for c in runs)  # the export loads in transformers
