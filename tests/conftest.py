@@ -61,14 +61,14 @@ WORDS = (
 ).split()
 
 
-def write_corpus(directory: Path, documents: int = 8, lines: int = 300, seed: int = 0) -> Path:
+def write_corpus(directory: Path, documents: int = 8, lines: int = 300, seed: int = 0, suffix: str = ".txt") -> Path:
     rng = random.Random(seed)
     directory.mkdir(parents=True, exist_ok=True)
     for d in range(documents):
         text = "\n".join(
             " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "." for _ in range(lines)
         )
-        (directory / f"doc{d}.txt").write_text(text + "\n")
+        (directory / f"doc{d}{suffix}").write_text(text + "\n")
     return directory
 
 
@@ -141,9 +141,7 @@ def run_module(
         assert file_size_limit is None, "a limit is set in the warm child only"
         pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
         process = subprocess.Popen(command, cwd=ROOT, env=variables, **pipes, text=True, start_new_session=True)
-    with contextlib.ExitStack() as cleanup:
-        if not warm:
-            cleanup.enter_context(process)
+    with process if not warm else contextlib.nullcontext():  # Popen's exit closes its pipes
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

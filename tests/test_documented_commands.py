@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, WORDS
+from conftest import ROOT, WORDS, write_corpus
 from warm_start import WarmServer
 
 pytestmark = pytest.mark.slow
@@ -111,16 +111,6 @@ def skip_reason(argv: list[str]) -> str | None:
     return next((reason for key, reason in SKIPS.items() if key in text), None)
 
 
-def write_text(path: Path, documents: int, lines: int, seed: int, suffix: str = ".txt") -> None:
-    rng = random.Random(seed)
-    path.mkdir(parents=True, exist_ok=True)
-    for d in range(documents):
-        text = "\n".join(
-            " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "." for _ in range(lines)
-        )
-        (path / f"doc{d}{suffix}").write_text(text + "\n")
-
-
 def fresh_copy(target: Path) -> Path:
     """The repository's tracked files as they are in the working tree, and nothing else."""
     files = subprocess.run(
@@ -182,13 +172,13 @@ def test_every_documented_command_runs_as_written_on_a_fresh_copy(tmp_path, requ
     repo = fresh_copy(tmp_path / "repo")
     # What `make train` leaves behind, in small: the corpus it fetches (generated here, under the names the
     # shakespeare data config globs for), prepared by training itself on first use (data.auto_prepare).
-    write_text(repo / "data" / "raw" / "shakespeare", documents=8, lines=300, seed=0, suffix="_gut.txt")
+    write_corpus(repo / "data" / "raw" / "shakespeare", documents=8, lines=300, seed=0, suffix="_gut.txt")
     # The user's own text for the "Bring your own text" commands.
     (repo / "my_corpus").mkdir()
     rng = random.Random(1)
     lines = [f'{{"text": "{" ".join(rng.choice(WORDS) for _ in range(800))}"}}' for _ in range(60)]
     (repo / "my_corpus" / "docs.jsonl").write_text("\n".join(lines) + "\n")
-    write_text(repo / "my_corpus" / "more", documents=3, lines=200, seed=2)
+    write_corpus(repo / "my_corpus" / "more", documents=3, lines=200, seed=2)
     # The published model for "Continue pretraining a published model".
     published_stand_in(repo / "published" / "Meta-Llama-3-8B", [json.loads(line)["text"] for line in lines])
 

@@ -12,7 +12,7 @@ from project.config.optim import OptimConfig
 from project.model.config import DTYPE_NAMES, LlamaConfig
 from project.parallel.pipeline_layout import SCHEDULE_NAMES
 from project.runtime.errors import ConfigError
-from project.runtime.settings import Rule, above, accepted, field_rules, or_null, out_of_range, whole
+from project.runtime.settings import Rule, above, accepted, or_null, out_of_range, whole
 
 # Settings whose range the code relies on: (key, accepts, what it must be). None is allowed only where stated.
 # Those of a dataclass (model.*: LlamaConfig, optim.*: OptimConfig) are declared on its fields.
@@ -134,7 +134,7 @@ def check_strategy_choices(strategy_cfg: Mapping[str, Any], strategy_name: str =
 
 
 def check_values(cfg: DictConfig) -> None:
-    for key, accepts, must_be in [*RULES, *field_rules(OptimConfig, "optim"), *field_rules(LlamaConfig, "model")]:
+    for key, accepts, must_be in RULES:
         value = OmegaConf.select(cfg, key)
         if not accepted(value, accepts):
             raise ConfigError(out_of_range(key, value, must_be))
