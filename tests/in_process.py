@@ -1,29 +1,34 @@
 """Training runs of several layouts in one group of gloo processes, started once.
 
 `python -m project.train` on N processes costs N Python start-ups (about 2 s of imports each, on 2 cores that
-take turns) and Lightning's relaunch of the command, per run. Here the ranks start once, join one gloo process
-group, and run each case in turn through the same code as the command (project.config.checks.preflight, then
-project.training.run.train), with Lightning's launcher left out: the ranks look to it as if torchrun had
-started them (LOCAL_RANK, WORLD_SIZE), and it finds the process group already there. What a case writes (its
-run directory: metrics.csv, checkpoints, train.log) is what the command would write.
+take turns) and Lightning's relaunch of the command, per run. Here the ranks start once, forked warm from the
+pytest worker's start-up server (tests/warm_start.py), join one gloo process group, and run each case in turn
+through the same code as the command (project.config.checks.preflight, then project.training.run.train), with
+Lightning's launcher left out: the ranks look to it as if torchrun had started them (LOCAL_RANK, WORLD_SIZE), and
+it finds the process group already there. What a case writes (its run directory: metrics.csv, checkpoints,
+train.log) is what the command would write.
 
 The command itself stays tested end to end, once per strategy family (tests/test_train_end_to_end.py and others).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
 
 
 def train_in_process(world_size: int, cases: list[tuple[Path, list[str]]], timeout: float = 1800) -> None:
@@ -31,24 +36,44 @@ def train_in_process(world_size: int, cases: list[tuple[Path, list[str]]], timeo
 
     A case that fails on any rank fails the caller with that rank's traceback; the cases after it do not run.
     """
+    from warm_start import shared_server
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    context = mp.spawn(_rank, args=(world_size, port, cases), nprocs=world_size, join=False)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as listed:
+        json.dump([[str(run_dir), overrides] for run_dir, overrides in cases], listed)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONFAULTHANDLER": "1"}
+    env.pop("PYTEST_CURRENT_TEST", None)
+    args = [str(world_size), str(port), listed.name]
+    ranks = [shared_server().start("tests.in_process", [str(r), *args], ROOT, env) for r in range(world_size)]
     deadline = time.monotonic() + timeout
     try:
-        while not context.join(timeout=1):
+        while True:
+            codes = [r.poll() for r in ranks]
+            if all(code == 0 for code in codes):
+                return
+            failed = next((rank for rank, code in enumerate(codes) if code), None)
+            if failed is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    ranks[failed].communicate(timeout=30)  # all it printed
+                stderr = ranks[failed].printed()[1]
+                pytest.fail(f"an in-process run failed on rank {failed}:\n{stderr[-10000:]}", pytrace=False)
             if time.monotonic() > deadline:
                 pytest.fail(f"{len(cases)} in-process runs on {world_size} ranks took more than {timeout:.0f} s")
-    except mp.ProcessRaisedException as error:
-        pytest.fail(f"an in-process run failed:\n{error}", pytrace=False)
+            time.sleep(0.2)
     finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+        for r in ranks:
+            if r.poll() is None:
+                os.killpg(r.pid, signal.SIGKILL)
+                r.wait()
+        os.unlink(listed.name)
 
 
 def _rank(rank: int, world_size: int, port: int, cases: list[tuple[Path, list[str]]]) -> None:
+    import torch
+    import torch.distributed as dist
+
     # What torchrun would set: Lightning then starts no processes of its own (its environment's
     # creates_processes_externally) and keeps the process group it finds.
     os.environ.update(
@@ -58,8 +83,6 @@ def _rank(rank: int, world_size: int, port: int, cases: list[tuple[Path, list[st
             "WORLD_SIZE": str(world_size),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "WANDB_MODE": "offline",
         }
     )
     torch.set_num_threads(1)
@@ -67,12 +90,13 @@ def _rank(rank: int, world_size: int, port: int, cases: list[tuple[Path, list[st
     for run_dir, overrides in cases:
         try:
             _train(run_dir, overrides)
-        except BaseException as error:  # said with the case, whose overrides the traceback alone would not name
-            raise RuntimeError(f"{' '.join(overrides)} (rank {rank}):\n{traceback.format_exc()}") from error
+        except BaseException:  # said with the case, whose overrides the traceback alone would not name
+            print(f"{' '.join(overrides)} (rank {rank}):\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            os._exit(1)
         dist.barrier()
     dist.destroy_process_group()
     # Done: leave without the interpreter's shutdown, which gloo's threads abort now and then
-    # ("terminate called without an active exception"), and which mp.spawn would report as a failure.
+    # ("terminate called without an active exception").
     os._exit(0)
 
 
@@ -92,3 +116,8 @@ def _train(run_dir: Path, overrides: list[str]) -> None:
     with open_dict(cfg):
         del cfg["hydra"]
     train(cfg, preflight(cfg))
+
+
+if __name__ == "__main__":  # one rank: python -m tests.in_process RANK WORLD_SIZE PORT CASES.json
+    rank_, world_size_, port_, listed_ = sys.argv[1:]
+    _rank(int(rank_), int(world_size_), int(port_), [(Path(d), o) for d, o in json.loads(Path(listed_).read_text())])

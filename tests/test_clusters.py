@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 
 import pytest
+from warm_start import shared_server
 
 from tests.conftest import ROOT, read_metrics, run_train, train_overrides
 from tests.local_slurm import FINAL_STATES, LocalSlurm, free_port, why_not_available
@@ -29,9 +29,10 @@ def reference(tiny_shards, tmp_path_factory):
 def launch_command(launcher: str, node_rank: int, port: int) -> tuple[list[str], dict[str, str]]:
     """How each of two one-device nodes starts: through torchrun, or by hand with the variables Lightning
     reads (MASTER_ADDR, MASTER_PORT, NODE_RANK, WORLD_SIZE), one process per node."""
+    python, warm = shared_server().python()  # started warm, as tests/conftest.py's runs are
     if launcher == "torchrun":
         return [
-            sys.executable,
+            python,
             "-m",
             "torch.distributed.run",
             "--nnodes=2",
@@ -41,9 +42,9 @@ def launch_command(launcher: str, node_rank: int, port: int) -> tuple[list[str],
             f"--master-port={port}",
             "-m",
             "project.train",
-        ], {}
+        ], warm
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(node_rank), "WORLD_SIZE": "2"}
-    return [sys.executable, "-m", "project.train"], env
+    return [python, "-m", "project.train"], {**warm, **env}
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "environment"])
@@ -85,10 +86,12 @@ def slurm(tmp_path_factory):
 
 
 def submit(slurm: LocalSlurm, run_dir, overrides, *sbatch_args: str) -> str:
+    python, warm = shared_server().python()
     env = {
         **slurm.env,
         "RUN_DIR": str(run_dir),
-        "PYTHON": sys.executable,
+        "PYTHON": python,
+        **warm,
         "OMP_NUM_THREADS": "1",
         "WANDB_MODE": "offline",
         # Lightning derives the rendezvous port from the job id (15000 + its last digits), and every test cluster
@@ -154,7 +157,8 @@ def test_a_slurm_job_array_prepares_the_corpus_as_one_machine_does(slurm, tiny_s
         "data.fetch=null",
         "data.val_fraction=0.3",
     ]
-    env = {**slurm.env, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    python, warm = shared_server().python()
+    env = {**slurm.env, "PYTHON": python, **warm, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [
             "sbatch",

@@ -21,6 +21,7 @@ from conftest import (
     run_train,
     train_overrides,
 )
+from warm_start import shared_server
 
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 needs_horovod = pytest.mark.skipif(
@@ -34,7 +35,8 @@ needs_horovod = pytest.mark.skipif(
 
 def horovodrun(shards: Path, run_dir: Path, *extra: str, processes: int = 2) -> subprocess.CompletedProcess:
     """`horovodrun -np N -H localhost:N python -m project.train strategy=horovod ...` on this machine."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+    python, warm = shared_server().python()  # each rank started warm, as tests/conftest.py's runs are
+    env = {**os.environ, **warm, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
     env.pop("PYTEST_CURRENT_TEST", None)
     command = [
         str(HOROVODRUN),
@@ -42,7 +44,7 @@ def horovodrun(shards: Path, run_dir: Path, *extra: str, processes: int = 2) -> 
         str(processes),
         "-H",
         f"localhost:{processes}",
-        sys.executable,
+        python,
         "-m",
         "project.train",
     ]
