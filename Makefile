@@ -58,9 +58,10 @@ train: prepare
 	$(PY) -m project.train experiment=$(EXPERIMENT) hydra.run.dir=$(RUN_DIR)
 	$(PY) -m project.generate ckpt_path=$(RUN_DIR)/checkpoints/last.ckpt prompt="$(SAMPLE_PROMPT)" max_new_tokens=100
 
-# The docs build too (make docs, --strict): a broken link or a page missing from the nav fails the tests.
+# The docs build too (make docs, --strict): a broken link or a page missing from the nav fails the tests. The 25
+# slowest tests are listed at the end, for whoever keeps the suite's time in check.
 test: install slurm install-horovod $(VENV)/litgpt-reference/.installed lint typecheck docs
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 # ruff's formatter (code wrapped at 120 characters) and linter (pyproject.toml): a second, before the tests.
 # `make format` applies both where they can.
