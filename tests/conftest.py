@@ -50,7 +50,7 @@ def pytest_collection_modifyitems(items):
 
 def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        # Two workers on two cores: one thread each for what the tests compute in-process, as the runs they
+        # Workers share two cores: one thread each for what the tests compute in-process, as the runs they
         # start have (OMP_NUM_THREADS=1).
         torch.set_num_threads(1)
 

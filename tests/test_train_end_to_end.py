@@ -12,7 +12,11 @@ EXPERIMENTS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "con
 @pytest.fixture(scope="module")
 def debug_run(tiny_shards, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("debug-run")
-    result = run_train(tiny_shards, run_dir, f"peak_flops_per_device={PEAK}")
+    # Started cold, as a user's command starts: the time to the first step counts the imports (a test below).
+    result = run_module(
+        "project.train", train_overrides(tiny_shards, run_dir, f"peak_flops_per_device={PEAK}"), warm=False
+    )
+    assert result.returncode == 0, f"training failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return run_dir, result
 
 
