@@ -352,7 +352,12 @@ def run_child(request: dict, fds: list[int], socket_path: str) -> None:
 
 
 def _pidfd_above(pid: int, lowest: int) -> int:
-    opened = os.pidfd_open(pid)
+    """A descriptor that reads ready once process `pid` has ended, numbered `lowest` or above."""
+    try:
+        opened = os.pidfd_open(pid)
+    except ProcessLookupError:  # ended already (a run refused at once, before its forkserver started)
+        opened, written = os.pipe()
+        os.close(written)  # end of file: ready at once, as the pidfd of an ended process
     moved = fcntl.fcntl(opened, fcntl.F_DUPFD_CLOEXEC, lowest)
     os.close(opened)
     return moved
