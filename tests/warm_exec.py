@@ -1,8 +1,9 @@
 """The `python` of warm-started runs: tests/warm_start.py installs it beside the interpreter as `python-warm` (run
 by that interpreter, with -S) and sets it as sys.executable in the runs it starts.
 
-A run's own `python [-u] -m project.X|tests.X ARGS` (Lightning's launcher starting ranks 1 to N-1, torchrun
-starting its workers) comes here. Instead of importing torch and Lightning again, it asks the warm-start server
+A run's own `python -m project.X|tests.X|torch.distributed.run ARGS` (Lightning's launcher starting ranks 1 to N-1,
+torchrun starting its workers) and a loader's forkserver come here (warm_command). Instead of importing torch and
+Lightning again, it asks the warm-start server
 named by WARM_START_SOCKET to fork the module's process, with this process's standard streams, working directory,
 environment and file-size limit, and stands in for it: signals it receives are passed on, a SIGKILL of this process
 ends that one too (it watches this one), and this process ends as that one ended (its exit code, or killed by the
