@@ -37,7 +37,9 @@ def test_only_the_first_use_pauses_and_freezes(first_use):
     with startup.collector_paused_for_imports():  # a multirun's next job
         assert gc.isenabled()
         left_by_the_last_job = [[] for _ in range(1000)]
-    assert gc.get_freeze_count() == frozen and left_by_the_last_job
+    # Not more frozen: a second freeze would take the 1000 lists made above. (Not `==`: another thread of the
+    # pytest worker, a finished run's stream reader, may free frozen objects meanwhile.)
+    assert gc.get_freeze_count() <= frozen and left_by_the_last_job
 
 
 def test_a_failed_import_leaves_the_collector_on_and_freezes_nothing(first_use):
