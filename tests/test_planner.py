@@ -38,7 +38,8 @@ def cluster(name: str, nodes: int) -> Cluster:
 
 
 @pytest.mark.parametrize(
-    "name, billions", [("llama2_7b", 6.74), ("llama3_8b", 8.03), ("llama3_70b", 70.6), ("llama3_405b", 405.9)]
+    "name, billions",
+    [("llama3_2_1b", 1.24), ("llama2_7b", 6.74), ("llama3_8b", 8.03), ("llama3_70b", 70.6), ("llama3_405b", 405.9)],
 )
 def test_presets_have_their_published_parameter_counts(name, billions):
     assert round(count_parameters(preset(name)) / 1e9, 2 if billions < 10 else 1) == billions

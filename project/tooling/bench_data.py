@@ -179,14 +179,15 @@ def prepare_rates(root: Path, megabytes: float) -> tuple[list[dict], Path]:
     return rows, root / "shards-1"
 
 
-def loader_rate(data_dir: str, batches: int, **storage) -> float:
+def loader_rate(data_dir: str, batches: int, seq_len: int = SEQ_LEN, micro_batch: int = 16, **storage) -> float:
+    """Tokens/s of one replica's train loader (one worker process) over `batches` micro batches after the first."""
     from project.data.datamodule import TokenShardDataModule
 
     dm = TokenShardDataModule(
         data_dir,
-        seq_len=SEQ_LEN,
-        global_batch_size=16,
-        micro_batch_size=16,
+        seq_len=seq_len,
+        global_batch_size=micro_batch,
+        micro_batch_size=micro_batch,
         num_workers=1,
         dp_rank=0,
         dp_size=1,

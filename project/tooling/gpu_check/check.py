@@ -1,0 +1,233 @@
+"""The check's four sections in order, each within its share of the time, with progress on the console; then the
+report (project.tooling.gpu_check.report)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from project.tooling.bench import ROOT, load_preset
+from project.tooling.bench_data import loader_rate, write_text
+from project.tooling.gpu_check import correctness, speed
+from project.tooling.gpu_check.environment import describe
+
+# Share of the time budget by which each section must end (what one leaves, the next may use).
+SECTION_ENDS = {"correctness": 0.4, "speed": 0.9, "data": 1.0}
+# What the speed section times, by device: the presets (a ~1B Llama, then the largest of the others that the
+# planner fits on one device), sequence lengths, micro batch cap, precision, and timed and warm-up steps.
+SPEED = {
+    "cuda": {
+        "first": "llama3_2_1b",
+        "larger": ["llama3_8b", "llama2_7b"],
+        "seq_lens": [2048, 8192],
+        "cap": 64,
+        "precision": "bf16-mixed",
+        "steps": 10,
+        "warmup": 3,
+        "text_mb": 8,
+    },
+    # The same plumbing in seconds: the debug model, fp32 (bf16 matrix products crawl on most CPUs).
+    "cpu": {
+        "first": "debug",
+        "larger": [],
+        "seq_lens": [128],
+        "cap": 4,
+        "precision": "32-true",
+        "steps": 3,
+        "warmup": 1,
+        "text_mb": 1,
+    },
+}
+
+
+@dataclass
+class Options:
+    device: str  # cuda | cpu
+    devices: int
+    minutes: float
+    out: Path
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def child_env(device_type: str, devices: int) -> dict:
+    """The runs' environment: the cores split between a run's processes, wandb offline."""
+    threads = max(1, (os.cpu_count() or 1) // devices) if device_type == "cuda" else max(1, torch_threads() // devices)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    env.pop("PYTEST_CURRENT_TEST", None)
+    return env
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def prepare(work: Path, megabytes: float, seq_len: int, env: dict, tokenizer: Path | None = None) -> dict:
+    """Generated text in `work/raw` (written once), prepared by `python -m project.prepare` for `seq_len`."""
+    raw = work / "raw"
+    if not raw.is_dir():
+        write_text(raw, megabytes)
+    folder = work / f"shards-{seq_len}"
+    argv = [
+        sys.executable,
+        "-m",
+        "project.prepare",
+        "experiment=debug",
+        f"data.dir={folder}",
+        f"data.sources=[{raw}/*.txt]",
+        "data.fetch=null",
+        f"data.seq_len={seq_len}",
+        f"data.vocab_size={correctness.VOCAB_SIZE}",
+        *([f"data.tokenizer={tokenizer}"] if tokenizer else []),
+    ]
+    finished = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+    if finished.returncode != 0:
+        raise RuntimeError(f"preparing the check's data failed:\n{finished.stderr[-3000:]}")
+    return {"dir": str(folder), "sources": f"{raw}/*.txt"}
+
+
+def run_correctness(options: Options, data: dict, work: Path, env: dict, deadline: float) -> list[dict]:
+    found = correctness.cases(options.device, options.devices)
+    done: dict[str, correctness.Result] = {}
+    for i, case in enumerate(found, 1):
+        result = correctness.run_case(
+            case, options.device, options.devices, data, work / "runs", env, done, deadline - time.monotonic()
+        )
+        done[case.name] = result
+        figure = (
+            f", max rel. diff {result.max_rel_diff:.1e} (tolerance {result.tolerance:.0e})"
+            if result.tolerance and result.max_rel_diff is not None
+            else ""
+        )
+        timing = f", {result.seconds} s" if result.seconds is not None else ""
+        say(
+            f"[correctness {i}/{len(found)}] {case.name}: {result.status}{figure}{timing}"
+            + (f": {result.detail}" if result.detail else "")
+        )
+    return [{k: v for k, v in asdict(r).items() if k != "losses"} | {"losses": r.losses} for r in done.values()]
+
+
+def speed_presets(options: Options, facts: dict) -> tuple[list[str], list[dict]]:
+    """The presets to time, and those left out with the planner's reason: the ~1B model and the largest other
+    preset whose step fits the device at micro batch 1 and the shortest sequence, by the planner's count."""
+    plan = SPEED[options.device]
+    cluster = speed.device_cluster(facts["device_name"], options.device, facts["memory_bytes"], facts["peak_flops"])
+    chosen, left_out = [plan["first"]], []
+    for name in plan["larger"]:
+        config = load_preset(name, correctness.VOCAB_SIZE)
+        if speed.planned_micro_batch(config, plan["seq_lens"][0], plan["precision"], cluster, 1):
+            chosen.append(name)
+            break
+        left_out.append({"preset": name, "why": "the planner does not fit its step on one device at micro batch 1"})
+    return chosen, left_out
+
+
+def time_step(setting: speed.Setting, env: dict, deadline: float) -> tuple[speed.Setting, dict]:
+    """Measure `setting`, halving its micro batch after each out-of-memory error; the setting that ran, the outcome."""
+    mode = "compiled" if setting.compile else "eager"
+    while True:
+        if deadline - time.monotonic() < 1:
+            return setting, {"ok": False, "error": "out of time (minutes=)"}
+        say(f"[speed] {setting.preset}, {setting.seq_len} tokens, micro batch {setting.micro_batch}, {mode} ...")
+        outcome = speed.measure(setting, env, deadline - time.monotonic())
+        if not outcome.get("oom") or setting.micro_batch == 1:
+            return setting, outcome
+        say(f"[speed] out of memory at micro batch {setting.micro_batch}: halving it")
+        setting = replace(setting, micro_batch=setting.micro_batch // 2)
+
+
+def run_speed(options: Options, facts: dict, env: dict, deadline: float) -> tuple[list[dict], list[dict]]:
+    plan = SPEED[options.device]
+    peak = facts["peak_flops"].get("bf16" if plan["precision"] == "bf16-mixed" else "fp32")
+    cluster = speed.device_cluster(facts["device_name"], options.device, facts["memory_bytes"], facts["peak_flops"])
+    presets, left_out = speed_presets(options, facts)
+    rows = []
+    for preset in presets:
+        config = load_preset(preset, correctness.VOCAB_SIZE)
+        for seq_len in plan["seq_lens"]:
+            micro = speed.planned_micro_batch(config, seq_len, plan["precision"], cluster, plan["cap"])
+            if micro == 0:
+                left_out.append({"preset": preset, "seq_len": seq_len, "why": "the planner fits no micro batch"})
+                continue
+            for compiled in (True, False):  # eager starts from the micro batch that compiled ran
+                setting = speed.Setting(
+                    preset,
+                    seq_len,
+                    micro,
+                    compiled,
+                    plan["precision"],
+                    options.device,
+                    plan["steps"],
+                    plan["warmup"],
+                    correctness.VOCAB_SIZE,
+                )
+                setting, outcome = time_step(setting, env, deadline)
+                micro = setting.micro_batch
+                planned = speed.prediction(config, seq_len, micro, plan["precision"], cluster)
+                rows.append(speed.row(setting, outcome, config, peak, planned))
+                if outcome.get("ok"):
+                    mfu = f", MFU {rows[-1]['mfu']:.1%}" if rows[-1]["mfu"] is not None else ""
+                    say(f"[speed]   {rows[-1]['tokens_per_sec']:,.0f} tokens/s{mfu}")
+                else:
+                    say(f"[speed]   not measured: {outcome.get('error', '')}")
+    return rows, left_out
+
+
+def run_data_path(options: Options, work: Path, env: dict, rows: list[dict], deadline: float) -> dict:
+    """The train loader's tokens/s (one replica, one worker) at the speed section's first sequence length and
+    micro batch, against what the fastest step measured there consumes per device."""
+    timed = [r for r in rows if r.get("tokens_per_sec")]
+    if not timed:
+        return {"status": "skip", "why": "no step was timed"}
+    first = timed[0]
+    if deadline - time.monotonic() < 5:
+        return {"status": "skip", "why": "out of time (minutes=)"}
+    data = prepare(work, SPEED[options.device]["text_mb"], first["seq_len"], env, work / "shards-64" / "tokenizer.json")
+    consumed = max(r["tokens_per_sec"] for r in timed if r["seq_len"] == first["seq_len"])
+    batches = 20
+    rate = loader_rate(data["dir"], batches, seq_len=first["seq_len"], micro_batch=first["micro_batch"])
+    return {
+        "status": "measured",
+        "seq_len": first["seq_len"],
+        "micro_batch": first["micro_batch"],
+        "batches": batches,
+        "loader_tokens_per_sec": round(rate, 1),
+        "step_tokens_per_sec": consumed,
+        "headroom": round(rate / consumed, 2),
+    }
+
+
+def run(options: Options) -> dict:
+    """Every section; the report as a dict (project.tooling.gpu_check.report writes and prints it)."""
+    start = time.monotonic()
+    budget = options.minutes * 60
+    ends = {name: start + share * budget for name, share in SECTION_ENDS.items()}
+    say(f"checking {options.devices} {options.device} device(s) in at most {options.minutes:g} minutes")
+    facts = describe(options.device, options.devices)
+    say(f"[environment] {facts['devices']} x {facts['device_name']}, torch {facts['torch']}")
+    env = child_env(options.device, options.devices)
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    report: dict = {"environment": facts, "minutes": options.minutes}
+    try:
+        data = prepare(work, SPEED[options.device]["text_mb"], correctness.SEQ_LEN, env)
+        report["correctness"] = run_correctness(options, data, work, env, ends["correctness"])
+        report["speed"], report["speed_left_out"] = run_speed(options, facts, env, ends["speed"])
+        report["data_path"] = run_data_path(options, work, env, report["speed"], ends["data"])
+    finally:
+        failed = any(r["status"] == "fail" for r in report.get("correctness", []))
+        if failed:
+            report["work_dir"] = str(work)  # the failed runs' logs (train.log in each run directory) stay
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    report["seconds"] = round(time.monotonic() - start, 1)
+    return report

@@ -1,0 +1,258 @@
+"""Does this machine train correctly? The debug model trained 20 steps through `python -m project.train` in each
+precision and layout the devices allow, every run's per-step losses against a reference run's.
+
+Each case is a real run of the platform, as a user starts it (its command is in the report), on generated text
+prepared once. A case passes when every step's loss is finite, the loss fell over the run, and the largest
+relative difference from its reference's loss at the same step is within its tolerance:
+
+- fp32 layouts (ddp, tensor parallel, pipeline, a resume under FSDP2) against the one-device fp32 run: 1e-5 on
+  CPU, as the parity tests hold it; 1e-4 on GPUs, where cuBLAS picks other kernels for other matrix shapes and
+  the embedding's backward sums with atomics, in another order every run;
+- compiled against eager, fp32: 1e-4 (inductor fuses the norms and the SwiGLU and reorders their sums);
+- bf16-mixed, and FSDP2 with param_dtype=bfloat16, against fp32: 1e-2 (bf16 keeps 8 bits of mantissa; measured
+  on CPU on 2026-11-25: 1e-4);
+- bf16-true (weights and AdamW's moments in bf16 too) against fp32: 3e-2 (measured on CPU: 0.9%).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STEPS, RESUME_AT = 20, 10
+SEQ_LEN, VOCAB_SIZE = 64, 512  # experiment=debug's
+TOLERANCE = {"parity_cpu": 1e-5, "parity_cuda": 1e-4, "compiled": 1e-4, "bf16": 1e-2, "bf16_true": 3e-2}
+
+
+@dataclass
+class Case:
+    name: str
+    proves: str
+    settings: list[str]
+    devices: int = 1
+    reference: str | None = None  # the case whose losses this one's are compared with
+    tolerance: float = 0.0
+    resume_from: str | None = None  # the case whose last checkpoint this one resumes
+    steps: int = STEPS
+    needs: str = ""  # why the case is skipped with fewer devices: "" when it always runs
+
+
+@dataclass
+class Result:
+    name: str
+    proves: str
+    status: str  # pass | fail | skip
+    command: str = ""
+    reference: str | None = None
+    tolerance: float | None = None
+    max_rel_diff: float | None = None
+    seconds: float | None = None
+    detail: str = ""
+    losses: dict[int, float] = field(default_factory=dict)
+
+
+def cases(device_type: str, devices: int) -> list[Case]:
+    """The cases for `devices` devices of `device_type`, in the order they run (references first)."""
+    parity = TOLERANCE[f"parity_{device_type}"]
+    fp32, bf16 = ["trainer.precision=32-true"], ["trainer.precision=bf16-mixed"]
+    pair = "2 or more devices"
+    return [
+        Case("fp32", "the one-device reference", fp32),
+        Case("bf16-mixed", "autocast to bf16 trains like fp32", bf16, reference="fp32", tolerance=TOLERANCE["bf16"]),
+        Case(
+            "bf16-true",
+            "bf16 weights and optimizer state train",
+            ["trainer.precision=bf16-true"],
+            reference="fp32",
+            tolerance=TOLERANCE["bf16_true"],
+        ),
+        Case(
+            "compiled",
+            "torch.compile'd blocks give eager's losses",
+            [*fp32, "strategy.compile=true"],
+            reference="fp32",
+            tolerance=TOLERANCE["compiled"],
+        ),
+        Case(
+            f"fsdp2 x{devices} bf16",
+            "FSDP2 with param_dtype=bfloat16 over every device",
+            [*fp32, "strategy=fsdp2", "strategy.param_dtype=bfloat16"],
+            devices=devices,
+            reference="fp32",
+            tolerance=TOLERANCE["bf16"],
+        ),
+        Case(
+            f"ddp x{devices}",
+            "data parallel over every device",
+            [*fp32, "strategy=ddp"],
+            devices=devices,
+            reference="fp32",
+            tolerance=parity,
+            needs=pair,
+        ),
+        Case(
+            "tp x2",
+            "tensor parallel (and loss parallel) over 2 devices",
+            [*fp32, "strategy=tp"],
+            devices=2,
+            reference="fp32",
+            tolerance=parity,
+            needs=pair,
+        ),
+        Case(
+            "pipeline x2",
+            "a 2-stage 1F1B pipeline",
+            [*fp32, "strategy=pipeline", "micro_batch_size=2"],
+            devices=2,
+            reference="fp32",
+            tolerance=parity,
+            needs=pair,
+        ),
+        Case(
+            f"fp32 to step {RESUME_AT}",
+            "the first leg of the resume",
+            fp32,
+            reference="fp32",
+            tolerance=parity,
+            steps=RESUME_AT,
+        ),
+        Case(
+            f"resumed under fsdp2 x{devices}",
+            f"a one-device checkpoint resumes under FSDP2 over {devices} device(s), as if uninterrupted",
+            [*fp32, "strategy=fsdp2"],
+            devices=devices,
+            reference="fp32",
+            tolerance=parity,
+            resume_from=f"fp32 to step {RESUME_AT}",
+        ),
+    ]
+
+
+def global_batch(devices: int) -> int:
+    """The global batch every case trains: 8 sequences (experiment=debug's), or a multiple that splits evenly."""
+    return math.lcm(8, devices)
+
+
+def command(case: Case, device_type: str, data: dict, devices: int, run_dir: Path, ckpt: Path | None) -> list[str]:
+    """`python -m project.train ...` for `case`: experiment=debug on the prepared data, 20 steps, no validation."""
+    trainer = "gpu" if device_type == "cuda" else "cpu"
+    return [
+        sys.executable,
+        "-m",
+        "project.train",
+        "experiment=debug",
+        "logger=csv",
+        f"data.dir={data['dir']}",
+        f"data.sources=[{data['sources']}]",
+        "data.fetch=null",
+        f"data.seq_len={SEQ_LEN}",
+        f"data.vocab_size={VOCAB_SIZE}",
+        f"trainer={trainer}",
+        f"trainer.devices={case.devices}",
+        f"global_batch_size={global_batch(devices)}",
+        f"trainer.max_steps={case.steps}",
+        f"optim.decay_steps={STEPS}",  # the resumed leg's schedule is the whole run's
+        "trainer.log_every_n_steps=1",
+        "val_every_n_steps=1000000",
+        "ckpt_every_n_steps=1000000",
+        "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false",
+        *case.settings,
+        *([f"ckpt_path={ckpt}"] if ckpt else []),
+        f"hydra.run.dir={run_dir}",
+    ]
+
+
+def read_losses(metrics: Path) -> dict[int, float]:
+    """{step: train/loss} from a run's metrics.csv."""
+    with metrics.open(newline="") as f:
+        return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
+
+
+def compare(losses: dict[int, float], reference: dict[int, float], tolerance: float) -> tuple[bool, float, str]:
+    """(passed, largest relative difference, why not) of `losses` against `reference` at the steps `losses` has.
+
+    Every loss finite, every step of `losses` in `reference`, the run's loss fallen from its first step to its
+    last, and each step within `tolerance` of the reference's loss, relative to it."""
+    if not losses:
+        return False, math.nan, "no train/loss in metrics.csv"
+    if not all(math.isfinite(v) for v in losses.values()):
+        return False, math.nan, "a loss is not finite"
+    missing = sorted(set(losses) - set(reference))
+    if missing:
+        return False, math.nan, f"the reference has no loss at steps {missing}"
+    steps = sorted(losses)
+    if len(steps) > 1 and not losses[steps[-1]] < losses[steps[0]]:
+        return (
+            False,
+            math.nan,
+            f"the loss did not fall: {losses[steps[0]]:.4f} at step {steps[0]}, then {losses[steps[-1]]:.4f}",
+        )
+    diff = max(abs(losses[s] - reference[s]) / abs(reference[s]) for s in steps)
+    if not diff <= tolerance:
+        worst = max(steps, key=lambda s: abs(losses[s] - reference[s]) / abs(reference[s]))
+        return False, diff, f"step {worst}: {losses[worst]:.6f} against {reference[worst]:.6f}"
+    return True, diff, ""
+
+
+def shown(argv: list[str]) -> str:
+    """A command as a user types it: `python -m ...`, the run directory left out."""
+    return shlex.join(["python", *[a for a in argv[1:] if not a.startswith("hydra.run.dir=")]])
+
+
+def run_case(
+    case: Case,
+    device_type: str,
+    devices: int,
+    data: dict,
+    work: Path,
+    env: dict,
+    done: dict[str, Result],
+    timeout: float,
+) -> Result:
+    """Run one case (its reference and, for a resume, its first leg ran before it) and compare."""
+    result = Result(case.name, case.proves, "skip", reference=case.reference, tolerance=case.tolerance or None)
+    if case.needs and devices < 2:
+        result.detail = f"needs {case.needs}"
+        return result
+    for prior in filter(None, (case.reference, case.resume_from)):
+        if done.get(prior) is None or done[prior].status == "skip" or not done[prior].losses:
+            result.detail = f"{prior!r} did not run"
+            return result
+    if timeout < 1:
+        result.detail = "out of time (minutes=)"
+        return result
+    run_dir = work / case.name.replace(" ", "-")
+    ckpt = work / case.resume_from.replace(" ", "-") / "checkpoints" / "last.ckpt" if case.resume_from else None
+    argv = command(case, device_type, data, devices, run_dir, ckpt)
+    result.command = shown(argv)
+    start = time.monotonic()
+    try:
+        finished = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        result.status, result.seconds = "skip", round(time.monotonic() - start, 1)
+        result.detail = f"out of time (minutes=): stopped after {result.seconds} s"
+        return result
+    result.seconds = round(time.monotonic() - start, 1)
+    if finished.returncode != 0:
+        tail = "\n".join(finished.stderr.strip().splitlines()[-15:])
+        result.status, result.detail = "fail", f"exit status {finished.returncode}; the run's stderr ends:\n{tail}"
+        return result
+    result.losses = read_losses(run_dir / "metrics.csv")
+    expected = set(range(RESUME_AT if case.resume_from else 0, case.steps))
+    if set(result.losses) != expected:
+        result.status = "fail"
+        result.detail = f"losses logged at steps {sorted(result.losses)}, expected {min(expected)}..{max(expected)}"
+        return result
+    if case.reference is None:
+        result.status = "pass"
+        return result
+    passed, diff, why = compare(result.losses, done[case.reference].losses, case.tolerance)
+    result.status, result.max_rel_diff, result.detail = ("pass" if passed else "fail"), diff, why
+    return result

@@ -1,0 +1,119 @@
+"""The check's report: a JSON record and a Markdown page, new files named after the date and the device."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from pathlib import Path
+
+from project.tooling.bench import free_stem
+from project.tooling.gpu_check.environment import lines as environment_lines
+
+
+def stem(out: Path, facts: dict) -> Path:
+    """`out/<date>-<gpu name>-gpu` (`<date>-<host>-cpu-check` for the CPU plumbing), never one already taken."""
+    if facts["device_type"] == "cuda":
+        name = re.sub(r"[^a-z0-9]+", "-", facts["device_name"].lower()).strip("-") + "-gpu"
+    else:
+        name = re.sub(r"[^a-z0-9]+", "-", facts["host"].split(".")[0].lower()).strip("-") + "-cpu-check"
+    return free_stem(out / f"{datetime.date.today().isoformat()}-{name}", [".json", ".md"])
+
+
+def failures(report: dict) -> list[str]:
+    """What failed: correctness cases, and speed steps that ran but gave a non-finite loss or an error."""
+    failed = [f"correctness: {r['name']}" for r in report.get("correctness", []) if r["status"] == "fail"]
+    for r in report.get("speed", []):
+        if r.get("tokens_per_sec") and not r.get("loss_finite"):
+            failed.append(f"speed: {r['preset']} at {r['seq_len']} tokens, {r['mode']}: the loss is not finite")
+        elif r.get("error") and not r["error"].startswith("out of time"):
+            failed.append(f"speed: {r['preset']} at {r['seq_len']} tokens, {r['mode']}: {r['error'].splitlines()[0]}")
+    return failed
+
+
+def _number(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(report: dict) -> str:
+    facts = report["environment"]
+    failed = failures(report)
+    verdict = f"**{len(failed)} failed**: " + "; ".join(failed) if failed else "**Every check that ran passed.**"
+    out = [
+        f"# GPU check, {report['date']}: {facts['devices']} x {facts['device_name']}",
+        "",
+        f"Command: `{report['command']}`; {report['seconds']:.0f} s of a {report['minutes']:g}-minute budget. "
+        + verdict,
+        "",
+        "## Environment",
+        "",
+        *environment_lines(facts),
+        "",
+        "## Correctness",
+        "",
+        "The debug model trained 20 steps by `python -m project.train` in each case; every step's loss against the "
+        "reference run's at the same step (largest relative difference).",
+        "",
+        "| case | what it proves | against | max rel. diff | tolerance | result | seconds |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report.get("correctness", []):
+        result = r["status"] + (f": {r['detail'].splitlines()[0]}" if r["detail"] else "")
+        out.append(
+            f"| {r['name']} | {r['proves']} | {r['reference'] or '-'} | {_number(r['max_rel_diff'], '.1e')} | "
+            f"{_number(r['tolerance'], '.0e')} | {result} | {_number(r['seconds'], '.1f')} |"
+        )
+    out += [
+        "",
+        "## Speed",
+        "",
+        "One device's training step (forward, float32 cross-entropy, backward, clipping, AdamW) on random tokens, "
+        "compiled block by block and eager; MFU against the peak above. The planner's columns are its prediction "
+        "for the same model, micro batch and device (`project.planning`, achievable fraction 0.5).",
+        "",
+        "| model | parameters | seq | micro batch | mode | precision | tokens/s | MFU | peak memory (GiB) | "
+        "planner tokens/s | planner MFU | planner memory (GiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report.get("speed", []):
+        planned = r["planner"]
+        measured = (
+            _number(r["tokens_per_sec"], ",.0f")
+            if r["tokens_per_sec"]
+            else f"not measured: {r['error'].splitlines()[0]}"
+        )
+        out.append(
+            f"| {r['preset']} | {r['parameters'] / 1e9:.2f}B | {r['seq_len']} | {r['micro_batch']} | {r['mode']} | "
+            f"{r['precision']} | {measured} | {_number(r['mfu'], '.1%')} | {_number(r['peak_memory_gib'], '.1f')} | "
+            f"{_number(planned.get('tokens_per_sec'), ',.0f')} | {_number(planned.get('mfu'), '.1%')} | "
+            f"{_number(planned.get('memory_gib'), '.1f')} |"
+        )
+    for left in report.get("speed_left_out", []):
+        out.append(
+            f"\nNot timed: {left['preset']}"
+            + (f" at {left['seq_len']} tokens" if "seq_len" in left else "")
+            + f": {left['why']}."
+        )
+    data = report.get("data_path", {})
+    out += ["", "## Data path", ""]
+    if data.get("status") == "measured":
+        out.append(
+            f"The train loader (one replica, one worker) delivered {data['loader_tokens_per_sec']:,.0f} tokens/s at "
+            f"{data['seq_len']} tokens and micro batch {data['micro_batch']}; the fastest step above consumes "
+            f"{data['step_tokens_per_sec']:,.0f} tokens/s per device: **{data['headroom']}x** headroom."
+        )
+    else:
+        out.append(f"Not measured: {data.get('why', 'the check stopped before it')}.")
+    if report.get("work_dir"):
+        out += ["", f"The runs' directories (train.log, metrics.csv) are kept in `{report['work_dir']}`."]
+    return "\n".join(out) + "\n"
+
+
+def write(report: dict, out: Path) -> Path:
+    """New `<stem>.json` and `<stem>.md` in `out`; returns the stem."""
+    out.mkdir(parents=True, exist_ok=True)
+    target = stem(out, report["environment"])
+    for ext, text in ((".json", json.dumps(report, indent=2) + "\n"), (".md", markdown(report))):
+        with target.with_name(target.name + ext).open("x") as f:  # "x": never overwrite a result
+            f.write(text)
+    return target

@@ -1,0 +1,183 @@
+"""How fast does one device train? The training step of a model preset (forward, float32 cross-entropy, backward,
+clipping, AdamW, as project.train runs it), compiled block by block and eager, side by side, beside what the
+planner predicts for the same model, micro batch and device.
+
+Each measurement runs in a process of its own (`python -m project.tooling.gpu_check.speed SETTINGS_JSON`): a
+compiled model's caches and an out-of-memory error stay there. The micro batch starts at the largest the
+planner's memory model fits into 90% of the device, and halves after an out-of-memory error. Random tokens, no
+data loader (the data path is measured on its own): this is the step's speed, not a run's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from project.model.config import LlamaConfig
+from project.model.flops import count_parameters, training_flops_per_token
+from project.planning.candidates import Candidate
+from project.planning.cluster import Cluster
+from project.planning.memory import Allowance, peak_memory
+from project.planning.planner import Workload, evaluate
+
+MEMORY_SHARE = 0.9  # of the device's memory, for the planner's first micro batch
+ACHIEVABLE_FRACTION = 0.5  # conf/plan.yaml's default
+
+
+@dataclass
+class Setting:
+    """One measurement: what the child process builds and times."""
+
+    preset: str
+    seq_len: int
+    micro_batch: int
+    compile: bool
+    precision: str  # bf16-mixed | 32-true
+    device: str  # cuda | cpu
+    steps: int
+    warmup: int
+    vocab_size: int  # for the presets that follow data.vocab_size
+
+
+def single_device_candidate(micro_batch: int) -> Candidate:
+    """The layout the step runs in, as the planner names it: one device, nothing sharded, attention through a
+    fused kernel (its scores recomputed in backward, nothing else: the planner's `selective`)."""
+    return Candidate("fsdp2", 1, 1, 1, micro_batch, 1, recompute="selective")
+
+
+def device_cluster(name: str, accelerator: str, memory_bytes: float, peak_flops: dict) -> Cluster:
+    """This one device as the planner's cluster; its links never matter to a one-device step."""
+    peaks = {dtype: (flops or 0.0) / 1e12 for dtype, flops in peak_flops.items()}
+    peaks = {"bf16": peaks.get("bf16") or peaks["fp32"], "fp32": peaks["fp32"] or peaks.get("bf16", 0.0)}
+    return Cluster(name, accelerator, 1, 1, memory_bytes / 2**30, peaks, 1.0, 1.0)
+
+
+def planned_micro_batch(config: LlamaConfig, seq_len: int, precision: str, cluster: Cluster, cap: int) -> int:
+    """The largest power of two up to `cap` whose planned memory fits MEMORY_SHARE of the device; 0 if none."""
+    best, micro = 0, 1
+    while micro <= cap:
+        need = peak_memory(config, single_device_candidate(micro), seq_len, precision, cluster.accelerator, Allowance())
+        if need.total > MEMORY_SHARE * cluster.memory_bytes:
+            break
+        best, micro = micro, micro * 2
+    return best
+
+
+def prediction(config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, cluster: Cluster) -> dict:
+    """What the planner predicts for this step: tokens/s, MFU and memory on the device."""
+    if not cluster.peak_tflops["fp32"] > 0:
+        return {}
+    outcome = evaluate(
+        Workload(config, seq_len, micro_batch, 1.0, precision),
+        cluster,
+        single_device_candidate(micro_batch),
+        ACHIEVABLE_FRACTION,
+        Allowance(),
+    )
+    return {
+        "tokens_per_sec": round(outcome.tokens_per_second, 1),
+        "mfu": round(outcome.mfu, 4),
+        "memory_gib": round(outcome.prediction.memory.total / 2**30, 2),
+    }
+
+
+def measure(setting: Setting, env: dict, timeout: float) -> dict:
+    """Run `setting` in a child process: {"ok": True, ...figures} or {"ok": False, "oom": bool, "error": str}."""
+    argv = [sys.executable, "-m", "project.tooling.gpu_check.speed", json.dumps(asdict(setting))]
+    try:
+        finished = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "oom": False, "error": f"out of time (minutes=): stopped after {timeout:.0f} s"}
+    lines = finished.stdout.strip().splitlines()
+    if finished.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    tail = "\n".join(finished.stderr.strip().splitlines()[-15:])
+    return {"ok": False, "oom": False, "error": f"exit status {finished.returncode}:\n{tail}"}
+
+
+def step_in_this_process(setting: Setting) -> dict:
+    """The child's work: build the model on the device, warm up, time `steps` optimizer steps."""
+    import torch
+    import torch.nn.functional as F
+
+    from project.model.llama import Llama
+    from project.parallel.compiled import compile_blocks
+    from project.tooling.bench import load_preset
+
+    device = torch.device(setting.device)
+    config = load_preset(setting.preset, setting.vocab_size)
+    torch.manual_seed(0)
+    try:
+        with device:  # built where it trains: a 1B model drawn on the host first takes a minute
+            model = Llama(config)
+        if setting.compile:
+            compile_blocks(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        tokens = torch.randint(0, config.vocab_size, (setting.micro_batch, setting.seq_len + 1), device=device)
+        bf16 = setting.precision == "bf16-mixed"
+        losses = []
+
+        def step() -> None:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+
+        def synchronize() -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        for _ in range(setting.warmup):  # compilation, the allocator's first blocks, kernel selection
+            step()
+        synchronize()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        for _ in range(setting.steps):
+            step()
+        synchronize()
+        seconds = (time.perf_counter() - start) / setting.steps
+    except torch.OutOfMemoryError as error:
+        return {"ok": False, "oom": True, "error": str(error).splitlines()[0]}
+    last = float(losses[-1])
+    return {
+        "ok": True,
+        "step_seconds": round(seconds, 5),
+        "tokens_per_sec": round(setting.micro_batch * setting.seq_len / seconds, 1),
+        "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        "loss": round(last, 4),
+        "loss_finite": math.isfinite(last),
+    }
+
+
+def row(setting: Setting, outcome: dict, config: LlamaConfig, peak: float | None, planned: dict) -> dict:
+    """One line of the speed table: the setting, what was measured, MFU against `peak`, the planner's figures."""
+    flops = training_flops_per_token(config, setting.seq_len)
+    measured = outcome.get("tokens_per_sec")
+    return {
+        "preset": setting.preset,
+        "parameters": count_parameters(config),
+        "seq_len": setting.seq_len,
+        "micro_batch": setting.micro_batch,
+        "mode": "compiled" if setting.compile else "eager",
+        "precision": setting.precision,
+        "steps": setting.steps,
+        "flops_per_token": flops,
+        "peak_flops": peak,
+        **{k: outcome.get(k) for k in ("step_seconds", "tokens_per_sec", "peak_memory_gib", "loss", "loss_finite")},
+        "mfu": round(flops * measured / peak, 4) if measured and peak else None,
+        "planner": planned,
+        "error": outcome.get("error", ""),
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(step_in_this_process(Setting(**json.loads(sys.argv[1])))), flush=True)
