@@ -24,7 +24,7 @@ RUN_STAMP := $(shell date +%Y-%m-%d_%H-%M-%S)
 RUN_DIR ?= outputs/runs/$(RUN_STAMP)
 SAMPLE_PROMPT ?= To be, or not to be
 
-.PHONY: install install-horovod train prepare test test-fast lint typecheck format bench docs clean slurm
+.PHONY: install install-horovod train prepare test test-fast lint typecheck format bench gpu-check gpu-wheels docs clean slurm
 
 install: $(STAMP)
 
@@ -101,6 +101,20 @@ bench: install $(VENV)/litgpt-reference/.installed
 	$(PY) -m project.tooling.bench_platform presets=debug,small10m  # small50m too: 5 more minutes here
 	$(PY) -m project.tooling.bench_pipeline pp=2 microbatches=1,2,4,8 layers=4  # the defaults (m up to 16, 8 layers): 7 more minutes
 	$(PY) -m project.tooling.bench_data
+
+# On a machine with GPUs: ten minutes that prove they train (fp32, bf16, compile, FSDP2, and DDP, tensor parallel
+# and a pipeline over 2 or more) and measure a ~1B Llama's step (tokens/s, MFU, memory beside the planner's
+# prediction): new files experiments/benchmarks/<date>-<gpu>-gpu.{json,md} (docs/performance.md). Without a GPU it
+# says so and exits 0. GPU_CHECK= passes options, e.g. GPU_CHECK="minutes=5 devices=2" or GPU_CHECK=device=cpu.
+gpu-check: install
+	$(PY) -m project.gpu_check $(GPU_CHECK)
+
+# For a GPU node without a package index: the wheels the check needs beyond torch, for the node's Python
+# (GPU_PYTHON), into GPU_WHEELS; there, scripts/gpu_check_offline.sh GPU_WHEELS runs the check.
+GPU_WHEELS ?= gpu-wheels
+GPU_PYTHON ?= 3.12
+gpu-wheels: install
+	$(PY) -m project.tooling.gpu_check.wheels out=$(GPU_WHEELS) python=$(GPU_PYTHON)
 
 # Beside the environment, like transformers: litgpt's package imports psutil, which nothing else here needs,
 # and it declares versions of litdata and huggingface_hub that its model does not use.

@@ -1,0 +1,140 @@
+"""`make gpu-check` (project.gpu_check): its plumbing on the CPU, its refusals, and what it needs on a node
+without a package index. The GPU itself is not here: docs/performance.md says what it checks there."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, run_module
+
+from project.gpu_check import parse
+from project.model.flops import training_flops_per_token
+from project.runtime.errors import ConfigError
+from project.tooling.bench import load_preset
+from project.tooling.gpu_check import correctness
+from project.tooling.gpu_check.report import failures
+from project.tooling.gpu_check.wheels import closure
+
+
+@pytest.fixture(scope="module")
+def cpu_check(tmp_path_factory):
+    """`python -m project.gpu_check device=cpu devices=2`: two processes stand in for two GPUs."""
+    out = tmp_path_factory.mktemp("gpu-check")
+    result = run_module("project.gpu_check", ["device=cpu", "devices=2", f"out={out}"], timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (record,) = out.glob("*-cpu-check.json")
+    return json.loads(record.read_text()), record.with_suffix(".md").read_text(), result.stdout
+
+
+@pytest.mark.slow
+def test_the_cpu_check_runs_every_case_through_project_train_and_each_passes(cpu_check):
+    report, _, _ = cpu_check
+    results = {r["name"]: r for r in report["correctness"]}
+    assert list(results) == [case.name for case in correctness.cases("cpu", 2)]
+    assert all(r["status"] == "pass" for r in results.values()), results
+    for r in results.values():
+        assert r["command"].startswith("python -m project.train experiment=debug")
+        steps = range(correctness.RESUME_AT, 20) if r["name"].startswith("resumed") else range(len(r["losses"]))
+        assert sorted(map(int, r["losses"])) == list(steps)
+        if r["reference"]:
+            reference = results[r["reference"]]["losses"]
+            diff = max(abs(loss - reference[step]) / reference[step] for step, loss in r["losses"].items())
+            assert diff == pytest.approx(r["max_rel_diff"], rel=1e-9, abs=1e-12) and diff <= r["tolerance"]
+    # Each layout really ran as named: its command says so, and the runs of 2 devices started 2 processes.
+    assert "strategy=tp" in results["tp x2"]["command"] and "trainer.devices=2" in results["tp x2"]["command"]
+    assert "ckpt_path=" in results["resumed under fsdp2 x2"]["command"]
+    assert failures(report) == []
+
+
+@pytest.mark.slow
+def test_the_cpu_check_times_the_step_compiled_and_eager_with_mfu_against_the_measured_peak(cpu_check):
+    report, page, stdout = cpu_check
+    peak = report["environment"]["peak_flops"]["fp32"]
+    rows = report["speed"]
+    assert [r["mode"] for r in rows] == ["compiled", "eager"] and peak > 0
+    for r in rows:
+        assert r["loss_finite"] and r["tokens_per_sec"] > 0
+        flops = training_flops_per_token(load_preset("debug", correctness.VOCAB_SIZE), r["seq_len"])
+        assert r["mfu"] == pytest.approx(flops * r["tokens_per_sec"] / peak, rel=1e-2)
+        assert r["planner"]["tokens_per_sec"] > 0 and r["planner"]["memory_gib"] > 0
+    data = report["data_path"]
+    assert data["status"] == "measured" and data["headroom"] == pytest.approx(
+        data["loader_tokens_per_sec"] / data["step_tokens_per_sec"], rel=1e-2
+    )
+    for heading in ("## Environment", "## Correctness", "## Speed", "## Data path", "Every check that ran passed"):
+        assert heading in page and heading in stdout
+    assert "[correctness 10/10] resumed under fsdp2 x2: pass" in stdout  # progress while it runs
+
+
+def test_without_a_gpu_the_check_says_so_in_one_line_and_writes_nothing(tmp_path):
+    result = run_module("project.gpu_check", [f"out={tmp_path}"], env={"CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().startswith("no GPU here") and len(result.stdout.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+    asked = run_module("project.gpu_check", ["device=cuda", f"out={tmp_path}"], env={"CUDA_VISIBLE_DEVICES": ""})
+    assert asked.returncode == 2 and asked.stderr.strip().startswith("error: device=cuda: torch sees no GPU")
+
+
+@pytest.mark.parametrize(
+    "argument, message",
+    [
+        ("device=tpu", "device=tpu: choose auto"),
+        ("minutes=0", "minutes=0: give the time budget"),
+        ("minutes=soon", "minutes=soon"),
+        ("devices=0", "devices=0: give a positive number"),
+        ("speed=fast", "unknown argument 'speed=fast'"),
+    ],
+)
+def test_bad_options_are_refused_by_name(argument, message):
+    with pytest.raises(ConfigError, match=message):
+        parse([argument])
+
+
+def test_a_run_outside_its_tolerance_fails_its_case():
+    reference = {0: 6.0, 1: 5.0, 2: 4.0}
+    assert correctness.compare({0: 6.0, 1: 5.001, 2: 4.0}, reference, 1e-3)[0]
+    passed, diff, why = correctness.compare({0: 6.0, 1: 5.1, 2: 4.0}, reference, 1e-2)
+    assert not passed and diff == pytest.approx(0.02) and why.startswith("step 1: 5.100000 against 5.000000")
+    assert correctness.compare({0: 6.0, 1: math.nan}, reference, 1)[2] == "a loss is not finite"
+    assert "did not fall" in correctness.compare({0: 6.0, 1: 5.0, 2: 6.5}, {0: 6.0, 1: 5.0, 2: 6.5}, 1)[2]
+    assert "no loss at steps [3]" in correctness.compare({2: 4.0, 3: 3.0}, reference, 1)[2]
+
+
+def test_a_run_that_fails_fails_its_case_with_the_runs_own_error(tmp_path, tiny_shards):
+    case = correctness.Case("odd heads", "a refused setting", ["model.n_heads=3"], reference=None)
+    data = {"dir": str(tiny_shards), "sources": f"{tiny_shards.parent / 'raw'}/*.txt"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # tiny_shards' vocabulary and sequences are not the check's: the run is refused for them too, before training.
+    result = correctness.run_case(case, "cpu", 1, data, tmp_path, env, {}, timeout=300)
+    assert result.status == "fail" and "exit status 2" in result.detail and "error:" in result.detail
+    assert failures({"correctness": [vars(result)]}) == ["correctness: odd heads"]
+
+
+def test_the_offline_wheels_are_the_runs_imports_beyond_torch():
+    wheels = closure()
+    for needed in ("hydra-core", "omegaconf", "antlr4-python3-runtime", "litdata", "lightning", "lightning-utilities"):
+        assert needed in wheels
+    for provided in ("torch", "torchvision", "sympy", "networkx", "wandb", "triton"):
+        assert provided not in wheels  # the node's torch brings its own; wandb is not imported with logger=csv
+
+
+def test_the_offline_script_refuses_a_missing_wheel_folder_and_runs_the_check_from_the_node_python(tmp_path):
+    script = ROOT / "scripts" / "gpu_check_offline.sh"
+    env = {**os.environ, "PYTHON": sys.executable, "SITE": str(tmp_path / "site"), "CUDA_VISIBLE_DEVICES": ""}
+    missing = subprocess.run(
+        ["bash", script, str(tmp_path / "nowhere")], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert missing.returncode == 2 and missing.stderr.startswith("error: usage: scripts/gpu_check_offline.sh")
+    (tmp_path / "wheels").mkdir()  # this environment has every package: nothing to install
+    ran = subprocess.run(
+        ["bash", script, str(tmp_path / "wheels"), f"out={tmp_path / 'out'}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert ran.returncode == 0 and ran.stdout.startswith("no GPU here"), ran.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "site").exists()
