@@ -58,18 +58,17 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
-def child_env(device_type: str, devices: int) -> dict:
-    """The runs' environment: the cores split between a run's processes, wandb offline."""
-    threads = max(1, (os.cpu_count() or 1) // devices) if device_type == "cuda" else max(1, torch_threads() // devices)
+def per_process_threads(device_type: str, devices: int) -> int:
+    """Threads of each process of a run: the cores split between the run's processes (on a CPU, between the
+    processes that stand in for devices)."""
+    return max(1, (os.cpu_count() or 1) // devices)
+
+
+def child_env(threads: int) -> dict:
+    """The runs' environment: their thread count, wandb offline, output unbuffered."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
     env.pop("PYTEST_CURRENT_TEST", None)
     return env
-
-
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def prepare(work: Path, megabytes: float, seq_len: int, env: dict, tokenizer: Path | None = None) -> dict:
@@ -213,9 +212,10 @@ def run(options: Options) -> dict:
     budget = options.minutes * 60
     ends = {name: start + share * budget for name, share in SECTION_ENDS.items()}
     say(f"checking {options.devices} {options.device} device(s) in at most {options.minutes:g} minutes")
-    facts = describe(options.device, options.devices)
+    threads = per_process_threads(options.device, options.devices)
+    facts = describe(options.device, options.devices, threads)
     say(f"[environment] {facts['devices']} x {facts['device_name']}, torch {facts['torch']}")
-    env = child_env(options.device, options.devices)
+    env = child_env(threads)
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     report: dict = {"environment": facts, "minutes": options.minutes}
     try:

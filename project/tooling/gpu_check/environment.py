@@ -23,11 +23,11 @@ def nvidia_smi() -> dict:
     return {"driver": rows[0][0], "gpus": [{"name": r[1], "memory": r[2]} for r in rows]} if rows else {}
 
 
-def describe(device_type: str, devices: int) -> dict:
-    """The environment of a check on `devices` devices of `device_type` (cuda or cpu).
+def describe(device_type: str, devices: int, threads: int) -> dict:
+    """The environment of a check on `devices` devices of `device_type` (cuda or cpu), `threads` per process.
 
     Peaks are Lightning's table for a GPU (`get_available_flops`, dense, per device); a CPU has no entry
-    there, so its fp32 matrix-product rate is measured here, at this process's thread count."""
+    there, so its fp32 matrix-product rate is measured here, at the thread count of each process of a run."""
     import lightning
     import torch
     from lightning.fabric.utilities.throughput import get_available_flops
@@ -65,20 +65,21 @@ def describe(device_type: str, devices: int) -> dict:
             "peak_source": "Lightning's table of dense peaks (lightning.fabric.utilities.throughput)",
         }
     else:
+        torch.set_num_threads(threads)
         measured = matmul_peak()["flops_per_sec"]
         facts |= {
-            "device_name": f"{platform.processor() or platform.machine()} CPU x{torch.get_num_threads()} threads",
+            "device_name": f"{platform.processor() or platform.machine()} CPU, {threads} thread(s)",
             "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
             # bf16 matrix products run about 100x slower than fp32 on most CPUs: the CPU check trains in fp32.
             "peak_flops": {"fp32": measured, "bf16": None},
-            "peak_source": f"fp32 {2048}^3 matrix product measured here, {torch.get_num_threads()} threads",
+            "peak_source": f"fp32 2048^3 matrix product measured here, {threads} thread(s)",
         }
     return facts
 
 
 def lines(facts: dict) -> list[str]:
     """The environment as the report's first lines."""
-    peaks = ", ".join(f"{k} {v / 1e12:.1f} TFLOP/s" if v else f"{k} unknown" for k, v in facts["peak_flops"].items())
+    peaks = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" if v else f"{k} unknown" for k, v in facts["peak_flops"].items())
     out = [
         f"- host {facts['host']}, {facts['cpu_count']} CPUs, Python {facts['python']}, torch {facts['torch']}, "
         f"Lightning {facts['lightning']}",

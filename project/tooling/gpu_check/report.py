@@ -35,6 +35,10 @@ def _number(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _count(parameters: int) -> str:
+    return f"{parameters / 1e9:.2f}B" if parameters >= 1e8 else f"{parameters / 1e6:.2f}M"
+
+
 def markdown(report: dict) -> str:
     facts = report["environment"]
     failed = failures(report)
@@ -83,7 +87,7 @@ def markdown(report: dict) -> str:
             else f"not measured: {r['error'].splitlines()[0]}"
         )
         out.append(
-            f"| {r['preset']} | {r['parameters'] / 1e9:.2f}B | {r['seq_len']} | {r['micro_batch']} | {r['mode']} | "
+            f"| {r['preset']} | {_count(r['parameters'])} | {r['seq_len']} | {r['micro_batch']} | {r['mode']} | "
             f"{r['precision']} | {measured} | {_number(r['mfu'], '.1%')} | {_number(r['peak_memory_gib'], '.1f')} | "
             f"{_number(planned.get('tokens_per_sec'), ',.0f')} | {_number(planned.get('mfu'), '.1%')} | "
             f"{_number(planned.get('memory_gib'), '.1f')} |"
