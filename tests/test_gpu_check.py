@@ -54,7 +54,10 @@ def test_the_cpu_check_times_the_step_compiled_and_eager_with_mfu_against_the_me
     report, page, stdout = cpu_check
     peak = report["environment"]["peak_flops"]["fp32"]
     rows = report["speed"]
-    assert [r["mode"] for r in rows] == ["compiled", "eager"] and peak > 0
+    assert [r["mode"] for r in rows] == ["eager", "compiled"] and peak > 0
+    profiled = rows[1]["profile"]  # the compiled step, profiled: where its time goes, by kind
+    assert rows[0]["profile"] is None and sum(profiled["kinds"].values()) == pytest.approx(1, abs=1e-3)
+    assert profiled["kinds"]["matrix products"] > 0 and profiled["top"][0]["share"] >= profiled["top"][-1]["share"]
     for r in rows:
         assert r["loss_finite"] and r["tokens_per_sec"] > 0
         flops = training_flops_per_token(load_preset("debug", correctness.VOCAB_SIZE), r["seq_len"])
@@ -64,8 +67,9 @@ def test_the_cpu_check_times_the_step_compiled_and_eager_with_mfu_against_the_me
     assert data["status"] == "measured" and data["headroom"] == pytest.approx(
         data["loader_tokens_per_sec"] / data["step_tokens_per_sec"], rel=1e-2
     )
-    for heading in ("## Environment", "## Correctness", "## Speed", "## Data path", "Every check that ran passed"):
+    for heading in ("## Environment", "## Correctness", "## Speed", "### Where the time goes", "## Data path"):
         assert heading in page and heading in stdout
+    assert "Every check that ran passed." in page
     assert "[correctness 10/10] resumed under fsdp2 x2: pass" in stdout  # progress while it runs
 
 

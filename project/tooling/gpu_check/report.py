@@ -9,6 +9,7 @@ from pathlib import Path
 
 from project.tooling.bench import free_stem
 from project.tooling.gpu_check.environment import lines as environment_lines
+from project.tooling.gpu_check.speed import PROFILED_STEPS
 
 
 def stem(out: Path, facts: dict) -> Path:
@@ -37,6 +38,36 @@ def _number(value, spec: str) -> str:
 
 def _count(parameters: int) -> str:
     return f"{parameters / 1e9:.2f}B" if parameters >= 1e8 else f"{parameters / 1e6:.2f}M"
+
+
+# Issue #32's goal for the ~1B compiled bf16 step on an H100, above Megatron-LM's published 47%.
+MFU_GOAL = 0.5
+
+
+def profile_lines(report: dict) -> list[str]:
+    """Where the time of each profiled step goes: shares by kind, and the largest operators or kernels."""
+    out = []
+    for r in report.get("speed", []):
+        profiled = r.get("profile")
+        if not profiled:
+            continue
+        goal = ""
+        if report["environment"]["device_type"] == "cuda" and r["mfu"] is not None:
+            reached = "reaches" if r["mfu"] >= MFU_GOAL else "is below"
+            goal = f" Its MFU, {r['mfu']:.1%}, {reached} the goal of {MFU_GOAL:.0%}."
+        kinds = ", ".join(f"{kind} {share:.0%}" for kind, share in profiled["kinds"].items())
+        out += [
+            "",
+            f"### Where the time goes: {r['preset']}, {r['seq_len']} tokens, {r['mode']}",
+            "",
+            f"torch.profiler over {PROFILED_STEPS} more steps, self time of each operator ({profiled['clock']} clock, "
+            f"{profiled['ms_per_step']:.1f} ms per step in all): {kinds}.{goal}",
+            "",
+            "| operator or kernel | kind | ms per step | share |",
+            "|---|---|---|---|",
+            *(f"| `{t['name']}` | {t['kind']} | {t['ms_per_step']:.2f} | {t['share']:.1%} |" for t in profiled["top"]),
+        ]
+    return out
 
 
 def markdown(report: dict) -> str:
@@ -98,6 +129,7 @@ def markdown(report: dict) -> str:
             + (f" at {left['seq_len']} tokens" if "seq_len" in left else "")
             + f": {left['why']}."
         )
+    out += profile_lines(report)
     data = report.get("data_path", {})
     out += ["", "## Data path", ""]
     if data.get("status") == "measured":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -41,6 +42,7 @@ class Setting:
     steps: int
     warmup: int
     vocab_size: int  # for the presets that follow data.vocab_size
+    profile: bool = False  # then two more steps under torch.profiler: where the time goes
 
 
 def single_device_candidate(micro_batch: int) -> Candidate:
@@ -99,8 +101,16 @@ def measure(setting: Setting, env: dict, timeout: float) -> dict:
     return {"ok": False, "oom": False, "error": f"exit status {finished.returncode}:\n{tail}"}
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+    """An allocation the device refused, also when it surfaces inside a compiler's error (autotuning, say)."""
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
 def step_in_this_process(setting: Setting) -> dict:
-    """The child's work: build the model on the device, warm up, time `steps` optimizer steps."""
+    """The child's work: build the model on the device, warm up, time `steps` optimizer steps, then (with
+    `profile`) profile two more."""
     import torch
     import torch.nn.functional as F
 
@@ -111,6 +121,12 @@ def step_in_this_process(setting: Setting) -> dict:
     device = torch.device(setting.device)
     config = load_preset(setting.preset, setting.vocab_size)
     torch.manual_seed(0)
+    losses: list = []
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     try:
         with torch.device("meta"):
             model = Llama(config)
@@ -128,7 +144,6 @@ def step_in_this_process(setting: Setting) -> dict:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
         tokens = torch.randint(0, config.vocab_size, (setting.micro_batch, setting.seq_len + 1), device=device)
         bf16 = setting.precision == "bf16-mixed"
-        losses = []
 
         def step() -> None:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
@@ -138,11 +153,7 @@ def step_in_this_process(setting: Setting) -> dict:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
-
-        def synchronize() -> None:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            losses.append(loss.detach())  # read once, at the end: no host synchronization within the steps
 
         for _ in range(setting.warmup):  # compilation, the allocator's first blocks, kernel selection
             step()
@@ -154,7 +165,10 @@ def step_in_this_process(setting: Setting) -> dict:
             step()
         synchronize()
         seconds = (time.perf_counter() - start) / setting.steps
-    except torch.OutOfMemoryError as error:
+        profiled = profile_steps(step, synchronize, device.type) if setting.profile else None
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
         return {"ok": False, "oom": True, "error": str(error).splitlines()[0]}
     last = float(losses[-1])
     return {
@@ -164,6 +178,64 @@ def step_in_this_process(setting: Setting) -> dict:
         "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
         "loss": round(last, 4),
         "loss_finite": math.isfinite(last),
+        "profile": profiled,
+    }
+
+
+# Where a step's time goes, by the names of the operators and kernels the profiler records (first match wins).
+KINDS = (
+    ("communication", r"nccl|all_?reduce|all_?gather|reduce_?scatter|gloo"),
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("optimizer", r"adam|foreach|multi_tensor"),
+    ("loss", r"cross_entropy|log_softmax|nll_loss"),
+    ("matrix products", r"gemm|matmul|aten::mm\b|aten::addmm|aten::bmm|cutlass|xmma|nvjet|cublas|sm\d+_"),
+)
+PROFILED_STEPS = 2
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, pattern in KINDS if re.search(pattern, lowered)), "other (norms, element-wise, copies)")
+
+
+def profile_steps(step, synchronize, device_type: str) -> dict:
+    """PROFILED_STEPS more steps under torch.profiler: the self time of each operator (on a GPU, of each kernel
+    on the device), as shares by kind and the largest ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device_type == "cuda" else [])]
+    with profile(activities=activities) as profiler:
+        for _ in range(PROFILED_STEPS):
+            step()
+        synchronize()
+    if device_type == "cuda":
+        # torch 2.4 renamed the CUDA time fields to device time; the node's torch may be older.
+        field = (
+            "self_device_time_total"
+            if hasattr(profiler.key_averages()[0], "self_device_time_total")
+            else "self_cuda_time_total"
+        )
+    else:
+        field = "self_cpu_time_total"
+    times = [(event.key, getattr(event, field)) for event in profiler.key_averages() if getattr(event, field) > 0]
+    total = sum(t for _, t in times) or 1.0
+    kinds: dict[str, float] = {}
+    for name, t in times:
+        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + t / total
+    top = sorted(times, key=lambda item: -item[1])[:12]
+    return {
+        "clock": "device" if device_type == "cuda" else "host",
+        "ms_per_step": round(total / 1000 / PROFILED_STEPS, 3),
+        "kinds": {kind: round(share, 4) for kind, share in sorted(kinds.items(), key=lambda item: -item[1])},
+        "top": [
+            {
+                "name": name[:90],
+                "kind": kind_of(name),
+                "ms_per_step": round(t / 1000 / PROFILED_STEPS, 3),
+                "share": round(t / total, 4),
+            }
+            for name, t in top
+        ],
     }
 
 
@@ -182,6 +254,7 @@ def row(setting: Setting, outcome: dict, config: LlamaConfig, peak: float | None
         "flops_per_token": flops,
         "peak_flops": peak,
         **{k: outcome.get(k) for k in ("step_seconds", "tokens_per_sec", "peak_memory_gib", "loss", "loss_finite")},
+        "profile": outcome.get("profile"),
         "mfu": round(flops * measured / peak, 4) if measured and peak else None,
         "planner": planned,
         "error": outcome.get("error", ""),
