@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from project.tooling.bench import ROOT
+
 STEPS, RESUME_AT = 20, 10
 SEQ_LEN, VOCAB_SIZE = 64, 512  # experiment=debug's
 TOLERANCE = {"parity_cpu": 1e-5, "parity_cuda": 1e-4, "compiled": 1e-4, "bf16": 1e-2, "bf16_true": 3e-2}
@@ -234,7 +236,7 @@ def run_case(
     result.command = shown(argv)
     start = time.monotonic()
     try:
-        finished = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+        finished = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         result.status, result.seconds = "skip", round(time.monotonic() - start, 1)
         result.detail = f"out of time (minutes=): stopped after {result.seconds} s"

@@ -23,6 +23,18 @@ def nvidia_smi() -> dict:
     return {"driver": rows[0][0], "gpus": [{"name": r[1], "memory": r[2]} for r in rows]} if rows else {}
 
 
+def nccl_version() -> str | None:
+    """NCCL's version as torch was built with it: a tuple in recent torch, one integer (2.18.3 as 21803) in older."""
+    import torch
+
+    if not torch.distributed.is_available() or not torch.distributed.is_nccl_available():
+        return None
+    version = torch.cuda.nccl.version()
+    if isinstance(version, int):
+        version = (version // 10000, version // 100 % 100, version % 100)
+    return ".".join(map(str, version))
+
+
 def describe(device_type: str, devices: int, threads: int) -> dict:
     """The environment of a check on `devices` devices of `device_type` (cuda or cpu), `threads` per process.
 
@@ -47,7 +59,7 @@ def describe(device_type: str, devices: int, threads: int) -> dict:
         facts |= {
             "cuda": torch.version.cuda,
             "driver": nvidia_smi().get("driver"),
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else None,
+            "nccl": nccl_version(),
             "gpus": [
                 {
                     "name": p.name,

@@ -24,6 +24,7 @@ from project.planning.candidates import Candidate
 from project.planning.cluster import Cluster
 from project.planning.memory import Allowance, peak_memory
 from project.planning.planner import Workload, evaluate
+from project.tooling.bench import ROOT
 
 MEMORY_SHARE = 0.9  # of the device's memory, for the planner's first micro batch
 ACHIEVABLE_FRACTION = 0.5  # conf/plan.yaml's default
@@ -91,7 +92,7 @@ def measure(setting: Setting, env: dict, timeout: float) -> dict:
     """Run `setting` in a child process: {"ok": True, ...figures} or {"ok": False, "oom": bool, "error": str}."""
     argv = [sys.executable, "-m", "project.tooling.gpu_check.speed", json.dumps(asdict(setting))]
     try:
-        finished = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+        finished = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"ok": False, "oom": False, "error": f"out of time (minutes=): stopped after {timeout:.0f} s"}
     lines = finished.stdout.strip().splitlines()
