@@ -5,8 +5,9 @@
 #     scripts/gpu_check_offline.sh WHEELS_DIR [project.gpu_check options: minutes=10 devices=N out=DIR]
 #
 # Run it in the repository's root. It uses the node's python3 (PYTHON=... for another), which must have torch;
-# each wheel whose package that Python lacks is installed into a folder of its own (SITE, default
-# /tmp/llama-platform-site), put before the node's packages on PYTHONPATH; the node's own packages are kept.
+# each wheel whose package that Python lacks (or has at another version than the tests', for Lightning, Hydra and
+# litdata) is installed into a folder of its own (SITE, default /tmp/llama-platform-site), put before the node's
+# packages on PYTHONPATH; the node's other packages are used as they are.
 set -euo pipefail
 
 if [ $# -lt 1 ] || [ ! -d "$1" ]; then
@@ -24,13 +25,18 @@ if ! "$python" -c "import torch" 2>/dev/null; then
     exit 2
 fi
 
-# The wheels whose distribution this Python lacks (a wheel's file name starts with its distribution's name).
+# The wheels whose distribution this Python lacks, and those of the packages the project is tested at one
+# version of (Lightning, Hydra, litdata) where the node has another; its numpy and the rest stay the node's.
 missing=$("$python" - "$wheels" <<'EOF'
-import importlib.metadata as metadata, pathlib, sys
+import importlib.metadata as metadata, pathlib, re, sys
+pinned = {"lightning", "pytorch-lightning", "lightning-utilities", "torchmetrics", "hydra-core", "omegaconf",
+          "antlr4-python3-runtime", "litdata"}
 for wheel in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
-    name = wheel.name.split("-")[0]
+    name, version = wheel.name.split("-")[:2]
+    canonical = re.sub(r"[-_.]+", "-", name).lower()
     try:
-        metadata.version(name)
+        if canonical in pinned and metadata.version(canonical) != version:
+            print(wheel)
     except metadata.PackageNotFoundError:
         print(wheel)
 EOF

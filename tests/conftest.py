@@ -32,7 +32,13 @@ SHARED_RUNS = {
 
 # The longest groups go to the workers first (longest processing time first): a long group handed out
 # last would leave the other worker idle at the end.
-LONGEST_FIRST = ("tests/test_documented_commands.py", "reference-runs", "tests/test_crashes.py", "uninterrupted-runs")
+LONGEST_FIRST = (
+    "tests/test_documented_commands.py",
+    "reference-runs",
+    "tests/test_crashes.py",
+    "uninterrupted-runs",
+    "tests/test_gpu_check.py",
+)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups

@@ -4,7 +4,7 @@ import ast
 from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parents[1] / "project"
-ENTRY_POINTS = {"train", "prepare", "export", "generate", "plan", "sweep", "report"}
+ENTRY_POINTS = {"train", "prepare", "export", "generate", "plan", "sweep", "report", "gpu_check"}
 # Each package may import the packages after it, never one before it (and the entry points import any).
 LAYERS = ["tooling", "planning", "training", "config", "hf", "data", "parallel", "checkpoint", "model", "runtime"]
 

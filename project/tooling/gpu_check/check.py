@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from project.tooling.gpu_check import correctness, speed
 from project.tooling.gpu_check.environment import describe
 
 # Share of the time budget by which each section must end (what one leaves, the next may use).
-SECTION_ENDS = {"correctness": 0.4, "speed": 0.9, "data": 1.0}
+SECTION_ENDS = {"correctness": 0.45, "speed": 0.9, "data": 1.0}
 # What the speed section times, by device: the presets (a ~1B Llama, then the largest of the others that the
 # planner fits on one device), sequence lengths, micro batch cap, precision, and timed and warm-up steps.
 SPEED = {
@@ -139,7 +140,9 @@ def time_step(setting: speed.Setting, env: dict, deadline: float) -> tuple[speed
             return setting, {"ok": False, "error": "out of time (minutes=)"}
         say(f"[speed] {setting.preset}, {setting.seq_len} tokens, micro batch {setting.micro_batch}, {mode} ...")
         outcome = speed.measure(setting, env, deadline - time.monotonic())
-        if not outcome.get("oom") or setting.micro_batch == 1:
+        if outcome.get("oom") and setting.micro_batch == 1:
+            return setting, {**outcome, "error": f"does not fit: out of memory at micro batch 1 ({outcome['error']})"}
+        if not outcome.get("oom"):
             return setting, outcome
         say(f"[speed] out of memory at micro batch {setting.micro_batch}: halving it")
         setting = replace(setting, micro_batch=setting.micro_batch // 2)
@@ -194,7 +197,13 @@ def run_data_path(options: Options, work: Path, env: dict, rows: list[dict], dea
     first = timed[0]
     if deadline - time.monotonic() < 5:
         return {"status": "skip", "why": "out of time (minutes=)"}
-    data = prepare(work, SPEED[options.device]["text_mb"], first["seq_len"], env, work / "shards-64" / "tokenizer.json")
+    data = prepare(
+        work,
+        SPEED[options.device]["text_mb"],
+        first["seq_len"],
+        env,
+        work / f"shards-{correctness.SEQ_LEN}" / "tokenizer.json",
+    )
     consumed = max(r["tokens_per_sec"] for r in timed if r["seq_len"] == first["seq_len"])
     batches = 20
     rate = loader_rate(data["dir"], batches, seq_len=first["seq_len"], micro_batch=first["micro_batch"])
@@ -221,16 +230,33 @@ def run(options: Options) -> dict:
     env = child_env(threads)
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     report: dict = {"environment": facts, "minutes": options.minutes}
-    try:
-        data = prepare(work, SPEED[options.device]["text_mb"], correctness.SEQ_LEN, env)
-        report["correctness"] = run_correctness(options, data, work, env, ends["correctness"])
-        report["speed"], report["speed_left_out"] = run_speed(options, facts, env, ends["speed"])
-        report["data_path"] = run_data_path(options, work, env, report["speed"], ends["data"])
-    finally:
-        failed = any(r["status"] == "fail" for r in report.get("correctness", []))
-        if failed:
-            report["work_dir"] = str(work)  # the failed runs' logs (train.log in each run directory) stay
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+    report["errors"] = []
+
+    def section(name: str, work_of_section, default):
+        """A section's result; an error in it is reported (and fails the check) without losing the others'."""
+        try:
+            return work_of_section()
+        except Exception:  # a bug or a broken environment: the report still gets written
+            report["errors"].append({"section": name, "traceback": traceback.format_exc()[-3000:]})
+            say(f"[{name}] error:\n{report['errors'][-1]['traceback']}")
+            return default
+
+    data = section("data", lambda: prepare(work, SPEED[options.device]["text_mb"], correctness.SEQ_LEN, env), None)
+    if data is not None:
+        report["correctness"] = section(
+            "correctness", lambda: run_correctness(options, data, work, env, ends["correctness"]), []
+        )
+    report["speed"], report["speed_left_out"] = section(
+        "speed", lambda: run_speed(options, facts, env, ends["speed"]), ([], [])
+    )
+    report["data_path"] = section(
+        "data path",
+        lambda: run_data_path(options, work, env, report["speed"], ends["data"]),
+        {"status": "skip", "why": "an error, above"},
+    )
+    if any(r["status"] == "fail" for r in report.get("correctness", [])) or report["errors"]:
+        report["work_dir"] = str(work)  # the failed runs' logs (train.log in each run directory) stay
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     report["seconds"] = round(time.monotonic() - start, 1)
     return report

@@ -6,7 +6,11 @@ import os
 import platform
 import shutil
 import subprocess
+from pathlib import Path
 
+import yaml
+
+from project.tooling.bench import ROOT
 from project.tooling.bench_platform import matmul_peak
 
 
@@ -21,6 +25,15 @@ def nvidia_smi() -> dict:
         return {}
     rows = [[field.strip() for field in line.split(",")] for line in lines if line.strip()]
     return {"driver": rows[0][0], "gpus": [{"name": r[1], "memory": r[2]} for r in rows]} if rows else {}
+
+
+# GPU names (lower case, as torch gives them) to the conf/cluster preset holding their datasheet peaks.
+CLUSTER_PRESETS = (("h200", "h200"), ("h100", "h100_80gb"), ("a100", "a100_80gb"), ("v100", "v100_32gb"))
+
+
+def cluster_preset(gpu_name: str) -> Path | None:
+    name = gpu_name.lower()
+    return next((ROOT / "conf" / "cluster" / f"{p}.yaml" for key, p in CLUSTER_PRESETS if key in name), None)
 
 
 def nccl_version() -> str | None:
@@ -76,6 +89,11 @@ def describe(device_type: str, devices: int, threads: int) -> dict:
             },
             "peak_source": "Lightning's table of dense peaks (lightning.fabric.utilities.throughput)",
         }
+        if not facts["peak_flops"]["bf16"] and (preset := cluster_preset(properties[0].name)) is not None:
+            # Lightning's table misses some names ("NVIDIA H200", say): the cluster preset's datasheet figures.
+            peaks = yaml.safe_load(preset.read_text())["peak_tflops"]
+            facts["peak_flops"] = {dtype: peaks[dtype] * 1e12 for dtype in ("bf16", "fp32")}
+            facts["peak_source"] = f"dense datasheet peaks of conf/cluster/{preset.name} (Lightning has none for it)"
     else:
         torch.set_num_threads(threads)
         measured = matmul_peak()["flops_per_sec"]

@@ -23,13 +23,25 @@ def stem(out: Path, facts: dict) -> Path:
 
 def failures(report: dict) -> list[str]:
     """What failed: correctness cases, and speed steps that ran but gave a non-finite loss or an error."""
-    failed = [f"correctness: {r['name']}" for r in report.get("correctness", []) if r["status"] == "fail"]
+    failed = [f"error in the {e['section']} section" for e in report.get("errors", [])]
+    failed += [f"correctness: {r['name']}" for r in report.get("correctness", []) if r["status"] == "fail"]
     for r in report.get("speed", []):
-        if r.get("tokens_per_sec") and not r.get("loss_finite"):
+        if r["status"] == "measured" and not r.get("loss_finite"):
             failed.append(f"speed: {r['preset']} at {r['seq_len']} tokens, {r['mode']}: the loss is not finite")
-        elif r.get("error") and not r["error"].startswith("out of time"):
+        elif r["status"] == "failed":
             failed.append(f"speed: {r['preset']} at {r['seq_len']} tokens, {r['mode']}: {r['error'].splitlines()[0]}")
     return failed
+
+
+def skipped(report: dict) -> list[str]:
+    """What did not run, and why: cases and steps skipped for time, for want of devices, or too large."""
+    cases = [f"{r['name']} ({r['detail']})" for r in report.get("correctness", []) if r["status"] == "skip"]
+    steps = [
+        f"{r['preset']} at {r['seq_len']} tokens, {r['mode']} ({r['error'].splitlines()[0]})"
+        for r in report.get("speed", [])
+        if r["status"] == "skipped"
+    ]
+    return cases + steps
 
 
 def _number(value, spec: str) -> str:
@@ -74,6 +86,8 @@ def markdown(report: dict) -> str:
     facts = report["environment"]
     failed = failures(report)
     verdict = f"**{len(failed)} failed**: " + "; ".join(failed) if failed else "**Every check that ran passed.**"
+    if left := skipped(report):
+        verdict += f" Not run: {'; '.join(left)}."
     out = [
         f"# GPU check, {report['date']}: {facts['devices']} x {facts['device_name']}",
         "",
@@ -140,6 +154,8 @@ def markdown(report: dict) -> str:
         )
     else:
         out.append(f"Not measured: {data.get('why', 'the check stopped before it')}.")
+    for error in report.get("errors", []):
+        out += ["", f"Error in the {error['section']} section:", "", "```", error["traceback"].rstrip(), "```"]
     if report.get("work_dir"):
         out += ["", f"The runs' directories (train.log, metrics.csv) are kept in `{report['work_dir']}`."]
     return "\n".join(out) + "\n"

@@ -29,8 +29,9 @@ DEFAULTS = {"out": "gpu-wheels", "python": "3.12", "platform": "manylinux_2_28_x
 ROOTS = ("hydra-core", "lightning", "litdata", "tokenizers", "sentencepiece", "safetensors", "tqdm", "PyYAML")
 # The node brings these: torch itself, and torchvision, which litdata declares and no token loader needs.
 NODE_PROVIDES = frozenset({"torch", "torchvision"})
-# Older manylinux tags that wheels built for `platform` may carry instead (pip matches each tag exactly).
-OLDER_TAGS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_5_x86_64", "manylinux1_x86_64")
+# Older manylinux tags that wheels built for `platform` may carry instead (pip matches each tag exactly),
+# for the platform's processor.
+OLDER_TAGS = ("manylinux_2_17_{arch}", "manylinux2014_{arch}", "manylinux_2_5_{arch}", "manylinux1_{arch}")
 
 
 def canonical(name: str) -> str:
@@ -59,7 +60,8 @@ def download(packages: dict[str, str], out: Path, python: str, platform: str) ->
     """Each package's wheel for the node into `out`; those published as source only are built here. Returns
     the names that had to be built."""
     out.mkdir(parents=True, exist_ok=True)
-    tags = [platform, *(t for t in OLDER_TAGS if t != platform)]
+    arch = next((a for a in ("x86_64", "aarch64", "ppc64le", "s390x") if platform.endswith(a)), "x86_64")
+    tags = [platform, *(t.format(arch=arch) for t in OLDER_TAGS if t.format(arch=arch) != platform)]
     built = []
     for name, version in packages.items():
         pins = [f"{name}=={version}"]
