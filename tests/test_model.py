@@ -63,6 +63,53 @@ def test_document_mask_isolates_packed_documents():
     assert not torch.allclose(model(tokens)[:, 5:], second_alone, atol=1e-4)
 
 
+@pytest.mark.parametrize("n_kv_heads", [2, 4])
+def test_flex_attentions_block_mask_attends_as_each_document_alone(n_kv_heads):
+    """The block mask GPUs train with (project.model.document_mask), in FlexAttention's forward on the CPU (its
+    only pass here: it has no CPU backward), against an independent reference: each document's causal attention
+    computed by itself; and against the dense mask the CPU trains with."""
+    from project.model.document_mask import dense_document_mask, document_block_mask, flex_attend
+
+    torch.manual_seed(0)
+    lengths = [37, 130, 1, 88]  # across the block mask's 128-position tiles, and a one-token document
+    doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None].repeat(2, 1)
+    q = torch.randn(2, 4, sum(lengths), 16)
+    k, v = torch.randn(2, n_kv_heads, sum(lengths), 16), torch.randn(2, n_kv_heads, sum(lengths), 16)
+    out = flex_attend(q, k, v, document_block_mask(doc_ids), enable_gqa=n_kv_heads < 4)
+    groups = 4 // n_kv_heads
+    k_all, v_all = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    alone = [
+        torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+        for qd, kd, vd in zip(*(t.split(lengths, dim=2) for t in (q, k_all, v_all)))
+    ]
+    torch.testing.assert_close(out, torch.cat(alone, dim=2), rtol=1e-5, atol=1e-5)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k_all, v_all, attn_mask=dense_document_mask(doc_ids))
+    torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_a_block_mask_holds_one_entry_per_tile_not_per_pair_of_positions():
+    from project.model.document_mask import document_block_mask
+
+    doc_ids = torch.repeat_interleave(torch.arange(8), 256)[None]  # 8 documents of 256 tokens in 2,048
+    mask = document_block_mask(doc_ids)
+    tiles = 2048 // 128
+    assert max(t.numel() for t in (mask.kv_num_blocks, mask.kv_indices)) <= tiles * tiles
+    # Each query tile sees its document's tiles up to itself: at most 2 of the 16, partial or full.
+    assert int((mask.kv_num_blocks + mask.full_kv_num_blocks).max()) == 2
+
+
+def test_the_cpu_trains_with_the_dense_document_mask():
+    """FlexAttention has no backward on the CPU: the model's document masking must work there in training."""
+    from project.model.document_mask import document_mask
+
+    model = Llama(tiny())
+    tokens = torch.randint(0, 97, (2, 20))
+    doc_ids = torch.tensor([[0] * 8 + [1] * 12, [0] * 20])
+    assert isinstance(document_mask(doc_ids), torch.Tensor)
+    model(tokens, doc_ids).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_initial_weights_depend_on_the_init_seed_alone():
     torch.manual_seed(7)
     a = Llama(tiny(), init_seed=7)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from project.model.config import LlamaConfig
+from project.model.document_mask import BlockMask, document_mask, flex_attend
 
 
 def rope_frequencies(config: LlamaConfig, device: torch.device | None = None) -> torch.Tensor:
@@ -113,7 +114,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | BlockMask | None,
         cache: LayerKV | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
@@ -128,12 +129,16 @@ class Attention(nn.Module):
         # Each key/value head serves a group of query heads. SDPA reads them in place (no repeated copies)
         # where its kernel for the case takes grouped heads: on the CPU, and on GPUs unmasked in 16 bits
         # (the flash kernel); elsewhere enable_gqa would drop it to the slow math kernel, so repeat them.
+        # FlexAttention (a document mask's block mask) reads grouped heads in place everywhere.
         groups = q.shape[1] // k.shape[1]
-        in_place = q.device.type == "cpu" or (mask is None and q.dtype in (torch.float16, torch.bfloat16))
+        flex = not isinstance(mask, torch.Tensor) and mask is not None
+        in_place = flex or q.device.type == "cpu" or (mask is None and q.dtype in (torch.float16, torch.bfloat16))
         gqa = groups > 1 and in_place
         if groups > 1 and not in_place:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        if mask is None:
+        if flex:
+            out = flex_attend(q, k, v, mask, enable_gqa=gqa)
+        elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
@@ -166,7 +171,7 @@ class Block(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | BlockMask | None,
         cache: LayerKV | None = None,
     ) -> torch.Tensor:
         # By keyword: tensor parallelism's input hook on `attention` lays out the four positional inputs only.
@@ -254,11 +259,9 @@ class Llama(nn.Module):
             raise ValueError("document_ids and a KV cache together are not supported.")
         start = cache.length if cache is not None else 0
         cos, sin = self.rope(seq_len, h.device, h.dtype, start)
-        mask = None
-        if document_ids is not None:
-            causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=h.device).tril()
-            same_doc = document_ids[:, :, None] == document_ids[:, None, :]
-            mask = (causal & same_doc)[:, None]  # [B, 1, T, T], broadcast over heads
+        mask: torch.Tensor | BlockMask | None = None
+        if document_ids is not None:  # no T x T mask where FlexAttention trains (project.model.document_mask)
+            mask = document_mask(document_ids)
         elif cache is not None:
             # Every cached position, and causal among the new ones. is_causal would not do: it aligns
             # the diagonal to the top left, so a single new query would see only the first key.

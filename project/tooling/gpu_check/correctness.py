@@ -11,13 +11,16 @@ relative difference from its reference's loss at the same step is within its tol
 - compiled against eager, fp32: 1e-4 (inductor fuses the norms and the SwiGLU and reorders their sums);
 - bf16-mixed, and FSDP2 with param_dtype=bfloat16, against fp32: 1e-2 (bf16 keeps 8 bits of mantissa; measured
   on CPU on 2026-11-25: 1e-4);
-- bf16-true (weights and AdamW's moments in bf16 too) against fp32: 3e-2 (measured on CPU: 0.9%).
+- bf16-true (weights and AdamW's moments in bf16 too) against fp32: 3e-2 (measured on CPU: 0.9%);
+- document masking on a GPU (FlexAttention's fused kernel under a block mask) against the same run on the CPU
+  (the dense mask), both fp32: 1e-3, two devices' kernels apart; on a CPU both are the dense path (1e-5).
 """
 
 from __future__ import annotations
 
 import csv
 import math
+import re
 import shlex
 import subprocess
 import sys
@@ -32,7 +35,14 @@ SEQ_LEN, VOCAB_SIZE = 64, 512  # experiment=debug's
 # Seconds a case needs at least (a cold start of project.train on a GPU node takes 10 to 20): with less left of
 # the section's share of the budget, it is skipped rather than started and killed.
 MIN_SECONDS = {"cuda": 30.0, "cpu": 5.0}
-TOLERANCE = {"parity_cpu": 1e-5, "parity_cuda": 1e-4, "compiled": 1e-4, "bf16": 1e-2, "bf16_true": 3e-2}
+TOLERANCE = {
+    "parity_cpu": 1e-5,
+    "parity_cuda": 1e-4,
+    "compiled": 1e-4,
+    "bf16": 1e-2,
+    "bf16_true": 3e-2,
+    "device_against_cpu": 1e-3,
+}
 
 
 @dataclass
@@ -46,6 +56,7 @@ class Case:
     resume_from: str | None = None  # the case whose last checkpoint this one resumes
     steps: int = STEPS
     needs: str = ""  # why the case is skipped with fewer devices: "" when it always runs
+    on_cpu: bool = False  # runs on the CPU whatever the device checked: a reference from the CPU's code path
 
 
 @dataclass
@@ -138,6 +149,19 @@ def cases(device_type: str, devices: int) -> list[Case]:
             reference="fp32",
             tolerance=TOLERANCE["compiled"],
         ),
+        Case(
+            "document mask, CPU",
+            "the dense mask's losses, for the case below",
+            [*fp32, "document_mask=true"],
+            on_cpu=True,
+        ),
+        Case(
+            "document mask",
+            "document masking (on a GPU FlexAttention's block mask) gives the CPU's dense mask's losses",
+            [*fp32, "document_mask=true"],
+            reference="document mask, CPU",
+            tolerance=TOLERANCE["device_against_cpu"] if device_type == "cuda" else parity,
+        ),
     ]
 
 
@@ -148,7 +172,7 @@ def global_batch(devices: int) -> int:
 
 def command(case: Case, device_type: str, data: dict, devices: int, run_dir: Path, ckpt: Path | None) -> list[str]:
     """`python -m project.train ...` for `case`: experiment=debug on the prepared data, 20 steps, no validation."""
-    trainer = "gpu" if device_type == "cuda" else "cpu"
+    trainer = "gpu" if device_type == "cuda" and not case.on_cpu else "cpu"
     return [
         sys.executable,
         "-m",
@@ -208,6 +232,11 @@ def compare(losses: dict[int, float], reference: dict[int, float], tolerance: fl
     return True, diff, ""
 
 
+def folder_name(case_name: str) -> str:
+    """A case's run directory: its name in letters, digits and dashes (Hydra reads a comma as a list)."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", case_name).strip("-")
+
+
 def shown(argv: list[str]) -> str:
     """A command as a user types it: `python -m ...`, the run directory left out."""
     return shlex.join(["python", *[a for a in argv[1:] if not a.startswith("hydra.run.dir=")]])
@@ -235,8 +264,8 @@ def run_case(
     if timeout < MIN_SECONDS[device_type]:
         result.detail = f"out of time (minutes=): {max(timeout, 0):.0f} s left"
         return result
-    run_dir = work / case.name.replace(" ", "-")
-    ckpt = work / case.resume_from.replace(" ", "-") / "checkpoints" / "last.ckpt" if case.resume_from else None
+    run_dir = work / folder_name(case.name)
+    ckpt = work / folder_name(case.resume_from) / "checkpoints" / "last.ckpt" if case.resume_from else None
     argv = command(case, device_type, data, devices, run_dir, ckpt)
     result.command = shown(argv)
     start = time.monotonic()

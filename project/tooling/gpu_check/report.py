@@ -85,7 +85,7 @@ def profile_lines(report: dict) -> list[str]:
 def markdown(report: dict) -> str:
     facts = report["environment"]
     failed = failures(report)
-    verdict = f"**{len(failed)} failed**: " + "; ".join(failed) if failed else "**Every check that ran passed.**"
+    verdict = f"**{len(failed)} failed**: " + "; ".join(failed) + "." if failed else "**Every check that ran passed.**"
     if left := skipped(report):
         verdict += f" Not run: {'; '.join(left)}."
     out = [
