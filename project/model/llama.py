@@ -136,12 +136,12 @@ class Attention(nn.Module):
         gqa = groups > 1 and in_place
         if groups > 1 and not in_place:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        if flex:
-            out = flex_attend(q, k, v, mask, enable_gqa=gqa)
+        if isinstance(mask, torch.Tensor):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            out = flex_attend(q, k, v, mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
