@@ -110,6 +110,40 @@ def test_the_cpu_trains_with_the_dense_document_mask():
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_any_part_of_an_initial_value_is_drawn_alone_and_equals_that_part_of_the_whole():
+    model = Llama(tiny(dim=64, n_heads=4, n_kv_heads=2, multiple_of=16, vocab_size=3000))
+    name = "tok_embeddings.weight"  # [3000, 64]: tiles of 32 rows
+    whole = model.initial_value(name)
+    assert torch.equal(whole, model.get_parameter(name).detach())
+    rows, cols = torch.arange(1000, 1750), torch.arange(16, 48)  # a dim-0 shard of a column split
+    torch.testing.assert_close(model.initial_value(name, rows, cols), whole[1000:1750, 16:48], rtol=0, atol=0)
+    scattered = torch.tensor([2999, 0, 64, 33])  # any order, any rows
+    torch.testing.assert_close(model.initial_value(name, scattered, cols), whole[scattered][:, cols], rtol=0, atol=0)
+
+
+def test_a_shard_draws_only_the_tiles_it_touches(monkeypatch):
+    """O(shard), not O(model): counted in tiles drawn, as a stable quantity, not a timing."""
+    from project.model import initial_values
+
+    drawn = []
+    original = initial_values.tile_generator
+    monkeypatch.setattr(initial_values, "tile_generator", lambda *a: drawn.append(a[2:]) or original(*a))
+    shape = (4096, 4096)  # 128 x 4 tiles of 32 x 1024
+    initial_values.normal_values(0, "w", shape, 0.02)
+    assert len(drawn) == 128 * 4
+    for rank in range(4):  # FSDP2's dim-0 shards over 4 ranks, then tensor parallelism's column split over 4
+        for rows, cols in (
+            (torch.arange(1024 * rank, 1024 * (rank + 1)), None),
+            (None, torch.arange(1024 * rank, 1024 * (rank + 1))),
+        ):
+            drawn.clear()
+            initial_values.normal_values(0, "w", shape, 0.02, rows, cols)
+            assert len(drawn) == 128 * 4 // 4
+    drawn.clear()
+    initial_values.normal_values(0, "w", shape, 0.02, torch.arange(100, 612), torch.arange(1000, 3000))  # off the grid
+    assert len(drawn) == 17 * 3  # rows 96..639 and columns 0..3071: the tiles these ranges touch, no more
+
+
 def test_initial_weights_depend_on_the_init_seed_alone():
     torch.manual_seed(7)
     a = Llama(tiny(), init_seed=7)

@@ -8,7 +8,6 @@ match Hugging Face's LlamaForCausalLM, so export is a rename and no permutation.
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +15,7 @@ from torch import nn
 
 from project.model.config import LlamaConfig
 from project.model.document_mask import BlockMask, document_mask, flex_attend
+from project.model.initial_values import matrix_shape, normal_values
 
 
 def rope_frequencies(config: LlamaConfig, device: torch.device | None = None) -> torch.Tensor:
@@ -210,20 +210,26 @@ class Llama(nn.Module):
         for name, p in self.named_parameters():
             p.copy_(self.initial_value(name))
 
-    def initial_value(self, name: str) -> torch.Tensor:
-        """The whole initial value of parameter `name`, on the CPU.
+    def initial_value(
+        self, name: str, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The initial value of parameter `name`, on the CPU: whole, or (a rank's shard) its elements at the
+        given rows and columns of the parameter seen as a matrix, as a [rows, cols] matrix. Each element's value
+        depends on `init_seed`, the name and its position alone (project.model.initial_values).
 
         Normal(0, init_std); residual projections (attention.wo, feed_forward.w2) scaled by
         1/sqrt(2 * n_layers) as in GPT-2; norm gains 1.
         """
         shape = self.get_parameter(name).shape  # the global shape, also for a sharded parameter
         if name.endswith("norm.weight"):
-            return torch.ones(shape, device="cpu")
-        std = self.config.init_std
-        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-            std /= math.sqrt(2 * self.config.n_layers)
-        generator = torch.Generator().manual_seed(zlib.crc32(f"{self.init_seed}/{name}".encode()))
-        return torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)
+            n_rows, n_cols = matrix_shape(shape)
+            values = torch.ones(n_rows if rows is None else rows.numel(), n_cols if cols is None else cols.numel())
+        else:
+            std = self.config.init_std
+            if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                std /= math.sqrt(2 * self.config.n_layers)
+            values = normal_values(self.init_seed, name, shape, std, rows, cols)
+        return values.view(shape) if rows is None and cols is None else values
 
     def rope(
         self, seq_len: int, device: torch.device, dtype: torch.dtype, start: int = 0

@@ -1,0 +1,167 @@
+"""Initialization of a model built on the meta device, per rank: `python -m project.tooling.bench_init
+[model=llama3_2_1b] [layouts=fsdp2:1,fsdp2:2,fsdp2:4,tp:2] [out=experiments/benchmarks]`
+
+For each layout, N gloo processes on this machine build the model on the meta device, shard it (FSDP2 over N
+ranks, or tensor parallelism over N) and fill their shards twice, timed apart:
+- before: the way project.parallel.init worked until 2026-11-25: every rank draws each whole parameter (one
+  generator per parameter, on the CPU) and keeps its slice, O(model) on every rank;
+- after: project.parallel.init.materialize: each rank draws only the tiles of its shard (project.model.
+  initial_values), O(shard).
+Times are the CPU seconds of each rank's process (one thread each), so that N ranks taking turns on fewer cores
+do not count each other's time; the table gives the slowest rank's. Writes new files <date>-<host>-init.{json,md}.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from project.runtime.arguments import parse_key_values
+from project.runtime.errors import ConfigError, exit_on_config_error
+from project.tooling.bench import ROOT, free_stem, load_preset, preset_path, result_stem
+
+DEFAULTS = {"model": "llama3_2_1b", "layouts": "fsdp2:1,fsdp2:2,fsdp2:4,tp:2", "out": "experiments/benchmarks"}
+PLANS = ("fsdp2", "tp")
+
+
+def parse(argv: list[str]) -> dict:
+    args = parse_key_values(argv, DEFAULTS, doc=__doc__)
+    if not preset_path(args["model"]).is_file():
+        raise ConfigError(f"model={args['model']}: no such preset in conf/model.")
+    layouts = []
+    for item in filter(None, args["layouts"].split(",")):
+        plan, _, ranks = item.partition(":")
+        if plan not in PLANS or not ranks.isdigit() or int(ranks) < 1:
+            raise ConfigError(f"layouts: {item!r} is not PLAN:RANKS with PLAN one of {list(PLANS)} (e.g. fsdp2:2).")
+        layouts.append((plan, int(ranks)))
+    out = Path(args["out"])
+    return {"model": args["model"], "layouts": layouts, "out": out if out.is_absolute() else ROOT / out}
+
+
+def whole_then_slice(model, name: str, param) -> None:
+    """The former materialization of one parameter: its whole value drawn here, this rank's slice kept."""
+    import zlib
+
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    shape = param.shape
+    if name.endswith("norm.weight"):
+        value = torch.ones(shape)
+    else:
+        generator = torch.Generator().manual_seed(zlib.crc32(f"{model.init_seed}/{name}".encode()))
+        value = torch.empty(shape).normal_(0.0, model.config.init_std, generator=generator)
+    if isinstance(param, DTensor):
+        local = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(value)
+
+
+def rank_main(rank: int, world: int, port: int, plan: str, model_name: str, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from project.model.llama import Llama
+    from project.parallel.fsdp2 import apply_fsdp2
+    from project.parallel.init import materialize
+    from project.parallel.tensor_parallel import apply_tensor_parallel
+
+    config = load_preset(model_name, 4096)
+    times = {}
+    for method in ("before", "after"):
+        with torch.device("meta"):
+            model = Llama(config)
+        mesh = init_device_mesh("cpu", (world,))
+        apply_fsdp2(model, mesh) if plan == "fsdp2" else apply_tensor_parallel(model, mesh)
+        start = time.process_time()
+        if method == "after":
+            materialize(model, torch.device("cpu"))
+        else:
+            model.to_empty(device="cpu")
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    whole_then_slice(model, name, param)
+        times[method] = time.process_time() - start
+        del model
+    results.put((rank, times))
+    torch.distributed.destroy_process_group()
+
+
+def measure(plan: str, world: int, model_name: str) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [
+        context.Process(target=rank_main, args=(r, world, port, plan, model_name, results)) for r in range(world)
+    ]
+    for process in processes:
+        process.start()
+    found = dict(results.get(timeout=1800) for _ in processes)
+    for process in processes:
+        process.join()
+    before = max(t["before"] for t in found.values())
+    after = max(t["after"] for t in found.values())
+    return {"plan": plan, "ranks": world, "before_s": round(before, 2), "after_s": round(after, 2)}
+
+
+def table(report: dict) -> str:
+    one = next((r for r in report["rows"] if r["ranks"] == 1), None)
+    lines = [
+        f"# Initialization per rank, {report['date']} on {report['host']}",
+        "",
+        f"`{report['command']}`: {report['model']} ({report['parameters'] / 1e9:.2f}B parameters) built on the meta "
+        "device, sharded, then filled; CPU seconds of the slowest rank (one thread per rank). Before: every rank "
+        "draws each whole parameter and keeps its slice. After: each rank draws its shard's tiles only.",
+        "",
+        "| layout | ranks | before (s) | after (s) | after / before | after / one rank's after |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        ratio = f"{r['after_s'] / one['after_s']:.2f}" if one else "-"
+        lines.append(
+            f"| {r['plan']} | {r['ranks']} | {r['before_s']} | {r['after_s']} | {r['after_s'] / r['before_s']:.2f} "
+            f"| {ratio} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+@exit_on_config_error()
+def main() -> None:
+    args = parse(sys.argv[1:])
+    from project.model.flops import count_parameters
+
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "host": platform.node(),
+        "command": "python -m project.tooling.bench_init " + " ".join(sys.argv[1:]),
+        "model": args["model"],
+        "parameters": count_parameters(load_preset(args["model"], 4096)),
+        "rows": [],
+    }
+    for plan, world in args["layouts"]:
+        report["rows"].append(measure(plan, world, args["model"]))
+        print(json.dumps(report["rows"][-1]), flush=True)
+    args["out"].mkdir(parents=True, exist_ok=True)
+    stem = free_stem(result_stem(args["out"], "-init"), [".json", ".md"])
+    for ext, text in ((".json", json.dumps(report, indent=2) + "\n"), (".md", table(report))):
+        with stem.with_name(stem.name + ext).open("x") as f:
+            f.write(text)
+    print(table(report))
+    print(f"wrote {stem}.json and .md")
+
+
+if __name__ == "__main__":
+    main()
