@@ -316,3 +316,19 @@ def test_litgpt_twin_has_each_presets_parameter_count():
         assert (
             twin.config.n_query_groups == config.n_kv_heads and twin.config.intermediate_size == config.ffn_hidden_dim
         )
+
+
+def test_init_bench_times_both_materializations_per_layout_and_refuses_bad_layouts(tmp_path):
+    from project.runtime.errors import ConfigError
+    from project.tooling.bench_init import parse
+
+    for bad in ("layouts=fsdp3:2", "layouts=tp:0", "model=no_such_model"):
+        with pytest.raises(ConfigError):
+            parse([bad])
+    result = run_module("project.tooling.bench_init", ["model=debug", "layouts=fsdp2:1,tp:2", f"out={tmp_path}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    (record,) = tmp_path.glob("*-init.json")
+    rows = json.loads(record.read_text())["rows"]
+    assert [(r["plan"], r["ranks"]) for r in rows] == [("fsdp2", 1), ("tp", 2)]
+    assert all(r["before_s"] > 0 and r["after_s"] > 0 for r in rows)
+    assert "| tp | 2 |" in record.with_suffix(".md").read_text()

@@ -161,6 +161,13 @@ def test_a_64_gpu_dry_run_prints_and_writes_each_ranks_share_against_the_cluster
     assert report["device_memory_bytes"] == 79.6 * 2**30 and "against h100_80gb's 79.6 GiB per device" in result.stdout
     assert f"rank 63: model states {report['ranks'][-1]['state_bytes'] / 2**30:.1f} + activations" in result.stdout
     assert tuple(layout.shape) == (1, 8, 8)
+    # Initialization: each rank draws its own share (8B over 64 ranks), at the measured rate of one core.
+    from project.planning.dry_run import INIT_VALUES_PER_SECOND
+
+    assert all(r["init_seconds"] == round(r["parameters"] / INIT_VALUES_PER_SECOND, 1) for r in report["ranks"])
+    slowest = max(report["ranks"], key=lambda r: r["parameters"])
+    seconds = slowest["parameters"] / INIT_VALUES_PER_SECOND
+    assert f"rank {slowest['rank']}'s {slowest['parameters'] / 1e9:.2f}B take about {seconds:.0f} s" in result.stdout
     assert [p.name for p in run_dir.iterdir()] == ["dry_run.json"]  # no checkpoint, metrics, config or Hydra record
 
     everyone = run_module(

@@ -58,25 +58,37 @@ def normal_values(
     std: float,
     rows: torch.Tensor | None = None,
     cols: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Normal(0, std) values of parameter `name` (of `shape`, seen as a matrix) at the given row and column
-    indices (1-D int64 tensors; None: all), as a [len(rows), len(cols)] tensor on the CPU."""
+    indices (1-D int64 tensors; None: all), as a [len(rows), len(cols)] tensor on the CPU, or written into `out`
+    (a rank's shard seen as that matrix, wherever it lives)."""
     n_rows, n_cols = matrix_shape(shape)
     rows = torch.arange(n_rows) if rows is None else rows
     cols = torch.arange(n_cols) if cols is None else cols
-    out = torch.empty(rows.numel(), cols.numel())
+    out = torch.empty(rows.numel(), cols.numel()) if out is None else out
     if out.numel() == 0:
         return out
-    col_segments = segments(cols, TILE_COLS)
-    for tile_row, row_positions, row_offsets in segments(rows, TILE_ROWS):
+    col_segments = [(tile, as_slice(where), as_slice(offsets)) for tile, where, offsets in segments(cols, TILE_COLS)]
+    for tile_row, row_where, row_offsets in segments(rows, TILE_ROWS):
         height = min(TILE_ROWS, n_rows - tile_row * TILE_ROWS)
-        for tile_col, col_positions, col_offsets in col_segments:
+        r_out, r_in = as_slice(row_where), as_slice(row_offsets)
+        for tile_col, c_out, c_in in col_segments:
             width = min(TILE_COLS, n_cols - tile_col * TILE_COLS)
             generator = tile_generator(seed, name, tile_row, tile_col)
             tile = torch.empty(height, width).normal_(0.0, std, generator=generator)
-            r_out, c_out, r_in, c_in = map(as_slice, (row_positions, col_positions, row_offsets, col_offsets))
-            if all(isinstance(s, slice) for s in (r_out, c_out, r_in, c_in)):
+            if all(isinstance(s, slice) for s in (r_out, r_in, c_out, c_in)):
                 out[r_out, c_out] = tile[r_in, c_in]
-            else:
-                out[row_positions[:, None], col_positions[None, :]] = tile[row_offsets[:, None], col_offsets[None, :]]
+            else:  # scattered positions (a strided shard): gathered and placed element by element
+                out[_column(r_out, out.shape[0]), _row(c_out, out.shape[1])] = tile[
+                    _column(r_in, height), _row(c_in, width)
+                ]
     return out
+
+
+def _column(index: slice | torch.Tensor, size: int) -> torch.Tensor:
+    return (torch.arange(size)[index] if isinstance(index, slice) else index)[:, None]
+
+
+def _row(index: slice | torch.Tensor, size: int) -> torch.Tensor:
+    return (torch.arange(size)[index] if isinstance(index, slice) else index)[None, :]

@@ -208,14 +208,22 @@ class Llama(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         for name, p in self.named_parameters():
-            p.copy_(self.initial_value(name))
+            if p.device.type == "cpu" and p.is_contiguous():  # drawn in place
+                self.initial_value(name, out=p.view(matrix_shape(p.shape)))
+            else:
+                p.copy_(self.initial_value(name))
 
     def initial_value(
-        self, name: str, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None
+        self,
+        name: str,
+        rows: torch.Tensor | None = None,
+        cols: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The initial value of parameter `name`, on the CPU: whole, or (a rank's shard) its elements at the
         given rows and columns of the parameter seen as a matrix, as a [rows, cols] matrix. Each element's value
-        depends on `init_seed`, the name and its position alone (project.model.initial_values).
+        depends on `init_seed`, the name and its position alone (project.model.initial_values). `out`: a
+        [rows, cols] tensor to write the values into (a rank's shard) instead of a new one on the CPU.
 
         Normal(0, init_std); residual projections (attention.wo, feed_forward.w2) scaled by
         1/sqrt(2 * n_layers) as in GPT-2; norm gains 1.
@@ -223,13 +231,14 @@ class Llama(nn.Module):
         shape = self.get_parameter(name).shape  # the global shape, also for a sharded parameter
         if name.endswith("norm.weight"):
             n_rows, n_cols = matrix_shape(shape)
-            values = torch.ones(n_rows if rows is None else rows.numel(), n_cols if cols is None else cols.numel())
+            size = (n_rows if rows is None else rows.numel(), n_cols if cols is None else cols.numel())
+            values = torch.ones(size) if out is None else out.fill_(1.0)
         else:
             std = self.config.init_std
             if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
                 std /= math.sqrt(2 * self.config.n_layers)
-            values = normal_values(self.init_seed, name, shape, std, rows, cols)
-        return values.view(shape) if rows is None and cols is None else values
+            values = normal_values(self.init_seed, name, shape, std, rows, cols, out)
+        return values.view(shape) if rows is None and cols is None and out is None else values
 
     def rope(
         self, seq_len: int, device: torch.device, dtype: torch.dtype, start: int = 0

@@ -30,16 +30,19 @@ def materialize(model: Llama, device: torch.device, initialize: bool = True) -> 
         if local.numel() == 0:  # an uneven split can leave a rank nothing of a parameter
             continue
         rows, cols = local_indices(param)
-        local.copy_(model.initial_value(name, rows, cols).view(local.shape))
+        if local.is_contiguous() and local.device.type == "cpu":  # drawn straight into the shard
+            model.initial_value(name, rows, cols, out=local.view(rows.numel(), cols.numel()))
+        else:
+            local.copy_(model.initial_value(name, rows, cols).view(local.shape))
 
 
 def local_indices(param: DTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The global row and column indices (of the parameter seen as a matrix, project.model.initial_values) whose
     product is this rank's shard, in the order the shard holds them.
 
-    Read off DTensor's own split of index probes (views of one index per row or column, expanded without
-    memory) with the parameter's mesh and placements: however the placements combine (a dim-0 shard of a
-    column split, say), the shard holds what they say, and only its own part is ever allocated."""
+    Read off DTensor's own split of index probes (one index per row, or per column) with the parameter's mesh
+    and placements: however the placements combine (a dim-0 shard of a column split, say), the shard holds what
+    they say."""
     if param.ndim > 2:
         raise ValueError(f"a parameter of {param.ndim} dimensions; Llama's have 1 or 2 ({tuple(param.shape)})")
     n_rows, n_cols = matrix_shape(param.shape)
@@ -49,9 +52,12 @@ def local_indices(param: DTensor) -> tuple[torch.Tensor, torch.Tensor]:
             torch.arange(n_rows, device=mesh_device), param.device_mesh, param.placements, src_data_rank=None
         )
         return shard.to_local().cpu(), torch.zeros(1, dtype=torch.long)
+    # Each probe's other dimension is as long as the mesh is large: split by any of the mesh's dimensions, every
+    # rank keeps at least one of its entries, and the probes cost O(rows + columns), not O(rows x columns).
+    width = param.device_mesh.size()
     probes = (
-        torch.arange(n_rows, device=mesh_device)[:, None].expand(n_rows, n_cols),
-        torch.arange(n_cols, device=mesh_device)[None, :].expand(n_rows, n_cols),
+        torch.arange(n_rows, device=mesh_device)[:, None].expand(n_rows, width),
+        torch.arange(n_cols, device=mesh_device)[None, :].expand(width, n_cols),
     )
     rows, cols = (
         distribute_tensor(probe, param.device_mesh, param.placements, src_data_rank=None).to_local() for probe in probes

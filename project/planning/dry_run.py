@@ -69,6 +69,17 @@ class RankShare:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
 
+# Initial values one CPU core draws per second, a rank drawing its own shard's (project.model.initial_values):
+# `python -m project.tooling.bench_init` measured 95 to 130 million a second per rank (1 to 4 ranks of fsdp2, one
+# thread each) on this project's 2-core CPU machine on 2026-11-25 (experiments/benchmarks/2026-11-25-vm-init.md).
+INIT_VALUES_PER_SECOND = 1.0e8
+
+
+def init_seconds(share: RankShare) -> float:
+    """The estimated seconds `share`'s rank spends drawing its initial values (none when resuming a checkpoint)."""
+    return share.parameters / INIT_VALUES_PER_SECOND
+
+
 def coordinates(rank: int, shape: MeshShape) -> tuple[int, int, int]:
     """(pipeline, data_parallel, tensor_parallel) of a global rank: tensor parallelism innermost."""
     _, dp, tp = shape
@@ -319,7 +330,12 @@ def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir:
         "model_parameters": sum(p.numel() for p in build_meta_model(cfg).parameters()),
         "device_memory_bytes": memory[1] if memory else None,
         "ranks": [
-            {**asdict(s), "state_bytes": s.state_bytes, "planned": _planned_record(planned.get(s.pipeline), s)}
+            {
+                **asdict(s),
+                "state_bytes": s.state_bytes,
+                "init_seconds": round(init_seconds(s), 1),
+                "planned": _planned_record(planned.get(s.pipeline), s),
+            }
             for s in shares
         ],
     }
@@ -409,6 +425,13 @@ def render(
         )
         for stage in s.stages:
             lines.append(f"{'':>30}{stage}")
+    slowest = max(shares, key=init_seconds)
+    lines += [
+        "",
+        f"initialization: each rank draws only its shard's initial values; rank {slowest.rank}'s "
+        f"{slowest.parameters / 1e9:.2f}B take about {init_seconds(slowest):.0f} s at "
+        f"{INIT_VALUES_PER_SECOND / 1e6:.0f}M values/s on one CPU core (none when resuming a checkpoint)",
+    ]
     if memory:
         name, capacity = memory
         lines += [

@@ -1,8 +1,9 @@
 """Initialization of a model built on the meta device, per rank: `python -m project.tooling.bench_init
 [model=llama3_2_1b] [layouts=fsdp2:1,fsdp2:2,fsdp2:4,tp:2] [out=experiments/benchmarks]`
 
-For each layout, N gloo processes on this machine build the model on the meta device, shard it (FSDP2 over N
-ranks, or tensor parallelism over N) and fill their shards twice, timed apart:
+For each layout, N gloo processes on this machine build the model on the meta device (its embedding and head
+untied, as tensor parallelism needs them), shard it (FSDP2 over N ranks, or tensor parallelism over N) and fill
+their shards twice, timed apart:
 - before: the way project.parallel.init worked until 2026-11-25: every rank draws each whole parameter (one
   generator per parameter, on the CPU) and keeps its slice, O(model) on every rank;
 - after: project.parallel.init.materialize: each rank draws only the tiles of its shard (project.model.
@@ -17,9 +18,11 @@ import datetime
 import json
 import os
 import platform
+import queue
 import socket
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -77,7 +80,8 @@ def rank_main(rank: int, world: int, port: int, plan: str, model_name: str, resu
     from project.parallel.init import materialize
     from project.parallel.tensor_parallel import apply_tensor_parallel
 
-    config = load_preset(model_name, 4096)
+    # Untied: tensor parallelism refuses a shared embedding and head (llama3_2_1b's); every layout alike.
+    config = replace(load_preset(model_name, 4096), tie_embeddings=False)
     times = {}
     for method in ("before", "after"):
         with torch.device("meta"):
@@ -109,7 +113,15 @@ def measure(plan: str, world: int, model_name: str) -> dict:
     ]
     for process in processes:
         process.start()
-    found = dict(results.get(timeout=1800) for _ in processes)
+    found: dict = {}
+    while len(found) < world:
+        try:
+            rank, times = results.get(timeout=5)
+            found[rank] = times
+        except queue.Empty:
+            failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"a rank of {plan} x {world} failed (exit status {failed[0]}): its error is above")
     for process in processes:
         process.join()
     before = max(t["before"] for t in found.values())
@@ -122,9 +134,9 @@ def table(report: dict) -> str:
     lines = [
         f"# Initialization per rank, {report['date']} on {report['host']}",
         "",
-        f"`{report['command']}`: {report['model']} ({report['parameters'] / 1e9:.2f}B parameters) built on the meta "
-        "device, sharded, then filled; CPU seconds of the slowest rank (one thread per rank). Before: every rank "
-        "draws each whole parameter and keeps its slice. After: each rank draws its shard's tiles only.",
+        f"`{report['command']}`: {report['model']} untied ({report['parameters'] / 1e9:.2f}B parameters) built on "
+        "the meta device, sharded, then filled; CPU seconds of the slowest rank (one thread per rank). Before: every "
+        "rank draws each whole parameter and keeps its slice. After: each rank draws its shard's tiles only.",
         "",
         "| layout | ranks | before (s) | after (s) | after / before | after / one rank's after |",
         "|---|---|---|---|---|---|",
@@ -146,9 +158,9 @@ def main() -> None:
     report = {
         "date": datetime.date.today().isoformat(),
         "host": platform.node(),
-        "command": "python -m project.tooling.bench_init " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python -m project.tooling.bench_init", *sys.argv[1:]]),
         "model": args["model"],
-        "parameters": count_parameters(load_preset(args["model"], 4096)),
+        "parameters": count_parameters(replace(load_preset(args["model"], 4096), tie_embeddings=False)),
         "rows": [],
     }
     for plan, world in args["layouts"]:
