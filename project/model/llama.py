@@ -188,14 +188,20 @@ class Llama(nn.Module):
         # (preparing data, a conversion, an import) may have drawn from. So the weights depend on neither
         # that, nor the order or device they are initialized on, nor how they are sharded.
         self.init_seed = init_seed
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        # A ModuleDict keyed by layer index keeps names stable when pipeline stages drop layers.
-        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
-        self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        # Built on the meta device, so that the layers' own initialization (drawn, then replaced by ours) costs
+        # nothing; then given memory where the model was asked for, unless that is the meta device too (a
+        # strategy that shards the model gives it memory, and its values, after sharding).
+        device = torch.get_default_device()
+        with torch.device("meta"):
+            self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+            # A ModuleDict keyed by layer index keeps names stable when pipeline stages drop layers.
+            self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
+            self.norm = RMSNorm(config.dim, config.norm_eps)
+            self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        if not self.output.weight.is_meta:  # built on the meta device: initialized after sharding
+        if device.type != "meta":
+            self.to_empty(device=device)
             self.init_weights()
 
     def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> "Llama":
