@@ -23,7 +23,8 @@ from project.config.command_line import check_command_line
 from project.config.values import model_config
 from project.planning.candidates import SearchSpace
 from project.planning.cluster import GIB, Cluster
-from project.planning.memory import Allowance
+from project.planning.memory import STORAGE_BYTES, Allowance
+from project.planning.parameters import INIT_VALUES_PER_SECOND
 from project.planning.planner import Workload, calibrated_fraction, plan
 from project.planning.render import as_record, command_line, model_arguments, sweep_spec, table, train_overrides
 from project.runtime.errors import ConfigError, exit_on_config_error
@@ -176,7 +177,15 @@ def report(
             basis += f" (though the formulas find it too large: {calibration['memory_bytes'] / GIB:.1f} GiB)"
     lines = [head, basis, "", table(outcomes, 10), ""]
     if fitting:
-        lines += ["best layout:", command_line(overrides)]
+        best = next(o for o in outcomes if o.prediction.fits)
+        values = best.prediction.memory.params / STORAGE_BYTES[work.precision]  # its fullest rank's parameters
+        lines += [
+            "best layout:",
+            command_line(overrides),
+            f"initialization: about {values / INIT_VALUES_PER_SECOND:.0f} s on its fullest rank, which draws only "
+            f"its own {values / 1e9:.2f}B initial values ({INIT_VALUES_PER_SECOND / 1e6:.0f}M a second on one CPU "
+            "core; none when resuming a checkpoint)",
+        ]
     else:
         lines += ["no layout fits: add devices (cluster.nodes), shorten seq_len, or allow search.recompute=[full]."]
     return "\n".join(lines)

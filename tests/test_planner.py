@@ -276,6 +276,12 @@ def test_plan_command_prints_the_best_layout_and_writes_a_sweep(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "best layout:\npython -m project.train model=llama3_8b" in result.stdout
+    # Initialization of the best layout's fullest rank: its own parameters (as stored) at the measured rate.
+    from project.planning.parameters import INIT_VALUES_PER_SECOND
+
+    best = next(r for r in json.loads((out / "plan.json").read_text())["layouts"] if r["fits"])
+    values = best["memory_bytes"]["params"] / 4  # bf16-mixed stores float32 parameters
+    assert f"initialization: about {values / INIT_VALUES_PER_SECOND:.0f} s on its fullest rank" in result.stdout
     spec = yaml.safe_load((out / "sweep.yaml").read_text())
     layouts = spec["parameters"]["experiment"]["values"]
     assert len(layouts) == 3 and all((out / "experiment" / f"{name}.yaml").is_file() for name in layouts)

@@ -29,6 +29,7 @@ from project.config.values import model_config
 from project.data.shards import MANIFEST_NAME
 from project.parallel.mesh import MeshShape
 from project.parallel.pipeline_layout import chunk_ranks, default_virtual_stages
+from project.planning.parameters import INIT_VALUES_PER_SECOND
 from project.runtime.errors import ConfigError
 
 GIB = 2**30
@@ -67,12 +68,6 @@ class RankShare:
     @property
     def state_bytes(self) -> int:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
-
-
-# Initial values one CPU core draws per second, a rank drawing its own shard's (project.model.initial_values):
-# `python -m project.tooling.bench_init` measured 95 to 130 million a second per rank (1 to 4 ranks of fsdp2, one
-# thread each) on this project's 2-core CPU machine on 2026-11-25 (experiments/benchmarks/2026-11-25-vm-init.md).
-INIT_VALUES_PER_SECOND = 1.0e8
 
 
 def init_seconds(share: RankShare) -> float:
