@@ -73,7 +73,7 @@ def test_the_cpu_check_times_the_step_compiled_and_eager_with_mfu_against_the_me
     count = len(correctness.cases("cpu", 2))
     assert (
         f"[correctness 1/{count}] fp32: pass" in stdout
-        and f"[correctness {count}/{count}] document mask: pass" in stdout
+        and f"[correctness {count}/{count}] document mask, tp x2: pass" in stdout
     )
 
 

@@ -78,6 +78,7 @@ def cases(device_type: str, devices: int) -> list[Case]:
     parity = TOLERANCE[f"parity_{device_type}"]
     fp32, bf16 = ["trainer.precision=32-true"], ["trainer.precision=bf16-mixed"]
     pair = "2 or more devices"
+    against_cpu = TOLERANCE["device_against_cpu"] if device_type == "cuda" else parity
     # The reference first, then what needs several devices (the cases most worth a GPU node's time, should
     # the budget run short), the resume, and the one-device precisions and compilation.
     return [
@@ -160,7 +161,23 @@ def cases(device_type: str, devices: int) -> list[Case]:
             "document masking (on a GPU FlexAttention's block mask) gives the CPU's dense mask's losses",
             [*fp32, "document_mask=true"],
             reference="document mask, CPU",
-            tolerance=TOLERANCE["device_against_cpu"] if device_type == "cuda" else parity,
+            tolerance=against_cpu,
+        ),
+        Case(
+            "document mask, compiled",
+            "the block mask through torch.compile'd blocks",
+            [*fp32, "document_mask=true", "strategy.compile=true"],
+            reference="document mask, CPU",
+            tolerance=max(against_cpu, TOLERANCE["compiled"]),
+        ),
+        Case(
+            "document mask, tp x2",
+            "the block mask through tensor parallelism's input hooks",
+            [*fp32, "document_mask=true", "strategy=tp"],
+            devices=2,
+            reference="document mask, CPU",
+            tolerance=against_cpu,
+            needs=pair,
         ),
     ]
 
