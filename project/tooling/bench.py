@@ -68,6 +68,17 @@ def free_stem(stem: Path, extensions: list[str]) -> Path:
     return candidate
 
 
+def write_report(stem: Path, report: dict, markdown: str) -> Path:
+    """`<stem>.json` (the report) and `<stem>.md` (its table) at the first stem no file takes (free_stem), its
+    folder made; returns that stem. Never overwrites a result, even one written since the stem was chosen."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem = free_stem(stem, [".json", ".md"])
+    for ext, text in ((".json", json.dumps(report, indent=2) + "\n"), (".md", markdown)):
+        with stem.with_name(stem.name + ext).open("x") as f:
+            f.write(text)
+    return stem
+
+
 def preset_path(name: str) -> Path:
     return ROOT / "conf" / "model" / f"{name}.yaml"
 
@@ -255,13 +266,7 @@ def main() -> None:
     if args["error_latency"]:
         report["config_error_latency"] = config_error_latency()
         print(json.dumps(report["config_error_latency"]), flush=True)
-    args["out"].mkdir(parents=True, exist_ok=True)
-    stem = free_stem(result_stem(args["out"]), [".json", ".md"])
-    for ext, text in ((".json", json.dumps(report, indent=2) + "\n"), (".md", table(report))):
-        with stem.with_name(stem.name + ext).open(
-            "x"
-        ) as f:  # "x": never overwrite, even a file made since free_stem looked
-            f.write(text)
+    stem = write_report(result_stem(args["out"]), report, table(report))
     print(f"wrote {stem}.json and .md")
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import exit_on_config_error
-from project.tooling.bench import ROOT, free_stem, result_stem
+from project.tooling.bench import ROOT, result_stem, write_report
 
 DEFAULTS = {
     "blocks": "1e6,1e8,1e10",
@@ -335,12 +335,7 @@ def main() -> None:
         report["loader"] = loader_rates(shards, int(args["loader_batches"]), Path(tmp))
         print(json.dumps(report["loader"]), flush=True)
     report["training"] = training_rate()
-    out = ROOT / args["out"]
-    out.mkdir(parents=True, exist_ok=True)
-    stem = free_stem(result_stem(out, "-data"), [".json", ".md"])
-    for ext, text in ((".json", json.dumps(report, indent=2) + "\n"), (".md", table(report))):
-        with stem.with_name(stem.name + ext).open("x") as f:
-            f.write(text)
+    stem = write_report(result_stem(ROOT / args["out"], "-data"), report, table(report))
     print(f"wrote {stem}.json and .md")
 
 

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError, exit_on_config_error
-from project.tooling.bench import ROOT, free_stem, load_preset, preset_path, result_stem
+from project.tooling.bench import ROOT, load_preset, preset_path, result_stem, write_report
 
 DEFAULTS = {"model": "llama3_2_1b", "layouts": "fsdp2:1,fsdp2:2,fsdp2:4,tp:2", "out": "experiments/benchmarks"}
 PLANS = ("fsdp2", "tp")
@@ -87,7 +87,10 @@ def rank_main(rank: int, world: int, port: int, plan: str, model_name: str, resu
         with torch.device("meta"):
             model = Llama(config)
         mesh = init_device_mesh("cpu", (world,))
-        apply_fsdp2(model, mesh) if plan == "fsdp2" else apply_tensor_parallel(model, mesh)
+        if plan == "fsdp2":
+            apply_fsdp2(model, mesh)
+        else:
+            apply_tensor_parallel(model, mesh)
         start = time.process_time()
         if method == "after":
             materialize(model, torch.device("cpu"))
@@ -166,11 +169,7 @@ def main() -> None:
     for plan, world in args["layouts"]:
         report["rows"].append(measure(plan, world, args["model"]))
         print(json.dumps(report["rows"][-1]), flush=True)
-    args["out"].mkdir(parents=True, exist_ok=True)
-    stem = free_stem(result_stem(args["out"], "-init"), [".json", ".md"])
-    for ext, text in ((".json", json.dumps(report, indent=2) + "\n"), (".md", table(report))):
-        with stem.with_name(stem.name + ext).open("x") as f:
-            f.write(text)
+    stem = write_report(result_stem(args["out"], "-init"), report, table(report))
     print(table(report))
     print(f"wrote {stem}.json and .md")
 

@@ -59,7 +59,7 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
-def per_process_threads(device_type: str, devices: int) -> int:
+def per_process_threads(devices: int) -> int:
     """Threads of each process of a run: the cores split between the run's processes (on a CPU, between the
     processes that stand in for devices)."""
     return max(1, (os.cpu_count() or 1) // devices)
@@ -224,7 +224,7 @@ def run(options: Options) -> dict:
     budget = options.minutes * 60
     ends = {name: start + share * budget for name, share in SECTION_ENDS.items()}
     say(f"checking {options.devices} {options.device} device(s) in at most {options.minutes:g} minutes")
-    threads = per_process_threads(options.device, options.devices)
+    threads = per_process_threads(options.devices)
     facts = describe(options.device, options.devices, threads)
     say(f"[environment] {facts['devices']} x {facts['device_name']}, torch {facts['torch']}")
     env = child_env(threads)

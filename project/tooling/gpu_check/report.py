@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 import datetime
-import json
 import re
 from pathlib import Path
 
-from project.tooling.bench import free_stem
+from project.tooling.bench import write_report
 from project.tooling.gpu_check.environment import lines as environment_lines
 from project.tooling.gpu_check.speed import PROFILED_STEPS
 
 
 def stem(out: Path, facts: dict) -> Path:
-    """`out/<date>-<gpu name>-gpu` (`<date>-<host>-cpu-check` for the CPU plumbing), never one already taken."""
+    """`out/<date>-<gpu name>-gpu` (`<date>-<host>-cpu-check` for the CPU plumbing); write_report takes the next
+    free one if that is taken."""
     if facts["device_type"] == "cuda":
         name = re.sub(r"[^a-z0-9]+", "-", facts["device_name"].lower()).strip("-") + "-gpu"
     else:
         name = re.sub(r"[^a-z0-9]+", "-", facts["host"].split(".")[0].lower()).strip("-") + "-cpu-check"
-    return free_stem(out / f"{datetime.date.today().isoformat()}-{name}", [".json", ".md"])
+    return out / f"{datetime.date.today().isoformat()}-{name}"
 
 
 def failures(report: dict) -> list[str]:
@@ -163,9 +163,4 @@ def markdown(report: dict) -> str:
 
 def write(report: dict, out: Path) -> Path:
     """New `<stem>.json` and `<stem>.md` in `out`; returns the stem."""
-    out.mkdir(parents=True, exist_ok=True)
-    target = stem(out, report["environment"])
-    for ext, text in ((".json", json.dumps(report, indent=2) + "\n"), (".md", markdown(report))):
-        with target.with_name(target.name + ext).open("x") as f:  # "x": never overwrite a result
-            f.write(text)
-    return target
+    return write_report(stem(out, report["environment"]), report, markdown(report))
