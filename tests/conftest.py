@@ -206,7 +206,8 @@ def read_metrics(run_dir: Path, column: str) -> dict[int, float]:
     return dict(rows)
 
 
-PARITY_RUN = ["trainer.max_steps=12", "global_batch_size=8"]
+# Loss chunks of 24 tokens: every layout computes its loss in several (project.model.loss).
+PARITY_RUN = ["trainer.max_steps=12", "global_batch_size=8", "model.loss_chunk_tokens=24"]
 
 
 def assert_reproduces(run_dir, reference_dir):
@@ -295,7 +296,13 @@ def assert_continues(run_dir: Path, uninterrupted: dict[int, float], steps: int)
 
 # The schedule's length is fixed so that stopping early does not change the learning rates; micro
 # batches of 2 make 4 accumulation steps on one process and 2 on two.
-RESUME_RUN = ["optim.decay_steps=20", "global_batch_size=8", "micro_batch_size=2", "ckpt_every_n_steps=5"]
+RESUME_RUN = [
+    "optim.decay_steps=20",
+    "global_batch_size=8",
+    "micro_batch_size=2",
+    "ckpt_every_n_steps=5",
+    "model.loss_chunk_tokens=24",
+]
 
 
 @pytest.fixture(scope="session")

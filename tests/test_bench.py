@@ -332,3 +332,24 @@ def test_init_bench_times_both_materializations_per_layout_and_refuses_bad_layou
     assert [(r["plan"], r["ranks"]) for r in rows] == [("fsdp2", 1), ("tp", 2)]
     assert all(r["before_s"] > 0 and r["after_s"] > 0 for r in rows)
     assert "| tp | 2 |" in record.with_suffix(".md").read_text()
+
+
+def test_loss_bench_finds_the_chunked_loss_equal_and_its_peak_under_40_percent_of_whole_logits(tmp_path):
+    """The issue's goal as a stable quantity: at 2,048 tokens and vocabulary 32,000 the whole logits take
+    262 MB each (logits, log-probabilities, gradient); chunks of 256 tokens take an eighth of that."""
+    from project.runtime.errors import ConfigError
+    from project.tooling.bench_loss import parse
+
+    for bad in ("chunks=0", "vocab=x", "seq_len=0"):
+        with pytest.raises(ConfigError):
+            parse([bad])
+    sizes = ["vocab=32000", "dim=64", "seq_len=512", "micro_batch=4", "chunks=256"]
+    result = run_module("project.tooling.bench_loss", [*sizes, f"out={tmp_path}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    (record,) = tmp_path.glob("*-loss.json")
+    whole, chunked = json.loads(record.read_text())["rows"]
+    assert (whole["chunk_tokens"], chunked["chunk_tokens"]) == (None, 256)
+    assert chunked["loss"] == pytest.approx(whole["loss"], rel=1e-6)
+    assert whole["peak_bytes"] > 3 * 2048 * 32000 * 4 * 0.9  # the three whole [tokens, vocab] float32 tensors
+    assert chunked["peak_bytes"] < 0.4 * whole["peak_bytes"]
+    assert "| chunks of 256 tokens |" in record.with_suffix(".md").read_text()

@@ -1,5 +1,6 @@
 """Parallel plans on two gloo processes started by the test itself (no Lightning): layouts, gradients, init."""
 
+import contextlib
 import copy
 import os
 import socket
@@ -72,6 +73,37 @@ def check_loss_parallel(sequence_parallel: bool) -> None:
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sequence-parallel"])
 def test_loss_on_vocabulary_split_logits_matches_one_device(sequence_parallel):
     on_two_gloo_ranks(check_loss_parallel, sequence_parallel)
+
+
+def check_chunked_loss(sequence_parallel: bool, vocabulary_split: bool) -> None:
+    torch.manual_seed(0)
+    reference = Llama(CONFIG)
+    model = copy.deepcopy(reference)
+    model.config.loss_chunk_tokens = 10  # 5 positions of 2 rows: 4 chunks of 16 positions, the last one short
+    apply_tensor_parallel(model, init_device_mesh("cpu", (2,)), sequence_parallel, loss_parallel=vocabulary_split)
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    targets = tokens.roll(-1, dims=1)
+
+    with loss_parallel() if vocabulary_split else contextlib.nullcontext():
+        loss = model(tokens, targets=targets)
+        loss.backward()
+    expected = F.cross_entropy(reference(tokens).flatten(0, 1), targets.flatten())  # whole logits, one device
+    expected.backward()
+
+    torch.testing.assert_close(loss.full_tensor() if isinstance(loss, DTensor) else loss, expected, rtol=1e-6, atol=0)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        torch.testing.assert_close(grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def check_chunked_loss_in_every_tensor_parallel_plan() -> None:
+    for sequence_parallel in (False, True):
+        for vocabulary_split in (True, False):  # loss parallel, then logits gathered whole
+            check_chunked_loss(sequence_parallel, vocabulary_split)
+
+
+def test_loss_in_chunks_of_tokens_under_tensor_parallelism_matches_whole_logits():
+    on_two_gloo_ranks(check_chunked_loss_in_every_tensor_parallel_plan)
 
 
 def check_meta_init(plan: str) -> None:

@@ -37,6 +37,9 @@ class LlamaConfig:
     max_seq_len: int = setting(2048, whole(1), "a whole number of tokens above 0")
     tie_embeddings: bool = False
     init_std: float = setting(0.02, above(0), "above 0, e.g. 0.02")
+    # The head and the loss run over this many tokens at a time (project.model.loss): a chunk's float32 logits
+    # take loss_chunk_tokens x vocab_size x 4 bytes, and no more of them exist at once. Not part of the shape.
+    loss_chunk_tokens: int = setting(1024, whole(1), "a whole number of tokens above 0, e.g. 1024")
 
     def __post_init__(self) -> None:
         check_fields(self, "model")

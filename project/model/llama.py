@@ -16,6 +16,7 @@ from torch import nn
 from project.model.config import LlamaConfig
 from project.model.document_mask import BlockMask, document_mask, flex_attend
 from project.model.initial_values import matrix_shape, normal_values
+from project.model.loss import chunked_cross_entropy
 
 
 def rope_frequencies(config: LlamaConfig, device: torch.device | None = None) -> torch.Tensor:
@@ -296,10 +297,16 @@ class Llama(nn.Module):
         return h
 
     def forward(
-        self, tokens: torch.Tensor, document_ids: torch.Tensor | None = None, cache: KVCache | None = None
+        self,
+        tokens: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        targets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, vocab_size]; document_ids as in `run_layers`. With `cache`
-        (see KVCache) the tokens continue the cached ones, and their keys and values are added to it."""
+        (see KVCache) the tokens continue the cached ones, and their keys and values are added to it.
+        With `targets` [B, T] (the next tokens), the mean next-token loss instead of the logits, which then
+        never exist whole (`head_loss`): inside forward, so that a strategy's hooks on the model hold."""
         T = tokens.shape[1]
         end = T + (cache.length if cache is not None else 0)
         if end > self.config.max_seq_len:
@@ -307,4 +314,11 @@ class Llama(nn.Module):
         if cache is not None and end > cache.max_len:
             raise ValueError(f"sequence length {end} exceeds the KV cache's max_len={cache.max_len}.")
         h = self.run_layers(self.tok_embeddings(tokens), self.layers.values(), T, document_ids, cache)
+        if targets is not None:
+            return self.head_loss(self.norm(h), targets)
         return self.output(self.norm(h))
+
+    def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of the output head's logits of `hidden` [B, T, dim] (the final norm's output)
+        against `targets` [B, T], `config.loss_chunk_tokens` tokens at a time (project.model.loss)."""
+        return chunked_cross_entropy(hidden, self.output, targets, self.config.loss_chunk_tokens)

@@ -33,8 +33,9 @@ class TrainingModule(Protocol):
         """The model's inputs besides the tokens (the documents, with document masking)."""
         ...
 
-    def criterion(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The mean loss of logits against targets (a pipeline's last stage computes it)."""
+    def criterion(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss of the final hidden states [B, T, dim] (the final norm's output) against targets, through
+        the output head, never holding whole logits (a pipeline's last stage computes it)."""
         ...
 
     def zero_grad(self, set_to_none: bool = True) -> None: ...

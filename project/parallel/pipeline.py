@@ -45,7 +45,9 @@ class LlamaStage(nn.Module):
     parameter names, the optimizer and checkpoints all go through the model.
 
     forward(x, seq_len, document_ids=None): x is the tokens on the first chunk and the previous
-    chunk's hidden states elsewhere; the result is hidden states, or logits on the last chunk.
+    chunk's hidden states elsewhere; the result is hidden states, on the last chunk after the final norm: the
+    schedule's loss function applies the output head to them a chunk of tokens at a time (Llama.head_loss),
+    so that the last stage never holds whole logits.
     """
 
     def __init__(self, model: Llama, layer_ids: Sequence[int], first: bool, last: bool):
@@ -59,10 +61,7 @@ class LlamaStage(nn.Module):
     def forward(self, x: torch.Tensor, seq_len: int, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         h = self.run_layers(h, self.layers.values(), seq_len, document_ids)
-        if self.output is None:
-            return h
-        assert self.norm is not None  # the last chunk holds both
-        return self.output(self.norm(h))
+        return h if self.norm is None else self.norm(h)
 
 
 def split_into_stages(

@@ -7,6 +7,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -32,9 +33,9 @@ def apply_tensor_parallel(
     check_tensor_parallel_degree(model.config, mesh.size())
     residual = Shard(1) if sequence_parallel else Replicate()  # layout of [B, T, dim] between blocks
     if loss_parallel:
-        output = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+        output = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)
     else:
-        output = ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
+        output = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     root_plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
         "output": output,
@@ -44,6 +45,12 @@ def apply_tensor_parallel(
     parallelize_module(
         model, mesh, {name: plan for name, plan in root_plan.items() if getattr(model, name) is not None}
     )
+    if model.norm is not None:
+        # The head runs over spans of positions (project.model.loss), so it takes the final hidden states as
+        # one replicated DTensor (gathered once, with sequence parallelism) that each span is cut from locally:
+        # their gradients are then reduced once, not span by span.
+        whole = PrepareModuleOutput(output_layouts=residual, desired_output_layouts=Replicate(), use_local_output=False)
+        parallelize_module(model.norm, mesh, whole)
     for block in model.layers.values():
         plan = {
             "attention.wq": ColwiseParallel(),

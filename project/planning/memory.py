@@ -143,9 +143,14 @@ def estimate_memory(
             config, seq_len, candidate.micro_batch_size, _selective(candidate), compute, compiled
         )
     _, last = holds_first_and_last(candidate, pipeline_rank)
-    if last:  # logits in the compute dtype and their float32 log-probabilities, for the microbatches in flight
-        logits = seq_len * candidate.micro_batch_size * config.vocab_size / candidate.tensor_parallel * (compute + 4)
-        activations += logits * (candidate.microbatches if candidate.schedule in ("gpipe", "looped_bfs") else 1)
+    if last:  # logits in the compute dtype and their float32 log-probabilities, one chunk of tokens at a time
+        tokens = seq_len * candidate.micro_batch_size
+        chunk = min(tokens, config.loss_chunk_tokens)  # project.model.loss
+        logits = chunk * config.vocab_size / candidate.tensor_parallel * (compute + 4)
+        # A loss in one chunk keeps its logits for the backward (the microbatches in flight too); in several, each
+        # chunk's logits are recomputed in the backward, so only the one being computed exists.
+        in_one_chunk = chunk == tokens and candidate.schedule in ("gpipe", "looped_bfs")
+        activations += logits * (candidate.microbatches if in_one_chunk else 1)
     allocated = params + grads + optimizer + working + activations
     overhead = allocated * allowance.fragmentation + allowance.reserve_gib * 2**30
     return MemoryEstimate(params, grads, optimizer, working, activations, overhead, pipeline_rank, note)

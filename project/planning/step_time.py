@@ -45,8 +45,11 @@ def block_flops_per_token(config: LlamaConfig, seq_len: int, recompute: str) -> 
     return model, model + extra
 
 
-def head_flops_per_token(config: LlamaConfig) -> float:
-    return 6 * config.vocab_size * config.dim
+def head_flops_per_token(config: LlamaConfig, tokens: int = 1) -> float:
+    """The output head's forward and backward per token, plus its forward again where the loss runs over
+    several chunks of the microbatch's `tokens` (project.model.loss recomputes each chunk's logits)."""
+    recompute = 2 if tokens > config.loss_chunk_tokens else 0
+    return (6 + recompute) * config.vocab_size * config.dim
 
 
 def _ring(bytes_: float, ranks: int, bandwidth: float, latency: float, all_reduce: bool = False) -> float:
@@ -77,7 +80,7 @@ def step_time(
     for rank in range(pp):
         layers = sum(rank_layers(config, c, rank))
         first, last = holds_first_and_last(c, rank)
-        flops = tokens * (layers * block_hw + (head_flops_per_token(config) if last else 0.0)) / tp
+        flops = tokens * (layers * block_hw + (head_flops_per_token(config, tokens) if last else 0.0)) / tp
         # Per block: an all-reduce after attention and after the feed-forward, in the forward and again in
         # the backward (full recompute repeats the forward's); the embedding's output and the head's input
         # once each way. Sequence parallelism turns each all-reduce into a reduce-scatter and an all-gather:

@@ -133,7 +133,6 @@ def device_name(device) -> str:
 def bench(settings: dict) -> dict:
     """Throughput of one preset: `settings` as one entry of `parse(...)["presets"]`."""
     import torch
-    import torch.nn.functional as F
     from lightning.fabric.utilities.throughput import get_available_flops
 
     from project.model.flops import count_parameters, training_flops_per_token
@@ -150,8 +149,8 @@ def bench(settings: dict) -> dict:
 
     def step() -> None:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            logits = step_model(tokens[:, :-1])
-        F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+            loss = step_model(tokens[:, :-1], targets=tokens[:, 1:])  # the model's loss, as training computes it
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

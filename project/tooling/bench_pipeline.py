@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 from project.model.config import LlamaConfig
 from project.model.llama import Llama
@@ -78,10 +77,6 @@ def batch(config: LlamaConfig, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
 def reference_seconds(config: LlamaConfig, m: int, steps: int) -> float:
     """One thread, the whole model, m microbatches of one sequence: forward and backward each."""
     torch.manual_seed(0)
@@ -89,7 +84,7 @@ def reference_seconds(config: LlamaConfig, m: int, steps: int) -> float:
 
     def step() -> None:
         for i in range(m):
-            (loss_fn(model(inputs[i : i + 1]), targets[i : i + 1]) / m).backward()
+            (model(inputs[i : i + 1], targets=targets[i : i + 1]) / m).backward()
 
     return timed(step, steps)
 
@@ -115,7 +110,8 @@ def _pipeline_rank(
         torch.manual_seed(0)
         model, v = Llama(config), chunks_per_rank(schedule)
         chunks = split_into_stages(model, rank, pp, schedule, v)
-        pipeline = build_schedule(chunks, pp * v, dist.group.WORLD, torch.device("cpu"), schedule, m, loss_fn)
+        # The last stage gives the final hidden states; the model's head and loss take them from there.
+        pipeline = build_schedule(chunks, pp * v, dist.group.WORLD, torch.device("cpu"), schedule, m, model.head_loss)
         inputs, targets = batch(config, m)
         args = (inputs,) if 0 in chunks else ()
         target = targets if pp * v - 1 in chunks else None

@@ -259,9 +259,13 @@ def hand_loop(preset: str, batch: int, steps: int, warmup: int, compiled: bool, 
     )
     tokens = torch.randint(0, config.vocab_size, (batch, SEQ_LEN + 1))
 
+    def loss() -> torch.Tensor:
+        if model_class == "litgpt":  # litgpt's GPT gives logits
+            return F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
+        return model(tokens[:, :-1], targets=tokens[:, 1:])  # the model's loss, as project.train computes it
+
     def step() -> None:
-        logits = model(tokens[:, :-1])
-        F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+        loss().backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["grad_clip"])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import IO, Any, Callable, Mapping, cast
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
@@ -44,6 +43,12 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     """Index of the document each token belongs to; an EOS closes its own document."""
     is_eos = (tokens == eos_id).long()
     return is_eos.cumsum(dim=1) - is_eos
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    # Logits split over the vocabulary (tensor parallel with loss_parallel) give a replicated DTensor;
+    # logging and accumulation want a plain tensor. The conversion is differentiable.
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def _weight_shapes(model: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -212,17 +217,15 @@ class LlamaLitModule(LightningModule):
         """The model's inputs besides the tokens: the documents, with document masking."""
         return {"document_ids": document_ids(inputs, self.hparams.eos_id)} if self.hparams.document_mask else {}
 
-    def criterion(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of logits [B, T, vocab] against targets [B, T]."""
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        # Logits split over the vocabulary (tensor parallel with loss_parallel) give a replicated
-        # DTensor; logging and accumulation want a plain tensor. The conversion is differentiable.
-        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+    def criterion(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of the output head's logits of `hidden` [B, T, dim] (the final norm's
+        output: a pipeline's last stage) against targets [B, T], computed without whole logits (Llama.head_loss)."""
+        return _plain(self.model.head_loss(hidden, targets))
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The batch's mean loss, as the strategy's `step_loss` computes it unless it runs the model itself
         (a pipeline: model and criterion split over stages)."""
-        return self.criterion(self.model(inputs, **self.model_kwargs(inputs)), targets)
+        return _plain(self.model(inputs, targets=targets, **self.model_kwargs(inputs)))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.strategy().step_loss(self, *batch, train=True)

@@ -119,7 +119,6 @@ def step_in_this_process(setting: Setting) -> dict:
     """The child's work: build the model on the device, warm up, time `steps` optimizer steps, then (with
     `profile`) profile two more."""
     import torch
-    import torch.nn.functional as F
 
     from project.model.llama import Llama
     from project.parallel.compiled import compile_blocks
@@ -154,8 +153,7 @@ def step_in_this_process(setting: Setting) -> dict:
 
         def step() -> None:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+                loss = model(tokens[:, :-1], targets=tokens[:, 1:])  # the model's loss, as project.train computes it
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()

@@ -1,0 +1,44 @@
+"""The next-token loss, computed a chunk of tokens at a time: no [tokens, vocab] float32 tensor ever exists whole.
+
+Llama 3's head maps each token to 128,256 logits; at 8,192 tokens and micro batch 2 their float32 copy alone is
+8.4 GB, and the softmax and its gradient as much again. Here the head and the cross-entropy run over
+`chunk_tokens` tokens at a time, and each chunk's logits are dropped as soon as its loss is summed: the backward
+pass computes them again, one chunk at a time (activation checkpointing of the head), at the cost of one more
+head matmul per token. One chunk (a batch of at most `chunk_tokens` tokens) is today's computation as it was.
+
+`head` is called as a module, so whatever a strategy hung on it works unchanged: a tensor-parallel head's
+vocabulary-split logits (loss parallel, when the caller is inside torch's `loss_parallel()` context) and a
+sharded data-parallel root's gathered weights alike.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
+    """Mean cross-entropy of `head(hidden)` against `targets`: hidden [B, T, dim] (after the final norm),
+    targets [B, T]. The chunks are spans of positions across every row, so that a [B, T, dim] tensor whose
+    batch or feature dimension a strategy split keeps its layout."""
+    rows, length = targets.shape
+    span = max(1, chunk_tokens // rows)  # positions per chunk
+    if span >= length:
+        return _summed_loss(head, hidden, targets) / targets.numel()
+    chunks = [
+        checkpoint(
+            _summed_loss, head, hidden[:, start : start + span], targets[:, start : start + span], use_reentrant=False
+        )  # fmt: skip
+        for start in range(0, length, span)
+    ]
+    return torch.stack(chunks).sum() / targets.numel()
+
+
+def _summed_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden)
+    # Summed, not averaged: chunks of unequal size then add up to the mean over every token.
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
