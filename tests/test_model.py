@@ -51,6 +51,26 @@ def test_grouped_query_attention_equals_multi_head_with_repeated_kv_heads():
     torch.testing.assert_close(gqa(tokens), mha(tokens), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_tokens", [7, 48, 96])  # uneven chunks of 2 positions x 3 rows; even ones; one chunk
+def test_the_loss_in_chunks_of_tokens_equals_whole_logits_cross_entropy_with_the_same_gradients(chunk_tokens):
+    import copy
+
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = Llama(tiny(loss_chunk_tokens=chunk_tokens))
+    reference = copy.deepcopy(model)
+    tokens = torch.randint(0, 97, (3, 32), generator=torch.Generator().manual_seed(1))
+    targets = tokens.roll(-1, dims=1)
+    loss = model(tokens, targets=targets)
+    loss.backward()
+    expected = F.cross_entropy(reference(tokens).flatten(0, 1).float(), targets.flatten())  # the whole logits
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6 * q.grad.abs().max().item(), msg=name)
+
+
 def test_document_mask_isolates_packed_documents():
     torch.manual_seed(0)
     model = Llama(tiny()).eval()
