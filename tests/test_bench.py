@@ -353,3 +353,13 @@ def test_loss_bench_finds_the_chunked_loss_equal_and_its_peak_under_40_percent_o
     assert whole["peak_bytes"] > 3 * 2048 * 32000 * 4 * 0.9  # the three whole [tokens, vocab] float32 tensors
     assert chunked["peak_bytes"] < 0.4 * whole["peak_bytes"]
     assert "| chunks of 256 tokens |" in record.with_suffix(".md").read_text()
+
+
+def test_host_sync_bench_refuses_unknown_layouts_and_too_few_steps():
+    from project.runtime.errors import ConfigError
+    from project.tooling.bench_host_sync import parse
+
+    for bad in ("layouts=zero3", "layouts=", "steps=1", "log_every=x"):
+        with pytest.raises(ConfigError):
+            parse([bad])
+    assert parse(["layouts=tp,single"])["layouts"] == ["tp", "single"]

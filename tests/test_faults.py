@@ -35,6 +35,18 @@ def test_a_nan_loss_stops_the_run_before_the_update_and_keeps_the_checkpoint(tin
     assert all(torch.isfinite(t).all() for t in load_full_checkpoint(last)["state_dict"].values())
 
 
+def test_a_nan_at_a_step_that_does_not_log_stops_the_run_before_the_next_checkpoint(tiny_shards, tmp_path):
+    """The guard decides on the device; the host reads it where it waits anyway: here, before the checkpoint after
+    step 3 (the next logging step is 4), which is then not written."""
+    settings = ["trainer.max_steps=8", "ckpt_every_n_steps=2", "trainer.log_every_n_steps=5"]
+    result = run_module("tests.faults", train_overrides(tiny_shards, tmp_path, *settings), env={"FAULT": "nan@2"})
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "error: step 2: the gradient norm is nan" in result.stderr and "Traceback" not in result.stderr
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert checkpoint_step(last) == 2  # written after step 1; the one after step 3 was refused
+    assert all(torch.isfinite(t).all() for t in load_full_checkpoint(last)["state_dict"].values())
+
+
 def test_with_max_skipped_steps_a_nan_step_is_skipped_counted_and_training_goes_on(tiny_shards, tmp_path):
     result = run_with_fault("nan@3", tiny_shards, tmp_path, "optim.max_skipped_steps=2")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
 from project.checkpoint.files import LIGHTNING_EXTRA
@@ -46,6 +47,14 @@ ATTRIBUTES = [
         "_check_log_dir_exists",
         "training/loggers.py",
         "a resumed run appends to metrics.csv (Lightning's writer deletes it); no public option keeps it",
+    ),
+    (
+        _TrainingEpochLoop,
+        "_broadcast_sigterm_tensor",
+        "training/callbacks/preemption.py",
+        "Lightning broadcasts its SIGTERM flag and reads it on the host before every batch of a multi-process run, "
+        "a wait for the device every step (Lightning#21487; #21640 would make it every n steps); the flag is set by "
+        "Lightning's handler alone, which StopOnSignal replaces, so the broadcast is left out",
     ),
     (
         ModelParallelStrategy,

@@ -79,6 +79,25 @@ def write_report(stem: Path, report: dict, markdown: str) -> Path:
     return stem
 
 
+def new_report(module: str, argv: list[str], **fields: object) -> dict:
+    """A benchmark's record: when, where, the command that wrote it, its settings, and its rows to come."""
+    command = " ".join([f"python -m {module}", *argv])
+    return {
+        "date": datetime.date.today().isoformat(),
+        "host": platform.node(),
+        "command": command,
+        **fields,
+        "rows": [],
+    }
+
+
+def publish(out: Path, suffix: str, report: dict, markdown: str) -> None:
+    """Write the report's new files (`<date>-<host><suffix>.{json,md}` in `out`) and show its table."""
+    stem = write_report(result_stem(out, suffix), report, markdown)
+    print(markdown)
+    print(f"wrote {stem}.json and .md")
+
+
 def preset_path(name: str) -> Path:
     return ROOT / "conf" / "model" / f"{name}.yaml"
 

@@ -14,10 +14,8 @@ do not count each other's time; the table gives the slowest rank's. Writes new f
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import platform
 import queue
 import socket
 import sys
@@ -30,7 +28,7 @@ import torch.multiprocessing as mp
 
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError, exit_on_config_error
-from project.tooling.bench import ROOT, load_preset, preset_path, result_stem, write_report
+from project.tooling.bench import ROOT, load_preset, new_report, preset_path, publish
 
 DEFAULTS = {"model": "llama3_2_1b", "layouts": "fsdp2:1,fsdp2:2,fsdp2:4,tp:2", "out": "experiments/benchmarks"}
 PLANS = ("fsdp2", "tp")
@@ -158,20 +156,12 @@ def main() -> None:
     args = parse(sys.argv[1:])
     from project.model.flops import count_parameters
 
-    report = {
-        "date": datetime.date.today().isoformat(),
-        "host": platform.node(),
-        "command": " ".join(["python -m project.tooling.bench_init", *sys.argv[1:]]),
-        "model": args["model"],
-        "parameters": count_parameters(replace(load_preset(args["model"], 4096), tie_embeddings=False)),
-        "rows": [],
-    }
+    parameters = count_parameters(replace(load_preset(args["model"], 4096), tie_embeddings=False))
+    report = new_report("project.tooling.bench_init", sys.argv[1:], model=args["model"], parameters=parameters)
     for plan, world in args["layouts"]:
         report["rows"].append(measure(plan, world, args["model"]))
         print(json.dumps(report["rows"][-1]), flush=True)
-    stem = write_report(result_stem(args["out"], "-init"), report, table(report))
-    print(table(report))
-    print(f"wrote {stem}.json and .md")
+    publish(args["out"], "-init", report, table(report))
 
 
 if __name__ == "__main__":

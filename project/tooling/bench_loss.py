@@ -14,17 +14,15 @@ Writes new files <date>-<host>-loss.{json,md}.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError, exit_on_config_error
-from project.tooling.bench import ROOT, result_stem, write_report
+from project.tooling.bench import ROOT, new_report, publish
 
 DEFAULTS = {
     "vocab": "128256",
@@ -132,19 +130,11 @@ def table(report: dict) -> str:
 def main() -> None:
     args = parse(sys.argv[1:])
     sizes = {key: args[key] for key in ("vocab", "dim", "seq_len", "micro_batch")}
-    report = {
-        "date": datetime.date.today().isoformat(),
-        "host": platform.node(),
-        "command": " ".join(["python -m project.tooling.bench_loss", *sys.argv[1:]]),
-        **sizes,
-        "rows": [],
-    }
+    report = new_report("project.tooling.bench_loss", sys.argv[1:], **sizes)
     for chunk in [None, *args["chunks"]]:
         report["rows"].append(measure(**sizes, chunk=chunk))
         print(json.dumps(report["rows"][-1]), flush=True)
-    stem = write_report(result_stem(args["out"], "-loss"), report, table(report))
-    print(table(report))
-    print(f"wrote {stem}.json and .md")
+    publish(args["out"], "-loss", report, table(report))
 
 
 if __name__ == "__main__":

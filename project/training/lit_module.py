@@ -12,7 +12,6 @@ from typing import IO, Any, Callable, Mapping, cast
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
@@ -24,7 +23,9 @@ from project.hf.published import load_published_weights
 from project.model.config import LlamaConfig
 from project.model.llama import Llama
 from project.parallel.contract import LlamaStrategy, contract_of
-from project.runtime.errors import ConfigError, TrainingStopped
+from project.runtime.errors import ConfigError
+from project.training.callbacks.steps import logs_at
+from project.training.nonfinite import NonFiniteGuard, takes_the_flag_on_the_device
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -126,7 +127,7 @@ class LlamaLitModule(LightningModule):
         optimizer: Callable[..., torch.optim.Optimizer] | None = None,
     ):
         """`optimizer`: builds the optimizer from the parameter groups (conf/train.yaml's module.optimizer, a
-        partial of torch.optim.AdamW with optim.lr, betas and eps); None: that AdamW. The groups carry the weight
+        partial of torch.optim.AdamW with optim.lr, betas and eps, fused); None: that AdamW. The groups carry the weight
         decay (optim.weight_decay on matrices, none on norms).
 
         `init_on_meta`: build the model without memory, for a strategy that shards it in `configure_model` and
@@ -151,7 +152,11 @@ class LlamaLitModule(LightningModule):
         )
         self.optim = optim_cfg
         self._optimizer = optimizer or functools.partial(
-            torch.optim.AdamW, lr=optim_cfg.lr, betas=(optim_cfg.betas[0], optim_cfg.betas[1]), eps=optim_cfg.eps
+            torch.optim.AdamW,
+            lr=optim_cfg.lr,
+            betas=(optim_cfg.betas[0], optim_cfg.betas[1]),
+            eps=optim_cfg.eps,
+            fused=True,  # one kernel per group, and it skips a non-finite step on the device (training.nonfinite)
         )
         # A model whose every value is about to be read from a file is built without memory, on any strategy.
         self._init_from = None if weights_from_checkpoint else init_from
@@ -160,7 +165,7 @@ class LlamaLitModule(LightningModule):
         self.val_losses = nn.ModuleList([MeanMetric()])  # one per validation loader: per corpus of a mixture (setup)
         self._loss_sum: float | torch.Tensor = 0.0  # micro-batch losses since the last optimizer step
         self._loss_count = 0
-        self._skipped_steps = 0  # updates skipped for a non-finite gradient norm (optim.max_skipped_steps)
+        self._guard = NonFiniteGuard(optim_cfg.max_skipped_steps)  # updates withheld for a non-finite gradient norm
         self._parallelized = False
         self._weights_from_checkpoint = weights_from_checkpoint
 
@@ -203,7 +208,7 @@ class LlamaLitModule(LightningModule):
         self._parallelized = True
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self._skipped_steps = checkpoint.get("skipped_steps", 0)
+        self._guard = NonFiniteGuard(self.optim.max_skipped_steps, checkpoint.get("skipped_steps", 0))
         if (trainer := self.attached_trainer()) is not None:  # resuming a fit, not load_from_checkpoint
             rebase_batch_progress(checkpoint, trainer.accumulate_grad_batches)
 
@@ -239,44 +244,42 @@ class LlamaLitModule(LightningModule):
         if not self.strategy().gradients_in_step:
             super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
+    def _logs_now(self) -> bool:
+        """Whether this optimizer step's metrics reach the loggers (callbacks.steps.logs_at): only then are its
+        values read off the device."""
+        trainer = self.attached_trainer()
+        return trainer is None or logs_at(trainer, trainer.global_step)
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Every micro batch holds the same number of tokens, so the mean of micro-batch means over
         # accumulation steps and ranks is the mean over the whole global batch.
-        self.log("train/loss", self._loss_sum / self._loss_count, prog_bar=True, sync_dist=True)
-        self.log("train/lr", optimizer.param_groups[0]["lr"])
+        if self._logs_now():
+            # Not prog_bar: Lightning would read it off the device after every batch (StepProgressBar shows it).
+            self.log("train/loss", self._loss_sum / self._loss_count, sync_dist=True)
+            self.log("train/lr", optimizer.param_groups[0]["lr"])
         self._loss_sum, self._loss_count = 0.0, 0
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         # Lightning calls this every step after gradients are reduced (and unscaled), clipping or not.
         # Sharding strategies know how to take the norm over all shards; whole gradients need no help.
         norm = self.strategy().clip_grad_norm(self, self.optim.grad_clip or float("inf"))
-        if not torch.isfinite(norm):  # the same global norm on every rank: they all decide alike
-            self._skip_or_stop(float(norm))
-        self.log("train/grad_norm", norm)
-        if self.optim.max_skipped_steps:
-            self.log("train/skipped_steps", float(self._skipped_steps))
+        trainer = self.attached_trainer()
+        scaled = trainer is not None and str(trainer.precision) == "16-mixed"  # its GradScaler sets the flag itself
+        step = trainer.global_step if trainer is not None else 0
+        # The same global norm on every rank: they all decide alike, on the device (project.training.nonfinite).
+        self._guard.before_update(norm, optimizer, step, takes_the_flag_on_the_device(optimizer, scaled))
+        if self._logs_now():
+            self._guard.check()  # the step's values are read now anyway: warn of skipped steps, or stop
+            self.log("train/grad_norm", norm)
+            if self.optim.max_skipped_steps:
+                self.log("train/skipped_steps", float(self._guard.skipped))
 
-    def _skip_or_stop(self, norm: float) -> None:
-        """A NaN or Inf loss or gradient: skip the update (up to optim.max_skipped_steps times), else stop
-        before it, so that the weights and the checkpoints written so far stay as they were."""
-        step = self.trainer.global_step
-        if self._skipped_steps < self.optim.max_skipped_steps:
-            self._skipped_steps += 1
-            for p in self.parameters():
-                p.grad = None  # AdamW leaves a parameter without a gradient untouched: no update, no moments
-            rank_zero_warn(
-                f"step {step}: gradient norm {norm}, update skipped ({self._skipped_steps} of "
-                f"optim.max_skipped_steps={self.optim.max_skipped_steps})."
-            )
-            return
-        raise TrainingStopped(
-            f"step {step}: the gradient norm is {norm} (a non-finite loss or gradient): training stopped before the "
-            "update; the checkpoints written so far are untouched. Resume from last.ckpt (ckpt_path=last) with a "
-            "lower optim.lr or a tighter optim.grad_clip, or let such steps be skipped with optim.max_skipped_steps=N."
-        )
+    def on_train_end(self) -> None:
+        self._guard.check()  # a step past the budget since the last logging step stops the run with its message
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["skipped_steps"] = self._skipped_steps
+        self._guard.check()  # never a checkpoint of a run that should have stopped: it stops here, before writing
+        checkpoint["skipped_steps"] = self._guard.skipped
         if (data := self._training_data()) is not None:  # what the embedding rows mean, checked on resume
             checkpoint["tokenizer"] = data.tokenizer_identity
 

@@ -90,6 +90,8 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
         """What `parallelize` does before any memory is given: this rank's part of the model, as
         DTensors on a model that may stay on the meta device (project.planning.dry_run stops here)."""
         tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        # Kept: slicing the mesh in a step would read its rank tensor on the host each time.
+        self._sharded_logits = self.loss_parallel and tp_mesh.size() > 1
         if tp_mesh.size() > 1:
             apply_tensor_parallel(model, tp_mesh, self.sequence_parallel, self.loss_parallel)
         # Both in place, so parameter names (and checkpoints) stay those of the plain model.
@@ -111,8 +113,7 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         # Vocabulary-split logits need torch's loss_parallel around the loss and its backward.
-        sharded_logits = self.loss_parallel and self.device_mesh["tensor_parallel"].size() > 1
-        return loss_parallel() if sharded_logits else contextlib.nullcontext()
+        return loss_parallel() if self._sharded_logits else contextlib.nullcontext()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._loss_context():

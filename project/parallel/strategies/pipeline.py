@@ -128,6 +128,8 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
             raise RuntimeError("LlamaPipelineStrategy needs n_microbatches and micro_batch_size before configure_model")
         super().parallelize(model, initialize)  # shard (below), then memory and initial values
         pipeline = self.device_mesh["pipeline"]
+        # Kept: slicing the mesh in a step would read its rank tensor on the host each time.
+        self._pipeline_group, self._pipeline_size = pipeline.get_group(), pipeline.size()
         n_chunks = pipeline.size() * self.virtual_stages
         # Global ranks (of this rank's pipeline group) that run each chunk.
         self._stage_ranks = [
@@ -174,7 +176,7 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
 
     @property
     def pipeline_size(self) -> int:
-        return self.device_mesh["pipeline"].size()
+        return self._pipeline_size
 
     # -- one training or validation step through the schedule --------------------------------------
 
@@ -200,7 +202,7 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
             loss = torch.stack(losses).detach().mean() if losses else torch.zeros((), device=self.root_device)
         else:
             loss = self._evaluate(module, inputs, targets)
-        dist.broadcast(loss, src=self._last_stage_rank, group=self.device_mesh["pipeline"].get_group())
+        dist.broadcast(loss, src=self._last_stage_rank, group=self._pipeline_group)
         return loss
 
     @torch.no_grad()
@@ -213,7 +215,7 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         steal_bwd_input if this stage doesn't have backward"), and its buffers keep the training
         batch's shape, which the last validation batch of a replica need not have.
         """
-        group = self.device_mesh["pipeline"].get_group()
+        group = self._pipeline_group
         kwargs, seq_len = module.model_kwargs(inputs), inputs.shape[1]
         size = self.micro_batch_size
         assert size is not None  # parallelize refuses to build the stages without it
@@ -253,7 +255,7 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         return self.precision_plugin.post_backward(closure_loss, self._lit_module)
 
     def _sum_over_stages(self, value: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.device_mesh["pipeline"].get_group())
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self._pipeline_group)
         return value
 
     # -- checkpoints -------------------------------------------------------------------------------

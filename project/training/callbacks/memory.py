@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.distributed.tensor import DTensor
 
-from project.training.callbacks.steps import OptimizerSteps
+from project.training.callbacks.steps import OptimizerSteps, logs_at
 
 
 def local_bytes(tensors) -> int:
@@ -64,6 +64,8 @@ class MemoryMonitor(Callback):
             "optimizer_bytes": local_bytes(optimizer_state),
             "peak_bytes": peak_memory_bytes(pl_module.device),
         }
+        if not logs_at(trainer, trainer.global_step - 1):  # a number logged is copied to the device: a wait on GPUs
+            return
         for name, value in self._figures.items():
             pl_module.log(f"memory/{name}", float(value))
         # The rank that needs the most memory decides whether a layout fits.

@@ -10,7 +10,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
 from project.training.callbacks.checkpoint import StepCheckpoint
-from project.training.callbacks.steps import OptimizerSteps
+from project.training.callbacks.steps import OptimizerSteps, logs_at
 
 # project.train's exit status after such a stop: "saved, run me again" (experiments/slurm/train.sbatch).
 REQUEUE_EXIT_STATUS = 3
@@ -25,8 +25,10 @@ class StopOnSignal(Callback):
     Lightning's own handlers save nothing on SIGTERM (they end the other ranks at once), and on SLURM's
     signal save from inside the handler, in the middle of a step or an accumulation window, a state that a
     resumed run cannot continue exactly (project.training.run turns SLURM's auto-requeue off). The signal may
-    reach one rank only, or the ranks at different steps, so they agree on it at each step boundary: the
-    stop happens when any rank has seen it.
+    reach one rank only, or the ranks at different steps, so in a run of several processes they agree on it at
+    each logging step (an agreement reads the device, which the other steps never wait for): the stop happens at
+    the first logging step after any rank has seen it, at most `trainer.log_every_n_steps` steps after the signal.
+    A single process stops at the next step.
     """
 
     def __init__(self, checkpoint: StepCheckpoint, signums: tuple[signal.Signals, ...] = (signal.SIGTERM,)):
@@ -47,6 +49,11 @@ class StopOnSignal(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._install()  # again: Lightning installs its own handlers as fit starts
         self._steps.start(trainer)
+        # Lightning broadcasts rank 0's SIGTERM flag, and reads it on the host, before every batch of a run of
+        # several processes (Lightning#21487): on a GPU, a wait for the device every step. The flag is set by
+        # Lightning's SIGTERM handler only, which ours has just replaced for the whole of training: the broadcast
+        # would carry nothing, so it is left out (tests/test_private_names.py).
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
 
     def _install(self) -> None:
         for signum in self.signums:
@@ -61,7 +68,12 @@ class StopOnSignal(Callback):
             return
         if trainer.global_step >= trainer.max_steps:  # finished: nothing to requeue
             return
-        if not trainer.strategy.reduce_boolean_decision(self._signalled is not None, all=False):
+        if trainer.world_size == 1:
+            if self._signalled is None:
+                return
+        elif not logs_at(trainer, trainer.global_step - 1):
+            return
+        elif not trainer.strategy.reduce_boolean_decision(self._signalled is not None, all=False):
             return
         name = self._signalled.name if self._signalled is not None else "a stop signal (on another rank)"
         rank_zero_info(f"{name} received: saving step {trainer.global_step} and stopping, to be resumed")

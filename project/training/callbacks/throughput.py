@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from project.model.config import LlamaConfig
 from project.model.flops import training_flops_per_token
-from project.training.callbacks.steps import OptimizerSteps
+from project.training.callbacks.steps import OptimizerSteps, logs_at
 
 _PRECISION_DTYPE = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32, "64": torch.float64}
 
@@ -35,7 +35,9 @@ class TokenThroughput(Callback):
 
     Time is counted from the start of an optimizer step's first micro batch to the end of its last,
     so validation and checkpoint writing between steps do not count, and averaged over the last
-    `log_every_n_steps` steps, the window each logged row stands for. MFU = model FLOPs per token
+    `log_every_n_steps` steps, the window each logged row stands for. Logged at logging steps only; on a GPU
+    the host waits for the device only then, so a step's time is the host's, and the window's adds up to the
+    device's. MFU = model FLOPs per token
     (6N + attention, project.model.flops) x tokens/s over the peak FLOP/s of all devices: the peak
     comes from Lightning's table of GPUs, or from `peak_flops_per_device`; unknown, MFU is not logged.
     After the first optimizer step of a process, time/seconds_to_first_step: from the command's start (the
@@ -74,6 +76,11 @@ class TokenThroughput(Callback):
         seq_len = batch[0].shape[1]
         tokens = trainer.datamodule.hparams.global_batch_size * seq_len  # type: ignore[attr-defined]
         assert self._step_start is not None  # set when the step's first micro batch started
+        logs = logs_at(trainer, trainer.global_step - 1)
+        if logs and pl_module.device.type == "cuda":
+            # The host runs ahead of the device, which it waits for only here: the steps' times then add up to the
+            # device's over the window, without a wait on every step.
+            torch.cuda.synchronize(pl_module.device)
         self._steps.append((tokens, time.perf_counter() - self._step_start))
         self._step_start = None
         first, self._timed_a_step = not self._timed_a_step, True
@@ -84,8 +91,10 @@ class TokenThroughput(Callback):
                     {"time/seconds_to_first_step": age}, step=trainer.global_step - 1
                 )  # the step's own row
             rank_zero_info(f"first optimizer step done {age:.1f} s after the command started")
+        if not logs:  # a number logged is copied to the device, which on a GPU waits for it
+            return
         tokens_per_sec = sum(t for t, _ in self._steps) / sum(s for _, s in self._steps)
-        pl_module.log("train/tokens_per_sec", tokens_per_sec, prog_bar=True)
+        pl_module.log("train/tokens_per_sec", tokens_per_sec)  # on the bar through StepProgressBar
         # float64: a float32 count stops being exact past 16M tokens
         seen = torch.tensor(
             trainer.datamodule.samples_consumed * seq_len,  # type: ignore[attr-defined]

@@ -1,0 +1,123 @@
+"""The host's waits for the device, counted per training step: `python -m project.tooling.bench_host_sync
+[layouts=single,ddp,fsdp2,tp,pipeline] [steps=9] [log_every=3] [out=experiments/benchmarks]`
+
+Each layout trains the debug model for `steps` steps with `python -m project.train` (2 processes but for single),
+with a callback that counts, per step and rank, the conversions of tensors to Python values (project.tooling.
+conversions: `item`, `tolist`, `bool`, `float`, `int`), each of which on a GPU makes the host wait for every kernel
+launched before it. Steps are split into the logging steps (`trainer.log_every_n_steps`, and the last), the first
+step, and the others, which should read nothing. Writes new files <date>-<host>-host-sync.{json,md}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from project.runtime.arguments import parse_key_values
+from project.runtime.errors import ConfigError, exit_on_config_error
+from project.tooling.bench import ROOT, new_report, publish
+
+DEFAULTS = {"layouts": "single,ddp,fsdp2,tp,pipeline", "steps": "9", "log_every": "3", "out": "experiments/benchmarks"}
+LAYOUTS = {
+    "single": [],
+    "ddp": ["strategy=ddp", "trainer.devices=2"],
+    "fsdp2": ["strategy=fsdp2", "trainer.devices=2"],
+    "tp": ["strategy=tp", "trainer.devices=2"],
+    "pipeline": ["strategy=pipeline", "trainer.devices=2", "model.n_layers=4", "micro_batch_size=2"],
+}
+
+
+def parse(argv: list[str]) -> dict:
+    args = parse_key_values(argv, DEFAULTS, doc=__doc__)
+    layouts = [name for name in args["layouts"].split(",") if name]
+    unknown = [name for name in layouts if name not in LAYOUTS]
+    if unknown or not layouts:
+        raise ConfigError(f"layouts={args['layouts']}: choose among {list(LAYOUTS)}, separated by commas.")
+    for key in ("steps", "log_every"):
+        if not args[key].isdigit() or int(args[key]) < 2:
+            raise ConfigError(f"{key}={args[key]}: give a whole number of at least 2.")
+    out = Path(args["out"])
+    return {
+        "layouts": layouts,
+        "steps": int(args["steps"]),
+        "log_every": int(args["log_every"]),
+        "out": out if out.is_absolute() else ROOT / out,
+    }
+
+
+def count(layout: str, steps: int, log_every: int, data: Path, scratch: Path) -> dict:
+    """Train `layout` with the counting callback; conversions per step, the largest over ranks."""
+    from project.tooling.bench_platform import data_settings
+
+    run_dir = scratch / layout
+    command = [
+        sys.executable, "-m", "project.train", "experiment=debug", *data_settings(data), *LAYOUTS[layout],
+        f"hydra.run.dir={run_dir}", f"trainer.max_steps={steps}", f"trainer.log_every_n_steps={log_every}",
+        "global_batch_size=8", "ckpt_every_n_steps=1000", "val_every_n_steps=1000", "trainer.enable_progress_bar=true",
+        "+callbacks.conversions._target_=project.tooling.conversions.CountConversions",
+        f"+callbacks.conversions.output_dir={run_dir}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"{layout}: project.train failed:\n{result.stderr[-3000:]}")
+    per_step: dict[int, int] = {}
+    logging: set[int] = set()
+    for record_file in sorted((run_dir / "conversions").glob("rank*.json")):
+        record = json.loads(record_file.read_text())
+        for step, n in record["counts"].items():
+            per_step[int(step)] = max(per_step.get(int(step), 0), n)
+        logging |= set(record["logging_steps"])
+    others = [n for step, n in per_step.items() if step != 0 and step not in logging]
+    return {
+        "layout": layout,
+        "processes": 1 if layout == "single" else 2,
+        "first_step": per_step.get(0, 0),
+        "logging_steps": sorted(logging),
+        "per_logging_step": max((per_step[s] for s in logging), default=0),
+        "other_steps": len(others),
+        "per_other_step": max(others, default=0),
+    }
+
+
+def table(report: dict) -> str:
+    lines = [
+        f"# Host waits for the device per step, {report['date']} on {report['host']}",
+        "",
+        f"`{report['command']}`: the debug model, {report['steps']} steps, logging every {report['log_every']}; "
+        "conversions of tensors to Python values per step (the most of any rank), each a wait for the device on "
+        "a GPU.",
+        "",
+        "| layout | processes | steps that log | at each, at most | first step | other steps | at each, at most |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        lines.append(
+            f"| {r['layout']} | {r['processes']} | {', '.join(map(str, r['logging_steps']))} | "
+            f"{r['per_logging_step']} | {r['first_step']} | {r['other_steps']} | {r['per_other_step']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+@exit_on_config_error()
+def main() -> None:
+    args = parse(sys.argv[1:])
+    from project.tooling.bench_platform import shards
+
+    report = new_report(
+        "project.tooling.bench_host_sync", sys.argv[1:], steps=args["steps"], log_every=args["log_every"]
+    )
+    with tempfile.TemporaryDirectory() as scratch:
+        data = shards(Path(scratch))
+        for layout in args["layouts"]:
+            report["rows"].append(count(layout, args["steps"], args["log_every"], data, Path(scratch)))
+            print(json.dumps(report["rows"][-1]), flush=True)
+    publish(args["out"], "-host-sync", report, table(report))
+
+
+if __name__ == "__main__":
+    main()
