@@ -167,3 +167,15 @@ def test_torch_lr_schedulers_still_read_the_flag_horovod_optimizers_lack():
     optimizer.step()
     assert getattr(optimizer, "_opt_called", False) is True
     scheduler.step()
+
+
+def test_torch_fused_adamw_still_withholds_its_update_when_given_the_found_inf_flag():
+    # training/nonfinite.py sets `found_inf` on a fused Adam(W), the flag torch's GradScaler gives it (an attribute its
+    # step reads, not an argument): a step whose gradient norm is not finite is then withheld on the device, without
+    # the host reading the norm. tests/test_nonfinite.py checks the whole guard; this, that torch still reads the flag.
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
+    weight.grad = torch.full((3,), float("nan"))
+    optimizer.found_inf = torch.ones(())
+    optimizer.step()
+    assert torch.equal(weight.detach(), torch.ones(3)) and int(optimizer.state[weight]["step"]) == 0
