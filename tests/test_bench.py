@@ -363,3 +363,19 @@ def test_host_sync_bench_refuses_unknown_layouts_and_too_few_steps():
         with pytest.raises(ConfigError):
             parse([bad])
     assert parse(["layouts=tp,single"])["layouts"] == ["tp", "single"]
+
+
+def test_document_mask_bench_builds_each_mask_and_the_tile_edges_one_holds_less_than_torchs(tmp_path):
+    from project.runtime.errors import ConfigError
+    from project.tooling.bench_document_mask import parse
+
+    for bad in ("seq_lens=64", "seq_lens=", "batch=0", "document=x"):
+        with pytest.raises(ConfigError):
+            parse([bad])
+    result = run_module("project.tooling.bench_document_mask", ["seq_lens=1024", f"out={tmp_path}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    (record,) = tmp_path.glob("*-document-mask.json")
+    rows = {r["method"]: r for r in json.loads(record.read_text())["rows"]}
+    assert sorted(rows) == ["create_block_mask", "dense", "tile edges"]
+    # torch's evaluates the rule on every pair of the 2 x 1,024 x 1,024 positions; ours, on 8 x 8 tiles
+    assert rows["tile edges"]["peak_bytes"] < rows["create_block_mask"]["peak_bytes"] / 2

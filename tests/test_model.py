@@ -107,6 +107,29 @@ def test_flex_attentions_block_mask_attends_as_each_document_alone(n_kv_heads):
     torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
 
 
+def test_the_block_mask_built_from_tile_edges_equals_torchs_built_from_every_pair_of_positions():
+    """project.model.document_mask classifies tiles from the documents at their edges (O(tiles^2)); torch's
+    create_block_mask evaluates the rule on all T x T pairs: the same tables, also where T is not a multiple of 128."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from project.model.document_mask import document_block_mask
+
+    generator = torch.Generator().manual_seed(0)
+    for seq_len in (256, 433, 510, 1024):
+        rows = []
+        for _ in range(3):  # documents of random lengths, some shorter than a tile, some longer
+            cuts = torch.randperm(seq_len - 1, generator=generator)[: int(torch.randint(1, 12, (1,)))] + 1
+            rows.append(torch.zeros(seq_len, dtype=torch.long).index_fill(0, cuts, 1).cumsum(0))
+        doc_ids = torch.stack(rows)
+
+        def rule(b, h, q, kv):
+            return (q >= kv) & (doc_ids[b, q] == doc_ids[b, kv])
+
+        ours, torchs = document_block_mask(doc_ids), create_block_mask(rule, 3, None, seq_len, seq_len, device="cpu")
+        for table in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks"):
+            assert torch.equal(getattr(ours, table), getattr(torchs, table)), (seq_len, table)
+
+
 def test_a_block_mask_holds_one_entry_per_tile_not_per_pair_of_positions():
     from project.model.document_mask import document_block_mask
 

@@ -4,7 +4,8 @@ A packed sequence holds several documents, and each token attends to the earlier
 A dense [B, 1, T, T] mask costs O(T^2) memory per sequence and keeps fused attention kernels out. FlexAttention's
 block mask records, for each 128 x 128 tile of (query, key) positions, whether it is empty, full or partial; its
 kernels skip the empty tiles and apply the rule only inside partial ones. The mask then takes O((T/128)^2) memory,
-and the work follows the documents' lengths rather than the sequence's.
+and the work follows the documents' lengths rather than the sequence's. It is built from the documents at the
+tiles' edges (`document_block_mask`), so building it never visits the T x T pairs either.
 
 On a GPU attention runs through a torch.compile'd flex_attention, its fused kernel (compiled once per process, as
 torchtitan does). On a CPU the dense mask stays: FlexAttention has no backward pass there (torch 2.13 raises
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 try:
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
 except ImportError:  # torch < 2.5
     BlockMask = None  # type: ignore[assignment,misc]
 
@@ -41,14 +42,51 @@ def document_mask(document_ids: torch.Tensor) -> torch.Tensor | BlockMask:
     return dense_document_mask(document_ids)
 
 
+TILE = 128  # FlexAttention's default block size, in positions
+
+
 def document_block_mask(document_ids: torch.Tensor) -> BlockMask:
-    """Causal attention within each document of document_ids [B, T], as a block mask shared by every head."""
+    """Causal attention within each document of document_ids [B, T] (non-decreasing along T, as `document_ids` of
+    project.training.lit_module gives them), as a block mask shared by every head.
+
+    Built from the documents' ids at the tiles' edges, never from the T x T pairs of positions (torch's
+    `create_block_mask` evaluates the rule on every pair): since ids only grow along the sequence, a key tile at or
+    before a query tile meets it when its last document is at least the query tile's first, and is full when it
+    lies strictly before and both tiles hold one and the same document. O((T/128)^2) work and memory."""
     batch, seq_len = document_ids.shape
+    tiles = -(-seq_len // TILE)
+    starts = torch.arange(tiles, device=document_ids.device) * TILE
+    first = document_ids[:, starts]  # [B, tiles]: the document of each tile's first position
+    last = document_ids[:, (starts + TILE).clamp(max=seq_len) - 1]  # and of its last
+    q_tile, kv_tile = torch.arange(tiles, device=document_ids.device)[:, None], starts.new_tensor(range(tiles))
+    meets = (kv_tile <= q_tile) & (last[:, None, :] >= first[:, :, None])  # [B, q tiles, kv tiles]
+    # A tile with padding (the last, when T is not a multiple of 128) is never full, as torch builds it: its mask
+    # is then applied, and the padding's positions are left out by the rule.
+    whole = starts + TILE <= seq_len
+    full = (kv_tile < q_tile) & (first[:, None, :] == last[:, :, None]) & whole[:, None] & whole[None, :]
+    partial = meets & ~full
 
     def causal_within_document(b, h, q, kv):
+        # Positions past the sequence's end (its last tile's padding) are clamped: the kernel discards them.
+        q, kv = q.clamp(max=seq_len - 1), kv.clamp(max=seq_len - 1)
         return (q >= kv) & (document_ids[b, q] == document_ids[b, kv])
 
-    return create_block_mask(causal_within_document, batch, None, seq_len, seq_len, device=document_ids.device)
+    def ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # as torch orders a block mask's tables
+        counts = blocks.sum(dim=-1, dtype=torch.int32)[:, None]
+        indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return counts, indices[:, None]
+
+    kv_num_blocks, kv_indices = ordered(partial)
+    full_kv_num_blocks, full_kv_indices = ordered(full)
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks,
+        kv_indices,
+        full_kv_num_blocks,
+        full_kv_indices,
+        BLOCK_SIZE=TILE,
+        mask_mod=causal_within_document,
+        seq_lengths=(seq_len, seq_len),
+    )
 
 
 def dense_document_mask(document_ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,125 @@
+"""Building a step's document mask: `python -m project.tooling.bench_document_mask [seq_lens=2048,8192]
+[batch=2] [document=512] [out=experiments/benchmarks]`
+
+For each sequence length, documents of random lengths (mean `document` tokens) packed into `batch` sequences,
+and the mask of causal attention within each document built three ways, each in a fresh process (time, and the
+growth of the peak resident memory over the build):
+- dense: the [batch, 1, T, T] boolean mask SDPA takes (the CPU's path, and every path's before 2026-11-25);
+- create_block_mask: FlexAttention's block mask as torch builds it, evaluating the rule on every (query, key) pair
+  (the GPU's path until 2026-11-26);
+- tile edges: project.model.document_mask.document_block_mask, the same block mask from the documents at the
+  128-position tiles' edges (the GPU's path now).
+Attention itself under the block mask needs a GPU (FlexAttention has no CPU backward): `make gpu-check` trains
+through it. Writes new files <date>-<host>-document-mask.{json,md}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from project.runtime.arguments import parse_key_values
+from project.runtime.errors import ConfigError, exit_on_config_error
+from project.tooling.bench import ROOT, new_report, publish
+
+DEFAULTS = {"seq_lens": "2048,8192", "batch": "2", "document": "512", "out": "experiments/benchmarks"}
+METHODS = ("dense", "create_block_mask", "tile edges")
+
+CASE = """
+import resource, sys, time
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+from project.model.document_mask import dense_document_mask, document_block_mask
+method, seq_len, batch, document = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+torch.set_num_threads(2)
+generator = torch.Generator().manual_seed(0)
+rows = []
+for _ in range(batch):
+    cuts = torch.randperm(seq_len - 1, generator=generator)[: max(1, seq_len // document - 1)] + 1
+    rows.append(torch.zeros(seq_len, dtype=torch.long).index_fill(0, cuts, 1).cumsum(0))
+ids = torch.stack(rows)
+def rule(b, h, q, kv):
+    return (q >= kv) & (ids[b, q] == ids[b, kv])
+def build():
+    if method == "dense":
+        return dense_document_mask(ids)
+    if method == "create_block_mask":
+        return create_block_mask(rule, batch, None, seq_len, seq_len, device="cpu")
+    return document_block_mask(ids)
+with open("/proc/self/statm") as f:
+    start_rss = int(f.read().split()[1]) * resource.getpagesize()
+build()  # warm-up: the same peak
+start = time.perf_counter()
+mask = build()
+seconds = time.perf_counter() - start
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(seconds, max(0, peak - start_rss))
+"""
+
+
+def parse(argv: list[str]) -> dict:
+    args = parse_key_values(argv, DEFAULTS, doc=__doc__)
+    seq_lens = [s for s in args["seq_lens"].split(",") if s]
+    if not seq_lens or not all(s.isdigit() and int(s) >= 128 for s in seq_lens):
+        raise ConfigError(f"seq_lens={args['seq_lens']}: give sequence lengths of at least 128, separated by commas.")
+    for key in ("batch", "document"):
+        if not args[key].isdigit() or int(args[key]) < 1:
+            raise ConfigError(f"{key}={args[key]}: give a whole number above 0.")
+    out = Path(args["out"])
+    return {
+        "seq_lens": [int(s) for s in seq_lens],
+        "batch": int(args["batch"]),
+        "document": int(args["document"]),
+        "out": out if out.is_absolute() else ROOT / out,
+    }
+
+
+def measure(method: str, seq_len: int, batch: int, document: int) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-c", CASE, method, str(seq_len), str(batch), str(document)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        # A fixed threshold: every large tensor its own mapping, returned when freed, so that RSS follows what lives.
+        env={**os.environ, "OMP_NUM_THREADS": "2", "MALLOC_MMAP_THRESHOLD_": "1048576"},
+    )
+    if result.returncode:
+        raise RuntimeError(f"{method} at {seq_len} failed:\n{result.stderr.strip()[-3000:]}")
+    seconds, peak = result.stdout.split()
+    return {"method": method, "seq_len": seq_len, "seconds": round(float(seconds), 4), "peak_bytes": int(peak)}
+
+
+def table(report: dict) -> str:
+    lines = [
+        f"# Building the document mask, {report['date']} on {report['host']}",
+        "",
+        f"`{report['command']}`: {report['batch']} sequences of documents of about {report['document']} tokens; "
+        "seconds of one build (after a warm-up) and the growth of the peak RSS, in a fresh process per case "
+        "(2 threads).",
+        "",
+        "| sequence | method | seconds | peak (MiB) |",
+        "|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        lines.append(f"| {r['seq_len']:,} | {r['method']} | {r['seconds']} | {r['peak_bytes'] / 2**20:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+@exit_on_config_error()
+def main() -> None:
+    args = parse(sys.argv[1:])
+    report = new_report(
+        "project.tooling.bench_document_mask", sys.argv[1:], batch=args["batch"], document=args["document"]
+    )
+    for seq_len in args["seq_lens"]:
+        for method in METHODS:
+            report["rows"].append(measure(method, seq_len, args["batch"], args["document"]))
+            print(json.dumps(report["rows"][-1]), flush=True)
+    publish(args["out"], "-document-mask", report, table(report))
+
+
+if __name__ == "__main__":
+    main()
