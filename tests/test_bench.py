@@ -366,10 +366,13 @@ def test_host_sync_bench_refuses_unknown_layouts_and_too_few_steps():
 
 
 def test_document_mask_bench_builds_each_mask_and_the_tile_edges_one_holds_less_than_torchs(tmp_path):
+    import torch
+
     from project.runtime.errors import ConfigError
     from project.tooling.bench_document_mask import parse
 
-    for bad in ("seq_lens=64", "seq_lens=", "batch=0", "document=x"):
+    bad_inputs = ["seq_lens=64", "seq_lens=", "batch=0", "document=x", "device=tpu"]
+    for bad in bad_inputs + ([] if torch.cuda.is_available() else ["device=cuda"]):  # attention rows need CUDA
         with pytest.raises(ConfigError):
             parse([bad])
     result = run_module("project.tooling.bench_document_mask", ["seq_lens=1024", f"out={tmp_path}"])

@@ -1,5 +1,5 @@
 """Building a step's document mask: `python -m project.tooling.bench_document_mask [seq_lens=2048,8192]
-[batch=2] [document=512] [out=experiments/benchmarks]`
+[batch=2] [document=512] [device=cpu|cuda] [out=experiments/benchmarks]`
 
 For each sequence length, documents of random lengths (mean `document` tokens) packed into `batch` sequences,
 and the mask of causal attention within each document built three ways, each in a fresh process (time, and the
@@ -9,8 +9,10 @@ growth of the peak resident memory over the build):
   (the GPU's path until 2026-11-26);
 - tile edges: project.model.document_mask.document_block_mask, the same block mask from the documents at the
   128-position tiles' edges (the GPU's path now).
-Attention itself under the block mask needs a GPU (FlexAttention has no CPU backward): `make gpu-check` trains
-through it. Writes new files <date>-<host>-document-mask.{json,md}.
+With device=cuda, also attention itself, forward and backward in bfloat16 (32 query and 8 key/value heads of 128),
+mask building included, as a training step runs it: SDPA with the dense mask against the compiled FlexAttention
+with the block mask (project.model.document_mask): milliseconds per step and peak memory above the inputs. The
+CPU has no FlexAttention backward, so these rows need a GPU. Writes new files <date>-<host>-document-mask.{json,md}.
 """
 
 from __future__ import annotations
@@ -25,22 +27,37 @@ from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError, exit_on_config_error
 from project.tooling.bench import ROOT, new_report, publish
 
-DEFAULTS = {"seq_lens": "2048,8192", "batch": "2", "document": "512", "out": "experiments/benchmarks"}
+DEFAULTS = {
+    "seq_lens": "2048,8192",
+    "batch": "2",
+    "document": "512",
+    "device": "cpu",
+    "out": "experiments/benchmarks",
+}
 METHODS = ("dense", "create_block_mask", "tile edges")
+ATTENTION = ("attention, dense mask", "attention, block mask")  # device=cuda only
 
-CASE = """
-import resource, sys, time
-import torch
-from torch.nn.attention.flex_attention import create_block_mask
-from project.model.document_mask import dense_document_mask, document_block_mask
-method, seq_len, batch, document = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-torch.set_num_threads(2)
+# The documents of a case: `batch` rows of random cuts, about `document` tokens apart (shared by both scripts).
+DOCUMENTS = """
 generator = torch.Generator().manual_seed(0)
 rows = []
 for _ in range(batch):
     cuts = torch.randperm(seq_len - 1, generator=generator)[: max(1, seq_len // document - 1)] + 1
     rows.append(torch.zeros(seq_len, dtype=torch.long).index_fill(0, cuts, 1).cumsum(0))
 ids = torch.stack(rows)
+"""
+
+CASE = (
+    """
+import resource, sys, time
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+from project.model.document_mask import dense_document_mask, document_block_mask
+method, seq_len, batch, document = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+torch.set_num_threads(2)
+"""
+    + DOCUMENTS
+    + """
 def rule(b, h, q, kv):
     return (q >= kv) & (ids[b, q] == ids[b, kv])
 def build():
@@ -58,6 +75,43 @@ seconds = time.perf_counter() - start
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(seconds, max(0, peak - start_rss))
 """
+)
+
+
+ATTENTION_CASE = (
+    """
+import sys, time
+import torch
+import torch.nn.functional as F
+from project.model.document_mask import dense_document_mask, document_block_mask, flex_attend
+method, seq_len, batch, document = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+"""
+    + DOCUMENTS
+    + """
+ids = ids.cuda()
+shape = dict(device="cuda", dtype=torch.bfloat16, requires_grad=True)
+q = torch.randn(batch, 32, seq_len, 128, **shape)
+k, v = torch.randn(batch, 8, seq_len, 128, **shape), torch.randn(batch, 8, seq_len, 128, **shape)
+def step():
+    if method == "attention, dense mask":  # SDPA's masked kernels take no grouped heads: repeated, as the model does
+        out = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1), attn_mask=dense_document_mask(ids)
+        )
+    else:
+        out = flex_attend(q, k, v, document_block_mask(ids), enable_gqa=True)
+    out.backward(torch.ones_like(out))
+for _ in range(3):  # compilation, kernel selection
+    step()
+torch.cuda.synchronize()
+base = torch.cuda.memory_allocated()
+torch.cuda.reset_peak_memory_stats()
+start = time.perf_counter()
+for _ in range(10):
+    step()
+torch.cuda.synchronize()
+print((time.perf_counter() - start) / 10, torch.cuda.max_memory_allocated() - base)
+"""
+)
 
 
 def parse(argv: list[str]) -> dict:
@@ -68,18 +122,27 @@ def parse(argv: list[str]) -> dict:
     for key in ("batch", "document"):
         if not args[key].isdigit() or int(args[key]) < 1:
             raise ConfigError(f"{key}={args[key]}: give a whole number above 0.")
+    if args["device"] not in ("cpu", "cuda"):
+        raise ConfigError(f"device={args['device']}: choose cpu (the masks) or cuda (the masks and attention).")
+    if args["device"] == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("device=cuda: this machine has no CUDA device; leave device=cpu for the masks alone.")
     out = Path(args["out"])
     return {
         "seq_lens": [int(s) for s in seq_lens],
         "batch": int(args["batch"]),
         "document": int(args["document"]),
+        "device": args["device"],
         "out": out if out.is_absolute() else ROOT / out,
     }
 
 
 def measure(method: str, seq_len: int, batch: int, document: int) -> dict:
+    script = ATTENTION_CASE if method in ATTENTION else CASE
     result = subprocess.run(
-        [sys.executable, "-c", CASE, method, str(seq_len), str(batch), str(document)],
+        [sys.executable, "-c", script, method, str(seq_len), str(batch), str(document)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -98,7 +161,8 @@ def table(report: dict) -> str:
         "",
         f"`{report['command']}`: {report['batch']} sequences of documents of about {report['document']} tokens; "
         "seconds of one build (after a warm-up) and the growth of the peak RSS, in a fresh process per case "
-        "(2 threads).",
+        "(2 threads). Attention rows (a GPU): seconds of one forward and backward, mask included, and the peak "
+        "memory above the inputs.",
         "",
         "| sequence | method | seconds | peak (MiB) |",
         "|---|---|---|---|",
@@ -114,8 +178,9 @@ def main() -> None:
     report = new_report(
         "project.tooling.bench_document_mask", sys.argv[1:], batch=args["batch"], document=args["document"]
     )
+    methods = METHODS + (ATTENTION if args["device"] == "cuda" else ())
     for seq_len in args["seq_lens"]:
-        for method in METHODS:
+        for method in methods:
             report["rows"].append(measure(method, seq_len, args["batch"], args["document"]))
             print(json.dumps(report["rows"][-1]), flush=True)
     publish(args["out"], "-document-mask", report, table(report))
