@@ -123,3 +123,32 @@ def check_meta_init(plan: str) -> None:
 @pytest.mark.parametrize("plan", ["tp", "fsdp2"])
 def test_model_built_on_meta_and_sharded_starts_from_the_single_device_weights(plan):
     on_two_gloo_ranks(check_meta_init, plan)
+
+
+def check_context_parallel() -> None:
+    from project.parallel.context_parallel import apply_context_parallel, split_for_rank
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = Llama(CONFIG)
+    model = copy.deepcopy(reference)
+    apply_context_parallel(model, dist.group.WORLD)
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    targets = tokens.roll(-1, dims=1)
+
+    # Each rank: its two chunks of every sequence (4 tokens each), the loss over its tokens.
+    loss = model(split_for_rank(tokens, rank, size), targets=split_for_rank(targets, rank, size))
+    (loss / size).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)  # what data parallelism over the group does
+    dist.all_reduce(loss)
+    expected = reference(tokens, targets=targets)  # one device, the whole sequences
+    expected.backward()
+
+    torch.testing.assert_close(loss / size, expected, rtol=1e-6, atol=0)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_context_parallel_attention_over_two_ranks_matches_one_device():
+    on_two_gloo_ranks(check_context_parallel)

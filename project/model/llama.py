@@ -101,6 +101,32 @@ class KVCache:
         return self.layers[0].length
 
 
+class ScaledDotProduct(nn.Module):
+    """softmax(q k^T / sqrt(head_dim) + mask) v: q [B, H, T, D] over k, v [B, H_kv, S, D] (S = T but with a cache).
+
+    A module of its own, without parameters, so that a strategy can reach the one place attention is computed:
+    context parallelism (project.parallel.context_parallel) gives it every rank's keys and values first."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None
+    ) -> torch.Tensor:
+        # Each key/value head serves a group of query heads. SDPA reads them in place (no repeated copies)
+        # where its kernel for the case takes grouped heads: on the CPU, and on GPUs unmasked in 16 bits
+        # (the flash kernel); elsewhere enable_gqa would drop it to the slow math kernel, so repeat them.
+        # FlexAttention (a document mask's block mask) reads grouped heads in place everywhere.
+        groups = q.shape[1] // k.shape[1]
+        flex = not isinstance(mask, torch.Tensor) and mask is not None
+        in_place = flex or q.device.type == "cpu" or (mask is None and q.dtype in (torch.float16, torch.bfloat16))
+        gqa = groups > 1 and in_place
+        if groups > 1 and not in_place:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        if isinstance(mask, torch.Tensor):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return flex_attend(q, k, v, mask, enable_gqa=gqa)
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -109,6 +135,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        self.attend = ScaledDotProduct()
 
     def forward(
         self,
@@ -127,22 +154,7 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         if cache is not None:
             k, v = cache.append(k, v)
-        # Each key/value head serves a group of query heads. SDPA reads them in place (no repeated copies)
-        # where its kernel for the case takes grouped heads: on the CPU, and on GPUs unmasked in 16 bits
-        # (the flash kernel); elsewhere enable_gqa would drop it to the slow math kernel, so repeat them.
-        # FlexAttention (a document mask's block mask) reads grouped heads in place everywhere.
-        groups = q.shape[1] // k.shape[1]
-        flex = not isinstance(mask, torch.Tensor) and mask is not None
-        in_place = flex or q.device.type == "cpu" or (mask is None and q.dtype in (torch.float16, torch.bfloat16))
-        gqa = groups > 1 and in_place
-        if groups > 1 and not in_place:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        if isinstance(mask, torch.Tensor):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        elif mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            out = flex_attend(q, k, v, mask, enable_gqa=gqa)
+        out = self.attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -1,0 +1,115 @@
+"""Context parallelism: each sequence split over a group of ranks, attention across the split by gathered keys and
+values (the Llama 3 paper's approach, section 3.3.2), applied to a single-device Llama from outside.
+
+The sequence is cut into 2 x cp chunks and rank r keeps chunks r and 2 cp - 1 - r ("zig-zag"), so that causal
+attention costs every rank the same: an early chunk with few keys before it and a late one with many. Each rank
+runs the whole model on its part of every sequence; only attention needs the rest of the sequence, so:
+- before each block's attention, the rotary angles of the rank's own positions replace those of 0 .. T/cp - 1
+  (a forward pre-hook on `attention`);
+- before the scaled dot product, the keys and values of every rank of the group are gathered, put back in
+  sequence order, and the causal mask is laid at the rank's positions (a forward pre-hook on `attention.attend`,
+  project.model.llama.ScaledDotProduct). In the backward pass the gathered keys' and values' gradients are summed
+  back onto the rank that computed them.
+The loss is then the mean over the rank's tokens; averaged over the group's ranks (they hold equally many) it is
+the mean over each whole sequence, as one device computes it.
+
+Not yet: document masking (`document_mask=true`) and a KV cache under context parallelism (both refused).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from project.model.llama import Llama
+
+
+def zigzag_positions(seq_len: int, rank: int, size: int, device: torch.device | None = None) -> torch.Tensor:
+    """The positions [seq_len / size] of a sequence that rank `rank` of `size` keeps: chunks rank and
+    2 size - 1 - rank of its 2 size equal chunks."""
+    if seq_len % (2 * size):
+        raise ValueError(f"a sequence of {seq_len} tokens does not split into 2 x {size} equal chunks")
+    chunk = seq_len // (2 * size)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    second = torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk, device=device)
+    return torch.cat([first, second])
+
+
+def split_for_rank(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:
+    """The part of `x` (sequence along `dim`) that rank `rank` of `size` keeps, its two chunks side by side."""
+    return x.index_select(dim, zigzag_positions(x.shape[dim], rank, size, x.device))
+
+
+def sequence_order(seq_len: int, size: int, device: torch.device | None = None) -> torch.Tensor:
+    """Where each position of the sequence lies in the ranks' parts laid end to end (rank 0's, then rank 1's, ...):
+    indexing the gathered parts with it gives the sequence in order."""
+    gathered = torch.cat([zigzag_positions(seq_len, r, size, device) for r in range(size)])
+    return torch.argsort(gathered)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All ranks' parts of x along dim 2, in sequence order; backward: each rank gets the sum, over the group, of the
+    gradients of its own part."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:
+        ctx.group, ctx.rank, ctx.size = group, rank, size
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        order = sequence_order(x.shape[2] * size, size, x.device)
+        return torch.cat(parts, dim=2).index_select(2, order)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)  # every rank's queries looked at every part
+        mine = zigzag_positions(grad.shape[2], ctx.rank, ctx.size, grad.device)
+        return grad.index_select(2, mine), None, None, None
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:
+    """x [B, H, T / size, D] of every rank of `group`, as [B, H, T, D] in sequence order (differentiable)."""
+    return _GatherSequence.apply(x, group, rank, size)
+
+
+class ContextParallel:
+    """The hooks of one rank of a context-parallel group on a Llama (or a pipeline stage of one)."""
+
+    def __init__(self, model: Llama, group: dist.ProcessGroup):
+        self.model, self.group = model, group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def apply(self, blocks: nn.ModuleDict) -> None:
+        for block in blocks.values():
+            attention: Any = block.attention
+            attention.register_forward_pre_hook(self._own_positions)
+            attention.attend.register_forward_pre_hook(self._whole_sequence)
+
+    def _own_positions(self, module: nn.Module, args: tuple) -> tuple:
+        x, cos, sin, mask = args
+        if mask is not None:
+            raise NotImplementedError("document masking under context parallelism is not supported yet")
+        seq_len = cos.shape[0] * self.size  # the rotary table the model made covers the rank's T / cp positions
+        whole_cos, whole_sin = self.model.rope(seq_len, cos.device, cos.dtype)
+        mine = zigzag_positions(seq_len, self.rank, self.size, cos.device)
+        return x, whole_cos[mine], whole_sin[mine], mask
+
+    def _whole_sequence(self, module: nn.Module, args: tuple) -> tuple:
+        q, k, v, _ = args
+        seq_len = k.shape[2] * self.size
+        k = gather_sequence(k, self.group, self.rank, self.size)
+        v = gather_sequence(v, self.group, self.rank, self.size)
+        mine = zigzag_positions(seq_len, self.rank, self.size, q.device)
+        causal = mine[:, None] >= torch.arange(seq_len, device=q.device)[None, :]  # [T / cp, T]
+        return q, k, v, causal
+
+
+def apply_context_parallel(model: Llama, group: dist.ProcessGroup) -> ContextParallel:
+    """Hook every block of `model` (whole or pruned to its pipeline stages) for context parallelism over `group`;
+    the inputs and targets must then be each rank's part of every sequence (split_for_rank)."""
+    parallel = ContextParallel(model, group)
+    parallel.apply(model.layers)
+    return parallel
