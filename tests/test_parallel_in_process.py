@@ -125,7 +125,7 @@ def test_model_built_on_meta_and_sharded_starts_from_the_single_device_weights(p
     on_two_gloo_ranks(check_meta_init, plan)
 
 
-def check_context_parallel() -> None:
+def check_context_parallel(documents: bool) -> None:
     from project.parallel.context_parallel import apply_context_parallel, split_for_rank
 
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -135,14 +135,16 @@ def check_context_parallel() -> None:
     apply_context_parallel(model, dist.group.WORLD)
     tokens = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     targets = tokens.roll(-1, dims=1)
+    # Documents across the chunks' edges (chunks of 4 positions), one of a single token.
+    ids = {"document_ids": torch.tensor([[0] * 3 + [1] * 6 + [2] + [3] * 6, [0] * 11 + [1] * 5])} if documents else {}
 
-    # Each rank: its two chunks of every sequence (4 tokens each), the loss over its tokens.
-    loss = model(split_for_rank(tokens, rank, size), targets=split_for_rank(targets, rank, size))
+    # Each rank: its two chunks of every sequence (4 tokens each), the loss over its tokens; the documents whole.
+    loss = model(split_for_rank(tokens, rank, size), targets=split_for_rank(targets, rank, size), **ids)
     (loss / size).backward()
     for p in model.parameters():
         dist.all_reduce(p.grad)  # what data parallelism over the group does
     dist.all_reduce(loss)
-    expected = reference(tokens, targets=targets)  # one device, the whole sequences
+    expected = reference(tokens, targets=targets, **ids)  # one device, the whole sequences
     expected.backward()
 
     torch.testing.assert_close(loss / size, expected, rtol=1e-6, atol=0)
@@ -150,5 +152,10 @@ def check_context_parallel() -> None:
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def check_context_parallel_causal_and_within_documents() -> None:
+    check_context_parallel(documents=False)
+    check_context_parallel(documents=True)
+
+
 def test_context_parallel_attention_over_two_ranks_matches_one_device():
-    on_two_gloo_ranks(check_context_parallel)
+    on_two_gloo_ranks(check_context_parallel_causal_and_within_documents)

@@ -13,7 +13,10 @@ runs the whole model on its part of every sequence; only attention needs the res
 The loss is then the mean over the rank's tokens; averaged over the group's ranks (they hold equally many) it is
 the mean over each whole sequence, as one device computes it.
 
-Not yet: document masking (`document_mask=true`) and a KV cache under context parallelism (both refused).
+Document masking: the model is given the document ids of the whole sequences (computed from the whole tokens,
+which every rank of the group reads) beside its part of the tokens, so the mask it builds covers every (query,
+key) pair, and each rank keeps the rows of its own queries. A dense mask only, so far: on a GPU, where the model
+builds FlexAttention's block mask, document masking under context parallelism is refused.
 """
 
 from __future__ import annotations
@@ -90,26 +93,29 @@ class ContextParallel:
 
     def _own_positions(self, module: nn.Module, args: tuple) -> tuple:
         x, cos, sin, mask = args
-        if mask is not None:
-            raise NotImplementedError("document masking under context parallelism is not supported yet")
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            raise NotImplementedError("document masking under context parallelism takes the dense mask (a CPU) only")
         seq_len = cos.shape[0] * self.size  # the rotary table the model made covers the rank's T / cp positions
         whole_cos, whole_sin = self.model.rope(seq_len, cos.device, cos.dtype)
         mine = zigzag_positions(seq_len, self.rank, self.size, cos.device)
         return x, whole_cos[mine], whole_sin[mine], mask
 
     def _whole_sequence(self, module: nn.Module, args: tuple) -> tuple:
-        q, k, v, _ = args
+        q, k, v, mask = args
         seq_len = k.shape[2] * self.size
         k = gather_sequence(k, self.group, self.rank, self.size)
         v = gather_sequence(v, self.group, self.rank, self.size)
         mine = zigzag_positions(seq_len, self.rank, self.size, q.device)
+        if mask is not None:  # the documents' mask [B, 1, T, T] of the whole sequences: this rank's queries' rows
+            return q, k, v, mask[:, :, mine]
         causal = mine[:, None] >= torch.arange(seq_len, device=q.device)[None, :]  # [T / cp, T]
         return q, k, v, causal
 
 
 def apply_context_parallel(model: Llama, group: dist.ProcessGroup) -> ContextParallel:
     """Hook every block of `model` (whole or pruned to its pipeline stages) for context parallelism over `group`;
-    the inputs and targets must then be each rank's part of every sequence (split_for_rank)."""
+    the inputs and targets must then be each rank's part of every sequence (split_for_rank), and document ids,
+    where given, those of the whole sequences."""
     parallel = ContextParallel(model, group)
     parallel.apply(model.layers)
     return parallel
