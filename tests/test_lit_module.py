@@ -151,3 +151,37 @@ def test_only_horovod_takes_its_ranks_from_its_own_launcher():
 
     assert HorovodStrategy.ranks_from_own_launcher
     assert not any(s.ranks_from_own_launcher for s in (LlamaStrategy, GlooFriendlyDDPStrategy, LlamaParallelStrategy))
+
+
+def test_an_optimizer_state_saved_unfused_is_fused_again_when_training_resumes():
+    """Checkpoints from before the default AdamW was fused restore fused=None: the module fuses the groups again
+    (the non-finite guard then decides on the device), and they step."""
+    from types import SimpleNamespace
+
+    module = LlamaLitModule(MODEL)
+    groups = [{"params": [p for _, p in group], "weight_decay": decay} for decay, group in module.decay_groups()]
+    saved = torch.optim.AdamW(groups, lr=1e-3)  # as before: not fused
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    saved.step()
+    module.trainer = SimpleNamespace(optimizers=[], max_steps=10)
+    optimizer = module.configure_optimizers()["optimizer"]
+    optimizer.load_state_dict(saved.state_dict())
+    assert all(group["fused"] is None for group in optimizer.param_groups)  # what torch restores
+    module.trainer.optimizers.append(optimizer)
+    module.on_train_start()
+    assert all(group["fused"] is True for group in optimizer.param_groups)
+    optimizer.step()
+    assert all(int(state["step"]) == 2 for state in optimizer.state.values())
+
+
+def test_an_optimizer_without_a_fused_argument_is_a_config_error_naming_the_fix():
+    import functools
+    from types import SimpleNamespace
+
+    from project.runtime.errors import ConfigError
+
+    module = LlamaLitModule(MODEL, optimizer=functools.partial(torch.optim.RMSprop, lr=0.1, fused=True))
+    module.trainer = SimpleNamespace(max_steps=10)
+    with pytest.raises(ConfigError, match=r"~module.optimizer.fused"):
+        module.configure_optimizers()

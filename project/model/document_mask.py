@@ -58,7 +58,8 @@ def document_block_mask(document_ids: torch.Tensor) -> BlockMask:
     starts = torch.arange(tiles, device=document_ids.device) * TILE
     first = document_ids[:, starts]  # [B, tiles]: the document of each tile's first position
     last = document_ids[:, (starts + TILE).clamp(max=seq_len) - 1]  # and of its last
-    q_tile, kv_tile = torch.arange(tiles, device=document_ids.device)[:, None], starts.new_tensor(range(tiles))
+    q_tile = kv_tile = torch.arange(tiles, device=document_ids.device)  # made on the device: no copy to wait for
+    q_tile = q_tile[:, None]
     meets = (kv_tile <= q_tile) & (last[:, None, :] >= first[:, :, None])  # [B, q tiles, kv tiles]
     # A tile with padding (the last, when T is not a multiple of 128) is never full, as torch builds it: its mask
     # is then applied, and the padding's positions are left out by the rule.

@@ -262,9 +262,14 @@ class LlamaLitModule(LightningModule):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         # Lightning calls this every step after gradients are reduced (and unscaled), clipping or not.
         # Sharding strategies know how to take the norm over all shards; whole gradients need no help.
-        norm = self.strategy().clip_grad_norm(self, self.optim.grad_clip or float("inf"))
         trainer = self.attached_trainer()
         scaled = trainer is not None and str(trainer.precision) == "16-mixed"  # its GradScaler sets the flag itself
+        scaler = getattr(trainer.precision_plugin, "scaler", None) if trainer is not None and scaled else None
+        if scaler is not None and all(group.get("fused") for group in optimizer.param_groups):
+            # Lightning leaves a fused optimizer's gradients scaled (its step would unscale them); the norm and the
+            # clipping need them as they are, so unscale them here, as torch's GradScaler documents for clipping.
+            scaler.unscale_(optimizer)
+        norm = self.strategy().clip_grad_norm(self, self.optim.grad_clip or float("inf"))
         step = trainer.global_step if trainer is not None else 0
         # The same global norm on every rank: they all decide alike, on the device (project.training.nonfinite).
         self._guard.before_update(norm, optimizer, step, takes_the_flag_on_the_device(optimizer, scaled))
@@ -273,6 +278,21 @@ class LlamaLitModule(LightningModule):
             self.log("train/grad_norm", norm)
             if self.optim.max_skipped_steps:
                 self.log("train/skipped_steps", float(self._guard.skipped))
+
+    def on_train_start(self) -> None:
+        # A checkpoint from before the optimizer was fused restores its groups as they were (fused=None): fuse them
+        # again, their step counts on the parameters' device as fused AdamW keeps them, so the guard stays on it.
+        if not getattr(self._optimizer, "keywords", {}).get("fused"):
+            return
+        trainer = self.attached_trainer()
+        for optimizer in trainer.optimizers if trainer is not None else []:
+            for group in optimizer.param_groups:
+                if group.get("fused") is None and "fused" in group:
+                    group["fused"] = True
+                    for p in group["params"]:
+                        state = optimizer.state.get(p, {})
+                        if "step" in state:
+                            state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
     def on_train_end(self) -> None:
         self._guard.check()  # a step past the budget since the last logging step stops the run with its message
@@ -330,9 +350,16 @@ class LlamaLitModule(LightningModule):
         return [name for _, group in self.decay_groups() for name, _ in group]
 
     def configure_optimizers(self):
-        optimizer = self._optimizer(
-            [{"params": [p for _, p in group], "weight_decay": decay} for decay, group in self.decay_groups()]
-        )
+        groups = [{"params": [p for _, p in group], "weight_decay": decay} for decay, group in self.decay_groups()]
+        try:
+            optimizer = self._optimizer(groups)
+        except TypeError as error:
+            if "fused" not in str(error):
+                raise
+            raise ConfigError(
+                f"module.optimizer takes no `fused` argument ({error}): an optimizer other than torch's AdamW needs "
+                "~module.optimizer.fused on the command line (its non-finite guard then reads the norm every step)."
+            ) from None
         total = self.optim.decay_steps or self.trainer.max_steps
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_at(step, self.optim, total) / self.optim.lr

@@ -6,11 +6,13 @@ from __future__ import annotations
 import signal
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
 from project.training.callbacks.checkpoint import StepCheckpoint
-from project.training.callbacks.steps import OptimizerSteps, logs_at
+from project.training.callbacks.steps import OptimizerSteps
 
 # project.train's exit status after such a stop: "saved, run me again" (experiments/slurm/train.sbatch).
 REQUEUE_EXIT_STATUS = 3
@@ -25,10 +27,10 @@ class StopOnSignal(Callback):
     Lightning's own handlers save nothing on SIGTERM (they end the other ranks at once), and on SLURM's
     signal save from inside the handler, in the middle of a step or an accumulation window, a state that a
     resumed run cannot continue exactly (project.training.run turns SLURM's auto-requeue off). The signal may
-    reach one rank only, or the ranks at different steps, so in a run of several processes they agree on it at
-    each logging step (an agreement reads the device, which the other steps never wait for): the stop happens at
-    the first logging step after any rank has seen it, at most `trainer.log_every_n_steps` steps after the signal.
-    A single process stops at the next step.
+    reach one rank only, or the ranks at different steps, so they agree on it at each step, before its update:
+    the stop happens at the end of the first step any rank has seen it in. They agree over a group of their own on
+    the CPU (gloo), so that the flag they read never waits for a device. Decided before the step's update, so that
+    the step's own metrics are logged: Lightning writes the row of a step at which the run stops.
     """
 
     def __init__(self, checkpoint: StepCheckpoint, signums: tuple[signal.Signals, ...] = (signal.SIGTERM,)):
@@ -36,6 +38,8 @@ class StopOnSignal(Callback):
         self._signalled: signal.Signals | None = None
         self._previous_handlers: dict[signal.Signals, Any] = {}
         self.stopped_for_requeue = False
+        self._stopping = False
+        self._group: dist.ProcessGroup | None = None
         self._steps = OptimizerSteps()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -54,6 +58,8 @@ class StopOnSignal(Callback):
         # Lightning's SIGTERM handler only, which ours has just replaced for the whole of training: the broadcast
         # would carry nothing, so it is left out (tests/test_private_names.py).
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
+        if trainer.world_size > 1 and self._group is None:  # every rank builds it, in the same order
+            self._group = dist.new_group(backend="gloo")
 
     def _install(self) -> None:
         for signum in self.signums:
@@ -61,24 +67,27 @@ class StopOnSignal(Callback):
             if previous != self._on_signal and signum not in self._previous_handlers:
                 self._previous_handlers[signum] = previous
 
+    def on_before_optimizer_step(
+        self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self._stopping or trainer.global_step + 1 >= trainer.max_steps:  # the last step: nothing to requeue
+            return
+        seen = self._signalled is not None
+        if self._group is not None:
+            flag = torch.tensor([int(seen)])
+            dist.all_reduce(flag, group=self._group)
+            seen = bool(flag.item())  # a CPU tensor, reduced over gloo: no device to wait for
+        if seen:
+            self._stopping = trainer.should_stop = True
+
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._steps.just_ended(trainer):  # inside a gradient-accumulation window
-            return
-        if trainer.global_step >= trainer.max_steps:  # finished: nothing to requeue
-            return
-        if trainer.world_size == 1:
-            if self._signalled is None:
-                return
-        elif not logs_at(trainer, trainer.global_step - 1):
-            return
-        elif not trainer.strategy.reduce_boolean_decision(self._signalled is not None, all=False):
+        if not self._steps.just_ended(trainer) or not self._stopping or self.stopped_for_requeue:
             return
         name = self._signalled.name if self._signalled is not None else "a stop signal (on another rank)"
         rank_zero_info(f"{name} received: saving step {trainer.global_step} and stopping, to be resumed")
         self.checkpoint.save(trainer)
-        trainer.should_stop = True
         self.stopped_for_requeue = True
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

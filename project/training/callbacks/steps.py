@@ -24,11 +24,10 @@ class OptimizerSteps:
 
 def logs_at(trainer: Trainer, step: int) -> bool:
     """Whether Lightning hands the metrics of optimizer step `step` (0-based) to the loggers: every
-    `trainer.log_every_n_steps`-th step and the step at which the run is asked to stop (Lightning's own rule), and
-    the last step (whose values a run shorter than log_every_n_steps writes when training ends).
+    `trainer.log_every_n_steps`-th step and the step at which the run is asked to stop (Lightning's own rule; a run
+    shorter than log_every_n_steps is given that many, project.training.trainer, so that it logs its last step).
 
     Values are read off the device only then: logged on other steps they would only be replaced before anyone
     saw them, and logging a Python number copies it to the device, which on a GPU waits for the device."""
     every = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Trainer.__init__, untyped
-    last = trainer.max_steps is not None and step + 1 >= trainer.max_steps
-    return every > 0 and ((step + 1) % every == 0 or trainer.should_stop or last)
+    return every > 0 and ((step + 1) % every == 0 or trainer.should_stop)
