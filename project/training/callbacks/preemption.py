@@ -29,8 +29,9 @@ class StopOnSignal(Callback):
     resumed run cannot continue exactly (project.training.run turns SLURM's auto-requeue off). The signal may
     reach one rank only, or the ranks at different steps, so they agree on it at each step, before its update:
     the stop happens at the end of the first step any rank has seen it in. They agree over a group of their own on
-    the CPU (gloo), so that the flag they read never waits for a device. Decided before the step's update, so that
-    the step's own metrics are logged: Lightning writes the row of a step at which the run stops.
+    the CPU (gloo), so that the flag they read never waits for a device (Horovod: its allreduce). Decided before
+    the step's update, so that the step's own metrics are logged: Lightning writes the row of a step at which the
+    run stops.
     """
 
     def __init__(self, checkpoint: StepCheckpoint, signums: tuple[signal.Signals, ...] = (signal.SIGTERM,)):
@@ -58,7 +59,7 @@ class StopOnSignal(Callback):
         # Lightning's SIGTERM handler only, which ours has just replaced for the whole of training: the broadcast
         # would carry nothing, so it is left out (tests/test_private_names.py).
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
-        if trainer.world_size > 1 and self._group is None:  # every rank builds it, in the same order
+        if trainer.world_size > 1 and self._group is None and dist.is_initialized():  # every rank, in the same order
             self._group = dist.new_group(backend="gloo")
 
     def _install(self) -> None:
@@ -77,6 +78,8 @@ class StopOnSignal(Callback):
             flag = torch.tensor([int(seen)])
             dist.all_reduce(flag, group=self._group)
             seen = bool(flag.item())  # a CPU tensor, reduced over gloo: no device to wait for
+        elif trainer.world_size > 1:  # ranks joined by their own launcher (Horovod), not torch.distributed
+            seen = trainer.strategy.reduce_boolean_decision(seen, all=False)
         if seen:
             self._stopping = trainer.should_stop = True
 
