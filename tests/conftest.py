@@ -206,8 +206,10 @@ def read_metrics(run_dir: Path, column: str) -> dict[int, float]:
     return dict(rows)
 
 
-# Loss chunks of 24 tokens: every layout computes its loss in several (project.model.loss).
-PARITY_RUN = ["trainer.max_steps=12", "global_batch_size=8", "model.loss_chunk_tokens=24"]
+# Loss chunks of 64 tokens: a micro batch of 4 or 8 sequences of 32 tokens computes its loss in several
+# (project.model.loss); each chunk costs a recomputation, so no more than that.
+PARITY_STEPS = ["trainer.max_steps=12", "global_batch_size=8"]
+PARITY_RUN = [*PARITY_STEPS, "model.loss_chunk_tokens=64"]
 
 
 def assert_reproduces(run_dir, reference_dir):
@@ -301,7 +303,7 @@ RESUME_RUN = [
     "global_batch_size=8",
     "micro_batch_size=2",
     "ckpt_every_n_steps=5",
-    "model.loss_chunk_tokens=24",
+    "model.loss_chunk_tokens=32",  # micro batches of 2 sequences: two chunks each
 ]
 
 
@@ -315,7 +317,8 @@ def uninterrupted_reference(tiny_shards, tmp_path_factory) -> dict[int, float]:
 
 # Four layers, so that two ranks can hold two stage chunks each (interleaved and V schedules) and
 # four ranks one each.
-PIPELINE_RUN = [*PARITY_RUN, "model.n_layers=4"]
+# Micro batches of one sequence on the last stage: chunks of 16 tokens make two.
+PIPELINE_RUN = [*PARITY_STEPS, "model.n_layers=4", "model.loss_chunk_tokens=16"]
 
 
 @pytest.fixture(scope="session")
