@@ -109,7 +109,7 @@ def test_the_module_trains_through_the_strategy_contract_alone():
     strategy = StepRunningStrategy()
     module = LlamaLitModule(MODEL, optim={"grad_clip": 0.5}, init_on_meta=strategy.model_on_meta)
     steps = {"global_step": 0, "log_every_n_steps": 1, "should_stop": False, "max_steps": 1}  # what logging asks
-    module.trainer = SimpleNamespace(strategy=strategy, datamodule=None, precision="32-true", **steps)
+    module.trainer = SimpleNamespace(strategy=strategy, datamodule=None, precision_plugin=SimpleNamespace(), **steps)
     module.configure_model()
     assert strategy.parallelized == [True] and not any(p.is_meta for p in module.parameters())
     batch = torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 8))

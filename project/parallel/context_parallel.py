@@ -21,6 +21,7 @@ builds FlexAttention's block mask, document masking under context parallelism is
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from torch import nn
 from project.model.llama import Llama
 
 
+@functools.lru_cache(maxsize=64)  # the same few sequence lengths every step, every layer
 def zigzag_positions(seq_len: int, rank: int, size: int, device: torch.device | None = None) -> torch.Tensor:
     """The positions [seq_len / size] of a sequence that rank `rank` of `size` keeps: chunks rank and
     2 size - 1 - rank of its 2 size equal chunks."""
@@ -46,6 +48,7 @@ def split_for_rank(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch
     return x.index_select(dim, zigzag_positions(x.shape[dim], rank, size, x.device))
 
 
+@functools.lru_cache(maxsize=64)
 def sequence_order(seq_len: int, size: int, device: torch.device | None = None) -> torch.Tensor:
     """Where each position of the sequence lies in the ranks' parts laid end to end (rank 0's, then rank 1's, ...):
     indexing the gathered parts with it gives the sequence in order."""
@@ -84,6 +87,7 @@ class ContextParallel:
     def __init__(self, model: Llama, group: dist.ProcessGroup):
         self.model, self.group = model, group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # this rank's angles, per length and dtype
 
     def apply(self, blocks: nn.ModuleDict) -> None:
         for block in blocks.values():
@@ -96,9 +100,12 @@ class ContextParallel:
         if mask is not None and not isinstance(mask, torch.Tensor):
             raise NotImplementedError("document masking under context parallelism takes the dense mask (a CPU) only")
         seq_len = cos.shape[0] * self.size  # the rotary table the model made covers the rank's T / cp positions
-        whole_cos, whole_sin = self.model.rope(seq_len, cos.device, cos.dtype)
-        mine = zigzag_positions(seq_len, self.rank, self.size, cos.device)
-        return x, whole_cos[mine], whole_sin[mine], mask
+        key = (seq_len, cos.device, cos.dtype)
+        if key not in self._rope:  # once, not in every layer of every step
+            whole_cos, whole_sin = self.model.rope(seq_len, cos.device, cos.dtype)
+            mine = zigzag_positions(seq_len, self.rank, self.size, cos.device)
+            self._rope[key] = whole_cos[mine], whole_sin[mine]
+        return (x, *self._rope[key], mask)
 
     def _whole_sequence(self, module: nn.Module, args: tuple) -> tuple:
         q, k, v, mask = args

@@ -91,6 +91,39 @@ def new_report(module: str, argv: list[str], **fields: object) -> dict:
     }
 
 
+def add_row(report: dict, row: dict) -> None:
+    """A measurement into the report, and onto the console as it comes."""
+    report["rows"].append(row)
+    print(json.dumps(row), flush=True)
+
+
+def fresh_process(script: str, argv: list[str], what: str) -> list[str]:
+    """Run `script` (python -c) with `argv` in a process of its own, 2 threads, and return the words it printed.
+    Large allocations are mapped apart (glibc's MALLOC_MMAP_THRESHOLD_), so that a freed tensor leaves the resident
+    set and the process's peak resident memory follows what lived at once."""
+    result = subprocess.run(
+        [sys.executable, "-c", script, *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "2", "MALLOC_MMAP_THRESHOLD_": "1048576"},
+    )
+    if result.returncode:
+        raise RuntimeError(f"{what} failed:\n{result.stderr.strip()[-3000:]}")
+    return result.stdout.split()
+
+
+# For the scripts fresh_process runs: the resident bytes now, and the peak so far.
+RESIDENT = """
+import resource
+def resident_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+def peak_resident_bytes():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+"""
+
+
 def publish(out: Path, suffix: str, report: dict, markdown: str) -> None:
     """Write the report's new files (`<date>-<host><suffix>.{json,md}` in `out`) and show its table."""
     stem = write_report(result_stem(out, suffix), report, markdown)

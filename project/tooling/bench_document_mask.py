@@ -17,15 +17,12 @@ CPU has no FlexAttention backward, so these rows need a GPU. Writes new files <d
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError, exit_on_config_error
-from project.tooling.bench import ROOT, new_report, publish
+from project.tooling.bench import RESIDENT, ROOT, add_row, fresh_process, new_report, publish
 
 DEFAULTS = {
     "seq_lens": "2048,8192",
@@ -48,8 +45,9 @@ ids = torch.stack(rows)
 """
 
 CASE = (
-    """
-import resource, sys, time
+    RESIDENT
+    + """
+import sys, time
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 from project.model.document_mask import dense_document_mask, document_block_mask
@@ -66,14 +64,12 @@ def build():
     if method == "create_block_mask":
         return create_block_mask(rule, batch, None, seq_len, seq_len, device="cpu")
     return document_block_mask(ids)
-with open("/proc/self/statm") as f:
-    start_rss = int(f.read().split()[1]) * resource.getpagesize()
+start_rss = resident_bytes()
 build()  # warm-up: the same peak
 start = time.perf_counter()
 mask = build()
 seconds = time.perf_counter() - start
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(seconds, max(0, peak - start_rss))
+print(seconds, max(0, peak_resident_bytes() - start_rss))
 """
 )
 
@@ -141,17 +137,7 @@ def parse(argv: list[str]) -> dict:
 
 def measure(method: str, seq_len: int, batch: int, document: int) -> dict:
     script = ATTENTION_CASE if method in ATTENTION else CASE
-    result = subprocess.run(
-        [sys.executable, "-c", script, method, str(seq_len), str(batch), str(document)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        # A fixed threshold: every large tensor its own mapping, returned when freed, so that RSS follows what lives.
-        env={**os.environ, "OMP_NUM_THREADS": "2", "MALLOC_MMAP_THRESHOLD_": "1048576"},
-    )
-    if result.returncode:
-        raise RuntimeError(f"{method} at {seq_len} failed:\n{result.stderr.strip()[-3000:]}")
-    seconds, peak = result.stdout.split()
+    seconds, peak = fresh_process(script, [method, str(seq_len), str(batch), str(document)], f"{method} at {seq_len}")
     return {"method": method, "seq_len": seq_len, "seconds": round(float(seconds), 4), "peak_bytes": int(peak)}
 
 
@@ -181,8 +167,7 @@ def main() -> None:
     methods = METHODS + (ATTENTION if args["device"] == "cuda" else ())
     for seq_len in args["seq_lens"]:
         for method in methods:
-            report["rows"].append(measure(method, seq_len, args["batch"], args["document"]))
-            print(json.dumps(report["rows"][-1]), flush=True)
+            add_row(report, measure(method, seq_len, args["batch"], args["document"]))
     publish(args["out"], "-document-mask", report, table(report))
 
 

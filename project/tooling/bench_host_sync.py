@@ -19,7 +19,7 @@ from pathlib import Path
 
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError, exit_on_config_error
-from project.tooling.bench import ROOT, new_report, publish
+from project.tooling.bench import ROOT, add_row, new_report, publish
 
 DEFAULTS = {"layouts": "single,ddp,fsdp2,tp,pipeline", "steps": "9", "log_every": "3", "out": "experiments/benchmarks"}
 LAYOUTS = {
@@ -114,8 +114,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         data = shards(Path(scratch))
         for layout in args["layouts"]:
-            report["rows"].append(count(layout, args["steps"], args["log_every"], data, Path(scratch)))
-            print(json.dumps(report["rows"][-1]), flush=True)
+            add_row(report, count(layout, args["steps"], args["log_every"], data, Path(scratch)))
     publish(args["out"], "-host-sync", report, table(report))
 
 

@@ -14,7 +14,6 @@ do not count each other's time; the table gives the slowest rank's. Writes new f
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import socket
@@ -28,7 +27,7 @@ import torch.multiprocessing as mp
 
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError, exit_on_config_error
-from project.tooling.bench import ROOT, load_preset, new_report, preset_path, publish
+from project.tooling.bench import ROOT, add_row, load_preset, new_report, preset_path, publish
 
 DEFAULTS = {"model": "llama3_2_1b", "layouts": "fsdp2:1,fsdp2:2,fsdp2:4,tp:2", "out": "experiments/benchmarks"}
 PLANS = ("fsdp2", "tp")
@@ -159,8 +158,7 @@ def main() -> None:
     parameters = count_parameters(replace(load_preset(args["model"], 4096), tie_embeddings=False))
     report = new_report("project.tooling.bench_init", sys.argv[1:], model=args["model"], parameters=parameters)
     for plan, world in args["layouts"]:
-        report["rows"].append(measure(plan, world, args["model"]))
-        print(json.dumps(report["rows"][-1]), flush=True)
+        add_row(report, measure(plan, world, args["model"]))
     publish(args["out"], "-init", report, table(report))
 
 

@@ -14,15 +14,12 @@ Writes new files <date>-<host>-loss.{json,md}.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError, exit_on_config_error
-from project.tooling.bench import ROOT, new_report, publish
+from project.tooling.bench import RESIDENT, ROOT, add_row, fresh_process, new_report, publish
 
 DEFAULTS = {
     "vocab": "128256",
@@ -35,8 +32,10 @@ DEFAULTS = {
 
 # One case in a fresh process: its peak RSS is that of the step alone. Weights and inputs are drawn in place,
 # so that setting them up leaves no high-water mark above what they hold.
-CASE = """
-import resource, sys, time
+CASE = (
+    RESIDENT
+    + """
+import sys, time
 import torch
 import torch.nn.functional as F
 from project.model.loss import chunked_cross_entropy
@@ -47,9 +46,6 @@ with torch.no_grad():
     head.weight.normal_(0, 0.02, generator=torch.Generator().manual_seed(0))
 hidden = torch.empty(rows, seq_len, dim).normal_(generator=torch.Generator().manual_seed(1)).requires_grad_()
 targets = torch.randint(0, vocab, (rows, seq_len), generator=torch.Generator().manual_seed(2))
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
 def step():
     if chunk == 0:
         loss = F.cross_entropy(head(hidden).flatten(0, 1).float(), targets.flatten())
@@ -57,14 +53,14 @@ def step():
         loss = chunked_cross_entropy(hidden, head, targets, chunk)
     loss.backward()
     return loss.item()
-start_rss = rss()
+start_rss = resident_bytes()
 step()  # warm-up: the same peak as the timed step
 start = time.perf_counter()
 loss = step()
 seconds = time.perf_counter() - start
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(loss, seconds, max(0, peak - start_rss))
+print(loss, seconds, max(0, peak_resident_bytes() - start_rss))
 """
+)
 
 
 def parse(argv: list[str]) -> dict:
@@ -84,17 +80,7 @@ def parse(argv: list[str]) -> dict:
 def measure(vocab: int, dim: int, seq_len: int, micro_batch: int, chunk: int | None) -> dict:
     """One step of the loss in a fresh process: `chunk` tokens at a time, or (None) whole logits."""
     argv = [str(x) for x in (vocab, dim, seq_len, micro_batch, chunk or 0)]
-    result = subprocess.run(
-        [sys.executable, "-c", CASE, *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        # A fixed threshold: every large tensor its own mapping, returned when freed, so that RSS follows what lives.
-        env={**os.environ, "OMP_NUM_THREADS": "2", "MALLOC_MMAP_THRESHOLD_": "1048576"},
-    )
-    if result.returncode:
-        raise RuntimeError(f"the loss case {argv} failed:\n{result.stderr.strip()}")
-    loss, seconds, peak = result.stdout.split()
+    loss, seconds, peak = fresh_process(CASE, argv, f"the loss case {argv}")
     return {
         "method": "whole logits" if chunk is None else f"chunks of {chunk} tokens",
         "chunk_tokens": chunk,
@@ -132,8 +118,7 @@ def main() -> None:
     sizes = {key: args[key] for key in ("vocab", "dim", "seq_len", "micro_batch")}
     report = new_report("project.tooling.bench_loss", sys.argv[1:], **sizes)
     for chunk in [None, *args["chunks"]]:
-        report["rows"].append(measure(**sizes, chunk=chunk))
-        print(json.dumps(report["rows"][-1]), flush=True)
+        add_row(report, measure(**sizes, chunk=chunk))
     publish(args["out"], "-loss", report, table(report))
 
 

@@ -263,8 +263,8 @@ class LlamaLitModule(LightningModule):
         # Lightning calls this every step after gradients are reduced (and unscaled), clipping or not.
         # Sharding strategies know how to take the norm over all shards; whole gradients need no help.
         trainer = self.attached_trainer()
-        scaled = trainer is not None and str(trainer.precision) == "16-mixed"  # its GradScaler sets the flag itself
-        scaler = getattr(trainer.precision_plugin, "scaler", None) if trainer is not None and scaled else None
+        # 16-mixed's GradScaler, which sets the optimizer's flag itself (none under other precisions).
+        scaler = getattr(trainer.precision_plugin, "scaler", None) if trainer is not None else None
         if scaler is not None and all(group.get("fused") for group in optimizer.param_groups):
             # Lightning leaves a fused optimizer's gradients scaled (its step would unscale them); the norm and the
             # clipping need them as they are, so unscale them here, as torch's GradScaler documents for clipping.
@@ -272,7 +272,8 @@ class LlamaLitModule(LightningModule):
         norm = self.strategy().clip_grad_norm(self, self.optim.grad_clip or float("inf"))
         step = trainer.global_step if trainer is not None else 0
         # The same global norm on every rank: they all decide alike, on the device (project.training.nonfinite).
-        self._guard.before_update(norm, optimizer, step, takes_the_flag_on_the_device(optimizer, scaled))
+        on_device = takes_the_flag_on_the_device(optimizer, scaled=scaler is not None)
+        self._guard.before_update(norm, optimizer, step, on_device)
         if self._logs_now():
             self._guard.check()  # the step's values are read now anyway: warn of skipped steps, or stop
             self.log("train/grad_norm", norm)
