@@ -1,6 +1,7 @@
 """Prove that this machine's GPUs train, and measure them: `make gpu-check` or
 
     python -m project.gpu_check [device=auto|cuda|cpu] [devices=N] [minutes=10] [out=experiments/benchmarks]
+                                [sections=correctness,speed,data]
 
 In at most `minutes` (progress on the console):
 1. environment: Python, torch, Lightning, CUDA, the driver, NCCL, the GPUs and their memory, the peak FLOP/s
@@ -12,8 +13,9 @@ In at most `minutes` (progress on the console):
 3. speed: the training step of a ~1B Llama (llama3_2_1b) at 2,048 and 8,192 tokens, bf16-mixed, micro batch filling
    the memory, compiled and eager side by side: tokens/s, MFU and peak memory beside the planner's prediction;
 4. the data path: the train loader's tokens/s against what that step consumes.
-Writes new files experiments/benchmarks/<date>-<gpu name>-gpu.{json,md} and prints the Markdown. Exit status 0
-when every check that ran passed, 1 when one failed.
+`sections=` runs some of the last three alone, within the same `minutes`. Writes new files
+experiments/benchmarks/<date>-<gpu name>-gpu.{json,md} and prints the Markdown. Exit status 0 when every check
+that ran passed, 1 when one failed.
 
 Without a GPU, device=auto says so in one line and exits 0, writing nothing; device=cpu runs the same plumbing
 on the CPU in under a minute (the debug model, fp32; files <date>-<host>-cpu-check.*). On a GPU node without a
@@ -30,7 +32,14 @@ from pathlib import Path
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError, exit_on_config_error
 
-DEFAULTS = {"device": "auto", "devices": "", "minutes": "10", "out": "experiments/benchmarks"}
+DEFAULTS = {
+    "device": "auto",
+    "devices": "",
+    "minutes": "10",
+    "out": "experiments/benchmarks",
+    "sections": "correctness,speed,data",
+}
+SECTIONS = ("correctness", "speed", "data")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -47,12 +56,19 @@ def parse(argv: list[str]) -> dict:
         raise ConfigError(f"minutes={args['minutes']}: give the time budget as a positive number of minutes.")
     if args["devices"] and (not args["devices"].isdigit() or int(args["devices"]) < 1):
         raise ConfigError(f"devices={args['devices']}: give a positive number of devices, or leave it out for all.")
+    sections = tuple(name for name in SECTIONS if name in args["sections"].split(","))
+    unknown = sorted(set(args["sections"].split(",")) - set(SECTIONS))
+    if unknown or not sections:
+        raise ConfigError(
+            f"sections={args['sections']}: name one or more of {','.join(SECTIONS)}, separated by commas."
+        )
     out = Path(args["out"])
     return {
         "device": args["device"],
         "devices": int(args["devices"]) if args["devices"] else None,
         "minutes": minutes,
         "out": out if out.is_absolute() else ROOT / out,
+        "sections": sections,
     }
 
 
@@ -79,7 +95,7 @@ def main() -> None:
     from project.tooling.gpu_check import report
     from project.tooling.gpu_check.check import Options, run
 
-    result = run(Options(device, devices, args["minutes"], args["out"]))
+    result = run(Options(device, devices, args["minutes"], args["out"], args["sections"]))
     result["command"] = shlex.join(["python", "-m", "project.gpu_check", *sys.argv[1:]])
     result["date"] = datetime.date.today().isoformat()
     target = report.write(result, args["out"])

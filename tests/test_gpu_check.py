@@ -15,6 +15,7 @@ from project.model.flops import training_flops_per_token
 from project.runtime.errors import ConfigError
 from project.tooling.bench import load_preset
 from project.tooling.gpu_check import correctness
+from project.tooling.gpu_check.check import section_ends
 from project.tooling.gpu_check.report import failures
 from project.tooling.gpu_check.wheels import closure
 
@@ -94,11 +95,20 @@ def test_without_a_gpu_the_check_says_so_in_one_line_and_writes_nothing(tmp_path
         ("minutes=soon", "minutes=soon"),
         ("devices=0", "devices=0: give a positive number"),
         ("speed=fast", "unknown argument 'speed=fast'"),
+        ("sections=speed,lunch", "sections=speed,lunch: name one or more of correctness,speed,data"),
     ],
 )
 def test_bad_options_are_refused_by_name(argument, message):
     with pytest.raises(ConfigError, match=message):
         parse([argument])
+
+
+def test_sections_left_out_give_their_time_to_the_others_in_proportion():
+    everything = section_ends(0.0, 100.0, ("correctness", "speed", "data"))
+    assert everything == pytest.approx({"correctness": 45.0, "speed": 90.0, "data": 100.0})
+    assert section_ends(0.0, 100.0, ("correctness", "data")) == pytest.approx({"correctness": 45 / 0.55, "data": 100.0})
+    assert section_ends(10.0, 60.0, ("speed",)) == pytest.approx({"speed": 70.0})
+    assert parse(["sections=data,correctness"])["sections"] == ("correctness", "data")  # run in the check's order
 
 
 def test_a_run_outside_its_tolerance_fails_its_case():
@@ -146,3 +156,45 @@ def test_the_offline_script_refuses_a_missing_wheel_folder_and_runs_the_check_fr
     )
     assert ran.returncode == 0 and ran.stdout.startswith("no GPU here"), ran.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "site").exists()
+
+
+def test_the_offline_script_installs_a_package_whose_metadata_is_there_but_whose_module_is_not(tmp_path):
+    """An H200 node's Python listed boto3 (metadata) and could not import it: the first gpu-check there failed to
+    prepare its data. The script now asks whether each wheel's modules import, not only whether its metadata is
+    there."""
+    import zipfile
+
+    wheels, broken = tmp_path / "wheels", tmp_path / "broken"
+    wheels.mkdir()
+    (broken / "fakemodule-1.0.dist-info").mkdir(parents=True)  # metadata, no module: what that node had
+    metadata = "Metadata-Version: 2.1\nName: fakemodule\nVersion: 1.0\n"
+    (broken / "fakemodule-1.0.dist-info" / "METADATA").write_text(metadata)
+    with zipfile.ZipFile(wheels / "fakemodule-1.0-py3-none-any.whl", "w") as wheel:
+        files = {
+            "fakemodule/__init__.py": "VALUE = 1\n",
+            "fakemodule-1.0.dist-info/METADATA": metadata,
+            "fakemodule-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        }
+        files["fakemodule-1.0.dist-info/RECORD"] = "".join(
+            f"{name},,\n" for name in [*files, "fakemodule-1.0.dist-info/RECORD"]
+        )
+        for name, text in files.items():
+            wheel.writestr(name, text)
+    site = tmp_path / "site"
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "SITE": str(site),
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": str(broken),
+    }
+    ran = subprocess.run(
+        ["bash", ROOT / "scripts" / "gpu_check_offline.sh", str(wheels), f"out={tmp_path / 'out'}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert f"installing into {site}: fakemodule" in ran.stdout and (site / "fakemodule" / "__init__.py").is_file()
+    assert "no GPU here" in ran.stdout

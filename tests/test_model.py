@@ -164,6 +164,26 @@ def test_any_part_of_an_initial_value_is_drawn_alone_and_equals_that_part_of_the
     torch.testing.assert_close(model.initial_value(name, scattered, cols), whole[scattered][:, cols], rtol=0, atol=0)
 
 
+def test_initial_values_are_drawn_on_the_host_whatever_the_default_device():
+    """Lightning builds the model inside a `torch.device("cuda")` context on a GPU; the tiles' CPU generators
+    then met CUDA tensors ("Expected a 'cuda' device type for generator", the H200's gpu-check of 2026-11-26).
+    The meta device stands in for CUDA here: any tensor made on the default device would be one."""
+    from project.parallel.init import materialize
+
+    model = Llama(tiny(dim=64, n_heads=4, n_kv_heads=2, multiple_of=16, vocab_size=300))
+    expected = {name: model.initial_value(name) for name, _ in model.named_parameters()}
+    rows, cols = torch.arange(5, 40), torch.arange(3, 9)  # a shard's indices, on the host as init.py gives them
+    with torch.device("meta"):
+        drawn = {name: model.initial_value(name) for name, _ in model.named_parameters()}
+        part = model.initial_value("tok_embeddings.weight", rows, cols)
+        built = Llama(tiny(dim=64, n_heads=4, n_kv_heads=2, multiple_of=16, vocab_size=300))
+        materialize(built, torch.device("cpu"))
+    for name, value in expected.items():
+        assert drawn[name].device.type == "cpu" and torch.equal(drawn[name], value), name
+        assert torch.equal(built.get_parameter(name).detach(), value), name
+    assert torch.equal(part, expected["tok_embeddings.weight"][5:40, 3:9])
+
+
 def test_a_shard_draws_only_the_tiles_it_touches(monkeypatch):
     """O(shard), not O(model): counted in tiles drawn, as a stable quantity, not a timing."""
     from project.model import initial_values

@@ -20,6 +20,9 @@ import zlib
 import torch
 
 TILE_ROWS, TILE_COLS = 32, 1024
+# Tiles and indices are made on the host whatever the default device: the tiles' generators are CPU generators,
+# and Lightning builds the model inside a `torch.device("cuda")` context on GPUs.
+HOST = torch.device("cpu")
 
 
 def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
@@ -28,7 +31,7 @@ def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
 
 
 def tile_generator(seed: int, name: str, tile_row: int, tile_col: int) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}/{tile_row}/{tile_col}".encode()))
+    return torch.Generator(device=HOST).manual_seed(zlib.crc32(f"{seed}/{name}/{tile_row}/{tile_col}".encode()))
 
 
 def segments(indices: torch.Tensor, size: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -64,9 +67,9 @@ def normal_values(
     indices (1-D int64 tensors; None: all), as a [len(rows), len(cols)] tensor on the CPU, or written into `out`
     (a rank's shard seen as that matrix, wherever it lives)."""
     n_rows, n_cols = matrix_shape(shape)
-    rows = torch.arange(n_rows) if rows is None else rows
-    cols = torch.arange(n_cols) if cols is None else cols
-    out = torch.empty(rows.numel(), cols.numel()) if out is None else out
+    rows = torch.arange(n_rows, device=HOST) if rows is None else rows
+    cols = torch.arange(n_cols, device=HOST) if cols is None else cols
+    out = torch.empty(rows.numel(), cols.numel(), device=HOST) if out is None else out
     if out.numel() == 0:
         return out
     col_segments = [(tile, as_slice(where), as_slice(offsets)) for tile, where, offsets in segments(cols, TILE_COLS)]
@@ -76,7 +79,7 @@ def normal_values(
         for tile_col, c_out, c_in in col_segments:
             width = min(TILE_COLS, n_cols - tile_col * TILE_COLS)
             generator = tile_generator(seed, name, tile_row, tile_col)
-            tile = torch.empty(height, width).normal_(0.0, std, generator=generator)
+            tile = torch.empty(height, width, device=HOST).normal_(0.0, std, generator=generator)
             if all(isinstance(s, slice) for s in (r_out, r_in, c_out, c_in)):
                 out[r_out, c_out] = tile[r_in, c_in]
             else:  # scattered positions (a strided shard): gathered and placed element by element
@@ -87,8 +90,8 @@ def normal_values(
 
 
 def _column(index: slice | torch.Tensor, size: int) -> torch.Tensor:
-    return (torch.arange(size)[index] if isinstance(index, slice) else index)[:, None]
+    return (torch.arange(size, device=HOST)[index] if isinstance(index, slice) else index)[:, None]
 
 
 def _row(index: slice | torch.Tensor, size: int) -> torch.Tensor:
-    return (torch.arange(size)[index] if isinstance(index, slice) else index)[None, :]
+    return (torch.arange(size, device=HOST)[index] if isinstance(index, slice) else index)[None, :]

@@ -251,7 +251,7 @@ class Llama(nn.Module):
         if name.endswith("norm.weight"):
             n_rows, n_cols = matrix_shape(shape)
             size = (n_rows if rows is None else rows.numel(), n_cols if cols is None else cols.numel())
-            values = torch.ones(size) if out is None else out.fill_(1.0)
+            values = torch.ones(size, device="cpu") if out is None else out.fill_(1.0)
         else:
             std = self.config.init_std
             if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):

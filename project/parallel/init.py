@@ -51,7 +51,7 @@ def local_indices(param: DTensor) -> tuple[torch.Tensor, torch.Tensor]:
         shard = distribute_tensor(
             torch.arange(n_rows, device=mesh_device), param.device_mesh, param.placements, src_data_rank=None
         )
-        return shard.to_local().cpu(), torch.zeros(1, dtype=torch.long)
+        return shard.to_local().cpu(), torch.zeros(1, dtype=torch.long, device="cpu")
     # Each probe's other dimension is as long as the mesh is large: split by any of the mesh's dimensions, every
     # rank keeps at least one of its entries, and the probes cost O(rows + columns), not O(rows x columns).
     width = param.device_mesh.size()

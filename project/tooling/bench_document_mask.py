@@ -12,7 +12,8 @@ growth of the peak resident memory over the build):
 With device=cuda, also attention itself, forward and backward in bfloat16 (32 query and 8 key/value heads of 128),
 mask building included, as a training step runs it: SDPA with the dense mask against the compiled FlexAttention
 with the block mask (project.model.document_mask): milliseconds per step and peak memory above the inputs. The
-CPU has no FlexAttention backward, so these rows need a GPU. Writes new files <date>-<host>-document-mask.{json,md}.
+CPU has no FlexAttention backward, so these rows need a GPU. Writes new files
+<date>-<host>[-<gpu>]-document-mask.{json,md}.
 """
 
 from __future__ import annotations
@@ -143,7 +144,8 @@ def measure(method: str, seq_len: int, batch: int, document: int) -> dict:
 
 def table(report: dict) -> str:
     lines = [
-        f"# Building the document mask, {report['date']} on {report['host']}",
+        f"# Building the document mask, {report['date']} on {report['host']}"
+        + (f" ({report['gpu']})" if report.get("gpu") else ""),
         "",
         f"`{report['command']}`: {report['batch']} sequences of documents of about {report['document']} tokens; "
         "seconds of one build (after a warm-up) and the growth of the peak RSS, in a fresh process per case "
@@ -161,14 +163,20 @@ def table(report: dict) -> str:
 @exit_on_config_error()
 def main() -> None:
     args = parse(sys.argv[1:])
+    gpu = {}
+    if args["device"] == "cuda":  # the attention rows are the GPU's: its name goes into the title and file name
+        import torch
+
+        gpu = {"gpu": torch.cuda.get_device_name()}
     report = new_report(
-        "project.tooling.bench_document_mask", sys.argv[1:], batch=args["batch"], document=args["document"]
+        "project.tooling.bench_document_mask", sys.argv[1:], batch=args["batch"], document=args["document"], **gpu
     )
     methods = METHODS + (ATTENTION if args["device"] == "cuda" else ())
     for seq_len in args["seq_lens"]:
         for method in methods:
             add_row(report, measure(method, seq_len, args["batch"], args["document"]))
-    publish(args["out"], "-document-mask", report, table(report))
+    slug = "".join(c if c.isalnum() else "-" for c in gpu.get("gpu", "").lower())
+    publish(args["out"], f"-{slug}-document-mask" if slug else "-document-mask", report, table(report))
 
 
 if __name__ == "__main__":

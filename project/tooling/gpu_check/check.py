@@ -18,8 +18,9 @@ from project.tooling.bench_data import loader_rate, write_text
 from project.tooling.gpu_check import correctness, speed
 from project.tooling.gpu_check.environment import describe
 
-# Share of the time budget by which each section must end (what one leaves, the next may use).
-SECTION_ENDS = {"correctness": 0.45, "speed": 0.9, "data": 1.0}
+# Each section's share of the time budget (what one leaves, the next may use); `sections=` that leaves some out
+# shares the budget among the others in the same proportions.
+SECTION_SHARES = {"correctness": 0.45, "speed": 0.45, "data": 0.1}
 # What the speed section times, by device: the presets (a ~1B Llama, then the largest of the others that the
 # planner fits on one device), sequence lengths, micro batch cap, precision, and timed and warm-up steps.
 SPEED = {
@@ -53,6 +54,7 @@ class Options:
     devices: int
     minutes: float
     out: Path
+    sections: tuple[str, ...] = tuple(SECTION_SHARES)
 
 
 def say(text: str) -> None:
@@ -218,11 +220,22 @@ def run_data_path(options: Options, work: Path, env: dict, rows: list[dict], dea
     }
 
 
+def section_ends(start: float, budget: float, sections: tuple[str, ...]) -> dict[str, float]:
+    """The monotonic time by which each chosen section must end: the budget shared among them by their shares."""
+    total = sum(SECTION_SHARES[name] for name in sections)
+    ends, elapsed = {}, 0.0
+    for name, share in SECTION_SHARES.items():
+        if name in sections:
+            elapsed += share / total
+            ends[name] = start + elapsed * budget
+    return ends
+
+
 def run(options: Options) -> dict:
     """Every section; the report as a dict (project.tooling.gpu_check.report writes and prints it)."""
     start = time.monotonic()
     budget = options.minutes * 60
-    ends = {name: start + share * budget for name, share in SECTION_ENDS.items()}
+    ends = section_ends(start, budget, options.sections)
     say(f"checking {options.devices} {options.device} device(s) in at most {options.minutes:g} minutes")
     threads = per_process_threads(options.devices)
     facts = describe(options.device, options.devices, threads)
@@ -241,19 +254,26 @@ def run(options: Options) -> dict:
             say(f"[{name}] error:\n{report['errors'][-1]['traceback']}")
             return default
 
-    data = section("data", lambda: prepare(work, SPEED[options.device]["text_mb"], correctness.SEQ_LEN, env), None)
-    if data is not None:
+    report["sections"] = list(options.sections)
+    data = None
+    if {"correctness", "data"} & set(options.sections):  # the speed section times random tokens
+        data = section("data", lambda: prepare(work, SPEED[options.device]["text_mb"], correctness.SEQ_LEN, env), None)
+    if data is not None and "correctness" in options.sections:
         report["correctness"] = section(
             "correctness", lambda: run_correctness(options, data, work, env, ends["correctness"]), []
         )
-    report["speed"], report["speed_left_out"] = section(
-        "speed", lambda: run_speed(options, facts, env, ends["speed"]), ([], [])
-    )
-    report["data_path"] = section(
-        "data path",
-        lambda: run_data_path(options, work, env, report["speed"], ends["data"]),
-        {"status": "skip", "why": "an error, above"},
-    )
+    report["speed"], report["speed_left_out"] = [], []
+    if "speed" in options.sections:
+        report["speed"], report["speed_left_out"] = section(
+            "speed", lambda: run_speed(options, facts, env, ends["speed"]), ([], [])
+        )
+    report["data_path"] = {"status": "skip", "why": "not among sections="}
+    if "data" in options.sections:
+        report["data_path"] = section(
+            "data path",
+            lambda: run_data_path(options, work, env, report["speed"], ends["data"]),
+            {"status": "skip", "why": "an error, above"},
+        )
     if any(r["status"] == "fail" for r in report.get("correctness", [])) or report["errors"]:
         report["work_dir"] = str(work)  # the failed runs' logs (train.log in each run directory) stay
     else:

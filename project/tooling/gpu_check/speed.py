@@ -147,7 +147,8 @@ def step_in_this_process(setting: Setting) -> dict:
                     parameter.normal_(0.0, config.init_std)
         if setting.compile:
             compile_blocks(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+        # Fused, as project.train's default optimizer (module.optimizer.fused): one kernel over all tensors.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
         tokens = torch.randint(0, config.vocab_size, (setting.micro_batch, setting.seq_len + 1), device=device)
         bf16 = setting.precision == "bf16-mixed"
 
