@@ -89,6 +89,17 @@ def tiny_shards(tmp_path_factory) -> Path:
     return root / "shards"
 
 
+@pytest.fixture(scope="session")
+def short_document_shards(tmp_path_factory) -> Path:
+    """Documents of about 30 tokens, so that every 32-token sequence spans two or more of them."""
+    from project.data.prepare import prepare_shards
+
+    root = tmp_path_factory.mktemp("short-documents")
+    corpus = write_corpus(root / "raw", documents=60, lines=3)
+    prepare_shards([str(corpus / "*.txt")], root / "shards", vocab_size=300, seq_len=32, num_workers=1)
+    return root / "shards"
+
+
 def train_overrides(shards: Path, run_dir: Path, *extra: str) -> list[str]:
     return [
         "experiment=debug",
@@ -313,6 +324,27 @@ def uninterrupted_reference(tiny_shards, tmp_path_factory) -> dict[int, float]:
     run_dir = tmp_path_factory.mktemp("uninterrupted")
     run_train(tiny_shards, run_dir, *RESUME_RUN, "trainer.max_steps=20")
     return read_metrics(run_dir, "train/loss")
+
+
+# Documents masked within packed sequences, on short_document_shards; four layers for the pipeline's two stages.
+DOCUMENT_RUN = ["trainer.max_steps=4", "global_batch_size=8", "model.n_layers=4", "document_mask=true"]
+
+
+@pytest.fixture(scope="session")
+def document_mask_reference(short_document_shards, tmp_path_factory) -> Path:
+    """One device's run with document masking (DOCUMENT_RUN), which the layouts that pass documents on reproduce."""
+    run_dir = tmp_path_factory.mktemp("document-mask-reference")
+    run_train(short_document_shards, run_dir, *DOCUMENT_RUN)
+    assert_masks_matter(read_metrics(run_dir, "train/loss"), short_document_shards, tmp_path_factory)
+    return run_dir
+
+
+def assert_masks_matter(masked: dict[int, float], shards: Path, tmp_path_factory) -> None:
+    """The same run without document masking ends at another loss: on these shards the masks change the training, so
+    a layout that dropped them could not reproduce the masked run."""
+    run_dir = tmp_path_factory.mktemp("document-mask-off")
+    run_train(shards, run_dir, *DOCUMENT_RUN, "document_mask=false")
+    assert read_metrics(run_dir, "train/loss")[3] != pytest.approx(masked[3], rel=1e-4)
 
 
 # Four layers, so that two ranks can hold two stage chunks each (interleaved and V schedules) and

@@ -7,6 +7,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from project.config.checks import preflight
+from project.parallel.mesh import MeshShape
 from project.runtime.errors import ConfigError
 from tests.conftest import ROOT
 
@@ -45,7 +46,7 @@ def compose_train(*overrides: str):
 
 def test_preflight_plans_the_layout_when_the_device_count_is_given():
     layout = preflight(compose_train("strategy=pipeline", "trainer.devices=2", "global_batch_size=8"))
-    assert tuple(layout.shape) == (2, 1, 1) and layout.plan.pipeline_microbatches == 8
+    assert layout.shape == MeshShape(2, 1, 1) and layout.plan.pipeline_microbatches == 8
     assert preflight(compose_train("trainer.devices=auto")) is None  # the Trainer resolves it; training plans it then
 
 

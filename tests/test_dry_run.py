@@ -16,6 +16,7 @@ from project.config.checks import preflight
 from project.config.command_line import CONF
 from project.config.layout import plan_layout
 from project.config.values import model_config
+from project.parallel.mesh import MeshShape
 from project.planning.candidates import Candidate
 from project.planning.cluster import Cluster
 from project.planning.dry_run import build_meta_model, coordinates, rank_share, representative_ranks
@@ -34,7 +35,7 @@ def hand_share(config, shape, rank: int) -> int:
     """Parameters of `rank` by hand: Megatron's tensor-parallel cuts (q, k, v, w1, w3, the embedding and the
     head over their rows; wo and w2 over their columns; norms whole), the pipeline's even stage split (the
     embedding on the first stage, norm and head on the last), then FSDP2's dim-0 chunks of ceil(rows / dp)."""
-    pp, dp, tp = shape
+    pp, dp, tp = shape.pipeline_parallel, shape.data_parallel, shape.tensor_parallel
     p, d, _ = coordinates(rank, shape)
     h, kv, f, v = config.dim, config.n_kv_heads * config.head_dim, config.ffn_hidden_dim, config.vocab_size
     block = [
@@ -93,7 +94,6 @@ def test_a_cluster_size_layout_shards_on_one_cpu_into_the_shares_computed_by_han
 
 
 def test_representative_ranks_are_the_first_and_last_stage_and_the_last_tensor_and_data_parallel_ranks():
-    from project.parallel.mesh import MeshShape
 
     shape = MeshShape(4, 2, 8)  # 64 ranks, tensor parallelism innermost
     assert representative_ranks(shape, last_stage=3) == [0, 7, 8, 48, 63]
@@ -146,10 +146,14 @@ def test_a_64_gpu_dry_run_prints_and_writes_each_ranks_share_against_the_cluster
     result = run_module("project.train", [*job, "dry_run=true"])
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((run_dir / "dry_run.json").read_text())
-    assert report["world_size"] == 64 and report["mesh"] == {"pipeline": 1, "data_parallel": 8, "tensor_parallel": 8}
+    assert report["world_size"] == 64 and report["mesh"] == {
+        "pipeline": 1,
+        "data_parallel": 8,
+        "context_parallel": 1,
+        "tensor_parallel": 8,
+    }
     assert [r["rank"] for r in report["ranks"]] == [0, 7, 56, 63]
     config = model_config(compose_job(*job[:1]))
-    from project.parallel.mesh import MeshShape
 
     assert all(r["parameters"] == hand_share(config, MeshShape(1, 8, 8), r["rank"]) for r in report["ranks"])
     # Against the cluster: the dry run's model states plus the planner's activations, working copies and allowance.
@@ -160,7 +164,7 @@ def test_a_64_gpu_dry_run_prints_and_writes_each_ranks_share_against_the_cluster
     assert report["ranks"][0]["planned"]["total_bytes"] == pytest.approx(planned.total, rel=0.01)
     assert report["device_memory_bytes"] == 79.6 * 2**30 and "against h100_80gb's 79.6 GiB per device" in result.stdout
     assert f"rank 63: model states {report['ranks'][-1]['state_bytes'] / 2**30:.1f} + activations" in result.stdout
-    assert tuple(layout.shape) == (1, 8, 8)
+    assert layout.shape == MeshShape(1, 8, 8)
     # Initialization: each rank draws its own share (8B over 64 ranks), at the measured rate of one core.
     from project.planning.dry_run import INIT_VALUES_PER_SECOND
 
@@ -254,7 +258,7 @@ def test_a_dry_run_checks_the_shards_it_finds_and_says_when_they_are_elsewhere(t
     )
     with pytest.raises(ConfigError, match="on-the-cluster"):
         preflight(elsewhere)  # a real start here has no shards
-    assert tuple(preflight(elsewhere, dry_run=True).shape) == (1, 2, 1)
+    assert preflight(elsewhere, dry_run=True).shape == MeshShape(1, 2, 1)
 
 
 def test_every_file_check_of_a_real_start_refuses_the_dry_run_too(single_reference, tiny_shards, tmp_path):

@@ -80,24 +80,18 @@ def test_the_chain_of_stage_chunks_and_the_head_compute_the_models_logits():
 
 
 def test_pipeline_degree_fills_the_mesh_with_tensor_parallelism_innermost():
-    assert mesh_shape({"pipeline_parallel_size": "auto", "data_parallel_size": 1, "tensor_parallel_size": 1}, 4, 4) == (
-        4,
-        1,
-        1,
-    )
-    assert mesh_shape({"pipeline_parallel_size": "auto", "data_parallel_size": 2, "tensor_parallel_size": 2}, 8, 8) == (
-        2,
-        2,
-        2,
-    )
+    assert mesh_shape(
+        {"pipeline_parallel_size": "auto", "data_parallel_size": 1, "tensor_parallel_size": 1}, 4, 4
+    ) == MeshShape(4, 1, 1)
+    assert mesh_shape(
+        {"pipeline_parallel_size": "auto", "data_parallel_size": 2, "tensor_parallel_size": 2}, 8, 8
+    ) == MeshShape(2, 2, 2)
     assert mesh_shape(
         {"pipeline_parallel_size": 2, "data_parallel_size": "auto", "tensor_parallel_size": 2}, 16, 8
-    ) == (2, 4, 2)
-    assert mesh_shape({"pipeline_parallel_size": 4, "data_parallel_size": 1, "tensor_parallel_size": "auto"}, 8, 8) == (
-        4,
-        1,
-        2,
-    )
+    ) == MeshShape(2, 4, 2)
+    assert mesh_shape(
+        {"pipeline_parallel_size": 4, "data_parallel_size": 1, "tensor_parallel_size": "auto"}, 8, 8
+    ) == MeshShape(4, 1, 2)
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from project.config.layout import plan_layout
 from project.config.values import model_config
 from project.model.config import LlamaConfig
 from project.model.flops import count_parameters
+from project.parallel.mesh import MeshShape
 from project.planning.candidates import Candidate, SearchSpace
 from project.planning.cluster import Cluster
 from project.planning.memory import Allowance, estimate_memory, layer_activation_bytes
@@ -211,7 +212,7 @@ def test_every_layout_it_lists_is_one_project_train_accepts_as_planned():
             c = outcome.prediction.candidate
             cfg = compose("train", overrides=train_overrides(c, work, h100, ["model=llama3_8b"]))
             layout = plan_layout(cfg, cfg.trainer.num_nodes, cfg.trainer.devices)
-            assert tuple(layout.shape) == (c.pipeline_parallel, c.data_parallel, c.tensor_parallel), c.name
+            assert layout.shape == MeshShape(c.pipeline_parallel, c.data_parallel, c.tensor_parallel), c.name
             assert layout.plan.micro_batch_size == c.micro_batch_size
             assert max(layout.plan.pipeline_microbatches, layout.plan.accumulate_grad_batches) == c.microbatches
 

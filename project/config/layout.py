@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from project.config.values import model_config
 from project.parallel.batch import BatchPlan, plan_batches, plan_pipeline_batches
 from project.parallel.kinds import strategy_kind
-from project.parallel.mesh import MeshShape, check_tensor_parallel_degree, mesh_shape
+from project.parallel.mesh import MeshShape, check_context_parallel_degree, check_tensor_parallel_degree, mesh_shape
 from project.parallel.pipeline_layout import check_pipeline, default_virtual_stages
 from project.runtime.errors import ConfigError
 
@@ -24,18 +24,23 @@ class Layout:
     plan: BatchPlan
 
     def name(self, model: str, strategy: str) -> str:
-        """`small10m_dp2-tp2-pp1_mb4_fsdp2`: the model preset, the degrees, the micro batch and the strategy."""
-        pp, dp, tp = self.shape
-        return f"{model}_dp{dp}-tp{tp}-pp{pp}_mb{self.plan.micro_batch_size}_{strategy}"
+        """`small10m_dp2-tp2-pp1_mb4_fsdp2`: the model preset, the degrees (`-cp2` where sequences are split), the
+        micro batch and the strategy."""
+        shape = self.shape
+        degrees = f"dp{shape.data_parallel}-tp{shape.tensor_parallel}-pp{shape.pipeline_parallel}"
+        if shape.context_parallel > 1:
+            degrees += f"-cp{shape.context_parallel}"
+        return f"{model}_{degrees}_mb{self.plan.micro_batch_size}_{strategy}"
 
     def facts(self) -> dict[str, int]:
         """The layout as numbers, logged beside the metrics so that runs can be compared by them."""
-        pp, dp, tp = self.shape
+        shape = self.shape
         return {
-            "layout/world_size": pp * dp * tp,
-            "layout/data_parallel": dp,
-            "layout/tensor_parallel": tp,
-            "layout/pipeline_parallel": pp,
+            "layout/world_size": shape.world_size,
+            "layout/data_parallel": shape.data_parallel,
+            "layout/context_parallel": shape.context_parallel,
+            "layout/tensor_parallel": shape.tensor_parallel,
+            "layout/pipeline_parallel": shape.pipeline_parallel,
             "layout/micro_batch_size": self.plan.micro_batch_size,
             "layout/accumulation": self.plan.accumulate_grad_batches,
             "layout/pipeline_microbatches": self.plan.pipeline_microbatches,
@@ -75,6 +80,13 @@ def horovod_devices(cfg: DictConfig, dry_run: bool) -> int:
     return processes
 
 
+def strategy_name(cfg: DictConfig) -> str:
+    """The strategy as the user chose it (`ddp`, the conf group's option), else its class."""
+    if HydraConfig.initialized():
+        return str(HydraConfig.get().runtime.choices.get("strategy"))
+    return str(cfg.strategy.get("_target_", "?")).rsplit(".", 1)[-1]
+
+
 def plan_layout(cfg: DictConfig, num_nodes: int, devices_per_node: int) -> Layout:
     """Degrees and batch plan of the run on `num_nodes x devices_per_node` devices, refusing what
     cannot be built: degrees that do not divide the devices or the model, batches that do not split,
@@ -82,10 +94,23 @@ def plan_layout(cfg: DictConfig, num_nodes: int, devices_per_node: int) -> Layou
     strategy_cfg = OmegaConf.to_container(cfg.strategy, resolve=True)
     model = model_config(cfg)
     shape = mesh_shape(strategy_cfg, num_nodes * devices_per_node, devices_per_node)
+    kind = strategy_kind(strategy_cfg)
+    check_context_parallel_degree(shape.context_parallel, cfg.data.seq_len, strategy_name(cfg), kind.context_parallel)
+    if (
+        shape.context_parallel > 1
+        and cfg.get("document_mask")
+        and str(cfg.trainer.get("accelerator")) in ("gpu", "cuda")
+    ):
+        raise ConfigError(
+            f"document_mask=true with strategy.context_parallel_size={shape.context_parallel} on GPUs: a GPU masks "
+            "documents with FlexAttention's block mask, which context parallelism does not split yet (the CPU's "
+            "dense mask it does). Set document_mask=false, or strategy.context_parallel_size=1."
+        )
     if shape.tensor_parallel > 1:
         sequence_parallel = strategy_cfg.get("sequence_parallel", False)
-        check_tensor_parallel_degree(model, shape.tensor_parallel, cfg.data.seq_len if sequence_parallel else None)
-    if not strategy_kind(strategy_cfg).pipeline:
+        split = cfg.data.seq_len // shape.context_parallel if sequence_parallel else None  # each rank's part
+        check_tensor_parallel_degree(model, shape.tensor_parallel, split)
+    if not kind.pipeline:
         return Layout(shape, plan_batches(cfg.global_batch_size, shape.data_parallel, cfg.micro_batch_size))
     plan = plan_pipeline_batches(
         cfg.global_batch_size, shape.data_parallel, cfg.micro_batch_size, strategy_cfg.get("n_microbatches")

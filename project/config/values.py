@@ -120,6 +120,11 @@ def check_strategy_choices(strategy_cfg: Mapping[str, Any], strategy_name: str =
     settings = _strategy_settings(strategy_cfg, strategy_name)
     for key in sorted(set(strategy_cfg) - set(settings or strategy_cfg)):
         which = f"strategy={strategy_name}" if strategy_name else strategy_cfg.get("_target_")
+        if key == "context_parallel_size":
+            raise ConfigError(
+                f"strategy.context_parallel_size: {which} does not split sequences. Context parallelism runs under "
+                "strategy=fsdp2, tp_fsdp or tp (strategy.context_parallel_size=N); or remove the setting."
+            )
         raise ConfigError(
             f"strategy.{key} is not a setting of {which}.{close_match(key, settings)} "
             f"Its settings: {', '.join(k for k in settings if k != '_target_')}."

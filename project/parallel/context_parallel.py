@@ -6,10 +6,10 @@ attention costs every rank the same: an early chunk with few keys before it and 
 runs the whole model on its part of every sequence; only attention needs the rest of the sequence, so:
 - before each block's attention, the rotary angles of the rank's own positions replace those of 0 .. T/cp - 1
   (a forward pre-hook on `attention`);
-- before the scaled dot product, the keys and values of every rank of the group are gathered, put back in
-  sequence order, and the causal mask is laid at the rank's positions (a forward pre-hook on `attention.attend`,
-  project.model.llama.ScaledDotProduct). In the backward pass the gathered keys' and values' gradients are summed
-  back onto the rank that computed them.
+- the scaled dot product (`attention.attend`, project.model.llama.ScaledDotProduct) is wrapped: the keys and
+  values of every rank of the group are gathered and put back in sequence order, and each of the rank's two chunks
+  attends causally to the keys up to its own end (ContextParallelAttention). In the backward pass the gathered
+  keys' and values' gradients are summed back onto the rank that computed them.
 The loss is then the mean over the rank's tokens; averaged over the group's ranks (they hold equally many) it is
 the mean over each whole sequence, as one device computes it.
 
@@ -27,8 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
+from project.model.document_mask import BlockMask
 from project.model.llama import Llama
+from project.runtime.errors import ConfigError
 
 
 @functools.lru_cache(maxsize=64)  # the same few sequence lengths every step, every layer
@@ -81,24 +84,72 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, rank: int, size: 
     return _GatherSequence.apply(x, group, rank, size)
 
 
+class ContextParallelAttention(nn.Module):
+    """The model's attention kernel (`attention.attend`, project.model.llama.ScaledDotProduct) for this rank's
+    queries over the whole sequence: the group's keys and values gathered in sequence order, then each of the rank's
+    two chunks attends to the keys up to its own end, causally (its queries are the last of those keys: torch's
+    lower-right causal alignment). No [T / cp, T] mask is made where torch has a kernel for that alignment (GPUs:
+    `causal_lower_right`); on the CPU the two chunks' masks are made once per length and shared by every layer.
+    With documents, the rows of the whole sequences' dense mask that are this rank's."""
+
+    def __init__(
+        self, attend: nn.Module, group: dist.ProcessGroup, rank: int, size: int, masks: dict[tuple, torch.Tensor]
+    ):
+        super().__init__()
+        self.attend, self.group, self.rank, self.size = attend, group, rank, size
+        self._masks = masks  # the CPU's additive masks, per shape, dtype and device: one dict for every layer
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None
+    ) -> torch.Tensor:
+        seq_len = k.shape[2] * self.size
+        k = gather_sequence(k, self.group, self.rank, self.size)
+        v = gather_sequence(v, self.group, self.rank, self.size)
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor):
+                raise ConfigError(
+                    "document_mask=true with strategy.context_parallel_size > 1 needs the dense mask, which only the "
+                    "CPU uses: on a GPU set document_mask=false, or context_parallel_size=1."
+                )
+            mine = zigzag_positions(seq_len, self.rank, self.size, q.device)
+            return self.attend(q, k, v, mask[:, :, mine])  # the documents' mask [B, 1, T, T]: this rank's rows
+        chunk = seq_len // (2 * self.size)
+        parts = []
+        for i, index in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
+            end = (index + 1) * chunk
+            queries = q[:, :, i * chunk : (i + 1) * chunk]
+            parts.append(self.attend(queries, k[:, :, :end], v[:, :, :end], self._causal(chunk, end, q)))
+        return torch.cat(parts, dim=2)
+
+    def _causal(self, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+        """Causal attention of `rows` queries that are the last of `cols` keys."""
+        if like.device.type == "cuda":
+            return causal_lower_right(rows, cols)
+        key = (rows, cols, like.dtype, like.device)
+        if key not in self._masks:  # additive: a boolean one would be converted to a new one in every call
+            allowed = torch.ones(rows, cols, dtype=torch.bool, device=like.device).tril(cols - rows)
+            zeros = torch.zeros(rows, cols, dtype=like.dtype, device=like.device)
+            self._masks[key] = zeros.masked_fill(~allowed, float("-inf"))
+        return self._masks[key]
+
+
 class ContextParallel:
-    """The hooks of one rank of a context-parallel group on a Llama (or a pipeline stage of one)."""
+    """One rank of a context-parallel group, applied to a Llama (or a pipeline stage of one)."""
 
     def __init__(self, model: Llama, group: dist.ProcessGroup):
         self.model, self.group = model, group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # this rank's angles, per length and dtype
+        self._masks: dict[tuple, torch.Tensor] = {}  # shared by every layer: made once, held once
 
     def apply(self, blocks: nn.ModuleDict) -> None:
         for block in blocks.values():
             attention: Any = block.attention
             attention.register_forward_pre_hook(self._own_positions)
-            attention.attend.register_forward_pre_hook(self._whole_sequence)
+            attention.attend = ContextParallelAttention(attention.attend, self.group, self.rank, self.size, self._masks)
 
     def _own_positions(self, module: nn.Module, args: tuple) -> tuple:
         x, cos, sin, mask = args
-        if mask is not None and not isinstance(mask, torch.Tensor):
-            raise NotImplementedError("document masking under context parallelism takes the dense mask (a CPU) only")
         seq_len = cos.shape[0] * self.size  # the rotary table the model made covers the rank's T / cp positions
         key = (seq_len, cos.device, cos.dtype)
         if key not in self._rope:  # once, not in every layer of every step
@@ -106,17 +157,6 @@ class ContextParallel:
             mine = zigzag_positions(seq_len, self.rank, self.size, cos.device)
             self._rope[key] = whole_cos[mine], whole_sin[mine]
         return (x, *self._rope[key], mask)
-
-    def _whole_sequence(self, module: nn.Module, args: tuple) -> tuple:
-        q, k, v, mask = args
-        seq_len = k.shape[2] * self.size
-        k = gather_sequence(k, self.group, self.rank, self.size)
-        v = gather_sequence(v, self.group, self.rank, self.size)
-        mine = zigzag_positions(seq_len, self.rank, self.size, q.device)
-        if mask is not None:  # the documents' mask [B, 1, T, T] of the whole sequences: this rank's queries' rows
-            return q, k, v, mask[:, :, mine]
-        causal = mine[:, None] >= torch.arange(seq_len, device=q.device)[None, :]  # [T / cp, T]
-        return q, k, v, causal
 
 
 def apply_context_parallel(model: Llama, group: dist.ProcessGroup) -> ContextParallel:

@@ -25,8 +25,12 @@ class TrainingModule(Protocol):
     """The module's side of the contract: what a strategy may call on the LightningModule it trains
     (project.training.lit_module.LlamaLitModule, which this package must not import)."""
 
-    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The batch's mean loss, the model run whole."""
+    def loss(
+        self, inputs: torch.Tensor, targets: torch.Tensor, model_kwargs: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The batch's mean loss, the model run whole. `model_kwargs`: the model's other inputs where the strategy
+        computed them (context parallelism: the whole sequences' documents beside a part of their tokens);
+        by default `model_kwargs(inputs)`."""
         ...
 
     def model_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -17,6 +17,8 @@ class StrategyKind:
     pipeline: bool = False
     #: horovodrun starts its processes, not Lightning: their number comes from Horovod, not trainer.devices.
     own_launcher: bool = False
+    #: It can split each sequence over strategy.context_parallel_size ranks (project.parallel.context_parallel).
+    context_parallel: bool = False
 
 
 DATA_PARALLEL = StrategyKind()
@@ -24,6 +26,7 @@ DATA_PARALLEL = StrategyKind()
 KINDS: dict[str, StrategyKind] = {
     "project.parallel.strategies.pipeline.LlamaPipelineStrategy": StrategyKind(pipeline=True),
     "project.parallel.strategies.horovod.horovod_strategy": StrategyKind(own_launcher=True),
+    "project.parallel.strategies.model_parallel.LlamaParallelStrategy": StrategyKind(context_parallel=True),
 }
 
 

@@ -63,7 +63,8 @@ def check_pipeline(
     param_dtype: str | None = None,
 ) -> None:
     """Refuse, before any process starts, a pipeline that cannot be built or scheduled."""
-    pipeline_parallel_size, data_parallel_size, tensor_parallel_size = shape
+    pipeline_parallel_size, data_parallel_size = shape.pipeline_parallel, shape.data_parallel
+    tensor_parallel_size = shape.tensor_parallel
     if schedule not in SCHEDULE_NAMES:
         raise ConfigError(f"strategy.schedule={schedule!r}: choose one of {list(SCHEDULE_NAMES)}.")
     if schedule in SINGLE_STAGE and virtual_stages != 1:

@@ -77,19 +77,19 @@ def init_seconds(share: RankShare) -> float:
 
 def coordinates(rank: int, shape: MeshShape) -> tuple[int, int, int]:
     """(pipeline, data_parallel, tensor_parallel) of a global rank: tensor parallelism innermost."""
-    _, dp, tp = shape
+    dp, tp = shape.data_parallel, shape.tensor_parallel
     return rank // (dp * tp), rank // tp % dp, rank % tp
 
 
 def global_rank(shape: MeshShape, pipeline: int, data_parallel: int, tensor_parallel: int) -> int:
-    _, dp, tp = shape
+    dp, tp = shape.data_parallel, shape.tensor_parallel
     return (pipeline * dp + data_parallel) * tp + tensor_parallel
 
 
 def representative_ranks(shape: MeshShape, last_stage: int) -> list[int]:
     """The first rank; the first rank of the stage holding the last chunk (output head); the last
     tensor-parallel and data-parallel ranks of the first stage (an uneven shard is the last one's); the last rank."""
-    pp, dp, tp = shape
+    pp, dp, tp = shape.pipeline_parallel, shape.data_parallel, shape.tensor_parallel
     picks = [(0, 0, 0), (last_stage, 0, 0), (0, 0, tp - 1), (0, dp - 1, 0), (pp - 1, dp - 1, tp - 1)]
     return sorted({global_rank(shape, *p) for p in picks})
 
@@ -175,7 +175,11 @@ def shard_rank(cfg: DictConfig, shape: MeshShape, rank: int) -> RankShare:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(shape))
     try:
         if pipeline:
-            mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=MESH_DIMS)
+            mesh = init_device_mesh(
+                "cpu",
+                (shape.pipeline_parallel, shape.data_parallel, shape.tensor_parallel),
+                mesh_dim_names=MESH_DIMS,
+            )
         else:  # Lightning's ModelParallelStrategy's mesh
             mesh = init_device_mesh(
                 "cpu", (shape.data_parallel, shape.tensor_parallel), mesh_dim_names=("data_parallel", "tensor_parallel")
@@ -245,16 +249,23 @@ def how_shared(cfg: DictConfig) -> str:
     }[_kind(strategy)]
 
 
+def sharding_shape(shape: MeshShape) -> MeshShape:
+    """The mesh as the model's states are sharded on it: FSDP2 shards over data x context together, so a
+    context-parallel group's ranks count as data-parallel ranks here (their coordinate is data x cp + context)."""
+    return MeshShape(shape.pipeline_parallel, shape.data_parallel * shape.context_parallel, shape.tensor_parallel)
+
+
 def rank_share(cfg: DictConfig, layout: Layout, rank: int) -> RankShare:
     """What global rank `rank` of the run `cfg` describes holds, by the strategy's kind."""
     from hydra.utils import instantiate
 
     kind = _kind(instantiate(cfg.strategy, _convert_="all"))
+    shape = sharding_shape(layout.shape)
     if kind == "sharded":
-        return shard_rank(cfg, layout.shape, rank)
+        return shard_rank(cfg, shape, rank)
     if kind == "fsdp1":
-        return fsdp1_share(cfg, layout.shape, rank, int(cfg.trainer.devices))
-    return replica_share(cfg, layout.shape, rank)
+        return fsdp1_share(cfg, shape, rank, int(cfg.trainer.devices))
+    return replica_share(cfg, shape, rank)
 
 
 def check_precision(cfg: DictConfig) -> None:
@@ -293,7 +304,7 @@ def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir:
     check_precision(cfg)
     check_trainer_arguments(cfg)
     check_checkpoint_resumable(cfg, run_dir)
-    shape = layout.shape
+    shape = sharding_shape(layout.shape)
     schedule = cfg.strategy.get("schedule", "1f1b")
     virtual = cfg.strategy.get("virtual_stages") or default_virtual_stages(schedule)
     last_stage = (
@@ -310,11 +321,12 @@ def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir:
     record = {
         "strategy": strategy_name,
         "how": how,
-        "world_size": math.prod(shape),
+        "world_size": layout.shape.world_size,
         "mesh": {
-            "pipeline": shape.pipeline_parallel,
-            "data_parallel": shape.data_parallel,
-            "tensor_parallel": shape.tensor_parallel,
+            "pipeline": layout.shape.pipeline_parallel,
+            "data_parallel": layout.shape.data_parallel,
+            "context_parallel": layout.shape.context_parallel,
+            "tensor_parallel": layout.shape.tensor_parallel,
         },
         "batch": {
             "global": layout.plan.global_batch_size,
@@ -346,7 +358,10 @@ def planned_memory(cfg: DictConfig, layout: Layout, strategy_name: str, pipeline
     from project.planning.candidates import STRATEGIES, Candidate
     from project.planning.memory import STORAGE_BYTES, Allowance, estimate_memory
 
-    s, (pp, dp, tp), plan = cfg.strategy, layout.shape, layout.plan
+    s, plan = cfg.strategy, layout.plan
+    # The planner's candidate has no context dimension yet: its ranks count as replicas (full sequences' activations).
+    pp, tp = layout.shape.pipeline_parallel, layout.shape.tensor_parallel
+    dp = layout.shape.data_parallel * layout.shape.context_parallel
     name = "ddp" if strategy_name == "single" else strategy_name
     precision = str(cfg.trainer.get("precision", "32-true"))
     zero2 = name != "fsdp" or s.get("sharding_strategy") == "SHARD_GRAD_OP"  # the planner's fsdp is ZeRO-2
@@ -397,11 +412,13 @@ def render(
     memory: tuple[str, float] | None,
     planned: dict[int, Any],
 ) -> str:
-    pp, dp, tp = layout.shape
+    pp, dp, tp = layout.shape.pipeline_parallel, layout.shape.data_parallel, layout.shape.tensor_parallel
+    cp = layout.shape.context_parallel
     plan = layout.plan
     lines = [
-        f"dry run: strategy={strategy_name} on {pp * dp * tp} devices ({cfg.trainer.num_nodes} node(s) x "
-        f"{cfg.trainer.devices}), mesh pipeline {pp} x data {dp} x tensor {tp}; batch: global {plan.global_batch_size} "
+        f"dry run: strategy={strategy_name} on {pp * dp * cp * tp} devices ({cfg.trainer.num_nodes} node(s) x "
+        f"{cfg.trainer.devices}), mesh pipeline {pp} x data {dp}{f' x context {cp}' if cp > 1 else ''} x tensor {tp}; "
+        f"batch: global {plan.global_batch_size} "
         f"= micro {plan.micro_batch_size} x {max(plan.accumulate_grad_batches, plan.pipeline_microbatches)} x {dp} "
         f"replicas; precision {cfg.trainer.get('precision', '32-true')}",
         f"shares: {how}. Every check of a real start passed"
@@ -409,6 +426,14 @@ def render(
         "Parameters are held as trained (float32 under -mixed precision, which casts copies for compute): "
         "no separate master weights.",
         "",
+        *(
+            [
+                f"Context parallelism: the states are sharded over data x context ({dp * cp} ranks; `dp` below "
+                "counts both)."
+            ]
+            if cp > 1
+            else []
+        ),
         f"{'rank':>6} {'pp':>3} {'dp':>4} {'tp':>3} {'parameters':>12} {'params':>10} {'grads':>10} {'AdamW':>10} "
         f"{'states':>10}  largest tensor",
     ]

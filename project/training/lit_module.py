@@ -227,10 +227,14 @@ class LlamaLitModule(LightningModule):
         output: a pipeline's last stage) against targets [B, T], computed without whole logits (Llama.head_loss)."""
         return _plain(self.model.head_loss(hidden, targets))
 
-    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(
+        self, inputs: torch.Tensor, targets: torch.Tensor, model_kwargs: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """The batch's mean loss, as the strategy's `step_loss` computes it unless it runs the model itself
-        (a pipeline: model and criterion split over stages)."""
-        return _plain(self.model(inputs, targets=targets, **self.model_kwargs(inputs)))
+        (a pipeline: model and criterion split over stages). `model_kwargs`: the model's other inputs where the
+        strategy computed them (context parallelism: those of the whole sequences), else from `inputs`."""
+        kwargs = self.model_kwargs(inputs) if model_kwargs is None else model_kwargs
+        return _plain(self.model(inputs, targets=targets, **kwargs))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.strategy().step_loss(self, *batch, train=True)

@@ -6,9 +6,11 @@ import contextlib
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
@@ -16,7 +18,8 @@ from torch.utils.checkpoint import checkpoint
 from project.model.config import DTYPE_NAMES
 from project.model.llama import Llama
 from project.parallel.compiled import compile_blocks
-from project.parallel.contract import LlamaStrategy
+from project.parallel.context_parallel import apply_context_parallel, split_for_rank
+from project.parallel.contract import LlamaStrategy, TrainingModule
 from project.parallel.fsdp2 import apply_fsdp2
 from project.parallel.init import materialize
 from project.parallel.mesh import mesh_shape
@@ -39,6 +42,12 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
     on the meta device is only then given memory and initialized, shard by shard. With
     `loss_parallel` (the default) the training and validation steps and the backward pass run
     inside torch's loss_parallel context, so the loss works on vocabulary-split logits.
+
+    With `context_parallel_size` = cp > 1 the mesh is (data, context, tensor): the ranks of a context group
+    read the same sequences and each computes its part of every sequence (project.parallel.context_parallel).
+    Lightning's 2-D mesh then has data x context ranks on its `data_parallel` dimension: FSDP2 shards the model
+    over both, as torchtitan does, and averages the gradients of every part of every sequence. A 3-D mesh of
+    the same ranks gives the context groups and the data-parallel coordinates (which ranks read which batch).
     """
 
     model_on_meta = True  # no rank ever holds the whole model
@@ -55,6 +64,7 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
         reduce_dtype: str | None = None,
         process_group_backend: str | None = None,
         collective_timeout_minutes: float = 10,
+        context_parallel_size: int = 1,
     ):
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -70,14 +80,31 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.context_parallel_size = context_parallel_size
+        self._asked_data_parallel_size = data_parallel_size  # Lightning's own becomes data x context
+        self._context_group: dist.ProcessGroup | None = None
+        self._context_coords = (0, 1)
+        self._replica_coords: tuple[int, int] | None = None
 
     def setup_environment(self) -> None:
         # "auto" fills the mesh: Lightning's own default (data_parallel = number of nodes) would
         # not, with several devices per node and a fixed tensor-parallel size.
-        degrees = {"data_parallel_size": self._data_parallel_size, "tensor_parallel_size": self._tensor_parallel_size}
+        degrees = {
+            "data_parallel_size": self._asked_data_parallel_size,
+            "tensor_parallel_size": self._tensor_parallel_size,
+            "context_parallel_size": self.context_parallel_size,
+        }
         shape = mesh_shape(degrees, self.num_nodes * self.num_processes, self.num_processes)
-        self._data_parallel_size, self._tensor_parallel_size = shape.data_parallel, shape.tensor_parallel
+        self._data_parallel_size = shape.data_parallel * shape.context_parallel
+        self._tensor_parallel_size = shape.tensor_parallel
         super().setup_environment()
+        if shape.context_parallel > 1:
+            sizes = (shape.data_parallel, shape.context_parallel, shape.tensor_parallel)
+            mesh = init_device_mesh(self.root_device.type, sizes, mesh_dim_names=("data", "context", "tensor"))
+            # Kept: slicing the mesh later would read its rank tensor on the host each time.
+            self._context_group = mesh["context"].get_group()
+            self._context_coords = (mesh["context"].get_local_rank(), shape.context_parallel)
+            self._replica_coords = (mesh["data"].get_local_rank(), shape.data_parallel)
 
     def parallelize(self, model: Llama, initialize: bool = True) -> None:
         """Shard `model` in place; one built on the meta device then gets memory, and, unless a
@@ -98,14 +125,30 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
         if self.activation_checkpointing:
             for block in model.layers.values():
                 checkpoint_activations(block)
+        if self._context_group is not None:  # hooks on attention, inside any compiled block
+            apply_context_parallel(model, self._context_group)
         if self.compile:
             compile_blocks(model)
         for root in self._sharded_roots(model):
             apply_fsdp2(root, dp_mesh, self.param_dtype, self.reduce_dtype)
 
     def data_parallel_coords(self, trainer: Any) -> tuple[int, int]:
+        if self._replica_coords is not None:  # a context group reads one batch: its ranks share the coordinate
+            return self._replica_coords
         dp = self.device_mesh["data_parallel"]  # the ranks of one replica share a coordinate on it
         return dp.get_local_rank(), dp.size()
+
+    def step_loss(
+        self, module: TrainingModule, inputs: torch.Tensor, targets: torch.Tensor, train: bool
+    ) -> torch.Tensor:
+        """Under context parallelism the loss of this rank's part of every sequence: the mean over its tokens,
+        which FSDP2's average over data x context makes the batch's mean (every part holds equally many tokens).
+        The model's other inputs (the documents) are those of the whole sequences."""
+        if self._context_group is None:
+            return module.loss(inputs, targets)
+        rank, size = self._context_coords
+        whole = module.model_kwargs(inputs)
+        return module.loss(split_for_rank(inputs, rank, size), split_for_rank(targets, rank, size), whole)
 
     def _sharded_roots(self, model: Llama) -> list[nn.Module]:
         # The modules FSDP2 shards as a whole (each with its blocks); the pipeline shards each stage.

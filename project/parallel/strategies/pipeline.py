@@ -115,9 +115,11 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
 
     def setup_environment(self) -> None:
         shape = self.shape
-        self._pipeline_parallel_size, self._data_parallel_size, self._tensor_parallel_size = shape
+        self._pipeline_parallel_size, self._data_parallel_size = shape.pipeline_parallel, shape.data_parallel
+        self._tensor_parallel_size = shape.tensor_parallel
         self._setup_distributed()  # the process group; ModelParallelStrategy's own mesh is 2-D
-        self._device_mesh = init_device_mesh(self.root_device.type, tuple(shape), mesh_dim_names=MESH_DIMS)
+        degrees = (shape.pipeline_parallel, shape.data_parallel, shape.tensor_parallel)
+        self._device_mesh = init_device_mesh(self.root_device.type, degrees, mesh_dim_names=MESH_DIMS)
         self._lit_module._device_mesh = self._device_mesh
 
     # -- building the stages ------------------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""What each rank holds: parameter, gradient and optimizer-state bytes of its shards, and peak memory."""
+"""What each rank holds: parameter, gradient and optimizer-state bytes of its shards, its activations (what autograd
+saved for the backward pass), and peak memory."""
 
 from __future__ import annotations
 
 import json
 import resource
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,25 +35,84 @@ def peak_memory_bytes(device: torch.device) -> int:
     )  # the process's resident high-water mark (Linux: KiB)
 
 
-class MemoryMonitor(Callback):
-    """Logs memory/{param,grad,optimizer,peak}_bytes of rank 0 and memory/max_peak_bytes of the rank
-    with the highest peak each optimizer step, and writes every
-    rank's figures after training to `<output_dir>/memory/rank<N>.json`.
+class SavedActivations:
+    """The bytes autograd saves for the backward pass while it is entered (torch's saved-tensor hooks), each storage
+    counted once and the parameters' own storages left out: the activations a forward pass leaves (cast copies of
+    weights and FSDP's gathered ones included, which are held for backward too). Deterministic for a given model,
+    batch and layout, unlike a peak read off the allocator or the process."""
 
-    Under FSDP over N ranks, parameter, gradient and optimizer bytes are each about 1/N of the model's.
+    def __init__(self) -> None:
+        self._storages: dict[int, int] = {}
+        self._parameters: set[int] = set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved)
+
+    @staticmethod
+    def _storage(tensor: torch.Tensor) -> tuple[int, int] | None:
+        """(address, bytes) of the storage under `tensor`'s local part, where it has one."""
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        try:
+            storage = local.untyped_storage()
+            return storage.data_ptr(), storage.nbytes()
+        except (NotImplementedError, RuntimeError):  # no storage (a compiler's fake tensor), or one already freed
+            return None
+
+    def _pack(self, saved: torch.Tensor) -> torch.Tensor:
+        found = self._storage(saved)
+        if found is not None and found[0] not in self._parameters:
+            self._storages[found[0]] = found[1]
+        return saved
+
+    def of(self, parameters: Iterable[torch.Tensor]) -> SavedActivations:
+        """Counting, from entry, what is saved beside `parameters` (a module's)."""
+        self._parameters = {found[0] for found in map(self._storage, parameters) if found is not None}
+        return self
+
+    def __enter__(self) -> SavedActivations:
+        self._storages.clear()
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._storages.values())
+
+
+class MemoryMonitor(Callback):
+    """Logs memory/{param,grad,optimizer,activation,peak}_bytes of rank 0 and memory/max_peak_bytes of the rank with
+    the highest peak each optimizer step, and writes every rank's figures after training to
+    `<output_dir>/memory/rank<N>.json`.
+
+    Under FSDP over N ranks, parameter, gradient and optimizer bytes are each about 1/N of the model's; under context
+    parallelism over N ranks, a micro batch's activations are about 1/N of one device's (SavedActivations: those of
+    the largest micro batch of a logging step; counting them costs a Python call per saved tensor, so only then).
     """
 
     def __init__(self, output_dir: str | Path):
         self.output_dir = Path(output_dir)
         self._steps = OptimizerSteps()
+        self._saved = SavedActivations()
+        self._counting = False
+        self._saved_bytes = 0
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._steps.start(trainer)
         self._figures = dict[str, Any]()
 
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if logs_at(trainer, trainer.global_step):  # the step this micro batch belongs to
+            self._saved.of(pl_module.parameters()).__enter__()
+            self._counting = True
+
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._counting:
+            self._saved.__exit__(None, None, None)
+            self._counting = False
+            self._saved_bytes = max(self._saved_bytes, self._saved.bytes)
         if not self._steps.just_ended(trainer):  # inside a gradient-accumulation window
             return
         params = list(pl_module.parameters())
@@ -62,8 +123,10 @@ class MemoryMonitor(Callback):
             "param_bytes": local_bytes(params),
             "grad_bytes": local_bytes(p.grad for p in params),
             "optimizer_bytes": local_bytes(optimizer_state),
+            "activation_bytes": self._saved_bytes or self._figures.get("activation_bytes", 0),
             "peak_bytes": peak_memory_bytes(pl_module.device),
         }
+        self._saved_bytes = 0
         if not logs_at(trainer, trainer.global_step - 1):  # a number logged is copied to the device: a wait on GPUs
             return
         for name, value in self._figures.items():

@@ -1,0 +1,167 @@
+"""Context parallelism (`strategy.context_parallel_size`): each sequence split over a group of ranks trains like one
+device (per-step loss and gradient norm, final weights), alone and with data and tensor parallelism, with document
+masking, and across a change of the degree on resume; a rank's activations shrink with the degree; settings that
+cannot split are refused before any process starts.
+
+The layouts train on gloo processes on the CPU, together (tests/in_process.py), against the one-device runs that the
+other parity tests share (tests/conftest.py).
+"""
+
+import json
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import (
+    DOCUMENT_RUN,
+    PARITY_RUN,
+    RESUME_RUN,
+    assert_continues,
+    assert_reproduces,
+    read_metrics,
+    train_overrides,
+)
+from hydra import compose, initialize_config_dir
+from in_process import ROOT, train_in_process
+from test_parallel_in_process import on_two_gloo_ranks
+
+from project.config.checks import preflight
+from project.model.config import LlamaConfig
+from project.model.llama import Llama
+from project.parallel.mesh import MeshShape
+from project.runtime.errors import ConfigError
+from project.training.callbacks.memory import SavedActivations
+
+pytestmark = pytest.mark.slow
+
+LAYOUTS = {
+    "cp2": ["strategy=fsdp2", "trainer.devices=2", "strategy.context_parallel_size=2"],
+    "cp4": ["strategy=fsdp2", "trainer.devices=4", "strategy.context_parallel_size=4"],
+    "cp2-tp2": ["strategy=tp_fsdp", "trainer.devices=4", "strategy.context_parallel_size=2"],
+    "cp2-dp2": ["strategy=fsdp2", "trainer.devices=4", "strategy.context_parallel_size=2"],
+}
+# Each layout without its context parallelism: the same strategy, replicas and tensor-parallel degree.
+WITHOUT = {
+    "cp2": ["strategy=fsdp2", "trainer.devices=1"],
+    "cp4": ["strategy=fsdp2", "trainer.devices=1"],
+    "cp2-tp2": ["strategy=tp", "trainer.devices=2"],
+    "cp2-dp2": ["strategy=fsdp2", "trainer.devices=2"],
+}
+
+# Trained before the first test that reads one (tests/conftest.py: trained); the runs without context parallelism
+# are those of tests/test_sharded_parity.py where it has them.
+TRAINED_TOGETHER = [(*PARITY_RUN, *overrides) for overrides in [*LAYOUTS.values(), *WITHOUT.values()]]
+
+
+def activation_bytes(run_dir) -> int:
+    """What MemoryMonitor found rank 0 saved for backward at the run's last logging step."""
+    return json.loads((run_dir / "memory" / "rank0.json").read_text())["activation_bytes"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+def test_sequences_split_over_ranks_train_like_one_device(trained, single_reference, layout):
+    run_dir = trained(*PARITY_RUN, *LAYOUTS[layout])
+    assert_reproduces(run_dir, single_reference)
+    # Each rank computed only its part of every sequence: its activations are well under those of the same layout
+    # without context parallelism (which would reproduce the losses too, every rank running whole sequences).
+    assert activation_bytes(run_dir) < 0.75 * activation_bytes(trained(*PARITY_RUN, *WITHOUT[layout]))
+
+
+def test_document_masks_hold_across_the_split(short_document_shards, document_mask_reference, tmp_path):
+    """Each rank keeps its rows of the whole sequences' masks (conftest.document_mask_reference: the masks matter)."""
+    run_dir = tmp_path / "cp2"
+    overrides = [*DOCUMENT_RUN, "strategy=fsdp2", "trainer.devices=2", "strategy.context_parallel_size=2"]
+    train_in_process(2, [(run_dir, train_overrides(short_document_shards, run_dir, *overrides))])
+    reference, losses = read_metrics(document_mask_reference, "train/loss"), read_metrics(run_dir, "train/loss")
+    assert sorted(losses) == sorted(reference)
+    for step in reference:
+        assert losses[step] == pytest.approx(reference[step], rel=1e-5), step
+
+
+def test_a_run_resumes_under_another_context_parallel_degree(tiny_shards, uninterrupted_reference, tmp_path):
+    """cp=2 to step 7, then two replicas without context parallelism to 14, then one device to 20: the losses of one
+    uninterrupted run, data position kept."""
+    hops = [
+        (2, ["trainer.max_steps=7", "strategy=fsdp2", "trainer.devices=2", "strategy.context_parallel_size=2"]),
+        (2, ["trainer.max_steps=14", "strategy=fsdp2", "trainer.devices=2", "ckpt_path=last"]),
+        (1, ["trainer.max_steps=20", "ckpt_path=last"]),
+    ]
+    for devices, overrides in hops:
+        train_in_process(devices, [(tmp_path, train_overrides(tiny_shards, tmp_path, *RESUME_RUN, *overrides))])
+    assert_continues(tmp_path, uninterrupted_reference, 20)
+
+
+# A Llama-like head layout (four query heads per key/value head) at 4,096 tokens.
+LONG = LlamaConfig(vocab_size=300, dim=512, n_layers=4, n_heads=8, n_kv_heads=2, multiple_of=32, max_seq_len=4096)
+
+
+def saved_activations(context_parallel: bool) -> int:
+    from project.parallel.context_parallel import apply_context_parallel, split_for_rank
+
+    torch.manual_seed(0)
+    model = Llama(LONG)
+    tokens = torch.randint(0, LONG.vocab_size, (1, LONG.max_seq_len + 1), generator=torch.Generator().manual_seed(1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    if context_parallel:
+        apply_context_parallel(model, dist.group.WORLD)
+        rank, size = dist.get_rank(), dist.get_world_size()
+        inputs, targets = split_for_rank(inputs, rank, size), split_for_rank(targets, rank, size)
+    with SavedActivations().of(model.parameters()) as saved:
+        model(inputs, targets=targets)
+    return saved.bytes
+
+
+def check_two_ranks_hold_at_most_six_tenths_of_one_devices_activations() -> None:
+    one_device = saved_activations(context_parallel=False)  # each rank alone, the whole sequence
+    split = saved_activations(context_parallel=True)
+    assert split <= 0.6 * one_device, (split, one_device)
+
+
+def test_a_rank_of_two_holds_at_most_six_tenths_of_one_devices_activations_at_4096_tokens():
+    """MemoryMonitor's count (what autograd saved for backward, parameters left out): a stable quantity. Not half:
+    the keys and values of the whole sequence are gathered, and the CPU's causal masks are made once per length."""
+    on_two_gloo_ranks(check_two_ranks_hold_at_most_six_tenths_of_one_devices_activations)
+
+
+def compose_train(*overrides: str):
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("train", overrides=["experiment=debug", *overrides])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["strategy.context_parallel_size=3", "trainer.devices=6"],
+            "data.seq_len=64 does not cut into 2 x strategy.context_parallel_size=3 = 6 equal chunks",
+        ),
+        (
+            ["strategy.context_parallel_size=4", "trainer.devices=2"],
+            "strategy.context_parallel_size=4 does not divide the 2 devices",
+        ),
+        (
+            ["strategy.context_parallel_size=2", "strategy.data_parallel_size=2", "trainer.devices=2"],
+            "data_parallel_size=2 x context_parallel_size=2 x tensor_parallel_size=1 must equal the 2 devices",
+        ),
+        (
+            ["strategy=ddp", "+strategy.context_parallel_size=2", "trainer.devices=2"],
+            "ddp_strategy does not split sequences. Context parallelism runs under strategy=fsdp2, tp_fsdp or tp",
+        ),
+        (
+            ["strategy.context_parallel_size=2", "trainer.devices=2", "trainer=gpu", "document_mask=true"],
+            "document_mask=true with strategy.context_parallel_size=2",
+        ),
+    ],
+)
+def test_settings_that_cannot_split_are_refused_before_any_process_starts(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        preflight(compose_train("strategy=fsdp2", *overrides), dry_run=True)
+
+
+def test_the_layout_counts_context_parallel_ranks_apart_from_replicas():
+    layout = preflight(compose_train("strategy=tp_fsdp", "trainer.devices=8", "strategy.context_parallel_size=2"))
+    assert layout.shape == MeshShape(1, 2, 2, 2) and layout.shape.world_size == 8
+    assert layout.plan.data_parallel_size == 2  # a context group reads one batch
+    assert layout.name("debug", "tp_fsdp").startswith("debug_dp2-tp2-pp1-cp2_")
+    assert layout.facts()["layout/context_parallel"] == 2
