@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import resource
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -36,13 +37,14 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class SavedActivations:
-    """The bytes autograd saves for the backward pass while it is entered (torch's saved-tensor hooks), each storage
-    counted once and the parameters' own storages left out: the activations a forward pass leaves (cast copies of
-    weights and FSDP's gathered ones included, which are held for backward too). Deterministic for a given model,
-    batch and layout, unlike a peak read off the allocator or the process."""
+    """The bytes autograd holds for the backward pass, counted between a forward pass (entered: torch's saved-tensor
+    hooks) and its backward (`bytes`): each live storage once, the parameters' own left out. What FSDP freed again
+    after the forward (its gathered parameters, re-gathered in backward) no longer counts then, and cast copies of
+    weights do. Deterministic for a given model, batch and layout, unlike a peak read off the allocator or the
+    process. Holds only weak references: counting keeps nothing alive."""
 
     def __init__(self) -> None:
-        self._storages: dict[int, int] = {}
+        self._saved: list[weakref.ref] = []
         self._parameters: set[int] = set()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved)
 
@@ -57,9 +59,7 @@ class SavedActivations:
             return None
 
     def _pack(self, saved: torch.Tensor) -> torch.Tensor:
-        found = self._storage(saved)
-        if found is not None and found[0] not in self._parameters:
-            self._storages[found[0]] = found[1]
+        self._saved.append(weakref.ref(saved))
         return saved
 
     def of(self, parameters: Iterable[torch.Tensor]) -> SavedActivations:
@@ -68,7 +68,7 @@ class SavedActivations:
         return self
 
     def __enter__(self) -> SavedActivations:
-        self._storages.clear()
+        self._saved.clear()
         self._hooks.__enter__()
         return self
 
@@ -77,7 +77,14 @@ class SavedActivations:
 
     @property
     def bytes(self) -> int:
-        return sum(self._storages.values())
+        """What the tensors saved since entry and still alive hold now (before the backward pass frees them)."""
+        live: dict[int, int] = {}
+        for ref in self._saved:
+            tensor = ref()
+            found = self._storage(tensor) if tensor is not None else None
+            if found is not None and found[1] and found[0] not in self._parameters:
+                live[found[0]] = found[1]
+        return sum(live.values())
 
 
 class MemoryMonitor(Callback):
@@ -87,7 +94,8 @@ class MemoryMonitor(Callback):
 
     Under FSDP over N ranks, parameter, gradient and optimizer bytes are each about 1/N of the model's; under context
     parallelism over N ranks, a micro batch's activations are about 1/N of one device's (SavedActivations: those of
-    the largest micro batch of a logging step; counting them costs a Python call per saved tensor, so only then).
+    the largest micro batch of a logging step, read before its backward pass; counting them costs a Python call per
+    saved tensor, so only then). Not under the pipeline, whose schedule runs every backward inside the step.
     """
 
     def __init__(self, output_dir: str | Path):
@@ -106,13 +114,19 @@ class MemoryMonitor(Callback):
             self._saved.of(pl_module.parameters()).__enter__()
             self._counting = True
 
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        self._stop_counting()
+
+    def _stop_counting(self) -> None:
         if self._counting:
             self._saved.__exit__(None, None, None)
             self._counting = False
             self._saved_bytes = max(self._saved_bytes, self._saved.bytes)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._stop_counting()  # where no backward followed Lightning's hook (a step that skipped it)
         if not self._steps.just_ended(trainer):  # inside a gradient-accumulation window
             return
         params = list(pl_module.parameters())
