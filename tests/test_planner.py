@@ -10,6 +10,7 @@ import yaml
 from conftest import PARITY_RUN, PIPELINE_RUN, ROOT, run_module
 from conftest import train_overrides as train_overrides_for_tests
 from hydra import compose, initialize_config_dir
+from test_context_parallel import LAYOUTS as SPLIT_SEQUENCES
 from test_pipeline import LAYOUTS as PIPELINES
 from test_sharded_parity import LAYOUTS as SHARDED
 
@@ -217,6 +218,48 @@ def test_every_layout_it_lists_is_one_project_train_accepts_as_planned():
             assert max(layout.plan.pipeline_microbatches, layout.plan.accumulate_grad_batches) == c.microbatches
 
 
+def test_context_parallel_layouts_it_lists_are_ones_project_train_accepts_as_planned():
+    work = Workload(preset("llama3_8b"), 65536, 16, 1e12)
+    h100 = cluster("h100_80gb", 2)
+    space = SearchSpace(strategies=["fsdp2", "tp", "tp_fsdp"], context_parallel=[1, 2, 4], micro_batch_sizes=[1])
+    outcomes = plan(work, h100, space, 0.5)
+    split = [o for o in outcomes if o.prediction.candidate.context_parallel > 1]
+    assert {o.prediction.candidate.context_parallel for o in split} == {2, 4}
+    assert {o.prediction.candidate.strategy for o in split} == {"fsdp2", "tp", "tp_fsdp"}
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for outcome in split[:: max(1, len(split) // 10)]:
+            c = outcome.prediction.candidate
+            cfg = compose("train", overrides=train_overrides(c, work, h100, ["model=llama3_8b"]))
+            layout = plan_layout(cfg, cfg.trainer.num_nodes, cfg.trainer.devices)
+            assert layout.shape == c.shape and layout.shape.context_parallel == c.context_parallel, c.name
+            assert layout.plan.micro_batch_size == c.micro_batch_size
+
+
+def test_splitting_sequences_divides_compute_and_activations_and_adds_the_key_value_exchange():
+    """At 65,536 tokens, the same 16 devices as 16 replicas or as 8 replicas of 2 ranks splitting each sequence: each
+    rank computes half the tokens per microbatch and keeps half their activations, but also the rest of the
+    sequence's keys and values; the exchange of those is on the critical path. The model states are sharded over
+    the same 16 ranks either way."""
+    work, h100 = Workload(preset("llama3_8b"), 65536, 16, 1e12), cluster("h100_80gb", 2)
+    whole = evaluate(work, h100, Candidate("fsdp2", 16, 1, 1, 1, 1, "full"), 0.5, Allowance()).prediction
+    split = evaluate(
+        work, h100, Candidate("fsdp2", 8, 1, 1, 1, 2, "full", context_parallel=2), 0.5, Allowance()
+    ).prediction
+    assert split.memory.params == whole.memory.params and split.memory.optimizer == whole.memory.optimizer
+    # Full recompute keeps each block's input: exactly half of it per rank; the head's chunk and one block's
+    # recomputation are counted on top, the latter also halved.
+    assert split.memory.activations < 0.55 * whole.memory.activations
+    # Two microbatches of half the tokens each, against two of the whole: the same compute per step.
+    assert split.time.compute == pytest.approx(whole.time.compute, rel=1e-9)
+    assert whole.time.context_parallel == 0 < split.time.context_parallel
+    selective = evaluate(
+        work, h100, Candidate("fsdp2", 8, 1, 1, 1, 2, "selective", context_parallel=2), 0.5, Allowance()
+    ).prediction
+    half = layer_activation_bytes(preset("llama3_8b"), 32768, 1, Candidate("fsdp2", 8, 1, 1, 1, 2), 2, True)
+    kv = 32768 * preset("llama3_8b").dim * 2 / 2 * 4 * 8 / 32  # the other half's keys and values: 4g sbh
+    assert selective.memory.activations >= 32 * (half + kv)  # 32 blocks, plus the head's chunk
+
+
 def test_layouts_that_fit_come_first_fastest_first():
     _, h100, outcomes = small_plan()
     fits = [o.prediction.fits for o in outcomes]
@@ -353,6 +396,10 @@ MEASURED = {
         Candidate("pipeline", 2, 1, 2, 1, 4, schedule="1f1b"),
     ),
     "pipeline-tp2": ([*PIPELINE_RUN, *PIPELINES["pp2-tp2"]], Candidate("pipeline", 1, 2, 2, 1, 8, schedule="1f1b")),
+    "fsdp2-cp2-dp2": (
+        [*PARITY_RUN, *SPLIT_SEQUENCES["cp2-dp2"]],
+        Candidate("fsdp2", 2, 1, 1, 4, 1, context_parallel=2),
+    ),
 }
 TRAINED_TOGETHER = [overrides for overrides, _ in MEASURED.values()]  # before the first test (conftest: trained)
 
@@ -364,10 +411,9 @@ def test_predicted_model_state_per_rank_matches_what_memory_monitor_records(trai
     run_dir = trained(*overrides)
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         config = model_config(compose("train", overrides=train_overrides_for_tests(tiny_shards, tmp_path, *overrides)))
-    ranks = candidate.data_parallel * candidate.tensor_parallel * candidate.pipeline_parallel
-    for rank in range(ranks):
+    for rank in range(candidate.shape.world_size):
         recorded = json.loads((run_dir / "memory" / f"rank{rank}.json").read_text())
-        pipeline_rank = rank // (candidate.data_parallel * candidate.tensor_parallel)  # pipeline outermost
+        pipeline_rank = rank // (candidate.shard_ranks * candidate.tensor_parallel)  # pipeline outermost
         predicted = estimate_memory(config, candidate, 32, "32-true", "cpu", Allowance(), pipeline_rank)
         for key in ("params", "grads", "optimizer"):
             assert predicted.__dict__[key] == pytest.approx(

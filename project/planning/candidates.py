@@ -1,6 +1,6 @@
 """The layouts a model can take on a cluster, as the strategies in conf/strategy can build them.
 
-A candidate is a strategy with its degrees (data x tensor x pipeline = the cluster's devices), a micro
+A candidate is a strategy with its degrees (data x context x tensor x pipeline = the cluster's devices), a micro
 batch, the pipeline schedule and its stage chunks, sequence parallelism and activation recompute. Each one
 is checked by the same functions that check a training run's settings (project.parallel.mesh, .batch,
 .pipeline_layout), so a candidate the planner lists is one `project.train` accepts.
@@ -30,6 +30,8 @@ HAS_SEQUENCE_PARALLEL = {"tp", "tp_fsdp", "pipeline"}
 HAS_CHECKPOINTING = {"fsdp", "fsdp2", "tp", "tp_fsdp", "pipeline"}
 # Every strategy takes strategy.compile; the planner compiles (and sets param_dtype for) these model-parallel ones.
 HAS_COMPILE = {"fsdp2", "tp", "tp_fsdp", "pipeline"}
+# Strategies that split sequences over strategy.context_parallel_size ranks (project.parallel.context_parallel).
+HAS_CONTEXT_PARALLEL = {"fsdp2", "tp", "tp_fsdp"}
 
 
 @dataclass(frozen=True)
@@ -44,10 +46,16 @@ class Candidate:
     sequence_parallel: bool = False
     schedule: str | None = None  # pipeline only
     virtual_stages: int = 1
+    context_parallel: int = 1  # ranks that split each sequence
 
     @property
     def shape(self) -> MeshShape:
-        return MeshShape(self.pipeline_parallel, self.data_parallel, self.tensor_parallel)
+        return MeshShape(self.pipeline_parallel, self.data_parallel, self.tensor_parallel, self.context_parallel)
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks FSDP shards the model states over: data x context (FSDP2 shards over both)."""
+        return self.data_parallel * self.context_parallel
 
     @property
     def zero_level(self) -> int:
@@ -55,12 +63,11 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        """`fsdp2_dp8-tp1-pp1_mb2_selective`, `pipeline_dp4-tp8-pp2_mb1_1f1b-v1_sp_full`."""
-        parts = [
-            self.strategy,
-            f"dp{self.data_parallel}-tp{self.tensor_parallel}-pp{self.pipeline_parallel}",
-            f"mb{self.micro_batch_size}",
-        ]
+        """`fsdp2_dp8-tp1-pp1_mb2_selective`, `pipeline_dp4-tp8-pp2_mb1_1f1b-v1_sp_full`, `tp_dp1-tp8-pp1-cp2_..`."""
+        degrees = f"dp{self.data_parallel}-tp{self.tensor_parallel}-pp{self.pipeline_parallel}"
+        if self.context_parallel > 1:
+            degrees += f"-cp{self.context_parallel}"
+        parts = [self.strategy, degrees, f"mb{self.micro_batch_size}"]
         if self.schedule:
             parts.append(f"{self.schedule}-v{self.virtual_stages}")
         if self.sequence_parallel:
@@ -80,6 +87,7 @@ class SearchSpace:
     virtual_stages: Sequence[int] = (2, 4)
     micro_batch_sizes: Sequence[int] = (1, 2, 4, 8)
     max_tensor_parallel: int | None = None  # None: the devices of one node
+    context_parallel: Sequence[int] = (1,)  # degrees tried for the strategies that have it
 
     def check(self) -> None:
         for name, values, known in (
@@ -95,8 +103,13 @@ class SearchSpace:
             or min(self.micro_batch_sizes) < 1
             or not self.virtual_stages
             or min(self.virtual_stages) < 1
+            or not self.context_parallel
+            or min(self.context_parallel) < 1
         ):
-            raise ConfigError("search.micro_batch_sizes and search.virtual_stages must list positive integers.")
+            raise ConfigError(
+                "search.micro_batch_sizes, search.virtual_stages and search.context_parallel must list positive "
+                "integers."
+            )
 
 
 def _divisors(n: int) -> list[int]:
@@ -108,10 +121,13 @@ def candidates(
 ) -> Iterator[Candidate]:
     """Every layout of `space` that the strategies can build for this model, batch and device count."""
     max_tp = space.max_tensor_parallel or gpus_per_node
-    for strategy, pp, tp in itertools.product(space.strategies, _divisors(devices), _divisors(devices)):
-        if devices % (pp * tp):
+    degrees = itertools.product(
+        space.strategies, _divisors(devices), _divisors(devices), sorted(set(space.context_parallel))
+    )
+    for strategy, pp, tp, cp in degrees:
+        if devices % (pp * tp * cp) or cp > 1 and (strategy not in HAS_CONTEXT_PARALLEL or seq_len % (2 * cp)):
             continue
-        dp = devices // (pp * tp)
+        dp = devices // (pp * tp * cp)
         if strategy in ("ddp", "fsdp", "fsdp2") and (tp, pp) != (1, 1):
             continue
         if strategy == "tp" and (dp, pp) != (1, 1) or strategy == "tp_fsdp" and (tp == 1 or dp == 1 or pp != 1):
@@ -129,19 +145,19 @@ def candidates(
             sorted(set(space.micro_batch_sizes)), recomputes, sorted(set(parallel_sequences)), schedules
         ):
             candidate = _checked(
-                config, strategy, dp, tp, pp, micro, recompute, sp, schedule, v, global_batch_size, seq_len
+                config, strategy, dp, tp, pp, micro, recompute, sp, schedule, v, global_batch_size, seq_len, cp
             )
             if candidate is not None:
                 yield candidate
 
 
 def _checked(
-    config, strategy, dp, tp, pp, micro, recompute, sp, schedule, v, global_batch_size, seq_len
+    config, strategy, dp, tp, pp, micro, recompute, sp, schedule, v, global_batch_size, seq_len, cp=1
 ) -> Candidate | None:
     """The candidate if the training run's own checks accept it, else None."""
     try:
         if tp > 1:
-            check_tensor_parallel_degree(config, tp, seq_len if sp else None)
+            check_tensor_parallel_degree(config, tp, seq_len // cp if sp else None)
         if schedule is None:
             plan = plan_batches(global_batch_size, dp, micro)
             microbatches = plan.accumulate_grad_batches
@@ -151,4 +167,4 @@ def _checked(
             check_pipeline(config, schedule, MeshShape(pp, dp, tp), v, microbatches)
     except ConfigError:
         return None
-    return Candidate(strategy, dp, tp, pp, micro, microbatches, recompute, sp, schedule, v)
+    return Candidate(strategy, dp, tp, pp, micro, microbatches, recompute, sp, schedule, v, cp)

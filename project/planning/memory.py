@@ -14,6 +14,8 @@ so in the same units it stores
     scores:     2as/h (the softmax output; only where attention is not a fused kernel: recompute=none)
 A fused implementation stores this: torch.compile'd blocks, Megatron-LM's SwiGLU. An eager SwiGLU also
 keeps silu(w1 x) (8f/h instead of 6f/h): the planner counts that for strategies without `compile`.
+Context parallelism over c ranks leaves each rank s/c of every sequence, but the keys and values of the whole
+sequence, gathered for attention, are kept for the backward too: (s - s/c) b h 4g more.
 tests/test_planner.py holds the count to what our compiled block saves for its backward.
 """
 
@@ -111,7 +113,7 @@ def estimate_memory(
     storage, compute = STORAGE_BYTES[precision], COMPUTE_BYTES[precision]
     compiled = accelerator == "gpu" and candidate.strategy in HAS_COMPILE  # the planner's runs compile blocks on GPUs
     full = unsharded_parameters(config, candidate, pipeline_rank)
-    dp, zero = candidate.data_parallel, candidate.zero_level
+    dp, zero = candidate.shard_ranks, candidate.zero_level  # FSDP2 shards over data x context
     shard = sharded_parameters(config, candidate, pipeline_rank) if zero and dp > 1 else full
     block = sum(w.rows * w.cols for w in block_weights(config)) / candidate.tensor_parallel
     mixed = compute != storage  # 16-bit compute of 32-bit parameters
@@ -136,15 +138,20 @@ def estimate_memory(
         note = "two blocks' gathered parameters, one block's unsharded gradients" if gathered else ""
 
     layers = rank_layers(config, candidate, pipeline_rank)
-    per_layer = layer_activation_bytes(config, seq_len, candidate.micro_batch_size, candidate, compute, compiled)
+    cp = candidate.context_parallel
+    own = seq_len // cp  # each rank's part of every sequence
+    per_layer = layer_activation_bytes(config, own, candidate.micro_batch_size, candidate, compute, compiled)
+    if cp > 1 and candidate.recompute != "full":  # the rest of the sequence's keys and values, gathered
+        kv = 4 * config.n_kv_heads / config.n_heads / candidate.tensor_parallel
+        per_layer += (seq_len - own) * candidate.micro_batch_size * config.dim * compute / 2 * kv
     activations = in_flight(candidate, pipeline_rank, layers) * per_layer
     if candidate.recompute == "full":  # one block's activations exist again while it is recomputed
         activations += layer_activation_bytes(
-            config, seq_len, candidate.micro_batch_size, _selective(candidate), compute, compiled
+            config, own, candidate.micro_batch_size, _selective(candidate), compute, compiled
         )
     _, last = holds_first_and_last(candidate, pipeline_rank)
     if last:  # logits in the compute dtype and their float32 log-probabilities, one chunk of tokens at a time
-        tokens = seq_len * candidate.micro_batch_size
+        tokens = own * candidate.micro_batch_size
         chunk = min(tokens, config.loss_chunk_tokens)  # project.model.loss
         logits = chunk * config.vocab_size / candidate.tensor_parallel * (compute + 4)
         # A loss in one chunk keeps its logits for the backward (the microbatches in flight too); in several, each

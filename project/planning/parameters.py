@@ -85,9 +85,10 @@ def unsharded_parameters(config: LlamaConfig, candidate: Candidate, pipeline_ran
 
 
 def sharded_parameters(config: LlamaConfig, candidate: Candidate, pipeline_rank: int = 0) -> int:
-    """Parameters of data-parallel rank 0's shards: FSDP2 cuts each tensor on dim 0 into dp pieces, the
-    first ones rounded up. FSDP1 (strategy fsdp) flattens each block and pads it to dp equal pieces."""
-    dp = candidate.data_parallel
+    """Parameters of data-parallel rank 0's shards: FSDP2 cuts each tensor on dim 0 into dp pieces (dp x cp under
+    context parallelism), the first ones rounded up. FSDP1 (strategy fsdp) flattens each block and pads it to dp
+    equal pieces."""
+    dp = candidate.shard_ranks
     weights = rank_weights(config, candidate, pipeline_rank)
     if candidate.strategy == "fsdp":
         per_block = len(block_weights(config))

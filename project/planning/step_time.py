@@ -5,7 +5,10 @@ pipeline bubble.
 Collectives take the ring algorithm's time (Thakur et al. 2005; NCCL's "bus bandwidth"): an all-reduce of
 B bytes over n ranks moves 2(n-1)/n * B per rank, an all-gather or reduce-scatter (n-1)/n * B, plus a fixed
 latency each. A group of consecutive ranks that fits in a node uses the node's links, else the links
-between nodes (ranks are laid out tensor-parallel innermost, then data, then pipeline: MeshShape).
+between nodes (ranks are laid out tensor-parallel innermost, then context, then data, then pipeline: MeshShape).
+Context parallelism divides each rank's tokens, and adds per block and microbatch an all-gather of the sequence's
+keys and values in the forward (again under full recompute) and an all-reduce of their gradients in the backward
+(project.parallel.context_parallel), on the critical path.
 """
 
 from __future__ import annotations
@@ -28,10 +31,18 @@ class StepTime:
     pipeline_transfers: float
     bubble: float  # pipeline ranks idle while the schedule fills and drains
     data_parallel: float  # gradient reduction and parameter gathering not hidden behind compute
+    context_parallel: float = 0.0  # the keys' and values' all-gathers and their gradients' reductions
 
     @property
     def total(self) -> float:
-        return self.compute + self.tensor_parallel + self.pipeline_transfers + self.bubble + self.data_parallel
+        return (
+            self.compute
+            + self.tensor_parallel
+            + self.pipeline_transfers
+            + self.bubble
+            + self.data_parallel
+            + self.context_parallel
+        )
 
 
 def block_flops_per_token(config: LlamaConfig, seq_len: int, recompute: str) -> tuple[float, float]:
@@ -71,8 +82,9 @@ def step_time(
     compute_bytes = COMPUTE_BYTES[precision]
     rate = cluster.peak_flops("fp32" if compute_bytes == 4 else "bf16") * achievable_fraction
     latency = cluster.collective_latency_us * 1e-6
-    tokens = seq_len * c.micro_batch_size  # per microbatch
-    _, block_hw = block_flops_per_token(config, seq_len, c.recompute)
+    cp = c.context_parallel
+    tokens = seq_len * c.micro_batch_size // cp  # per microbatch, on each rank
+    _, block_hw = block_flops_per_token(config, seq_len, c.recompute)  # a token's attention spans the whole sequence
     activation = tokens * config.dim * compute_bytes
 
     # The slowest pipeline rank's time per microbatch (the only rank without a pipeline).
@@ -100,6 +112,13 @@ def step_time(
         if flops / rate + tensor + transfers > sum(slowest):
             slowest = (flops / rate, tensor, transfers)
     compute, tensor, transfers = (c.microbatches * x for x in slowest)
+    context = 0.0
+    if cp > 1:  # the keys and values of every rank's part, per block and microbatch (sharded by tensor parallelism)
+        kv = seq_len * c.micro_batch_size * 2 * config.n_kv_heads * config.head_dim * compute_bytes / tp
+        gathers = 2 if c.recompute == "full" else 1
+        bandwidth = cluster.bandwidth(tp * cp)
+        per_block = gathers * _ring(kv, cp, bandwidth, latency) + _ring(kv, cp, bandwidth, latency, all_reduce=True)
+        context = c.microbatches * sum(rank_layers(config, c, 0)) * per_block
     slot = sum(slowest)
     bubble = 0.0
     if pp > 1:
@@ -109,14 +128,14 @@ def step_time(
     data = _data_parallel_exposed(
         config, c, precision, cluster, latency, slowest[0] if cluster.overlaps_communication else 0.0
     )
-    return StepTime(compute, tensor, transfers, bubble, data)
+    return StepTime(compute, tensor, transfers, bubble, data, context)
 
 
 def _data_parallel_exposed(
     config: LlamaConfig, c: Candidate, precision: str, cluster: Cluster, latency: float, microbatch_compute: float
 ) -> float:
-    """Seconds of data-parallel communication per step that compute does not hide."""
-    dp = c.data_parallel
+    """Seconds of data-parallel communication per step that compute does not hide (FSDP2 over data x context)."""
+    dp = c.shard_ranks
     if dp == 1:
         return 0.0
     params = max(unsharded_parameters(config, c, r) for r in range(c.pipeline_parallel))
