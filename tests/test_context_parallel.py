@@ -16,6 +16,7 @@ import torch.distributed as dist
 from conftest import (
     DOCUMENT_RUN,
     PARITY_RUN,
+    PIPELINE_RUN,
     RESUME_RUN,
     assert_continues,
     assert_reproduces,
@@ -49,9 +50,15 @@ WITHOUT = {
     "cp2-dp2": ["strategy=fsdp2", "trainer.devices=2"],
 }
 
+# Two pipeline stages, each on a context group of two ranks (the 4-layer model of the pipeline's tests).
+PIPELINE_SPLIT = ["strategy=pipeline", "trainer.devices=4", "strategy.context_parallel_size=2"]
+
 # Trained before the first test that reads one (tests/conftest.py: trained); the runs without context parallelism
 # are those of tests/test_sharded_parity.py where it has them.
-TRAINED_TOGETHER = [(*PARITY_RUN, *overrides) for overrides in [*LAYOUTS.values(), *WITHOUT.values()]]
+TRAINED_TOGETHER = [
+    *[(*PARITY_RUN, *overrides) for overrides in [*LAYOUTS.values(), *WITHOUT.values()]],
+    (*PIPELINE_RUN, *PIPELINE_SPLIT),
+]
 
 
 def activation_bytes(run_dir) -> int:
@@ -66,6 +73,16 @@ def test_sequences_split_over_ranks_train_like_one_device(trained, single_refere
     # Each rank computed only its part of every sequence: its activations are well under those of the same layout
     # without context parallelism (which would reproduce the losses too, every rank running whole sequences).
     assert activation_bytes(run_dir) < 0.75 * activation_bytes(trained(*PARITY_RUN, *WITHOUT[layout]))
+
+
+def test_pipeline_stages_split_sequences_like_one_device(trained, pipeline_reference):
+    """Each stage runs its ranks' parts of every microbatch's sequences; validation goes through the stages too."""
+    run_dir = trained(*PIPELINE_RUN, *PIPELINE_SPLIT)
+    assert_reproduces(run_dir, pipeline_reference)
+    val, reference_val = read_metrics(run_dir, "val/loss"), read_metrics(pipeline_reference, "val/loss")
+    assert val.keys() == reference_val.keys() and val
+    for step in reference_val:
+        assert val[step] == pytest.approx(reference_val[step], rel=1e-5), step
 
 
 def test_document_masks_hold_across_the_split(short_document_shards, document_mask_reference, tmp_path):
@@ -148,7 +165,8 @@ def compose_train(*overrides: str):
         ),
         (
             ["strategy=ddp", "+strategy.context_parallel_size=2", "trainer.devices=2"],
-            "ddp_strategy does not split sequences. Context parallelism runs under strategy=fsdp2, tp_fsdp or tp",
+            "ddp_strategy does not split sequences. Context parallelism runs under strategy=fsdp2, tp_fsdp, tp or "
+            "pipeline",
         ),
         (
             ["strategy.context_parallel_size=2", "trainer.devices=2", "trainer=gpu", "document_mask=true"],

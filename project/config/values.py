@@ -123,7 +123,7 @@ def check_strategy_choices(strategy_cfg: Mapping[str, Any], strategy_name: str =
         if key == "context_parallel_size":
             raise ConfigError(
                 f"strategy.context_parallel_size: {which} does not split sequences. Context parallelism runs under "
-                "strategy=fsdp2, tp_fsdp or tp (strategy.context_parallel_size=N); or remove the setting."
+                "strategy=fsdp2, tp_fsdp, tp or pipeline (strategy.context_parallel_size=N); or remove the setting."
             )
         raise ConfigError(
             f"strategy.{key} is not a setting of {which}.{close_match(key, settings)} "

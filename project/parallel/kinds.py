@@ -24,7 +24,7 @@ class StrategyKind:
 DATA_PARALLEL = StrategyKind()
 
 KINDS: dict[str, StrategyKind] = {
-    "project.parallel.strategies.pipeline.LlamaPipelineStrategy": StrategyKind(pipeline=True),
+    "project.parallel.strategies.pipeline.LlamaPipelineStrategy": StrategyKind(pipeline=True, context_parallel=True),
     "project.parallel.strategies.horovod.horovod_strategy": StrategyKind(own_launcher=True),
     "project.parallel.strategies.model_parallel.LlamaParallelStrategy": StrategyKind(context_parallel=True),
 }

@@ -83,7 +83,7 @@ def check_context_parallel_degree(cp: int, seq_len: int, strategy: str, supporte
     if not supported:
         raise ConfigError(
             f"strategy.context_parallel_size={cp}: strategy={strategy} does not split sequences. Use strategy=fsdp2 "
-            "(or tp_fsdp, tp) with strategy.context_parallel_size, or remove the setting."
+            "(or tp_fsdp, tp, pipeline) with strategy.context_parallel_size, or remove the setting."
         )
     if seq_len % (2 * cp):
         raise ConfigError(

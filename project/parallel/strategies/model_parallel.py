@@ -22,7 +22,7 @@ from project.parallel.context_parallel import apply_context_parallel, split_for_
 from project.parallel.contract import LlamaStrategy, TrainingModule
 from project.parallel.fsdp2 import apply_fsdp2
 from project.parallel.init import materialize
-from project.parallel.mesh import mesh_shape
+from project.parallel.mesh import MeshShape, mesh_shape
 from project.parallel.strategies.timeout import collective_timeout
 from project.parallel.tensor_parallel import apply_tensor_parallel
 from project.runtime.errors import ConfigError
@@ -99,12 +99,17 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
         self._tensor_parallel_size = shape.tensor_parallel
         super().setup_environment()
         if shape.context_parallel > 1:
-            sizes = (shape.data_parallel, shape.context_parallel, shape.tensor_parallel)
-            mesh = init_device_mesh(self.root_device.type, sizes, mesh_dim_names=("data", "context", "tensor"))
-            # Kept: slicing the mesh later would read its rank tensor on the host each time.
-            self._context_group = mesh["context"].get_group()
-            self._context_coords = (mesh["context"].get_local_rank(), shape.context_parallel)
-            self._replica_coords = (mesh["data"].get_local_rank(), shape.data_parallel)
+            self._split_sequences(shape)
+
+    def _split_sequences(self, shape: MeshShape, outer: tuple[int, ...] = (), names: tuple[str, ...] = ()) -> None:
+        """The context groups and the replicas' coordinates, from a mesh of the run's ranks with the context
+        dimension apart (`outer`: the dimensions outside data parallelism, a pipeline's stages)."""
+        sizes = (*outer, shape.data_parallel, shape.context_parallel, shape.tensor_parallel)
+        mesh = init_device_mesh(self.root_device.type, sizes, mesh_dim_names=(*names, "data", "context", "tensor"))
+        # Kept: slicing the mesh later would read its rank tensor on the host each time.
+        self._context_group = mesh["context"].get_group()
+        self._context_coords = (mesh["context"].get_local_rank(), shape.context_parallel)
+        self._replica_coords = (mesh["data"].get_local_rank(), shape.data_parallel)
 
     def parallelize(self, model: Llama, initialize: bool = True) -> None:
         """Shard `model` in place; one built on the meta device then gets memory, and, unless a
@@ -146,9 +151,17 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
         The model's other inputs (the documents) are those of the whole sequences."""
         if self._context_group is None:
             return module.loss(inputs, targets)
-        rank, size = self._context_coords
         whole = module.model_kwargs(inputs)
-        return module.loss(split_for_rank(inputs, rank, size), split_for_rank(targets, rank, size), whole)
+        inputs, targets = self._own_parts(inputs, targets)
+        return module.loss(inputs, targets, whole)
+
+    def _own_parts(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of every sequence of the inputs and targets [B, T] under context parallelism (all of
+        them otherwise)."""
+        if self._context_group is None:
+            return inputs, targets
+        rank, size = self._context_coords
+        return split_for_rank(inputs, rank, size), split_for_rank(targets, rank, size)
 
     def _sharded_roots(self, model: Llama) -> list[nn.Module]:
         # The modules FSDP2 shards as a whole (each with its blocks); the pipeline shards each stage.

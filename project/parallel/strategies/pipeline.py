@@ -1,4 +1,5 @@
-"""Pipeline parallelism as a Lightning strategy, on a (pipeline, data_parallel, tensor_parallel) mesh.
+"""Pipeline parallelism as a Lightning strategy, on a (pipeline, data_parallel, tensor_parallel) mesh (with
+context parallelism, data_parallel spans data x context, and a 4-D mesh of the same ranks gives the context groups).
 
 Lightning's loop stays as it is: one `training_step` per optimizer step, then backward, clipping
 and the optimizer. A pipeline schedule runs forward and backward of all microbatches at once, so
@@ -108,19 +109,22 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
     def shape(self) -> MeshShape:
         degrees = {
             "pipeline_parallel_size": self._pipeline_parallel_size,
-            "data_parallel_size": self._data_parallel_size,
+            "data_parallel_size": self._asked_data_parallel_size,
             "tensor_parallel_size": self._tensor_parallel_size,
+            "context_parallel_size": self.context_parallel_size,
         }
         return mesh_shape(degrees, self.num_nodes * self.num_processes, self.num_processes)
 
     def setup_environment(self) -> None:
         shape = self.shape
-        self._pipeline_parallel_size, self._data_parallel_size = shape.pipeline_parallel, shape.data_parallel
-        self._tensor_parallel_size = shape.tensor_parallel
+        self._pipeline_parallel_size, self._tensor_parallel_size = shape.pipeline_parallel, shape.tensor_parallel
+        self._data_parallel_size = shape.data_parallel * shape.context_parallel  # FSDP2's ranks in each stage
         self._setup_distributed()  # the process group; ModelParallelStrategy's own mesh is 2-D
-        degrees = (shape.pipeline_parallel, shape.data_parallel, shape.tensor_parallel)
+        degrees = (shape.pipeline_parallel, self._data_parallel_size, shape.tensor_parallel)
         self._device_mesh = init_device_mesh(self.root_device.type, degrees, mesh_dim_names=MESH_DIMS)
         self._lit_module._device_mesh = self._device_mesh
+        if shape.context_parallel > 1:
+            self._split_sequences(shape, (shape.pipeline_parallel,), ("pipeline",))
 
     # -- building the stages ------------------------------------------------------------------------
 
@@ -188,10 +192,13 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         """The batch's mean loss, on every rank of the pipeline (computed by the last stage).
 
         Training runs the schedule: forward and backward of every microbatch. Evaluation runs
-        forward only (`_evaluate`).
+        forward only (`_evaluate`). Under context parallelism the stages run this rank's part of every
+        sequence, beside the whole sequences' documents.
         """
+        whole = module.model_kwargs(inputs)  # of the whole sequences, also under context parallelism
+        inputs, targets = self._own_parts(inputs, targets)
         if train:
-            kwargs: dict[str, Any] = {"seq_len": inputs.shape[1], **module.model_kwargs(inputs)}
+            kwargs: dict[str, Any] = {"seq_len": inputs.shape[1], **whole}
             losses: list[torch.Tensor] = []
             module.zero_grad(set_to_none=True)  # Lightning zeroes gradients after the step, not before
             self._pipeline.step(
@@ -203,12 +210,14 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
             )
             loss = torch.stack(losses).detach().mean() if losses else torch.zeros((), device=self.root_device)
         else:
-            loss = self._evaluate(module, inputs, targets)
+            loss = self._evaluate(module, inputs, targets, whole)
         dist.broadcast(loss, src=self._last_stage_rank, group=self._pipeline_group)
         return loss
 
     @torch.no_grad()
-    def _evaluate(self, module: TrainingModule, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _evaluate(
+        self, module: TrainingModule, inputs: torch.Tensor, targets: torch.Tensor, kwargs: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         """Forward only: microbatches of `micro_batch_size` through this rank's chunks in stage order,
         activations sent on to the rank of the next chunk. The sequence-weighted mean loss on the rank
         of the last chunk, zero elsewhere.
@@ -218,7 +227,7 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         batch's shape, which the last validation batch of a replica need not have.
         """
         group = self._pipeline_group
-        kwargs, seq_len = module.model_kwargs(inputs), inputs.shape[1]
+        seq_len = inputs.shape[1]
         size = self.micro_batch_size
         assert size is not None  # parallelize refuses to build the stages without it
         rows = [slice(i, i + size) for i in range(0, inputs.shape[0], size)]
