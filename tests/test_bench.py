@@ -382,3 +382,18 @@ def test_document_mask_bench_builds_each_mask_and_the_tile_edges_one_holds_less_
     assert sorted(rows) == ["create_block_mask", "dense", "tile edges"]
     # torch's evaluates the rule on every pair of the 2 x 1,024 x 1,024 positions; ours, on 8 x 8 tiles
     assert rows["tile edges"]["peak_bytes"] < rows["create_block_mask"]["peak_bytes"] / 2
+
+
+def test_context_parallel_bench_refuses_bad_settings_and_halves_a_ranks_activations_beside_the_planner():
+    from project.runtime.errors import ConfigError
+    from project.tooling.bench_context_parallel import parse, predicted
+
+    for bad in ("seq_lens=30", "seq_lens=", "steps=3", "steps=x", "model=nope"):
+        with pytest.raises(ConfigError):
+            parse([bad])
+    assert parse(["seq_lens=1024,4096"])["seq_lens"] == [1024, 4096]
+    # The planner's side of the table: at 8,192 tokens a rank of two keeps well under one device's activations
+    # (a half, plus the gathered keys and values), for about the same step (as many tokens per rank).
+    whole, split = predicted("small4m", 8192, 1), predicted("small4m", 8192, 2)
+    assert split["planned_activation_bytes"] < 0.6 * whole["planned_activation_bytes"]
+    assert split["planned_step_seconds"] >= whole["planned_step_seconds"]  # plus the keys' and values' exchange

@@ -172,11 +172,16 @@ def compose_train(*overrides: str):
             ["strategy.context_parallel_size=2", "trainer.devices=2", "trainer=gpu", "document_mask=true"],
             "document_mask=true with strategy.context_parallel_size=2",
         ),
+        (  # each context rank would step on its own gradients: the split-backward schedules run without FSDP2
+            ["strategy=pipeline", "trainer.devices=4", "strategy.context_parallel_size=2", "strategy.schedule=zbv"],
+            "strategy.context_parallel_size=1",
+        ),
     ],
 )
 def test_settings_that_cannot_split_are_refused_before_any_process_starts(overrides, message):
+    strategy = [] if any(o.startswith("strategy=") for o in overrides) else ["strategy=fsdp2"]
     with pytest.raises(ConfigError, match=re.escape(message)):
-        preflight(compose_train("strategy=fsdp2", *overrides), dry_run=True)
+        preflight(compose_train(*strategy, *overrides, "model.n_layers=4"), dry_run=True)
 
 
 def test_the_layout_counts_context_parallel_ranks_apart_from_replicas():

@@ -159,3 +159,27 @@ def check_context_parallel_causal_and_within_documents() -> None:
 
 def test_context_parallel_attention_over_two_ranks_matches_one_device():
     on_two_gloo_ranks(check_context_parallel_causal_and_within_documents)
+
+
+def check_the_gpus_lower_right_kernel_path_under_bf16_autocast() -> None:
+    """What a GPU runs (torch's lower-right causal mask, which calls its kernels without autocast's casts) taken on
+    the CPU: under bf16-mixed the rotary angles leave q and k in float32 beside a bfloat16 v, which torch refuses
+    ("Expected query, key, and value to have the same dtype") unless they are brought to one dtype first."""
+    from project.parallel import context_parallel
+    from project.parallel.context_parallel import apply_context_parallel, split_for_rank, zigzag_positions
+
+    context_parallel.lower_right_kernel = lambda q: True  # this process only (spawned for the check)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = Llama(CONFIG)
+    model = copy.deepcopy(reference)
+    apply_context_parallel(model, dist.group.WORLD)
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mine = model(split_for_rank(tokens, rank, size))
+        whole = reference(tokens)
+    torch.testing.assert_close(mine, whole[:, zigzag_positions(16, rank, size)], rtol=2e-2, atol=2e-2)
+
+
+def test_the_gpus_context_parallel_attention_path_runs_under_bf16_autocast_and_matches_one_device():
+    on_two_gloo_ranks(check_the_gpus_lower_right_kernel_path_under_bf16_autocast)

@@ -66,8 +66,9 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:
         ctx.group, ctx.rank, ctx.size = group, rank, size
+        x = x.contiguous()  # k and v arrive transposed: gathered as laid out in memory, so outputs like it
         parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        dist.all_gather(parts, x, group=group)
         order = sequence_order(x.shape[2] * size, size, x.device)
         return torch.cat(parts, dim=2).index_select(2, order)
 
@@ -82,6 +83,24 @@ class _GatherSequence(torch.autograd.Function):
 def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:
     """x [B, H, T / size, D] of every rank of `group`, as [B, H, T, D] in sequence order (differentiable)."""
     return _GatherSequence.apply(x, group, rank, size)
+
+
+def lower_right_kernel(q: torch.Tensor) -> bool:
+    """Whether torch has kernels for lower-right causal attention here (flash and memory-efficient: GPUs), so that
+    the mask is never made; the CPU would make it in every call."""
+    return q.device.type == "cuda"
+
+
+def same_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k and v in one dtype: autocast's where it is on, else the widest. torch's lower-right causal mask calls
+    its kernels directly, without autocast's casts, and refuses mixed dtypes (under bf16-mixed the rotary angles
+    leave q and k in float32 beside a bfloat16 v)."""
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
 class ContextParallelAttention(nn.Module):
@@ -114,6 +133,8 @@ class ContextParallelAttention(nn.Module):
             mine = zigzag_positions(seq_len, self.rank, self.size, q.device)
             return self.attend(q, k, v, mask[:, :, mine])  # the documents' mask [B, 1, T, T]: this rank's rows
         chunk = seq_len // (2 * self.size)
+        if lower_right_kernel(q):
+            q, k, v = same_dtype(q, k, v)
         parts = []
         for i, index in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
             end = (index + 1) * chunk
@@ -123,7 +144,7 @@ class ContextParallelAttention(nn.Module):
 
     def _causal(self, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
         """Causal attention of `rows` queries that are the last of `cols` keys."""
-        if like.device.type == "cuda":
+        if lower_right_kernel(like):
             return causal_lower_right(rows, cols)
         key = (rows, cols, like.dtype, like.device)
         if key not in self._masks:  # additive: a boolean one would be converted to a new one in every call

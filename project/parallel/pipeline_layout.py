@@ -113,11 +113,13 @@ def check_pipeline(
                 f"pipeline_parallel_size={pipeline_parallel_size}: {n_microbatches} microbatches are not a whole "
                 f"number of rounds. Choose a multiple of {pipeline_parallel_size}, or fewer microbatches than that."
             )
-    if schedule in SPLIT_BACKWARD and (data_parallel_size > 1 or tensor_parallel_size > 1 or param_dtype is not None):
+    sharded = data_parallel_size * shape.context_parallel > 1  # FSDP2 over data x context in each stage
+    if schedule in SPLIT_BACKWARD and (sharded or tensor_parallel_size > 1 or param_dtype is not None):
         raise ConfigError(
             f"strategy.schedule={schedule} splits each backward pass into input and weight gradients, which torch 2.13 "
             "gets wrong for FSDP2-sharded stages and cannot run with tensor parallelism: with it, set "
-            "strategy.data_parallel_size=1, strategy.tensor_parallel_size=1 and strategy.param_dtype=null "
+            "strategy.data_parallel_size=1, strategy.context_parallel_size=1, strategy.tensor_parallel_size=1 and "
+            "strategy.param_dtype=null "
             "(trainer.precision=bf16-mixed still computes in bfloat16), or choose interleaved_1f1b or 1f1b."
         )
     if compile and schedule in SPLIT_BACKWARD:

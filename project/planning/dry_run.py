@@ -359,9 +359,7 @@ def planned_memory(cfg: DictConfig, layout: Layout, strategy_name: str, pipeline
     from project.planning.memory import STORAGE_BYTES, Allowance, estimate_memory
 
     s, plan = cfg.strategy, layout.plan
-    # The planner's candidate has no context dimension yet: its ranks count as replicas (full sequences' activations).
-    pp, tp = layout.shape.pipeline_parallel, layout.shape.tensor_parallel
-    dp = layout.shape.data_parallel * layout.shape.context_parallel
+    pp, dp, tp = layout.shape.pipeline_parallel, layout.shape.data_parallel, layout.shape.tensor_parallel
     name = "ddp" if strategy_name == "single" else strategy_name
     precision = str(cfg.trainer.get("precision", "32-true"))
     zero2 = name != "fsdp" or s.get("sharding_strategy") == "SHARD_GRAD_OP"  # the planner's fsdp is ZeRO-2
@@ -379,6 +377,7 @@ def planned_memory(cfg: DictConfig, layout: Layout, strategy_name: str, pipeline
         sequence_parallel=bool(s.get("sequence_parallel")) and tp > 1,
         schedule=schedule,
         virtual_stages=(s.get("virtual_stages") or default_virtual_stages(schedule)) if schedule else 1,
+        context_parallel=layout.shape.context_parallel,
     )
     accelerator = "gpu" if s.get("compile") else "cpu"  # the planner counts compiled (fused) blocks on GPUs
     return estimate_memory(

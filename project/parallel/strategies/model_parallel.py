@@ -143,6 +143,13 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
         dp = self.device_mesh["data_parallel"]  # the ranks of one replica share a coordinate on it
         return dp.get_local_rank(), dp.size()
 
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._replica_coords is not None:  # a context group is one replica: its ranks read the same batch
+            rank, size = self._replica_coords
+            return {"num_replicas": size, "rank": rank}
+        return super().distributed_sampler_kwargs
+
     def step_loss(
         self, module: TrainingModule, inputs: torch.Tensor, targets: torch.Tensor, train: bool
     ) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.distributed.tensor import DTensor
 
+from project.parallel.contract import contract_of
 from project.training.callbacks.steps import OptimizerSteps, logs_at
 
 
@@ -110,7 +111,9 @@ class MemoryMonitor(Callback):
         self._figures = dict[str, Any]()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if logs_at(trainer, trainer.global_step):  # the step this micro batch belongs to
+        # The step this micro batch belongs to logs; not under a pipeline, whose schedule runs every backward inside
+        # the step, before the count could be read.
+        if logs_at(trainer, trainer.global_step) and not contract_of(trainer.strategy).gradients_in_step:
             self._saved.of(pl_module.parameters()).__enter__()
             self._counting = True
 
@@ -137,14 +140,15 @@ class MemoryMonitor(Callback):
             "param_bytes": local_bytes(params),
             "grad_bytes": local_bytes(p.grad for p in params),
             "optimizer_bytes": local_bytes(optimizer_state),
-            "activation_bytes": self._saved_bytes or self._figures.get("activation_bytes", 0),
+            "activation_bytes": self._saved_bytes or self._figures.get("activation_bytes"),
             "peak_bytes": peak_memory_bytes(pl_module.device),
         }
         self._saved_bytes = 0
         if not logs_at(trainer, trainer.global_step - 1):  # a number logged is copied to the device: a wait on GPUs
             return
         for name, value in self._figures.items():
-            pl_module.log(f"memory/{name}", float(value))
+            if value is not None:  # activations: not counted under a pipeline
+                pl_module.log(f"memory/{name}", float(value))
         # The rank that needs the most memory decides whether a layout fits.
         pl_module.log("memory/max_peak_bytes", float(self._figures["peak_bytes"]), sync_dist=True, reduce_fx="max")
 
