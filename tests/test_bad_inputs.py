@@ -50,6 +50,7 @@ OPEN_STRATEGY_SETTINGS = {
     "_target_",
     "data_parallel_size",
     "tensor_parallel_size",
+    "context_parallel_size",
     "pipeline_parallel_size",
     "hybrid_shard_size",
     "virtual_stages",

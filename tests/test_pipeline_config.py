@@ -157,8 +157,11 @@ def test_pipeline_refuses_tied_embeddings():
 @pytest.mark.parametrize("schedule", ["interleaved_zero_bubble", "zbv"])
 def test_zero_bubble_schedules_refuse_sharded_stages(schedule):
     config = LlamaConfig(**{**vars(CONFIG), "n_layers": 4})
-    with pytest.raises(ConfigError, match="strategy.data_parallel_size=1, strategy.tensor_parallel_size=1"):
+    settings = "strategy.data_parallel_size=1, strategy.context_parallel_size=1, strategy.tensor_parallel_size=1"
+    with pytest.raises(ConfigError, match=settings):
         check_pipeline(config, schedule, MeshShape(2, 2, 1), 2, 4)
+    with pytest.raises(ConfigError, match=settings):  # FSDP2 over the context ranks: each would step alone without it
+        check_pipeline(config, schedule, MeshShape(2, 1, 1, 2), 2, 4)
     with pytest.raises(ConfigError, match="cannot run with tensor parallelism"):
         check_pipeline(config, schedule, MeshShape(2, 1, 2), 2, 4)
     with pytest.raises(ConfigError, match="wrong for FSDP2-sharded stages"):
