@@ -111,8 +111,8 @@ def test_a_run_resumes_under_another_context_parallel_degree(tiny_shards, uninte
     assert_continues(tmp_path, uninterrupted_reference, 20)
 
 
-# A Llama-like head layout (four query heads per key/value head) at 4,096 tokens.
-LONG = LlamaConfig(vocab_size=300, dim=512, n_layers=4, n_heads=8, n_kv_heads=2, multiple_of=32, max_seq_len=4096)
+# A Llama-like head layout (eight query heads per key/value head, as Llama 3 70B) at 4,096 tokens.
+LONG = LlamaConfig(vocab_size=300, dim=640, n_layers=2, n_heads=8, n_kv_heads=1, multiple_of=32, max_seq_len=4096)
 
 
 def saved_activations(context_parallel: bool) -> int:

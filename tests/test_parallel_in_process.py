@@ -152,13 +152,15 @@ def check_context_parallel(documents: bool) -> None:
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def check_context_parallel_causal_and_within_documents() -> None:
+def check_context_parallel_attention() -> None:
     check_context_parallel(documents=False)
     check_context_parallel(documents=True)
+    check_the_gpus_lower_right_kernel_path_under_bf16_autocast()  # last: it swaps the kernel choice of the process
 
 
-def test_context_parallel_attention_over_two_ranks_matches_one_device():
-    on_two_gloo_ranks(check_context_parallel_causal_and_within_documents)
+def test_context_parallel_attention_over_two_ranks_matches_one_device_causal_within_documents_and_on_the_gpus_path():
+    """In one pair of processes (each start costs seconds): causal, within documents, and the GPUs' kernel path."""
+    on_two_gloo_ranks(check_context_parallel_attention)
 
 
 def check_the_gpus_lower_right_kernel_path_under_bf16_autocast() -> None:
@@ -179,7 +181,3 @@ def check_the_gpus_lower_right_kernel_path_under_bf16_autocast() -> None:
         mine = model(split_for_rank(tokens, rank, size))
         whole = reference(tokens)
     torch.testing.assert_close(mine, whole[:, zigzag_positions(16, rank, size)], rtol=2e-2, atol=2e-2)
-
-
-def test_the_gpus_context_parallel_attention_path_runs_under_bf16_autocast_and_matches_one_device():
-    on_two_gloo_ranks(check_the_gpus_lower_right_kernel_path_under_bf16_autocast)
