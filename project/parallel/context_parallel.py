@@ -52,32 +52,49 @@ def split_for_rank(x: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch
 
 
 @functools.lru_cache(maxsize=64)
+def ranks_order(seq_len: int, size: int, device: torch.device | None = None) -> torch.Tensor:
+    """The positions of the sequence in the ranks' order: rank 0's part, then rank 1's, ..."""
+    return torch.cat([zigzag_positions(seq_len, r, size, device) for r in range(size)])
+
+
+@functools.lru_cache(maxsize=64)
 def sequence_order(seq_len: int, size: int, device: torch.device | None = None) -> torch.Tensor:
     """Where each position of the sequence lies in the ranks' parts laid end to end (rank 0's, then rank 1's, ...):
     indexing the gathered parts with it gives the sequence in order."""
-    gathered = torch.cat([zigzag_positions(seq_len, r, size, device) for r in range(size)])
-    return torch.argsort(gathered)
+    return torch.argsort(ranks_order(seq_len, size, device))
+
+
+# torch 2.13 names the single-buffer collectives *_single (its *_tensor names warn that they are deprecated); the
+# torch of some GPU nodes (2.11) has only the older names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _GatherSequence(torch.autograd.Function):
     """All ranks' parts of x along dim 2, in sequence order; backward: each rank gets the sum, over the group, of the
-    gradients of its own part."""
+    gradients of its own part (a reduce-scatter: half the traffic of an all-reduce)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:
-        ctx.group, ctx.rank, ctx.size = group, rank, size
-        x = x.contiguous()  # k and v arrive transposed: gathered as laid out in memory, so outputs like it
-        parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x, group=group)
-        order = sequence_order(x.shape[2] * size, size, x.device)
-        return torch.cat(parts, dim=2).index_select(2, order)
+        ctx.group, ctx.size = group, size
+        batch, heads, part, dim = x.shape
+        # The ranks' parts concatenated along the first dimension (what the collective writes), then side by side.
+        gathered = torch.empty(size * batch, heads, part, dim, dtype=x.dtype, device=x.device)
+        _all_gather_single(gathered, x.contiguous(), group=group)
+        stacked = gathered.view(size, batch, heads, part, dim)
+        in_rank_order = stacked.permute(1, 2, 0, 3, 4).reshape(batch, heads, size * part, dim)
+        return in_rank_order.index_select(2, sequence_order(size * part, size, x.device))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)  # every rank's queries looked at every part
-        mine = zigzag_positions(grad.shape[2], ctx.rank, ctx.size, grad.device)
-        return grad.index_select(2, mine), None, None, None
+        size = ctx.size
+        batch, heads, seq_len, dim = grad.shape
+        by_rank = grad.index_select(2, ranks_order(seq_len, size, grad.device))  # each rank's positions together
+        stacked = by_rank.view(batch, heads, size, seq_len // size, dim).permute(2, 0, 1, 3, 4).contiguous()
+        mine = torch.empty(batch, heads, seq_len // size, dim, dtype=grad.dtype, device=grad.device)
+        # Every rank's queries looked at every part: the parts' sums, each to its rank.
+        _reduce_scatter_single(mine, stacked.view(size * batch, heads, seq_len // size, dim), group=ctx.group)
+        return mine, None, None, None
 
 
 def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ B bytes over n ranks moves 2(n-1)/n * B per rank, an all-gather or reduce-scatte
 latency each. A group of consecutive ranks that fits in a node uses the node's links, else the links
 between nodes (ranks are laid out tensor-parallel innermost, then context, then data, then pipeline: MeshShape).
 Context parallelism divides each rank's tokens, and adds per block and microbatch an all-gather of the sequence's
-keys and values in the forward (again under full recompute) and an all-reduce of their gradients in the backward
+keys and values in the forward (again under full recompute) and a reduce-scatter of their gradients in the backward
 (project.parallel.context_parallel), on the critical path.
 """
 
@@ -31,7 +31,7 @@ class StepTime:
     pipeline_transfers: float
     bubble: float  # pipeline ranks idle while the schedule fills and drains
     data_parallel: float  # gradient reduction and parameter gathering not hidden behind compute
-    context_parallel: float = 0.0  # the keys' and values' all-gathers and their gradients' reductions
+    context_parallel: float = 0.0  # the keys' and values' all-gathers and their gradients' reduce-scatters
 
     @property
     def total(self) -> float:
@@ -117,7 +117,7 @@ def step_time(
         kv = seq_len * c.micro_batch_size * 2 * config.n_kv_heads * config.head_dim * compute_bytes / tp
         gathers = 2 if c.recompute == "full" else 1
         bandwidth = cluster.bandwidth(tp * cp)
-        per_block = gathers * _ring(kv, cp, bandwidth, latency) + _ring(kv, cp, bandwidth, latency, all_reduce=True)
+        per_block = (gathers + 1) * _ring(kv, cp, bandwidth, latency)  # the gathers, and the gradients' reduce-scatter
         context = c.microbatches * sum(rank_layers(config, c, 0)) * per_block
     slot = sum(slowest)
     bubble = 0.0
