@@ -247,6 +247,14 @@ def assert_reproduces(run_dir, reference_dir):
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=5e-5, msg=name)
 
 
+def assert_validates_like(run_dir, reference_dir):
+    """val/loss at the same steps as the reference run's, each to 1e-5 relative (and at least one)."""
+    val, reference_val = read_metrics(run_dir, "val/loss"), read_metrics(reference_dir, "val/loss")
+    assert val.keys() == reference_val.keys() and val
+    for step in reference_val:
+        assert val[step] == pytest.approx(reference_val[step], rel=1e-5), step
+
+
 class TrainedRuns:
     """Runs trained once per session, by their overrides, for tests that only read a run (its metrics, its
     checkpoint): a parity test and a crash test of the same layout share one run instead of training it twice.

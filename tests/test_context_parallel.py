@@ -19,6 +19,7 @@ from conftest import (
     RESUME_RUN,
     assert_continues,
     assert_reproduces,
+    assert_validates_like,
     read_metrics,
     train_overrides,
 )
@@ -76,10 +77,7 @@ def test_pipeline_stages_split_sequences_like_one_device(trained, pipeline_refer
     """Each stage runs its ranks' parts of every microbatch's sequences; validation goes through the stages too."""
     run_dir = trained(*PIPELINE_RUN, *PIPELINE_SPLIT)
     assert_reproduces(run_dir, pipeline_reference)
-    val, reference_val = read_metrics(run_dir, "val/loss"), read_metrics(pipeline_reference, "val/loss")
-    assert val.keys() == reference_val.keys() and val
-    for step in reference_val:
-        assert val[step] == pytest.approx(reference_val[step], rel=1e-5), step
+    assert_validates_like(run_dir, pipeline_reference)
 
 
 def test_document_masks_hold_across_the_split(short_document_shards, document_mask_reference, tmp_path):

@@ -126,15 +126,22 @@ def test_model_built_on_meta_and_sharded_starts_from_the_single_device_weights(p
     on_two_gloo_ranks(check_meta_init, plan)
 
 
-def check_context_parallel(documents: bool) -> None:
-    from project.parallel.context_parallel import apply_context_parallel, split_for_rank
+def split_over_the_ranks() -> tuple[int, int, Llama, Llama, torch.Tensor]:
+    """(rank, size, one device's model, the same model with context parallelism over the group, tokens [2, 16])."""
+    from project.parallel.context_parallel import apply_context_parallel
 
-    rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     reference = Llama(CONFIG)
     model = copy.deepcopy(reference)
     apply_context_parallel(model, dist.group.WORLD)
     tokens = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    return dist.get_rank(), dist.get_world_size(), reference, model, tokens
+
+
+def check_context_parallel(documents: bool) -> None:
+    from project.parallel.context_parallel import split_for_rank
+
+    rank, size, reference, model, tokens = split_over_the_ranks()
     targets = tokens.roll(-1, dims=1)
     # Documents across the chunks' edges (chunks of 4 positions), one of a single token.
     ids = {"document_ids": torch.tensor([[0] * 3 + [1] * 6 + [2] + [3] * 6, [0] * 11 + [1] * 5])} if documents else {}
@@ -201,15 +208,10 @@ def check_the_gpus_lower_right_kernel_path_under_bf16_autocast() -> None:
     the CPU: under bf16-mixed the rotary angles leave q and k in float32 beside a bfloat16 v, which torch refuses
     ("Expected query, key, and value to have the same dtype") unless they are brought to one dtype first."""
     from project.parallel import context_parallel
-    from project.parallel.context_parallel import apply_context_parallel, split_for_rank, zigzag_positions
+    from project.parallel.context_parallel import split_for_rank, zigzag_positions
 
     context_parallel.lower_right_kernel = lambda q: True  # this process only (spawned for the check)
-    rank, size = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    reference = Llama(CONFIG)
-    model = copy.deepcopy(reference)
-    apply_context_parallel(model, dist.group.WORLD)
-    tokens = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    rank, size, reference, model, tokens = split_over_the_ranks()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         mine = model(split_for_rank(tokens, rank, size))
         whole = reference(tokens)

@@ -16,6 +16,7 @@ from conftest import (
     RESUME_RUN,
     assert_continues,
     assert_reproduces,
+    assert_validates_like,
     read_metrics,
     run_module,
     run_train,
@@ -57,10 +58,7 @@ def test_pipeline_matches_single_device_loss_and_weights(trained, pipeline_refer
     run_dir = trained(*PIPELINE_RUN, *LAYOUTS[layout])
     assert_reproduces(run_dir, pipeline_reference)
     # Validation runs forward through the stages and evaluates the same sequences as one device.
-    val, reference_val = read_metrics(run_dir, "val/loss"), read_metrics(pipeline_reference, "val/loss")
-    assert val.keys() == reference_val.keys() and val
-    for step in reference_val:
-        assert val[step] == pytest.approx(reference_val[step], rel=1e-5), step
+    assert_validates_like(run_dir, pipeline_reference)
 
 
 def test_pipeline_passes_document_masks_to_every_stage(short_document_shards, document_mask_reference, tmp_path):

@@ -145,19 +145,15 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self._replica_coords is not None:  # a context group is one replica: its ranks read the same batch
-            rank, size = self._replica_coords
-            return {"num_replicas": size, "rank": rank}
-        return super().distributed_sampler_kwargs
+        rank, size = self.data_parallel_coords(None)  # the replicas, as the data module reads them
+        return {"num_replicas": size, "rank": rank}
 
     def step_loss(
         self, module: TrainingModule, inputs: torch.Tensor, targets: torch.Tensor, train: bool
     ) -> torch.Tensor:
-        """Under context parallelism the loss of this rank's part of every sequence: the mean over its tokens,
-        which FSDP2's average over data x context makes the batch's mean (every part holds equally many tokens).
-        The model's other inputs (the documents) are those of the whole sequences."""
-        if self._context_group is None:
-            return module.loss(inputs, targets)
+        """The batch's mean loss. Under context parallelism, the mean over this rank's part of every sequence, which
+        FSDP2's average over data x context makes the batch's mean (every part holds equally many tokens); the
+        model's other inputs (the documents) are those of the whole sequences."""
         whole = module.model_kwargs(inputs)
         inputs, targets = self._own_parts(inputs, targets)
         return module.loss(inputs, targets, whole)
