@@ -131,10 +131,6 @@ def compose_train(*overrides: str):
             "ddp_strategy does not split sequences. Context parallelism runs under strategy=fsdp2, tp_fsdp, tp or "
             "pipeline",
         ),
-        (
-            ["strategy.context_parallel_size=2", "trainer.devices=2", "trainer=gpu", "document_mask=true"],
-            "document_mask=true with strategy.context_parallel_size=2",
-        ),
         (  # each context rank would step on its own gradients: the split-backward schedules run without FSDP2
             ["strategy=pipeline", "trainer.devices=4", "strategy.context_parallel_size=2", "strategy.schedule=zbv"],
             "strategy.context_parallel_size=1",

@@ -107,6 +107,15 @@ def test_flex_attentions_block_mask_attends_as_each_document_alone(n_kv_heads):
     torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
 
 
+def random_documents(seq_len: int, batch: int, generator: torch.Generator) -> torch.Tensor:
+    """Document ids [batch, seq_len] of documents of random lengths, some shorter than a tile, some longer."""
+    rows = []
+    for _ in range(batch):
+        cuts = torch.randperm(seq_len - 1, generator=generator)[: int(torch.randint(1, 12, (1,)))] + 1
+        rows.append(torch.zeros(seq_len, dtype=torch.long).index_fill(0, cuts, 1).cumsum(0))
+    return torch.stack(rows)
+
+
 def test_the_block_mask_built_from_tile_edges_equals_torchs_built_from_every_pair_of_positions():
     """project.model.document_mask classifies tiles from the documents at their edges (O(tiles^2)); torch's
     create_block_mask evaluates the rule on all T x T pairs: the same tables, also where T is not a multiple of 128."""
@@ -116,11 +125,7 @@ def test_the_block_mask_built_from_tile_edges_equals_torchs_built_from_every_pai
 
     generator = torch.Generator().manual_seed(0)
     for seq_len in (256, 433, 510, 1024):
-        rows = []
-        for _ in range(3):  # documents of random lengths, some shorter than a tile, some longer
-            cuts = torch.randperm(seq_len - 1, generator=generator)[: int(torch.randint(1, 12, (1,)))] + 1
-            rows.append(torch.zeros(seq_len, dtype=torch.long).index_fill(0, cuts, 1).cumsum(0))
-        doc_ids = torch.stack(rows)
+        doc_ids = random_documents(seq_len, 3, generator)
 
         def rule(b, h, q, kv):
             return (q >= kv) & (doc_ids[b, q] == doc_ids[b, kv])
@@ -128,6 +133,38 @@ def test_the_block_mask_built_from_tile_edges_equals_torchs_built_from_every_pai
         ours, torchs = document_block_mask(doc_ids), create_block_mask(rule, 3, None, seq_len, seq_len, device="cpu")
         for table in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks"):
             assert torch.equal(getattr(ours, table), getattr(torchs, table)), (seq_len, table)
+
+
+@pytest.mark.parametrize("seq_len, size", [(1024, 2), (2048, 4), (160, 2)])
+def test_a_context_parallel_ranks_block_mask_attends_as_its_rows_of_the_whole_sequence(seq_len, size):
+    """Context parallelism's rank keeps queries at two chunks of the sequence (zigzag_positions) and attends over
+    every key: its block mask (query_positions) in FlexAttention's forward gives the rows of the whole sequence's
+    attention; where the chunks are whole tiles its tables are those torch's create_block_mask evaluates from every
+    pair; where they are shorter (160 / 4 = 40 positions) its tiles cover the rule, which is applied inside them."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from project.model.document_mask import dense_document_mask, document_block_mask, flex_attend
+    from project.parallel.context_parallel import zigzag_positions
+
+    generator = torch.Generator().manual_seed(seq_len)
+    doc_ids = random_documents(seq_len, 2, generator)
+    q, k, v = (torch.randn(2, n, seq_len, 8, generator=generator) for n in (4, 2, 2))
+    whole = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), attn_mask=dense_document_mask(doc_ids)
+    )
+    for rank in range(size):
+        mine = zigzag_positions(seq_len, rank, size)
+        mask = document_block_mask(doc_ids, query_positions=mine)
+        torch.testing.assert_close(flex_attend(q[:, :, mine], k, v, mask, enable_gqa=True), whole[:, :, mine])
+        assert torch.equal(dense_document_mask(doc_ids, mine), dense_document_mask(doc_ids)[:, :, mine])
+        if (seq_len // (2 * size)) % 128 == 0:
+
+            def rule(b, h, q, kv):
+                return (mine[q] >= kv) & (doc_ids[b, mine[q]] == doc_ids[b, kv])
+
+            torchs = create_block_mask(rule, 2, None, len(mine), seq_len, device="cpu")
+            for table in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+                assert torch.equal(getattr(mask, table), getattr(torchs, table)), (rank, table)
 
 
 def test_a_block_mask_holds_one_entry_per_tile_not_per_pair_of_positions():

@@ -96,16 +96,6 @@ def plan_layout(cfg: DictConfig, num_nodes: int, devices_per_node: int) -> Layou
     shape = mesh_shape(strategy_cfg, num_nodes * devices_per_node, devices_per_node)
     kind = strategy_kind(strategy_cfg)
     check_context_parallel_degree(shape.context_parallel, cfg.data.seq_len, strategy_name(cfg), kind.context_parallel)
-    if (
-        shape.context_parallel > 1
-        and cfg.get("document_mask")
-        and str(cfg.trainer.get("accelerator")) in ("gpu", "cuda")
-    ):
-        raise ConfigError(
-            f"document_mask=true with strategy.context_parallel_size={shape.context_parallel} on GPUs: a GPU masks "
-            "documents with FlexAttention's block mask, which context parallelism does not split yet (the CPU's "
-            "dense mask it does). Set document_mask=false, or strategy.context_parallel_size=1."
-        )
     if shape.tensor_parallel > 1:
         sequence_parallel = strategy_cfg.get("sequence_parallel", False)
         split = cfg.data.seq_len // shape.context_parallel if sequence_parallel else None  # each rank's part

@@ -34,42 +34,65 @@ def has_flex_attention() -> bool:
     return BlockMask is not None
 
 
-def document_mask(document_ids: torch.Tensor) -> torch.Tensor | BlockMask:
+def document_mask(document_ids: torch.Tensor, query_positions: torch.Tensor | None = None) -> torch.Tensor | BlockMask:
     """Causal attention within each document of document_ids [B, T]: a block mask where FlexAttention trains
-    (a GPU), else the dense mask."""
+    (a GPU), else the dense mask. `query_positions` [T_q] (increasing), optional: only those positions' rows,
+    against every key (context parallelism's rank keeps some of the sequence's queries); all T by default."""
     if document_ids.device.type == "cuda" and has_flex_attention():
-        return document_block_mask(document_ids)
-    return dense_document_mask(document_ids)
+        return document_block_mask(document_ids, query_positions)
+    return dense_document_mask(document_ids, query_positions)
 
 
 TILE = 128  # FlexAttention's default block size, in positions
 
 
-def document_block_mask(document_ids: torch.Tensor) -> BlockMask:
+def document_block_mask(document_ids: torch.Tensor, query_positions: torch.Tensor | None = None) -> BlockMask:
     """Causal attention within each document of document_ids [B, T] (non-decreasing along T, as `document_ids` of
-    project.training.lit_module gives them), as a block mask shared by every head.
+    project.training.lit_module gives them), as a block mask shared by every head; for the queries at
+    `query_positions` [T_q] (increasing; all T by default) against all T keys.
 
-    Built from the documents' ids at the tiles' edges, never from the T x T pairs of positions (torch's
-    `create_block_mask` evaluates the rule on every pair): since ids only grow along the sequence, a key tile at or
-    before a query tile meets it when its last document is at least the query tile's first, and is full when it
-    lies strictly before and both tiles hold one and the same document. O((T/128)^2) work and memory."""
+    Built from the documents' ids at the tiles' edges, never from the T_q x T pairs of positions (torch's
+    `create_block_mask` evaluates the rule on every pair): since positions and ids only grow along a tile, a key
+    tile meets a query tile when it starts at or before the query tile's last position and its documents overlap
+    the query tile's; it is full when it ends at or before the query tile's first position and both tiles hold one
+    and the same document. O(T_q / 128 x T / 128) work and memory. Where query positions jump inside a tile (two
+    chunks of context parallelism shorter than a tile), "meets" may count a tile the rule leaves empty: it is then
+    computed under the rule, never wrongly skipped."""
     batch, seq_len = document_ids.shape
-    tiles = -(-seq_len // TILE)
-    starts = torch.arange(tiles, device=document_ids.device) * TILE
-    first = document_ids[:, starts]  # [B, tiles]: the document of each tile's first position
-    last = document_ids[:, (starts + TILE).clamp(max=seq_len) - 1]  # and of its last
-    q_tile = kv_tile = torch.arange(tiles, device=document_ids.device)  # made on the device: no copy to wait for
-    q_tile = q_tile[:, None]
-    meets = (kv_tile <= q_tile) & (last[:, None, :] >= first[:, :, None])  # [B, q tiles, kv tiles]
-    # A tile with padding (the last, when T is not a multiple of 128) is never full, as torch builds it: its mask
-    # is then applied, and the padding's positions are left out by the rule.
-    whole = starts + TILE <= seq_len
-    full = (kv_tile < q_tile) & (first[:, None, :] == last[:, :, None]) & whole[:, None] & whole[None, :]
+    device = document_ids.device
+    if query_positions is None:
+        query_positions = torch.arange(seq_len, device=device)
+    q_len = query_positions.shape[0]
+
+    def edges(length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each tile's first and last index among `length`, and whether the tile is whole (no padding)."""
+        starts = torch.arange(-(-length // TILE), device=device) * TILE
+        return starts, (starts + TILE).clamp(max=length) - 1, starts + TILE <= length
+
+    kv_first_pos, kv_last_pos, kv_whole = edges(seq_len)
+    q_first, q_last, q_whole = edges(q_len)
+    q_first_pos, q_last_pos = query_positions[q_first], query_positions[q_last]
+    # [B, q tiles] and [B, kv tiles]: the documents at the tiles' edges.
+    q_first_doc, q_last_doc = document_ids[:, q_first_pos], document_ids[:, q_last_pos]
+    kv_first_doc, kv_last_doc = document_ids[:, kv_first_pos], document_ids[:, kv_last_pos]
+    meets = (
+        (kv_first_pos[None, :] <= q_last_pos[:, None])
+        & (kv_last_doc[:, None, :] >= q_first_doc[:, :, None])
+        & (kv_first_doc[:, None, :] <= q_last_doc[:, :, None])
+    )  # [B, q tiles, kv tiles]
+    # A tile with padding (the last, when a length is not a multiple of 128) is never full, as torch builds it: its
+    # mask is then applied, and the padding's positions are left out by the rule.
+    full = (
+        (kv_last_pos[None, :] <= q_first_pos[:, None])
+        & (kv_first_doc[:, None, :] == q_last_doc[:, :, None])
+        & q_whole[:, None]
+        & kv_whole[None, :]
+    )
     partial = meets & ~full
 
     def causal_within_document(b, h, q, kv):
-        # Positions past the sequence's end (its last tile's padding) are clamped: the kernel discards them.
-        q, kv = q.clamp(max=seq_len - 1), kv.clamp(max=seq_len - 1)
+        # Indices past the ends (the last tiles' padding) are clamped: the kernel discards them.
+        q, kv = query_positions[q.clamp(max=q_len - 1)], kv.clamp(max=seq_len - 1)
         return (q >= kv) & (document_ids[b, q] == document_ids[b, kv])
 
     def ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # as torch orders a block mask's tables
@@ -86,15 +109,17 @@ def document_block_mask(document_ids: torch.Tensor) -> BlockMask:
         full_kv_indices,
         BLOCK_SIZE=TILE,
         mask_mod=causal_within_document,
-        seq_lengths=(seq_len, seq_len),
+        seq_lengths=(q_len, seq_len),
     )
 
 
-def dense_document_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """The same rule as a boolean [B, 1, T, T] mask, for SDPA where FlexAttention is missing."""
+def dense_document_mask(document_ids: torch.Tensor, query_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The same rule as a boolean [B, 1, T_q, T] mask, for SDPA where FlexAttention is missing."""
     seq_len = document_ids.shape[1]
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=document_ids.device).tril()
-    return (causal & (document_ids[:, :, None] == document_ids[:, None, :]))[:, None]
+    keys = torch.arange(seq_len, device=document_ids.device)
+    queries = keys if query_positions is None else query_positions
+    causal = queries[:, None] >= keys[None, :]
+    return (causal & (document_ids[:, queries, None] == document_ids[:, None, :]))[:, None]
 
 
 def flex_attend(

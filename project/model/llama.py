@@ -127,6 +127,16 @@ class ScaledDotProduct(nn.Module):
         return flex_attend(q, k, v, mask, enable_gqa=gqa)
 
 
+class DocumentMasking(nn.Module):
+    """The attention mask of packed documents, from their ids [B, T] (project.model.document_mask).
+
+    A module of its own, without parameters, so that a strategy whose ranks keep some of each sequence's queries
+    (context parallelism) can make the mask of those rows only."""
+
+    def forward(self, document_ids: torch.Tensor) -> torch.Tensor | BlockMask:
+        return document_mask(document_ids)
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -211,6 +221,7 @@ class Llama(nn.Module):
             self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
             self.norm = RMSNorm(config.dim, config.norm_eps)
             self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.document_masking = DocumentMasking()
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         if device.type != "meta":
@@ -295,7 +306,7 @@ class Llama(nn.Module):
         cos, sin = self.rope(seq_len, h.device, h.dtype, start)
         mask: torch.Tensor | BlockMask | None = None
         if document_ids is not None:  # no T x T mask where FlexAttention trains (project.model.document_mask)
-            mask = document_mask(document_ids)
+            mask = self.document_masking(document_ids)
         elif cache is not None:
             # Every cached position, and causal among the new ones. is_causal would not do: it aligns
             # the diagonal to the top left, so a single new query would see only the first key.

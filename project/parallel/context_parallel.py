@@ -14,9 +14,9 @@ The loss is then the mean over the rank's tokens; averaged over the group's rank
 the mean over each whole sequence, as one device computes it.
 
 Document masking: the model is given the document ids of the whole sequences (computed from the whole tokens,
-which every rank of the group reads) beside its part of the tokens, so the mask it builds covers every (query,
-key) pair, and each rank keeps the rows of its own queries. A dense mask only, so far: on a GPU, where the model
-builds FlexAttention's block mask, document masking under context parallelism is refused.
+which every rank of the group reads) beside its part of the tokens, and its mask (`document_masking`) is made
+for the rank's own queries against every key: FlexAttention's block mask of those rows on a GPU, the dense rows on
+the CPU (project.model.document_mask, `query_positions`). Either is then used as it is, after the gather.
 """
 
 from __future__ import annotations
@@ -29,9 +29,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from project.model.document_mask import BlockMask
+from project.model.document_mask import BlockMask, document_mask
 from project.model.llama import Llama
-from project.runtime.errors import ConfigError
 
 
 @functools.lru_cache(maxsize=64)  # the same few sequence lengths every step, every layer
@@ -126,7 +125,7 @@ class ContextParallelAttention(nn.Module):
     two chunks attends to the keys up to its own end, causally (its queries are the last of those keys: torch's
     lower-right causal alignment). No [T / cp, T] mask is made where torch has a kernel for that alignment (GPUs:
     `causal_lower_right`); on the CPU the two chunks' masks are made once per length and shared by every layer.
-    With documents, the rows of the whole sequences' dense mask that are this rank's."""
+    With documents, the mask the model made for this rank's rows (ContextParallelDocumentMasking)."""
 
     def __init__(
         self, attend: nn.Module, group: dist.ProcessGroup, rank: int, size: int, masks: dict[tuple, torch.Tensor]
@@ -141,14 +140,8 @@ class ContextParallelAttention(nn.Module):
         seq_len = k.shape[2] * self.size
         k = gather_sequence(k, self.group, self.rank, self.size)
         v = gather_sequence(v, self.group, self.rank, self.size)
-        if mask is not None:
-            if not isinstance(mask, torch.Tensor):
-                raise ConfigError(
-                    "document_mask=true with strategy.context_parallel_size > 1 needs the dense mask, which only the "
-                    "CPU uses: on a GPU set document_mask=false, or context_parallel_size=1."
-                )
-            mine = zigzag_positions(seq_len, self.rank, self.size, q.device)
-            return self.attend(q, k, v, mask[:, :, mine])  # the documents' mask [B, 1, T, T]: this rank's rows
+        if mask is not None:  # the documents' mask of this rank's rows [B, 1, T / cp, T] (dense or FlexAttention's)
+            return self.attend(q, k, v, mask)
         chunk = seq_len // (2 * self.size)
         if lower_right_kernel(q):
             q, k, v = same_dtype(q, k, v)
@@ -171,6 +164,19 @@ class ContextParallelAttention(nn.Module):
         return self._masks[key]
 
 
+class ContextParallelDocumentMasking(nn.Module):
+    """The model's document mask (`document_masking`, project.model.llama.DocumentMasking) for this rank's queries
+    only, against every key of the whole sequences: T / cp x T rather than T x T."""
+
+    def __init__(self, rank: int, size: int):
+        super().__init__()
+        self.rank, self.size = rank, size
+
+    def forward(self, document_ids: torch.Tensor) -> torch.Tensor | BlockMask:
+        mine = zigzag_positions(document_ids.shape[1], self.rank, self.size, document_ids.device)
+        return document_mask(document_ids, query_positions=mine)
+
+
 class ContextParallel:
     """One rank of a context-parallel group, applied to a Llama (or a pipeline stage of one)."""
 
@@ -181,6 +187,7 @@ class ContextParallel:
         self._masks: dict[tuple, torch.Tensor] = {}  # shared by every layer: made once, held once
 
     def apply(self, blocks: nn.ModuleDict) -> None:
+        self.model.document_masking = ContextParallelDocumentMasking(self.rank, self.size)
         for block in blocks.values():
             attention: Any = block.attention
             attention.register_forward_pre_hook(self._own_positions)
