@@ -93,6 +93,31 @@ def test_a_cluster_size_layout_shards_on_one_cpu_into_the_shares_computed_by_han
         assert share.parameters == pytest.approx(total / 64, rel=1e-3)
 
 
+def test_a_context_parallel_job_places_each_rank_on_the_4d_mesh_and_shards_over_data_x_context():
+    """16 GPUs as 2 stages x 2 replicas x 2 context x 2 tensor: each rank's coordinates on the 4-D mesh (tensor
+    innermost, then context, data, pipeline), its states those of a data-parallel degree of 4 (FSDP2 over data x
+    context), by hand."""
+    cfg = compose_job(
+        "model=llama3_8b",
+        "trainer=gpu",
+        "trainer.num_nodes=2",
+        "trainer.devices=8",
+        "global_batch_size=64",
+        "micro_batch_size=1",
+        "data.seq_len=8192",
+        "strategy=pipeline",
+        "strategy.data_parallel_size=2",
+        "strategy.tensor_parallel_size=2",
+        "strategy.context_parallel_size=2",
+    )
+    layout = preflight(cfg, dry_run=True)
+    assert layout.shape == MeshShape(2, 2, 2, 2)
+    for rank, where in ((0, (0, 0, 0, 0)), (5, (0, 1, 0, 1)), (6, (0, 1, 1, 0)), (11, (1, 0, 1, 1))):
+        share = rank_share(cfg, layout, rank)
+        assert (share.pipeline, share.data_parallel, share.context_parallel, share.tensor_parallel) == where, rank
+        assert share.parameters == hand_share(model_config(cfg), MeshShape(2, 4, 2), rank), rank
+
+
 def test_representative_ranks_are_the_first_and_last_stage_and_the_last_tensor_and_data_parallel_ranks():
 
     shape = MeshShape(4, 2, 8)  # 64 ranks, tensor parallelism innermost

@@ -221,11 +221,12 @@ def test_every_layout_it_lists_is_one_project_train_accepts_as_planned():
 def test_context_parallel_layouts_it_lists_are_ones_project_train_accepts_as_planned():
     work = Workload(preset("llama3_8b"), 65536, 16, 1e12)
     h100 = cluster("h100_80gb", 2)
-    space = SearchSpace(strategies=["fsdp2", "tp", "tp_fsdp"], context_parallel=[1, 2, 4], micro_batch_sizes=[1])
+    strategies = ["fsdp2", "tp", "tp_fsdp", "pipeline"]
+    space = SearchSpace(strategies=strategies, context_parallel=[1, 2, 4], micro_batch_sizes=[1])
     outcomes = plan(work, h100, space, 0.5)
     split = [o for o in outcomes if o.prediction.candidate.context_parallel > 1]
     assert {o.prediction.candidate.context_parallel for o in split} == {2, 4}
-    assert {o.prediction.candidate.strategy for o in split} == {"fsdp2", "tp", "tp_fsdp"}
+    assert {o.prediction.candidate.strategy for o in split} == set(strategies)
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         for outcome in split[:: max(1, len(split) // 10)]:
             c = outcome.prediction.candidate

@@ -31,7 +31,7 @@ HAS_CHECKPOINTING = {"fsdp", "fsdp2", "tp", "tp_fsdp", "pipeline"}
 # Every strategy takes strategy.compile; the planner compiles (and sets param_dtype for) these model-parallel ones.
 HAS_COMPILE = {"fsdp2", "tp", "tp_fsdp", "pipeline"}
 # Strategies that split sequences over strategy.context_parallel_size ranks (project.parallel.context_parallel).
-HAS_CONTEXT_PARALLEL = {"fsdp2", "tp", "tp_fsdp"}
+HAS_CONTEXT_PARALLEL = {"fsdp2", "tp", "tp_fsdp", "pipeline"}
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ def _checked(
         else:
             plan = plan_pipeline_batches(global_batch_size, dp, micro)
             microbatches = plan.pipeline_microbatches
-            check_pipeline(config, schedule, MeshShape(pp, dp, tp), v, microbatches)
+            check_pipeline(config, schedule, MeshShape(pp, dp, tp, cp), v, microbatches)
     except ConfigError:
         return None
     return Candidate(strategy, dp, tp, pp, micro, microbatches, recompute, sp, schedule, v, cp)

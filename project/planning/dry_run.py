@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -64,6 +64,7 @@ class RankShare:
     )
     largest_tensor: str  # name, local shape and bytes of the largest single parameter shard
     largest_bytes: int
+    context_parallel: int = 0  # the rank's place in its context-parallel group
 
     @property
     def state_bytes(self) -> int:
@@ -262,10 +263,14 @@ def rank_share(cfg: DictConfig, layout: Layout, rank: int) -> RankShare:
     kind = _kind(instantiate(cfg.strategy, _convert_="all"))
     shape = sharding_shape(layout.shape)
     if kind == "sharded":
-        return shard_rank(cfg, shape, rank)
-    if kind == "fsdp1":
-        return fsdp1_share(cfg, shape, rank, int(cfg.trainer.devices))
-    return replica_share(cfg, shape, rank)
+        share = shard_rank(cfg, shape, rank)
+    elif kind == "fsdp1":
+        share = fsdp1_share(cfg, shape, rank, int(cfg.trainer.devices))
+    else:
+        share = replica_share(cfg, shape, rank)
+    # Sharded over data x context (context inner), the rank sits on the 4-D mesh at:
+    cp = layout.shape.context_parallel
+    return replace(share, data_parallel=share.data_parallel // cp, context_parallel=share.data_parallel % cp)
 
 
 def check_precision(cfg: DictConfig) -> None:
@@ -425,21 +430,16 @@ def render(
         "Parameters are held as trained (float32 under -mixed precision, which casts copies for compute): "
         "no separate master weights.",
         "",
-        *(
-            [
-                f"Context parallelism: the states are sharded over data x context ({dp * cp} ranks; `dp` below "
-                "counts both)."
-            ]
-            if cp > 1
-            else []
-        ),
-        f"{'rank':>6} {'pp':>3} {'dp':>4} {'tp':>3} {'parameters':>12} {'params':>10} {'grads':>10} {'AdamW':>10} "
-        f"{'states':>10}  largest tensor",
+        *([f"Context parallelism: the states are sharded over data x context ({dp * cp} ranks)."] if cp > 1 else []),
+        f"{'rank':>6} {'pp':>3} {'dp':>4}"
+        + (f" {'cp':>3}" if cp > 1 else "")
+        + f" {'tp':>3} {'parameters':>12} {'params':>10} {'grads':>10} {'AdamW':>10} {'states':>10}  largest tensor",
     ]
     for s in shares:
         gib = [f"{b / GIB:.2f} GiB" for b in (s.param_bytes, s.grad_bytes, s.optimizer_bytes, s.state_bytes)]
+        data = f"{s.data_parallel:>4}" + (f" {s.context_parallel:>3}" if cp > 1 else "")
         lines.append(
-            f"{s.rank:>6} {s.pipeline:>3} {s.data_parallel:>4} {s.tensor_parallel:>3} {s.parameters / 1e9:>11.4f}B "
+            f"{s.rank:>6} {s.pipeline:>3} {data} {s.tensor_parallel:>3} {s.parameters / 1e9:>11.4f}B "
             f"{gib[0]:>10} {gib[1]:>10} {gib[2]:>10} {gib[3]:>10}  {s.largest_tensor}"
         )
         for stage in s.stages:
