@@ -7,6 +7,8 @@ the other ranks with the same command and environment, so every rank has them. S
 steps from 0; `:rank=R` limits a fault to global rank R (default: every rank).
 
 - `nan@STEP`: the loss of step STEP is NaN, and so are its gradients.
+- `spike@STEP`: the loss of step STEP is 1000 times what it is (its gradients too), once in the process: a run
+  rolled back past it does not meet it again (a spike's batches are left out).
 - `kill@STEP`: SIGKILL every process of the run (its process group) as step STEP starts; with `:rank=R`
   that rank alone dies.
 - `raise@STEP`: raise a RuntimeError as step STEP starts.
@@ -48,6 +50,7 @@ class Fault:
     at: int
     rank: int | None = None
     op: int | None = None
+    fired: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "Fault":
@@ -59,10 +62,10 @@ class Fault:
                 fault.rank = int(extra.removeprefix("rank="))
             else:
                 fault.op = int(extra)
-        kinds = ("nan", "kill", "raise", "hang", "kill-in-save", "count-save-ops")
+        kinds = ("nan", "spike", "kill", "raise", "hang", "kill-in-save", "count-save-ops")
         if kind not in kinds or (kind == "kill-in-save") != (fault.op is not None):
             raise ValueError(
-                f"FAULT={text}: expected one of nan@STEP, kill@STEP, raise@STEP, hang@STEP, "
+                f"FAULT={text}: expected one of nan@STEP, spike@STEP, kill@STEP, raise@STEP, hang@STEP, "
                 "kill-in-save@N:OP, count-save-ops"
             )
         return fault
@@ -71,14 +74,20 @@ class Fault:
         return self.rank is None or self.rank == rank
 
 
+SCALES = {"nan": float("nan"), "spike": 1000.0}  # what the loss is multiplied by
+
+
 class AtStep(Callback):
-    """nan, kill, raise and hang: as optimizer step `fault.at` starts (its first micro batch)."""
+    """nan, spike, kill, raise and hang: as optimizer step `fault.at` starts (its first micro batch). The loss is
+    scaled where the model computes it, its `head_loss` (also on a pipeline's last stage)."""
 
     def __init__(self, fault: Fault):
         self.fault = fault
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
         if trainer.global_step != self.fault.at or not self.fault.applies_to(trainer.global_rank):
+            return
+        if self.fault.kind == "spike" and self.fault.fired:
             return
         if self.fault.kind == "kill":
             if self.fault.rank is None:
@@ -89,13 +98,22 @@ class AtStep(Callback):
         if self.fault.kind == "hang":
             while True:
                 time.sleep(60)
-        if "loss" not in vars(pl_module):
-            original = pl_module.loss
-            pl_module.loss = lambda *args: original(*args) * float("nan")  # this instance only, until restored
+        model = pl_module.model
+        if "head_loss" not in vars(model):  # this instance only, until restored
+            model.head_loss = functools.partial(self.scaled, model.head_loss, SCALES[self.fault.kind])
+
+    @staticmethod
+    def scaled(original: Callable[..., Any], scale: float, *args: Any) -> Any:
+        return original(*args) * scale
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        if "loss" in vars(pl_module) and trainer.global_step > self.fault.at:
-            del pl_module.loss
+        if trainer.global_step > self.fault.at:
+            vars(pl_module.model).pop("head_loss", None)
+            self.fault.fired = True
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        vars(pl_module.model).pop("head_loss", None)  # a rolled-back run's module is built anew; this one ends here
+        self.fault.fired = self.fault.fired or trainer.global_step >= self.fault.at
 
 
 @dataclass
@@ -200,7 +218,7 @@ def with_faults(build_trainer, faults: list[Fault]):
     @functools.wraps(build_trainer)
     def build(*args, **kwargs):
         trainer = build_trainer(*args, **kwargs)
-        trainer.callbacks.extend(AtStep(f) for f in faults if f.kind in ("nan", "kill", "raise", "hang"))
+        trainer.callbacks.extend(AtStep(f) for f in faults if f.kind in ("nan", "spike", "kill", "raise", "hang"))
         return trainer
 
     return build

@@ -101,13 +101,19 @@ def _rank(rank: int, world_size: int, port: int, cases: list[tuple[Path, list[st
 
 
 def _train(run_dir: Path, overrides: list[str]) -> None:
-    """What `python -m project.train OVERRIDES hydra.run.dir=RUN_DIR` runs on this rank, Hydra's main aside."""
+    """What `python -m project.train OVERRIDES hydra.run.dir=RUN_DIR` runs on this rank, Hydra's main aside; an
+    override `FAULT=...` injects faults as `FAULT=... python -m tests.faults` does (tests/faults.py)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
+    import project.training.run
     from project.config.checks import preflight
     from project.training.run import train
+    from tests.faults import Fault, with_faults
+
+    faults = [Fault.parse(f) for o in overrides if o.startswith("FAULT=") for f in o.split("=", 1)[1].split(",")]
+    overrides = [o for o in overrides if not o.startswith("FAULT=")]
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=overrides, return_hydra_config=True)
@@ -115,7 +121,12 @@ def _train(run_dir: Path, overrides: list[str]) -> None:
     HydraConfig.instance().set_config(cfg)
     with open_dict(cfg):
         del cfg["hydra"]
-    train(cfg, preflight(cfg))
+    build_trainer = project.training.run.build_trainer
+    project.training.run.build_trainer = with_faults(build_trainer, faults)
+    try:
+        train(cfg, preflight(cfg))
+    finally:
+        project.training.run.build_trainer = build_trainer
 
 
 if __name__ == "__main__":  # one rank: python -m tests.in_process RANK WORLD_SIZE PORT CASES.json

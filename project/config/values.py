@@ -9,13 +9,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from project.config.command_line import CONF, close_match
 from project.config.optim import OptimConfig
+from project.config.stability import StabilityConfig
 from project.model.config import DTYPE_NAMES, LlamaConfig
 from project.parallel.pipeline_layout import SCHEDULE_NAMES
 from project.runtime.errors import ConfigError
 from project.runtime.settings import Rule, above, accepted, or_null, out_of_range, whole
 
 # Settings whose range the code relies on: (key, accepts, what it must be). None is allowed only where stated.
-# Those of a dataclass (model.*: LlamaConfig, optim.*: OptimConfig) are declared on its fields.
+# Those of a dataclass (model.*: LlamaConfig, optim.*: OptimConfig, stability.*: StabilityConfig) are declared on
+# its fields.
 RULES: list[Rule] = [
     ("trainer.max_steps", whole(1), "a whole number of optimizer steps, 1 or more"),
     ("global_batch_size", whole(1), "a whole number of sequences, 1 or more"),
@@ -150,6 +152,7 @@ def check_values(cfg: DictConfig) -> None:
     check_strategy_choices(OmegaConf.to_container(cfg.strategy, resolve=True), choices.get("strategy", ""))
     try:
         OptimConfig(**OmegaConf.to_container(cfg.optim, resolve=True))
+        StabilityConfig(**OmegaConf.to_container(cfg.stability, resolve=True))
     except (ValueError, TypeError) as error:
         raise ConfigError(str(error)) from None
     model_config(cfg)

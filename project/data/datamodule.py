@@ -105,12 +105,15 @@ class TokenShardDataModule(LightningDataModule):
         cache_dir: str | None = None,
         cache_size: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        continue_from_sample: int | None = None,
     ):
+        """`continue_from_sample`: the data position to read on from, whatever a checkpoint says (a run rolled
+        back past a loss spike's batches: project.training.stability); None: the checkpoint's, or the start."""
         super().__init__()
         # Lightning logs the hyperparameters to every logger and keeps them in checkpoints: they hold no credential
         # given in storage_options (nor in an entry of mix), while reading still uses the options as given.
         self.storage_options = dict(storage_options) if storage_options else None
-        self.save_hyperparameters(ignore=["storage_options", "mix"])
+        self.save_hyperparameters(ignore=["storage_options", "mix", "continue_from_sample"])
         self.save_hyperparameters(without_secrets({"storage_options": storage_options, "mix": mix}))
         self.corpora = (
             corpora_from(mix) if mix else [Corpus(str(data_dir).rstrip("/").rsplit("/", 1)[-1], str(data_dir))]
@@ -137,7 +140,8 @@ class TokenShardDataModule(LightningDataModule):
                 f"(data.allow_repeats=true): every block is read about {global_batch_size / train_blocks:.1f} times "
                 "per step."
             )
-        self._start_sample = 0  # sequences consumed before this run (resume)
+        self._continue_from = continue_from_sample
+        self._start_sample = continue_from_sample or 0  # sequences consumed before this run (resume)
         self._start_step = 0
 
     def _check_one_tokenizer(self) -> None:
@@ -282,4 +286,4 @@ class TokenShardDataModule(LightningDataModule):
                 f"the checkpoint was trained on {state.get('num_train_blocks')} training blocks, this run's data holds "
                 f"{self._train_blocks()}: the run continues, in a different order."
             )
-        self._start_sample = int(state["samples_consumed"])
+        self._start_sample = int(state["samples_consumed"]) if self._continue_from is None else self._continue_from

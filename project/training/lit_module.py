@@ -12,12 +12,14 @@ from typing import IO, Any, Callable, Mapping, cast
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import Strategy
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
 
 from project.checkpoint.files import load_full_checkpoint, rebase_batch_progress
 from project.config.optim import OptimConfig
+from project.config.stability import StabilityConfig
 from project.data.datamodule import TokenShardDataModule
 from project.hf.published import load_published_weights
 from project.model.config import LlamaConfig
@@ -26,6 +28,7 @@ from project.parallel.contract import LlamaStrategy, contract_of
 from project.runtime.errors import ConfigError
 from project.training.callbacks.steps import logs_at
 from project.training.nonfinite import NonFiniteGuard, takes_the_flag_on_the_device
+from project.training.stability import Rollback, RollbackRequested, SpikeDetector
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -125,6 +128,8 @@ class LlamaLitModule(LightningModule):
         init_from: str | None = None,
         init_seed: int = 0,
         optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+        stability: StabilityConfig | dict | None = None,
+        rollbacks: list[Rollback | dict] | None = None,
     ):
         """`optimizer`: builds the optimizer from the parameter groups (conf/train.yaml's module.optimizer, a
         partial of torch.optim.AdamW with optim.lr, betas and eps, fused); None: that AdamW. The groups carry the weight
@@ -135,16 +140,21 @@ class LlamaLitModule(LightningModule):
         `weights_from_checkpoint` (a resumed run) the shards are only allocated, and the checkpoint fills them.
         `init_from`: a published Hugging Face folder whose weights fill the model in `configure_model` instead of
         random ones (a new run). None is a hyperparameter: a checkpoint loads either way. `init_seed`: the random
-        initial weights are a function of it and each parameter's name only (the run's `seed`)."""
+        initial weights are a function of it and each parameter's name only (the run's `seed`).
+
+        `stability`: what a loss spike does (project.training.stability); `rollbacks`: those the run made before
+        this module was built (it restarts with a new one), kept in its checkpoints."""
         super().__init__()
         model_cfg = model if isinstance(model, LlamaConfig) else LlamaConfig(**model)
         optim_cfg = optim if isinstance(optim, OptimConfig) else OptimConfig(**(optim or {}))
+        stability_cfg = stability if isinstance(stability, StabilityConfig) else StabilityConfig(**(stability or {}))
         if document_mask and eos_id is None:
             raise ValueError("document_mask needs the tokenizer's eos_id")
         self.save_hyperparameters(
             {
                 "model": asdict(model_cfg),
                 "optim": asdict(optim_cfg),
+                "stability": asdict(stability_cfg),
                 "document_mask": document_mask,
                 "eos_id": eos_id,
                 "init_seed": init_seed,
@@ -166,6 +176,9 @@ class LlamaLitModule(LightningModule):
         self._loss_sum: float | torch.Tensor = 0.0  # micro-batch losses since the last optimizer step
         self._loss_count = 0
         self._guard = NonFiniteGuard(optim_cfg.max_skipped_steps)  # updates withheld for a non-finite gradient norm
+        self.stability = stability_cfg
+        self._spikes = SpikeDetector(stability_cfg, rollbacks)
+        self._step_loss: torch.Tensor | None = None  # this rank's mean loss of the step being taken
         self._parallelized = False
         self._weights_from_checkpoint = weights_from_checkpoint
 
@@ -209,6 +222,7 @@ class LlamaLitModule(LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._guard = NonFiniteGuard(self.optim.max_skipped_steps, checkpoint.get("skipped_steps", 0))
+        self._spikes.load_state_dict(checkpoint.get("stability", {}))
         if (trainer := self.attached_trainer()) is not None:  # resuming a fit, not load_from_checkpoint
             rebase_batch_progress(checkpoint, trainer.accumulate_grad_batches)
 
@@ -261,6 +275,7 @@ class LlamaLitModule(LightningModule):
             # Not prog_bar: Lightning would read it off the device after every batch (StepProgressBar shows it).
             self.log("train/loss", self._loss_sum / self._loss_count, sync_dist=True)
             self.log("train/lr", optimizer.param_groups[0]["lr"])
+        self._step_loss = torch.as_tensor(self._loss_sum / self._loss_count)
         self._loss_sum, self._loss_count = 0.0, 0
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
@@ -275,14 +290,36 @@ class LlamaLitModule(LightningModule):
             scaler.unscale_(optimizer)
         norm = self.strategy().clip_grad_norm(self, self.optim.grad_clip or float("inf"))
         step = trainer.global_step if trainer is not None else 0
-        # The same global norm on every rank: they all decide alike, on the device (project.training.nonfinite).
+        # The same global norm and mean loss on every rank: they all decide alike, on the device
+        # (project.training.nonfinite, project.training.stability).
+        spike = self._spikes.observe(self._global_loss(), norm, step)
+        if self.stability.action == "rollback" and bool(spike):  # the host waits for the device here, every step
+            self._roll_back()
         on_device = takes_the_flag_on_the_device(optimizer, scaled=scaler is not None)
-        self._guard.before_update(norm, optimizer, step, on_device)
+        self._guard.before_update(norm, optimizer, step, on_device, spike if self.stability.action == "skip" else None)
         if self._logs_now():
             self._guard.check()  # the step's values are read now anyway: warn of skipped steps, or stop
+            self._spikes.report(self.stability.action)
             self.log("train/grad_norm", norm)
+            self.log_dict(self._spikes.metrics())
             if self.optim.max_skipped_steps:
                 self.log("train/skipped_steps", float(self._guard.skipped))
+
+    def _global_loss(self) -> torch.Tensor:
+        """The step's loss averaged over every rank (each holds its replica's, or its part's, mean over equally
+        many tokens): the global batch's mean, as train/loss logs it."""
+        loss = self._step_loss if self._step_loss is not None else torch.zeros(())
+        trainer = self.attached_trainer()
+        strategy = trainer.strategy if trainer is not None else None
+        return strategy.reduce(loss.clone(), reduce_op="mean") if isinstance(strategy, Strategy) else loss
+
+    def _roll_back(self) -> None:
+        """Every rank alike: the spike recorded, the run asked to restart from its last checkpoint (or stopped past
+        stability.max_rollbacks). Raised before this step's update, so nothing of it is applied or written."""
+        event = self._spikes.read_events()[-1]
+        self._spikes.stop_past_budget(event)
+        data = self._training_data()
+        raise RollbackRequested(event, data.samples_consumed if data is not None else 0, self._spikes)
 
     def on_train_start(self) -> None:
         # A checkpoint from before the optimizer was fused restores its groups as they were (fused=None): fuse them
@@ -301,10 +338,13 @@ class LlamaLitModule(LightningModule):
 
     def on_train_end(self) -> None:
         self._guard.check()  # a step past the budget since the last logging step stops the run with its message
+        self._spikes.report(self.stability.action)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         self._guard.check()  # never a checkpoint of a run that should have stopped: it stops here, before writing
         checkpoint["skipped_steps"] = self._guard.skipped
+        self._spikes.report(self.stability.action)
+        checkpoint["stability"] = self._spikes.state_dict()
         if (data := self._training_data()) is not None:  # what the embedding rows mean, checked on resume
             checkpoint["tokenizer"] = data.tokenizer_identity
 
@@ -316,6 +356,9 @@ class LlamaLitModule(LightningModule):
     def setup(self, stage: str) -> None:
         while len(self.val_losses) < len(self._validation_corpora()):
             self.val_losses.append(MeanMetric())
+        trainer = self.attached_trainer()
+        if trainer is not None and trainer.is_global_zero:  # the record of spikes, beside metrics.csv
+            self._spikes.record_dir = Path(trainer.default_root_dir)
 
     def validation_step(
         self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int, dataloader_idx: int = 0
@@ -366,7 +409,8 @@ class LlamaLitModule(LightningModule):
                 "~module.optimizer.fused on the command line (its non-finite guard then reads the norm every step)."
             ) from None
         total = self.optim.decay_steps or self.trainer.max_steps
+        # After a rollback, its cooldown scales the schedule's rates (project.training.stability).
         schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_at(step, self.optim, total) / self.optim.lr
+            optimizer, lambda step: lr_at(step, self.optim, total) / self.optim.lr * self._spikes.lr_scale(step)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -47,10 +47,18 @@ class NonFiniteGuard:
             }
         return self._state
 
-    def before_update(self, norm: torch.Tensor, optimizer: torch.optim.Optimizer, step: int, on_device: bool) -> None:
+    def before_update(
+        self,
+        norm: torch.Tensor,
+        optimizer: torch.optim.Optimizer,
+        step: int,
+        on_device: bool,
+        withhold: torch.Tensor | None = None,
+    ) -> None:
         """After the step's global gradient norm is known, before its update: withhold the update when the norm
-        is not finite or the budget is spent. `on_device`: the optimizer takes the flag (takes_the_flag_on_the_device);
-        otherwise the flag is read here, and the run stops or the gradients are dropped at once."""
+        is not finite or the budget is spent, or `withhold` (a flag on the device: a loss spike) says so.
+        `on_device`: the optimizer takes the flag (takes_the_flag_on_the_device); otherwise the flag is read here,
+        and the run stops or the gradients are dropped at once."""
         s = self._device_state(norm, step)
         bad = ~torch.isfinite(norm)
         s["count"] += bad
@@ -59,7 +67,7 @@ class NonFiniteGuard:
         s["last_bad"] = torch.where(bad, s["step"], s["last_bad"])
         s["last_norm"] = torch.where(bad, norm.detach(), s["last_norm"])
         s["step"] += 1
-        withheld = bad | past_budget
+        withheld = bad | past_budget if withhold is None else bad | past_budget | withhold
         if on_device:
             optimizer.found_inf = withheld.float()  # type: ignore[attr-defined]  # read by torch's fused step
             return

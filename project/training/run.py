@@ -7,7 +7,9 @@ directory), so everything here runs on every rank.
 
 from __future__ import annotations
 
+import os
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, cast
 
@@ -31,6 +33,7 @@ from project.runtime.processes import watch_children
 from project.runtime.secrets import redact_text, redacted_container, secret_values
 from project.training.callbacks.preemption import REQUEUE_EXIT_STATUS, StopOnSignal
 from project.training.lit_module import check_resumable
+from project.training.stability import Rollback, RollbackRequested, describe
 from project.training.trainer import build_trainer, check_devices, devices_per_node, is_first_process, limit_cpu_threads
 
 
@@ -40,11 +43,15 @@ def record_console(cfg: DictConfig, run_dir: Path) -> Callable[[], None]:
     silence_known_noise()
     restore = keep_console(run_dir, launch_rank(cfg.trainer.get("num_nodes", 1)), secret_values(cfg))
     if cfg.ckpt_path is not None:
-        # Resuming in its own run directory, where its checkpoints are expected; or from another run's,
-        # when the best checkpoint is tracked afresh in this one.
-        warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
-        warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
+        expect_checkpoints()
     return restore
+
+
+def expect_checkpoints() -> None:
+    """Resuming in its own run directory, where its checkpoints are expected (also after a rollback); or from
+    another run's, when the best checkpoint is tracked afresh in this one: Lightning's warnings say nothing new."""
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+    warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
 
 
 def write_hydra_record(cfg: DictConfig, run_dir: Path) -> None:
@@ -85,8 +92,31 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
     return metrics
 
 
+@dataclass
+class Restart:
+    """Where a run rolled back after a loss spike goes on from: a checkpoint (None: the initial weights) and a data
+    position, with every rollback so far (project.training.stability)."""
+
+    ckpt_path: str | None
+    sample: int
+    rollbacks: list[Rollback] = field(default_factory=list)
+
+
 def fit(cfg: DictConfig, run_dir: Path, layout: Layout | None) -> dict[str, float]:
-    """Build the run from `cfg` (strategy, layout, Trainer, data, module) in `run_dir` and fit; the final metrics."""
+    """Build the run from `cfg` in `run_dir` and fit; the final metrics. Under stability.action=rollback a loss
+    spike ends the fit on every rank alike, and the run is built again from its last checkpoint, reading on past
+    the spike's batches (`restart_after`)."""
+    restart: Restart | None = None
+    while True:
+        try:
+            return fit_once(cfg, run_dir, layout, restart)
+        except RollbackRequested as spike:
+            restart = restart_after(cfg, run_dir, spike, restart)
+            expect_checkpoints()
+
+
+def fit_once(cfg: DictConfig, run_dir: Path, layout: Layout | None, restart: Restart | None) -> dict[str, float]:
+    """Build the run (strategy, layout, Trainer, data, module) and fit, from `restart` where it restarts."""
     # Loader workers draw no random numbers (the sampler orders the data), so Lightning need not seed
     # them: its seeding function would be a Lightning import in every worker (project.data.loader_workers).
     L.seed_everything(cfg.seed, workers=False)
@@ -97,40 +127,92 @@ def fit(cfg: DictConfig, run_dir: Path, layout: Layout | None) -> dict[str, floa
     check_devices(cfg, trainer)
     limit_cpu_threads(trainer, cfg.threads_per_process)
     prepare_if_needed(cfg)
-    datamodule = build_datamodule(cfg, layout.plan)
+    datamodule = build_datamodule(cfg, layout.plan, restart.sample if restart else None)
+    ckpt_path = restart.ckpt_path if restart else resolve_ckpt_path(cfg.ckpt_path, run_dir)
     module = instantiate(
         cfg.module,
         eos_id=datamodule.eos_id,
         init_on_meta=contract_of(strategy).model_on_meta,  # a strategy that shards the model initializes it
-        weights_from_checkpoint=cfg.ckpt_path is not None,
+        weights_from_checkpoint=ckpt_path is not None,
+        rollbacks=[vars(r) for r in restart.rollbacks] if restart else None,  # plain values, as Hydra passes them
         _convert_="all",
     )
     announce(run_dir, layout.plan)
-    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
-    if ckpt_path is not None and trained_to_the_end(cfg, ckpt_path):
+    if ckpt_path is not None and restart is None and trained_to_the_end(cfg, ckpt_path):
         return {}
     if ckpt_path is not None:  # a checkpoint of another model or tokenizer, refused by name before anything loads
         model_cfg = cast(dict, OmegaConf.to_container(cfg.model, resolve=True))
         check_resumable(
             checkpoint_metadata(ckpt_path), model_cfg, datamodule.tokenizer_identity, ckpt_path, cfg.data.dir
         )
-    if trainer.is_global_zero:  # only now: a refused or no-op start leaves the run's record as it was
+    if trainer.is_global_zero and restart is None:  # only now: a refused or no-op start leaves the run's record
         OmegaConf.save(redacted_container(cfg), run_dir / "config.yaml")
         write_hydra_record(cfg, run_dir)
     ckpt_path = resumable_by(
         trainer.strategy, ckpt_path, run_dir, module.optimizer_parameter_names(), converts=is_first_process(trainer)
     )
-    watch_children(trainer.strategy.launcher)
+    if restart is None:  # the launcher that started this node's other ranks: the first fit's
+        watch_children(trainer.strategy.launcher)
+    elif trainer.world_size > 1:
+        # The other ranks run on, each restarting likewise: as Lightning documents, LOCAL_RANK set tells it that the
+        # processes exist already, so that the first rank does not launch them again.
+        os.environ.setdefault("LOCAL_RANK", str(trainer.local_rank))
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     return finish(trainer, run_dir)
 
 
-def build_datamodule(cfg: DictConfig, plan: BatchPlan) -> TokenShardDataModule:
-    """conf/train.yaml's datamodule with the batch plan's sizes; a model vocabulary beyond the tokenizer's is said."""
+def restart_after(cfg: DictConfig, run_dir: Path, spike: RollbackRequested, previous: Restart | None) -> Restart:
+    """The restart a spike asks for: from the run's last checkpoint (written before the spike: the spike's step
+    ends before any save), else the checkpoint the run resumed from, else the initial weights; reading on from the
+    batch after the spike's and stability.skip_batches more; its cooldown recorded. Said, and written to
+    stability.jsonl."""
+    stability, plan_batch = cfg.stability, int(cfg.global_batch_size)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    if last.exists():
+        ckpt_path: str | None = str(last)
+    elif previous is not None:
+        ckpt_path = previous.ckpt_path
+    else:
+        ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
+    restart_step = checkpoint_step(ckpt_path) if ckpt_path is not None else 0
+    spike_step = int(spike.event["step"])
+    sample = spike.samples_consumed + (1 + int(stability.skip_batches)) * plan_batch
+    rollback = Rollback(
+        spike_step=spike_step,
+        restart_step=restart_step,
+        resume_sample=sample,
+        lr_scale=float(stability.cooldown_lr_scale) if stability.cooldown_steps else 1.0,
+        cooldown_until=restart_step + int(stability.cooldown_steps),
+    )
+    rollbacks = [*(previous.rollbacks if previous else []), rollback]
+    left_out = f"batches {spike_step} to {spike_step + int(stability.skip_batches)}"
+    rank_zero_warn(
+        f"{describe(spike.event)}: a loss spike; rolling back to step {restart_step} "
+        f"({ckpt_path or 'the initial weights'}) and reading on past {left_out} (rollback {len(rollbacks)} of "
+        f"stability.max_rollbacks={stability.max_rollbacks})."
+    )
+    spike.record(
+        {
+            **spike.event,
+            "action": "rollback",
+            "restart_step": restart_step,
+            "checkpoint": ckpt_path,
+            "batches_left_out": [spike_step, spike_step + int(stability.skip_batches)],
+            "resume_sample": sample,
+        }
+    )
+    return Restart(ckpt_path, sample, rollbacks)
+
+
+def build_datamodule(cfg: DictConfig, plan: BatchPlan, continue_from_sample: int | None = None) -> TokenShardDataModule:
+    """conf/train.yaml's datamodule with the batch plan's sizes (and the data position of a rollback); a model
+    vocabulary beyond the tokenizer's is said."""
+    position = {} if continue_from_sample is None else {"continue_from_sample": continue_from_sample}
     datamodule = instantiate(
         cfg.datamodule,
         global_batch_size=plan.global_batch_size,
         micro_batch_size=plan.loader_batch_size,
+        **position,
         _convert_="all",
     )
     if cfg.model.vocab_size > datamodule.vocab_size:
