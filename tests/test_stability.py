@@ -1,0 +1,208 @@
+"""Loss spikes (conf/stability, project.training.stability): a step whose loss or gradient norm lies many standard
+deviations above the last steps' is found on the device; `skip` withholds its update exactly as the optimizer skips
+a non-finite step, `rollback` restarts the run from its last checkpoint past the spike's batches, exactly as a run
+resumed from that checkpoint with those batches left out; under single, ddp, fsdp2 and pipeline alike; past
+`max_rollbacks` the run stops, naming the steps.
+
+The spike is injected (tests/faults.py: spike@STEP multiplies the loss of one step by 1,000); the runs train in
+process (tests/in_process.py), one group of one rank and one of two."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+import torch
+from conftest import read_metrics, run_module, train_overrides
+from in_process import train_in_process
+
+from project.checkpoint.files import load_full_checkpoint
+from project.config.stability import StabilityConfig
+from project.training.stability import Rollback, SpikeDetector
+
+pytestmark = pytest.mark.slow
+
+SPIKE, CHECKPOINT, STEPS, SKIP_BATCHES, BATCH = 6, 4, 10, 1, 8
+# Four layers and loss chunks of 16 tokens: the pipeline's two stages split the same model (tests/test_pipeline.py).
+RUN = [
+    f"trainer.max_steps={STEPS}",
+    f"global_batch_size={BATCH}",
+    "model.n_layers=4",
+    "model.loss_chunk_tokens=16",
+    f"optim.decay_steps={STEPS}",  # the same learning rates in a run stopped at the checkpoint
+    f"ckpt_every_n_steps={CHECKPOINT}",
+    "val_every_n_steps=1000",
+    "stability.window=8",
+    "stability.warmup_steps=4",
+    # The injected spike lies some 10,000 deviations out; this small model's own gradient norm triples at step 5
+    # as its learning rate warms up (60 to 130 deviations of the four steps before): not what these tests are about.
+    "stability.threshold=1000",
+]
+SPIKED = f"FAULT=spike@{SPIKE}"
+SKIP = [*RUN, SPIKED, "stability=skip"]
+ROLLBACK = [*RUN, SPIKED, "stability=rollback", f"stability.skip_batches={SKIP_BATCHES}"]
+# Where the rolled-back run reads on: past the spike's batch and SKIP_BATCHES more.
+RESUME_SAMPLE = (SPIKE + 1 + SKIP_BATCHES) * BATCH
+LAYOUTS = {
+    "single": [],
+    "ddp": ["strategy=ddp", "trainer.devices=2"],
+    "fsdp2": ["strategy=fsdp2", "trainer.devices=2"],
+    "pipeline": ["strategy=pipeline", "trainer.devices=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_shards, tmp_path_factory) -> dict[str, object]:
+    """Every run of this module, by name: the references on one rank, then the layouts on one or two."""
+    dirs = {
+        name: tmp_path_factory.mktemp(name)
+        for name in ("skipped-nan", "to-checkpoint", "resumed-past", *[f"{a}-{n}" for n in LAYOUTS for a in "sr"])
+    }
+    single = [
+        # An update the optimizer skips by itself: a NaN loss at the step, one skip allowed.
+        ("skipped-nan", [*RUN, f"FAULT=nan@{SPIKE}", "optim.max_skipped_steps=1"]),
+        # The run stopped at its checkpoint, then resumed from it reading on past the spike's batches.
+        ("to-checkpoint", [*RUN, f"trainer.max_steps={CHECKPOINT}"]),
+        (
+            "resumed-past",
+            [
+                *RUN,
+                f"ckpt_path={dirs['to-checkpoint'] / 'checkpoints' / 'last.ckpt'}",
+                f"+datamodule.continue_from_sample={RESUME_SAMPLE}",
+            ],
+        ),
+        ("s-single", SKIP),
+        ("r-single", ROLLBACK),
+    ]
+    pairs = [
+        (f"{a}-{n}", [*(SKIP if a == "s" else ROLLBACK), *LAYOUTS[n]]) for n in LAYOUTS if n != "single" for a in "sr"
+    ]
+    for world_size, cases in ((1, single), (2, pairs)):
+        train_in_process(world_size, [(dirs[name], train_overrides(tiny_shards, dirs[name], *o)) for name, o in cases])
+    return dirs
+
+
+def spike_records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "stability.jsonl").read_text().splitlines()]
+
+
+def assert_same_weights(run_dir, reference_dir) -> None:
+    """The final weights, to the parity tests' tolerance (tests/conftest.py: assert_reproduces)."""
+    weights = load_full_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
+    for name, value in load_full_checkpoint(reference_dir / "checkpoints" / "last.ckpt")["state_dict"].items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=5e-5, msg=name)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_skip_withholds_the_spikes_update_as_the_optimizer_skips_a_non_finite_step(runs, layout):
+    run_dir, reference = runs[f"s-{layout}"], runs["skipped-nan"]
+    losses, reference_losses = read_metrics(run_dir, "train/loss"), read_metrics(reference, "train/loss")
+    assert losses[SPIKE] > 100 * losses[SPIKE - 1] and math.isnan(reference_losses[SPIKE])  # what each step met
+    assert sorted(losses) == sorted(reference_losses) == list(range(STEPS))
+    for step in reference_losses:
+        if step != SPIKE:
+            assert losses[step] == pytest.approx(reference_losses[step], rel=1e-5), step
+    assert_same_weights(run_dir, reference)
+    [record] = spike_records(run_dir)
+    assert record["step"] == SPIKE and record["action"] == "skip" and record["loss_z"] > 1000
+    assert read_metrics(run_dir, "stability/spikes")[STEPS - 1] == 1
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rollback_trains_on_as_a_run_resumed_from_the_checkpoint_past_the_spikes_batches(runs, layout):
+    run_dir = runs[f"r-{layout}"]
+    before, after = read_metrics(runs["to-checkpoint"], "train/loss"), read_metrics(runs["resumed-past"], "train/loss")
+    losses = read_metrics(run_dir, "train/loss")  # each step once: the steps after the checkpoint, as retrained
+    assert sorted(losses) == list(range(STEPS)) and sorted(before) == list(range(CHECKPOINT))
+    for step, loss in losses.items():
+        assert loss == pytest.approx((before if step < CHECKPOINT else after)[step], rel=1e-5), step
+    assert_same_weights(run_dir, runs["resumed-past"])
+    [record] = spike_records(run_dir)
+    assert record["action"] == "rollback" and record["step"] == SPIKE and record["restart_step"] == CHECKPOINT
+    assert record["batches_left_out"] == [SPIKE, SPIKE + SKIP_BATCHES] and record["resume_sample"] == RESUME_SAMPLE
+    # Its checkpoints know it: a run resumed from them reads on where this one would, and counts the rollback.
+    checkpoint = load_full_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    data = next(v for k, v in checkpoint.items() if k.endswith("TokenShardDataModule"))
+    assert data["samples_consumed"] == RESUME_SAMPLE + (STEPS - CHECKPOINT) * BATCH
+    assert [r["spike_step"] for r in checkpoint["stability"]["rollbacks"]] == [SPIKE]
+
+
+def test_past_max_rollbacks_the_run_stops_naming_the_spike_and_keeps_its_checkpoint(tiny_shards, tmp_path):
+    args = train_overrides(tiny_shards, tmp_path, *RUN, "stability=rollback", "stability.max_rollbacks=0")
+    result = run_module("tests.faults", args, env={"FAULT": f"spike@{SPIKE}"})
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert f"error: step {SPIKE}: loss " in result.stderr and "after 0 rollbacks" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert load_full_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == CHECKPOINT
+
+
+def test_the_z_scores_are_those_of_the_window_and_a_spike_stays_out_of_it():
+    """Against the mean and sample standard deviation of the last `window` accepted steps, written out here."""
+    detector = SpikeDetector(StabilityConfig(window=4, warmup_steps=3, threshold=5.0))
+    generator = torch.Generator().manual_seed(0)
+    losses = [3.0 - 0.1 * i + 0.05 * float(torch.randn((), generator=generator)) for i in range(12)]
+    norms = [1.0 + 0.1 * float(torch.rand((), generator=generator)) for _ in range(12)]
+    losses[8] *= 3  # a spike
+    accepted: list[tuple[float, float]] = []
+    for step, (loss, norm) in enumerate(zip(losses, norms)):
+        spike = bool(detector.observe(torch.tensor(loss), torch.tensor(norm), step))
+        z = detector.metrics()
+        if len(accepted) >= 3:
+            window = accepted[-4:]
+            for i, name in enumerate(("stability/loss_z", "stability/grad_norm_z")):
+                values = [pair[i] for pair in window]
+                expected = ((loss, norm)[i] - statistics.mean(values)) / statistics.stdev(values)
+                assert float(z[name]) == pytest.approx(expected, rel=1e-4), (step, name)
+        else:
+            assert float(z["stability/loss_z"]) == 0.0  # warming up
+        assert spike == (step == 8)
+        if not spike:
+            accepted.append((loss, norm))
+    [event] = detector.read_events()
+    assert event["step"] == 8 and event["loss"] == pytest.approx(losses[8])
+
+
+def test_a_resumed_detector_judges_the_next_step_as_the_uninterrupted_one():
+    config = StabilityConfig(window=5, warmup_steps=2)
+    values = [(2.0 + 0.1 * (i % 3), 1.0 + 0.05 * i) for i in range(9)]
+    whole, first = SpikeDetector(config), SpikeDetector(config)
+    for step, (loss, norm) in enumerate(values[:7]):
+        whole.observe(torch.tensor(loss), torch.tensor(norm), step)
+        first.observe(torch.tensor(loss), torch.tensor(norm), step)
+    resumed = SpikeDetector(config)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))  # plain values, as a checkpoint holds them
+    for step, (loss, norm) in enumerate(values[7:], start=7):
+        whole.observe(torch.tensor(loss), torch.tensor(norm), step)
+        resumed.observe(torch.tensor(loss), torch.tensor(norm), step)
+        # The same values in another order of the ring: summed in another order, equal to float32's precision.
+        assert {k: float(v) for k, v in resumed.metrics().items()} == pytest.approx(
+            {k: float(v) for k, v in whole.metrics().items()}, rel=1e-6
+        )
+
+
+def test_a_cooldown_scales_the_learning_rate_from_the_restart_for_its_steps():
+    detector = SpikeDetector(StabilityConfig(), [Rollback(30, 20, 400, lr_scale=0.1, cooldown_until=25)])
+    assert [detector.lr_scale(step) for step in (19, 20, 24, 25)] == [1.0, 0.1, 0.1, 1.0]
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("stability.action=rewind", "stability.action=rewind is out of range: it must be log, skip or rollback"),
+        ("stability.warmup_steps=200", "stability.warmup_steps=200 is more than stability.window=100"),
+        ("stability.cooldown_lr_scale=0", "stability.cooldown_lr_scale=0 is out of range"),
+    ],
+)
+def test_a_stability_setting_out_of_range_is_refused_before_the_run_starts(tiny_shards, tmp_path, setting, message):
+    from hydra import compose, initialize_config_dir
+
+    from project.config.checks import preflight
+    from project.config.command_line import CONF
+    from project.runtime.errors import ConfigError
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=train_overrides(tiny_shards, tmp_path, setting))
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        preflight(cfg)
