@@ -9,6 +9,7 @@ steps from 0; `:rank=R` limits a fault to global rank R (default: every rank).
 - `nan@STEP`: the loss of step STEP is NaN, and so are its gradients.
 - `spike@STEP`: the loss of step STEP is 1000 times what it is (its gradients too), once in the process: a run
   rolled back past it does not meet it again (a spike's batches are left out).
+- `slow@STEP`: from step STEP on, each transformer block's forward takes 20 ms longer (a slow device).
 - `kill@STEP`: SIGKILL every process of the run (its process group) as step STEP starts; with `:rank=R`
   that rank alone dies.
 - `raise@STEP`: raise a RuntimeError as step STEP starts.
@@ -62,10 +63,10 @@ class Fault:
                 fault.rank = int(extra.removeprefix("rank="))
             else:
                 fault.op = int(extra)
-        kinds = ("nan", "spike", "kill", "raise", "hang", "kill-in-save", "count-save-ops")
+        kinds = ("nan", "spike", "slow", "kill", "raise", "hang", "kill-in-save", "count-save-ops")
         if kind not in kinds or (kind == "kill-in-save") != (fault.op is not None):
             raise ValueError(
-                f"FAULT={text}: expected one of nan@STEP, spike@STEP, kill@STEP, raise@STEP, hang@STEP, "
+                f"FAULT={text}: expected one of nan@STEP, spike@STEP, slow@STEP, kill@STEP, raise@STEP, hang@STEP, "
                 "kill-in-save@N:OP, count-save-ops"
             )
         return fault
@@ -98,6 +99,12 @@ class AtStep(Callback):
         if self.fault.kind == "hang":
             while True:
                 time.sleep(60)
+        if self.fault.kind == "slow":
+            if not self.fault.fired:  # once: the step's first micro batch
+                for block in pl_module.model.layers.values():
+                    block.register_forward_pre_hook(lambda *_: time.sleep(0.02))
+                self.fault.fired = True
+            return
         model = pl_module.model
         if "head_loss" not in vars(model):  # this instance only, until restored
             model.head_loss = functools.partial(self.scaled, model.head_loss, SCALES[self.fault.kind])
@@ -218,7 +225,8 @@ def with_faults(build_trainer, faults: list[Fault]):
     @functools.wraps(build_trainer)
     def build(*args, **kwargs):
         trainer = build_trainer(*args, **kwargs)
-        trainer.callbacks.extend(AtStep(f) for f in faults if f.kind in ("nan", "spike", "kill", "raise", "hang"))
+        at_step = ("nan", "spike", "slow", "kill", "raise", "hang")
+        trainer.callbacks.extend(AtStep(f) for f in faults if f.kind in at_step)
         return trainer
 
     return build

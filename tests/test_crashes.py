@@ -206,3 +206,8 @@ def test_a_rank_that_stops_answering_ends_the_job_after_the_collective_timeout(t
     assert 30 <= ended.seconds < 150, f"the job took {ended.seconds:.0f} s to end"
     assert "Timed out waiting 30000ms" in ended.stderr, ended.stderr[-3000:]
     assert "error: rank 0 of 2 failed: a collective operation failed" in ended.stderr, ended.stderr[-3000:]
+    # Where each rank was: the hung one in the fault's sleep, from the stack its watchdog wrote into its log.
+    assert re.search(
+        r"the ranks were in: rank 0 in \w+ \(.*\); rank 1 in on_train_batch_start \(tests/faults.py:", ended.stderr
+    ), ended.stderr[-3000:]
+    assert "(most recent call first)" in (tmp_path / "train.rank1.log").read_text()

@@ -1,17 +1,26 @@
-"""Loss spikes (conf/stability, project.training.stability): a step whose loss or gradient norm lies many standard
-deviations above the last steps' is found on the device; `skip` withholds its update exactly as the optimizer skips
-a non-finite step, `rollback` restarts the run from its last checkpoint past the spike's batches, exactly as a run
-resumed from that checkpoint with those batches left out; under single, ddp, fsdp2 and pipeline alike; past
-`max_rollbacks` the run stops, naming the steps.
+"""A run that looks after itself (conf/stability).
 
-The spike is injected (tests/faults.py: spike@STEP multiplies the loss of one step by 1,000); the runs train in
-process (tests/in_process.py), one group of one rank and one of two."""
+Loss spikes (project.training.stability): a step whose loss or gradient norm lies many standard deviations above the
+last steps' is found on the device; `skip` withholds its update exactly as the optimizer skips a non-finite step,
+`rollback` restarts the run from its last checkpoint past the spike's batches, exactly as a run resumed from that
+checkpoint with those batches left out; under single, ddp, fsdp2 and pipeline alike; past `max_rollbacks` the run
+stops, naming the steps. Per-layer numerics (callbacks/numerics.py) are those of one device in every layout. A slow
+rank is named (callbacks/stragglers.py); a hung one: tests/test_crashes.py.
+
+Faults are injected (tests/faults.py: spike@STEP multiplies the loss of one step by 1,000, slow@STEP delays every
+block's forward on a rank); the runs train in process (tests/in_process.py), one group of one rank and one of two."""
 
 from __future__ import annotations
 
+import csv
+import faulthandler
 import json
 import math
+import re
+import socket
 import statistics
+import threading
+import time
 
 import pytest
 import torch
@@ -24,7 +33,8 @@ from project.training.stability import Rollback, SpikeDetector
 
 pytestmark = pytest.mark.slow
 
-SPIKE, CHECKPOINT, STEPS, SKIP_BATCHES, BATCH = 6, 4, 10, 1, 8
+SPIKE, CHECKPOINT, STEPS, SKIP_BATCHES, BATCH, NUMERICS_EVERY = 6, 4, 10, 1, 8, 5
+NUMERICS_STEPS = (4, 9)
 # Four layers and loss chunks of 16 tokens: the pipeline's two stages split the same model (tests/test_pipeline.py).
 RUN = [
     f"trainer.max_steps={STEPS}",
@@ -39,6 +49,7 @@ RUN = [
     # The injected spike lies some 10,000 deviations out; this small model's own gradient norm triples at step 5
     # as its learning rate warms up (60 to 130 deviations of the four steps before): not what these tests are about.
     "stability.threshold=1000",
+    f"stability.numerics_every_n_steps={NUMERICS_EVERY}",
 ]
 SPIKED = f"FAULT=spike@{SPIKE}"
 SKIP = [*RUN, SPIKED, "stability=skip"]
@@ -51,15 +62,16 @@ LAYOUTS = {
     "fsdp2": ["strategy=fsdp2", "trainer.devices=2"],
     "pipeline": ["strategy=pipeline", "trainer.devices=2"],
 }
+# Skipped only (their numerics sum shards in other ways: tensor-parallel slices and replicated norms, FSDP1's pieces).
+SKIPPED_ONLY = {"tp": ["strategy=tp", "trainer.devices=2"], "fsdp": ["strategy=fsdp", "trainer.devices=2"]}
+SLOW = [*RUN, "FAULT=slow@2:rank=1", *LAYOUTS["ddp"]]
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_shards, tmp_path_factory) -> dict[str, object]:
     """Every run of this module, by name: the references on one rank, then the layouts on one or two."""
-    dirs = {
-        name: tmp_path_factory.mktemp(name)
-        for name in ("skipped-nan", "to-checkpoint", "resumed-past", *[f"{a}-{n}" for n in LAYOUTS for a in "sr"])
-    }
+    names = ["skipped-nan", "to-checkpoint", "resumed-past", "slow", *[f"{a}-{n}" for n in LAYOUTS for a in "sr"]]
+    dirs = {name: tmp_path_factory.mktemp(name) for name in [*names, *[f"s-{n}" for n in SKIPPED_ONLY]]}
     single = [
         # An update the optimizer skips by itself: a NaN loss at the step, one skip allowed.
         ("skipped-nan", [*RUN, f"FAULT=nan@{SPIKE}", "optim.max_skipped_steps=1"]),
@@ -76,9 +88,9 @@ def runs(tiny_shards, tmp_path_factory) -> dict[str, object]:
         ("s-single", SKIP),
         ("r-single", ROLLBACK),
     ]
-    pairs = [
-        (f"{a}-{n}", [*(SKIP if a == "s" else ROLLBACK), *LAYOUTS[n]]) for n in LAYOUTS if n != "single" for a in "sr"
-    ]
+    parallel = [n for n in LAYOUTS if n != "single"]
+    pairs = [(f"{a}-{n}", [*(SKIP if a == "s" else ROLLBACK), *LAYOUTS[n]]) for n in parallel for a in "sr"]
+    pairs += [(f"s-{n}", [*SKIP, *layout]) for n, layout in SKIPPED_ONLY.items()] + [("slow", SLOW)]
     for world_size, cases in ((1, single), (2, pairs)):
         train_in_process(world_size, [(dirs[name], train_overrides(tiny_shards, dirs[name], *o)) for name, o in cases])
     return dirs
@@ -95,7 +107,7 @@ def assert_same_weights(run_dir, reference_dir) -> None:
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=5e-5, msg=name)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [*LAYOUTS, *SKIPPED_ONLY])
 def test_skip_withholds_the_spikes_update_as_the_optimizer_skips_a_non_finite_step(runs, layout):
     run_dir, reference = runs[f"s-{layout}"], runs["skipped-nan"]
     losses, reference_losses = read_metrics(run_dir, "train/loss"), read_metrics(reference, "train/loss")
@@ -206,3 +218,77 @@ def test_a_stability_setting_out_of_range_is_refused_before_the_run_starts(tiny_
         cfg = compose("train", overrides=train_overrides(tiny_shards, tmp_path, setting))
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         preflight(cfg)
+
+
+def numerics(run_dir) -> dict[str, dict[int, float]]:
+    """{numerics/<layer>/<stat>: {step: value}} of a run."""
+    with open(run_dir / "metrics.csv", newline="") as file:
+        columns = [c for c in csv.DictReader(file).fieldnames or [] if c.startswith("numerics/")]
+    return {column: read_metrics(run_dir, column) for column in columns}
+
+
+@pytest.mark.parametrize("layout", [n for n in [*LAYOUTS, *SKIPPED_ONLY] if n != "single"])
+def test_per_layer_numerics_of_a_sharded_layout_are_those_of_one_device(runs, layout):
+    """Gradient and parameter norms, update ratios and output RMS of the embedding, each block and the head, at every
+    numerics step: summed over shards, tensor-parallel slices and pipeline stages as one device computes them."""
+    reference, figures = numerics(runs["s-single"]), numerics(runs[f"s-{layout}"])
+    layers = ["embedding", "block0", "block1", "block2", "block3", "head"]
+    stats = ["grad_norm", "param_norm", "update_ratio", "output_rms"]
+    assert sorted(reference) == sorted(f"numerics/{layer}/{stat}" for layer in layers for stat in stats)
+    assert sorted(figures) == sorted(reference)
+    for column, values in reference.items():
+        assert sorted(values) == sorted(figures[column]) == list(NUMERICS_STEPS), column
+        for step, value in values.items():
+            assert figures[column][step] == pytest.approx(value, rel=1e-4), (column, step)
+
+
+def test_the_layers_gradient_norms_make_the_global_one_and_their_norms_the_checkpoints(runs):
+    """Written out here: the squares of the layers' gradient norms add up to the logged global norm; the parameter
+    norms at the resumed run's first step are those of the weights of the checkpoint it resumed from."""
+    figures, norms = numerics(runs["s-single"]), read_metrics(runs["s-single"], "train/grad_norm")
+    layers = ["embedding", *[f"block{i}" for i in range(4)], "head"]
+    for step in NUMERICS_STEPS:
+        total = math.sqrt(sum(figures[f"numerics/{layer}/grad_norm"][step] ** 2 for layer in layers))
+        assert total == pytest.approx(norms[step], rel=1e-5), step
+    weights = load_full_checkpoint(runs["to-checkpoint"] / "checkpoints" / "last.ckpt")["state_dict"]
+
+    def layer_of(name: str) -> str:
+        parts = name.split(".")  # model.layers.3.attention.wq.weight, model.tok_embeddings.weight, model.norm.weight
+        return {"tok_embeddings": "embedding", "layers": f"block{parts[2]}"}.get(parts[1], "head")
+
+    squares: dict[str, float] = {}
+    for name, value in weights.items():
+        squares[layer_of(name)] = squares.get(layer_of(name), 0.0) + float(value.double().square().sum())
+    resumed = numerics(runs["resumed-past"])
+    for layer, square in squares.items():
+        assert resumed[f"numerics/{layer}/param_norm"][CHECKPOINT] == pytest.approx(math.sqrt(square), rel=1e-6)
+
+
+def test_a_rank_slowed_on_purpose_is_named_with_its_host_and_time(runs):
+    ratios = read_metrics(runs["slow"], "train/step_time_max_over_min")
+    assert ratios[STEPS - 1] > 2  # the blocks' forward of rank 1 take 20 ms more each
+    log = (runs["slow"] / "train.log").read_text()
+    host = re.escape(socket.gethostname())
+    assert re.search(rf"rank 1 on {host} spends [\d.]+ ms per step in its blocks' forward", log), log[-3000:]
+    assert "a straggler" in log
+
+
+def test_a_stack_dump_names_the_innermost_call_of_the_main_thread(tmp_path):
+    """faulthandler's own dump, taken from another thread while the main one loops in a known function."""
+    from project.runtime.stacks import innermost_call
+
+    done, dump = threading.Event(), tmp_path / "dump.txt"
+
+    def dump_later() -> None:
+        time.sleep(0.2)
+        with open(dump, "w") as file:
+            faulthandler.dump_traceback(file, all_threads=True)
+        done.set()
+
+    def looping_here() -> None:
+        while not done.is_set():
+            sum(range(100))
+
+    threading.Thread(target=dump_later).start()
+    looping_here()
+    assert innermost_call("== a run starts\n" + dump.read_text()).startswith("looping_here (tests/test_stability.py:")

@@ -2,14 +2,16 @@
 (project.parallel.*) and the training module and run (project.training.lit_module, project.training.run).
 
 Lightning's own Strategy hooks (setup, backward, optimizer step, checkpoints) stay Lightning's. A Llama run
-needs a few more: how the model is built and sharded, the gradient norm over every shard, how many processes
-share a node, which ranks read the same batch, the batch plan, and the loss of a step when the strategy runs
-the model itself (the pipeline). Every strategy of ours inherits `LlamaStrategy` beside its Lightning base and
-overrides what it does differently; the module and the run call these methods and never look for others.
+needs a few more: how the model is built and sharded, the gradient norm over every shard (and sums of squares of
+any group of parameters, for per-layer numerics), how many processes share a node, which ranks read the same
+batch, the batch plan, and the loss of a step when the strategy runs the model itself (the pipeline). Every
+strategy of ours inherits `LlamaStrategy` beside its Lightning base and overrides what it does differently; the
+module, the run and the callbacks call these methods and never look for others.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
@@ -83,6 +85,20 @@ class LlamaStrategy:
     ) -> torch.Tensor:
         """The mean loss of a training (`train`) or validation batch, as the module computes it."""
         return module.loss(inputs, targets)
+
+    def sum_of_squares(self, groups: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
+        """[len(groups)]: for each group of tensors (parameters, their gradients or updates, as this rank holds
+        them; a group may be empty on this rank), the sum of the squares of the whole tensors' elements, over every
+        shard and pipeline stage, the same on every rank (per-layer numerics). Here: each rank holds whole tensors,
+        the same on every rank."""
+        return torch.stack([_local_sum_of_squares(group, device) for group in groups])
+
+
+def _local_sum_of_squares(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    for t in tensors:
+        total = total + t.detach().float().square().sum()
+    return total
 
 
 # What the module and the run call when the Trainer's strategy is not one of ours (Lightning's own, in a test).

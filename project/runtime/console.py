@@ -126,6 +126,14 @@ def launch_rank(num_nodes: int = 1) -> int:
     return node * per_node + local
 
 
+_current_log: TextIO | None = None  # the console log keep_console writes, while it does
+
+
+def current_log() -> TextIO | None:
+    """The file this process's console is copied into (project.runtime.stacks writes stacks there), or None."""
+    return _current_log
+
+
 def keep_console(run_dir: Path, rank: int, secrets: set[str] = frozenset()) -> Callable[[], None]:
     """From now on, copy this process's console into the run directory (appending: a resumed run
     continues the same log). Rank 0: stdout and stderr in train.log; other ranks: stderr in
@@ -133,7 +141,8 @@ def keep_console(run_dir: Path, rank: int, secrets: set[str] = frozenset()) -> C
     Returns what puts the console back as it was (a run that ended; the process may train again)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     name = "train.log" if rank == 0 else f"train.rank{rank}.log"
-    log = open(run_dir / name, "a", encoding="utf-8", buffering=1)
+    global _current_log
+    log = _current_log = open(run_dir / name, "a", encoding="utf-8", buffering=1)
     command = redact_text(" ".join(sys.argv[1:]), secrets)
     log.write(f"== {datetime.datetime.now().isoformat(timespec='seconds')} python -m project.train {command}\n")
     streams = ("stdout", "stderr") if rank == 0 else ("stderr",)
@@ -157,6 +166,8 @@ def keep_console(run_dir: Path, rank: int, secrets: set[str] = frozenset()) -> C
     atexit.register(log.flush)
 
     def restore() -> None:
+        global _current_log
+        _current_log = None
         for stream, tee in zip(streams, replaced.values()):
             if getattr(sys, stream) is tee:
                 setattr(sys, stream, tee.console)

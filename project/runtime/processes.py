@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -121,10 +122,28 @@ def report_failed_rank(error: BaseException, run_dir: Path) -> None:
             "(look for the first rank that failed: its error comes first, or in its own train.rank<N>.log; "
             "strategy.collective_timeout_minutes bounds the wait)"
         )
+        if rank == 0:  # no rank ended: one stopped answering. Where each one was, from the stacks they wrote
+            what += calls_said(error, run_dir, size)
     else:
         what = f"{type(error).__name__}: {reason}"
     log = run_dir / ("train.log" if rank == 0 else f"train.rank{rank}.log")
     print(f"error: rank {rank} of {size} failed: {what}. Its console is in {log}.", file=sys.stderr, flush=True)
+
+
+def calls_said(error: BaseException, run_dir: Path, size: int) -> str:
+    """`; the ranks were in: rank 0 in all_reduce (...), rank 1 in ...`: this rank's from its error's traceback,
+    the others' from the stacks their watchdog wrote into their console logs (project.runtime.stacks)."""
+    from project.runtime.stacks import calls_of_ranks, short_path
+
+    calls = calls_of_ranks(run_dir, size)
+    frames = traceback.extract_tb(error.__traceback__)
+    if frames:
+        frame = frames[-1]
+        calls[0] = f"{frame.name} ({short_path(frame.filename)}:{frame.lineno})"
+    said = "; ".join(f"rank {rank} in {calls[rank]}" for rank in sorted(calls))
+    silent = [str(rank) for rank in range(size) if rank not in calls]
+    where = f"; the ranks were in: {said}" if said else ""
+    return where + (f" (rank(s) {', '.join(silent)} wrote no stack)" if silent else "")
 
 
 def _is_collective_failure(error: BaseException) -> bool:

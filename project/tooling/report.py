@@ -48,7 +48,7 @@ from project.parallel.mesh import MeshShape
 from project.runtime.arguments import parse_options
 from project.runtime.errors import ConfigError, exit_on_config_error
 from project.tooling.report_wandb import UnreadableLog, WandbRun, api_runs, is_run_folder, read_folders, run_folders
-from project.tooling.svg_plots import bar_chart, line_chart
+from project.tooling.svg_plots import bar_chart, heat_map, line_chart
 
 OPTIONS = {"name": None, "out": None}
 USAGE = (
@@ -78,6 +78,9 @@ class RunSummary:
     val_loss: float | None = None
     status: str = "ok"
     train_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, train/loss), the loss curve
+    # Per-layer numerics (stability.numerics_every_n_steps): {stat: {(layer, step): value}}, layers in model order.
+    numerics: dict[str, dict[tuple[str, int], float]] = field(default_factory=dict)
+    layers: list[str] = field(default_factory=list)
 
     @property
     def title(self) -> str:
@@ -249,8 +252,24 @@ def summarize_metrics(
     summary.train_losses = series(rows, "train/loss")
     summary.train_loss = summary.train_losses[-1][1] if summary.train_losses else None
     summary.val_loss = last(rows, "val/loss")
+    summary.layers, summary.numerics = numerics_of(rows)
     summary.status = completion(rows, memory, config)
     return summary
+
+
+def numerics_of(rows: Rows) -> tuple[list[str], dict[str, dict[tuple[str, int], float]]]:
+    """The layers (embedding, block0 .., head) and {stat: {(layer, step): value}} of the logged numerics/<layer>/<stat>
+    (project.training.callbacks.numerics); the last value of a step logged twice (a rollback retrained it)."""
+    names = sorted({key for row in rows for key in row if key.startswith("numerics/") and key.count("/") == 2})
+    figures: dict[str, dict[tuple[str, int], float]] = {}
+    layers: list[str] = []
+    for name in names:
+        _, layer, stat = name.split("/")
+        layers.append(layer) if layer not in layers else None
+        figures.setdefault(stat, {}).update(((layer, step), value) for step, value in series(rows, name))
+    order = {"embedding": -1, "head": 1 << 30}
+    layers.sort(key=lambda layer: order.get(layer, int(layer.removeprefix("block")) if layer[5:].isdigit() else 0))
+    return layers, figures
 
 
 # ---------------------------------------------------------------- what the arguments stand for
@@ -434,6 +453,32 @@ def write_plots(summaries: list[RunSummary], folder: Path) -> dict[str, str]:
     return {key: f"{key}.svg" for key in charts}
 
 
+NUMERICS = {
+    "update_ratio": "update / parameter norm",
+    "grad_norm": "gradient norm",
+    "param_norm": "parameter norm",
+    "output_rms": "output RMS",
+}
+
+
+def write_numerics(summaries: list[RunSummary], folder: Path) -> list[tuple[str, str]]:
+    """(title, file name) of a heat map (layer x step) per statistic of each run that logged per-layer numerics."""
+    for stale in folder.glob("numerics-*.svg"):  # of the report this one replaces
+        stale.unlink()
+    labels, maps = plot_labels(summaries), []
+    for index, s in enumerate(summary for summary in summaries if summary.numerics):
+        for stat, shown in NUMERICS.items():
+            values = s.numerics.get(stat)
+            if not values:
+                continue
+            title = f"{labels[id(s)]}: {shown} per layer"
+            steps = sorted({step for _, step in values})
+            name = f"numerics-{index}-{stat}.svg"
+            (folder / name).write_text(heat_map(title, s.layers, steps, values, shown), encoding="utf-8")
+            maps.append((title, name))
+    return maps
+
+
 NOTES = """\
 How each column is made: **devices** is `layout/world_size` (else `trainer.devices` x `trainer.num_nodes`);
 **tokens/s per device** is the median of the logged `train/tokens_per_sec` (the whole global batch over the
@@ -464,6 +509,12 @@ def write_report(summaries: list[RunSummary], folder: Path, title: str, command:
     parts += [f"![{PLOTS[key]}]({name})" for key, name in plots.items()]
     if missing:
         parts.append(f"No plot of {', '.join(missing)}: no run logged it.")
+    if numerics := write_numerics(summaries, folder):
+        parts.append(
+            "Per-layer numerics (`stability.numerics_every_n_steps`): each cell a layer at a step, coloured by the "
+            "logarithm of its value."
+        )
+        parts += [f"![{title}]({name})" for title, name in numerics]
     path = folder / "report.md"
     path.write_text("\n\n".join(parts) + "\n")
     return path

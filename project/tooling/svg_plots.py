@@ -1,8 +1,9 @@
-"""Bar and line charts as SVG text, with the standard library alone.
+"""Bar and line charts and heat maps as SVG text, with the standard library alone.
 
-The report's three plots are all this project draws. matplotlib drew them before, but with it installed
-torchmetrics (which lightning imports) loads matplotlib.pyplot at import time: 0.9 s of every process start.
-The output is a pure function of the input (no dates, no random ids), so a report made again is the same bytes.
+The report's plots (bars, lines, and heat maps of per-layer numerics) are all this project draws. matplotlib drew
+them before, but with it installed torchmetrics (which lightning imports) loads matplotlib.pyplot at import time:
+0.9 s of every process start. The output is a pure function of the input (no dates, no random ids), so a report
+made again is the same bytes.
 """
 
 from __future__ import annotations
@@ -131,3 +132,53 @@ def line_chart(title: str, series: list[tuple[str, list[tuple[float, float]]]], 
         body.append(line(left, y, left + 24, y, colour, 2))
         body.append(text(left + 30, y, name))
     return document(WIDTH, legend + 18 * len(series), title, body)
+
+
+# A sequential scale from pale to dark (viridis' ends and middle), for values on a log axis.
+HEAT = [(253, 231, 37), (94, 201, 98), (33, 145, 140), (59, 82, 139), (68, 1, 84)]
+
+
+def heat_colour(fraction: float) -> str:
+    """The colour at `fraction` (0: the smallest value, 1: the largest) of HEAT, linearly between its stops."""
+    position = min(max(fraction, 0.0), 1.0) * (len(HEAT) - 1)
+    i = min(int(position), len(HEAT) - 2)
+    a, b, t = HEAT[i], HEAT[i + 1], position - i
+    return "#" + "".join(f"{round(x + (y - x) * t):02x}" for x, y in zip(a, b))
+
+
+def heat_map(title: str, rows: list[str], columns: list[int], values: dict[tuple[str, int], float], label: str) -> str:
+    """A cell per (row, column) coloured by log10 of its value (positive, finite; others left blank), the first
+    row at the top; a colour bar with the scale's ends under it."""
+    shown = [v for v in values.values() if math.isfinite(v) and v > 0]
+    lo, hi = (math.log10(min(shown)), math.log10(max(shown))) if shown else (0.0, 1.0)
+    span = hi - lo or 1.0
+    left = 16 + CHAR * max(len(r) for r in rows)
+    top, cell_height = 32, 16
+    cell_width = max(4.0, min(40.0, (WIDTH - left - 24) / max(1, len(columns))))
+    bottom = top + cell_height * len(rows)
+    body = []
+    for r, row in enumerate(rows):
+        body.append(text(left - 6, top + cell_height * (r + 0.5), row, "end"))
+        for c, column in enumerate(columns):
+            value = values.get((row, column))
+            if value is None or not math.isfinite(value) or value <= 0:
+                continue
+            colour = heat_colour((math.log10(value) - lo) / span)
+            body.append(
+                f'<rect class="cell" x="{left + c * cell_width:.1f}" y="{top + r * cell_height:.1f}" '
+                f'width="{cell_width:.2f}" height="{cell_height}" fill="{colour}"><title>{escape(row)}, step '
+                f"{column}: {value:.4g}</title></rect>"
+            )
+    # Step labels under the columns, about eight of them.
+    every = max(1, math.ceil(len(columns) / 8))
+    for c in range(0, len(columns), every):
+        body.append(text(left + (c + 0.5) * cell_width, bottom + 12, str(columns[c]), "middle"))
+    right = left + cell_width * len(columns)
+    body.append(text((left + right) / 2, bottom + 30, "optimizer step", "middle"))
+    bar_top = bottom + 48
+    for i in range(100):
+        body.append(f'<rect x="{left + i * 2:.1f}" y="{bar_top}" width="2" height="10" fill="{heat_colour(i / 99)}"/>')
+    body.append(text(left, bar_top + 22, f"{10**lo:.3g}", "middle"))
+    body.append(text(left + 200, bar_top + 22, f"{10**hi:.3g}", "middle"))
+    body.append(text(left + 212, bar_top + 5, f"{label} (log scale)"))
+    return document(max(WIDTH, right + 24), bar_top + 40, title, body)

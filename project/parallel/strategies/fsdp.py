@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, cast, get_args
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.strategies.fsdp import _setup_activation_checkpointing
@@ -78,6 +80,15 @@ class CPUCapableFSDPStrategy(LlamaStrategy, FSDPStrategy):
     def clip_grad_norm(self, module: LightningModule, max_norm: float) -> torch.Tensor:
         """Global gradient norm over all shards (before clipping), gradients clipped to max_norm."""
         return cast("FullyShardedDataParallel", self.model).clip_grad_norm_(max_norm)  # wrapped in _setup_model
+
+    def sum_of_squares(self, groups: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
+        """FSDP's parameters (use_orig_params) are each rank's pieces of the flat shards: their sums over every
+        rank, divided by the copies of each piece (HYBRID_SHARD's groups; NO_SHARD's every rank)."""
+        sums = super().sum_of_squares(groups, device)
+        dist.all_reduce(sums)
+        name = self.sharding_strategy.name
+        shard_group = self.hybrid_shard_size or self.num_processes if name == "HYBRID_SHARD" else self.world_size
+        return sums / (self.world_size // shard_group if name != "NO_SHARD" else self.world_size)
 
 
 def fsdp_strategy(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -193,6 +194,20 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
     def _sum_over_stages(self, value: torch.Tensor) -> torch.Tensor:
         # One model replica on the ranks of this mesh: nothing to add. A pipeline adds its stages.
         return value
+
+    def sum_of_squares(self, groups: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
+        """Each group's DTensors reduced to a full sum per mesh (as clip_grad_norm's norms), then the stages'."""
+        sums = []
+        for group in groups:
+            by_mesh: dict[object, list[torch.Tensor]] = {}
+            for t in group:
+                by_mesh.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+            total = torch.zeros((), device=device, dtype=torch.float32)
+            for tensors in by_mesh.values():
+                part: Any = sum(t.detach().float().square().sum() for t in tensors)
+                total = total + (part.full_tensor() if isinstance(part, DTensor) else part)
+            sums.append(total)
+        return self._sum_over_stages(torch.stack(sums))
 
     def clip_grad_norm(self, module: LightningModule, max_norm: float) -> torch.Tensor:
         """Global gradient norm over all shards and tensor-parallel slices (before clipping).

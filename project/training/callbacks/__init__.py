@@ -1,16 +1,22 @@
 from project.training.callbacks.checkpoint import BestCheckpoint, StepCheckpoint
+from project.training.callbacks.hangs import HangWatch
 from project.training.callbacks.layout import LayoutFacts
 from project.training.callbacks.memory import MemoryMonitor
+from project.training.callbacks.numerics import NumericsMonitor
 from project.training.callbacks.progress import StepProgressBar
+from project.training.callbacks.stragglers import StragglerWatch
 from project.training.callbacks.summary import LlamaModelSummary
 from project.training.callbacks.throughput import TokenThroughput
 
 __all__ = [
     "BestCheckpoint",
+    "HangWatch",
     "LayoutFacts",
     "LlamaModelSummary",
     "MemoryMonitor",
+    "NumericsMonitor",
     "StepCheckpoint",
     "StepProgressBar",
+    "StragglerWatch",
     "TokenThroughput",
 ]

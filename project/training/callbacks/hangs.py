@@ -1,0 +1,45 @@
+"""A rank that stops progressing leaves its stack in its console log (project.runtime.stacks): the watchdog is
+re-armed at every step, validation batch and checkpoint; if none comes within `after_minutes` (the strategy's
+collective timeout, after which the waiting ranks fail), every thread's stack is written. A stop signal writes
+them too, before the run's own handler saves and stops."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from project.runtime import stacks
+
+
+class HangWatch(Callback):
+    def __init__(self, after_minutes: float | None = None):
+        self.seconds = after_minutes * 60 if after_minutes else None
+        self._signals_watched = False
+
+    def _arm(self) -> None:
+        if self.seconds:
+            stacks.arm(self.seconds)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self._signals_watched:  # now: after every handler of the run's start is in place, so as to chain them
+            stacks.dump_on_signal()
+            self._signals_watched = True
+        self._arm()
+
+    def on_validation_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._arm()
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._arm()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        stacks.disarm()
+        if self._signals_watched:
+            stacks.stop_dumping_on_signal()
+            self._signals_watched = False

@@ -1,0 +1,104 @@
+"""Slow ranks named: each rank's time computing its transformer blocks' forward passes, gathered from every rank at
+logging steps; `train/step_time_max_over_min` is the slowest rank's over the fastest's, and a rank slower than
+`stability.straggler_factor` times the median of the others (and 10 ms more) is named in a warning (its rank, host
+and time).
+
+Why the blocks' forward: with collectives every rank's step takes the slowest rank's time (the others wait for it
+inside them), so a step's wall time names no one. A block's forward runs no collective under data parallelism and
+FSDP2 (whose gathers run in its hooks before the block's own), so its time is the rank's own; under FSDP1, tensor
+and context parallelism the collectives inside a block count too. On a GPU the time is taken with CUDA events, read
+only at logging steps.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+
+from project.training.callbacks.steps import OptimizerSteps, logs_at
+
+# Below this, a rank's excess over the median is the machine's jitter (two ranks sharing cores, a tiny model), not a
+# slow device.
+MIN_EXCESS_SECONDS = 0.01
+
+
+class StragglerWatch(Callback):
+    def __init__(self, factor: float = 2.0):
+        self.factor = factor
+        self._steps = OptimizerSteps()
+        self._hooks: list[Any] = []
+        self._started: list[Any] = []  # a block's start: a perf_counter time, or a CUDA event
+        self._spans: list[tuple[Any, Any]] = []  # (start, end) of each block forward since the last logging step
+        self._seconds = 0.0  # their sum on the CPU, where it is read as it goes
+        self._counted_steps = 0
+        self._hosts: list[str] = []
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._steps.start(trainer)
+        if trainer.world_size <= 1:
+            return
+        cuda = pl_module.device.type == "cuda"
+        for block in pl_module.model.layers.values():  # type: ignore[attr-defined]  # the rank's blocks
+            self._hooks.append(block.register_forward_pre_hook(lambda *_: self._start(cuda)))
+            self._hooks.append(block.register_forward_hook(lambda *_: self._end(cuda)))
+        self._hosts = ["?"] * trainer.world_size  # another launcher's ranks (Horovod's): only this one's is known
+        self._hosts[trainer.global_rank] = socket.gethostname()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_gather_object(self._hosts, socket.gethostname())
+
+    def _start(self, cuda: bool) -> None:
+        if cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._started.append(event)
+        else:
+            self._started.append(time.perf_counter())
+
+    def _end(self, cuda: bool) -> None:
+        start = self._started.pop()
+        if cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._spans.append((start, event))
+        else:
+            self._seconds += time.perf_counter() - start
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._hooks or not self._steps.just_ended(trainer):
+            return
+        self._counted_steps += 1
+        if not logs_at(trainer, trainer.global_step - 1):
+            return
+        if self._spans:  # the events of the window: the device is waited for at logging steps anyway
+            torch.cuda.synchronize(pl_module.device)
+            self._seconds += sum(start.elapsed_time(end) for start, end in self._spans) / 1e3
+        # Every rank's time, in rank order: each adds its own in its place (a sum: any strategy's reduce does it).
+        mine = torch.zeros(trainer.world_size, dtype=torch.float64, device=pl_module.device)
+        mine[trainer.global_rank] = self._seconds / max(1, self._counted_steps)
+        self._spans, self._seconds, self._counted_steps = [], 0.0, 0
+        times = trainer.strategy.reduce(mine, reduce_op="sum").tolist()
+        slowest, fastest = max(times), min(times)
+        pl_module.log("train/step_time_max_over_min", slowest / fastest if fastest > 0 else 1.0)
+        for rank, seconds in enumerate(times):
+            median = statistics.median(times[:rank] + times[rank + 1 :])  # the others': two ranks have one each
+            if median > 0 and seconds > self.factor * median and seconds - median > MIN_EXCESS_SECONDS:
+                rank_zero_warn(
+                    f"step {trainer.global_step - 1}: rank {rank} on {self._hosts[rank]} spends {seconds * 1e3:.1f} ms "
+                    f"per step in its blocks' forward, {seconds / median:.1f}x the median of the other "
+                    f"{len(times) - 1} rank(s) ({median * 1e3:.1f} ms; stability.straggler_factor={self.factor}): a "
+                    "straggler."
+                )
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
