@@ -9,7 +9,7 @@ steps from 0; `:rank=R` limits a fault to global rank R (default: every rank).
 - `nan@STEP`: the loss of step STEP is NaN, and so are its gradients.
 - `spike@STEP`: the loss of step STEP is 1000 times what it is (its gradients too), once in the process: a run
   rolled back past it does not meet it again (a spike's batches are left out).
-- `slow@STEP`: from step STEP on, each transformer block's forward takes 20 ms longer (a slow device).
+- `slow@STEP`: from step STEP on, each transformer block's forward computes 20 ms longer (a slow device).
 - `kill@STEP`: SIGKILL every process of the run (its process group) as step STEP starts; with `:rank=R`
   that rank alone dies.
 - `raise@STEP`: raise a RuntimeError as step STEP starts.
@@ -38,6 +38,13 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 import project.training.run
 from project.training.callbacks.checkpoint import StepCheckpoint
+
+
+def busy(seconds: float) -> None:
+    """Compute (not sleep) for `seconds`: what a slow device or an overloaded host costs."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def kill_the_run() -> None:
@@ -102,7 +109,7 @@ class AtStep(Callback):
         if self.fault.kind == "slow":
             if not self.fault.fired:  # once: the step's first micro batch
                 for block in pl_module.model.layers.values():
-                    block.register_forward_pre_hook(lambda *_: time.sleep(0.02))
+                    block.register_forward_pre_hook(lambda *_: busy(0.02))
                 self.fault.fired = True
             return
         model = pl_module.model

@@ -17,7 +17,8 @@ LAYOUTS = {
 }
 # Logging steps 2 and 5 (log_every_n_steps=3, and the last); checkpoints and validation only after the last.
 RUN = ["trainer.max_steps=6", "trainer.log_every_n_steps=3", "ckpt_every_n_steps=100", "val_every_n_steps=100",
-       "global_batch_size=8", "trainer.enable_progress_bar=true", "optim.max_skipped_steps=1"]  # fmt: skip
+       "global_batch_size=8", "trainer.enable_progress_bar=true", "optim.max_skipped_steps=1",
+       "stability=skip", "stability.warmup_steps=2", "stability.numerics_every_n_steps=6"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

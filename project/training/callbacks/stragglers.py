@@ -7,7 +7,9 @@ Why the blocks' forward: with collectives every rank's step takes the slowest ra
 inside them), so a step's wall time names no one. A block's forward runs no collective under data parallelism and
 FSDP2 (whose gathers run in its hooks before the block's own), so its time is the rank's own; under FSDP1, tensor
 and context parallelism the collectives inside a block count too. On a GPU the time is taken with CUDA events, read
-only at logging steps.
+only at logging steps; on a CPU it is the process's CPU time, so that ranks sharing too few cores (waiting for one
+is not computing) are not taken for slow. The first logging window after a start, which holds the first step's
+one-time work, is not judged.
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ class StragglerWatch(Callback):
         self._seconds = 0.0  # their sum on the CPU, where it is read as it goes
         self._counted_steps = 0
         self._hosts: list[str] = []
+        self._first_window = True
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._steps.start(trainer)
+        self._first_window = True
         if trainer.world_size <= 1:
             return
         cuda = pl_module.device.type == "cuda"
@@ -59,7 +63,7 @@ class StragglerWatch(Callback):
             event.record()
             self._started.append(event)
         else:
-            self._started.append(time.perf_counter())
+            self._started.append(time.process_time())
 
     def _end(self, cuda: bool) -> None:
         start = self._started.pop()
@@ -68,7 +72,7 @@ class StragglerWatch(Callback):
             event.record()
             self._spans.append((start, event))
         else:
-            self._seconds += time.perf_counter() - start
+            self._seconds += time.process_time() - start
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -85,6 +89,9 @@ class StragglerWatch(Callback):
         mine = torch.zeros(trainer.world_size, dtype=torch.float64, device=pl_module.device)
         mine[trainer.global_rank] = self._seconds / max(1, self._counted_steps)
         self._spans, self._seconds, self._counted_steps = [], 0.0, 0
+        if self._first_window:
+            self._first_window = False
+            return
         times = trainer.strategy.reduce(mine, reduce_op="sum").tolist()
         slowest, fastest = max(times), min(times)
         pl_module.log("train/step_time_max_over_min", slowest / fastest if fastest > 0 else 1.0)
