@@ -85,6 +85,8 @@ def test_sigterm_saves_at_the_next_step_and_the_resumed_run_continues_exactly(ti
     assert process.returncode == 3, stderr[-3000:]
     stopped = checkpoint_step(run_dir / "checkpoints" / "last.ckpt")
     assert 3 <= stopped < 40 and f"stopped at step {stopped}: resume with ckpt_path=last" in stderr
+    # The signal first wrote where the rank was, in case it never reached the next step (project.runtime.stacks).
+    assert "(most recent call first)" in (run_dir / "train.log").read_text()
 
     run_train(tiny_shards, run_dir, *layout, *steps, "ckpt_path=last")
     assert read_metrics(run_dir, "train/loss") == pytest.approx(read_metrics(reference, "train/loss"), abs=1e-6)

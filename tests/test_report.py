@@ -209,6 +209,30 @@ def test_a_run_that_stopped_early_says_where(tmp_path):
     assert row["status"] == "stopped at step 4 of 30"
 
 
+def test_a_run_with_per_layer_numerics_gets_a_heat_map_per_statistic(tmp_path):
+    run = write_run(tmp_path / "run", "single")
+    with open(run / "metrics.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    layers = ["embedding", "block0", "block1", "block10", "block2", "head"]  # in the columns' (alphabetical) order
+    names = [f"numerics/{layer}/{stat}" for layer in layers for stat in ("update_ratio", "grad_norm")]
+    rows += [{"step": step, **{name: 0.01 * (i + 1) * (step + 1) for i, name in enumerate(names)}} for step in (1, 3)]
+    with open(run / "metrics.csv", "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=[*rows[0].keys(), *names])
+        writer.writeheader()
+        writer.writerows(rows)
+    make_report(tmp_path, run, name="numerics")
+    folder = tmp_path / "reports" / "numerics"
+    text = (folder / "report.md").read_text()
+    for stat in ("update_ratio", "grad_norm"):
+        svg = (folder / f"numerics-0-{stat}.svg").read_text()
+        assert f"](numerics-0-{stat}.svg)" in text
+        assert svg.count('class="cell"') == 2 * len(layers)  # a layer per row, a step per column
+        # Rows in the model's order: the embedding, the blocks by number, the head.
+        shown = [line.split(">")[1].split("<")[0] for line in svg.splitlines() if 'text-anchor="end"' in line]
+        assert shown == ["embedding", "block0", "block1", "block2", "block10", "head"]
+    assert not (folder / "numerics-0-output_rms.svg").exists()  # not logged
+
+
 def test_the_report_links_its_plots_and_writes_them(tmp_path):
     run = write_run(tmp_path / "run", "single")
     make_report(tmp_path, run, name="plots")

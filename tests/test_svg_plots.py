@@ -181,3 +181,25 @@ def test_the_same_data_give_the_same_bytes():
     assert bar_chart("t", data, "x", ".2f") == bar_chart("t", list(data), "x", ".2f")
     series = [("a", [(0, 1.0), (1, 0.5)])]
     assert line_chart("t", series, "x", "y") == line_chart("t", [("a", [(0, 1.0), (1, 0.5)])], "x", "y")
+
+
+def test_a_heat_map_draws_a_cell_per_positive_value_coloured_in_order_of_its_logarithm():
+    from project.tooling.svg_plots import HEAT, heat_map
+
+    rows, columns = ["embedding", "block0", "head"], [9, 19, 29]
+    values = {(r, c): 10.0 ** (i + 3 * j - 4) for j, r in enumerate(rows) for i, c in enumerate(columns)}
+    values[("head", 29)] = float("nan")  # not drawn
+    root = parse(heat_map("ratios", rows, columns, values, "update ratio"))
+    cells = [r for r in root.iter(f"{SVG}rect") if r.get("class") == "cell"]
+    assert len(cells) == 8
+    # Placed by row (top down) and column (left to right); the colour follows the logarithm's rank from the
+    # scale's pale end (the smallest value) to its dark end (the largest drawn).
+    by_value = sorted(cells, key=lambda r: float(r.find(f"{SVG}title").text.rsplit(": ", 1)[1]))
+    assert [(float(r.get("y")), float(r.get("x"))) for r in by_value] == sorted(
+        (float(r.get("y")), float(r.get("x"))) for r in cells
+    )
+    assert by_value[0].get("fill") == "#{:02x}{:02x}{:02x}".format(*HEAT[0])
+    assert by_value[-1].get("fill") == "#{:02x}{:02x}{:02x}".format(*HEAT[-1])
+    darkness = [sum(int(r.get("fill")[i : i + 2], 16) for i in (1, 3, 5)) for r in by_value]
+    assert darkness[0] > darkness[-1]
+    assert "embedding" in texts(root) and "29" in texts(root)
