@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from project.model.document_mask import BlockMask, document_mask
-from project.model.llama import Llama
+from project.model.llama import DocumentMasking, Llama
 
 
 @functools.lru_cache(maxsize=64)  # the same few sequence lengths every step, every layer
@@ -164,7 +164,7 @@ class ContextParallelAttention(nn.Module):
         return self._masks[key]
 
 
-class ContextParallelDocumentMasking(nn.Module):
+class ContextParallelDocumentMasking(DocumentMasking):
     """The model's document mask (`document_masking`, project.model.llama.DocumentMasking) for this rank's queries
     only, against every key of the whole sequences: T / cp x T rather than T x T."""
 

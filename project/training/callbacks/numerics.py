@@ -60,7 +60,7 @@ class NumericsMonitor(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._hooks or not self._due(trainer.global_step):
             return
-        layers = layers_of(pl_module.model)  # type: ignore[attr-defined]  # LlamaLitModule's Llama
+        layers = layers_of(pl_module.model)
         device = pl_module.device
         self._squares = {name: torch.zeros((), device=device, dtype=torch.float64) for name in layers}
         self._counts = dict.fromkeys(layers, 0)
@@ -83,7 +83,7 @@ class NumericsMonitor(Callback):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        params = parameters_of(layers_of(pl_module.model))  # type: ignore[attr-defined]
+        params = parameters_of(layers_of(pl_module.model))
         sums = contract_of(trainer.strategy).sum_of_squares
         device = pl_module.device
         grads = sums([[p.grad for p in ps if p.grad is not None] for ps in params.values()], device)
@@ -101,7 +101,7 @@ class NumericsMonitor(Callback):
     ) -> None:
         if not self._steps.just_ended(trainer) or self._before is None:
             return
-        params = parameters_of(layers_of(pl_module.model))  # type: ignore[attr-defined]
+        params = parameters_of(layers_of(pl_module.model))
         updates = [[p.detach() - old for p, old in zip(ps, self._before[name])] for name, ps in params.items()]
         self._before = None
         moved = contract_of(trainer.strategy).sum_of_squares(updates, pl_module.device).sqrt()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import socket
 import statistics
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,7 @@ class StragglerWatch(Callback):
         if trainer.world_size <= 1:
             return
         cuda = pl_module.device.type == "cuda"
-        for block in pl_module.model.layers.values():  # type: ignore[attr-defined]  # the rank's blocks
+        for block in cast(Any, pl_module).model.layers.values():  # the rank's blocks (LlamaLitModule.model)
             self._hooks.append(block.register_forward_pre_hook(lambda *_: self._start(cuda)))
             self._hooks.append(block.register_forward_hook(lambda *_: self._end(cuda)))
         self._hosts = ["?"] * trainer.world_size  # another launcher's ranks (Horovod's): only this one's is known
