@@ -68,6 +68,7 @@ CLOSED_STRATEGY_SETTINGS = [
 
 VALUES = [
     (["optim.lr=0"], r"optim.lr=0 is out of range: it must be above 0"),
+    (["strategy=fsdp", "strategy.hybrid_shard_size=1"], r"strategy.hybrid_shard_size=1 is out of range"),
     (["optim.lr=-1e-3"], r"optim.lr=-0.001 is out of range"),
     (["optim.lr=abc"], r"optim.lr=abc is out of range"),
     (["optim.min_lr=-1"], r"optim.min_lr=-1 is out of range"),

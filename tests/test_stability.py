@@ -63,14 +63,21 @@ LAYOUTS = {
     "pipeline": ["strategy=pipeline", "trainer.devices=2"],
 }
 # Skipped only (their numerics sum shards in other ways: tensor-parallel slices and replicated norms, FSDP1's pieces).
-SKIPPED_ONLY = {"tp": ["strategy=tp", "trainer.devices=2"], "fsdp": ["strategy=fsdp", "trainer.devices=2"]}
+SKIPPED_ONLY = {
+    "tp": ["strategy=tp", "trainer.devices=2"],
+    "fsdp": ["strategy=fsdp", "trainer.devices=2"],
+    # Each rank a whole copy: its sums are divided by the two copies.
+    "fsdp-no-shard": ["strategy=fsdp", "trainer.devices=2", "strategy.sharding_strategy=NO_SHARD"],
+}
+COOLDOWN = [*ROLLBACK, "stability.cooldown_steps=2", "stability.cooldown_lr_scale=0.5"]
 SLOW = [*RUN, "FAULT=slow@2:rank=1", *LAYOUTS["ddp"]]
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_shards, tmp_path_factory) -> dict[str, object]:
     """Every run of this module, by name: the references on one rank, then the layouts on one or two."""
-    names = ["skipped-nan", "to-checkpoint", "resumed-past", "slow", *[f"{a}-{n}" for n in LAYOUTS for a in "sr"]]
+    names = ["skipped-nan", "to-checkpoint", "resumed-past", "slow", "cooldown"]
+    names += [f"{a}-{n}" for n in LAYOUTS for a in "sr"]
     dirs = {name: tmp_path_factory.mktemp(name) for name in [*names, *[f"s-{n}" for n in SKIPPED_ONLY]]}
     single = [
         # An update the optimizer skips by itself: a NaN loss at the step, one skip allowed.
@@ -87,6 +94,7 @@ def runs(tiny_shards, tmp_path_factory) -> dict[str, object]:
         ),
         ("s-single", SKIP),
         ("r-single", ROLLBACK),
+        ("cooldown", COOLDOWN),
     ]
     parallel = [n for n in LAYOUTS if n != "single"]
     pairs = [(f"{a}-{n}", [*(SKIP if a == "s" else ROLLBACK), *LAYOUTS[n]]) for n in parallel for a in "sr"]
@@ -133,7 +141,8 @@ def test_rollback_trains_on_as_a_run_resumed_from_the_checkpoint_past_the_spikes
     assert_same_weights(run_dir, runs["resumed-past"])
     [record] = spike_records(run_dir)
     assert record["action"] == "rollback" and record["step"] == SPIKE and record["restart_step"] == CHECKPOINT
-    assert record["batches_left_out"] == [SPIKE, SPIKE + SKIP_BATCHES] and record["resume_sample"] == RESUME_SAMPLE
+    # Left out: every batch read since the checkpoint (steps 4 to 6's), and SKIP_BATCHES more.
+    assert record["samples_left_out"] == [CHECKPOINT * BATCH, RESUME_SAMPLE] and "shift" not in record
     # Its checkpoints know it: a run resumed from them reads on where this one would, and counts the rollback.
     checkpoint = load_full_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     data = next(v for k, v in checkpoint.items() if k.endswith("TokenShardDataModule"))
@@ -192,6 +201,17 @@ def test_a_resumed_detector_judges_the_next_step_as_the_uninterrupted_one():
         assert {k: float(v) for k, v in resumed.metrics().items()} == pytest.approx(
             {k: float(v) for k, v in whole.metrics().items()}, rel=1e-6
         )
+
+
+def test_a_cooldown_scales_the_learning_rate_of_the_steps_after_the_restart(runs):
+    """From the restart's own step on (the checkpoint saved the unscaled rate), for cooldown_steps steps."""
+    cooled, plain = read_metrics(runs["cooldown"], "train/lr"), read_metrics(runs["resumed-past"], "train/lr")
+    for step in range(CHECKPOINT, STEPS):
+        scale = 0.5 if step < CHECKPOINT + 2 else 1.0
+        assert cooled[step] == pytest.approx(scale * plain[step], rel=1e-6), step
+    losses = read_metrics(runs["cooldown"], "train/loss")
+    assert losses[CHECKPOINT] == pytest.approx(read_metrics(runs["resumed-past"], "train/loss")[CHECKPOINT], rel=1e-6)
+    assert losses[CHECKPOINT + 1] != pytest.approx(read_metrics(runs["resumed-past"], "train/loss")[CHECKPOINT + 1])
 
 
 def test_a_cooldown_scales_the_learning_rate_from_the_restart_for_its_steps():
@@ -266,10 +286,10 @@ def test_the_layers_gradient_norms_make_the_global_one_and_their_norms_the_check
 
 def test_a_rank_slowed_on_purpose_is_named_with_its_host_and_time(runs):
     ratios = read_metrics(runs["slow"], "train/step_time_max_over_min")
-    assert ratios[STEPS - 1] > 2  # the blocks' forward of rank 1 take 20 ms more each
+    assert ratios[STEPS - 1] > 2  # rank 1's blocks compute 20 ms more each
     log = (runs["slow"] / "train.log").read_text()
     host = re.escape(socket.gethostname())
-    assert re.search(rf"rank 1 on {host} spends [\d.]+ ms per step in its blocks' forward", log), log[-3000:]
+    assert re.search(rf"rank 1 on {host} takes [\d.]+ ms per block forward", log), log[-3000:]
     assert "a straggler" in log
 
 
@@ -292,3 +312,13 @@ def test_a_stack_dump_names_the_innermost_call_of_the_main_thread(tmp_path):
     threading.Thread(target=dump_later).start()
     looping_here()
     assert innermost_call("== a run starts\n" + dump.read_text()).startswith("looping_here (tests/test_stability.py:")
+
+
+def test_a_lasting_rise_is_a_new_level_after_max_consecutive_spikes_steps_not_spikes_for_ever():
+    """Under skip, a shift of the loss's level would otherwise withhold every later update."""
+    detector = SpikeDetector(StabilityConfig(window=6, warmup_steps=4, threshold=5.0, max_consecutive_spikes=3))
+    losses = [3.0 + 0.01 * (i % 2) for i in range(6)] + [6.0 + 0.01 * (i % 2) for i in range(10)]
+    spikes = [bool(detector.observe(torch.tensor(loss), torch.tensor(1.0), step)) for step, loss in enumerate(losses)]
+    assert spikes[6:9] == [True] * 3 and not any(spikes[9:])  # three spikes, then the new level's steps
+    events = detector.read_events()
+    assert [(int(e["step"]), e["shift"]) for e in events] == [(6, 0.0), (7, 0.0), (8, 0.0), (9, 1.0)]

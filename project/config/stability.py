@@ -23,6 +23,9 @@ class StabilityConfig:
     warmup_steps: int = setting(20, whole(2), "a whole number of steps, 2 or more")
     # A step is a spike when its loss or its gradient norm is this many standard deviations above the window's mean.
     threshold: float = setting(6.0, above(0), "standard deviations above 0, e.g. 6")
+    # A rise lasting longer than this many steps is the loss's new level, not a spike: from then on its steps are
+    # applied and enter the statistics (so that a lasting shift cannot withhold every later update under skip).
+    max_consecutive_spikes: int = setting(10, whole(1), "a whole number of steps, 1 or more")
     # rollback: global batches after the spike's own to leave out as well (PaLM skipped 200 to 500).
     skip_batches: int = setting(0, whole(0), "a whole number of batches, 0 or more")
     # rollback: optimizer steps after the restart whose learning rate is scaled by cooldown_lr_scale.

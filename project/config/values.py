@@ -37,6 +37,12 @@ RULES: list[Rule] = [
         "minutes above 0 (multi-process strategies), e.g. 10",
     ),
     ("peak_flops_per_device", or_null(above(0)), "null (unknown) or FLOP/s above 0"),
+    (
+        "strategy.hybrid_shard_size",
+        or_null(whole(2)),
+        "null (the devices of a node) or 2 or more: over groups of one rank torch's FSDP reduces each rank's "
+        "gradients alone and the copies drift apart (for a whole copy on every rank: sharding_strategy=NO_SHARD)",
+    ),
     ("data.seq_len", whole(2), "a whole number of tokens, 2 or more"),
     (
         "data.prepare_part_mb",

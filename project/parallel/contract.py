@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
+import torch.distributed as dist
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -85,6 +86,14 @@ class LlamaStrategy:
     ) -> torch.Tensor:
         """The mean loss of a training (`train`) or validation batch, as the module computes it."""
         return module.loss(inputs, targets)
+
+    def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over every rank, in place, the same on every rank: one all-reduce on the device, which
+        the host does not wait for (Lightning's `Strategy.reduce` puts a barrier before it, which makes the host
+        wait for the device on a GPU)."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(tensor)
+        return tensor
 
     def sum_of_squares(self, groups: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
         """[len(groups)]: for each group of tensors (parameters, their gradients or updates, as this rank holds

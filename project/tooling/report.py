@@ -262,14 +262,19 @@ def numerics_of(rows: Rows) -> tuple[list[str], dict[str, dict[tuple[str, int], 
     (project.training.callbacks.numerics); the last value of a step logged twice (a rollback retrained it)."""
     names = sorted({key for row in rows for key in row if key.startswith("numerics/") and key.count("/") == 2})
     figures: dict[str, dict[tuple[str, int], float]] = {}
-    layers: list[str] = []
     for name in names:
         _, layer, stat = name.split("/")
-        layers.append(layer) if layer not in layers else None
         figures.setdefault(stat, {}).update(((layer, step), value) for step, value in series(rows, name))
-    order = {"embedding": -1, "head": 1 << 30}
-    layers.sort(key=lambda layer: order.get(layer, int(layer.removeprefix("block")) if layer[5:].isdigit() else 0))
-    return layers, figures
+    layers = {layer for values in figures.values() for layer, _ in values}
+    return sorted(layers, key=model_order), figures
+
+
+def model_order(layer: str) -> tuple[int, int]:
+    """embedding, block0, block1, .., block10, .., head: the order of the model's layers."""
+    number = layer.removeprefix("block")
+    if layer == "embedding":
+        return (0, 0)
+    return (1, int(number)) if number.isdigit() else (2, 0)
 
 
 # ---------------------------------------------------------------- what the arguments stand for

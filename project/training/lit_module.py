@@ -179,6 +179,7 @@ class LlamaLitModule(LightningModule):
         self.stability = stability_cfg
         self._spikes = SpikeDetector(stability_cfg, rollbacks)
         self._step_loss: torch.Tensor | None = None  # this rank's mean loss of the step being taken
+        self._checkpoint_steps: set[int] = set()  # of the checkpoints this fit loaded or wrote (a rollback's choice)
         self._parallelized = False
         self._weights_from_checkpoint = weights_from_checkpoint
 
@@ -223,6 +224,7 @@ class LlamaLitModule(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._guard = NonFiniteGuard(self.optim.max_skipped_steps, checkpoint.get("skipped_steps", 0))
         self._spikes.load_state_dict(checkpoint.get("stability", {}))
+        self._checkpoint_steps.add(int(checkpoint.get("global_step", 0)))
         if (trainer := self.attached_trainer()) is not None:  # resuming a fit, not load_from_checkpoint
             rebase_batch_progress(checkpoint, trainer.accumulate_grad_batches)
 
@@ -310,18 +312,21 @@ class LlamaLitModule(LightningModule):
         many tokens): the global batch's mean, as train/loss logs it."""
         loss = self._step_loss if self._step_loss is not None else torch.zeros(())
         trainer = self.attached_trainer()
-        strategy = trainer.strategy if trainer is not None else None
-        return strategy.reduce(loss.clone(), reduce_op="mean") if isinstance(strategy, Strategy) else loss
+        ranks = trainer.world_size if trainer is not None and isinstance(trainer.strategy, Strategy) else 1
+        return self.strategy().sum_over_ranks(loss.detach().float().clone()) / ranks
 
     def _roll_back(self) -> None:
         """Every rank alike: the spike recorded, the run asked to restart from its last checkpoint (or stopped past
         stability.max_rollbacks). Raised before this step's update, so nothing of it is applied or written."""
         event = self._spikes.read_events()[-1]
+        event.pop("shift")
         self._spikes.stop_past_budget(event)
         data = self._training_data()
-        raise RollbackRequested(event, data.samples_consumed if data is not None else 0, self._spikes)
+        position, batch = (data.samples_consumed, data.hparams.global_batch_size) if data is not None else (0, 0)
+        raise RollbackRequested(event, position, batch, self._checkpoint_steps, self._spikes)
 
     def on_train_start(self) -> None:
+        self._cool_down_from_the_start()
         # A checkpoint from before the optimizer was fused restores its groups as they were (fused=None): fuse them
         # again, their step counts on the parameters' device as fused AdamW keeps them, so the guard stays on it.
         if not getattr(self._optimizer, "keywords", {}).get("fused"):
@@ -345,6 +350,7 @@ class LlamaLitModule(LightningModule):
         checkpoint["skipped_steps"] = self._guard.skipped
         self._spikes.report(self.stability.action)
         checkpoint["stability"] = self._spikes.state_dict()
+        self._checkpoint_steps.add(int(checkpoint.get("global_step", 0)))
         if (data := self._training_data()) is not None:  # what the embedding rows mean, checked on resume
             checkpoint["tokenizer"] = data.tokenizer_identity
 
@@ -382,6 +388,22 @@ class LlamaLitModule(LightningModule):
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)  # equal on every rank: the mean of equal values
         self.log("val/ppl", torch.exp(loss), sync_dist=True)
 
+    def lr_of_step(self, step: int) -> float:
+        """The learning rate of optimizer step `step`: the schedule's (lr_at), scaled during a rollback's cooldown
+        (project.training.stability)."""
+        total = self.optim.decay_steps or self.trainer.max_steps
+        return lr_at(step, self.optim, total) * self._spikes.lr_scale(step)
+
+    def _cool_down_from_the_start(self) -> None:
+        """A run restarted after a spike resumes its optimizer's rates as the checkpoint saved them, unscaled; the
+        scheduler sets the next step's only after this one: the cooldown's first step is set here."""
+        trainer = self.attached_trainer()
+        if trainer is None or self._spikes.lr_scale(trainer.global_step) == 1.0:
+            return
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = self.lr_of_step(trainer.global_step)
+
     def decay_groups(self) -> list[tuple[float, list[tuple[str, nn.Parameter]]]]:
         """(weight decay, [(name, parameter)]) per AdamW group: weight matrices and the embedding decay,
         norm gains do not. Chosen by name, not by p.ndim: FSDP1 with use_orig_params exposes each
@@ -408,9 +430,5 @@ class LlamaLitModule(LightningModule):
                 f"module.optimizer takes no `fused` argument ({error}): an optimizer other than torch's AdamW needs "
                 "~module.optimizer.fused on the command line (its non-finite guard then reads the norm every step)."
             ) from None
-        total = self.optim.decay_steps or self.trainer.max_steps
-        # After a rollback, its cooldown scales the schedule's rates (project.training.stability).
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_at(step, self.optim, total) / self.optim.lr * self._spikes.lr_scale(step)
-        )
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: self.lr_of_step(step) / self.optim.lr)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -7,13 +7,14 @@ directory), so everything here runs on every rank.
 
 from __future__ import annotations
 
-import os
+import gc
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, cast
 
 import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -113,6 +114,10 @@ def fit(cfg: DictConfig, run_dir: Path, layout: Layout | None) -> dict[str, floa
         except RollbackRequested as spike:
             restart = restart_after(cfg, run_dir, spike, restart)
             expect_checkpoints()
+        # Out of the handler, the old Trainer and module are unreferenced: their memory goes before the new ones'.
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def fit_once(cfg: DictConfig, run_dir: Path, layout: Layout | None, restart: Restart | None) -> dict[str, float]:
@@ -151,44 +156,46 @@ def fit_once(cfg: DictConfig, run_dir: Path, layout: Layout | None, restart: Res
     ckpt_path = resumable_by(
         trainer.strategy, ckpt_path, run_dir, module.optimizer_parameter_names(), converts=is_first_process(trainer)
     )
-    if restart is None:  # the launcher that started this node's other ranks: the first fit's
+    if restart is None:  # the launcher that started this node's other ranks: the first fit's (Lightning's launcher
+        # set LOCAL_RANK on this rank when it did, so that a later fit in the process launches nothing)
         watch_children(trainer.strategy.launcher)
-    elif trainer.world_size > 1:
-        # The other ranks run on, each restarting likewise: as Lightning documents, LOCAL_RANK set tells it that the
-        # processes exist already, so that the first rank does not launch them again.
-        os.environ.setdefault("LOCAL_RANK", str(trainer.local_rank))
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     return finish(trainer, run_dir)
 
 
 def restart_after(cfg: DictConfig, run_dir: Path, spike: RollbackRequested, previous: Restart | None) -> Restart:
-    """The restart a spike asks for: from the run's last checkpoint (written before the spike: the spike's step
-    ends before any save), else the checkpoint the run resumed from, else the initial weights; reading on from the
-    batch after the spike's and stability.skip_batches more; its cooldown recorded. Said, and written to
+    """The restart a spike asks for: from the latest checkpoint of this run's own trajectory (one the fit loaded or
+    wrote) at or before the spike's step: the run directory's last.ckpt, else the checkpoint the fit started from,
+    else the initial weights; reading on from the batch after the spike's and stability.skip_batches more, so that
+    the batches read since that checkpoint are left out too; its cooldown recorded. Said, and written to
     stability.jsonl."""
-    stability, plan_batch = cfg.stability, int(cfg.global_batch_size)
-    last = run_dir / "checkpoints" / "last.ckpt"
-    if last.exists():
-        ckpt_path: str | None = str(last)
-    elif previous is not None:
-        ckpt_path = previous.ckpt_path
-    else:
-        ckpt_path = resolve_ckpt_path(cfg.ckpt_path, run_dir)
+    stability, spike_step = cfg.stability, int(spike.event["step"])
+    started_from = previous.ckpt_path if previous is not None else resolve_ckpt_path(cfg.ckpt_path, run_dir)
+    ckpt_path: str | None = None
+    for candidate in (run_dir / "checkpoints" / "last.ckpt", started_from):
+        if candidate is not None and Path(candidate).exists():
+            step = checkpoint_step(candidate)
+            if step in spike.checkpoint_steps and step <= spike_step:
+                ckpt_path = str(candidate)
+                break
     restart_step = checkpoint_step(ckpt_path) if ckpt_path is not None else 0
-    spike_step = int(spike.event["step"])
-    sample = spike.samples_consumed + (1 + int(stability.skip_batches)) * plan_batch
+    batch = spike.global_batch_size
+    # The fit read on without a jump since it started, so the checkpoint's position is the spike's minus its steps.
+    left_out_from = spike.samples_consumed - (spike_step - restart_step) * batch
+    sample = spike.samples_consumed + (1 + int(stability.skip_batches)) * batch
     rollback = Rollback(
         spike_step=spike_step,
         restart_step=restart_step,
         resume_sample=sample,
+        left_out_from=left_out_from,
         lr_scale=float(stability.cooldown_lr_scale) if stability.cooldown_steps else 1.0,
         cooldown_until=restart_step + int(stability.cooldown_steps),
     )
     rollbacks = [*(previous.rollbacks if previous else []), rollback]
-    left_out = f"batches {spike_step} to {spike_step + int(stability.skip_batches)}"
     rank_zero_warn(
         f"{describe(spike.event)}: a loss spike; rolling back to step {restart_step} "
-        f"({ckpt_path or 'the initial weights'}) and reading on past {left_out} (rollback {len(rollbacks)} of "
+        f"({ckpt_path or 'the initial weights'}) and reading on from sequence {sample} of the data, leaving out the "
+        f"{(sample - left_out_from) // batch} batches read since (rollback {len(rollbacks)} of "
         f"stability.max_rollbacks={stability.max_rollbacks})."
     )
     spike.record(
@@ -197,8 +204,7 @@ def restart_after(cfg: DictConfig, run_dir: Path, spike: RollbackRequested, prev
             "action": "rollback",
             "restart_step": restart_step,
             "checkpoint": ckpt_path,
-            "batches_left_out": [spike_step, spike_step + int(stability.skip_batches)],
-            "resume_sample": sample,
+            "samples_left_out": [left_out_from, sample],
         }
     )
     return Restart(ckpt_path, sample, rollbacks)

@@ -3,8 +3,10 @@ on the device (conf/stability, project.config.stability).
 
 A step is a spike when, after `warmup_steps` steps have entered the statistics, its loss or its gradient norm lies
 more than `threshold` standard deviations above the mean of the last `window` steps (only steps that were not
-spikes, and finite, enter them: a spike does not widen the band that judges the next). Every rank judges the same
-values (the loss averaged over the ranks, the global gradient norm), so every rank decides alike.
+spikes, and finite, enter them: a spike does not widen the band that judges the next). A rise that lasts more than
+`max_consecutive_spikes` steps is a shift of the loss's level, not a spike: from then on its steps count as any
+other (applied, and entered into the statistics, which follow the new level), and the shift is recorded. Every rank
+judges the same values (the loss averaged over the ranks, the global gradient norm), so every rank decides alike.
 
 What a spike does (`action`):
 - log: `stability/loss_z`, `stability/grad_norm_z` and `stability/spikes` are logged (always), and the spike is
@@ -35,7 +37,7 @@ from project.config.stability import StabilityConfig
 from project.runtime.errors import TrainingStopped
 
 RECORD_FILE = "stability.jsonl"
-EVENT_FIELDS = ("step", "loss", "grad_norm", "loss_z", "grad_norm_z")
+EVENT_FIELDS = ("step", "loss", "grad_norm", "loss_z", "grad_norm_z", "shift")
 MAX_EVENTS = 64  # spikes kept on the device between two reads of the host; more are counted, not detailed
 # A window flatter than this fraction of its mean is taken to spread that much: a perfectly flat loss would make
 # any rise, however small, a spike.
@@ -49,6 +51,7 @@ class Rollback:
     spike_step: int
     restart_step: int  # the checkpoint's step, from which the run went on
     resume_sample: int  # the data position it went on from (sequences of the global stream)
+    left_out_from: int = 0  # the data position of the checkpoint: sequences left_out_from .. resume_sample were dropped
     lr_scale: float = 1.0
     cooldown_until: int = 0  # the first step after the cooldown
 
@@ -60,9 +63,18 @@ class RollbackRequested(Exception):
     """A spike under stability.action=rollback: raised out of the fit on every rank alike, for the run to restart
     (project.training.run). Not an error: nothing was written since the last checkpoint."""
 
-    def __init__(self, event: dict[str, float], samples_consumed: int, detector: "SpikeDetector"):
+    def __init__(
+        self,
+        event: dict[str, float],
+        samples_consumed: int,
+        global_batch_size: int,
+        checkpoint_steps: set[int],
+        detector: "SpikeDetector",
+    ):
         super().__init__(f"loss spike at step {int(event['step'])}: rolling back")
-        self.event, self.samples_consumed, self.record = event, samples_consumed, detector.record
+        self.event, self.samples_consumed, self.global_batch_size = event, samples_consumed, global_batch_size
+        self.checkpoint_steps = checkpoint_steps  # of the checkpoints this fit loaded or saved: its own trajectory's
+        self.record = detector.record
 
 
 def describe(event: dict[str, Any]) -> str:
@@ -98,7 +110,8 @@ class SpikeDetector:
                 "accepted": torch.tensor(len(kept), device=device),  # steps entered: the ring's next slot, mod window
                 "z": torch.zeros(2, device=device),  # the latest step's z-scores
                 "events": torch.zeros(MAX_EVENTS, len(EVENT_FIELDS), device=device, dtype=torch.float64),
-                "found": torch.tensor(self.spikes, device=device),  # spikes found so far
+                "found": torch.tensor(self.spikes, device=device),  # spikes (and shifts) found so far
+                "run": torch.tensor(0, device=device),  # steps in a row above the threshold
                 "step": torch.tensor(float(step), device=device, dtype=torch.float64),  # counted on the device
             }
         return self._state
@@ -116,19 +129,24 @@ class SpikeDetector:
         warm = n >= self.config.warmup_steps
         z = torch.where(warm, (x - mean) / std, 0.0)
         finite = torch.isfinite(x).all()
-        spike = warm & finite & (z > self.config.threshold).any()
+        above = warm & finite & (z > self.config.threshold).any()
+        shifted = above & (s["run"] >= self.config.max_consecutive_spikes)  # a new level, not a spike
+        spike = above & ~shifted
+        s["run"] = torch.where(above, s["run"] + 1, 0)
         enter = finite & ~spike
         slot = (s["accepted"] % self.config.window).reshape(1)
         s["values"].index_copy_(1, slot, torch.where(enter, x, s["values"].index_select(1, slot).squeeze(1))[:, None])
         s["valid"].index_copy_(0, slot, valid.index_select(0, slot) | enter)
         s["accepted"] += enter
         s["z"] = torch.where(finite, z, 0.0)
-        row = torch.cat([s["step"].reshape(1), torch.cat([x, z]).double()])
+        new_level = shifted & (s["run"] == self.config.max_consecutive_spikes + 1)  # the shift's first step
+        row = torch.cat([s["step"].reshape(1), torch.cat([x, z]).double(), new_level.double().reshape(1)])
         s["step"] += 1
+        recorded = spike | new_level
         unread = (s["found"] - self.spikes).clamp(max=MAX_EVENTS - 1).reshape(1)
         kept = s["events"].index_select(0, unread).squeeze(0)
-        s["events"].index_copy_(0, unread, torch.where(spike, row, kept)[None])
-        s["found"] += spike
+        s["events"].index_copy_(0, unread, torch.where(recorded, row, kept)[None])
+        s["found"] += recorded
         return spike
 
     def metrics(self) -> dict[str, torch.Tensor]:
@@ -155,9 +173,17 @@ class SpikeDetector:
         return events
 
     def report(self, action: str) -> None:
-        """On the host: warn of and record the spikes found since the last report (log and skip)."""
+        """On the host: warn of and record the spikes and shifts found since the last report."""
         for event in self.read_events():
-            done = {"log": "training goes on (stability.action=log)", "skip": "its update skipped"}[action]
+            if event.pop("shift"):
+                rank_zero_warn(
+                    f"{describe(event)}: above the band for more than stability.max_consecutive_spikes="
+                    f"{self.config.max_consecutive_spikes} steps in a row: a new level, not a spike; its steps are "
+                    "applied and enter the statistics from here."
+                )
+                self.record({**event, "action": "new level"})
+                continue
+            done = {"log": "training goes on (stability.action=log)", "skip": "its update skipped"}.get(action, action)
             rank_zero_warn(f"{describe(event)}: a loss spike; {done}.")
             self.record({**event, "action": action})
 
@@ -178,6 +204,7 @@ class SpikeDetector:
         """Refuse a rollback beyond stability.max_rollbacks, naming every spike that caused one."""
         if len(self.rollbacks) < self.config.max_rollbacks:
             return
+        self.record({**event, "action": "stopped"})
         earlier = ", ".join(str(r.spike_step) for r in self.rollbacks) or "none"
         raise TrainingStopped(
             f"{describe(event)}: a loss spike, after {len(self.rollbacks)} rollbacks (stability.max_rollbacks="

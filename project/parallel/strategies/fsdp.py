@@ -47,6 +47,12 @@ class CPUCapableFSDPStrategy(LlamaStrategy, FSDPStrategy):
         super().setup_environment()
         if self.sharding_strategy.name == "HYBRID_SHARD":
             size = self.hybrid_shard_size or self.num_processes  # default: shard within a node
+            if size == 1:  # torch's FSDP then reduces each rank's gradients within its group of one: never averaged
+                raise ConfigError(
+                    "strategy.sharding_strategy=HYBRID_SHARD over groups of one rank (one device per node, or "
+                    "strategy.hybrid_shard_size=1) would leave each rank's gradients unreduced. Use "
+                    "sharding_strategy=NO_SHARD for a whole copy on every rank, or FULL_SHARD."
+                )
             if self.world_size % size:
                 raise ConfigError(
                     f"strategy.hybrid_shard_size={size} does not divide the {self.world_size} ranks: "
@@ -86,9 +92,9 @@ class CPUCapableFSDPStrategy(LlamaStrategy, FSDPStrategy):
         rank, divided by the copies of each piece (HYBRID_SHARD's groups; NO_SHARD's every rank)."""
         sums = super().sum_of_squares(groups, device)
         dist.all_reduce(sums)
-        name = self.sharding_strategy.name
-        shard_group = self.hybrid_shard_size or self.num_processes if name == "HYBRID_SHARD" else self.world_size
-        return sums / (self.world_size // shard_group if name != "NO_SHARD" else self.world_size)
+        name, world = self.sharding_strategy.name, self.world_size
+        hybrid = world // (self.hybrid_shard_size or self.num_processes)  # the shard groups, each a whole copy
+        return sums / {"NO_SHARD": world, "HYBRID_SHARD": hybrid}.get(name, 1)
 
 
 def fsdp_strategy(

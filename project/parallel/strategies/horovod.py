@@ -225,6 +225,10 @@ class HorovodStrategy(LlamaStrategy, ParallelStrategy):
             for optimizer in self.optimizers:
                 optimizer.synchronize()  # type: ignore[attr-defined]  # Horovod's, since setup_optimizers
 
+    def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Horovod's all-reduce (its processes have no torch process group); it returns when the sum is there."""
+        return tensor.copy_(self.hvd.allreduce(tensor, op=self.hvd.Sum))
+
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if not isinstance(tensor, torch.Tensor):
             return tensor

@@ -6,7 +6,8 @@ step and the RMS of the layer's output activation (the head's: the final norm's 
 Every figure is over the whole model, whatever the layout: the norms sum the squares of every shard and stage
 (the strategy's `sum_of_squares`, as its clipping sums them), the RMS every rank's activations (each rank's sum of
 squares and count, summed: replicated copies weigh equally on both). A numerics step costs a copy of this rank's
-parameters (for the update) and a few collectives; other steps cost nothing.
+parameters (for the update), a few collectives, and a wait for the device (its figures are written at once, in the
+step's own row, as a logging step's are); other steps cost nothing.
 """
 
 from __future__ import annotations
@@ -89,9 +90,8 @@ class NumericsMonitor(Callback):
         grads = sums([[p.grad for p in ps if p.grad is not None] for ps in params.values()], device)
         norms = sums([list(ps) for ps in params.values()], device)
         counts = torch.tensor(list(self._counts.values()), dtype=torch.float64).to(device)
-        activations = trainer.strategy.reduce(
-            torch.stack([torch.stack(list(self._squares.values())), counts]), reduce_op="sum"
-        )
+        squares = torch.stack([torch.stack(list(self._squares.values())), counts])
+        activations = contract_of(trainer.strategy).sum_over_ranks(squares)
         self._figures = {"grad_norm": grads.sqrt(), "param_norm": norms.sqrt()}
         self._figures["output_rms"] = (activations[0] / activations[1].clamp(min=1)).sqrt().float()
         self._before = {name: [p.detach().clone() for p in ps] for name, ps in params.items()}

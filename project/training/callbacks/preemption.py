@@ -93,6 +93,11 @@ class StopOnSignal(Callback):
         self.checkpoint.save(trainer)
         self.stopped_for_requeue = True
 
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # Lightning calls no teardown after an exception; the run may go on (a rollback builds it again), and a
+        # signal then must reach the new instance, not this one.
+        self.teardown(trainer, pl_module, "fit")
+
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         for signum, handler in self._previous_handlers.items():
             signal.signal(signum, handler)

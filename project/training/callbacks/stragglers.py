@@ -1,7 +1,7 @@
-"""Slow ranks named: each rank's time computing its transformer blocks' forward passes, gathered from every rank at
-logging steps; `train/step_time_max_over_min` is the slowest rank's over the fastest's, and a rank slower than
-`stability.straggler_factor` times the median of the others (and 10 ms more) is named in a warning (its rank, host
-and time).
+"""Slow ranks named: each rank's mean time per transformer block forward pass (a pipeline's stages may hold unequal
+numbers of blocks), gathered from every rank at logging steps; `train/step_time_max_over_min` is the slowest rank's
+over the fastest's, and a rank slower than `stability.straggler_factor` times the median of the others (and by 1 ms
+or more) is named in a warning (its rank, host and time).
 
 Why the blocks' forward: with collectives every rank's step takes the slowest rank's time (the others wait for it
 inside them), so a step's wall time names no one. A block's forward runs no collective under data parallelism and
@@ -24,11 +24,12 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
+from project.parallel.contract import contract_of
 from project.training.callbacks.steps import OptimizerSteps, logs_at
 
-# Below this, a rank's excess over the median is the machine's jitter (two ranks sharing cores, a tiny model), not a
-# slow device.
-MIN_EXCESS_SECONDS = 0.01
+# Below this, a rank's excess over the median per block forward is jitter (a tiny model, a busy host), not a slow
+# device.
+MIN_EXCESS_SECONDS = 0.001
 
 
 class StragglerWatch(Callback):
@@ -39,7 +40,7 @@ class StragglerWatch(Callback):
         self._started: list[Any] = []  # a block's start: a perf_counter time, or a CUDA event
         self._spans: list[tuple[Any, Any]] = []  # (start, end) of each block forward since the last logging step
         self._seconds = 0.0  # their sum on the CPU, where it is read as it goes
-        self._counted_steps = 0
+        self._forwards = 0  # block forwards timed since the last logging step
         self._hosts: list[str] = []
         self._first_window = True
 
@@ -73,13 +74,13 @@ class StragglerWatch(Callback):
             self._spans.append((start, event))
         else:
             self._seconds += time.process_time() - start
+        self._forwards += 1
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if not self._hooks or not self._steps.just_ended(trainer):
             return
-        self._counted_steps += 1
         if not logs_at(trainer, trainer.global_step - 1):
             return
         if self._spans:  # the events of the window: the device is waited for at logging steps anyway
@@ -87,20 +88,20 @@ class StragglerWatch(Callback):
             self._seconds += sum(start.elapsed_time(end) for start, end in self._spans) / 1e3
         # Every rank's time, in rank order: each adds its own in its place (a sum: any strategy's reduce does it).
         mine = torch.zeros(trainer.world_size, dtype=torch.float64, device=pl_module.device)
-        mine[trainer.global_rank] = self._seconds / max(1, self._counted_steps)
-        self._spans, self._seconds, self._counted_steps = [], 0.0, 0
+        mine[trainer.global_rank] = self._seconds / max(1, self._forwards)
+        self._spans, self._seconds, self._forwards = [], 0.0, 0
         if self._first_window:
             self._first_window = False
             return
-        times = trainer.strategy.reduce(mine, reduce_op="sum").tolist()
+        times = contract_of(trainer.strategy).sum_over_ranks(mine).tolist()
         slowest, fastest = max(times), min(times)
         pl_module.log("train/step_time_max_over_min", slowest / fastest if fastest > 0 else 1.0)
         for rank, seconds in enumerate(times):
             median = statistics.median(times[:rank] + times[rank + 1 :])  # the others': two ranks have one each
             if median > 0 and seconds > self.factor * median and seconds - median > MIN_EXCESS_SECONDS:
                 rank_zero_warn(
-                    f"step {trainer.global_step - 1}: rank {rank} on {self._hosts[rank]} spends {seconds * 1e3:.1f} ms "
-                    f"per step in its blocks' forward, {seconds / median:.1f}x the median of the other "
+                    f"step {trainer.global_step - 1}: rank {rank} on {self._hosts[rank]} takes {seconds * 1e3:.2f} ms "
+                    f"per block forward, {seconds / median:.1f}x the median of the other "
                     f"{len(times) - 1} rank(s) ({median * 1e3:.1f} ms; stability.straggler_factor={self.factor}): a "
                     "straggler."
                 )
