@@ -148,6 +148,7 @@ def test_rollback_trains_on_as_a_run_resumed_from_the_checkpoint_past_the_spikes
     data = next(v for k, v in checkpoint.items() if k.endswith("TokenShardDataModule"))
     assert data["samples_consumed"] == RESUME_SAMPLE + (STEPS - CHECKPOINT) * BATCH
     assert [r["spike_step"] for r in checkpoint["stability"]["rollbacks"]] == [SPIKE]
+    assert read_metrics(run_dir, "stability/rollbacks")[STEPS - 1] == 1
 
 
 def test_past_max_rollbacks_the_run_stops_naming_the_spike_and_keeps_its_checkpoint(tiny_shards, tmp_path):

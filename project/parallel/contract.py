@@ -87,6 +87,11 @@ class LlamaStrategy:
         """The mean loss of a training (`train`) or validation batch, as the module computes it."""
         return module.loss(inputs, targets)
 
+    def blocks_run_alone(self) -> bool:
+        """Whether a transformer block's forward runs no collective on this strategy, so that its time is the rank's
+        own (straggler detection); collectives inside blocks make every rank wait for the slowest."""
+        return True
+
     def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` summed over every rank, in place, the same on every rank: one all-reduce on the device, which
         the host does not wait for (Lightning's `Strategy.reduce` puts a barrier before it, which makes the host

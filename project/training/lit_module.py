@@ -304,6 +304,8 @@ class LlamaLitModule(LightningModule):
             self._spikes.report(self.stability.action)
             self.log("train/grad_norm", norm)
             self.log_dict(self._spikes.metrics())
+            if self.stability.action == "rollback":
+                self.log("stability/rollbacks", float(len(self._spikes.rollbacks)))
             if self.optim.max_skipped_steps:
                 self.log("train/skipped_steps", float(self._guard.skipped))
 
@@ -398,7 +400,7 @@ class LlamaLitModule(LightningModule):
         """A run restarted after a spike resumes its optimizer's rates as the checkpoint saved them, unscaled; the
         scheduler sets the next step's only after this one: the cooldown's first step is set here."""
         trainer = self.attached_trainer()
-        if trainer is None or self._spikes.lr_scale(trainer.global_step) == 1.0:
+        if not self._spikes.rollbacks or trainer is None or self._spikes.lr_scale(trainer.global_step) == 1.0:
             return
         for optimizer in trainer.optimizers:
             for group in optimizer.param_groups:

@@ -87,6 +87,9 @@ class CPUCapableFSDPStrategy(LlamaStrategy, FSDPStrategy):
         """Global gradient norm over all shards (before clipping), gradients clipped to max_norm."""
         return cast("FullyShardedDataParallel", self.model).clip_grad_norm_(max_norm)  # wrapped in _setup_model
 
+    def blocks_run_alone(self) -> bool:
+        return False  # each block is an FSDP unit whose forward gathers its parameters
+
     def sum_of_squares(self, groups: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
         """FSDP's parameters (use_orig_params) are each rank's pieces of the flat shards: their sums over every
         rank, divided by the copies of each piece (HYBRID_SHARD's groups; NO_SHARD's every rank)."""

@@ -195,6 +195,10 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
         # One model replica on the ranks of this mesh: nothing to add. A pipeline adds its stages.
         return value
 
+    def blocks_run_alone(self) -> bool:
+        """FSDP2 gathers in hooks outside the block's own forward; tensor and context parallelism reduce inside it."""
+        return self._tensor_parallel_size == 1 and self._context_group is None
+
     def sum_of_squares(self, groups: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
         """Each group's DTensors reduced to a full sum per mesh (as clip_grad_norm's norms), then the stages'."""
         sums = []

@@ -6,7 +6,8 @@ or more) is named in a warning (its rank, host and time).
 Why the blocks' forward: with collectives every rank's step takes the slowest rank's time (the others wait for it
 inside them), so a step's wall time names no one. A block's forward runs no collective under data parallelism and
 FSDP2 (whose gathers run in its hooks before the block's own), so its time is the rank's own; under FSDP1, tensor
-and context parallelism the collectives inside a block count too. On a GPU the time is taken with CUDA events, read
+and context parallelism blocks hold collectives, which make every rank wait for the slowest: there nothing is
+judged (the strategy's `blocks_run_alone`). On a GPU the time is taken with CUDA events, read
 only at logging steps; on a CPU it is the process's CPU time, so that ranks sharing too few cores (waiting for one
 is not computing) are not taken for slow. The first logging window after a start, which holds the first step's
 one-time work, is not judged.
@@ -47,7 +48,7 @@ class StragglerWatch(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._steps.start(trainer)
         self._first_window = True
-        if trainer.world_size <= 1:
+        if trainer.world_size <= 1 or not contract_of(trainer.strategy).blocks_run_alone():
             return
         cuda = pl_module.device.type == "cuda"
         for block in cast(Any, pl_module).model.layers.values():  # the rank's blocks (LlamaLitModule.model)
