@@ -33,8 +33,8 @@ from project.training.stability import Rollback, SpikeDetector
 
 pytestmark = pytest.mark.slow
 
-SPIKE, CHECKPOINT, STEPS, SKIP_BATCHES, BATCH, NUMERICS_EVERY = 6, 4, 10, 1, 8, 5
-NUMERICS_STEPS = (4, 9)
+SPIKE, CHECKPOINT, STEPS, SKIP_BATCHES, BATCH, NUMERICS_EVERY = 5, 3, 8, 1, 8, 4
+NUMERICS_STEPS = (3, 7)  # the checkpoint's step among them: a resumed run's first
 # Four layers and loss chunks of 16 tokens: the pipeline's two stages split the same model (tests/test_pipeline.py).
 RUN = [
     f"trainer.max_steps={STEPS}",
@@ -141,7 +141,7 @@ def test_rollback_trains_on_as_a_run_resumed_from_the_checkpoint_past_the_spikes
     assert_same_weights(run_dir, runs["resumed-past"])
     [record] = spike_records(run_dir)
     assert record["action"] == "rollback" and record["step"] == SPIKE and record["restart_step"] == CHECKPOINT
-    # Left out: every batch read since the checkpoint (steps 4 to 6's), and SKIP_BATCHES more.
+    # Left out: every batch read since the checkpoint (up to the spike's), and SKIP_BATCHES more.
     assert record["samples_left_out"] == [CHECKPOINT * BATCH, RESUME_SAMPLE] and "shift" not in record
     # Its checkpoints know it: a run resumed from them reads on where this one would, and counts the rollback.
     checkpoint = load_full_checkpoint(run_dir / "checkpoints" / "last.ckpt")
