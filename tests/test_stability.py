@@ -21,6 +21,7 @@ import socket
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from in_process import train_in_process
 
 from project.checkpoint.files import load_full_checkpoint
 from project.config.stability import StabilityConfig
+from project.runtime.errors import TrainingStopped
 from project.training.stability import Rollback, SpikeDetector
 
 pytestmark = pytest.mark.slow
@@ -323,3 +325,44 @@ def test_a_lasting_rise_is_a_new_level_after_max_consecutive_spikes_steps_not_sp
     assert spikes[6:9] == [True] * 3 and not any(spikes[9:])  # three spikes, then the new level's steps
     events = detector.read_events()
     assert [(int(e["step"]), e["shift"]) for e in events] == [(6, 0.0), (7, 0.0), (8, 0.0), (9, 1.0)]
+
+
+def test_a_rollback_after_a_resume_counts_the_rollbacks_of_the_runs_before():
+    """The resumed checkpoint's rollbacks, the one this process makes, and the checkpoint the restart loads (older
+    than both, or holding the first): each rollback once, in order, and the budget counts them all."""
+    from omegaconf import OmegaConf
+
+    from project.training.run import restart_after
+    from project.training.stability import RollbackRequested
+
+    first = Rollback(spike_step=30, restart_step=20, resume_sample=320)
+    detector = SpikeDetector(StabilityConfig(max_rollbacks=2), [first])  # as a resumed run's module holds it
+    event = {"step": 45.0, "loss": 9.0, "grad_norm": 3.0, "loss_z": 40.0, "grad_norm_z": 2.0}
+    spike = RollbackRequested(event, 456, 8, set(), detector)
+    cfg = OmegaConf.create({"stability": vars(StabilityConfig(max_rollbacks=2)), "ckpt_path": None})
+    restart = restart_after(cfg, Path("/nonexistent-run-dir"), spike, None)
+    assert [r.spike_step for r in restart.rollbacks] == [30, 45]
+    # The restarted module is given both, then loads a checkpoint that knew only the first (or none).
+    resumed = SpikeDetector(StabilityConfig(max_rollbacks=2), [vars(r) for r in restart.rollbacks])
+    resumed.load_state_dict({"rollbacks": [vars(first)]})
+    assert [r.spike_step for r in resumed.rollbacks] == [30, 45]
+    with pytest.raises(TrainingStopped, match=r"after 2 rollbacks .*spikes at steps 30, 45"):
+        resumed.stop_past_budget(event)
+
+
+def test_a_checkpoint_mid_rise_keeps_the_count_of_steps_above_the_band():
+    config = StabilityConfig(window=8, warmup_steps=4, threshold=5.0, max_consecutive_spikes=3)
+    losses = [3.0 + 0.01 * (i % 2) for i in range(6)] + [6.0] * 6
+    whole, first = SpikeDetector(config), SpikeDetector(config)
+    flags = [bool(whole.observe(torch.tensor(loss), torch.tensor(1.0), step)) for step, loss in enumerate(losses)]
+    for step, loss in enumerate(losses[:8]):  # two steps into the rise
+        first.observe(torch.tensor(loss), torch.tensor(1.0), step)
+    resumed = SpikeDetector(config)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    later = [bool(resumed.observe(torch.tensor(loss), torch.tensor(1.0), step)) for step, loss in enumerate(losses)][8:]
+    assert later == flags[8:] and flags[6:10] == [True, True, True, False]
+
+
+def test_overlapping_cooldowns_do_not_compound():
+    detector = SpikeDetector(StabilityConfig(), [Rollback(30, 20, 400, 0, 0.1, 40), Rollback(35, 25, 480, 0, 0.5, 45)])
+    assert [detector.lr_scale(step) for step in (22, 30, 42, 45)] == [0.1, 0.1, 0.5, 1.0]

@@ -191,7 +191,7 @@ def restart_after(cfg: DictConfig, run_dir: Path, spike: RollbackRequested, prev
         lr_scale=float(stability.cooldown_lr_scale) if stability.cooldown_steps else 1.0,
         cooldown_until=restart_step + int(stability.cooldown_steps),
     )
-    rollbacks = [*(previous.rollbacks if previous else []), rollback]
+    rollbacks = [*spike.rollbacks, rollback]
     rank_zero_warn(
         f"{describe(spike.event)}: a loss spike; rolling back to step {restart_step} "
         f"({ckpt_path or 'the initial weights'}) and reading on from sequence {sample} of the data, leaving out the "

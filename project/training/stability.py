@@ -74,6 +74,7 @@ class RollbackRequested(Exception):
         super().__init__(f"loss spike at step {int(event['step'])}: rolling back")
         self.event, self.samples_consumed, self.global_batch_size = event, samples_consumed, global_batch_size
         self.checkpoint_steps = checkpoint_steps  # of the checkpoints this fit loaded or saved: its own trajectory's
+        self.rollbacks = list(detector.rollbacks)  # every rollback so far, those of the runs it resumed included
         self.record = detector.record
 
 
@@ -91,6 +92,7 @@ class SpikeDetector:
         self.config = config
         self.rollbacks = [r if isinstance(r, Rollback) else Rollback(**r) for r in rollbacks or []]
         self.spikes = 0  # spikes the host has recorded (or that the checkpoint counted)
+        self._consecutive = 0  # a checkpoint's steps in a row above the threshold
         self._history: list[list[float]] = []  # a checkpoint's (loss, norm) of the last accepted steps, oldest first
         self._state: dict[str, torch.Tensor] | None = None
         self.record_dir: Path | None = None  # where stability.jsonl goes (rank 0 only); None: not written
@@ -111,7 +113,7 @@ class SpikeDetector:
                 "z": torch.zeros(2, device=device),  # the latest step's z-scores
                 "events": torch.zeros(MAX_EVENTS, len(EVENT_FIELDS), device=device, dtype=torch.float64),
                 "found": torch.tensor(self.spikes, device=device),  # spikes (and shifts) found so far
-                "run": torch.tensor(0, device=device),  # steps in a row above the threshold
+                "run": torch.tensor(self._consecutive, device=device),  # steps in a row above the threshold
                 "step": torch.tensor(float(step), device=device, dtype=torch.float64),  # counted on the device
             }
         return self._state
@@ -195,10 +197,9 @@ class SpikeDetector:
             file.write(json.dumps(entry) + "\n")
 
     def lr_scale(self, step: int) -> float:
-        scale = 1.0
-        for rollback in self.rollbacks:
-            scale *= rollback.lr_scale_at(step)
-        return scale
+        """The cooldown's factor at `step`: the smallest of the rollbacks' whose cooldown covers it (two that overlap
+        do not compound)."""
+        return min((rollback.lr_scale_at(step) for rollback in self.rollbacks), default=1.0)
 
     def stop_past_budget(self, event: dict[str, float]) -> None:
         """Refuse a rollback beyond stability.max_rollbacks, naming every spike that caused one."""
@@ -226,13 +227,17 @@ class SpikeDetector:
         return {
             "history": history,
             "spikes": self.spikes,
+            "consecutive": int(self._state["run"]) if self._state is not None else self._consecutive,
             "rollbacks": [vars(r) for r in self.rollbacks],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._history = [list(pair) for pair in state.get("history", [])]
         self.spikes = int(state.get("spikes", 0))
-        saved = [Rollback(**r) for r in state.get("rollbacks", [])]
-        if len(saved) > len(self.rollbacks):  # a checkpoint from after the rollbacks this process knows
-            self.rollbacks = saved
+        self._consecutive = int(state.get("consecutive", 0))
+        # The checkpoint's rollbacks and those this process made since (it restarted from an older checkpoint): each
+        # once, in the order they were made (each read on further into the data).
+        known = {(r.spike_step, r.resume_sample): r for r in [Rollback(**r) for r in state.get("rollbacks", [])]}
+        known.update({(r.spike_step, r.resume_sample): r for r in self.rollbacks})
+        self.rollbacks = sorted(known.values(), key=lambda r: r.resume_sample)
         self._state = None
