@@ -100,6 +100,11 @@ class LlamaStrategy:
             dist.all_reduce(tensor)
         return tensor
 
+    def mean_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor`'s mean over every rank (sum_over_ranks, then divided by their number)."""
+        ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return self.sum_over_ranks(tensor) / ranks
+
     def sum_of_squares(self, groups: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
         """[len(groups)]: for each group of tensors (parameters, their gradients or updates, as this rank holds
         them; a group may be empty on this rank), the sum of the squares of the whole tensors' elements, over every

@@ -12,7 +12,6 @@ from typing import IO, Any, Callable, Mapping, cast
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.strategies import Strategy
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
@@ -313,9 +312,7 @@ class LlamaLitModule(LightningModule):
         """The step's loss averaged over every rank (each holds its replica's, or its part's, mean over equally
         many tokens): the global batch's mean, as train/loss logs it."""
         loss = self._step_loss if self._step_loss is not None else torch.zeros(())
-        trainer = self.attached_trainer()
-        ranks = trainer.world_size if trainer is not None and isinstance(trainer.strategy, Strategy) else 1
-        return self.strategy().sum_over_ranks(loss.detach().float().clone()) / ranks
+        return self.strategy().mean_over_ranks(loss.detach().float().clone())
 
     def _roll_back(self) -> None:
         """Every rank alike: the spike recorded, the run asked to restart from its last checkpoint (or stopped past

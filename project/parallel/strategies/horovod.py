@@ -229,6 +229,9 @@ class HorovodStrategy(LlamaStrategy, ParallelStrategy):
         """Horovod's all-reduce (its processes have no torch process group); it returns when the sum is there."""
         return tensor.copy_(self.hvd.allreduce(tensor, op=self.hvd.Sum))
 
+    def mean_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.copy_(self.hvd.allreduce(tensor, op=self.hvd.Average))
+
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if not isinstance(tensor, torch.Tensor):
             return tensor
