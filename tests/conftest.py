@@ -6,15 +6,38 @@ import contextlib
 import csv
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# The checkout's data/ and outputs/ are the user's: `make train` leaves shards in data/ that other data settings
+# refuse, and runs in outputs/. conf/paths roots both at PROJECT_ROOT, which this session (each xdist worker, and
+# every run a test starts, which inherit it) sets to an empty folder of its own; pytest_sessionfinish checks that
+# nothing in the checkout's own folders changed.
+SESSION_ROOT = Path(tempfile.mkdtemp(prefix="llama-tests-root-"))
+os.environ["PROJECT_ROOT"] = str(SESSION_ROOT)
+USER_STATE = ("data", "outputs", "multirun", "lightning_logs", "wandb")
+
+
+def user_state() -> dict[str, tuple[int, int]]:
+    """(size, modification time) of every file under the checkout's state folders."""
+    found = {}
+    for folder in USER_STATE:
+        for path in (ROOT / folder).rglob("*"):
+            if path.is_file() and "__pycache__" not in path.parts:
+                stat = path.stat()
+                found[str(path.relative_to(ROOT))] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
+USER_STATE_AT_START = user_state()
 # transformers, the reference the export and parity tests compare with, lies beside the environment and
 # not in it (see the Makefile): appended here, it is importable by the tests and by none of the runs they start.
 sys.path.append(str(Path(sys.prefix) / "hf-reference"))
@@ -121,6 +144,12 @@ def pytest_sessionfinish(session):
     from warm_start import close_shared_server
 
     close_shared_server()
+    shutil.rmtree(SESSION_ROOT, ignore_errors=True)
+    now = user_state()
+    touched = sorted(p for p in now.keys() | USER_STATE_AT_START.keys() if now.get(p) != USER_STATE_AT_START.get(p))
+    if touched:
+        print(f"\nthe tests changed the checkout's own files (they must write under PROJECT_ROOT): {touched[:10]}")
+        session.exitstatus = 1
 
 
 def run_module(

@@ -1,5 +1,6 @@
 """Settings are checked before the heavy imports, so a mistake is answered in about a second."""
 
+import re
 import subprocess
 import sys
 
@@ -85,3 +86,100 @@ def test_a_layout_names_the_run_and_describes_it_in_numbers():
     assert (
         facts["layout/world_size"] == 4 and facts["layout/accumulation"] == 2 and facts["layout/global_batch_size"] == 8
     )
+
+
+@pytest.fixture
+def as_run():
+    """Compose like `project.train` does, Hydra's runtime choices (the group names errors cite) included."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    def compose_run(*overrides: str):
+        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("train", overrides=["experiment=debug", *overrides], return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return cfg
+
+    yield compose_run
+    HydraConfig.instance().cfg = None
+
+
+GIB = 2**30
+
+
+def test_a_model_that_cannot_fit_the_host_is_refused_with_its_need_and_what_is_there(as_run, monkeypatch):
+    import project.planning.fits
+    from project.config.values import model_config
+    from project.model.flops import count_parameters
+
+    monkeypatch.setattr(project.planning.fits, "host_memory_available", lambda: 24.0 * GIB)
+    cfg = as_run("model=llama3_8b", "trainer.devices=1")
+    with pytest.raises(ConfigError) as refused:
+        preflight(cfg)
+    said = str(refused.value)
+    # Model states in float32 with AdamW, by hand: parameters, gradients and two moments of 4 bytes each.
+    states = 16 * count_parameters(model_config(cfg)) / GIB
+    assert f"model states {states:.1f}" in said and "is 24.0 GiB" in said
+    assert "model=llama3_8b (8.03B parameters) does not fit" in said
+    assert "No layout of the 1 device(s) here fits it" in said and "memory_check=false" in said
+    preflight(as_run("model=llama3_8b", "trainer.devices=1", "memory_check=false"))  # started anyway: no error
+    preflight(cfg, dry_run=True)  # a dry run sizes a job for other machines: not refused for this one's memory
+
+
+def test_a_refused_layout_names_the_planners_best_layout_that_fits_the_same_devices(as_run, monkeypatch):
+    import project.planning.fits
+
+    monkeypatch.setattr(project.planning.fits, "host_memory_available", lambda: 24.0 * GIB)
+    # llama3_2_1b replicated on 2 processes needs about 2 x 18 GiB of model states; sharded over both, half.
+    cfg = as_run("model=llama3_2_1b", "data.vocab_size=512", "strategy=ddp", "trainer.devices=2")
+    with pytest.raises(ConfigError, match=r"x 2 processes on this machine") as refused:
+        preflight(cfg)
+    best = str(refused.value).split("the same command with ")[1]
+    assert "strategy=fsdp2" in best or "strategy=tp" in best or "strategy=pipeline" in best, best
+    assert "trainer=cpu" not in best and "data.seq_len" not in best  # only what changes is named
+    layout_of_best = as_run(
+        "model=llama3_2_1b", "data.vocab_size=512", "trainer.devices=2", *best.split(". To start")[0].split()
+    )
+    preflight(layout_of_best)  # and it passes the same check
+
+
+def test_a_gpu_whose_memory_is_too_small_refuses_the_run_before_it_starts(as_run):
+    from project.planning.fits import check_fits
+
+    cfg = as_run("model=llama3_8b", "trainer.precision=bf16-mixed")
+    layout = preflight(as_run("model=llama3_8b", "trainer.precision=bf16-mixed", "memory_check=false"))
+    with pytest.raises(ConfigError, match=r"one NVIDIA H100 80GB HBM3's memory is 79.2 GiB"):
+        check_fits(cfg, layout, 79.2 * GIB, 1, "gpu", "one NVIDIA H100 80GB HBM3's memory")
+    check_fits(as_run("model=small4m", "trainer.precision=bf16-mixed"), layout, 79.2 * GIB, 1, "gpu", "a GPU")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["strategy=single", "trainer.devices=2"],
+            "strategy=single runs one process on one device, not trainer.devices=2",
+        ),
+        (["trainer.num_nodes=2"], "not trainer.num_nodes=2"),
+        (["trainer.precision=fp8"], "trainer.precision=fp8 is not a precision a run trains in. Choose one of: 32-true"),
+    ],
+)
+def test_settings_that_lightning_would_refuse_after_its_imports_are_refused_before(as_run, overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        preflight(as_run(*overrides))
+
+
+def test_a_computed_trainer_setting_is_answered_with_the_setting_to_use_at_once():
+    from project.config.command_line import check_command_line
+
+    with pytest.raises(ConfigError, match="computed by project.train: set global_batch_size and micro_batch_size"):
+        check_command_line(["experiment=debug", "trainer.accumulate_grad_batches=4"])
+
+
+def test_a_run_directory_the_file_system_refuses_is_answered_before_hydra_makes_it():
+    from project.config.command_line import check_command_line
+
+    with pytest.raises(ConfigError, match=r"hydra.run.dir=/proc/nope: cannot make the run directory there"):
+        check_command_line(["experiment=debug", "hydra.run.dir=/proc/nope"])

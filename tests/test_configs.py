@@ -117,6 +117,7 @@ def test_every_strategy_of_ours_speaks_the_contract_and_nothing_probes_for_anoth
 def test_the_settings_check_knows_each_strategy_as_its_built_class_does():
     """The torch-free kinds (project.parallel.kinds) answer as the strategies' classes do, once built."""
     from hydra.utils import instantiate
+    from lightning.pytorch.strategies import SingleDeviceStrategy
 
     from project.parallel.contract import contract_of
     from project.parallel.kinds import strategy_kind
@@ -132,6 +133,7 @@ def test_the_settings_check_knows_each_strategy_as_its_built_class_does():
             continue
         strategy = instantiate(node)
         assert kind.pipeline == isinstance(strategy, LlamaPipelineStrategy), name
+        assert kind.single_device == isinstance(strategy, SingleDeviceStrategy), name
         assert kind.own_launcher == contract_of(strategy).ranks_from_own_launcher, name
     assert {n for n in STRATEGIES if strategy_kind(compose_train(f"strategy={n}").strategy).pipeline} == {"pipeline"}
 
@@ -173,3 +175,44 @@ def test_the_settings_dataclasses_refuse_what_the_settings_check_refuses_with_th
         )
     with pytest.raises(ValueError, match="optim.min_lr=0.1 is above optim.lr=0.01"):
         OptimConfig(lr=0.01, min_lr=0.1)
+
+
+@pytest.mark.filterwarnings("ignore:The `srun` command is available")  # on a machine with SLURM installed
+def test_the_ready_callbacks_add_to_the_default_ones_alone_or_several_in_any_order(tmp_path):
+    """`callbacks=NAME` keeps every default callback; a progress bar among them, ready or added by name, replaces
+    the default's (Lightning takes one)."""
+    from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ProgressBar, TQDMProgressBar
+
+    from project.config.layout import plan_layout
+    from project.training.callbacks import LlamaModelSummary, StepProgressBar, StepRichProgressBar
+    from project.training.trainer import build_callbacks
+
+    default = list(compose_train().callbacks)
+    ready = ["early_stopping", "lr_monitor", "rich_progress", "layer_summary"]
+    cases = {
+        "callbacks=early_stopping": (EarlyStopping, StepProgressBar, 1),
+        f"callbacks=[{','.join(ready)}]": (LearningRateMonitor, StepRichProgressBar, 2),
+        f"callbacks=[{','.join(reversed(ready))},default]": (EarlyStopping, StepRichProgressBar, 2),
+        "+callbacks.bar._target_=lightning.pytorch.callbacks.TQDMProgressBar": (TQDMProgressBar, TQDMProgressBar, 1),
+    }
+    for override, (added, bar_class, depth) in cases.items():
+        cfg = compose_train(override, f"paths.run_dir={tmp_path}")
+        assert set(default) <= set(cfg.callbacks), override
+        callbacks = build_callbacks(cfg, plan_layout(cfg, 1, 1))
+        [bar] = [c for c in callbacks if isinstance(c, ProgressBar)]
+        [summary] = [c for c in callbacks if isinstance(c, LlamaModelSummary)]
+        assert any(isinstance(c, added) for c in callbacks) and type(bar) is bar_class, override
+        assert summary.max_depth == depth, override
+    early = compose_train("callbacks=early_stopping").callbacks.early_stopping
+    assert (early.monitor, early.mode, early.check_on_train_epoch_end) == ("val/loss", "min", False)
+
+
+def test_the_rich_progress_bar_without_rich_installed_is_one_clear_error(monkeypatch):
+    import importlib.util
+
+    from project.runtime.errors import ConfigError
+    from project.training.callbacks import StepRichProgressBar
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
+    with pytest.raises(ConfigError, match=r"callbacks=rich_progress draws its bar with the rich package, which is not"):
+        StepRichProgressBar()

@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
+from project.config.trainer import COMPUTED_TRAINER_KEYS
 from project.runtime.errors import ConfigError
 from project.runtime.folders import unwritable
 
@@ -135,6 +136,8 @@ def _explain(error: HydraException, overrides: list[str], config_name: str) -> s
     if unknown := re.search(r"Could not override '([^']+)'", message):
         key = unknown.group(1)
         parent, _, leaf = key.rpartition(".")
+        if parent == "trainer" and leaf in COMPUTED_TRAINER_KEYS:  # adding it with + would only be refused next
+            return f"trainer.{leaf} is computed by project.train: {COMPUTED_TRAINER_KEYS[leaf]}."
         groups_only = [o for o in overrides if (CONF / o.split("=")[0]).is_dir()]  # the structure, without the typo
         try:
             with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

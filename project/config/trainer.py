@@ -19,6 +19,33 @@ COMPUTED_TRAINER_KEYS = {
 }
 
 
+# trainer.precision values Lightning's Trainer takes (its plugins' names and their short forms), and what each is for.
+PRECISIONS = {
+    "32-true": "float32, the CPU's",
+    "bf16-mixed": "float32 weights, bfloat16 compute: GPUs",
+    "bf16-true": "bfloat16 weights and optimizer state",
+    "16-mixed": "float16 compute with loss scaling: GPUs without bfloat16",
+    "16-true": "float16 weights",
+    "64-true": "float64",
+}
+PRECISION_ALIASES = {"32", "16", "64", "bf16", 32, 16, 64}
+
+
+def check_precision(precision: object) -> None:
+    """Lightning answers a precision it does not know after its imports, with its raw list: say ours first."""
+    if precision in PRECISIONS or precision in PRECISION_ALIASES or precision is None:
+        return
+    choices = "; ".join(f"{name} ({use})" for name, use in PRECISIONS.items())
+    float8 = (
+        " float8 training (torchao's float8 linears) is not available yet: train in bf16-mixed."
+        if "8" in str(precision)
+        else ""
+    )
+    raise ConfigError(
+        f"trainer.precision={precision} is not a precision a run trains in. Choose one of: {choices}.{float8}"
+    )
+
+
 def check_trainer(cfg: DictConfig, here: bool = True) -> None:
     """`here`: the run is to start on this machine (not a dry run of a job for another), so a GPU it asks for must be
     here."""
@@ -27,6 +54,7 @@ def check_trainer(cfg: DictConfig, here: bool = True) -> None:
     for key, fix in COMPUTED_TRAINER_KEYS.items():
         if key in cfg.trainer:
             raise ConfigError(f"trainer.{key} is computed by project.train: {fix}.")
+    check_precision(cfg.trainer.get("precision"))
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
     if accelerator in ("gpu", "cuda") and here:
         import torch  # only here: a CPU run's settings check should not wait for it

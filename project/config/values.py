@@ -79,7 +79,14 @@ RULES: list[Rule] = [
     ),
 ]
 
-BOOLEAN_SETTINGS = ("document_mask", "data.overwrite", "data.auto_prepare", "data.allow_repeats", "dry_run.enabled")
+BOOLEAN_SETTINGS = (
+    "document_mask",
+    "data.overwrite",
+    "data.auto_prepare",
+    "data.allow_repeats",
+    "dry_run.enabled",
+    "memory_check",
+)
 _BOOLEAN = (True, False)
 _DTYPE_NAMES = (None, *DTYPE_NAMES)
 # Strategy settings that take one of a few values, checked here for whichever strategy has them, so that

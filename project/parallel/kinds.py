@@ -19,6 +19,8 @@ class StrategyKind:
     own_launcher: bool = False
     #: It can split each sequence over strategy.context_parallel_size ranks (project.parallel.context_parallel).
     context_parallel: bool = False
+    #: It runs one process on one device, whatever trainer.devices asks.
+    single_device: bool = False
 
 
 DATA_PARALLEL = StrategyKind()
@@ -26,6 +28,7 @@ DATA_PARALLEL = StrategyKind()
 KINDS: dict[str, StrategyKind] = {
     "project.parallel.strategies.pipeline.LlamaPipelineStrategy": StrategyKind(pipeline=True, context_parallel=True),
     "project.parallel.strategies.horovod.horovod_strategy": StrategyKind(own_launcher=True),
+    "project.parallel.strategies.single.single_device_strategy": StrategyKind(single_device=True),
     "project.parallel.strategies.model_parallel.LlamaParallelStrategy": StrategyKind(context_parallel=True),
 }
 

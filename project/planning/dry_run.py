@@ -357,9 +357,12 @@ def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir:
     return shares
 
 
-def planned_memory(cfg: DictConfig, layout: Layout, strategy_name: str, pipeline_rank: int) -> Any | None:
+def planned_memory(
+    cfg: DictConfig, layout: Layout, strategy_name: str, pipeline_rank: int, allowance: Any = None
+) -> Any | None:
     """The planner's estimate of the whole memory of a rank of this layout (project.planning.memory:
-    activations, working copies and an allowance besides the model states), where it models the strategy."""
+    activations, working copies and an allowance besides the model states), where it models the strategy;
+    `allowance`: the planner's default where None."""
     from project.planning.candidates import STRATEGIES, Candidate
     from project.planning.memory import STORAGE_BYTES, Allowance, estimate_memory
 
@@ -386,7 +389,13 @@ def planned_memory(cfg: DictConfig, layout: Layout, strategy_name: str, pipeline
     )
     accelerator = "gpu" if s.get("compile") else "cpu"  # the planner counts compiled (fused) blocks on GPUs
     return estimate_memory(
-        model_config(cfg), candidate, int(cfg.data.seq_len), precision, accelerator, Allowance(), pipeline_rank
+        model_config(cfg),
+        candidate,
+        int(cfg.data.seq_len),
+        precision,
+        accelerator,
+        allowance or Allowance(),
+        pipeline_rank,
     )
 
 

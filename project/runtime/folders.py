@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -15,4 +16,8 @@ def unwritable(folder: str | os.PathLike) -> str | None:
     if not os.access(existing, os.W_OK | os.X_OK):  # root passes whatever the mode says, as its writes do
         read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
         return f"{existing} is on a read-only file system" if read_only else f"{existing} is not writable by this user"
+    try:  # the permission bits can allow what the file system refuses (/proc, /sys, a full disk): try a folder there
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=existing))
+    except OSError as error:
+        return f"no folder can be made in {existing} ({error.strerror or error})"
     return None

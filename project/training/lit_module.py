@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, cast
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
@@ -27,19 +27,10 @@ from project.parallel.contract import LlamaStrategy, contract_of
 from project.runtime.errors import ConfigError
 from project.training.callbacks.steps import logs_at
 from project.training.nonfinite import NonFiniteGuard, takes_the_flag_on_the_device
+from project.training.schedule import lr_at, recorded_schedule, schedule_change, schedule_record
 from project.training.stability import Rollback, RollbackRequested, SpikeDetector
 
-
-def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Learning rate of optimizer step `step` (0-based) in a run of `total_steps`.
-
-    Linear warmup: steps 0 .. warmup-1 use lr * (step + 1) / warmup, reaching lr at the last one;
-    then a cosine from there down to min_lr, which the final step (total_steps - 1) uses.
-    """
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step + 1 - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+__all__ = ["LlamaLitModule", "OptimConfig", "document_ids", "lr_at"]  # lr_at: the schedule, where tests look
 
 
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -226,6 +217,11 @@ class LlamaLitModule(LightningModule):
         self._checkpoint_steps.add(int(checkpoint.get("global_step", 0)))
         if (trainer := self.attached_trainer()) is not None:  # resuming a fit, not load_from_checkpoint
             rebase_batch_progress(checkpoint, trainer.accumulate_grad_batches)
+            now = schedule_record(self.optim, trainer.max_steps)
+            if not self._spikes.rollbacks and (
+                change := schedule_change(recorded_schedule(checkpoint), now, int(checkpoint.get("global_step", 0)))
+            ):
+                rank_zero_warn(change)
 
     def _training_data(self) -> TokenShardDataModule | None:
         """The TokenShardDataModule this module trains on, where it is one (it knows the tokenizer)."""
@@ -347,6 +343,8 @@ class LlamaLitModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         self._guard.check()  # never a checkpoint of a run that should have stopped: it stops here, before writing
         checkpoint["skipped_steps"] = self._guard.skipped
+        if (trainer := self.attached_trainer()) is not None:  # what a resume compares its schedule with
+            checkpoint["schedule"] = schedule_record(self.optim, trainer.max_steps)
         self._spikes.report(self.stability.action)
         checkpoint["stability"] = self._spikes.state_dict()
         self._checkpoint_steps.add(int(checkpoint.get("global_step", 0)))
