@@ -77,9 +77,34 @@ def test_the_run_directory_keeps_what_each_rank_printed(debug_runs):
     log = (run_dir / "train.log").read_text()
     assert "batch: global 8 = micro 4 x 1 accumulation x 2 data-parallel replicas" in log  # rank 0's console
     assert re.search(r"Epoch 0: 100%.*4/4", log) and "done: train/loss=" in log
+    assert re.search(r"100%.*\| 6/6 \[", log)  # the resumed run's bar, from the checkpoint's step to max_steps
     assert "\r" not in log and "\x1b[" not in log  # progress bars kept as their last drawing, without escapes
     assert "[rank: 1]" in (run_dir / "train.rank1.log").read_text()  # the other rank's stderr, beside it
     assert log.count("== ") == 2 and log.count("done: train/loss=") == 2  # a resume appends to the record
     assert (
         log.index("batch: global 8") < log.index("done: train/loss=") < log.rindex("== ")
     )  # the first run's record first
+
+
+@pytest.mark.slow
+def test_ready_callbacks_stop_early_saying_where_and_bars_count_optimizer_steps(tiny_shards, tmp_path):
+    """conf/callbacks' early_stopping (a fall of 100 asked of every validation: none comes), lr_monitor and
+    layer_summary, under accumulation (two micro batches a step): the bar counts optimizer steps to max_steps, and
+    after a resume goes on from the checkpoint's step, rich's (rich_progress) as tqdm's."""
+    steps = ["global_batch_size=8", "micro_batch_size=4", "val_every_n_steps=1", "ckpt_every_n_steps=1"]
+    ready = ["callbacks=[early_stopping,lr_monitor,layer_summary]", "callbacks.early_stopping.patience=1"]
+    ready.append("callbacks.early_stopping.min_delta=100")
+    first = run(tiny_shards, tmp_path, "single", "trainer.max_steps=10", *steps, *ready)
+    assert unexpected_warnings(first) == []
+    assert re.search(
+        r"done: stopped early at step 2 of trainer.max_steps=10 by EarlyStopping \(Monitored metric val/loss did not "
+        r"improve in the last 1 records. Best score: [\d.]+\.\); train/loss=[\d.]+, val/loss=[\d.]+; checkpoints in ",
+        first,
+    )
+    assert re.search(r"\| 2/10 \[", first) and not re.search(r"/20 \[", first)  # steps, not micro batches
+    assert "| Name" in first  # Lightning's table of the modules, after the summary
+    assert {"lr-AdamW/pg1", "lr-AdamW/pg2"} <= set((tmp_path / "metrics.csv").read_text().splitlines()[0].split(","))
+    resumed = run(
+        tiny_shards, tmp_path, "single", "trainer.max_steps=4", "ckpt_path=last", *steps, "callbacks=rich_progress"
+    )
+    assert "Epoch 0 " in resumed and "4/4" in resumed and "/?" not in resumed and "done: train/loss=" in resumed

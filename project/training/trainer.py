@@ -26,7 +26,7 @@ from project.config.trainer import check_trainer_arguments
 from project.parallel.contract import contract_of
 from project.runtime.errors import ConfigError
 from project.runtime.secrets import redacted_container, secret_values
-from project.training.callbacks import LayoutFacts, StepCheckpoint
+from project.training.callbacks import LayoutFacts, StepCheckpoint, StepProgressBar
 from project.training.callbacks.preemption import StopOnSignal
 from project.training.loggers import RunIdentity
 
@@ -67,6 +67,8 @@ def devices_per_node(cfg: DictConfig) -> int:
 def build_callbacks(cfg: DictConfig, layout: Layout) -> list[Callback]:
     """conf/callbacks' (those the trainer settings leave on), the layout's facts, and the stop on a signal."""
     callbacks = [instantiate(node) for node in cfg.callbacks.values() if node is not None]
+    if sum(isinstance(c, ProgressBar) for c in callbacks) > 1:  # callbacks=rich_progress, or one added by name:
+        callbacks = [c for c in callbacks if type(c) is not StepProgressBar]  # Lightning takes one bar only
     if not cfg.trainer.get("enable_progress_bar", True):
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     if not cfg.trainer.get("enable_model_summary", True):
@@ -75,7 +77,13 @@ def build_callbacks(cfg: DictConfig, layout: Layout) -> list[Callback]:
     step_checkpoints = [c for c in callbacks if isinstance(c, StepCheckpoint)]
     if step_checkpoints:  # without one (~callbacks.last_checkpoint), a signal stops the run as Lightning does
         callbacks.append(StopOnSignal(step_checkpoints[0], stop_signals))
-    return [*callbacks, LayoutFacts(layout.facts())]
+    return [*callbacks, LayoutFacts(layout.facts(), layout_name(layout))]
+
+
+def layout_name(layout: Layout) -> str:
+    """The layout's name (Layout.name) with the model preset and strategy the run composed."""
+    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    return layout.name(choices.get("model", "model"), choices.get("strategy", "strategy"))
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path, layout: Layout) -> list[Logger]:
@@ -84,7 +92,7 @@ def build_loggers(cfg: DictConfig, run_dir: Path, layout: Layout) -> list[Logger
     model_name, strategy_name = choices.get("model", "model"), choices.get("strategy", "strategy")
     run = RunIdentity(
         dir=run_dir,
-        name=layout.name(model_name, strategy_name),
+        name=layout_name(layout),
         group=os.environ.get("WANDB_SWEEP_ID") or choices.get("experiment") or None,
         tags=[strategy_name, model_name, f"{math.prod(layout.shape)}-devices"],
         config=redacted_container(cfg),

@@ -3,7 +3,7 @@ from project.training.callbacks.hangs import HangWatch
 from project.training.callbacks.layout import LayoutFacts
 from project.training.callbacks.memory import MemoryMonitor
 from project.training.callbacks.numerics import NumericsMonitor
-from project.training.callbacks.progress import StepProgressBar
+from project.training.callbacks.progress import StepProgressBar, StepRichProgressBar
 from project.training.callbacks.stragglers import StragglerWatch
 from project.training.callbacks.summary import LlamaModelSummary
 from project.training.callbacks.throughput import TokenThroughput
@@ -17,6 +17,7 @@ __all__ = [
     "NumericsMonitor",
     "StepCheckpoint",
     "StepProgressBar",
+    "StepRichProgressBar",
     "StragglerWatch",
     "TokenThroughput",
 ]

@@ -21,11 +21,23 @@ class LlamaModelSummary(ModelSummary):
     and pipeline or tensor parallelism, and prints "FLOPs 0" unless the module has an example input,
     whose forward pass at that point would run collectives on rank 0 alone. Here the size and FLOPs
     come from the config (project.model.flops), the share from the parameters on rank 0.
+
+    `max_depth` 0 prints nothing, 1 (the default) this summary alone, more adds Lightning's table of the modules to
+    that depth (callbacks=layer_summary), which counts what each rank holds.
     """
 
+    def __init__(self, max_depth: int = 1, **summarize_kwargs: Any) -> None:
+        super().__init__(max_depth, **summarize_kwargs)
+        self.max_depth = max_depth
+
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not self._max_depth or not trainer.is_global_zero:
-            return
+        if self.max_depth and trainer.is_global_zero:
+            self.say(trainer, pl_module)
+        if self.max_depth > 1:  # the table is gathered on every rank, printed by the first
+            super().on_fit_start(trainer, pl_module)
+
+    @staticmethod
+    def say(trainer: Trainer, pl_module: LightningModule) -> None:
         config = LlamaConfig(**pl_module.hparams["model"])
         data: Any = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector, undeclared
         seq_len = data.hparams.seq_len
