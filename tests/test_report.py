@@ -172,7 +172,7 @@ def test_runs_rank_by_median_tokens_per_second_per_device_after_the_first_window
     assert [row["#"] for row in rows] == ["1", "2", "3"]
 
 
-def test_a_run_resumed_under_another_layout_is_reported_in_its_last_layout_and_speed(tmp_path):
+def test_a_run_resumed_under_another_layout_is_reported_under_every_layout_at_its_last_speed(tmp_path):
     run = write_run(tmp_path / "moved", "ddp", dp=2, micro=4, tokens_per_sec=(10.0, 2000.0, 2000.0, 2000.0))
     # Resumed at step 4 on one device: the layout logged again there, then slower steps.
     resumed = [
@@ -199,8 +199,15 @@ def test_a_run_resumed_under_another_layout_is_reported_in_its_last_layout_and_s
         yaml.safe_dump({"hydra": {"runtime": {"choices": {"model": "debug", "strategy": "single"}}}})
     )
     (row,) = make_report(tmp_path, run)
-    assert row["layout"] == "`debug_dp1-tp1-pp1_mb8_single`" and row["devices"] == "1"
+    # Without training's record of each start (an older run) the first start's strategy is unknown.
+    assert row["layout"] == "`debug_dp2-tp1-pp1_mb4_? → debug_dp1-tp1-pp1_mb8_single`" and row["devices"] == "1"
     assert row["tokens/s per device"] == "300"  # the resumed start-up window (5) left out, and nothing before it
+    # With it, as training writes it (a rollback's restart in the same layout is no new layout).
+    starts = [(0, "debug_dp2-tp1-pp1_mb4_ddp"), (2, "debug_dp2-tp1-pp1_mb4_ddp"), (4, "debug_dp1-tp1-pp1_mb8_single")]
+    lines = [json.dumps({"step": step, "layout": name}) for step, name in starts]
+    (run / report.LAYOUTS_FILE).write_text("\n".join(lines) + "\n")
+    (row,) = make_report(tmp_path, run, name="recorded")
+    assert row["layout"] == "`debug_dp2-tp1-pp1_mb4_ddp → debug_dp1-tp1-pp1_mb8_single`"
 
 
 def test_a_run_that_stopped_early_says_where(tmp_path):
@@ -313,6 +320,9 @@ def test_a_report_of_a_single_device_and_a_ddp_run_reads_their_layouts_devices_a
     # experiment=debug: a global batch of 8, the whole of it per replica unless micro_batch_size is set.
     assert rows["single"]["layout"] == "`debug_dp1-tp1-pp1_mb8_single`" and rows["single"]["devices"] == "1"
     assert rows["ddp"]["layout"] == "`debug_dp2-tp1-pp1_mb4_ddp`" and rows["ddp"]["devices"] == "2"
+    # Training's record of each start's layout (under the name the report reads), which names a resumed run's
+    # earlier layouts.
+    assert report.recorded_layouts(ddp) == ["debug_dp2-tp1-pp1_mb4_ddp"]
     for run_dir in (single, ddp):
         row = rows[run_dir.name]
         train_loss, val_loss = read_metrics(run_dir, "train/loss"), read_metrics(run_dir, "val/loss")

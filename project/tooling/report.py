@@ -68,7 +68,7 @@ class RunSummary:
 
     label: str  # where it came from: the run directory's name, <sweep folder>/<point>, or <wandb project>/<run id>
     run_dir: Path | None
-    layout: str = ""  # Layout.name(), from the layout the run logged
+    layout: str = ""  # Layout.name() of each layout the run trained in, in order, joined by " → "
     settings: str = ""  # a sweep point's parameters, which name it where no layout was logged
     devices: int | None = None
     tokens_per_sec_per_device: float | None = None
@@ -138,23 +138,54 @@ def read_config(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
-def logged_layout(rows: Rows, choices: dict[str, str]) -> str | None:
-    """The run's layout name, as training named its wandb run: from the layout facts it logged at its start."""
-    names = (
-        "pipeline_parallel",
-        "data_parallel",
-        "tensor_parallel",
-        "micro_batch_size",
-        "global_batch_size",
-        "pipeline_microbatches",
-    )
-    facts = {name: last(rows, f"layout/{name}") for name in names}
-    if any(value is None for value in facts.values()):
-        return None
-    f = {name: int(value) for name, value in facts.items()}
-    plan = BatchPlan(f["global_batch_size"], f["micro_batch_size"], f["data_parallel"], f["pipeline_microbatches"])
-    layout = Layout(MeshShape(f["pipeline_parallel"], f["data_parallel"], f["tensor_parallel"]), plan)
-    return layout.name(choices.get("model", "model"), choices.get("strategy", "strategy"))
+# Written by training (project.training.callbacks.layout, which imports Lightning: named again here so that a
+# report imports no torch; tests/test_report.py reads a trained run's under this name).
+LAYOUTS_FILE = "layouts.jsonl"
+LAYOUT_FACTS = (
+    "pipeline_parallel",
+    "data_parallel",
+    "tensor_parallel",
+    "micro_batch_size",
+    "global_batch_size",
+    "pipeline_microbatches",
+)
+
+
+def logged_layouts(rows: Rows, choices: dict[str, str]) -> list[str]:
+    """The layout name of each start of the run, in order (one where it never changed), as training named its
+    wandb run: from the layout facts each start logged. Hydra's record names the last start's strategy; an earlier
+    start's, which the metrics do not hold, is `?` where its facts differ from the last's."""
+    facts = {name: dict(series(rows, f"layout/{name}")) for name in LAYOUT_FACTS}
+    starts = sorted(set.intersection(*(set(values) for values in facts.values())))
+    names = []
+    for step in starts:
+        f = {name: int(values[step]) for name, values in facts.items()}
+        plan = BatchPlan(f["global_batch_size"], f["micro_batch_size"], f["data_parallel"], f["pipeline_microbatches"])
+        layout = Layout(MeshShape(f["pipeline_parallel"], f["data_parallel"], f["tensor_parallel"]), plan)
+        last = all(values[step] == values[starts[-1]] for values in facts.values())
+        names.append(layout.name(choices.get("model", "model"), choices.get("strategy", "strategy") if last else "?"))
+    return without_repeats(names)
+
+
+def recorded_layouts(run_dir: Path) -> list[str]:
+    """The layout name of each start, in order, from the run directory's layouts.jsonl (training writes it,
+    project.training.callbacks.layout); [] where there is none (runs from before it, wandb runs)."""
+    try:
+        lines = (run_dir / LAYOUTS_FILE).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+    names = []
+    for line in lines:
+        try:
+            names.append(str(json.loads(line)["layout"]))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line cut short by a killed run
+    return without_repeats(names)
+
+
+def without_repeats(names: list[str]) -> list[str]:
+    """A resume, or a rollback's restart, in the same layout is not another layout."""
+    return [name for i, name in enumerate(names) if i == 0 or name != names[i - 1]]
 
 
 def rank_memory(run_dir: Path) -> list[dict[str, Any]]:
@@ -232,7 +263,8 @@ def summarize_metrics(
     summary.devices = int(world_size) if world_size else summary.devices
     # Files of ranks a resumed run no longer has (it resumed on fewer devices) stay behind: left out.
     memory = [r for r in memory if summary.devices is None or r.get("world_size") in (None, summary.devices)]
-    summary.layout = logged_layout(rows, choices) or ""
+    recorded = recorded_layouts(summary.run_dir) if summary.run_dir is not None else []
+    summary.layout = " → ".join(recorded or logged_layouts(rows, choices))
     # A run resumed under another layout logged its layout again where it resumed: its speed is the one
     # measured since (Hydra's record of the choices is the last start's too).
     starts = series(rows, "layout/world_size")
