@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -249,10 +250,19 @@ def test_changed_settings_are_refused_without_overwrite_and_leave_the_shards_int
     prepare_shards(sources, shards, vocab_size=300, seq_len=8, num_workers=1)
     before = file_states(shards)
 
-    with pytest.raises(ConfigError, match=r"changed: seq_len\). Set data.overwrite=true"):
+    # Each change named as training names it (project.config.data): the setting, its value there and here.
+    with pytest.raises(ConfigError, match=r"other settings: data.seq_len: 8 there, 12 here. Set data.overwrite=true"):
         prepare_shards(sources, shards, vocab_size=300, seq_len=12, num_workers=1)
-    (tmp_path / "raw" / "doc00.txt").write_text("An edited document.\n" * 50)
-    with pytest.raises(ConfigError, match="changed: sources"):
+    with pytest.raises(ConfigError, match=r"other settings: data.vocab_size: 300 there, 320 here. Set"):
+        prepare_shards(sources, shards, vocab_size=320, seq_len=8, num_workers=1)
+    with pytest.raises(ConfigError, match=r"other settings: data.text_field: text there, body here. Set"):
+        prepare_shards(sources, shards, vocab_size=300, seq_len=8, num_workers=1, text_field="body")
+    edited = tmp_path / "raw" / "doc00.txt"
+    os.utime(edited, ns=(edited.stat().st_atime_ns, edited.stat().st_mtime_ns + 10**9))
+    with pytest.raises(ConfigError, match=r"other settings: the source files' modification times \(their names"):
+        prepare_shards(sources, shards, vocab_size=300, seq_len=8, num_workers=1)
+    edited.write_text("An edited document.\n" * 50)
+    with pytest.raises(ConfigError, match=rf"data.sources: {edited} held \d+ bytes when prepared, 1000 now"):
         prepare_shards(sources, shards, vocab_size=300, seq_len=8, num_workers=1)
     assert file_states(shards) == before
 

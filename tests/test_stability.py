@@ -366,3 +366,33 @@ def test_a_checkpoint_mid_rise_keeps_the_count_of_steps_above_the_band():
 def test_overlapping_cooldowns_do_not_compound():
     detector = SpikeDetector(StabilityConfig(), [Rollback(30, 20, 400, 0, 0.1, 40), Rollback(35, 25, 480, 0, 0.5, 45)])
     assert [detector.lr_scale(step) for step in (22, 30, 42, 45)] == [0.1, 0.1, 0.5, 1.0]
+
+
+def test_a_step_whose_gradient_norm_alone_is_out_is_called_a_gradient_norm_spike_not_a_loss_spike():
+    """The warning of each action, the rollback's and the stop past max_rollbacks say which of the two is out."""
+    from omegaconf import OmegaConf
+
+    from project.training.run import restart_after
+    from project.training.stability import RollbackRequested
+
+    config = StabilityConfig(window=6, warmup_steps=4, threshold=5.0, max_rollbacks=0)
+    detector = SpikeDetector(config)
+    for step in range(8):
+        wobble = 0.01 * (step % 2)
+        detector.observe(torch.tensor(3.0 + wobble), torch.tensor(1.0 + wobble + 9.0 * (step == 7)), step)
+    with pytest.warns(UserWarning) as said:
+        detector.report("log")
+    [message] = [str(w.message) for w in said]
+    assert message.startswith("step 7: loss 3.01 (") and message.endswith(
+        " sd): a gradient-norm spike (the loss within its band); training goes on (stability.action=log)."
+    )
+    event = {"step": 7.0, "loss": 3.0, "grad_norm": 10.0, "loss_z": 0.5, "grad_norm_z": 900.0}
+    spike = RollbackRequested(event, 64, 8, set(), detector)
+    cfg = OmegaConf.create({"stability": vars(config), "ckpt_path": None})
+    with pytest.warns(UserWarning, match=r"\(\+900.0 sd\): a gradient-norm spike \(the loss within its band\); roll"):
+        restart_after(cfg, Path("/nonexistent-run-dir"), spike, None)
+    with pytest.raises(TrainingStopped, match=r"sd\): a gradient-norm spike \(the loss within its band\), after 0 "):
+        detector.stop_past_budget(event)
+    both = {**event, "loss_z": 50.0}
+    with pytest.raises(TrainingStopped, match=r"sd\): a spike of the loss and the gradient norm, after 0 rollbacks"):
+        detector.stop_past_budget(both)

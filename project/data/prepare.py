@@ -189,7 +189,7 @@ def prepare_shards(
         if existing is not None and existing.get("fingerprint") == fingerprint and _shards_present(output_dir):
             log.info("Shards in %s are up to date (fingerprint %s); nothing to do.", output_dir, fingerprint)
             return existing
-        _refuse_to_clobber(output_dir, existing, overwrite, files, settings)
+        _refuse_to_clobber(output_dir, existing, overwrite, files, settings, given)
     # The parts, shared by the machines preparing them; one machine's own are started afresh.
     work = output_dir.parent / f".{output_dir.name}.parts-{fingerprint}"
     if nodes == 1:
@@ -235,8 +235,9 @@ def _prepare_to_remote(
         )
     if existing is not None and not overwrite:
         raise ConfigError(
-            f"data.dir={url} holds shards prepared from other settings. Set data.overwrite=true to replace them, or "
-            "point data.dir at another prefix to keep both."
+            f"data.dir={url} holds shards prepared from other settings: "
+            f"{_settings_changed(existing, files, settings, given)}. Set data.overwrite=true to replace them, or point "
+            "data.dir at another prefix to keep both."
         )
     with tempfile.TemporaryDirectory(prefix="prepare-") as staging:
         local = Path(staging) / "shards"
@@ -337,7 +338,12 @@ def _shards_present(output_dir: Path) -> bool:
 
 
 def _refuse_to_clobber(
-    output_dir: Path, existing: dict | None, overwrite: bool, files: list[Path], settings: _Settings
+    output_dir: Path,
+    existing: dict | None,
+    overwrite: bool,
+    files: list[Path],
+    settings: _Settings,
+    tokenizer: Tokenizer | None,
 ) -> None:
     """Replace shards only when asked to, and never a folder that holds something else, asked or not."""
     if existing is None:
@@ -349,17 +355,44 @@ def _refuse_to_clobber(
         return
     if overwrite or not _shards_present(output_dir):
         return  # asked to, or the remains of a dataset whose shards were deleted: nothing valid to lose
-    now = {
-        "seq_len": settings.seq_len,
-        "val_fraction": settings.val_fraction,
-        "seed": settings.seed,
-        "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
-    }
-    changed = [key for key, value in now.items() if existing.get(key) != value]
     raise ConfigError(
-        f"data.dir={output_dir} holds shards prepared from other settings (changed: "
-        f"{', '.join(changed) or 'tokenizer, text field or source file times'}). "
-        f"Set data.overwrite=true to replace them, or point data.dir at another folder to keep both."
+        f"data.dir={output_dir} holds shards prepared from other settings: "
+        f"{_settings_changed(existing, files, settings, tokenizer)}. Set data.overwrite=true to replace them, or "
+        f"point data.dir at another folder to keep both."
+    )
+
+
+def _settings_changed(existing: dict, files: list[Path], settings: _Settings, tokenizer: Tokenizer | None) -> str:
+    """What differs from the manifest of the shards in place, each as `setting: there, here` (as training says it,
+    project.config.data); settings the manifest does not record (older shards) are not compared. What the
+    fingerprint holds besides (modification times, chunk and part sizes) is named where nothing else differs."""
+    recorded = existing.get("settings") or {}
+    differences = []
+    if "seq_len" in existing and existing["seq_len"] != settings.seq_len:
+        differences.append(f"data.seq_len: {existing['seq_len']} there, {settings.seq_len} here")
+    for key, name in (("val_fraction", "data.val_fraction"), ("seed", "data.seed")):
+        if key in existing and existing[key] != getattr(settings, key):
+            differences.append(f"{name}: {existing[key]} there, {getattr(settings, key)} here")
+    if "text_field" in recorded and recorded["text_field"] != settings.text_field:
+        differences.append(f"data.text_field: {recorded['text_field']} there, {settings.text_field} here")
+    given = settings.tokenizer
+    if "tokenizer" in recorded and recorded["tokenizer"] != given:
+        differences.append(f"data.tokenizer: {recorded['tokenizer']} there, {given} here")
+    elif tokenizer is not None and recorded.get("tokenizer_sha256") not in (None, file_sha256(tokenizer.path)):
+        differences.append(f"data.tokenizer: the file {given} changed since the shards were prepared")
+    elif given is None and "vocab_size" in recorded and recorded["vocab_size"] != settings.vocab_size:
+        differences.append(f"data.vocab_size: {recorded['vocab_size']} there, {settings.vocab_size} here")
+    there = {str(s.get("path")): s.get("bytes") for s in existing.get("sources", []) if isinstance(s, Mapping)}
+    here = {str(f): f.stat().st_size for f in files}
+    if "sources" in existing and there.keys() != here.keys():
+        differences.append(f"data.sources: {len(there)} files there, {len(here)} here")
+    elif "sources" in existing and (changed := sorted(path for path in here if there[path] != here[path])):
+        differences.append(
+            f"data.sources: {changed[0]} held {there[changed[0]]} bytes when prepared, {here[changed[0]]} now"
+        )
+    return "; ".join(differences) or (
+        "the source files' modification times (their names and sizes are the same), data.chunk_mb or "
+        "data.prepare_part_mb"
     )
 
 

@@ -32,11 +32,6 @@ def setting(default: Any, accepts: Accepts, must: str) -> Any:
     return field(default=default, metadata={"accepts": accepts, "must": must})
 
 
-def field_rules(cls: type, prefix: str) -> list[Rule]:
-    """The rules of a dataclass's fields, keyed as the config names them (`prefix.field`)."""
-    return [(f"{prefix}.{f.name}", f.metadata["accepts"], f.metadata["must"]) for f in fields(cls) if f.metadata]
-
-
 def accepted(value: Any, accepts: Accepts) -> bool:
     try:  # true and false are numbers to Python, never to a setting
         return not isinstance(value, bool) and accepts(value)
@@ -44,13 +39,16 @@ def accepted(value: Any, accepts: Accepts) -> bool:
         return False
 
 
-def out_of_range(key: str, value: Any, must: str) -> str:
+def out_of_range(key: str, value: Any, must: str, takes_words: bool = False) -> str:
+    """The refusal of a value: a word (or true, false) where a number belongs is no number, not out of range."""
+    if not takes_words and isinstance(value, (str, bool)):
+        return f"{key}={value} is not a number: it must be {must}."
     return f"{key}={value} is out of range: it must be {must}."
 
 
 def check_fields(settings: Any, prefix: str) -> None:
     """ValueError for the first field of the dataclass instance `settings` that its rule refuses."""
-    for key, accepts, must in field_rules(type(settings), prefix):
-        value = getattr(settings, key.rsplit(".", 1)[1])
-        if not accepted(value, accepts):
-            raise ValueError(out_of_range(key, value, must))
+    for f in fields(settings):
+        if f.metadata and not accepted(value := getattr(settings, f.name), f.metadata["accepts"]):
+            # A setting whose default is a word (stability.action) takes words: another word is out of its range.
+            raise ValueError(out_of_range(f"{prefix}.{f.name}", value, f.metadata["must"], isinstance(f.default, str)))

@@ -71,7 +71,8 @@ class RollbackRequested(Exception):
         checkpoint_steps: set[int],
         detector: "SpikeDetector",
     ):
-        super().__init__(f"loss spike at step {int(event['step'])}: rolling back")
+        self.kind = spike_kind(event, detector.config.threshold)
+        super().__init__(f"{self.kind} at step {int(event['step'])}: rolling back")
         self.event, self.samples_consumed, self.global_batch_size = event, samples_consumed, global_batch_size
         self.checkpoint_steps = checkpoint_steps  # of the checkpoints this fit loaded or saved: its own trajectory's
         self.rollbacks = list(detector.rollbacks)  # every rollback so far, those of the runs it resumed included
@@ -83,6 +84,15 @@ def describe(event: dict[str, Any]) -> str:
         f"step {int(event['step'])}: loss {event['loss']:.4g} ({event['loss_z']:+.1f} sd), gradient norm "
         f"{event['grad_norm']:.4g} ({event['grad_norm_z']:+.1f} sd)"
     )
+
+
+def spike_kind(event: dict[str, Any], threshold: float) -> str:
+    """Which of the two lies above the band, as the warnings say it: a step whose gradient norm alone is out is
+    no loss spike."""
+    loss, norm = event["loss_z"] > threshold, event["grad_norm_z"] > threshold
+    if loss and norm:
+        return "a spike of the loss and the gradient norm"
+    return "a gradient-norm spike (the loss within its band)" if norm else "a loss spike"
 
 
 class SpikeDetector:
@@ -186,7 +196,7 @@ class SpikeDetector:
                 self.record({**event, "action": "new level"})
                 continue
             done = {"log": "training goes on (stability.action=log)", "skip": "its update skipped"}.get(action, action)
-            rank_zero_warn(f"{describe(event)}: a loss spike; {done}.")
+            rank_zero_warn(f"{describe(event)}: {spike_kind(event, self.config.threshold)}; {done}.")
             self.record({**event, "action": action})
 
     def record(self, entry: dict[str, Any]) -> None:
@@ -208,10 +218,10 @@ class SpikeDetector:
         self.record({**event, "action": "stopped"})
         earlier = ", ".join(str(r.spike_step) for r in self.rollbacks) or "none"
         raise TrainingStopped(
-            f"{describe(event)}: a loss spike, after {len(self.rollbacks)} rollbacks (stability.max_rollbacks="
-            f"{self.config.max_rollbacks}; spikes at steps {earlier}): training stopped, the checkpoints written so "
-            "far are untouched. Resume from last.ckpt (ckpt_path=last) with a lower optim.lr or more "
-            "stability.skip_batches, or allow more with stability.max_rollbacks=N."
+            f"{describe(event)}: {spike_kind(event, self.config.threshold)}, after {len(self.rollbacks)} rollbacks "
+            f"(stability.max_rollbacks={self.config.max_rollbacks}; spikes at steps {earlier}): training stopped, the "
+            "checkpoints written so far are untouched. Resume from last.ckpt (ckpt_path=last) with a lower optim.lr or "
+            "more stability.skip_batches, or allow more with stability.max_rollbacks=N."
         )
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
