@@ -88,7 +88,7 @@ def test_prepare_writes_straight_to_object_storage_the_shards_it_writes_locally(
     assert (
         prepare_shards(raw, f"{bucket}/prepared", **settings) == remote and objects("prepared/") == uploaded
     )  # up to date
-    with pytest.raises(ConfigError, match="holds shards prepared from other settings"):
+    with pytest.raises(ConfigError, match="holds shards prepared from other settings: data.seq_len: 32 there, 16 here"):
         prepare_shards(raw, f"{bucket}/prepared", **{**settings, "seq_len": 16})
     boto3.client("s3").put_object(Bucket="corpus", Key="other/notes.txt", Body=b"not a dataset")
     with pytest.raises(ConfigError, match="holds objects but no manifest.json"):
