@@ -15,6 +15,14 @@ never holds more of the model than max_shard_size, from a file or a sharded fold
 for transformers' LlamaTokenizer, which reads it as a Llama-style BPE with byte fallback and needs `protobuf`
 installed to load it.
 
+In the shards every document follows the end-of-text token that ends the one before, and no BOS the model could
+have learned exists; project.generate therefore puts that token before a prompt. The export says so in the terms
+other programs read (transformers, lm-evaluation-harness, llama.cpp's convert_hf_to_gguf.py): the end-of-text
+token is also the `bos_token` (tokenizer_config.json; `bos_token_id` in config.json and generation_config.json),
+and `add_bos_token: true`, with the same template in tokenizer.json's post-processor, puts it before every text
+the tokenizer encodes with its special tokens. A model trained with `document_mask=true` never attended across an
+end-of-text token, so its export adds none (as project.generate, which gives it one only for an empty prompt).
+
 Arguments are Hydra-style `key=value` for symmetry with project.train, parsed here without Hydra because
 there is nothing to compose. The checkpoint is unpickled (it holds hyper-parameters): export only files
 you trust.
@@ -143,15 +151,41 @@ def resolve_tokenizer(ckpt: Mapping, override: str | None) -> tuple[Path, int | 
     return path, bos_id, eos_id
 
 
-def write_tokenizer(path: Path, bos_id: int | None, eos_id: int | None, config: LlamaConfig, out: Path) -> tuple:
-    """Write the tokenizer files AutoTokenizer needs into `out`; returns the (bos, eos) ids it settled on."""
+def write_tokenizer(
+    path: Path, bos_id: int | None, eos_id: int | None, config: LlamaConfig, out: Path, prefix_documents: bool = True
+) -> tuple[int | None, int | None, int]:
+    """Write the tokenizer files AutoTokenizer needs into `out`; returns the (bos, eos) ids to write into the
+    model's configs and the tokenizer's size (its largest id + 1). Where the end-of-text id is known it is both
+    ids, and, with `prefix_documents`, the tokenizer puts it before every text it encodes with special tokens:
+    what the model saw before each document in training."""
     if path.suffix == ".json":
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer, processors
+
+        from project.data.tokenizer import load_tokenizer
 
         tok = Tokenizer.from_file(str(path))
-        vocab_size, to_token = tok.get_vocab_size(), tok.id_to_token
-        shutil.copyfile(path, out / "tokenizer.json")
-        # The tokenizer.json's own post-processor decides on special tokens, as it did in training.
+        # Ids may have gaps (added tokens placed far out): sized by the largest, as project.data.tokenizer does.
+        vocab_size, to_token = max(tok.get_vocab(with_added_tokens=True).values()) + 1, tok.id_to_token
+        if eos_id is None:  # no manifest: the token found by name, as project.generate finds it
+            try:
+                eos_id = load_tokenizer(path).eos_id
+            except ConfigError:
+                pass
+        if eos_id is not None:
+            # transformers 5 builds this template from add_bos_token itself; transformers 4's
+            # PreTrainedTokenizerFast, and every other program that reads tokenizer.json, take it from here.
+            # It replaces any template the file had (Llama 3's adds <|begin_of_text|>, which the shards lack).
+            eos = to_token(eos_id)
+            tok.post_processor = (
+                processors.TemplateProcessing(
+                    single=f"{eos}:0 $A:0", pair=f"{eos}:0 $A:0 {eos}:1 $B:1", special_tokens=[(eos, eos_id)]
+                )
+                if prefix_documents
+                else None
+            )
+            tok.save(str(out / "tokenizer.json"))
+        else:
+            shutil.copyfile(path, out / "tokenizer.json")
         tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast"}
     elif path.suffix == ".model":
         import sentencepiece as spm
@@ -162,13 +196,7 @@ def write_tokenizer(path: Path, bos_id: int | None, eos_id: int | None, config: 
         bos_id = bos_id if bos_id is not None else (sp.bos_id() if sp.bos_id() >= 0 else None)
         eos_id = eos_id if eos_id is not None else (sp.eos_id() if sp.eos_id() >= 0 else None)
         shutil.copyfile(path, out / "tokenizer.model")
-        # No automatic BOS: encode exactly as the sentencepiece model does (LlamaTokenizer defaults to adding it).
-        tokenizer_config = {
-            "tokenizer_class": "LlamaTokenizer",
-            "add_bos_token": False,
-            "add_eos_token": False,
-            "legacy": False,
-        }
+        tokenizer_config = {"tokenizer_class": "LlamaTokenizer", "legacy": False}
         if sp.unk_id() >= 0:
             tokenizer_config["unk_token"] = sp.id_to_piece(sp.unk_id())
     else:
@@ -178,21 +206,39 @@ def write_tokenizer(path: Path, bos_id: int | None, eos_id: int | None, config: 
             f"tokenizer {path} has {vocab_size} tokens but the model only {config.vocab_size} embeddings: "
             "is it the tokenizer this model was trained with?"
         )
+    if eos_id is not None:
+        # The BOS that transformers, lm-evaluation-harness (its prefix_token_id) and llama.cpp put first is the
+        # end-of-text token; the tokenizer's own BOS never occurs in the shards, so its embedding is untrained.
+        bos_id = eos_id
+    # Said false as well as true for sentencepiece: LlamaTokenizer adds its own BOS unless told not to.
+    if eos_id is not None or path.suffix == ".model":
+        tokenizer_config |= {"add_bos_token": prefix_documents and eos_id is not None, "add_eos_token": False}
     for name, token_id in (("bos_token", bos_id), ("eos_token", eos_id)):
         if token_id is not None:
             tokenizer_config[name] = to_token(token_id)
     tokenizer_config |= {"model_max_length": config.max_seq_len, "clean_up_tokenization_spaces": False}
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    return bos_id, eos_id
+    return bos_id, eos_id, vocab_size
 
 
 def write_model(
-    config: LlamaConfig, weights: CheckpointWeights, dtype: str, bos_id, eos_id, out: Path, max_shard_size: int
+    config: LlamaConfig,
+    weights: CheckpointWeights,
+    dtype: str,
+    bos_id: int | None,
+    eos_id: int | None,
+    out: Path,
+    max_shard_size: int,
+    tokenizer_size: int,
 ) -> None:
     write_safetensors(weights, config, getattr(torch, dtype), out, max_shard_size)
     hf_config = hf_config_dict(config, bos_token_id=bos_id, eos_token_id=eos_id, torch_dtype=dtype)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    generation = {k: v for k, v in {"bos_token_id": bos_id, "eos_token_id": eos_id}.items() if v is not None}
+    generation: dict = {k: v for k, v in {"bos_token_id": bos_id, "eos_token_id": eos_id}.items() if v is not None}
+    if tokenizer_size < config.vocab_size:
+        # Rows past the tokenizer's ids pad the embedding table; no text has them, and project.generate never
+        # chooses them: neither does transformers' generate.
+        generation["suppress_tokens"] = list(range(tokenizer_size, config.vocab_size))
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
@@ -229,13 +275,16 @@ def export(
         )
     config, weights, ckpt = load_checkpoint(Path(ckpt_path))
     tokenizer_path, bos_id, eos_id = resolve_tokenizer(ckpt, tokenizer)
+    document_mask = bool((ckpt.get("hyper_parameters") or {}).get("document_mask"))
 
     # Build everything in a sibling temp folder (same filesystem), so a failed export leaves no half-written model.
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        bos_id, eos_id = write_tokenizer(tokenizer_path, bos_id, eos_id, config, tmp)
-        write_model(config, weights, dtype, bos_id, eos_id, tmp, max_bytes)
+        bos_id, eos_id, tokenizer_size = write_tokenizer(
+            tokenizer_path, bos_id, eos_id, config, tmp, prefix_documents=not document_mask
+        )
+        write_model(config, weights, dtype, bos_id, eos_id, tmp, max_bytes, tokenizer_size)
         if eos_id is None:
             print("warning: no manifest or tokenizer names an eos token, so generation will not stop by itself.",
                   file=sys.stderr)  # fmt: skip
