@@ -4,6 +4,8 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 LITDATA ?= litdata==0.2.76
 TRANSFORMERS ?= transformers>=4.45
+# lm-evaluation-harness, which tests/test_export_clients.py scores an export with (its HFLM needs accelerate too).
+LM_EVAL ?= lm_eval==0.4.13
 # litgpt, timed beside project.train by `make bench` (and its test): never imported by a run.
 LITGPT ?= litgpt==0.5.13
 # Horovod for strategy=horovod and its tests: built from source against the pinned torch, once per machine
@@ -47,6 +49,7 @@ $(STAMP): pyproject.toml Makefile
 	# (tests/conftest.py puts it on sys.path), not into it: torchmetrics, which Lightning imports, imports
 	# transformers wherever it is installed, which costs every process of every run about 1.3 s at start.
 	$(PIP) install -q --no-deps --upgrade --target $(VENV)/hf-reference "$(TRANSFORMERS)"
+	$(PIP) install -q --no-deps --upgrade --target $(VENV)/hf-reference "$(LM_EVAL)" "accelerate>=0.26"
 	$(PY) -c "import torch, lightning, litdata, hydra, wandb; print('installed torch', torch.__version__, 'lightning', lightning.__version__)"
 	touch $(STAMP)
 

@@ -8,6 +8,7 @@ The checkpoint and tokenizer are built here in the documented contract: a Lightn
 import json
 import os
 import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -271,3 +272,15 @@ def test_tokenizer_override_is_used_when_the_data_dir_is_gone(bpe_checkpoint):
     # With no manifest, the end-of-text token is found by its name, as project.generate finds it.
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert hf_tokenizer(SAMPLE)["input_ids"] == [eos_id, *Tokenizer.from_file(str(moved)).encode(SAMPLE).ids]
+
+
+def test_an_export_into_a_folder_that_holds_files_is_refused_before_torch_is_imported(tmp_path):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    argv = ["-X", "importtime", "-m", "project.export", f"ckpt_path={tmp_path / 'last.ckpt'}", f"output_dir={taken}"]
+    result = subprocess.run([sys.executable, *argv], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert f"error: output_dir {taken} exists and is not empty; choose another or pass overwrite=true" in result.stderr
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" not in imported and (taken / "notes.txt").read_text() == "mine"

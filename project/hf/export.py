@@ -47,46 +47,13 @@ from project.checkpoint.files import checkpoint_metadata
 from project.data.shards import MANIFEST_NAME
 from project.hf.checkpoint_weights import CheckpointWeights, checkpoint_weights, write_safetensors
 from project.hf.conversion import hf_config_dict
-from project.model.config import DTYPE_NAMES, LlamaConfig
-from project.runtime.arguments import parse_key_values, parse_size
+from project.hf.export_settings import DEFAULTS, USAGE, check_output_dir, default_output_dir, parse_args
+from project.model.config import LlamaConfig
+from project.runtime.arguments import parse_size
 from project.runtime.errors import ConfigError, exit_on_config_error
-from project.runtime.folders import unwritable
 
-DEFAULTS = {
-    "ckpt_path": None,
-    "output_dir": None,
-    "tokenizer": None,
-    "dtype": "float32",
-    "overwrite": "false",
-    "max_shard_size": "5GB",
-}
+__all__ = ["USAGE", "default_output_dir", "export", "main", "parse_args"]  # the command's settings, where tests look
 PASS_TOKENIZER = "Pass tokenizer=PATH (a HF tokenizer.json or a sentencepiece .model)."
-USAGE = (
-    "usage: python -m project.export ckpt_path=PATH [output_dir=DIR] [tokenizer=PATH] "
-    "[dtype=float32|bfloat16|float16] [max_shard_size=5GB] [overwrite=true]"
-)
-
-
-def parse_args(argv: list[str]) -> dict[str, str | None]:
-    args = parse_key_values(argv, DEFAULTS, doc=__doc__, usage=USAGE)
-    if not args["ckpt_path"]:
-        raise ConfigError(f"ckpt_path= is required.\n{USAGE}")
-    args["output_dir"] = args["output_dir"] or str(default_output_dir(args["ckpt_path"]))
-    if args["dtype"] not in DTYPE_NAMES:
-        raise ConfigError(f"dtype={args['dtype']} is not one of {list(DTYPE_NAMES)}.")
-    if args["overwrite"].lower() not in ("true", "false"):
-        raise ConfigError(f"overwrite={args['overwrite']} must be true or false.")
-    return args
-
-
-def default_output_dir(ckpt_path: str) -> Path:
-    """`outputs/hf/<run>-<checkpoint>` for a checkpoint in a run's checkpoints/ folder, else
-    `outputs/hf/<checkpoint>`, under $PROJECT_ROOT: the last and the best checkpoint of a run get folders apart."""
-    path = Path(ckpt_path).absolute()
-    name = path.stem if path.suffix == ".ckpt" else path.name
-    if path.parent.name == "checkpoints":
-        name = f"{path.parent.parent.name}-{name}"
-    return Path(os.environ.get("PROJECT_ROOT", ".")) / "outputs" / "hf" / name
 
 
 def load_checkpoint(path: Path) -> tuple[LlamaConfig, CheckpointWeights, Mapping]:
@@ -263,16 +230,7 @@ def export(
     """Export `ckpt_path` into `output_dir`; returns the files written."""
     max_bytes = parse_size(max_shard_size, "max_shard_size")
     out = Path(output_dir)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"output_dir {out} is a file, not a directory.")
-    # Said before the checkpoint is read: the export is built beside output_dir, then moved into it.
-    if problem := unwritable(out.parent) or (out.is_dir() and unwritable(out)):
-        raise ConfigError(f"output_dir={out}: cannot write there ({problem}); choose an output_dir you can write to.")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(
-            f"output_dir {out} exists and is not empty; choose another or pass overwrite=true "
-            "(which replaces the files an export writes and leaves any others alone)."
-        )
+    check_output_dir(out, overwrite)  # before the checkpoint is read (project.export: before torch is imported too)
     config, weights, ckpt = load_checkpoint(Path(ckpt_path))
     tokenizer_path, bos_id, eos_id = resolve_tokenizer(ckpt, tokenizer)
     document_mask = bool((ckpt.get("hyper_parameters") or {}).get("document_mask"))
@@ -326,7 +284,7 @@ def _unwritten(error: Exception, out: Path) -> Exception:
 
 @exit_on_config_error()
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv, __doc__)
     overwrite = args["overwrite"].lower() == "true"
     files = export(
         args["ckpt_path"], args["output_dir"], args["tokenizer"], args["dtype"], overwrite, args["max_shard_size"]
