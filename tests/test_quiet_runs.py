@@ -108,3 +108,30 @@ def test_ready_callbacks_stop_early_saying_where_and_bars_count_optimizer_steps(
         tiny_shards, tmp_path, "single", "trainer.max_steps=4", "ckpt_path=last", *steps, "callbacks=rich_progress"
     )
     assert "Epoch 0 " in resumed and "4/4" in resumed and "/?" not in resumed and "done: train/loss=" in resumed
+
+
+def test_the_rich_bar_in_a_terminal_keeps_its_figures_on_its_line_so_the_log_keeps_its_last_drawing():
+    """rich redraws a display of several lines by moving the cursor up, and train.log would keep every drawing."""
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress, TextColumn
+
+    from project.training.callbacks import StepRichProgressBar
+
+    figures = "val/loss: 4.956 train/loss: 4.981 train/tokens_per_sec: 27008.893"
+    drawn = {}
+    for one_line in (False, True):
+        bar = StepRichProgressBar()
+        terminal = Console(file=io.StringIO(), force_terminal=True, width=80)
+        # Lightning's columns (description, bar, steps, times, speed), then its figures.
+        bar.progress = Progress(*bar.configure_columns(None), TextColumn(figures), console=terminal)
+        if one_line:
+            bar._one_line()
+        bar.progress.add_task("Epoch 0", total=6, completed=3)
+        drawn[one_line] = [
+            "".join(s.text for s in line) for line in terminal.render_lines(bar.progress.get_renderable())
+        ]
+    assert len(drawn[False]) > 1  # what Lightning's bar draws in a terminal of 80 columns
+    [line] = drawn[True]
+    assert re.fullmatch(r"Epoch 0 \S+ 3/6 0:00:00 • -:--:-- 0.00it/s val/loss: 4.956 tra…", line.rstrip())

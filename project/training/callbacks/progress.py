@@ -85,10 +85,38 @@ class StepRichProgressBar(OptimizerStepCount, RichProgressBar):
         super().__init__(*args, **kwargs)
         self._described: Any = None  # the training task whose description is set
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._one_line()
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        super().on_validation_start(trainer, pl_module)  # where Lightning makes the display again after a stop
+        self._one_line()
+
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         super().on_train_epoch_start(trainer, pl_module)
         self._described = None
         self._describe(trainer)
+
+    def _one_line(self) -> None:
+        """In a terminal, the figures beside the bar on its line, cut short where the line ends: rich redraws a
+        display of several lines (figures wrapped under the bar) by moving the cursor up, and the run's copy of the
+        console (project.runtime.console) would keep every drawing, where it keeps the last of a bar redrawn on its
+        line. Elsewhere (a file, a batch job's log) rich draws the display once, at the end, whole."""
+        from rich.progress import BarColumn, ProgressColumn
+
+        from project.training.callbacks.one_line import CutShort, Whole
+
+        progress = self.progress
+        if progress is None or not progress.console.is_terminal:
+            return
+        *columns, figures = progress.columns  # Lightning's metrics column last, after configure_columns'
+        if isinstance(figures, CutShort) or not isinstance(figures, ProgressColumn):
+            return
+        # The bar and the figures give way (a bar is drawn to its column's width); the texts stay whole (rich keeps
+        # a column given as a string whole).
+        kept = (Whole(c) if isinstance(c, ProgressColumn) and not isinstance(c, BarColumn) else c for c in columns)
+        progress.columns = (*kept, CutShort(figures))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
