@@ -17,6 +17,7 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
@@ -130,6 +131,8 @@ def fit_once(cfg: DictConfig, run_dir: Path, layout: Layout | None, restart: Res
     contract_of(strategy).plan_batches(layout.plan)  # the pipeline's microbatches
     trainer = build_trainer(cfg, run_dir, strategy, layout)
     check_devices(cfg, trainer)
+    if restart is None:
+        check_device_memory(cfg, trainer, layout)
     limit_cpu_threads(trainer, cfg.threads_per_process)
     prepare_if_needed(cfg)
     datamodule = build_datamodule(cfg, layout.plan, restart.sample if restart else None)
@@ -163,6 +166,18 @@ def fit_once(cfg: DictConfig, run_dir: Path, layout: Layout | None, restart: Res
     return finish(trainer, run_dir)
 
 
+def check_device_memory(cfg: DictConfig, trainer: L.Trainer, layout: Layout) -> None:
+    """A GPU run whose planned memory exceeds a GPU's is refused now that torch has read it (project.planning.fits);
+    a CPU run was checked against the host's before the imports (project.config.checks)."""
+    device = trainer.strategy.root_device
+    if device.type != "cuda":
+        return
+    from project.planning.fits import check_fits
+
+    memory = torch.cuda.get_device_properties(device).total_memory
+    check_fits(cfg, layout, memory, 1, "gpu", f"one {torch.cuda.get_device_name(device)}'s memory")
+
+
 def restart_after(cfg: DictConfig, run_dir: Path, spike: RollbackRequested, previous: Restart | None) -> Restart:
     """The restart a spike asks for: from the latest checkpoint of this run's own trajectory (one the fit loaded or
     wrote) at or before the spike's step: the run directory's last.ckpt, else the checkpoint the fit started from,
@@ -193,7 +208,7 @@ def restart_after(cfg: DictConfig, run_dir: Path, spike: RollbackRequested, prev
     )
     rollbacks = [*spike.rollbacks, rollback]
     rank_zero_warn(
-        f"{describe(spike.event)}: a loss spike; rolling back to step {restart_step} "
+        f"{describe(spike.event)}: {spike.kind}; rolling back to step {restart_step} "
         f"({ckpt_path or 'the initial weights'}) and reading on from sequence {sample} of the data, leaving out the "
         f"{(sample - left_out_from) // batch} batches read since (rollback {len(rollbacks)} of "
         f"stability.max_rollbacks={stability.max_rollbacks})."
@@ -257,7 +272,8 @@ def trained_to_the_end(cfg: DictConfig, ckpt_path: str) -> bool:
 
 
 def finish(trainer: L.Trainer, run_dir: Path) -> dict[str, float]:
-    """The final metrics, said; a run stopped by a signal exits with the status that asks for a requeue."""
+    """The final metrics, said, and where a callback stopped the run before trainer.max_steps (EarlyStopping), at
+    which step and why; a run stopped by a signal exits with the status that asks for a requeue."""
     callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
     if any(isinstance(callback, StopOnSignal) and callback.stopped_for_requeue for callback in callbacks):
         rank_zero_info(
@@ -265,9 +281,17 @@ def finish(trainer: L.Trainer, run_dir: Path) -> dict[str, float]:
         )
         raise SystemExit(REQUEUE_EXIT_STATUS)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    rank_zero_info(
-        "done: "
-        + ", ".join(f"{k}={metrics[k]:.4f}" for k in ("train/loss", "val/loss") if k in metrics)
-        + f"; checkpoints in {run_dir / 'checkpoints'}"
-    )
+    said = ", ".join(f"{k}={metrics[k]:.4f}" for k in ("train/loss", "val/loss") if k in metrics)
+    if trainer.global_step < trainer.max_steps:  # trainer.should_stop, set by a callback (a signal's stop is above)
+        # Still a line that starts with `done: `: the run ended as asked, and `make train` starts a new one after it.
+        reasons = [
+            f"by EarlyStopping ({callback.stopping_reason_message.removesuffix(' Signaling Trainer to stop.')})"
+            for callback in callbacks
+            if isinstance(callback, EarlyStopping) and callback.stopping_reason_message
+        ]
+        said = (
+            f"stopped early at step {trainer.global_step} of trainer.max_steps={trainer.max_steps} "
+            f"{reasons[0] if reasons else 'by a callback'}; {said}"
+        )
+    rank_zero_info(f"done: {said}; checkpoints in {run_dir / 'checkpoints'}")
     return metrics
