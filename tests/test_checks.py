@@ -183,3 +183,10 @@ def test_a_run_directory_the_file_system_refuses_is_answered_before_hydra_makes_
 
     with pytest.raises(ConfigError, match=r"hydra.run.dir=/proc/nope: cannot make the run directory there"):
         check_command_line(["experiment=debug", "hydra.run.dir=/proc/nope"])
+
+
+def test_a_group_added_with_a_plus_is_answered_with_the_way_to_choose_it():
+    from project.config.command_line import check_command_line
+
+    with pytest.raises(ConfigError, match=re.escape("write callbacks=NAME to choose another or callbacks=[a,b]")):
+        check_command_line(["experiment=debug", "+callbacks=early_stopping"])

@@ -190,7 +190,8 @@ def test_every_documented_command_runs_as_written_on_a_fresh_copy(tmp_path, requ
     # The published model for "Continue pretraining a published model".
     published_stand_in(repo / "published" / "Meta-Llama-3-8B", [json.loads(line)["text"] for line in lines])
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+    # The copy is the user's checkout here: its data/ and outputs/ are where the commands read and write.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "PROJECT_ROOT": "."}
     env.pop("PYTEST_CURRENT_TEST", None)
     before = set(repo.rglob("*"))
     ran, steps = [], {}

@@ -133,6 +133,15 @@ def _explain(error: HydraException, overrides: list[str], config_name: str) -> s
             f"{group}={name}: there is no conf/{group}/{name}.yaml.{close_match(name, options)} Choose one of: "
             f"{', '.join(options)}."
         )
+    if several := re.search(r"Multiple values for (\w+)\.", message):
+        group = several.group(1)
+        several_ok = (
+            " or callbacks=[a,b] for several (each keeps the default callbacks)" if group == "callbacks" else ""
+        )
+        return (
+            f"+{group}=...: the group {group} is in the config already (conf/train.yaml's defaults): write "
+            f"{group}=NAME to choose another{several_ok}."
+        )
     if unknown := re.search(r"Could not override '([^']+)'", message):
         key = unknown.group(1)
         parent, _, leaf = key.rpartition(".")
