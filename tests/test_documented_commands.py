@@ -209,7 +209,8 @@ def test_every_documented_command_runs_as_written_on_a_fresh_copy(tmp_path, requ
         run = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")), None)
         tour = argv[2] == "project.train" and (argv == TOUR_FIRST or run == TOUR_DIR)
         if tour:
-            steps[run] = 30  # the debug experiment's trainer.max_steps, where a later command continues the run
+            if run is not None:  # the debug experiment's trainer.max_steps, where a later command continues the run
+                steps[run] = 30
             command += ["trainer.enable_progress_bar=false"]
         elif argv[2] == "project.train":
             # A run trains 2 steps; one that continues a run (its directory, or a checkpoint in it) one step more
