@@ -9,6 +9,7 @@ steps from 0; `:rank=R` limits a fault to global rank R (default: every rank).
 - `nan@STEP`: the loss of step STEP is NaN, and so are its gradients.
 - `spike@STEP`: the loss of step STEP is 1000 times what it is (its gradients too), once in the process: a run
   rolled back past it does not meet it again (a spike's batches are left out).
+- `spikes@STEP`: the same, every time a run reaches step STEP (also after a rollback): a spike that recurs.
 - `slow@STEP`: from step STEP on, each transformer block's forward computes 20 ms longer (a slow device).
 - `kill@STEP`: SIGKILL every process of the run (its process group) as step STEP starts; with `:rank=R`
   that rank alone dies.
@@ -70,11 +71,11 @@ class Fault:
                 fault.rank = int(extra.removeprefix("rank="))
             else:
                 fault.op = int(extra)
-        kinds = ("nan", "spike", "slow", "kill", "raise", "hang", "kill-in-save", "count-save-ops")
+        kinds = ("nan", "spike", "spikes", "slow", "kill", "raise", "hang", "kill-in-save", "count-save-ops")
         if kind not in kinds or (kind == "kill-in-save") != (fault.op is not None):
             raise ValueError(
-                f"FAULT={text}: expected one of nan@STEP, spike@STEP, slow@STEP, kill@STEP, raise@STEP, hang@STEP, "
-                "kill-in-save@N:OP, count-save-ops"
+                f"FAULT={text}: expected one of nan@STEP, spike@STEP, spikes@STEP, slow@STEP, kill@STEP, raise@STEP, "
+                "hang@STEP, kill-in-save@N:OP, count-save-ops"
             )
         return fault
 
@@ -82,7 +83,7 @@ class Fault:
         return self.rank is None or self.rank == rank
 
 
-SCALES = {"nan": float("nan"), "spike": 1000.0}  # what the loss is multiplied by
+SCALES = {"nan": float("nan"), "spike": 1000.0, "spikes": 1000.0}  # what the loss is multiplied by
 
 
 class AtStep(Callback):
@@ -232,7 +233,7 @@ def with_faults(build_trainer, faults: list[Fault]):
     @functools.wraps(build_trainer)
     def build(*args, **kwargs):
         trainer = build_trainer(*args, **kwargs)
-        at_step = ("nan", "spike", "slow", "kill", "raise", "hang")
+        at_step = ("nan", "spike", "spikes", "slow", "kill", "raise", "hang")
         trainer.callbacks.extend(AtStep(f) for f in faults if f.kind in at_step)
         return trainer
 

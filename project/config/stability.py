@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from project.runtime.settings import above, at_least, check_fields, setting, whole
+from project.runtime.settings import above, at_least, check_fields, setting, switch, whole
 
 ACTIONS = ("log", "skip", "rollback")
 
@@ -19,10 +19,15 @@ class StabilityConfig:
     # rollback (the run restarts from its last checkpoint with the spike's batches left out).
     action: str = setting("log", lambda v: v in ACTIONS, "log, skip or rollback")
     window: int = setting(100, whole(2), "a whole number of steps, 2 or more (the running statistics' length)")
-    # Steps whose loss and gradient norm enter the statistics before any step is judged against them.
-    warmup_steps: int = setting(20, whole(2), "a whole number of steps, 2 or more")
-    # A step is a spike when its loss or its gradient norm is this many standard deviations above the window's mean.
+    # Steps whose loss and gradient norm enter the statistics before any step is judged against them (and none is
+    # judged before the learning rate's warm-up, optim.warmup_steps, is over).
+    warmup_steps: int = setting(100, whole(2), "a whole number of steps, 2 or more")
+    # A step is out of its band when the logarithm of its loss (or gradient norm) lies this many robust standard
+    # deviations (1.4826 x the median absolute deviation) above the window's median.
     threshold: float = setting(6.0, above(0), "standard deviations above 0, e.g. 6")
+    # A gradient norm out of its band with the loss in its own is logged only (clipping bounds the update); true:
+    # the action acts on it too.
+    act_on_grad_norm: bool = switch(False)
     # A rise lasting longer than this many steps is the loss's new level, not a spike: from then on its steps are
     # applied and enter the statistics (so that a lasting shift cannot withhold every later update under skip).
     max_consecutive_spikes: int = setting(10, whole(1), "a whole number of steps, 1 or more")
@@ -31,8 +36,11 @@ class StabilityConfig:
     # rollback: optimizer steps after the restart whose learning rate is scaled by cooldown_lr_scale.
     cooldown_steps: int = setting(0, whole(0), "a whole number of steps, 0 or more")
     cooldown_lr_scale: float = setting(0.1, lambda v: 0 < v <= 1, "a factor in (0, 1]")
-    # rollback: restarts allowed in a run; the next spike stops it, naming the steps.
+    # rollback: incidents allowed in a run (an incident: the rollbacks to one checkpoint in a row); the next stops it.
     max_rollbacks: int = setting(3, whole(0), "a whole number, 0 or more")
+    # rollback: rollbacks to one checkpoint before the run stops; each leaves out four times the batches of the one
+    # before, and from the third the learning rate is cooled down (project.training.stability.escalate).
+    max_attempts: int = setting(3, whole(1), "a whole number, 1 or more")
     # Per-layer gradient and parameter norms, update ratios and output RMS every N steps; 0: never.
     numerics_every_n_steps: int = setting(0, whole(0), "a whole number of steps, 0 (never) or more")
     # A rank slower than this many times the median step time is named in a warning.

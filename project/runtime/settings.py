@@ -46,9 +46,18 @@ def out_of_range(key: str, value: Any, must: str, takes_words: bool = False) -> 
     return f"{key}={value} is out of range: it must be {must}."
 
 
+def switch(default: bool) -> Any:
+    """A dataclass field that is true or false."""
+    return field(default=default, metadata={"switch": True})
+
+
 def check_fields(settings: Any, prefix: str) -> None:
     """ValueError for the first field of the dataclass instance `settings` that its rule refuses."""
     for f in fields(settings):
+        if f.metadata.get("switch"):
+            if not isinstance(value := getattr(settings, f.name), bool):
+                raise ValueError(f"{prefix}.{f.name}={value} must be true or false.")
+            continue
         if f.metadata and not accepted(value := getattr(settings, f.name), f.metadata["accepts"]):
             # A setting whose default is a word (stability.action) takes words: another word is out of its range.
             raise ValueError(out_of_range(f"{prefix}.{f.name}", value, f.metadata["must"], isinstance(f.default, str)))

@@ -167,7 +167,7 @@ class LlamaLitModule(LightningModule):
         self._loss_count = 0
         self._guard = NonFiniteGuard(optim_cfg.max_skipped_steps)  # updates withheld for a non-finite gradient norm
         self.stability = stability_cfg
-        self._spikes = SpikeDetector(stability_cfg, rollbacks)
+        self._spikes = SpikeDetector(stability_cfg, rollbacks, lr_warmup_steps=optim_cfg.warmup_steps)
         self._step_loss: torch.Tensor | None = None  # this rank's mean loss of the step being taken
         self._checkpoint_steps: set[int] = set()  # of the checkpoints this fit loaded or wrote (a rollback's choice)
         self._parallelized = False
@@ -314,8 +314,7 @@ class LlamaLitModule(LightningModule):
         """Every rank alike: the spike recorded, the run asked to restart from its last checkpoint (or stopped past
         stability.max_rollbacks). Raised before this step's update, so nothing of it is applied or written."""
         event = self._spikes.read_events()[-1]
-        event.pop("shift")
-        self._spikes.stop_past_budget(event)
+        event.pop("shift"), event.pop("acted")
         data = self._training_data()
         position, batch = (data.samples_consumed, data.hparams.global_batch_size) if data is not None else (0, 0)
         raise RollbackRequested(event, position, batch, self._checkpoint_steps, self._spikes)

@@ -35,7 +35,7 @@ from project.runtime.processes import watch_children
 from project.runtime.secrets import redact_text, redacted_container, secret_values
 from project.training.callbacks.preemption import REQUEUE_EXIT_STATUS, StopOnSignal
 from project.training.lit_module import check_resumable
-from project.training.stability import Rollback, RollbackRequested, describe
+from project.training.stability import Rollback, RollbackRequested, describe, escalate
 from project.training.trainer import build_trainer, check_devices, devices_per_node, is_first_process, limit_cpu_threads
 
 
@@ -194,24 +194,37 @@ def restart_after(cfg: DictConfig, run_dir: Path, spike: RollbackRequested, prev
                 ckpt_path = str(candidate)
                 break
     restart_step = checkpoint_step(ckpt_path) if ckpt_path is not None else 0
+    plan = escalate(spike.config, spike.rollbacks, spike.event, restart_step, spike.record)  # or stops the run
     batch = spike.global_batch_size
     # The fit read on without a jump since it started, so the checkpoint's position is the spike's minus its steps.
     left_out_from = spike.samples_consumed - (spike_step - restart_step) * batch
-    sample = spike.samples_consumed + (1 + int(stability.skip_batches)) * batch
+    sample = spike.samples_consumed + (1 + plan.skip_batches) * batch
     rollback = Rollback(
         spike_step=spike_step,
         restart_step=restart_step,
         resume_sample=sample,
         left_out_from=left_out_from,
-        lr_scale=float(stability.cooldown_lr_scale) if stability.cooldown_steps else 1.0,
-        cooldown_until=restart_step + int(stability.cooldown_steps),
+        lr_scale=plan.lr_scale,
+        cooldown_until=restart_step + plan.cooldown_steps,
+        attempt=plan.attempt,
     )
     rollbacks = [*spike.rollbacks, rollback]
+    incidents = sum(r.attempt == 1 for r in rollbacks)
+    again = (
+        f"; met again since the last rollback to it: attempt {plan.attempt} of stability.max_attempts="
+        f"{stability.max_attempts}, leaving out {plan.skip_batches} batches after the spike's"
+        + (
+            f" and cooling the learning rate to {plan.lr_scale:g}x for {plan.cooldown_steps} steps"
+            if plan.attempt >= 3
+            else ""
+        )
+        if plan.attempt > 1
+        else f" (incident {incidents} of stability.max_rollbacks={stability.max_rollbacks})"
+    )
     rank_zero_warn(
         f"{describe(spike.event)}: {spike.kind}; rolling back to step {restart_step} "
         f"({ckpt_path or 'the initial weights'}) and reading on from sequence {sample} of the data, leaving out the "
-        f"{(sample - left_out_from) // batch} batches read since (rollback {len(rollbacks)} of "
-        f"stability.max_rollbacks={stability.max_rollbacks})."
+        f"{(sample - left_out_from) // batch} batches read since{again}."
     )
     spike.record(
         {
@@ -220,6 +233,9 @@ def restart_after(cfg: DictConfig, run_dir: Path, spike: RollbackRequested, prev
             "restart_step": restart_step,
             "checkpoint": ckpt_path,
             "samples_left_out": [left_out_from, sample],
+            "attempt": plan.attempt,
+            "lr_scale": plan.lr_scale,
+            "cooldown_steps": plan.cooldown_steps,
         }
     )
     return Restart(ckpt_path, sample, rollbacks)

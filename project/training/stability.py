@@ -37,11 +37,13 @@ from project.config.stability import StabilityConfig
 from project.runtime.errors import TrainingStopped
 
 RECORD_FILE = "stability.jsonl"
-EVENT_FIELDS = ("step", "loss", "grad_norm", "loss_z", "grad_norm_z", "shift")
+EVENT_FIELDS = ("step", "loss", "grad_norm", "loss_z", "grad_norm_z", "shift", "acted")
 MAX_EVENTS = 64  # spikes kept on the device between two reads of the host; more are counted, not detailed
-# A window flatter than this fraction of its mean is taken to spread that much: a perfectly flat loss would make
-# any rise, however small, a spike.
-RELATIVE_SPREAD_FLOOR = 1e-3
+# A window flatter than this (in natural logarithms: 1%) is taken to spread that much: a flat loss, or one whose values
+# repeat (half the deviations zero makes the median deviation zero), would make any rise, however small, a spike. At
+# the default threshold a step must then lie at least 6% above the window's median.
+RELATIVE_SPREAD_FLOOR = 1e-2
+MAD_TO_SD = 1.4826  # the median absolute deviation of normal values times this is their standard deviation
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Rollback:
     left_out_from: int = 0  # the data position of the checkpoint: sequences left_out_from .. resume_sample were dropped
     lr_scale: float = 1.0
     cooldown_until: int = 0  # the first step after the cooldown
+    attempt: int = 1  # of the rollbacks to this checkpoint in a row (an incident): each leaves out more (escalate)
 
     def lr_scale_at(self, step: int) -> float:
         return self.lr_scale if self.restart_step <= step < self.cooldown_until else 1.0
@@ -72,6 +75,7 @@ class RollbackRequested(Exception):
         detector: "SpikeDetector",
     ):
         self.kind = spike_kind(event, detector.config.threshold)
+        self.config = detector.config
         super().__init__(f"{self.kind} at step {int(event['step'])}: rolling back")
         self.event, self.samples_consumed, self.global_batch_size = event, samples_consumed, global_batch_size
         self.checkpoint_steps = checkpoint_steps  # of the checkpoints this fit loaded or saved: its own trajectory's
@@ -98,8 +102,14 @@ def spike_kind(event: dict[str, Any], threshold: float) -> str:
 class SpikeDetector:
     """The running statistics and the spikes found, on the device; their record on the host."""
 
-    def __init__(self, config: StabilityConfig, rollbacks: list[Rollback | dict] | None = None):
+    def __init__(
+        self, config: StabilityConfig, rollbacks: list[Rollback | dict] | None = None, lr_warmup_steps: int = 0
+    ):
+        """`lr_warmup_steps`: the learning rate's warm-up (optim.warmup_steps), before whose end nothing is judged:
+        the gradient norm and the loss's pace change with the rate there."""
         self.config = config
+        self.lr_warmup_steps = lr_warmup_steps
+        self.acted = 0  # spikes the action acted on, of those recorded
         self.rollbacks = [r if isinstance(r, Rollback) else Rollback(**r) for r in rollbacks or []]
         self.spikes = 0  # spikes the host has recorded (or that the checkpoint counted)
         self._consecutive = 0  # a checkpoint's steps in a row above the threshold
@@ -113,8 +123,8 @@ class SpikeDetector:
             values = torch.zeros(2, window, device=device, dtype=torch.float32)
             valid = torch.zeros(window, device=device, dtype=torch.bool)
             kept = self._history[-window:]
-            if kept:
-                values[:, : len(kept)] = torch.tensor(kept, dtype=torch.float32, device=device).T
+            if kept:  # checkpoints keep the values themselves; the ring holds their logarithms
+                values[:, : len(kept)] = torch.tensor(kept, dtype=torch.float32, device=device).T.log()
                 valid[: len(kept)] = True
             self._state = {
                 "values": values,  # the window's (loss, norm) of accepted steps, a ring
@@ -122,7 +132,8 @@ class SpikeDetector:
                 "accepted": torch.tensor(len(kept), device=device),  # steps entered: the ring's next slot, mod window
                 "z": torch.zeros(2, device=device),  # the latest step's z-scores
                 "events": torch.zeros(MAX_EVENTS, len(EVENT_FIELDS), device=device, dtype=torch.float64),
-                "found": torch.tensor(self.spikes, device=device),  # spikes (and shifts) found so far
+                "found": torch.tensor(self.spikes, device=device),  # events recorded so far: spikes, shifts, excursions
+                "acted": torch.tensor(self.acted, device=device),  # spikes the action acts on
                 "run": torch.tensor(self._consecutive, device=device),  # steps in a row above the threshold
                 "step": torch.tensor(float(step), device=device, dtype=torch.float64),  # counted on the device
             }
@@ -130,35 +141,47 @@ class SpikeDetector:
 
     def observe(self, loss: torch.Tensor, norm: torch.Tensor, step: int) -> torch.Tensor:
         """Judge step `step`'s loss and global gradient norm (0-d tensors, the same on every rank); enter them
-        into the statistics unless they are a spike or not finite. The spike flag, on the device."""
+        into the statistics unless they are a spike the action handles, or not finite. The spike flag, on the
+        device: what the action acts on (a loss spike; a gradient-norm one too with stability.act_on_grad_norm)."""
         s = self._device_state(norm, step)
         x = torch.stack([loss.detach().float().reshape(()), norm.detach().float().reshape(())])
+        # Logarithms: a loss or a norm that doubles is as far out from 1 as from 10, and their heavy upper tails
+        # (a gradient norm that grows several-fold as the learning rate warms up) become nearly symmetric.
+        logs = x.clamp(min=torch.finfo(x.dtype).tiny).log()
         valid = s["valid"]
         n = valid.sum()
-        mean = torch.where(valid, s["values"], 0).sum(dim=1) / n.clamp(min=1)
-        spread = torch.where(valid, s["values"] - mean[:, None], 0).square().sum(dim=1) / (n - 1).clamp(min=1)
-        std = torch.maximum(spread.sqrt(), RELATIVE_SPREAD_FLOOR * mean.abs()).clamp(min=torch.finfo(x.dtype).tiny)
-        warm = n >= self.config.warmup_steps
-        z = torch.where(warm, (x - mean) / std, 0.0)
+        window = torch.where(valid, s["values"], torch.nan)
+        median = window.nanmedian(dim=1).values
+        mad = (window - median[:, None]).abs().nanmedian(dim=1).values
+        # 1.4826 x MAD is the standard deviation of normal values; a flat window spreads RELATIVE_SPREAD_FLOOR.
+        spread = torch.nan_to_num(MAD_TO_SD * mad, nan=0.0).clamp(min=RELATIVE_SPREAD_FLOOR)
+        judged = (n >= self.config.warmup_steps) & (s["step"] >= self.lr_warmup_steps)
+        z = torch.where(judged, (logs - torch.nan_to_num(median)) / spread, 0.0)
         finite = torch.isfinite(x).all()
-        above = warm & finite & (z > self.config.threshold).any()
-        shifted = above & (s["run"] >= self.config.max_consecutive_spikes)  # a new level, not a spike
-        spike = above & ~shifted
-        s["run"] = torch.where(above, s["run"] + 1, 0)
+        out = judged & finite & (z > self.config.threshold)
+        acts = out[0] | (out[1] & self.config.act_on_grad_norm)
+        shifted = acts & (s["run"] >= self.config.max_consecutive_spikes)  # a new level, not a spike
+        spike = acts & ~shifted
+        excursion = out[1] & ~acts  # a gradient norm alone out of its band: logged, clipping bounds its update
+        s["run"] = torch.where(acts, s["run"] + 1, 0)
         enter = finite & ~spike
         slot = (s["accepted"] % self.config.window).reshape(1)
-        s["values"].index_copy_(1, slot, torch.where(enter, x, s["values"].index_select(1, slot).squeeze(1))[:, None])
+        s["values"].index_copy_(
+            1, slot, torch.where(enter, logs, s["values"].index_select(1, slot).squeeze(1))[:, None]
+        )
         s["valid"].index_copy_(0, slot, valid.index_select(0, slot) | enter)
         s["accepted"] += enter
         s["z"] = torch.where(finite, z, 0.0)
         new_level = shifted & (s["run"] == self.config.max_consecutive_spikes + 1)  # the shift's first step
         row = torch.cat([s["step"].reshape(1), torch.cat([x, z]).double(), new_level.double().reshape(1)])
+        row = torch.cat([row, spike.double().reshape(1)])
         s["step"] += 1
-        recorded = spike | new_level
+        recorded = spike | new_level | excursion
         unread = (s["found"] - self.spikes).clamp(max=MAX_EVENTS - 1).reshape(1)
         kept = s["events"].index_select(0, unread).squeeze(0)
         s["events"].index_copy_(0, unread, torch.where(recorded, row, kept)[None])
         s["found"] += recorded
+        s["acted"] += spike
         return spike
 
     def metrics(self) -> dict[str, torch.Tensor]:
@@ -166,8 +189,14 @@ class SpikeDetector:
         if self._state is None:
             return {}
         s = self._state
-        z, found = s["z"], s["found"].float()
-        return {"stability/loss_z": z[0], "stability/grad_norm_z": z[1], "stability/spikes": found}
+        z = s["z"]
+        excursions = (s["found"] - s["acted"]).float()  # and new levels, which are rare
+        return {
+            "stability/loss_z": z[0],
+            "stability/grad_norm_z": z[1],
+            "stability/spikes": s["acted"].float(),
+            "stability/excursions": excursions,
+        }
 
     def read_events(self) -> list[dict[str, float]]:
         """On the host: the spikes found since the last read, in order (at most MAX_EVENTS detailed)."""
@@ -178,15 +207,22 @@ class SpikeDetector:
         if new <= 0:
             return []
         rows = self._state["events"][: min(new, MAX_EVENTS)].tolist()
-        self.spikes = found
+        self.spikes, self.acted = found, int(self._state["acted"])
         events = [dict(zip(EVENT_FIELDS, row)) for row in rows]
         if new > MAX_EVENTS:
             rank_zero_warn(f"{new - MAX_EVENTS} more loss spikes since the last logging step, not detailed.")
         return events
 
     def report(self, action: str) -> None:
-        """On the host: warn of and record the spikes and shifts found since the last report."""
+        """On the host: warn of and record the spikes, shifts and gradient-norm excursions found since the last report
+        (the excursions in one warning)."""
+        excursions = []
         for event in self.read_events():
+            if not event.pop("acted") and not event["shift"]:
+                event.pop("shift")
+                excursions.append(event)
+                self.record({**event, "action": "logged"})
+                continue
             if event.pop("shift"):
                 rank_zero_warn(
                     f"{describe(event)}: above the band for more than stability.max_consecutive_spikes="
@@ -198,6 +234,13 @@ class SpikeDetector:
             done = {"log": "training goes on (stability.action=log)", "skip": "its update skipped"}.get(action, action)
             rank_zero_warn(f"{describe(event)}: {spike_kind(event, self.config.threshold)}; {done}.")
             self.record({**event, "action": action})
+        if excursions:
+            steps = ", ".join(str(int(e["step"])) for e in excursions[:5]) + (", ..." if len(excursions) > 5 else "")
+            rank_zero_warn(
+                f"{describe(excursions[-1])}: the gradient norm above its band, the loss within its own, at "
+                f"{len(excursions)} step(s) since the last report ({steps}): logged only, as clipping bounds the "
+                "update (stability.act_on_grad_norm=true acts on such steps too)."
+            )
 
     def record(self, entry: dict[str, Any]) -> None:
         if self.record_dir is None:
@@ -211,19 +254,6 @@ class SpikeDetector:
         do not compound)."""
         return min((rollback.lr_scale_at(step) for rollback in self.rollbacks), default=1.0)
 
-    def stop_past_budget(self, event: dict[str, float]) -> None:
-        """Refuse a rollback beyond stability.max_rollbacks, naming every spike that caused one."""
-        if len(self.rollbacks) < self.config.max_rollbacks:
-            return
-        self.record({**event, "action": "stopped"})
-        earlier = ", ".join(str(r.spike_step) for r in self.rollbacks) or "none"
-        raise TrainingStopped(
-            f"{describe(event)}: {spike_kind(event, self.config.threshold)}, after {len(self.rollbacks)} rollbacks "
-            f"(stability.max_rollbacks={self.config.max_rollbacks}; spikes at steps {earlier}): training stopped, the "
-            "checkpoints written so far are untouched. Resume from last.ckpt (ckpt_path=last) with a lower optim.lr or "
-            "more stability.skip_batches, or allow more with stability.max_rollbacks=N."
-        )
-
     # -- checkpoints ---------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -233,10 +263,11 @@ class SpikeDetector:
             s, window = self._state, self.config.window
             accepted = int(s["accepted"])
             order = [(accepted - k) % window for k in range(min(accepted, window), 0, -1)]
-            history = s["values"][:, order].T.tolist()
+            history = s["values"][:, order].T.double().exp().tolist()
         return {
             "history": history,
             "spikes": self.spikes,
+            "acted": int(self._state["acted"]) if self._state is not None else self.acted,
             "consecutive": int(self._state["run"]) if self._state is not None else self._consecutive,
             "rollbacks": [vars(r) for r in self.rollbacks],
         }
@@ -244,6 +275,7 @@ class SpikeDetector:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._history = [list(pair) for pair in state.get("history", [])]
         self.spikes = int(state.get("spikes", 0))
+        self.acted = int(state.get("acted", self.spikes))  # before excursions were recorded, every event acted
         self._consecutive = int(state.get("consecutive", 0))
         # The checkpoint's rollbacks and those this process made since (it restarted from an older checkpoint): each
         # once, in the order they were made (each read on further into the data).
@@ -251,3 +283,58 @@ class SpikeDetector:
         known.update({(r.spike_step, r.resume_sample): r for r in self.rollbacks})
         self.rollbacks = sorted(known.values(), key=lambda r: r.resume_sample)
         self._state = None
+
+
+@dataclass
+class RollbackPlan:
+    """What a rollback does: which attempt at its checkpoint it is, the batches after the spike's it leaves out,
+    and its learning-rate cooldown."""
+
+    attempt: int
+    skip_batches: int
+    lr_scale: float
+    cooldown_steps: int
+
+
+def escalate(
+    config: StabilityConfig, rollbacks: list[Rollback], event: dict[str, Any], restart_step: int, record: Any
+) -> RollbackPlan:
+    """The next rollback, to the checkpoint of `restart_step`, after `rollbacks`. A spike met again before a new
+    checkpoint (the last rollback went back to the same one) is the same incident, and its rollback escalates: the
+    first leaves out stability.skip_batches batches after the spike's, each next one four times as many (counting
+    the spike's own), and from the third on the learning rate is cooled down (cooldown_lr_scale, for
+    cooldown_steps or twice the steps from the checkpoint to the spike, whichever is more). Past
+    stability.max_attempts rollbacks in one incident, or a new incident past stability.max_rollbacks, the run stops
+    with one paragraph (TrainingStopped), the spike recorded as `stopped`."""
+    spike_step = int(event["step"])
+    previous = rollbacks[-1] if rollbacks else None
+    attempt = previous.attempt + 1 if previous is not None and previous.restart_step == restart_step else 1
+    incidents = sum(r.attempt == 1 for r in rollbacks)
+    kind = spike_kind(event, config.threshold)
+    stop = None
+    if attempt > config.max_attempts:
+        tries = [r for r in rollbacks if r.restart_step == restart_step][-config.max_attempts :]
+        done = ", then ".join(f"{r.resume_sample - r.left_out_from} sequences" for r in tries)
+        stop = (
+            f"{describe(event)}: {kind}, met again after {len(tries)} rollbacks to the checkpoint of step "
+            f"{restart_step} (stability.max_attempts={config.max_attempts}; they left out {done}, the last with the "
+            f"learning rate cooled down): training stopped, the checkpoints written so far are untouched. Look at the "
+            "data the spikes came from (stability.jsonl), lower optim.lr, or allow more with stability.max_attempts=N."
+        )
+    elif attempt == 1 and incidents >= config.max_rollbacks:
+        earlier = ", ".join(str(r.spike_step) for r in rollbacks if r.attempt == 1) or "none"
+        stop = (
+            f"{describe(event)}: {kind}, a new incident after {incidents} (stability.max_rollbacks="
+            f"{config.max_rollbacks}; incidents from the spikes at steps {earlier}): training stopped, the checkpoints "
+            "written so far are untouched. Resume from last.ckpt (ckpt_path=last) with a lower optim.lr or more "
+            "stability.skip_batches, or allow more with stability.max_rollbacks=N."
+        )
+    if stop is not None:
+        record({**event, "action": "stopped"})
+        raise TrainingStopped(stop)
+    skip = (config.skip_batches + 1) * 4 ** (attempt - 1) - 1
+    if attempt >= 3:
+        steps = max(config.cooldown_steps, 2 * (spike_step - restart_step))
+        return RollbackPlan(attempt, skip, config.cooldown_lr_scale, steps)
+    scale = config.cooldown_lr_scale if config.cooldown_steps else 1.0
+    return RollbackPlan(attempt, skip, scale, config.cooldown_steps)
