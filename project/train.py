@@ -21,6 +21,7 @@ from project.config.checks import preflight
 from project.config.command_line import check_command_line
 from project.data.loader_workers import start_worker_server
 from project.planning.dry_run import dry_run_argv
+from project.planning.fits import check_gpu_memory, check_host_memory, trains_on_gpus
 from project.runtime.errors import ConfigError, TrainingStopped, config_error_behind, exit_on_config_error
 from project.runtime.processes import die_with_launcher, report_failed_rank
 from project.runtime.startup import collector_paused_for_imports
@@ -34,6 +35,14 @@ def forget_refused_run(run_dir: Path) -> None:
         p.name == ".hydra" or p.name.startswith("train.") and p.suffix == ".log" for p in run_dir.iterdir()
     ):
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def planned_layout(cfg: DictConfig):
+    """The layout on the devices the Trainer will take (`trainer.devices: auto` resolved), as training plans it."""
+    from project.config.layout import plan_layout
+    from project.training.trainer import devices_per_node
+
+    return plan_layout(cfg, cfg.trainer.get("num_nodes", 1), devices_per_node(cfg))
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
@@ -52,10 +61,14 @@ def main(cfg: DictConfig) -> float | None:
                 strategy = HydraConfig.get().runtime.choices.get("strategy", "strategy")
                 dry_run(cfg, layout, strategy, Path(HydraConfig.get().runtime.output_dir))
                 return None
+            if layout is not None:  # a CPU run's processes against this machine's memory, before the imports
+                check_host_memory(cfg, layout)
             if cfg.data.get("loader_workers", 0) > 0:
                 start_worker_server()  # its imports run beside the ones below
             with collector_paused_for_imports():  # torch, Lightning, litdata: half a second faster
                 from project.training.run import train
+            if trains_on_gpus(cfg):  # each process against its GPU's memory, now that torch can read it
+                check_gpu_memory(cfg, layout or planned_layout(cfg))
 
             return train(cfg, layout).get("val/loss")
         except ConfigError:

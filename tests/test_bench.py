@@ -397,3 +397,24 @@ def test_context_parallel_bench_refuses_bad_settings_and_halves_a_ranks_activati
     whole, split = predicted("small4m", 8192, 1), predicted("small4m", 8192, 2)
     assert split["planned_activation_bytes"] < 0.6 * whole["planned_activation_bytes"]
     assert split["planned_step_seconds"] >= whole["planned_step_seconds"]  # plus the keys' and values' exchange
+
+
+def test_stability_bench_refuses_unknown_corpora_and_poisons_about_five_percent_of_the_prose(tmp_path):
+    from project.runtime.errors import ConfigError
+    from project.tooling.bench_stability import POISON_SHARE, parse, table, write_prose
+
+    for setting in ("corpora=wiki", "actions=rewind", "steps=1"):
+        with pytest.raises(ConfigError, match=setting.split("=")[0]):
+            parse([setting])
+    clean, poisoned = write_prose(tmp_path / "clean", False), write_prose(tmp_path / "poisoned", True)
+    size = {folder: sum(p.stat().st_size for p in folder.iterdir()) for folder in (clean, poisoned)}
+    noise = size[poisoned] - size[clean]
+    assert noise == pytest.approx(POISON_SHARE * size[clean], rel=0.1)
+    assert sorted(p.name for p in clean.iterdir()) == sorted(
+        p.name for p in poisoned.iterdir() if "noise" not in p.name
+    )
+    row = {"corpus": "prose", "spikes": [], "excursions_logged": 3, "rollbacks": [], "stopped": False}
+    report = {"date": "d", "host": "h", "command": "c", "steps": 3, "rows": [
+        {**row, "action": "log", "val_loss": 4.0}, {**row, "action": "skip", "val_loss": 4.02}
+    ]}  # fmt: skip
+    assert "| prose | skip | 4.0200 | +0.50% | none | 3 | none | no |" in table(report)

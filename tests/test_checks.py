@@ -113,36 +113,38 @@ def test_a_model_that_cannot_fit_the_host_is_refused_with_its_need_and_what_is_t
     import project.planning.fits
     from project.config.values import model_config
     from project.model.flops import count_parameters
+    from project.planning.fits import check_host_memory
 
     monkeypatch.setattr(project.planning.fits, "host_memory_available", lambda: 24.0 * GIB)
     cfg = as_run("model=llama3_8b", "trainer.devices=1")
+    layout = preflight(cfg)  # the layout itself is fine: its memory is what project.train checks next
     with pytest.raises(ConfigError) as refused:
-        preflight(cfg)
+        check_host_memory(cfg, layout)
     said = str(refused.value)
     # Model states in float32 with AdamW, by hand: parameters, gradients and two moments of 4 bytes each.
     states = 16 * count_parameters(model_config(cfg)) / GIB
     assert f"model states {states:.1f}" in said and "is 24.0 GiB" in said
     assert "model=llama3_8b (8.03B parameters) does not fit" in said
     assert "No layout of the 1 device(s) here fits it" in said and "memory_check=false" in said
-    preflight(as_run("model=llama3_8b", "trainer.devices=1", "memory_check=false"))  # started anyway: no error
-    preflight(cfg, dry_run=True)  # a dry run sizes a job for other machines: not refused for this one's memory
+    check_host_memory(as_run("model=llama3_8b", "trainer.devices=1", "memory_check=false"), layout)  # started anyway
 
 
 def test_a_refused_layout_names_the_planners_best_layout_that_fits_the_same_devices(as_run, monkeypatch):
     import project.planning.fits
+    from project.planning.fits import check_host_memory
 
     monkeypatch.setattr(project.planning.fits, "host_memory_available", lambda: 24.0 * GIB)
     # llama3_2_1b replicated on 2 processes needs about 2 x 18 GiB of model states; sharded over both, half.
     cfg = as_run("model=llama3_2_1b", "data.vocab_size=512", "strategy=ddp", "trainer.devices=2")
     with pytest.raises(ConfigError, match=r"x 2 processes on this machine") as refused:
-        preflight(cfg)
+        check_host_memory(cfg, preflight(cfg))
     best = str(refused.value).split("the same command with ")[1]
     assert "strategy=fsdp2" in best or "strategy=tp" in best or "strategy=pipeline" in best, best
     assert "trainer=cpu" not in best and "data.seq_len" not in best  # only what changes is named
     layout_of_best = as_run(
         "model=llama3_2_1b", "data.vocab_size=512", "trainer.devices=2", *best.split(". To start")[0].split()
     )
-    preflight(layout_of_best)  # and it passes the same check
+    check_host_memory(layout_of_best, preflight(layout_of_best))  # and it passes the same check
 
 
 def test_a_gpu_whose_memory_is_too_small_refuses_the_run_before_it_starts(as_run):
@@ -190,3 +192,11 @@ def test_a_group_added_with_a_plus_is_answered_with_the_way_to_choose_it():
 
     with pytest.raises(ConfigError, match=re.escape("write callbacks=NAME to choose another or callbacks=[a,b]")):
         check_command_line(["experiment=debug", "+callbacks=early_stopping"])
+
+
+def test_the_train_command_refuses_a_model_too_large_for_this_machine_before_importing_torch(tmp_path):
+    args = [sys.executable, "-X", "importtime", "-m", "project.train", "experiment=debug", "model=llama3_405b"]
+    result = subprocess.run([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2 and "error: model=llama3_405b (405." in result.stderr
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" not in imported and not (tmp_path / "run").exists()

@@ -43,7 +43,8 @@ def debug_runs(tiny_shards, tmp_path_factory):
     def get(strategy: str) -> tuple[Path, str, str]:
         if strategy not in runs:
             run_dir = tmp_path_factory.mktemp(f"debug-{strategy}")
-            steps = ["val_every_n_steps=2", "ckpt_every_n_steps=2"]
+            # One schedule for both (optim.decay_steps): a resume that changed it would rightly warn.
+            steps = ["val_every_n_steps=2", "ckpt_every_n_steps=2", "optim.decay_steps=8"]
             # What rank 0's imports print is part of what a user sees: the single run starts cold, as a user's does.
             # The imports are those of every layout (a strategy's own are made in the run, warm or not), and the
             # other ranks start cold under Lightning's launcher with the run's console as theirs.
@@ -63,7 +64,13 @@ def test_a_debug_run_and_its_resume_print_no_warning_a_user_cannot_act_on(tiny_s
     if strategy == "single":  # and from another run's checkpoint, into a new run directory, checkpointing less often
         last = run_dir / "checkpoints" / "last.ckpt"
         elsewhere = run(
-            tiny_shards, run_dir / "next", strategy, "trainer.max_steps=8", f"ckpt_path={last}", "val_every_n_steps=2"
+            tiny_shards,
+            run_dir / "next",
+            strategy,
+            "trainer.max_steps=8",
+            f"ckpt_path={last}",
+            "val_every_n_steps=2",
+            "optim.decay_steps=8",
         )
         assert unexpected_warnings(elsewhere) == []
     # The summary states the model, not "FLOPs: 0".

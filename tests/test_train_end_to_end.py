@@ -82,12 +82,6 @@ def test_every_experiment_runs_two_steps(tiny_shards, tmp_path, experiment):
     assert sorted(read_metrics(tmp_path, "val/loss")) == [0, 1]
 
 
-def test_single_device_strategy_refuses_several_devices(tiny_shards, tmp_path):
-    result = run_module("project.train", train_overrides(tiny_shards, tmp_path, "trainer.devices=2"))
-    assert result.returncode == 2
-    assert "strategy=single runs on 1 device(s) per node, not trainer.devices=2" in result.stderr
-
-
 def test_trainer_settings_the_entry_point_computes_are_refused(tiny_shards, tmp_path):
     result = run_module("project.train", train_overrides(tiny_shards, tmp_path, "+trainer.accumulate_grad_batches=4"))
     assert result.returncode == 2

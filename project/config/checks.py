@@ -18,7 +18,6 @@ from project.config.layout import Layout, horovod_devices, plan_layout
 from project.config.trainer import check_trainer
 from project.config.values import check_values
 from project.parallel.kinds import strategy_kind
-from project.runtime.console import launch_rank
 from project.runtime.errors import ConfigError
 
 
@@ -39,10 +38,7 @@ def preflight(cfg: DictConfig, dry_run: bool = False, run_dir: str | os.PathLike
         check_one_device(cfg, nodes, devices)
     if not (isinstance(nodes, int) and isinstance(devices, int)):
         return None
-    layout = plan_layout(cfg, nodes, devices)
-    if not dry_run:
-        check_host_memory(cfg, layout, devices)
-    return layout
+    return plan_layout(cfg, nodes, devices)
 
 
 def check_one_device(cfg: DictConfig, nodes: object, devices: object) -> None:
@@ -58,18 +54,3 @@ def check_one_device(cfg: DictConfig, nodes: object, devices: object) -> None:
         f"strategy={name} runs one process on one device, not {asked}: choose a multi-device strategy "
         f"(strategy=ddp {asked}) or trainer.devices=1 trainer.num_nodes=1."
     )
-
-
-def check_host_memory(cfg: DictConfig, layout: Layout, devices_per_node: int) -> None:
-    """On a CPU, the processes this machine starts must fit its available memory together (project.planning.fits;
-    GPUs are checked once torch has read their memory). Only where the run starts: a rank started later would see
-    the memory the first ones already took."""
-    if str(cfg.trainer.get("accelerator", "auto")) != "cpu" or os.environ.get("LOCAL_RANK", "0") != "0":
-        return
-    if launch_rank(cfg.trainer.get("num_nodes", 1)) % max(1, devices_per_node):
-        return
-    from project.planning.fits import check_fits, host_memory_available
-
-    available = host_memory_available()
-    if available is not None:
-        check_fits(cfg, layout, available, devices_per_node, "cpu", "this machine's available memory (MemAvailable)")

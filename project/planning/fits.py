@@ -3,11 +3,13 @@ most (project.planning.memory) against a device's memory, or on a CPU the host's
 it share. A run that cannot fit is refused with what it needs, what is there and the planner's best layout that
 fits on the same devices; `memory_check=false` starts it anyway.
 
-Torch-free: project.train asks this before the imports on a CPU; on GPUs once torch has read their memory.
+project.train asks before the imports on a CPU (check_host_memory), and on GPUs once torch is imported
+(check_gpu_memory); the arithmetic is torch-free.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from project.config.values import model_config
 from project.model.flops import count_parameters
 from project.planning.cluster import GIB, Cluster
 from project.planning.memory import Allowance, MemoryEstimate
+from project.runtime.console import launch_rank
 from project.runtime.errors import ConfigError
 
 # A training process on a CPU holds Python, torch and Lightning besides its tensors (about 0.5 GiB resident, measured
@@ -36,6 +39,35 @@ def host_memory_available() -> float | None:
     except OSError:
         pass
     return None
+
+
+def check_host_memory(cfg: DictConfig, layout: Layout) -> None:
+    """On a CPU, the processes this machine starts must fit its available memory together. Only where the run
+    starts: a rank started later would see the memory the first ones already took."""
+    devices_per_node = layout.shape.world_size // max(1, int(cfg.trainer.get("num_nodes", 1) or 1))
+    if str(cfg.trainer.get("accelerator", "auto")) != "cpu" or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    if launch_rank(cfg.trainer.get("num_nodes", 1)) % max(1, devices_per_node):
+        return
+    available = host_memory_available()
+    if available is not None:
+        check_fits(cfg, layout, available, devices_per_node, "cpu", "this machine's available memory (MemAvailable)")
+
+
+def trains_on_gpus(cfg: DictConfig) -> bool:
+    """The run will take CUDA GPUs (asked for, or found by `auto`); imports torch."""
+    import torch
+
+    return str(cfg.trainer.get("accelerator", "auto")) in ("gpu", "cuda", "auto") and torch.cuda.is_available()
+
+
+def check_gpu_memory(cfg: DictConfig, layout: Layout) -> None:
+    """On GPUs, each process must fit one: the first visible GPU's memory, as torch reads it (a node's GPUs are
+    taken to be alike)."""
+    import torch
+
+    memory = torch.cuda.get_device_properties(0).total_memory
+    check_fits(cfg, layout, memory, 1, "gpu", f"one {torch.cuda.get_device_name(0)}'s memory")
 
 
 def planned_need(cfg: DictConfig, layout: Layout, strategy_name: str, accelerator: str) -> MemoryEstimate | None:

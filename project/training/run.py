@@ -131,8 +131,6 @@ def fit_once(cfg: DictConfig, run_dir: Path, layout: Layout | None, restart: Res
     contract_of(strategy).plan_batches(layout.plan)  # the pipeline's microbatches
     trainer = build_trainer(cfg, run_dir, strategy, layout)
     check_devices(cfg, trainer)
-    if restart is None:
-        check_device_memory(cfg, trainer, layout)
     limit_cpu_threads(trainer, cfg.threads_per_process)
     prepare_if_needed(cfg)
     datamodule = build_datamodule(cfg, layout.plan, restart.sample if restart else None)
@@ -164,18 +162,6 @@ def fit_once(cfg: DictConfig, run_dir: Path, layout: Layout | None, restart: Res
         watch_children(trainer.strategy.launcher)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     return finish(trainer, run_dir)
-
-
-def check_device_memory(cfg: DictConfig, trainer: L.Trainer, layout: Layout) -> None:
-    """A GPU run whose planned memory exceeds a GPU's is refused now that torch has read it (project.planning.fits);
-    a CPU run was checked against the host's before the imports (project.config.checks)."""
-    device = trainer.strategy.root_device
-    if device.type != "cuda":
-        return
-    from project.planning.fits import check_fits
-
-    memory = torch.cuda.get_device_properties(device).total_memory
-    check_fits(cfg, layout, memory, 1, "gpu", f"one {torch.cuda.get_device_name(device)}'s memory")
 
 
 def restart_after(cfg: DictConfig, run_dir: Path, spike: RollbackRequested, previous: Restart | None) -> Restart:

@@ -1,0 +1,165 @@
+"""What the loss-spike actions do to real runs: `python -m project.tooling.bench_stability
+[corpora=shakespeare,prose,poisoned] [actions=log,skip,rollback] [steps=300] [out=experiments/benchmarks]`
+
+Each corpus trains under each action of conf/stability with the group's own defaults and nothing else changed, and
+the runs are set side by side: final validation loss (against `log`'s), the spikes each action acted on, the
+gradient-norm excursions it only logged, the rollbacks and whether a run stopped. The corpora:
+- shakespeare: `make train`'s experiment as it is (the 4.0M-parameter small4m, 256-token sequences), `steps` steps;
+- prose: the debug model (0.1M parameters, 64-token sequences, BPE 512) on English prose this machine has, Python's
+  own documentation (`pydoc_data.topics`, about 200 documents);
+- poisoned: the same prose with documents of random printable characters added, about 5% of the text, so that
+  some batches hold several sequences the model cannot predict (a loss that spikes, as corrupt data makes it).
+Writes new files <date>-<host>-stability.{json,md}; docs/stability.md gives what they showed.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import string
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from project.runtime.arguments import parse_key_values
+from project.runtime.errors import ConfigError, exit_on_config_error
+from project.tooling.bench import ROOT, add_row, new_report, publish
+
+DEFAULTS = {
+    "corpora": "shakespeare,prose,poisoned",
+    "actions": "log,skip,rollback",
+    "steps": "300",
+    "out": "experiments/benchmarks",
+}
+CORPORA = ("shakespeare", "prose", "poisoned")
+ACTIONS = ("log", "skip", "rollback")
+POISON_SHARE = 0.05  # of the prose's characters, in documents of random characters
+
+
+def parse(argv: list[str]) -> dict:
+    args = parse_key_values(argv, DEFAULTS, doc=__doc__)
+    chosen = {}
+    for key, known in (("corpora", CORPORA), ("actions", ACTIONS)):
+        chosen[key] = [name for name in args[key].split(",") if name]
+        if not chosen[key] or set(chosen[key]) - set(known):
+            raise ConfigError(f"{key}={args[key]}: choose among {', '.join(known)}, separated by commas.")
+    if not args["steps"].isdigit() or int(args["steps"]) < 2:
+        raise ConfigError(f"steps={args['steps']}: give a whole number of at least 2.")
+    out = Path(args["out"])
+    return {**chosen, "steps": int(args["steps"]), "out": out if out.is_absolute() else ROOT / out}
+
+
+def write_prose(folder: Path, poisoned: bool) -> Path:
+    """Python's documentation topics as documents (one .txt each), with random-character documents if `poisoned`."""
+    from pydoc_data.topics import topics
+
+    if folder.is_dir():  # written for the corpus's first action: the same files for the others
+        return folder
+    folder.mkdir(parents=True)
+    texts = [text for text in topics.values() if len(text) > 200]
+    for i, text in enumerate(texts):
+        (folder / f"topic{i:03d}.txt").write_text(text)
+    if poisoned:
+        rng = random.Random(0)
+        total = sum(len(text) for text in texts)
+        characters = string.ascii_letters + string.digits + string.punctuation + " "
+        for i in range(round(total * POISON_SHARE / 4000)):
+            (folder / f"noise{i:03d}.txt").write_text("".join(rng.choice(characters) for _ in range(4000)))
+    return folder
+
+
+def command(corpus: str, action: str, steps: int, scratch: Path) -> tuple[list[str], Path]:
+    run_dir = scratch / f"{corpus}-{action}"
+    if corpus == "shakespeare":
+        data = []  # make train's own data (prepared on first use)
+        experiment = "experiment=shakespeare"
+    else:
+        raw = write_prose(scratch / f"raw-{corpus}", poisoned=corpus == "poisoned")
+        data = [f"data.dir={scratch / f'shards-{corpus}'}", f"data.sources=[{raw}]", "data.fetch=null"]
+        data += ["data.vocab_size=512", "data.seq_len=64"]
+        experiment = "experiment=debug"
+    group = "default" if action == "log" else action
+    argv = [
+        sys.executable, "-m", "project.train", experiment, *data, f"stability={group}", f"trainer.max_steps={steps}",
+        "trainer.log_every_n_steps=1", f"hydra.run.dir={run_dir}", "trainer.enable_progress_bar=false",
+    ]  # fmt: skip
+    return argv, run_dir
+
+
+def last_value(run_dir: Path, column: str) -> float | None:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        values = [float(row[column]) for row in csv.DictReader(f) if row.get(column)]
+    return values[-1] if values else None
+
+
+def measure(corpus: str, action: str, steps: int, scratch: Path) -> dict:
+    argv, run_dir = command(corpus, action, steps, scratch)
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+    stopped = result.returncode != 0
+    if stopped and "training stopped" not in result.stderr:
+        raise RuntimeError(f"{corpus}, {action}: project.train failed:\n{result.stderr[-3000:]}")
+    records_file = run_dir / "stability.jsonl"
+    records = [json.loads(line) for line in records_file.read_text().splitlines()] if records_file.exists() else []
+    acted = [r for r in records if r["action"] in ("log", "skip", "rollback", "stopped")]
+    return {
+        "corpus": corpus,
+        "action": action,
+        "command": " ".join(["python", *argv[1:]]),
+        "val_loss": last_value(run_dir, "val/loss"),
+        "spikes": sorted({int(r["step"]) for r in acted}),
+        "excursions_logged": sum(r["action"] == "logged" for r in records),
+        "rollbacks": [
+            (int(r["step"]), int(r["restart_step"]), int(r.get("attempt", 1)))
+            for r in records
+            if r["action"] == "rollback"
+        ],
+        "stopped": stopped,
+        "steps_trained": int(last_value(run_dir, "step") or 0) + 1,
+    }
+
+
+def table(report: dict) -> str:
+    lines = [
+        f"# Loss-spike actions on real runs, {report['date']} on {report['host']}",
+        "",
+        f"`{report['command']}`: each corpus under each action with conf/stability's defaults, {report['steps']} "
+        "steps. Spikes: the steps an action acted on (under log: would have); excursions: gradient norms out of "
+        "their band with the loss in its own, logged only; rollbacks: (spike step, checkpoint step, attempt).",
+        "",
+        "| corpus | action | final val/loss | against log | spikes | excursions logged | rollbacks | stopped |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    base = {r["corpus"]: r["val_loss"] for r in report["rows"] if r["action"] == "log"}
+    for r in report["rows"]:
+        against = (
+            f"{100 * (r['val_loss'] / base[r['corpus']] - 1):+.2f}%"
+            if r["val_loss"] is not None and base.get(r["corpus"]) and r["action"] != "log"
+            else ""
+        )
+        spikes = ", ".join(map(str, r["spikes"][:8])) + (", ..." if len(r["spikes"]) > 8 else "") or "none"
+        rollbacks = ", ".join(f"({s}, {c}, {a})" for s, c, a in r["rollbacks"][:4]) or "none"
+        val = f"{r['val_loss']:.4f}" if r["val_loss"] is not None else "-"
+        lines.append(
+            f"| {r['corpus']} | {r['action']} | {val} | {against} | {spikes} | {r['excursions_logged']} | "
+            f"{rollbacks} | {'yes' if r['stopped'] else 'no'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+@exit_on_config_error()
+def main() -> None:
+    args = parse(sys.argv[1:])
+    report = new_report("project.tooling.bench_stability", sys.argv[1:], steps=args["steps"])
+    with tempfile.TemporaryDirectory() as scratch:
+        for corpus in args["corpora"]:
+            for action in args["actions"]:
+                add_row(report, measure(corpus, action, args["steps"], Path(scratch)))
+    publish(args["out"], "-stability", report, table(report))
+
+
+if __name__ == "__main__":
+    main()
