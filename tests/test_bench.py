@@ -415,6 +415,7 @@ def test_stability_bench_refuses_unknown_corpora_and_poisons_about_five_percent_
     )
     row = {"corpus": "prose", "spikes": [], "excursions_logged": 3, "rollbacks": [], "stopped": False}
     report = {"date": "d", "host": "h", "command": "c", "steps": 3, "rows": [
-        {**row, "action": "log", "val_loss": 4.0}, {**row, "action": "skip", "val_loss": 4.02}
+        {**row, "action": "log", "val_loss": 4.1, "clean_val_loss": 4.0},
+        {**row, "action": "skip", "val_loss": 4.1, "clean_val_loss": 4.02},
     ]}  # fmt: skip
-    assert "| prose | skip | 4.0200 | +0.50% | none | 3 | none | no |" in table(report)
+    assert "| prose | skip | 4.1000 | 4.0200 | +0.50% | none | 3 | none | no |" in table(report)

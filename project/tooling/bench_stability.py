@@ -2,13 +2,15 @@
 [corpora=shakespeare,prose,poisoned] [actions=log,skip,rollback] [steps=300] [out=experiments/benchmarks]`
 
 Each corpus trains under each action of conf/stability with the group's own defaults and nothing else changed, and
-the runs are set side by side: final validation loss (against `log`'s), the spikes each action acted on, the
+the runs are set side by side: final validation loss, and that of the clean text's whole validation split (against
+`log`'s), the spikes each action acted on, the
 gradient-norm excursions it only logged, the rollbacks and whether a run stopped. The corpora:
 - shakespeare: `make train`'s experiment as it is (the 4.0M-parameter small4m, 256-token sequences), `steps` steps;
 - prose: the debug model (0.1M parameters, 64-token sequences, BPE 512) on English prose this machine has, Python's
   own documentation (`pydoc_data.topics`, about 200 documents);
-- poisoned: the same prose with documents of random printable characters added, about 5% of the text, so that
-  some batches hold several sequences the model cannot predict (a loss that spikes, as corrupt data makes it).
+- poisoned: the same prose with documents of random printable characters among its documents, about 5% of the
+  text, each kept together in the data order as a corrupt file's would be (chunks of 20 KB, data.shuffle_window=1,
+  the data settings alone changed): runs of batches the model cannot predict, where the loss spikes.
 Writes new files <date>-<host>-stability.{json,md}; docs/stability.md gives what they showed.
 """
 
@@ -66,9 +68,53 @@ def write_prose(folder: Path, poisoned: bool) -> Path:
         rng = random.Random(0)
         total = sum(len(text) for text in texts)
         characters = string.ascii_letters + string.digits + string.punctuation + " "
-        for i in range(round(total * POISON_SHARE / 4000)):
-            (folder / f"noise{i:03d}.txt").write_text("".join(rng.choice(characters) for _ in range(4000)))
+        count = round(total * POISON_SHARE / 4000)
+        for i in range(count):  # named to fall among the topics (prepare reads files in order), evenly spread
+            after = (i + 1) * len(texts) // (count + 1)
+            (folder / f"topic{after:03d}-noise.txt").write_text("".join(rng.choice(characters) for _ in range(4000)))
     return folder
+
+
+def data_settings(corpus: str, scratch: Path) -> list[str]:
+    """The data.* settings of a prose corpus; the poisoned one is tokenized by the clean prose's tokenizer, so that
+    its runs are judged on the clean prose's validation split too."""
+    raw = write_prose(scratch / f"raw-{corpus}", poisoned=corpus == "poisoned")
+    data = [f"data.dir={scratch / f'shards-{corpus}'}", f"data.sources=[{raw}]", "data.fetch=null"]
+    data += ["data.vocab_size=512", "data.seq_len=64"]
+    if corpus == "poisoned":
+        data += [
+            "data.chunk_mb=0.02",
+            "data.shuffle_window=1",
+            f"data.tokenizer={prose_shards(scratch)}/tokenizer.json",
+        ]
+    return data
+
+
+def prose_shards(scratch: Path) -> Path:
+    """The clean prose's shards, prepared here unless a prose run prepared them."""
+    shards = scratch / "shards-prose"
+    if not (shards / "manifest.json").is_file():
+        argv = [sys.executable, "-m", "project.prepare", *data_settings("prose", scratch)]
+        subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True)
+    return shards
+
+
+def clean_val_loss(checkpoint: Path, shards: Path, seq_len: int) -> float:
+    """The mean loss of the final weights over the whole validation split of `shards` (clean text)."""
+    import torch
+
+    from project.data.datamodule import TokenShardDataModule
+    from project.training.lit_module import LlamaLitModule
+
+    module = LlamaLitModule.load_from_checkpoint(checkpoint, map_location="cpu").eval()
+    data = TokenShardDataModule(str(shards), seq_len=seq_len, global_batch_size=8, micro_batch_size=8, num_workers=0)
+    data.setup("fit")
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for inputs, targets in data.val_dataloader():
+            total += float(module.loss(inputs, targets)) * inputs.shape[0]
+            count += inputs.shape[0]
+    return total / count
 
 
 def command(corpus: str, action: str, steps: int, scratch: Path) -> tuple[list[str], Path]:
@@ -77,9 +123,7 @@ def command(corpus: str, action: str, steps: int, scratch: Path) -> tuple[list[s
         data = []  # make train's own data (prepared on first use)
         experiment = "experiment=shakespeare"
     else:
-        raw = write_prose(scratch / f"raw-{corpus}", poisoned=corpus == "poisoned")
-        data = [f"data.dir={scratch / f'shards-{corpus}'}", f"data.sources=[{raw}]", "data.fetch=null"]
-        data += ["data.vocab_size=512", "data.seq_len=64"]
+        data = data_settings(corpus, scratch)
         experiment = "experiment=debug"
     group = "default" if action == "log" else action
     argv = [
@@ -105,11 +149,18 @@ def measure(corpus: str, action: str, steps: int, scratch: Path) -> dict:
     records_file = run_dir / "stability.jsonl"
     records = [json.loads(line) for line in records_file.read_text().splitlines()] if records_file.exists() else []
     acted = [r for r in records if r["action"] in ("log", "skip", "rollback", "stopped")]
+    shards = ROOT / "data" / "shakespeare" if corpus == "shakespeare" else prose_shards(scratch)
+    clean = (
+        None
+        if stopped
+        else clean_val_loss(run_dir / "checkpoints" / "last.ckpt", shards, 256 if corpus == "shakespeare" else 64)
+    )
     return {
         "corpus": corpus,
         "action": action,
         "command": " ".join(["python", *argv[1:]]),
         "val_loss": last_value(run_dir, "val/loss"),
+        "clean_val_loss": clean,
         "spikes": sorted({int(r["step"]) for r in acted}),
         "excursions_logged": sum(r["action"] == "logged" for r in records),
         "rollbacks": [
@@ -127,25 +178,31 @@ def table(report: dict) -> str:
         f"# Loss-spike actions on real runs, {report['date']} on {report['host']}",
         "",
         f"`{report['command']}`: each corpus under each action with conf/stability's defaults, {report['steps']} "
-        "steps. Spikes: the steps an action acted on (under log: would have); excursions: gradient norms out of "
-        "their band with the loss in its own, logged only; rollbacks: (spike step, checkpoint step, attempt).",
+        "steps. Final val/loss: the run's last validation (val_sequences of its own split, the poisoned corpus's "
+        "holding noise documents too); clean val loss: the final weights over the whole validation split of the "
+        "clean text (shakespeare's own, the prose's for both prose corpora), which `against log` compares. Spikes: "
+        "the steps an action acted on (under log: would have); excursions: gradient norms out of their band with the "
+        "loss in its own, logged only; rollbacks: (spike step, checkpoint step, attempt).",
         "",
-        "| corpus | action | final val/loss | against log | spikes | excursions logged | rollbacks | stopped |",
-        "|---|---|---|---|---|---|---|---|",
+        "| corpus | action | final val/loss | clean val loss | against log | spikes | excursions logged | rollbacks | "
+        "stopped |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    base = {r["corpus"]: r["val_loss"] for r in report["rows"] if r["action"] == "log"}
+    base = {r["corpus"]: r["clean_val_loss"] for r in report["rows"] if r["action"] == "log"}
     for r in report["rows"]:
+        clean = r["clean_val_loss"]
         against = (
-            f"{100 * (r['val_loss'] / base[r['corpus']] - 1):+.2f}%"
-            if r["val_loss"] is not None and base.get(r["corpus"]) and r["action"] != "log"
+            f"{100 * (clean / base[r['corpus']] - 1):+.2f}%"
+            if clean is not None and base.get(r["corpus"]) and r["action"] != "log"
             else ""
         )
         spikes = ", ".join(map(str, r["spikes"][:8])) + (", ..." if len(r["spikes"]) > 8 else "") or "none"
         rollbacks = ", ".join(f"({s}, {c}, {a})" for s, c, a in r["rollbacks"][:4]) or "none"
         val = f"{r['val_loss']:.4f}" if r["val_loss"] is not None else "-"
+        clean_said = f"{clean:.4f}" if clean is not None else "-"
         lines.append(
-            f"| {r['corpus']} | {r['action']} | {val} | {against} | {spikes} | {r['excursions_logged']} | "
-            f"{rollbacks} | {'yes' if r['stopped'] else 'no'} |"
+            f"| {r['corpus']} | {r['action']} | {val} | {clean_said} | {against} | {spikes} | "
+            f"{r['excursions_logged']} | {rollbacks} | {'yes' if r['stopped'] else 'no'} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -26,6 +26,7 @@ checkpoint, the end), as the non-finite guard does.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ MAX_EVENTS = 64  # spikes kept on the device between two reads of the host; more
 # the default threshold a step must then lie at least 6% above the window's median.
 RELATIVE_SPREAD_FLOOR = 1e-2
 MAD_TO_SD = 1.4826  # the median absolute deviation of normal values times this is their standard deviation
+LEVEL_FRACTION = 10  # the level a step is judged against: the median of the window's last tenth (at least 3 steps)
 
 
 @dataclass
@@ -109,6 +111,7 @@ class SpikeDetector:
         the gradient norm and the loss's pace change with the rate there."""
         self.config = config
         self.lr_warmup_steps = lr_warmup_steps
+        self.level_steps = max(3, config.window // LEVEL_FRACTION)  # the recent steps whose median is the level
         self.acted = 0  # spikes the action acted on, of those recorded
         self.rollbacks = [r if isinstance(r, Rollback) else Rollback(**r) for r in rollbacks or []]
         self.spikes = 0  # spikes the host has recorded (or that the checkpoint counted)
@@ -150,13 +153,19 @@ class SpikeDetector:
         logs = x.clamp(min=torch.finfo(x.dtype).tiny).log()
         valid = s["valid"]
         n = valid.sum()
-        window = torch.where(valid, s["values"], torch.nan)
-        median = window.nanmedian(dim=1).values
-        mad = (window - median[:, None]).abs().nanmedian(dim=1).values
-        # 1.4826 x MAD is the standard deviation of normal values; a flat window spreads RELATIVE_SPREAD_FLOOR.
-        spread = torch.nan_to_num(MAD_TO_SD * mad, nan=0.0).clamp(min=RELATIVE_SPREAD_FLOOR)
+        size = self.config.window
+        # The window's accepted steps in the order they came, oldest first (unfilled slots first, as NaN).
+        order = (s["accepted"] - size + torch.arange(size, device=valid.device)) % size
+        history = torch.where(valid[order], s["values"][:, order], torch.nan)
+        # The level: the median of the last few steps, which follows a falling loss; the noise: from the differences
+        # of successive steps, which a trend over the window hardly moves (a window's own spread would be mostly
+        # trend on a falling loss, and hide a spike on it). The median |difference| of two draws of spread sd is
+        # 0.6745 x sd x sqrt(2): sd = 1.4826 / sqrt(2) x that median.
+        level = history[:, -self.level_steps :].nanmedian(dim=1).values
+        step_noise = (history[:, 1:] - history[:, :-1]).abs().nanmedian(dim=1).values * (MAD_TO_SD / math.sqrt(2))
+        spread = torch.nan_to_num(step_noise, nan=0.0).clamp(min=RELATIVE_SPREAD_FLOOR)
         judged = (n >= self.config.warmup_steps) & (s["step"] >= self.lr_warmup_steps)
-        z = torch.where(judged, (logs - torch.nan_to_num(median)) / spread, 0.0)
+        z = torch.where(judged, (logs - torch.nan_to_num(level)) / spread, 0.0)
         finite = torch.isfinite(x).all()
         out = judged & finite & (z > self.config.threshold)
         acts = out[0] | (out[1] & self.config.act_on_grad_norm)
