@@ -37,7 +37,7 @@ class StabilityConfig:
     cooldown_steps: int = setting(0, whole(0), "a whole number of steps, 0 or more")
     cooldown_lr_scale: float = setting(0.1, lambda v: 0 < v <= 1, "a factor in (0, 1]")
     # rollback: incidents allowed in a run (an incident: the rollbacks to one checkpoint in a row); the next stops it.
-    max_rollbacks: int = setting(3, whole(0), "a whole number, 0 or more")
+    max_rollbacks: int = setting(10, whole(0), "a whole number, 0 or more")
     # rollback: rollbacks to one checkpoint before the run stops; each leaves out four times the batches of the one
     # before, and from the third the learning rate is cooled down (project.training.stability.escalate).
     max_attempts: int = setting(3, whole(1), "a whole number, 1 or more")
