@@ -403,7 +403,7 @@ def test_stability_bench_refuses_unknown_corpora_and_poisons_about_five_percent_
     from project.runtime.errors import ConfigError
     from project.tooling.bench_stability import POISON_SHARE, parse, table, write_prose
 
-    for setting in ("corpora=wiki", "actions=rewind", "steps=1"):
+    for setting in ("corpora=wiki", "actions=rewind", "steps=1", "seeds=two"):
         with pytest.raises(ConfigError, match=setting.split("=")[0]):
             parse([setting])
     clean, poisoned = write_prose(tmp_path / "clean", False), write_prose(tmp_path / "poisoned", True)

@@ -1,5 +1,5 @@
 """What the loss-spike actions do to real runs: `python -m project.tooling.bench_stability
-[corpora=shakespeare,prose,poisoned] [actions=log,skip,rollback] [steps=300] [out=experiments/benchmarks]`
+[corpora=shakespeare,prose,poisoned] [actions=log,skip,rollback] [steps=300] [seeds=2] [out=experiments/benchmarks]`
 
 Each corpus trains under each action of conf/stability with the group's own defaults and nothing else changed, and
 the runs are set side by side: final validation loss, and that of the clean text's whole validation split (against
@@ -11,7 +11,9 @@ gradient-norm excursions it only logged, the rollbacks and whether a run stopped
 - poisoned: the same prose with documents of random printable characters among its documents, about 5% of the
   text, each kept together in the data order as a corrupt file's would be (chunks of 20 KB, data.shuffle_window=1,
   the data settings alone changed): runs of batches the model cannot predict, where the loss spikes.
-Writes new files <date>-<host>-stability.{json,md}; docs/stability.md gives what they showed.
+With `seeds` (2) the log runs of the prose corpora are repeated from other initial weights (seed=1235, ...): the
+spread a difference between actions is set against (shakespeare's are left out for time). Writes new files
+<date>-<host>-stability.{json,md}; docs/stability.md gives what they showed.
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ DEFAULTS = {
     "corpora": "shakespeare,prose,poisoned",
     "actions": "log,skip,rollback",
     "steps": "300",
+    "seeds": "2",
     "out": "experiments/benchmarks",
 }
 CORPORA = ("shakespeare", "prose", "poisoned")
 ACTIONS = ("log", "skip", "rollback")
+SEED = 1234  # conf/train.yaml's seed: the initial weights of the runs compared
 POISON_SHARE = 0.05  # of the prose's characters, in documents of random characters
 
 
@@ -50,8 +54,11 @@ def parse(argv: list[str]) -> dict:
             raise ConfigError(f"{key}={args[key]}: choose among {', '.join(known)}, separated by commas.")
     if not args["steps"].isdigit() or int(args["steps"]) < 2:
         raise ConfigError(f"steps={args['steps']}: give a whole number of at least 2.")
+    if not args["seeds"].isdigit():
+        raise ConfigError(f"seeds={args['seeds']}: give a whole number of other seeds, 0 or more.")
     out = Path(args["out"])
-    return {**chosen, "steps": int(args["steps"]), "out": out if out.is_absolute() else ROOT / out}
+    steps, seeds = int(args["steps"]), int(args["seeds"])
+    return {**chosen, "steps": steps, "seeds": seeds, "out": out if out.is_absolute() else ROOT / out}
 
 
 def write_prose(folder: Path, poisoned: bool) -> Path:
@@ -117,8 +124,8 @@ def clean_val_loss(checkpoint: Path, shards: Path, seq_len: int) -> float:
     return total / count
 
 
-def command(corpus: str, action: str, steps: int, scratch: Path) -> tuple[list[str], Path]:
-    run_dir = scratch / f"{corpus}-{action}"
+def command(corpus: str, action: str, steps: int, scratch: Path, seed: int | None = None) -> tuple[list[str], Path]:
+    run_dir = scratch / f"{corpus}-{action}" if seed is None else scratch / f"{corpus}-{action}-seed{seed}"
     if corpus == "shakespeare":
         data = []  # make train's own data (prepared on first use)
         experiment = "experiment=shakespeare"
@@ -130,7 +137,7 @@ def command(corpus: str, action: str, steps: int, scratch: Path) -> tuple[list[s
         sys.executable, "-m", "project.train", experiment, *data, f"stability={group}", f"trainer.max_steps={steps}",
         "trainer.log_every_n_steps=1", f"hydra.run.dir={run_dir}", "trainer.enable_progress_bar=false",
     ]  # fmt: skip
-    return argv, run_dir
+    return argv + ([f"seed={seed}"] if seed is not None else []), run_dir
 
 
 def last_value(run_dir: Path, column: str) -> float | None:
@@ -139,8 +146,8 @@ def last_value(run_dir: Path, column: str) -> float | None:
     return values[-1] if values else None
 
 
-def measure(corpus: str, action: str, steps: int, scratch: Path) -> dict:
-    argv, run_dir = command(corpus, action, steps, scratch)
+def measure(corpus: str, action: str, steps: int, scratch: Path, seed: int | None = None) -> dict:
+    argv, run_dir = command(corpus, action, steps, scratch, seed)
     env = {**os.environ, "WANDB_MODE": "offline"}
     result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
     stopped = result.returncode != 0
@@ -157,7 +164,7 @@ def measure(corpus: str, action: str, steps: int, scratch: Path) -> dict:
     )
     return {
         "corpus": corpus,
-        "action": action,
+        "action": action if seed is None else f"{action}, seed={seed}",
         "command": " ".join(["python", *argv[1:]]),
         "val_loss": last_value(run_dir, "val/loss"),
         "clean_val_loss": clean,
@@ -215,6 +222,9 @@ def main() -> None:
         for corpus in args["corpora"]:
             for action in args["actions"]:
                 add_row(report, measure(corpus, action, args["steps"], Path(scratch)))
+            # The spread of log's runs from other initial weights: what a difference between actions is against.
+            for seed in range(SEED + 1, SEED + 1 + args["seeds"]) if corpus != "shakespeare" else ():
+                add_row(report, measure(corpus, "log", args["steps"], Path(scratch), seed))
     publish(args["out"], "-stability", report, table(report))
 
 
