@@ -213,3 +213,21 @@ def test_a_resume_that_changes_the_schedule_says_which_setting_and_the_steps_rat
         recorded_schedule(older), schedule_record(OptimConfig(lr=1e-3, min_lr=3e-4, warmup_steps=5), 30), 20
     )
     assert lower is not None and "optim.lr: 0.003 there, 0.001 here" in lower
+
+
+def test_a_resume_of_a_run_that_rolled_back_still_says_a_changed_schedule():
+    """The checkpoint of a run with rollbacks behind it is resumed like any other: a changed length is said."""
+    import lightning
+
+    from project.training.schedule import schedule_record
+
+    module = LlamaLitModule(MODEL, OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=5))
+    module.trainer = lightning.Trainer(max_steps=30, logger=False, enable_checkpointing=False, accelerator="cpu")
+    checkpoint = {
+        "global_step": 20,
+        "schedule": schedule_record(module.optim, max_steps=20),
+        "stability": {"rollbacks": [{"spike_step": 12, "restart_step": 10, "resume_sample": 200}]},
+    }
+    with pytest.warns(UserWarning, match=r"optim.decay_steps: 20 there, 30 here"):
+        module.on_load_checkpoint(checkpoint)
+    assert [r.spike_step for r in module._spikes.rollbacks] == [12]

@@ -22,8 +22,9 @@ class StabilityConfig:
     # Steps whose loss and gradient norm enter the statistics before any step is judged against them (and none is
     # judged before the learning rate's warm-up, optim.warmup_steps, is over).
     warmup_steps: int = setting(100, whole(2), "a whole number of steps, 2 or more")
-    # A step is out of its band when the logarithm of its loss (or gradient norm) lies this many robust standard
-    # deviations (1.4826 x the median absolute deviation) above the window's median.
+    # A step is out of its band when the logarithm of its loss (or gradient norm) lies this many units of step noise
+    # (1.4826 / sqrt(2) x the median absolute difference of successive steps) above its recent level (the median of
+    # the window's last tenth).
     threshold: float = setting(6.0, above(0), "standard deviations above 0, e.g. 6")
     # A gradient norm out of its band with the loss in its own is logged only (clipping bounds the update); true:
     # the action acts on it too.

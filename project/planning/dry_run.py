@@ -388,7 +388,7 @@ def planned_memory(
         context_parallel=layout.shape.context_parallel,
     )
     accelerator = "gpu" if s.get("compile") else "cpu"  # the planner counts compiled (fused) blocks on GPUs
-    return estimate_memory(
+    estimate = estimate_memory(
         model_config(cfg),
         candidate,
         int(cfg.data.seq_len),
@@ -397,6 +397,9 @@ def planned_memory(
         allowance or Allowance(),
         pipeline_rank,
     )
+    if strategy_name == "single":  # planned as DDP, whose gradient buckets (a copy of the parameters) it has not
+        estimate = replace(estimate, working=estimate.working - estimate.params, working_note="")
+    return estimate
 
 
 def _planned_record(estimate: Any | None, share: RankShare) -> dict[str, float] | None:

@@ -78,12 +78,7 @@ def planned_need(cfg: DictConfig, layout: Layout, strategy_name: str, accelerato
     ranks = range(layout.shape.pipeline_parallel)
     estimates = [planned_memory(cfg, layout, strategy_name, rank, allowance) for rank in ranks]
     known = [e for e in estimates if e is not None]
-    if not known:
-        return None
-    need = max(known, key=lambda e: e.total)
-    if strategy_name == "single":  # planned as DDP, whose gradient buckets (a copy of the parameters) it has not
-        need = replace(need, working=need.working - need.params, working_note="")
-    return need
+    return max(known, key=lambda e: e.total) if known else None
 
 
 def check_fits(

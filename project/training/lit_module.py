@@ -217,10 +217,9 @@ class LlamaLitModule(LightningModule):
         self._checkpoint_steps.add(int(checkpoint.get("global_step", 0)))
         if (trainer := self.attached_trainer()) is not None:  # resuming a fit, not load_from_checkpoint
             rebase_batch_progress(checkpoint, trainer.accumulate_grad_batches)
+            # A rollback's restart keeps the schedule (its cooldown is apart): only a user's resume can change it.
             now = schedule_record(self.optim, trainer.max_steps)
-            if not self._spikes.rollbacks and (
-                change := schedule_change(recorded_schedule(checkpoint), now, int(checkpoint.get("global_step", 0)))
-            ):
+            if change := schedule_change(recorded_schedule(checkpoint), now, int(checkpoint.get("global_step", 0))):
                 rank_zero_warn(change)
 
     def _training_data(self) -> TokenShardDataModule | None:
@@ -314,7 +313,8 @@ class LlamaLitModule(LightningModule):
         """Every rank alike: the spike recorded, the run asked to restart from its last checkpoint (or stopped past
         stability.max_rollbacks). Raised before this step's update, so nothing of it is applied or written."""
         event = self._spikes.read_events()[-1]
-        event.pop("shift"), event.pop("acted")
+        for kept_on_the_device_only in ("shift", "acted"):
+            event.pop(kept_on_the_device_only)
         data = self._training_data()
         position, batch = (data.samples_consumed, data.hparams.global_batch_size) if data is not None else (0, 0)
         raise RollbackRequested(event, position, batch, self._checkpoint_steps, self._spikes)

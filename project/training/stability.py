@@ -1,9 +1,12 @@
 """Loss spikes: each step's loss and gradient norm judged against running statistics of the steps before it, decided
 on the device (conf/stability, project.config.stability).
 
-A step is a spike when, after `warmup_steps` steps have entered the statistics, its loss or its gradient norm lies
-more than `threshold` standard deviations above the mean of the last `window` steps (only steps that were not
-spikes, and finite, enter them: a spike does not widen the band that judges the next). A rise that lasts more than
+In logarithms, a step's loss and gradient norm are judged against their level (the median of the window's last
+tenth) in units of the step noise (from the median absolute difference of successive steps, at least 1%), once the
+window holds `warmup_steps` steps and the learning rate's warm-up is over. A loss more than `threshold` units above
+its level is a spike, which the action acts on (a gradient norm too with `act_on_grad_norm`; otherwise a gradient
+norm out of its band is an excursion, only logged). Finite steps that are not spikes enter the statistics: a spike
+does not widen the band that judges the next. A rise that lasts more than
 `max_consecutive_spikes` steps is a shift of the loss's level, not a spike: from then on its steps count as any
 other (applied, and entered into the statistics, which follow the new level), and the shift is recorded. Every rank
 judges the same values (the loss averaged over the ranks, the global gradient norm), so every rank decides alike.
@@ -16,7 +19,8 @@ What a spike does (`action`):
   step count.
 - rollback: the run restarts from its last checkpoint, written before the spike, and reads on past the spike's
   batch and `skip_batches` more, optionally at `cooldown_lr_scale` times the learning rate for `cooldown_steps`
-  (project.training.run). The host must learn of the spike in the same step, so it reads the decision every step.
+  (project.training.run); a spike met again before a new checkpoint escalates (`escalate`). The host must learn of
+  the spike in the same step, so it reads the decision every step.
 
 Each spike is recorded in the run directory's `stability.jsonl` (one JSON object per line) and said in a warning.
 Under log and skip the host reads the records only where it waits for the device anyway (logging steps, a
