@@ -71,6 +71,27 @@ def test_the_loss_in_chunks_of_tokens_equals_whole_logits_cross_entropy_with_the
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6 * q.grad.abs().max().item(), msg=name)
 
 
+def test_the_loss_holds_no_more_float32_logits_than_its_budget_whatever_the_vocabulary():
+    from project.model.config import LOSS_CHUNK_LOGITS
+
+    for vocab_size in (96, 32000, 128256, 256000):
+        chunk = tiny(vocab_size=vocab_size).chunk_tokens
+        assert chunk * vocab_size <= LOSS_CHUNK_LOGITS < 2 * chunk * vocab_size  # the largest power of two that fits
+        assert chunk & (chunk - 1) == 0
+    assert (
+        tiny(vocab_size=128256).chunk_tokens == 1024
+        and tiny(vocab_size=128256, loss_chunk_tokens=64).chunk_tokens == 64
+    )
+    # The debug preset at Llama 3's vocabulary, a micro batch of 2 x 1,100 tokens: no head output above the budget.
+    model = Llama(tiny(vocab_size=128256, dim=16, n_layers=1, max_seq_len=1100))
+    sizes = []
+    model.output.register_forward_hook(lambda module, args, out: sizes.append(out.numel()))
+    tokens = torch.randint(0, 128256, (2, 1100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(tokens, targets=tokens)
+    assert len(sizes) == 3 and max(sizes) == 2 * 512 * 128256 <= LOSS_CHUNK_LOGITS, sizes  # 512 positions of 2 rows
+
+
 def test_document_mask_isolates_packed_documents():
     torch.manual_seed(0)
     model = Llama(tiny()).eval()

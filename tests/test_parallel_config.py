@@ -99,3 +99,25 @@ def test_single_device_runs_on_the_device_the_trainer_names_and_counts_one():
         strategy.parallel_devices = [torch.device("cuda", 1), torch.device("cuda", 2)]  # trainer.devices=[1, 2]
         assert strategy.root_device == torch.device("cuda", 1)
         assert strategy.parallel_devices == [torch.device("cuda", 1)]  # so the entry point refuses 2 devices
+
+
+@pytest.mark.parametrize(
+    "precision, param_dtype, gathered",
+    [
+        ("bf16-mixed", None, "bfloat16"),  # trainer=gpu: half the bytes of float32 gathers
+        ("bf16-mixed", "float32", "float32"),  # an explicit setting wins
+        ("32-true", None, None),
+        ("32-true", "bfloat16", "bfloat16"),
+        ("bf16-true", None, None),  # the parameters are bfloat16 already
+    ],
+)
+def test_fsdp2_gathers_in_the_trainers_mixed_precision_unless_set(precision, param_dtype, gathered):
+    from lightning.pytorch.plugins import HalfPrecision, MixedPrecision, Precision
+
+    from project.parallel.strategies.model_parallel import LlamaParallelStrategy
+    from project.parallel.strategies.pipeline import LlamaPipelineStrategy
+
+    plugin = {"bf16-mixed": MixedPrecision("bf16-mixed", "cpu"), "bf16-true": HalfPrecision("bf16-true")}
+    for strategy in (LlamaParallelStrategy(param_dtype=param_dtype), LlamaPipelineStrategy(param_dtype=param_dtype)):
+        strategy.precision_plugin = plugin.get(precision, Precision())
+        assert strategy.gather_dtype() == gathered

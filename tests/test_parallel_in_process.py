@@ -126,6 +126,30 @@ def test_model_built_on_meta_and_sharded_starts_from_the_single_device_weights(p
     on_two_gloo_ranks(check_meta_init, plan)
 
 
+def check_fsdp2_gathers() -> None:
+    """In the dtype asked for; freed after each forward, or kept to the backward (a pipeline stage's setting)."""
+    mesh = init_device_mesh("cpu", (2,))
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 16))
+    for reshard_after_forward in (True, False):
+        torch.manual_seed(0)
+        model = Llama(CONFIG)
+        apply_fsdp2(model, mesh, "bfloat16", None, reshard_after_forward)
+        seen = []
+        model.layers["0"].attention.wq.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
+        logits = model(tokens)
+        assert seen == [torch.bfloat16] and logits.dtype == torch.bfloat16
+        # Sharded again (a DTensor, this rank's half) once the forward is over, or still whole.
+        weight = model.layers["0"].attention.wq.weight
+        assert isinstance(weight, DTensor) is reshard_after_forward, reshard_after_forward
+        logits.float().sum().backward()
+        weight = model.layers["0"].attention.wq.weight  # always sharded after the backward
+        assert isinstance(weight, DTensor) and weight.grad.dtype == torch.float32  # reduced in float32
+
+
+def test_fsdp2_gathers_in_the_dtype_asked_and_keeps_them_to_the_backward_when_told():
+    on_two_gloo_ranks(check_fsdp2_gathers)
+
+
 def split_over_the_ranks() -> tuple[int, int, Llama, Llama, torch.Tensor]:
     """(rank, size, one device's model, the same model with context parallelism over the group, tokens [2, 16])."""
     from project.parallel.context_parallel import apply_context_parallel

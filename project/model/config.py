@@ -15,6 +15,8 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 WHOLE = "a whole number above 0"
+# The most float32 logits the loss holds at once by default (512 MiB): the budget LlamaConfig.chunk_tokens keeps to.
+LOSS_CHUNK_LOGITS = 2**27
 
 
 @dataclass
@@ -39,7 +41,10 @@ class LlamaConfig:
     init_std: float = setting(0.02, above(0), "above 0, e.g. 0.02")
     # The head and the loss run over this many tokens at a time (project.model.loss): a chunk's float32 logits
     # take loss_chunk_tokens x vocab_size x 4 bytes, and no more of them exist at once. Not part of the shape.
-    loss_chunk_tokens: int = setting(1024, whole(1), "a whole number of tokens above 0, e.g. 1024")
+    # None: from the vocabulary (chunk_tokens), so that no preset or vocabulary holds more than a fixed budget.
+    loss_chunk_tokens: int | None = setting(
+        None, or_null(whole(1)), "null (from the vocabulary) or a whole number of tokens above 0, e.g. 1024"
+    )
 
     def __post_init__(self) -> None:
         check_fields(self, "model")
@@ -59,6 +64,15 @@ class LlamaConfig:
     def kv_heads(self) -> int:
         """n_kv_heads as resolved (set to n_heads when given as None)."""
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens the head and the loss take at a time: loss_chunk_tokens as set, else the largest power of two whose
+        float32 logits fit in LOSS_CHUNK_LOGITS (Llama 3's vocabulary of 128,256: 1,024 tokens, 525 MB; Llama 2's
+        32,000: 4,096; a test's 96: 1,048,576, one chunk for any batch)."""
+        if self.loss_chunk_tokens is not None:
+            return self.loss_chunk_tokens
+        return 2 ** max(0, (LOSS_CHUNK_LOGITS // self.vocab_size).bit_length() - 1)
 
     @property
     def head_dim(self) -> int:

@@ -343,5 +343,5 @@ class Llama(nn.Module):
 
     def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean cross-entropy of the output head's logits of `hidden` [B, T, dim] (the final norm's output)
-        against `targets` [B, T], `config.loss_chunk_tokens` tokens at a time (project.model.loss)."""
-        return chunked_cross_entropy(hidden, self.output, targets, self.config.loss_chunk_tokens)
+        against `targets` [B, T], `config.chunk_tokens` tokens at a time (project.model.loss)."""
+        return chunked_cross_entropy(hidden, self.output, targets, self.config.chunk_tokens)

@@ -13,7 +13,11 @@ from project.model.llama import Llama
 
 
 def apply_fsdp2(
-    model: Llama | nn.Module, mesh: DeviceMesh, param_dtype: str | None = None, reduce_dtype: str | None = None
+    model: Llama | nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: str | None = None,
+    reduce_dtype: str | None = None,
+    reshard_after_forward: bool = True,
 ) -> None:
     """Shard parameters, gradients and optimizer state over `mesh`.
 
@@ -23,6 +27,9 @@ def apply_fsdp2(
     `param_dtype` (None: float32) is the compute dtype; `reduce_dtype` (None: float32) the dtype
     gradients are reduce-scattered in. torch's own default for the latter is `param_dtype`, which
     would sum bfloat16 gradients across ranks; we keep float32 unless asked, as torchtitan does.
+    `reshard_after_forward=False` keeps each block's gathered parameters from its forward to the end of the
+    step's backward passes: one gather per step instead of one per forward and backward of each microbatch (a
+    pipeline stage runs several microbatches per step: torchtitan does the same there).
     """
     policy = MixedPrecisionPolicy(
         param_dtype=getattr(torch, param_dtype) if param_dtype else None,
@@ -30,5 +37,5 @@ def apply_fsdp2(
     )
     # nn.Module's attribute typing (Tensor | Module) does not know a stage's `layers` is a ModuleDict.
     for block in cast(nn.ModuleDict, model.layers).values():
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

@@ -28,7 +28,7 @@ RECOMPUTE = ("none", "selective", "full")
 # Strategies whose config has these settings (conf/strategy/*.yaml), and which the planner sets.
 HAS_SEQUENCE_PARALLEL = {"tp", "tp_fsdp", "pipeline"}
 HAS_CHECKPOINTING = {"fsdp", "fsdp2", "tp", "tp_fsdp", "pipeline"}
-# Every strategy takes strategy.compile; the planner compiles (and sets param_dtype for) these model-parallel ones.
+# Every strategy takes strategy.compile; the planner compiles these model-parallel ones (which gather in bfloat16).
 HAS_COMPILE = {"fsdp2", "tp", "tp_fsdp", "pipeline"}
 # Strategies that split sequences over strategy.context_parallel_size ranks (project.parallel.context_parallel).
 HAS_CONTEXT_PARALLEL = {"fsdp2", "tp", "tp_fsdp", "pipeline"}

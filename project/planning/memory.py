@@ -152,7 +152,7 @@ def estimate_memory(
     _, last = holds_first_and_last(candidate, pipeline_rank)
     if last:  # logits in the compute dtype and their float32 log-probabilities, one chunk of tokens at a time
         tokens = own * candidate.micro_batch_size
-        chunk = min(tokens, config.loss_chunk_tokens)  # project.model.loss
+        chunk = min(tokens, config.chunk_tokens)  # project.model.loss
         logits = chunk * config.vocab_size / candidate.tensor_parallel * (compute + 4)
         # A loss in one chunk keeps its logits for the backward (the microbatches in flight too); in several, each
         # chunk's logits are recomputed in the backward, so only the one being computed exists.

@@ -60,8 +60,7 @@ def train_overrides(candidate: Candidate, workload: Workload, cluster: Cluster, 
         out.append(f"strategy.activation_checkpointing={str(c.recompute == 'full').lower()}")
     if c.strategy in HAS_COMPILE and cluster.accelerator == "gpu":
         out.append("strategy.compile=true")  # the activation count assumes compiled (fused) blocks
-        if workload.precision in ("bf16-mixed", "16-mixed"):
-            out.append(f"strategy.param_dtype={'bfloat16' if workload.precision == 'bf16-mixed' else 'float16'}")
+    # FSDP2 gathers in bfloat16 under bf16-mixed by default (LlamaParallelStrategy.gather_dtype): nothing to add.
     return out
 
 

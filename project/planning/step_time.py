@@ -59,7 +59,7 @@ def block_flops_per_token(config: LlamaConfig, seq_len: int, recompute: str) -> 
 def head_flops_per_token(config: LlamaConfig, tokens: int = 1) -> float:
     """The output head's forward and backward per token, plus its forward again where the loss runs over
     several chunks of the microbatch's `tokens` (project.model.loss recomputes each chunk's logits)."""
-    recompute = 2 if tokens > config.loss_chunk_tokens else 0
+    recompute = 2 if tokens > config.chunk_tokens else 0
     return (6 + recompute) * config.vocab_size * config.dim
 
 

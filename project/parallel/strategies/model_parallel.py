@@ -28,6 +28,9 @@ from project.parallel.strategies.timeout import collective_timeout
 from project.parallel.tensor_parallel import apply_tensor_parallel
 from project.runtime.errors import ConfigError
 
+# Lightning's ModelParallelStrategy takes bf16-mixed as its only mixed precision (bf16-true stores bfloat16 already).
+MIXED_PRECISION_GATHER = {"bf16-mixed": "bfloat16"}
+
 
 def checkpoint_activations(block: nn.Module) -> None:
     """Recompute the block's activations in the backward pass instead of storing them."""
@@ -52,6 +55,9 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
     """
 
     model_on_meta = True  # no rank ever holds the whole model
+    # FSDP2 frees each block's gathered parameters after its forward (and gathers them again for the backward);
+    # a pipeline stage keeps them through the step's microbatches.
+    reshard_after_forward = True
 
     def __init__(
         self,
@@ -136,7 +142,15 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
         if self.compile:
             compile_blocks(model)
         for root in self._sharded_roots(model):
-            apply_fsdp2(root, dp_mesh, self.param_dtype, self.reduce_dtype)
+            apply_fsdp2(root, dp_mesh, self.gather_dtype(), self.reduce_dtype, self.reshard_after_forward)
+
+    def gather_dtype(self) -> str | None:
+        """The dtype FSDP2 gathers parameters in and computes with: `strategy.param_dtype` where set, else the
+        trainer's mixed precision's (bf16-mixed: bfloat16, as torchtitan does, half the bytes of every gather; the
+        gradients are still reduced in `reduce_dtype`, float32 by default), else None (the parameters' own)."""
+        if self.param_dtype is not None:
+            return self.param_dtype
+        return MIXED_PRECISION_GATHER.get(str(self.precision_plugin.precision))
 
     def data_parallel_coords(self, trainer: Any) -> tuple[int, int]:
         if self._replica_coords is not None:  # a context group reads one batch: its ranks share the coordinate

@@ -21,6 +21,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 
 from project.checkpoint.files import read_checkpoint_file
 from project.model.llama import Llama
@@ -68,6 +69,7 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
     """
 
     gradients_in_step = True  # the schedule runs every microbatch's backward inside the training step
+    reshard_after_forward = False  # gathered once per step, not per microbatch (torchtitan: not pp_enabled)
 
     def __init__(
         self,
@@ -252,6 +254,11 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
                     sends.extend(send_activation(out, self._stage_ranks[stage + 1], group, tag=stage))
         for work, _ in sends:
             work.wait()
+        # The forwards gathered each chunk's parameters once and kept them (reshard_after_forward); no backward
+        # follows to free them, so they would hold a whole stage's memory until the next training step.
+        for chunk in self._chunks.values():
+            if isinstance(chunk, FSDPModule):
+                chunk.reshard()
         return total / inputs.shape[0]
 
     def step_loss(
