@@ -230,13 +230,19 @@ def test_context_parallel_attention_matches_one_device_and_a_rank_of_two_holds_s
 def check_the_gpus_lower_right_kernel_path_under_bf16_autocast() -> None:
     """What a GPU runs (torch's lower-right causal mask, which calls its kernels without autocast's casts) taken on
     the CPU: under bf16-mixed the rotary angles leave q and k in float32 beside a bfloat16 v, which torch refuses
-    ("Expected query, key, and value to have the same dtype") unless they are brought to one dtype first."""
+    ("Expected query, key, and value to have the same dtype") unless they are brought to one dtype first; keys and
+    values gathered in bfloat16."""
     from project.parallel import context_parallel
     from project.parallel.context_parallel import split_for_rank, zigzag_positions
 
     context_parallel.lower_right_kernel = lambda q: True  # this process only (spawned for the check)
+    gathered = []
+    gather = context_parallel.gather_sequence
+    context_parallel.gather_sequence = lambda x, *args: gathered.append(x.dtype) or gather(x, *args)
     rank, size, reference, model, tokens = split_over_the_ranks()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         mine = model(split_for_rank(tokens, rank, size))
         whole = reference(tokens)
     torch.testing.assert_close(mine, whole[:, zigzag_positions(16, rank, size)], rtol=2e-2, atol=2e-2)
+    # Keys and values sent (and kept for backward) in the compute dtype: the keys leave the rotary angles in float32.
+    assert gathered == [torch.bfloat16] * 2 * CONFIG.n_layers, gathered

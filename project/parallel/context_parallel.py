@@ -107,6 +107,13 @@ def lower_right_kernel(q: torch.Tensor) -> bool:
     return q.device.type == "cuda"
 
 
+def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """x in autocast's dtype where autocast is on (under bf16-mixed the rotary angles leave the keys in float32:
+    gathered as they are, they would send and keep twice the bytes attention then reads), else as it is."""
+    device = x.device.type
+    return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
+
+
 def same_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """q, k and v in one dtype: autocast's where it is on, else the widest. torch's lower-right causal mask calls
     its kernels directly, without autocast's casts, and refuses mixed dtypes (under bf16-mixed the rotary angles
@@ -138,6 +145,7 @@ class ContextParallelAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None
     ) -> torch.Tensor:
         seq_len = k.shape[2] * self.size
+        k, v = in_compute_dtype(k), in_compute_dtype(v)  # before the gather: its bytes, and those kept for backward
         k = gather_sequence(k, self.group, self.rank, self.size)
         v = gather_sequence(v, self.group, self.rank, self.size)
         if mask is not None:  # the documents' mask of this rank's rows [B, 1, T / cp, T] (dense or FlexAttention's)
