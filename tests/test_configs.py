@@ -216,3 +216,36 @@ def test_the_rich_progress_bar_without_rich_installed_is_one_clear_error(monkeyp
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
     with pytest.raises(ConfigError, match=r"callbacks=rich_progress draws its bar with the rich package, which is not"):
         StepRichProgressBar()
+
+
+def test_a_strategy_not_of_ours_runs_only_where_it_keeps_the_whole_model_on_every_rank():
+    """Lightning's single-device and DDP strategies take the contract's whole-model defaults; a strategy that may
+    shard the model (Lightning's FSDP, DeepSpeed, ModelParallel, or a user's own of unknown kind) is refused, and
+    a user's own that inherits LlamaStrategy is its own contract."""
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        DeepSpeedStrategy,
+        FSDPStrategy,
+        ModelParallelStrategy,
+        ParallelStrategy,
+        SingleDeviceStrategy,
+    )
+
+    from project.parallel.contract import LIGHTNING_DEFAULTS, LlamaStrategy, contract_of
+    from project.runtime.errors import ConfigError
+
+    class OwnWholeModel(LlamaStrategy, DDPStrategy):
+        pass
+
+    class OwnOfUnknownKind(ParallelStrategy):  # Lightning's abstract methods, as a user's own would define them
+        root_device = property(lambda self: None)
+        barrier = broadcast = reduce = model_to_device = lambda self, *args, **kwargs: None
+
+    assert contract_of(SingleDeviceStrategy("cpu")) is LIGHTNING_DEFAULTS
+    assert contract_of(DDPStrategy()) is LIGHTNING_DEFAULTS
+    own = OwnWholeModel()
+    assert contract_of(own) is own
+    deepspeed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)  # its __init__ needs deepspeed installed
+    for strategy in (FSDPStrategy(), ModelParallelStrategy(), deepspeed, OwnOfUnknownKind()):
+        with pytest.raises(ConfigError, match=r"is not one of this platform's strategies.*inherit .*LlamaStrategy"):
+            contract_of(strategy)

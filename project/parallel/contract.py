@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 import torch.distributed as dist
 
+from project.runtime.errors import ConfigError
+
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
 
@@ -120,9 +122,26 @@ def _local_sum_of_squares(tensors: Sequence[torch.Tensor], device: torch.device)
     return total
 
 
-# What the module and the run call when the Trainer's strategy is not one of ours (Lightning's own, in a test).
+# What the module and the run call when the Trainer's strategy is Lightning's own whole-model one (in a test).
 LIGHTNING_DEFAULTS = LlamaStrategy()
 
 
 def contract_of(strategy: Any) -> LlamaStrategy:
-    return strategy if isinstance(strategy, LlamaStrategy) else LIGHTNING_DEFAULTS
+    """The contract of the run's strategy: the strategy itself when it is one of ours (or a user's that inherits
+    LlamaStrategy), the whole-model defaults for Lightning's own strategies that keep the whole model on every rank
+    (single device, DDP). Any other strategy is refused: its ranks might hold shards of the parameters, and the
+    defaults would then clip and report one shard's gradient norm as the model's."""
+    if isinstance(strategy, LlamaStrategy):
+        return strategy
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+
+    if isinstance(strategy, SingleDeviceStrategy | DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy):
+        return LIGHTNING_DEFAULTS
+    name = f"{type(strategy).__module__}.{type(strategy).__qualname__}"
+    raise ConfigError(
+        f"strategy._target_={name} is not one of this platform's strategies, and its ranks may hold shards of the "
+        "model, which the whole-model defaults would get wrong (the gradient norm and its clipping would see one "
+        "shard). Choose one of conf/strategy (strategy=fsdp2, strategy=tp, ...); or, for a strategy of your own, "
+        "inherit project.parallel.contract.LlamaStrategy beside its Lightning base and override what it does "
+        "differently (its defaults suit a strategy that keeps the whole model on every rank)."
+    )
