@@ -130,9 +130,11 @@ def test_the_module_trains_through_the_strategy_contract_alone():
 def test_a_module_without_a_strategy_of_ours_keeps_lightnings_defaults():
     from types import SimpleNamespace
 
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
     torch.manual_seed(0)
     module = LlamaLitModule(MODEL)
-    module.trainer = SimpleNamespace(strategy=object(), datamodule=None)  # Lightning's own, say
+    module.trainer = SimpleNamespace(strategy=SingleDeviceStrategy("cpu"), datamodule=None)  # Lightning's own
     batch = torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 8))
     assert module.training_step(batch, 0).item() == pytest.approx(module.loss(*batch).item())
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
@@ -231,3 +233,36 @@ def test_a_resume_of_a_run_that_rolled_back_still_says_a_changed_schedule():
     with pytest.warns(UserWarning, match=r"optim.decay_steps: 20 there, 30 here"):
         module.on_load_checkpoint(checkpoint)
     assert [r.spike_step for r in module._spikes.rollbacks] == [12]
+
+
+def test_a_short_last_validation_batch_is_padded_so_nothing_compiles_again_and_the_loss_is_every_sequences_mean(
+    tiny_shards,
+):
+    """Seven validation sequences in micro batches of 4: the last batch's padding row keeps every batch's shape (a
+    model compiled once, for static shapes as FlexAttention's kernel is, is never compiled again), and val/loss is
+    the mean over the seven sequences' tokens, computed here one sequence at a time."""
+    import lightning as L
+
+    from project.data.datamodule import TokenShardDataModule
+
+    data = TokenShardDataModule(
+        str(tiny_shards), seq_len=32, global_batch_size=4, micro_batch_size=4, val_sequences=7, num_workers=0
+    )
+    data.setup("fit")
+    torch.manual_seed(0)
+    module = LlamaLitModule({**MODEL, "vocab_size": 300})
+    compiles = []
+    module.model.compile(backend=lambda graph, inputs: compiles.append(graph) or graph.forward, dynamic=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    [metrics] = trainer.validate(module, datamodule=data, verbose=False)
+
+    batches = list(data.val_dataloader())
+    assert [tuple(inputs.shape) for inputs, _ in batches] == [(4, 32), (4, 32)]
+    assert len(compiles) == 1  # one shape and layout, one compilation (a batch of 3 would compile again)
+    sequences = [(i[r : r + 1], t[r : r + 1]) for i, t in batches for r in range(4) if t[r, 0] >= 0]
+    assert len(sequences) == 7
+    with torch.no_grad():
+        expected = sum(module.loss(inputs, targets).item() for inputs, targets in sequences) / 7
+    assert metrics["val/loss"] == pytest.approx(expected, rel=1e-6)

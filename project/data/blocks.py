@@ -18,13 +18,21 @@ from litdata import StreamingDataset, TokensLoader
 from torch.utils.data import Dataset
 
 from project.data.storage import ChunkCache, cache_folder, is_remote
+from project.model.loss import IGNORED
 from project.runtime.arguments import parse_size
 
 
-def collate_blocks(blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks of seq_len + 1 tokens -> inputs and next-token targets, each [B, seq_len]."""
+def collate_blocks(blocks: list[torch.Tensor], rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of seq_len + 1 tokens -> inputs and next-token targets, each [B, seq_len]; with `rows`, a batch of
+    fewer blocks padded to that many rows, of token 0 with IGNORED targets (validation's last micro batch: every
+    batch then has the shape a compiled model was built for, and none compiles it again)."""
     batch = torch.stack([torch.as_tensor(b) for b in blocks]).long()
-    return batch[:, :-1], batch[:, 1:]
+    if len(blocks) >= rows:
+        return batch[:, :-1], batch[:, 1:]
+    # Views of [rows, seq_len + 1] tensors, as a full batch's are: a compiled model guards on strides too.
+    padding = rows - len(blocks), batch.shape[1]
+    inputs, targets = torch.cat([batch, batch.new_zeros(padding)]), torch.cat([batch, batch.new_full(padding, IGNORED)])
+    return inputs[:, :-1], targets[:, 1:]
 
 
 class TokenBlocks(Dataset):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
@@ -207,9 +207,10 @@ class TokenShardDataModule(LightningDataModule):
             self.train_set = MixedBlocks(train)
             self.train_order = MixtureOrder(orders, [c.weight for c in self.corpora])
 
-    def _loader(self, dataset: Dataset, batch_sampler: Any) -> DataLoader:
+    def _loader(self, dataset: Dataset, batch_sampler: Any, rows: int = 0) -> DataLoader:
+        collate = partial(collate_blocks, rows=rows) if rows else collate_blocks
         return DataLoader(
-            dataset, batch_sampler=batch_sampler, collate_fn=collate_blocks, **loader_options(self.hparams.num_workers)
+            dataset, batch_sampler=batch_sampler, collate_fn=collate, **loader_options(self.hparams.num_workers)
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -243,7 +244,8 @@ class TokenShardDataModule(LightningDataModule):
                 f"{self.dp_size} data-parallel replicas: raise val_sequences, or data.val_fraction and re-prepare."
             )
         sampler = ValidationSampler(len(val_set), count, self.hparams.micro_batch_size, self.dp_rank, self.dp_size)
-        return self._loader(val_set, sampler)
+        # A share's last micro batch may be short: padded to the micro batch (rows the loss leaves out).
+        return self._loader(val_set, sampler, rows=self.hparams.micro_batch_size)
 
     # The data position is one number: sequences consumed, advanced by the global batch at each
     # optimizer step. It is exact whatever Lightning does or does not restore of the loader itself,

@@ -157,8 +157,8 @@ class ValidationSampler(Sampler[list[int]]):
 
     The blocks are spread evenly over the split (every k-th block) rather than taken from its start,
     so a small count still samples every validation document. Replicas take contiguous shares that
-    differ by at most one block; the last micro batch of a share may be short, which the
-    sequence-weighted mean in the module accounts for.
+    differ by at most one block; the last micro batch of a share may be short: the loader pads it
+    (collate_blocks), and the module's sequence-weighted mean counts its real rows only.
     """
 
     def __init__(self, num_samples: int, count: int, micro_batch_size: int, dp_rank: int, dp_size: int):

@@ -18,6 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+# A target the loss leaves out (summed as zero; still counted in the mean's denominator): a padding row's.
+IGNORED = -100
+
 
 def chunked_cross_entropy(
     hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk_tokens: int
@@ -41,4 +44,4 @@ def chunked_cross_entropy(
 def _summed_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = head(hidden)
     # Summed, not averaged: chunks of unequal size then add up to the mean over every token.
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum", ignore_index=IGNORED)

@@ -133,6 +133,8 @@ def contract_of(strategy: Any) -> LlamaStrategy:
     defaults would then clip and report one shard's gradient norm as the model's."""
     if isinstance(strategy, LlamaStrategy):
         return strategy
+    if strategy is None:  # a module without a trainer (load_from_checkpoint): one process, the whole model
+        return LIGHTNING_DEFAULTS
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 
     if isinstance(strategy, SingleDeviceStrategy | DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy):

@@ -111,6 +111,7 @@ def clean_val_loss(checkpoint: Path, shards: Path, seq_len: int) -> float:
     import torch
 
     from project.data.datamodule import TokenShardDataModule
+    from project.model.loss import IGNORED
     from project.training.lit_module import LlamaLitModule
 
     module = LlamaLitModule.load_from_checkpoint(checkpoint, map_location="cpu").eval()
@@ -119,8 +120,8 @@ def clean_val_loss(checkpoint: Path, shards: Path, seq_len: int) -> float:
     total, count = 0.0, 0
     with torch.no_grad():
         for inputs, targets in data.val_dataloader():
-            total += float(module.loss(inputs, targets)) * inputs.shape[0]
-            count += inputs.shape[0]
+            total += float(module.loss(inputs, targets)) * inputs.shape[0]  # the sum over real rows' tokens / T
+            count += int((targets[:, 0] != IGNORED).sum())  # a short last batch's padding rows left out
     return total / count
 
 

@@ -23,6 +23,7 @@ from project.data.datamodule import TokenShardDataModule
 from project.hf.published import load_published_weights
 from project.model.config import LlamaConfig
 from project.model.llama import Llama
+from project.model.loss import IGNORED
 from project.parallel.contract import LlamaStrategy, contract_of
 from project.runtime.errors import ConfigError
 from project.training.callbacks.steps import logs_at
@@ -289,13 +290,12 @@ class LlamaLitModule(LightningModule):
         # The same global norm and mean loss on every rank: they all decide alike, on the device
         # (project.training.nonfinite, project.training.stability).
         spike = self._spikes.observe(self._global_loss(), norm, step)
-        if self.stability.action == "rollback" and bool(spike):  # the host waits for the device here, every step
-            self._roll_back()
         on_device = takes_the_flag_on_the_device(optimizer, scaled=scaler is not None)
-        self._guard.before_update(norm, optimizer, step, on_device, spike if self.stability.action == "skip" else None)
+        # A spike's update is withheld on the device under rollback too, until the host reads the flag and rolls back.
+        withhold = spike if self.stability.action in ("skip", "rollback") else None
+        self._guard.before_update(norm, optimizer, step, on_device, withhold)
         if self._logs_now():
-            self._guard.check()  # the step's values are read now anyway: warn of skipped steps, or stop
-            self._spikes.report(self.stability.action)
+            self._read_on_the_host()  # the step's values are read now anyway: roll back, warn of skipped steps, or stop
             self.log("train/grad_norm", norm)
             self.log_dict(self._spikes.metrics())
             if self.stability.action == "rollback":
@@ -309,14 +309,31 @@ class LlamaLitModule(LightningModule):
         loss = self._step_loss if self._step_loss is not None else torch.zeros(())
         return self.strategy().mean_over_ranks(loss.detach().float().clone())
 
-    def _roll_back(self) -> None:
+    def _read_on_the_host(self) -> None:
+        """Where the host waits for the device anyway (a logging step, before a checkpoint is written or a validation
+        runs, when training ends): under rollback, a spike found since the last read restarts the run (`_roll_back`);
+        otherwise warn of skipped steps or stop (the non-finite guard), and record the spikes."""
+        events = self._spikes.read_events()
+        if self.stability.action == "rollback":
+            spike = next((event for event in events if event["acted"]), None)
+            if spike is not None:
+                self._roll_back(spike)
+        self._guard.check()
+        self._spikes.report(self.stability.action, events)
+
+    def _roll_back(self, event: dict[str, float]) -> None:
         """Every rank alike: the spike recorded, the run asked to restart from its last checkpoint (or stopped past
-        stability.max_rollbacks). Raised before this step's update, so nothing of it is applied or written."""
-        event = self._spikes.read_events()[-1]
+        stability.max_rollbacks). Raised where the host first reads the spike: at the step's own logging, or up to
+        trainer.log_every_n_steps - 1 steps later, and always before a checkpoint is written. Its update was withheld
+        on the device; the steps after it are dropped with those since the checkpoint, which no save can have replaced
+        since the spike (each save reads first), so the restart is the one an immediate read would have made."""
+        event = dict(event)
         for kept_on_the_device_only in ("shift", "acted"):
             event.pop(kept_on_the_device_only)
-        data = self._training_data()
+        data, trainer = self._training_data(), self.attached_trainer()
         position, batch = (data.samples_consumed, data.hparams.global_batch_size) if data is not None else (0, 0)
+        if trainer is not None:  # the data position of the spike's step: the sequences read before it
+            position -= (trainer.global_step - int(event["step"])) * batch
         raise RollbackRequested(event, position, batch, self._checkpoint_steps, self._spikes)
 
     def on_train_start(self) -> None:
@@ -336,15 +353,18 @@ class LlamaLitModule(LightningModule):
                             state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
     def on_train_end(self) -> None:
-        self._guard.check()  # a step past the budget since the last logging step stops the run with its message
-        self._spikes.report(self.stability.action)
+        self._read_on_the_host()  # a step past the budget, or a spike, since the last logging step acts now
+
+    def on_validation_start(self) -> None:
+        if self.stability.action == "rollback":  # a validation waits anyway: none of a trajectory a rollback drops
+            self._read_on_the_host()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        self._guard.check()  # never a checkpoint of a run that should have stopped: it stops here, before writing
+        # Never a checkpoint of a run that should have stopped or rolled back: it does so here, before writing.
+        self._read_on_the_host()
         checkpoint["skipped_steps"] = self._guard.skipped
         if (trainer := self.attached_trainer()) is not None:  # what a resume compares its schedule with
             checkpoint["schedule"] = schedule_record(self.optim, trainer.max_steps)
-        self._spikes.report(self.stability.action)
         checkpoint["stability"] = self._spikes.state_dict()
         self._checkpoint_steps.add(int(checkpoint.get("global_step", 0)))
         if (data := self._training_data()) is not None:  # what the embedding rows mean, checked on resume
@@ -365,10 +385,13 @@ class LlamaLitModule(LightningModule):
     def validation_step(
         self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        inputs, _ = batch
-        loss = self.strategy().step_loss(self, *batch, train=False)
+        inputs, targets = batch
+        # The loss is the mean over every row's tokens, a padding row's (IGNORED targets) counting for nothing: its
+        # real rows' mean is that times rows / real rows, and it weighs as its real rows. A tensor: nothing waits.
+        real = (targets[:, 0] != IGNORED).sum()
+        loss = self.strategy().step_loss(self, inputs, targets, train=False) * inputs.shape[0] / real
         metric: MeanMetric = self.val_losses[dataloader_idx]  # type: ignore[assignment]  # ModuleList indexes as Module
-        metric.update(loss, weight=inputs.shape[0])  # micro batches may differ in size
+        metric.update(loss, weight=real)
 
     def on_validation_epoch_end(self) -> None:
         corpora = self._validation_corpora()
