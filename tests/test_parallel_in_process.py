@@ -150,22 +150,22 @@ def test_fsdp2_gathers_in_the_dtype_asked_and_keeps_them_to_the_backward_when_to
     on_two_gloo_ranks(check_fsdp2_gathers)
 
 
-def split_over_the_ranks() -> tuple[int, int, Llama, Llama, torch.Tensor]:
+def split_over_the_ranks(regather: bool = False) -> tuple[int, int, Llama, Llama, torch.Tensor]:
     """(rank, size, one device's model, the same model with context parallelism over the group, tokens [2, 16])."""
     from project.parallel.context_parallel import apply_context_parallel
 
     torch.manual_seed(0)
     reference = Llama(CONFIG)
     model = copy.deepcopy(reference)
-    apply_context_parallel(model, dist.group.WORLD)
+    apply_context_parallel(model, dist.group.WORLD, regather)
     tokens = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     return dist.get_rank(), dist.get_world_size(), reference, model, tokens
 
 
-def check_context_parallel(documents: bool) -> None:
+def check_context_parallel(documents: bool, regather: bool = False) -> None:
     from project.parallel.context_parallel import split_for_rank
 
-    rank, size, reference, model, tokens = split_over_the_ranks()
+    rank, size, reference, model, tokens = split_over_the_ranks(regather)
     targets = tokens.roll(-1, dims=1)
     # Documents across the chunks' edges (chunks of 4 positions), one of a single token.
     ids = {"document_ids": torch.tensor([[0] * 3 + [1] * 6 + [2] + [3] * 6, [0] * 11 + [1] * 5])} if documents else {}
@@ -212,15 +212,87 @@ def check_two_ranks_hold_at_most_six_tenths_of_one_devices_activations() -> None
     assert split <= 0.6 * one_device, (split, one_device)
 
 
+def kept_keys_and_values(regather: bool) -> tuple[int, int]:
+    """Bytes autograd keeps for the backward of (the gathered keys and values, this rank's own) over LONG's blocks."""
+    from project.parallel import context_parallel
+    from project.parallel.context_parallel import apply_context_parallel, split_for_rank
+
+    sent, gathered, alive = set(), set(), []  # storages, kept alive so that no later tensor takes their address
+    gather = context_parallel.gather_sequence
+
+    def spy(x: torch.Tensor, *args) -> torch.Tensor:
+        out = gather(x, *args)
+        alive.extend([x, out])
+        sent.add(x.untyped_storage().data_ptr())
+        gathered.add(out.untyped_storage().data_ptr())
+        return out
+
+    context_parallel.gather_sequence = spy
+    try:
+        torch.manual_seed(0)
+        model = Llama(LONG)
+        apply_context_parallel(model, dist.group.WORLD, regather)
+        tokens = torch.randint(
+            0, LONG.vocab_size, (1, LONG.max_seq_len + 1), generator=torch.Generator().manual_seed(1)
+        )
+        rank, size = dist.get_rank(), dist.get_world_size()
+        inputs, targets = split_for_rank(tokens[:, :-1], rank, size), split_for_rank(tokens[:, 1:], rank, size)
+        saved = {}
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            loss = model(inputs, targets=targets)
+        # Counted before the backward, whose regathered tensors may take the addresses of the saved ones it frees.
+        counted = (
+            sum(n for ptr, n in saved.items() if ptr in gathered),
+            sum(n for ptr, n in saved.items() if ptr in sent),
+        )
+        loss.backward()
+    finally:
+        context_parallel.gather_sequence = gather
+    return counted
+
+
+def check_the_planner_counts_the_keys_and_values_each_block_keeps() -> None:
+    """Every block keeps the whole sequence's keys and values, or, regathered, its own part only: what the planner
+    adds (the rest of the sequence per block, kept; or one block's whole sequence, regathered in its backward)."""
+    from project.planning.candidates import Candidate
+    from project.planning.memory import Allowance, estimate_memory
+
+    kept = kept_keys_and_values(regather=False)
+    regathered = kept_keys_and_values(regather=True)
+    whole = LONG.n_layers * LONG.max_seq_len * LONG.kv_heads * LONG.head_dim * 2 * 4  # K and V, float32
+    assert kept == (whole, 0) and regathered == (0, whole // 2), (kept, regathered)
+    planned = [
+        estimate_memory(
+            LONG,
+            Candidate("fsdp2", 1, 1, 1, 1, 1, context_parallel=2, regather_kv=r),
+            4096,
+            "32-true",
+            "cpu",
+            Allowance(),
+        ).activations
+        for r in (False, True)
+    ]
+    one_block = kept[0] // LONG.n_layers
+    assert planned[0] - planned[1] == kept[0] - regathered[1] - one_block
+
+
 def check_context_parallel_attention() -> None:
     check_context_parallel(documents=False)
     check_context_parallel(documents=True)
+    check_context_parallel(documents=True, regather=True)
+    check_the_planner_counts_the_keys_and_values_each_block_keeps()
     check_two_ranks_hold_at_most_six_tenths_of_one_devices_activations()
     check_the_gpus_lower_right_kernel_path_under_bf16_autocast()  # last: it swaps the kernel choice of the process
 
 
 def test_context_parallel_attention_matches_one_device_and_a_rank_of_two_holds_six_tenths_of_its_activations():
-    """In one pair of processes (each start costs seconds): causal and within documents, as one device; at 4,096
+    """In one pair of processes (each start costs seconds): causal and within documents, as one device (keys and
+    values kept, or regathered in the backward: the bytes each keeps, as the planner counts them); at 4,096
     tokens a rank of two holds at most 0.6 of one device's activations (MemoryMonitor's count: what autograd saved
     for backward, parameters left out; a stable quantity; not half: the keys and values of the whole sequence are
     gathered, and the CPU's causal masks are made once per length); the GPUs' kernel path under bf16 autocast."""

@@ -9,7 +9,8 @@ runs the whole model on its part of every sequence; only attention needs the res
 - the scaled dot product (`attention.attend`, project.model.llama.ScaledDotProduct) is wrapped: the keys and
   values of every rank of the group are gathered and put back in sequence order, and each of the rank's two chunks
   attends causally to the keys up to its own end (ContextParallelAttention). In the backward pass the gathered
-  keys' and values' gradients are summed back onto the rank that computed them.
+  keys' and values' gradients are summed back onto the rank that computed them. Every block keeps its gathered
+  keys and values for the backward, or, with `regather`, only its own part, gathered again in the backward.
 The loss is then the mean over the rank's tokens; averaged over the group's ranks (they hold equally many) it is
 the mean over each whole sequence, as one device computes it.
 
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
+from torch.utils.checkpoint import checkpoint
 
 from project.model.document_mask import BlockMask, document_mask
 from project.model.llama import DocumentMasking, Llama
@@ -135,17 +137,31 @@ class ContextParallelAttention(nn.Module):
     With documents, the mask the model made for this rank's rows (ContextParallelDocumentMasking)."""
 
     def __init__(
-        self, attend: nn.Module, group: dist.ProcessGroup, rank: int, size: int, masks: dict[tuple, torch.Tensor]
+        self,
+        attend: nn.Module,
+        group: dist.ProcessGroup,
+        rank: int,
+        size: int,
+        masks: dict[tuple, torch.Tensor],
+        regather: bool = False,
     ):
         super().__init__()
         self.attend, self.group, self.rank, self.size = attend, group, rank, size
         self._masks = masks  # the CPU's additive masks, per shape, dtype and device: one dict for every layer
+        self.regather = regather
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None
     ) -> torch.Tensor:
-        seq_len = k.shape[2] * self.size
         k, v = in_compute_dtype(k), in_compute_dtype(v)  # before the gather: its bytes, and those kept for backward
+        if self.regather:  # keep this rank's keys and values only; gather (and attend) again in the backward
+            return checkpoint(self._attend_gathered, q, k, v, mask, use_reentrant=False)
+        return self._attend_gathered(q, k, v, mask)
+
+    def _attend_gathered(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None
+    ) -> torch.Tensor:
+        seq_len = k.shape[2] * self.size
         k = gather_sequence(k, self.group, self.rank, self.size)
         v = gather_sequence(v, self.group, self.rank, self.size)
         if mask is not None:  # the documents' mask of this rank's rows [B, 1, T / cp, T] (dense or FlexAttention's)
@@ -188,8 +204,8 @@ class ContextParallelDocumentMasking(DocumentMasking):
 class ContextParallel:
     """One rank of a context-parallel group, applied to a Llama (or a pipeline stage of one)."""
 
-    def __init__(self, model: Llama, group: dist.ProcessGroup):
-        self.model, self.group = model, group
+    def __init__(self, model: Llama, group: dist.ProcessGroup, regather: bool = False):
+        self.model, self.group, self.regather = model, group, regather
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # this rank's angles, per length and dtype
         self._masks: dict[tuple, torch.Tensor] = {}  # shared by every layer: made once, held once
@@ -199,7 +215,9 @@ class ContextParallel:
         for block in blocks.values():
             attention: Any = block.attention
             attention.register_forward_pre_hook(self._own_positions)
-            attention.attend = ContextParallelAttention(attention.attend, self.group, self.rank, self.size, self._masks)
+            attention.attend = ContextParallelAttention(
+                attention.attend, self.group, self.rank, self.size, self._masks, self.regather
+            )
 
     def _own_positions(self, module: nn.Module, args: tuple) -> tuple:
         x, cos, sin, mask = args
@@ -212,10 +230,12 @@ class ContextParallel:
         return (x, *self._rope[key], mask)
 
 
-def apply_context_parallel(model: Llama, group: dist.ProcessGroup) -> ContextParallel:
+def apply_context_parallel(model: Llama, group: dist.ProcessGroup, regather: bool = False) -> ContextParallel:
     """Hook every block of `model` (whole or pruned to its pipeline stages) for context parallelism over `group`;
     the inputs and targets must then be each rank's part of every sequence (split_for_rank), and document ids,
-    where given, those of the whole sequences."""
-    parallel = ContextParallel(model, group)
+    where given, those of the whole sequences. `regather`: each block keeps only its own part of the keys and values
+    for the backward, which gathers them again and recomputes the attention (one more all-gather and attention
+    forward per block; the memory of every block's gathered keys and values saved)."""
+    parallel = ContextParallel(model, group, regather)
     parallel.apply(model.layers)
     return parallel

@@ -8,6 +8,7 @@ is checked by the same functions that check a training run's settings (project.p
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -47,6 +48,7 @@ class Candidate:
     schedule: str | None = None  # pipeline only
     virtual_stages: int = 1
     context_parallel: int = 1  # ranks that split each sequence
+    regather_kv: bool = False  # context parallel: each block keeps its own keys and values only, gathered again
 
     @property
     def shape(self) -> MeshShape:
@@ -72,6 +74,8 @@ class Candidate:
             parts.append(f"{self.schedule}-v{self.virtual_stages}")
         if self.sequence_parallel:
             parts.append("sp")
+        if self.regather_kv:
+            parts.append("regather")
         parts.append(self.recompute)
         return "_".join(parts)
 
@@ -149,6 +153,8 @@ def candidates(
             )
             if candidate is not None:
                 yield candidate
+                if cp > 1 and recompute != "full":  # the gathered keys and values gathered again instead of kept
+                    yield dataclasses.replace(candidate, regather_kv=True)
 
 
 def _checked(

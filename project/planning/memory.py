@@ -141,10 +141,15 @@ def estimate_memory(
     cp = candidate.context_parallel
     own = seq_len // cp  # each rank's part of every sequence
     per_layer = layer_activation_bytes(config, own, candidate.micro_batch_size, candidate, compute, compiled)
+    regathered = 0.0
     if cp > 1 and candidate.recompute != "full":  # the rest of the sequence's keys and values, gathered
         kv = 4 * config.n_kv_heads / config.n_heads / candidate.tensor_parallel
-        per_layer += (seq_len - own) * candidate.micro_batch_size * config.dim * compute / 2 * kv
-    activations = in_flight(candidate, pipeline_rank, layers) * per_layer
+        rest = (seq_len - own) * candidate.micro_batch_size * config.dim * compute / 2 * kv
+        if candidate.regather_kv:  # kept by no block: one block's whole sequence exists while its backward runs
+            regathered = rest * seq_len / (seq_len - own)
+        else:
+            per_layer += rest
+    activations = in_flight(candidate, pipeline_rank, layers) * per_layer + regathered
     if candidate.recompute == "full":  # one block's activations exist again while it is recomputed
         activations += layer_activation_bytes(
             config, own, candidate.micro_batch_size, _selective(candidate), compute, compiled

@@ -45,6 +45,8 @@ def train_overrides(candidate: Candidate, workload: Workload, cluster: Cluster, 
         out.append("strategy.sharding_strategy=SHARD_GRAD_OP")
     if c.context_parallel > 1:
         out.append(f"strategy.context_parallel_size={c.context_parallel}")
+        if c.regather_kv:
+            out.append("strategy.regather_kv=true")
     if c.strategy in ("tp", "tp_fsdp", "pipeline"):
         out.append(f"strategy.tensor_parallel_size={c.tensor_parallel}")
     if c.strategy == "pipeline":

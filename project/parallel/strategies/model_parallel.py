@@ -52,6 +52,8 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
     Lightning's 2-D mesh then has data x context ranks on its `data_parallel` dimension: FSDP2 shards the model
     over both, as torchtitan does, and averages the gradients of every part of every sequence. A 3-D mesh of
     the same ranks gives the context groups and the data-parallel coordinates (which ranks read which batch).
+    `regather_kv`: each block keeps only its rank's part of the keys and values for the backward, which gathers
+    them again (long sequences, where every block's gathered keys and values would not fit).
     """
 
     model_on_meta = True  # no rank ever holds the whole model
@@ -72,6 +74,7 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
         process_group_backend: str | None = None,
         collective_timeout_minutes: float = 10,
         context_parallel_size: int = 1,
+        regather_kv: bool = False,
     ):
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -88,6 +91,7 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
         self.compile = compile
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.context_parallel_size = context_parallel_size
+        self.regather_kv = regather_kv
         self._asked_data_parallel_size = data_parallel_size  # Lightning's own becomes data x context
         self._context_group: dist.ProcessGroup | None = None
         self._context_coords = (0, 1)
@@ -138,7 +142,7 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
             for block in model.layers.values():
                 checkpoint_activations(block)
         if self._context_group is not None:  # hooks on attention, inside any compiled block
-            apply_context_parallel(model, self._context_group)
+            apply_context_parallel(model, self._context_group, self.regather_kv)
         if self.compile:
             compile_blocks(model)
         for root in self._sharded_roots(model):
