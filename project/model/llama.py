@@ -206,8 +206,8 @@ class Llama(nn.Module):
     def __init__(self, config: LlamaConfig, init_seed: int = 0):
         super().__init__()
         self.config = config
-        # Each parameter's initial value comes from a generator of its own, seeded by `init_seed` and the
-        # parameter's name: not from torch's global generator, which whatever ran before in the process
+        # Each parameter's initial value comes from generators of its own, one per tile, keyed by `init_seed`, the
+        # parameter's name and the tile's place (project.model.initial_values): not from torch's global generator, which whatever ran before in the process
         # (preparing data, a conversion, an import) may have drawn from. So the weights depend on neither
         # that, nor the order or device they are initialized on, nor how they are sharded.
         self.init_seed = init_seed

@@ -4,8 +4,10 @@
 For each layout, N gloo processes on this machine build the model on the meta device (its embedding and head
 untied, as tensor parallelism needs them), shard it (FSDP2 over N ranks, or tensor parallelism over N) and fill
 their shards twice, timed apart:
-- before: the way project.parallel.init worked until 2026-11-25: every rank draws each whole parameter (one
-  generator per parameter, on the CPU) and keeps its slice, O(model) on every rank;
+- before: the way project.parallel.init worked until 2026-11-25: every rank draws each whole parameter and keeps
+  its slice, O(model) on every rank. It draws the same values as after, all of each parameter's tiles (until
+  2026-11-27: one torch generator's stream per parameter, a generator the tiles no longer use), so that before and
+  after differ in how much each rank draws and in nothing else;
 - after: project.parallel.init.materialize: each rank draws only the tiles of its shard (project.model.
   initial_values), O(shard).
 Times are the CPU seconds of each rank's process (one thread each), so that N ranks taking turns on fewer cores
@@ -48,17 +50,11 @@ def parse(argv: list[str]) -> dict:
 
 
 def whole_then_slice(model, name: str, param) -> None:
-    """The former materialization of one parameter: its whole value drawn here, this rank's slice kept."""
-    import zlib
-
+    """The former materialization of one parameter: its whole value (all its tiles) drawn here, this rank's slice
+    kept."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    shape = param.shape
-    if name.endswith("norm.weight"):
-        value = torch.ones(shape)
-    else:
-        generator = torch.Generator().manual_seed(zlib.crc32(f"{model.init_seed}/{name}".encode()))
-        value = torch.empty(shape).normal_(0.0, model.config.init_std, generator=generator)
+    value = model.initial_value(name)
     if isinstance(param, DTensor):
         local = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
         param.to_local().copy_(local)
