@@ -69,6 +69,7 @@ SKIPPED_ONLY = {
     # Each rank a whole copy: its sums are divided by the two copies.
     "fsdp-no-shard": ["strategy=fsdp", "trainer.devices=2", "strategy.sharding_strategy=NO_SHARD"],
 }
+LOG_EVERY_LATER = 4  # logging steps 3 and 7: a spike at 5 is read two steps after it
 COOLDOWN = [*ROLLBACK, "stability.cooldown_steps=2", "stability.cooldown_lr_scale=0.5"]
 SLOW = [*RUN, "FAULT=slow@2:rank=1", *LAYOUTS["ddp"]]
 
@@ -76,7 +77,7 @@ SLOW = [*RUN, "FAULT=slow@2:rank=1", *LAYOUTS["ddp"]]
 @pytest.fixture(scope="module")
 def runs(tiny_shards, tmp_path_factory) -> dict[str, object]:
     """Every run of this module, by name: the references on one rank, then the layouts on one or two."""
-    names = ["skipped-nan", "to-checkpoint", "resumed-past", "slow", "cooldown"]
+    names = ["skipped-nan", "to-checkpoint", "resumed-past", "slow", "cooldown", "read-later"]
     names += [f"{a}-{n}" for n in LAYOUTS for a in "sr"]
     dirs = {name: tmp_path_factory.mktemp(name) for name in [*names, *[f"s-{n}" for n in SKIPPED_ONLY]]}
     single = [
@@ -95,6 +96,16 @@ def runs(tiny_shards, tmp_path_factory) -> dict[str, object]:
         ("s-single", SKIP),
         ("r-single", ROLLBACK),
         ("cooldown", COOLDOWN),
+        # Resumed from that checkpoint, saving none before the end and logging at steps 3 and 7: the spike is read at 7.
+        (
+            "read-later",
+            [
+                *ROLLBACK,
+                f"ckpt_path={dirs['to-checkpoint'] / 'checkpoints' / 'last.ckpt'}",
+                "ckpt_every_n_steps=1000",
+                f"trainer.log_every_n_steps={LOG_EVERY_LATER}",
+            ],
+        ),
     ]
     parallel = [n for n in LAYOUTS if n != "single"]
     pairs = [(f"{a}-{n}", [*(SKIP if a == "s" else ROLLBACK), *LAYOUTS[n]]) for n in parallel for a in "sr"]
@@ -151,6 +162,21 @@ def test_rollback_trains_on_as_a_run_resumed_from_the_checkpoint_past_the_spikes
     assert data["samples_consumed"] == RESUME_SAMPLE + (STEPS - CHECKPOINT) * BATCH
     assert [r["spike_step"] for r in checkpoint["stability"]["rollbacks"]] == [SPIKE]
     assert read_metrics(run_dir, "stability/rollbacks")[STEPS - 1] == 1
+
+
+def test_a_spike_read_steps_after_it_rolls_back_as_one_read_at_its_own_step(runs):
+    """The host reads the spike flag where it waits anyway: at step 7 here, two steps after the spike. Its update was
+    withheld meanwhile and step 6 is dropped with the others since the checkpoint: the run trains on exactly as the
+    one resumed from the checkpoint past the spike's batches, and records the same rollback."""
+    run_dir, reference = runs["read-later"], runs["resumed-past"]
+    losses, expected = read_metrics(run_dir, "train/loss"), read_metrics(reference, "train/loss")
+    assert sorted(losses) == [s for s in range(CHECKPOINT, STEPS) if (s + 1) % LOG_EVERY_LATER == 0] == [3, 7]
+    for step, loss in losses.items():
+        assert loss == pytest.approx(expected[step], rel=1e-5), step
+    assert_same_weights(run_dir, reference)
+    [record] = spike_records(run_dir)
+    assert record["action"] == "rollback" and record["step"] == SPIKE and record["restart_step"] == CHECKPOINT
+    assert record["samples_left_out"] == [CHECKPOINT * BATCH, RESUME_SAMPLE]
 
 
 def test_past_max_rollbacks_the_run_stops_naming_the_spike_and_keeps_its_checkpoint(tiny_shards, tmp_path):

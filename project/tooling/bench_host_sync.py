@@ -1,11 +1,15 @@
-"""The host's waits for the device, counted per training step: `python -m project.tooling.bench_host_sync
+"""The host's waits, counted per training step: `python -m project.tooling.bench_host_sync
 [layouts=single,ddp,fsdp2,tp,pipeline] [steps=9] [log_every=3] [out=experiments/benchmarks]`
 
 Each layout trains the debug model for `steps` steps with `python -m project.train` (2 processes but for single),
-with a callback that counts, per step and rank, the conversions of tensors to Python values (project.tooling.
-conversions: `item`, `tolist`, `bool`, `float`, `int`), each of which on a GPU makes the host wait for every kernel
-launched before it. Steps are split into the logging steps (`trainer.log_every_n_steps`, and the last), the first
-step, and the others, which should read nothing. Writes new files <date>-<host>-host-sync.{json,md}.
+saves by time on (`ckpt_every_minutes`, never due), the ranks deciding on them and on a stop signal at logging steps
+(`ckpt_check_every_n_steps` = `log_every`, as the defaults have both 10), and spikes rolled back
+(`stability=rollback`, a threshold never reached), with a callback that counts, per step and rank
+(project.tooling.conversions), the conversions of tensors to Python values (`item`, `tolist`, `bool`, `float`,
+`int`), each of which on a GPU makes the host wait for every kernel launched before it, and the collectives called
+from the host (torch.distributed's functions, the training's own traffic aside), each of which makes every rank wait
+for the slowest. Steps are split into the logging steps (`trainer.log_every_n_steps`, and the last), the first step,
+and the others, which should wait for nothing. Writes new files <date>-<host>-host-sync.{json,md}.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def parse(argv: list[str]) -> dict:
 
 
 def count(layout: str, steps: int, log_every: int, data: Path, scratch: Path) -> dict:
-    """Train `layout` with the counting callback; conversions per step, the largest over ranks."""
+    """Train `layout` with the counting callback; conversions and host collectives per step, the most of any rank."""
     from project.tooling.bench_platform import data_settings
 
     run_dir = scratch / layout
@@ -58,6 +62,8 @@ def count(layout: str, steps: int, log_every: int, data: Path, scratch: Path) ->
         sys.executable, "-m", "project.train", "experiment=debug", *data_settings(data), *LAYOUTS[layout],
         f"hydra.run.dir={run_dir}", f"trainer.max_steps={steps}", f"trainer.log_every_n_steps={log_every}",
         "global_batch_size=8", "ckpt_every_n_steps=1000", "val_every_n_steps=1000", "trainer.enable_progress_bar=true",
+        "ckpt_every_minutes=1000", f"ckpt_check_every_n_steps={log_every}", "stability=rollback",
+        "stability.threshold=1000",
         "+callbacks.conversions._target_=project.tooling.conversions.CountConversions",
         f"+callbacks.conversions.output_dir={run_dir}",
     ]  # fmt: skip
@@ -66,13 +72,16 @@ def count(layout: str, steps: int, log_every: int, data: Path, scratch: Path) ->
     if result.returncode:
         raise RuntimeError(f"{layout}: project.train failed:\n{result.stderr[-3000:]}")
     per_step: dict[int, int] = {}
+    collectives: dict[int, int] = {}
     logging: set[int] = set()
     for record_file in sorted((run_dir / "conversions").glob("rank*.json")):
         record = json.loads(record_file.read_text())
         for step, n in record["counts"].items():
             per_step[int(step)] = max(per_step.get(int(step), 0), n)
+        for step, n in record["collectives"].items():
+            collectives[int(step)] = max(collectives.get(int(step), 0), n)
         logging |= set(record["logging_steps"])
-    others = [n for step, n in per_step.items() if step != 0 and step not in logging]
+    others = [step for step in per_step if step != 0 and step not in logging]
     return {
         "layout": layout,
         "processes": 1 if layout == "single" else 2,
@@ -80,25 +89,32 @@ def count(layout: str, steps: int, log_every: int, data: Path, scratch: Path) ->
         "logging_steps": sorted(logging),
         "per_logging_step": max((per_step[s] for s in logging), default=0),
         "other_steps": len(others),
-        "per_other_step": max(others, default=0),
+        "per_other_step": max((per_step[s] for s in others), default=0),
+        "collectives_first_step": collectives.get(0, 0),
+        "collectives_per_logging_step": max((collectives.get(s, 0) for s in logging), default=0),
+        "collectives_per_other_step": max((collectives.get(s, 0) for s in others), default=0),
     }
 
 
 def table(report: dict) -> str:
     lines = [
-        f"# Host waits for the device per step, {report['date']} on {report['host']}",
+        f"# Host waits for the device and for the other ranks per step, {report['date']} on {report['host']}",
         "",
         f"`{report['command']}`: the debug model, {report['steps']} steps, logging every {report['log_every']}; "
-        "conversions of tensors to Python values per step (the most of any rank), each a wait for the device on "
-        "a GPU.",
+        "per step (the most of any rank), conversions of tensors to Python values, each a wait for the device on "
+        "a GPU, and / collectives called from the host, each a wait for every rank (the training's own traffic "
+        "aside).",
         "",
         "| layout | processes | steps that log | at each, at most | first step | other steps | at each, at most |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
+        logged = f"{r['per_logging_step']} / {r['collectives_per_logging_step']}"
+        first = f"{r['first_step']} / {r['collectives_first_step']}"
+        other = f"{r['per_other_step']} / {r['collectives_per_other_step']}"
         lines.append(
             f"| {r['layout']} | {r['processes']} | {', '.join(map(str, r['logging_steps']))} | "
-            f"{r['per_logging_step']} | {r['first_step']} | {r['other_steps']} | {r['per_other_step']} |"
+            f"{logged} | {first} | {r['other_steps']} | {other} |"
         )
     return "\n".join(lines) + "\n"
 

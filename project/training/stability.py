@@ -19,11 +19,14 @@ What a spike does (`action`):
   step count.
 - rollback: the run restarts from its last checkpoint, written before the spike, and reads on past the spike's
   batch and `skip_batches` more, optionally at `cooldown_lr_scale` times the learning rate for `cooldown_steps`
-  (project.training.run); a spike met again before a new checkpoint escalates (`escalate`). The host must learn of
-  the spike in the same step, so it reads the decision every step.
+  (project.training.run); a spike met again before a new checkpoint escalates (`escalate`). The host learns of the
+  spike where it waits for the device anyway (a logging step, before a checkpoint is written or a validation runs,
+  the end), at most trainer.log_every_n_steps - 1 steps after it: its update is withheld on the device meanwhile,
+  and no checkpoint is written in between, so the restart is the one an immediate read would make; the steps
+  between are dropped with those since the checkpoint (project.training.lit_module).
 
 Each spike is recorded in the run directory's `stability.jsonl` (one JSON object per line) and said in a warning.
-Under log and skip the host reads the records only where it waits for the device anyway (logging steps, a
+Under every action the host reads the records only where it waits for the device anyway (logging steps, a
 checkpoint, the end), as the non-finite guard does.
 """
 
@@ -190,6 +193,8 @@ class SpikeDetector:
         row = torch.cat([row, spike.double().reshape(1)])
         s["step"] += 1
         recorded = spike | new_level | excursion
+        if self.config.action == "rollback":  # after a spike the run rolls back: what follows it is dropped with it
+            recorded = recorded & (s["acted"] == self.acted)
         unread = (s["found"] - self.spikes).clamp(max=MAX_EVENTS - 1).reshape(1)
         kept = s["events"].index_select(0, unread).squeeze(0)
         s["events"].index_copy_(0, unread, torch.where(recorded, row, kept)[None])
@@ -226,11 +231,11 @@ class SpikeDetector:
             rank_zero_warn(f"{new - MAX_EVENTS} more loss spikes since the last logging step, not detailed.")
         return events
 
-    def report(self, action: str) -> None:
+    def report(self, action: str, events: list[dict[str, float]] | None = None) -> None:
         """On the host: warn of and record the spikes, shifts and gradient-norm excursions found since the last report
-        (the excursions in one warning)."""
+        (the excursions in one warning); `events`: those read_events has just read, else read now."""
         excursions = []
-        for event in self.read_events():
+        for event in self.read_events() if events is None else events:
             if not event.pop("acted") and not event["shift"]:
                 event.pop("shift")
                 excursions.append(event)

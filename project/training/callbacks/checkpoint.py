@@ -21,8 +21,9 @@ from project.training.callbacks.steps import OptimizerSteps
 
 class StepCheckpoint(ModelCheckpoint):
     """ModelCheckpoint for last.ckpt that also saves after the step that reaches max_steps, and, with
-    `every_minutes`, after the first step that ends that long after the last save (rank 0's clock
-    decides for every rank; Lightning allows steps or a time interval, not both).
+    `every_minutes`, after the first step that ends that long after the last save of those at which the ranks decide
+    whether to save (`decides_at`), so at most `check_every_n_steps` - 1 steps after the first that does; rank 0's
+    clock decides for every rank (Lightning allows steps or a time interval, not both).
 
     `trainer.save_checkpoint` after `fit` would record a finished epoch, and a run resumed from it
     (to train longer) would start a new epoch with shifted step counters. Saving from the batch
@@ -33,11 +34,12 @@ class StepCheckpoint(ModelCheckpoint):
     sharded folder, now a single file, or the reverse) is kept under another name.
     """
 
-    def __init__(self, every_minutes: float | None = None, **kwargs: Any):
+    def __init__(self, every_minutes: float | None = None, check_every_n_steps: int = 10, **kwargs: Any):
         # Always last.ckpt, never last-v1.ckpt: a run directory moved elsewhere restores a stale
         # last_model_path, and Lightning would then version the name, leaving `ckpt_path=last` behind.
         super().__init__(save_top_k=0, save_last=True, enable_version_counter=False, **kwargs)
         self.every_minutes = every_minutes
+        self.check_every_n_steps = check_every_n_steps
         self._saved_at = time.monotonic()
         self._steps = OptimizerSteps()
 
@@ -46,6 +48,15 @@ class StepCheckpoint(ModelCheckpoint):
         # Lightning keys a callback's saved state by its settings, the interval among them: a run resumed
         # with another ckpt_every_n_steps would drop this state and warn that the callback is missing.
         return type(self).__name__
+
+    def decides_at(self, trainer: Trainer, step: int) -> bool:
+        """Whether the ranks agree, at optimizer step `step` (0-based), on whether to save now: on `every_minutes`
+        (rank 0's clock) and on a stop signal (StopOnSignal). Agreeing is a collective of every rank on the host,
+        milliseconds at hundreds of ranks, so not every step: every `check_every_n_steps`-th step and every logging
+        step, at which the host waits for the device and the ranks reduce the metrics anyway. A function of the step
+        alone, so the same steps on every rank."""
+        every_log = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Trainer.__init__, untyped
+        return (step + 1) % self.check_every_n_steps == 0 or (every_log > 0 and (step + 1) % every_log == 0)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -75,7 +86,8 @@ class StepCheckpoint(ModelCheckpoint):
         if trainer.global_step == trainer.max_steps:
             self.save(trainer)
         elif self._steps.just_ended(trainer) and self.every_minutes:
-            if trainer.strategy.broadcast(time.monotonic() - self._saved_at >= 60 * self.every_minutes):
+            due = time.monotonic() - self._saved_at >= 60 * self.every_minutes
+            if self.decides_at(trainer, trainer.global_step - 1) and trainer.strategy.broadcast(due):
                 self.save(trainer)
 
     def save(self, trainer: Trainer) -> None:

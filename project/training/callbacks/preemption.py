@@ -1,5 +1,5 @@
 """Stop signals (SIGTERM from a scheduler or a user, SLURM's warning of a preemption or time limit):
-checkpoint at the next optimizer step and stop, to be resumed."""
+checkpoint at the next step at which the ranks decide whether to save, and stop, to be resumed."""
 
 from __future__ import annotations
 
@@ -20,19 +20,24 @@ REQUEUE_EXIT_STATUS = 3
 
 class StopOnSignal(Callback):
     """On SIGTERM (what schedulers and `kill` send), or the signal SLURM sends ahead of a time limit or a
-    preemption (`#SBATCH --signal=USR1@120`), finish the optimizer step under way, save last.ckpt as the
-    periodic saves do, and stop; project.train then exits with REQUEUE_EXIT_STATUS, on which
+    preemption (`#SBATCH --signal=USR1@120`), finish the optimizer step at which the ranks agree on it (below),
+    save last.ckpt as the periodic saves do, and stop; project.train then exits with REQUEUE_EXIT_STATUS, on which
     experiments/slurm/train.sbatch requeues the job, and `ckpt_path=last` resumes exactly.
 
     Lightning's own handlers save nothing on SIGTERM (they end the other ranks at once), and on SLURM's
     signal save from inside the handler, in the middle of a step or an accumulation window, a state that a
     resumed run cannot continue exactly (project.training.run turns SLURM's auto-requeue off). The signal may
-    reach one rank only, or the ranks at different steps, so they agree on it at each step, before its update:
-    the stop happens at the end of the first step any rank has seen it in. They agree over a group of their own on
-    the CPU (gloo), so that the flag they read never waits for a device (Horovod: its allreduce). Decided before
-    the step's update, so that the step's own metrics are logged: Lightning writes the row of a step at which the
-    run stops.
+    reach one rank only, or the ranks at different steps, so they agree on it, before a step's update, at the steps
+    where they decide whether to save (StepCheckpoint.decides_at: every `ckpt_check_every_n_steps`-th step, 10 by
+    default, and every logging step): the stop happens at the end of the first such step by which any rank has seen
+    it. The bound: a run finishes the step under way when the signal comes and at most `ckpt_check_every_n_steps`
+    more, every rank the same. Not every step: agreeing is a collective of every rank on the host, milliseconds of
+    every step at hundreds of ranks. They agree over a group of their own on the CPU (gloo), so that the flag they
+    read never waits for a device (Horovod: its allreduce). Decided before the step's update, so that the step's own
+    metrics are logged: Lightning writes the row of a step at which the run stops.
     """
+
+    _handed_on: signal.Signals | None = None  # a signal the fit a rollback ended had received, for the next fit
 
     def __init__(self, checkpoint: StepCheckpoint, signums: tuple[signal.Signals, ...] = (signal.SIGTERM,)):
         self.checkpoint, self.signums = checkpoint, signums
@@ -50,6 +55,8 @@ class StopOnSignal(Callback):
         # Early, so that data-loader workers forked later inherit the handler: SLURM signals every process
         # of the job, and a worker left with the default action would die of it.
         self._install()
+        if StopOnSignal._handed_on is not None:  # received by the fit a rollback ended (on_exception)
+            self._signalled, StopOnSignal._handed_on = StopOnSignal._handed_on, None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._install()  # again: Lightning installs its own handlers as fit starts
@@ -73,6 +80,8 @@ class StopOnSignal(Callback):
     ) -> None:
         if self._stopping or trainer.global_step + 1 >= trainer.max_steps:  # the last step: nothing to requeue
             return
+        if not self.checkpoint.decides_at(trainer, trainer.global_step):
+            return
         seen = self._signalled is not None
         if self._group is not None:
             flag = torch.tensor([int(seen)])
@@ -95,7 +104,9 @@ class StopOnSignal(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # Lightning calls no teardown after an exception; the run may go on (a rollback builds it again), and a
-        # signal then must reach the new instance, not this one.
+        # signal then must reach the new instance, not this one: one received already is handed on to it.
+        if self._signalled is not None and not self.stopped_for_requeue:
+            StopOnSignal._handed_on = self._signalled
         self.teardown(trainer, pl_module, "fit")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
