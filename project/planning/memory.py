@@ -12,11 +12,14 @@ so in the same units it stores
     replicated: 8 (the two norm inputs, the attention and feed-forward inputs)
     split:      4 + 4g (Q, K, V, attention output) + 6f/h (w1 and w3 outputs, their product)
     scores:     2as/h (the softmax output; only where attention is not a fused kernel: recompute=none)
-A fused implementation stores this: torch.compile'd blocks, Megatron-LM's SwiGLU. An eager SwiGLU also
-keeps silu(w1 x) (8f/h instead of 6f/h): the planner counts that for strategies without `compile`.
+A fused implementation stores this: torch.compile'd blocks, Megatron-LM's SwiGLU. An eager block keeps more
+(layer_activation_bytes counts it tensor by tensor: the norms' float32 copies and autocast's 16-bit copy of each
+projection's input, silu(w1 x)), about 1.6 times as much for Llama shapes under bf16-mixed: the planner counts
+that for runs without `compile`.
 Context parallelism over c ranks leaves each rank s/c of every sequence, but the keys and values of the whole
 sequence, gathered for attention, are kept for the backward too: (s - s/c) b h 4g more.
-tests/test_planner.py holds the count to what our compiled block saves for its backward.
+tests/test_planner.py holds the count to what our compiled block saves for its backward, and the eager count to
+what an eager block saves, exactly.
 """
 
 from __future__ import annotations
@@ -72,17 +75,38 @@ class MemoryEstimate:
 
 
 def layer_activation_bytes(
-    config: LlamaConfig, seq_len: int, micro_batch: int, candidate: Candidate, compute_bytes: int, compiled: bool
+    config: LlamaConfig,
+    seq_len: int,
+    micro_batch: int,
+    candidate: Candidate,
+    compute_bytes: int,
+    compiled: bool,
+    autocast: bool = False,
 ) -> float:
-    """Bytes one block keeps from its forward for its backward, for one microbatch (module docstring)."""
+    """Bytes one block keeps from its forward for its backward, for one microbatch (module docstring): compiled, or
+    eager (`compiled=False`), under autocast's 16-bit compute of 32-bit weights (`autocast`) or not."""
     t, sp = candidate.tensor_parallel, candidate.sequence_parallel
     h, g, f = config.dim, config.n_kv_heads / config.n_heads, config.ffn_hidden_dim
     sbh = seq_len * micro_batch * h * compute_bytes / 2  # the paper's units: s*b*h 16-bit values = 2 bytes each
     if candidate.recompute == "full":
         return 2 * sbh / (t if sp else 1)  # the block's input
-    split = 4 + 4 * g + (6 if compiled else 8) * f / h
     scores = 2 * config.n_heads * seq_len / h if candidate.recompute == "none" else 0.0
-    return sbh * (8 / (t if sp else 1) + (split + scores) / t)
+    if compiled:
+        split = 4 + 4 * g + 6 * f / h
+        return sbh * (8 / (t if sp else 1) + (split + scores) / t)
+    # Eager, per token, as torch saves it (counted in tests/test_planner.py): under autocast the norms' float32
+    # input and output and the float32 residual (12h), a 16-bit copy of the normed input for each of wq, wk, wv,
+    # w1 and w3 (10h: autocast casts activations anew for every matrix product), Q and the attention output (4h),
+    # K and V (4 kv), w1's and w3's outputs, silu(w1 x) and their product (8f); without autocast the norms'
+    # inputs and outputs and the residual (5h), Q and the attention output (2h), K and V (2 kv) and 4f, each in the
+    # compute dtype; both, attention's float32 log-sum-exp per head and the norms' statistics.
+    kv = config.n_kv_heads * config.head_dim
+    if autocast:
+        replicated, split = 22 * h, 4 * h + 4 * kv + 8 * f
+    else:
+        replicated, split = compute_bytes * 5 * h, compute_bytes * (2 * h + 2 * kv + 4 * f)
+    stats = 4 * config.n_heads / t + 8
+    return seq_len * micro_batch * (replicated / (t if sp else 1) + split / t + stats) + sbh * scores / t
 
 
 def in_flight(candidate: Candidate, pipeline_rank: int, layers: list[int]) -> float:
@@ -108,10 +132,13 @@ def estimate_memory(
     accelerator: str,
     allowance: Allowance,
     pipeline_rank: int = 0,
+    compiled: bool | None = None,
 ) -> MemoryEstimate:
-    """Memory of one pipeline rank (rank 0 of its data- and tensor-parallel group)."""
+    """Memory of one pipeline rank (rank 0 of its data- and tensor-parallel group); `compiled`: whether the blocks
+    are compiled (None: as the planner's commands run them, compiled on GPUs where the strategy can)."""
     storage, compute = STORAGE_BYTES[precision], COMPUTE_BYTES[precision]
-    compiled = accelerator == "gpu" and candidate.strategy in HAS_COMPILE  # the planner's runs compile blocks on GPUs
+    if compiled is None:
+        compiled = accelerator == "gpu" and candidate.strategy in HAS_COMPILE
     full = unsharded_parameters(config, candidate, pipeline_rank)
     dp, zero = candidate.shard_ranks, candidate.zero_level  # FSDP2 shards over data x context
     shard = sharded_parameters(config, candidate, pipeline_rank) if zero and dp > 1 else full
@@ -140,7 +167,7 @@ def estimate_memory(
     layers = rank_layers(config, candidate, pipeline_rank)
     cp = candidate.context_parallel
     own = seq_len // cp  # each rank's part of every sequence
-    per_layer = layer_activation_bytes(config, own, candidate.micro_batch_size, candidate, compute, compiled)
+    per_layer = layer_activation_bytes(config, own, candidate.micro_batch_size, candidate, compute, compiled, mixed)
     regathered = 0.0
     if cp > 1 and candidate.recompute != "full":  # the rest of the sequence's keys and values, gathered
         kv = 4 * config.n_kv_heads / config.n_heads / candidate.tensor_parallel
@@ -152,7 +179,7 @@ def estimate_memory(
     activations = in_flight(candidate, pipeline_rank, layers) * per_layer + regathered
     if candidate.recompute == "full":  # one block's activations exist again while it is recomputed
         activations += layer_activation_bytes(
-            config, own, candidate.micro_batch_size, _selective(candidate), compute, compiled
+            config, own, candidate.micro_batch_size, _selective(candidate), compute, compiled, mixed
         )
     _, last = holds_first_and_last(candidate, pipeline_rank)
     if last:  # logits in the compute dtype and their float32 log-probabilities, one chunk of tokens at a time
@@ -173,11 +200,17 @@ def _selective(candidate: Candidate) -> Candidate:
 
 
 def peak_memory(
-    config: LlamaConfig, candidate: Candidate, seq_len: int, precision: str, accelerator: str, allowance: Allowance
+    config: LlamaConfig,
+    candidate: Candidate,
+    seq_len: int,
+    precision: str,
+    accelerator: str,
+    allowance: Allowance,
+    compiled: bool | None = None,
 ) -> MemoryEstimate:
     """The estimate of the pipeline rank that needs the most memory."""
     ranks = range(candidate.pipeline_parallel)
     return max(
-        (estimate_memory(config, candidate, seq_len, precision, accelerator, allowance, r) for r in ranks),
+        (estimate_memory(config, candidate, seq_len, precision, accelerator, allowance, r, compiled) for r in ranks),
         key=lambda e: e.total,
     )

@@ -180,7 +180,7 @@ def run_speed(options: Options, facts: dict, env: dict, deadline: float) -> tupl
                 )
                 setting, outcome = time_step(setting, env, deadline)
                 micro = setting.micro_batch
-                planned = speed.prediction(config, seq_len, micro, plan["precision"], cluster)
+                planned = speed.prediction(config, seq_len, micro, plan["precision"], cluster, compiled)
                 rows.append(speed.row(setting, outcome, config, peak, planned))
                 if outcome.get("ok"):
                     mfu = f", MFU {rows[-1]['mfu']:.1%}" if rows[-1]["mfu"] is not None else ""

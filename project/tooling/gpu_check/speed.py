@@ -54,7 +54,7 @@ def single_device_candidate(micro_batch: int) -> Candidate:
 
 def device_cluster(name: str, device_type: str, memory_bytes: float, peak_flops: dict) -> Cluster:
     """This one device as the planner's cluster; its links never matter to a one-device step. On a GPU the
-    planner counts compiled blocks' activations (what the compiled row runs; eager keeps a little more)."""
+    planner counts compiled blocks' activations, and an eager row's as eager blocks keep them (`prediction`)."""
     accelerator = "gpu" if device_type == "cuda" else "cpu"
     peaks = {dtype: (flops or 0.0) / 1e12 for dtype, flops in peak_flops.items()}
     peaks = {"bf16": peaks.get("bf16") or peaks["fp32"], "fp32": peaks["fp32"] or peaks.get("bf16", 0.0)}
@@ -72,16 +72,22 @@ def planned_micro_batch(config: LlamaConfig, seq_len: int, precision: str, clust
     return best
 
 
-def prediction(config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, cluster: Cluster) -> dict:
-    """What the planner predicts for this step: tokens/s, MFU and memory on the device."""
+def prediction(
+    config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, cluster: Cluster, compiled: bool = True
+) -> dict:
+    """What the planner predicts for this step: tokens/s, MFU and memory on the device (an eager step's memory
+    counted as eager blocks keep it)."""
     if not cluster.peak_tflops["fp32"] > 0:
         return {}
+    candidate = single_device_candidate(micro_batch)
+    memory = peak_memory(config, candidate, seq_len, precision, cluster.accelerator, Allowance(), compiled)
     outcome = evaluate(
         Workload(config, seq_len, micro_batch, 1.0, precision),
         cluster,
-        single_device_candidate(micro_batch),
+        candidate,
         ACHIEVABLE_FRACTION,
         Allowance(),
+        memory,
     )
     return {
         "tokens_per_sec": round(outcome.tokens_per_second, 1),
