@@ -72,12 +72,24 @@ SKIPPED_ONLY = {
 LOG_EVERY_LATER = 4  # logging steps 3 and 7: a spike at 5 is read two steps after it
 COOLDOWN = [*ROLLBACK, "stability.cooldown_steps=2", "stability.cooldown_lr_scale=0.5"]
 SLOW = [*RUN, "FAULT=slow@2:rank=1", *LAYOUTS["ddp"]]
+# Ten incidents, each after a newer checkpoint: a spike at every second step from step 5 (each once in the process).
+FIRST_OF_TEN = 5
+TEN_ROLLBACKS = [
+    *RUN,
+    "FAULT=" + ",".join(f"spike@{FIRST_OF_TEN + 2 * i}" for i in range(10)),
+    "stability=rollback",
+    "stability.skip_batches=0",
+    f"trainer.max_steps={FIRST_OF_TEN + 2 * 10}",
+    "ckpt_every_n_steps=1",
+    "stability.max_rollbacks=10",
+    *LAYOUTS["fsdp2"],
+]
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_shards, tmp_path_factory) -> dict[str, object]:
     """Every run of this module, by name: the references on one rank, then the layouts on one or two."""
-    names = ["skipped-nan", "to-checkpoint", "resumed-past", "slow", "cooldown", "read-later"]
+    names = ["skipped-nan", "to-checkpoint", "resumed-past", "slow", "cooldown", "read-later", "ten-rollbacks"]
     names += [f"{a}-{n}" for n in LAYOUTS for a in "sr"]
     dirs = {name: tmp_path_factory.mktemp(name) for name in [*names, *[f"s-{n}" for n in SKIPPED_ONLY]]}
     single = [
@@ -110,6 +122,8 @@ def runs(tiny_shards, tmp_path_factory) -> dict[str, object]:
     parallel = [n for n in LAYOUTS if n != "single"]
     pairs = [(f"{a}-{n}", [*(SKIP if a == "s" else ROLLBACK), *LAYOUTS[n]]) for n in parallel for a in "sr"]
     pairs += [(f"s-{n}", [*SKIP, *layout]) for n, layout in SKIPPED_ONLY.items()] + [("slow", SLOW)]
+    probe = "+callbacks.resources._target_=tests.resource_probe.CountResources"
+    pairs += [("ten-rollbacks", [*TEN_ROLLBACKS, probe, f"+callbacks.resources.output_dir={dirs['ten-rollbacks']}"])]
     for world_size, cases in ((1, single), (2, pairs)):
         train_in_process(world_size, [(dirs[name], train_overrides(tiny_shards, dirs[name], *o)) for name, o in cases])
     return dirs
@@ -530,3 +544,18 @@ def test_a_step_whose_gradient_norm_alone_is_out_is_called_a_gradient_norm_spike
     both = {**event, "loss_z": 50.0}
     with pytest.raises(TrainingStopped, match=r"sd\): a spike of the loss and the gradient norm, a new incident"):
         escalate(config, [], both, 0, detector.record)
+
+
+def test_ten_rollbacks_in_one_process_release_what_each_fit_held(runs):
+    """Each rollback builds the strategy, its process groups and meshes, the loaders and the callbacks again in the
+    same process: what the fit before it held (the groups' sockets and native threads, files, Python threads) is
+    released, so that the tenth fit starts holding what the second did (the first has not yet made what every fit
+    keeps for the process: the shared gloo group of the stop signal, compiled kernels' pools)."""
+    run_dir = runs["ten-rollbacks"]
+    assert len(spike_records(run_dir)) == 10
+    for rank in range(2):
+        starts = [json.loads(line) for line in (run_dir / "resources" / f"rank{rank}.jsonl").read_text().splitlines()]
+        steps = [s["step"] for s in starts]  # the first fit's, then each restart's: from a newer checkpoint each
+        assert len(steps) == 11 and steps[0] == 0 and all(a < b for a, b in zip(steps, steps[1:])), steps
+        held = [{k: s[k] for k in ("fds", "threads", "python_threads")} for s in starts]
+        assert all(h == held[1] for h in held[1:]), (rank, held)
