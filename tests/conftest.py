@@ -252,6 +252,9 @@ PARITY_STEPS = ["trainer.max_steps=12", "global_batch_size=8"]
 PARITY_RUN = [*PARITY_STEPS, "model.loss_chunk_tokens=64"]
 
 
+WEIGHT_ATOL = 1e-4  # final weights of a layout against one device's (assert_reproduces)
+
+
 def assert_reproduces(run_dir, reference_dir):
     """Per-step train/loss to 1e-5 relative and train/grad_norm to 1e-4, and the final weights, as the reference run."""
     reference, loss = read_metrics(reference_dir, "train/loss"), read_metrics(run_dir, "train/loss")
@@ -270,10 +273,11 @@ def assert_reproduces(run_dir, reference_dir):
     reference_weights = load_full_checkpoint(reference_dir / "checkpoints" / "last.ckpt")["state_dict"]
     assert weights.keys() == reference_weights.keys()
     for name, value in reference_weights.items():
-        # 12 AdamW steps of up to 3e-3 each: reductions summed in another order leave ~1e-6 differences,
-        # up to 2.6e-5 (measured) for the 3-D pipeline layout through the sensitive step of the data order;
-        # 5e-5 is still 60 times under a single step's change, so a wrong update fails.
-        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=5e-5, msg=name)
+        # 12 AdamW steps of up to 3e-3 each: reductions summed in another order leave ~1e-6 differences, up to
+        # 6.3e-5 (measured) at one element of the embedding under tensor parallelism, whose vocabulary-split loss adds
+        # in another order (row 269, column 43, since the initial values of 2026-11-27; 2.6e-5 before, the 3-D
+        # pipeline layout); WEIGHT_ATOL is still 30 times under a single step's change, so a wrong update fails.
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=WEIGHT_ATOL, msg=name)
 
 
 def assert_validates_like(run_dir, reference_dir):
