@@ -59,8 +59,9 @@ ATTRIBUTES = [
     (
         ModelParallelStrategy,
         "_setup_distributed",
-        "parallel/strategies/pipeline.py",
-        "the process group without ModelParallelStrategy's own 2-D mesh: the pipeline's mesh is 3-D",
+        "parallel/strategies/model_parallel.py, parallel/strategies/pipeline.py",
+        "the process group without ModelParallelStrategy's own mesh, which it makes anew for every fit (a rollback "
+        "would keep each fit's groups: parallel/groups.py), and which is 2-D (the pipeline's is 3-D)",
     ),
 ]
 # Names set on instances, so checked on one.
@@ -75,9 +76,9 @@ INSTANCE_ATTRIBUTES = [
     (
         lambda: ModelParallelStrategy(),
         "_device_mesh",
-        "parallel/strategies/pipeline.py, planning/dry_run.py",
-        "the strategy's device_mesh property is read-only; the pipeline sets its 3-D mesh, the dry run a mesh on "
-        "a fake process group",
+        "parallel/strategies/model_parallel.py, parallel/strategies/pipeline.py, planning/dry_run.py",
+        "the strategy's device_mesh property is read-only; the strategies set the process's shared mesh "
+        "(parallel/groups.py), the pipeline's 3-D, the dry run a mesh on a fake process group",
     ),
     (
         lambda: ModelParallelStrategy(),
@@ -123,6 +124,14 @@ FUNCTIONS = [
         "_convert_precision_to_unified_args",
         "planning/dry_run.py",
         "reads trainer.precision exactly as a real start does, without building a Trainer for a job elsewhere",
+    ),
+    (
+        "torch.utils._python_dispatch",
+        "TorchDispatchMode",
+        "tooling/comms.py",
+        "counts every collective with its bytes as it is dispatched (c10d operators, DDP's reducer from C++ and "
+        "DTensor's functional collectives alike); torch's public CommDebugMode, built on it, counts calls only and "
+        "leaves sends and receives out",
     ),
     (
         "torch.testing._internal.distributed.fake_pg",

@@ -207,9 +207,9 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         # Each parameter's initial value comes from generators of its own, one per tile, keyed by `init_seed`, the
-        # parameter's name and the tile's place (project.model.initial_values): not from torch's global generator, which whatever ran before in the process
-        # (preparing data, a conversion, an import) may have drawn from. So the weights depend on neither
-        # that, nor the order or device they are initialized on, nor how they are sharded.
+        # parameter's name and the tile's place (project.model.initial_values): not from torch's global generator,
+        # which whatever ran before in the process (preparing data, a conversion, an import) may have drawn from.
+        # So the weights depend on neither that, nor the order or device they are initialized on, nor their shards.
         self.init_seed = init_seed
         # Built on the meta device, so that the layers' own initialization (drawn, then replaced by ours) costs
         # nothing; then given memory where the model was asked for, unless that is the meta device too (a

@@ -71,4 +71,12 @@ def apply_tensor_parallel(
                 ),
                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             }
+        else:  # the input made a DTensor once for q, k and v (and once for w1 and w3), not by each projection: its
+            # gradient is then all-reduced once per sub-layer, not once per projection (measured: tests/test_comms.py)
+            plan |= {
+                "attention": PrepareModuleInput(
+                    input_layouts=(Replicate(), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+                ),
+                "feed_forward": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+            }
         parallelize_module(block, mesh, plan)

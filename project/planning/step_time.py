@@ -2,13 +2,13 @@
 each parallelism adds (over the cluster's links, overlapped where the strategy overlaps it), and the
 pipeline bubble.
 
-Collectives take the ring algorithm's time (Thakur et al. 2005; NCCL's "bus bandwidth"): an all-reduce of
-B bytes over n ranks moves 2(n-1)/n * B per rank, an all-gather or reduce-scatter (n-1)/n * B, plus a fixed
-latency each. A group of consecutive ranks that fits in a node uses the node's links, else the links
-between nodes (ranks are laid out tensor-parallel innermost, then context, then data, then pipeline: MeshShape).
-Context parallelism divides each rank's tokens, and adds per block and microbatch an all-gather of the sequence's
-keys and values in the forward (again under full recompute) and a reduce-scatter of their gradients in the backward
-(project.parallel.context_parallel), on the critical path.
+The communication is project.planning.communication's collectives, the ones our strategies issue (tests/test_comms.py
+holds them to a run's): each takes the ring algorithm's time (Thakur et al. 2005; NCCL's "bus bandwidth"), what its
+buffers put on a rank's links over the links' bandwidth, plus a fixed latency per call. A group of consecutive ranks
+that fits in a node uses the node's links, else the links between nodes (ranks are laid out tensor-parallel
+innermost, then context, then data, then pipeline: MeshShape). Tensor and context parallelism's collectives are on
+the critical path; data parallelism's hide behind compute where they overlap; the step's own reductions (the loss,
+the gradient norm) are small and never hidden.
 """
 
 from __future__ import annotations
@@ -18,8 +18,17 @@ from dataclasses import dataclass
 from project.model.config import LlamaConfig
 from project.planning.candidates import Candidate
 from project.planning.cluster import Cluster
-from project.planning.memory import COMPUTE_BYTES, GRAD_REDUCE_BYTES, STORAGE_BYTES
-from project.planning.parameters import block_weights, holds_first_and_last, rank_layers, unsharded_parameters
+from project.planning.communication import (
+    Collective,
+    context_parallel,
+    data_parallel,
+    norm_gradients,
+    pipeline_transfers,
+    step_reductions,
+    tensor_parallel,
+)
+from project.planning.memory import COMPUTE_BYTES
+from project.planning.parameters import block_weights, holds_first_and_last, rank_layers
 
 
 @dataclass
@@ -32,6 +41,7 @@ class StepTime:
     bubble: float  # pipeline ranks idle while the schedule fills and drains
     data_parallel: float  # gradient reduction and parameter gathering not hidden behind compute
     context_parallel: float = 0.0  # the keys' and values' all-gathers and their gradients' reduce-scatters
+    reductions: float = 0.0  # the step's own: the loss's mean over the ranks, the gradient norm's
 
     @property
     def total(self) -> float:
@@ -42,6 +52,7 @@ class StepTime:
             + self.bubble
             + self.data_parallel
             + self.context_parallel
+            + self.reductions
         )
 
 
@@ -63,11 +74,10 @@ def head_flops_per_token(config: LlamaConfig, tokens: int = 1) -> float:
     return (6 + recompute) * config.vocab_size * config.dim
 
 
-def _ring(bytes_: float, ranks: int, bandwidth: float, latency: float, all_reduce: bool = False) -> float:
-    if ranks <= 1:
-        return 0.0
-    volume = (2 if all_reduce else 1) * (ranks - 1) / ranks * bytes_
-    return volume / bandwidth + latency
+def seconds(collectives: list[Collective], cluster: Cluster) -> float:
+    """The collectives' time one after the other, each over the links its group spans."""
+    latency = cluster.collective_latency_us * 1e-6
+    return sum(x.seconds(cluster.bandwidth(x.span), latency) for x in collectives)
 
 
 def step_time(
@@ -78,78 +88,76 @@ def step_time(
     cluster: Cluster,
     achievable_fraction: float,
 ) -> StepTime:
-    c, dp, tp, pp = candidate, candidate.data_parallel, candidate.tensor_parallel, candidate.pipeline_parallel
+    c, tp, pp = candidate, candidate.tensor_parallel, candidate.pipeline_parallel
     compute_bytes = COMPUTE_BYTES[precision]
     rate = cluster.peak_flops("fp32" if compute_bytes == 4 else "bf16") * achievable_fraction
     latency = cluster.collective_latency_us * 1e-6
-    cp = c.context_parallel
-    tokens = seq_len * c.micro_batch_size // cp  # per microbatch, on each rank
+    tokens = seq_len * c.micro_batch_size // c.context_parallel  # per microbatch, on each rank
     _, block_hw = block_flops_per_token(config, seq_len, c.recompute)  # a token's attention spans the whole sequence
-    activation = tokens * config.dim * compute_bytes
 
     # The slowest pipeline rank's time per microbatch (the only rank without a pipeline).
     slowest = (0.0, 0.0, 0.0)
+    slowest_rank = 0
     for rank in range(pp):
         layers = sum(rank_layers(config, c, rank))
-        first, last = holds_first_and_last(c, rank)
+        _, last = holds_first_and_last(c, rank)
         flops = tokens * (layers * block_hw + (head_flops_per_token(config, tokens) if last else 0.0)) / tp
-        # Per block: an all-reduce after attention and after the feed-forward, in the forward and again in
-        # the backward (full recompute repeats the forward's); the embedding's output and the head's input
-        # once each way. Sequence parallelism turns each all-reduce into a reduce-scatter and an all-gather:
-        # the same bytes, twice the collectives.
-        all_reduces = (6 if c.recompute == "full" else 4) * layers + 2 * first + 2 * last
-        if c.sequence_parallel:
-            tensor = 2 * all_reduces * _ring(activation, tp, cluster.bandwidth(tp), latency)
-        else:
-            tensor = all_reduces * _ring(activation, tp, cluster.bandwidth(tp), latency, all_reduce=True)
+        tensor = seconds(tensor_parallel(config, c, seq_len, precision, rank), cluster)
         if tp > 1:
             tensor += layers * cluster.tensor_parallel_block_overhead_ms * 1e-3
-        chunks = len(rank_layers(config, c, rank)) if pp > 1 else 0
-        boundary = activation / (tp if c.sequence_parallel else 1)
-        transfers = (
-            2 * chunks * (boundary / cluster.bandwidth(2 * tp * dp) + latency)
-        )  # activations forward, gradients back
+        transfers = _pipeline_critical_path(config, c, seq_len, precision, rank, cluster, latency)
         if flops / rate + tensor + transfers > sum(slowest):
-            slowest = (flops / rate, tensor, transfers)
+            slowest, slowest_rank = (flops / rate, tensor, transfers), rank
     compute, tensor, transfers = (c.microbatches * x for x in slowest)
-    context = 0.0
-    if cp > 1:  # the keys and values of every rank's part, per block and microbatch (sharded by tensor parallelism)
-        kv = seq_len * c.micro_batch_size * 2 * config.n_kv_heads * config.head_dim * compute_bytes / tp
-        gathers = 2 if c.recompute == "full" else 1
-        bandwidth = cluster.bandwidth(tp * cp)
-        per_block = (gathers + 1) * _ring(kv, cp, bandwidth, latency)  # the gathers, and the gradients' reduce-scatter
-        context = c.microbatches * sum(rank_layers(config, c, 0)) * per_block
+    if pp > 1:  # a stage reduces its norms' gradients once per step (communication.norm_gradients)
+        tensor += seconds(norm_gradients(config, c, precision, slowest_rank), cluster)
+    # Every pipeline rank holds equally many blocks but for a remainder: the first's keys and values.
+    context = c.microbatches * seconds(context_parallel(config, c, seq_len, precision, 0), cluster)
     slot = sum(slowest)
     bubble = 0.0
     if pp > 1:
         interleaved = c.schedule in ("interleaved_1f1b", "looped_bfs")
         bubble = (pp - 1) / (c.virtual_stages if interleaved else 1) * slot
 
-    data = _data_parallel_exposed(
-        config, c, precision, cluster, latency, slowest[0] if cluster.overlaps_communication else 0.0
-    )
-    return StepTime(compute, tensor, transfers, bubble, data, context)
+    microbatch_compute = slowest[0] if cluster.overlaps_communication else 0.0
+    data = _data_parallel_exposed(config, c, precision, cluster, microbatch_compute)
+    reductions = seconds(step_reductions(config, c, slowest_rank), cluster)
+    return StepTime(compute, tensor, transfers, bubble, data, context, reductions)
+
+
+def _pipeline_critical_path(
+    config: LlamaConfig, c: Candidate, seq_len: int, precision: str, rank: int, cluster: Cluster, latency: float
+) -> float:
+    """Seconds of transfers per microbatch on the schedule's critical path: in the steady state each of a rank's
+    chunks waits for one transfer each way (its input in the forward, its output's gradient in the backward), each
+    as long as one send of the rank's (communication.pipeline_transfers) takes."""
+    sends = [x for x in pipeline_transfers(config, c, seq_len, precision, rank) if x.kind == "send"]
+    if not sends:
+        return 0.0
+    send = sends[0]
+    chunks = len(rank_layers(config, c, rank))
+    return 2 * chunks * (send.bytes / send.calls / cluster.bandwidth(send.span) + latency)
 
 
 def _data_parallel_exposed(
-    config: LlamaConfig, c: Candidate, precision: str, cluster: Cluster, latency: float, microbatch_compute: float
+    config: LlamaConfig, c: Candidate, precision: str, cluster: Cluster, microbatch_compute: float
 ) -> float:
-    """Seconds of data-parallel communication per step that compute does not hide (FSDP2 over data x context)."""
-    dp = c.shard_ranks
-    if dp == 1:
-        return 0.0
-    params = max(unsharded_parameters(config, c, r) for r in range(c.pipeline_parallel))
-    bandwidth = cluster.bandwidth(c.tensor_parallel * dp)
-    gather = _ring(params * COMPUTE_BYTES[precision], dp, bandwidth, latency)
-    # FSDP1 under Lightning reduces in the compute dtype (FSDPPrecision); our FSDP2 in float32.
-    reduce_bytes = COMPUTE_BYTES[precision] if c.strategy == "fsdp" else GRAD_REDUCE_BYTES
-    reduce = _ring(params * reduce_bytes, dp, bandwidth, latency)
-    if c.strategy == "ddp":  # one all-reduce of the gradients, bucketed behind the last microbatch's backward
-        all_reduce = _ring(params * STORAGE_BYTES[precision], dp, bandwidth, latency, all_reduce=True)
-        return max(0.0, all_reduce - 2 / 3 * microbatch_compute)
-    if c.pipeline_parallel > 1:  # gathered once and kept; reduce-scattered after the last backward
-        return max(0.0, 2 * gather - microbatch_compute) + reduce
-    # FSDP: per microbatch, parameters gathered for the forward (and, ZeRO-3, again for the backward) and
-    # gradients reduce-scattered, each block's overlapping the next block's compute.
-    per_microbatch = (2 if c.zero_level == 3 else 1) * gather + reduce
-    return c.microbatches * max(0.0, per_microbatch - microbatch_compute)
+    """Seconds of data-parallel communication per step that compute does not hide (FSDP over data x context), on
+    the pipeline rank that communicates the most."""
+    exposed = 0.0
+    for rank in range(c.pipeline_parallel):
+        found = data_parallel(config, c, precision, rank)
+        if not found:
+            continue
+        gather = seconds([x for x in found if x.kind == "all_gather"], cluster)
+        reduce = seconds([x for x in found if x.kind == "reduce_scatter"], cluster)
+        if c.strategy == "ddp":  # the gradients' buckets, reduced behind the last microbatch's backward
+            rank_exposed = max(0.0, seconds(found, cluster) - 2 / 3 * microbatch_compute)
+        elif c.pipeline_parallel > 1:  # gathered once and kept; reduce-scattered after the last backward
+            rank_exposed = max(0.0, gather - microbatch_compute) + reduce
+        else:
+            # Each block's gathers and reductions overlapping the next block's compute, microbatch by microbatch
+            # (FSDP1 reduces once per step: its reduction spread over the microbatches here).
+            rank_exposed = c.microbatches * max(0.0, (gather + reduce) / c.microbatches - microbatch_compute)
+        exposed = max(exposed, rank_exposed)
+    return exposed

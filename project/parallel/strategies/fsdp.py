@@ -15,6 +15,7 @@ from torch import nn
 from project.model.llama import Block, Llama
 from project.parallel.compiled import compile_blocks
 from project.parallel.contract import LlamaStrategy
+from project.parallel.groups import shared_mesh
 from project.parallel.strategies.timeout import collective_timeout
 from project.runtime.errors import ConfigError
 
@@ -58,12 +59,8 @@ class CPUCapableFSDPStrategy(LlamaStrategy, FSDPStrategy):
                     f"strategy.hybrid_shard_size={size} does not divide the {self.world_size} ranks: "
                     "pick a divisor (usually the devices per node)."
                 )
-            from torch.distributed.device_mesh import init_device_mesh
-
             shape = (self.world_size // size, size)
-            self.kwargs["device_mesh"] = init_device_mesh(
-                self.root_device.type, shape, mesh_dim_names=("replicate", "shard")
-            )
+            self.kwargs["device_mesh"] = shared_mesh(self.root_device.type, shape, ("replicate", "shard"))
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         if self.compile:  # in place, before FSDP wraps each block

@@ -9,9 +9,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
@@ -22,7 +21,7 @@ from project.parallel.compiled import compile_blocks
 from project.parallel.context_parallel import apply_context_parallel, split_for_rank
 from project.parallel.contract import LlamaStrategy, TrainingModule
 from project.parallel.fsdp2 import apply_fsdp2
-from project.parallel.groups import mesh_groups, release_groups
+from project.parallel.groups import shared_mesh
 from project.parallel.init import materialize
 from project.parallel.mesh import MeshShape, mesh_shape
 from project.parallel.strategies.timeout import collective_timeout
@@ -95,7 +94,6 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
         self.regather_kv = regather_kv
         self._asked_data_parallel_size = data_parallel_size  # Lightning's own becomes data x context
         self._context_group: dist.ProcessGroup | None = None
-        self._context_mesh: DeviceMesh | None = None
         self._context_coords = (0, 1)
         self._replica_coords: tuple[int, int] | None = None
 
@@ -110,7 +108,13 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
         shape = mesh_shape(degrees, self.num_nodes * self.num_processes, self.num_processes)
         self._data_parallel_size = shape.data_parallel * shape.context_parallel
         self._tensor_parallel_size = shape.tensor_parallel
-        super().setup_environment()
+        # ModelParallelStrategy's own, but for its mesh, which would be made anew for every fit (groups.shared_mesh).
+        ParallelStrategy.setup_environment(self)  # the device
+        self._setup_distributed()
+        sizes = (self._data_parallel_size, self._tensor_parallel_size)
+        self._device_mesh = shared_mesh(self.root_device.type, sizes, ("data_parallel", "tensor_parallel"))
+        assert self.lightning_module is not None  # connected before the trainer sets the strategy up
+        self.lightning_module._device_mesh = self._device_mesh  # what configure_model reads, as Lightning sets it
         if shape.context_parallel > 1:
             self._split_sequences(shape)
 
@@ -118,8 +122,7 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
         """The context groups and the replicas' coordinates, from a mesh of the run's ranks with the context
         dimension apart (`outer`: the dimensions outside data parallelism, a pipeline's stages)."""
         sizes = (*outer, shape.data_parallel, shape.context_parallel, shape.tensor_parallel)
-        mesh = init_device_mesh(self.root_device.type, sizes, mesh_dim_names=(*names, "data", "context", "tensor"))
-        self._context_mesh = mesh  # its groups are released with the strategy's (teardown)
+        mesh = shared_mesh(self.root_device.type, sizes, (*names, "data", "context", "tensor"))
         # Kept: slicing the mesh later would read its rank tensor on the host each time.
         self._context_group = mesh["context"].get_group()
         self._context_coords = (mesh["context"].get_local_rank(), shape.context_parallel)
@@ -158,17 +161,6 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
         if self.param_dtype is not None:
             return self.param_dtype
         return MIXED_PRECISION_GATHER.get(str(self.precision_plugin.precision))
-
-    def teardown(self) -> None:
-        """Lightning's teardown, then the process groups of this fit's meshes released (also after an exception:
-        a rollback builds the strategy again in the same process)."""
-        super().teardown()
-        try:
-            meshes = [self.device_mesh, self._context_mesh]
-        except RuntimeError:  # torch's processes were never set up: no mesh, no groups
-            return
-        release_groups(group for mesh in meshes for group in mesh_groups(mesh))
-        self._context_mesh = self._context_group = None
 
     def data_parallel_coords(self, trainer: Any) -> tuple[int, int]:
         if self._replica_coords is not None:  # a context group reads one batch: its ranks share the coordinate

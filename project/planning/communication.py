@@ -1,0 +1,392 @@
+"""The collectives of one optimizer step on one rank: kind, process group, calls and bytes, as our strategies issue
+them. project.planning.step_time turns them into seconds; project.tooling.comms counts them in a run, and
+tests/test_comms.py holds the two together for every layout (the same calls, bytes within 10%).
+
+Bytes are those of the whole buffer each call works on: an all-reduce's or a broadcast's tensor, an all-gather's
+output, a reduce-scatter's input, a send's or a receive's tensor. A rank's links carry what the ring algorithm moves
+(Thakur et al. 2005; NCCL's "bus bandwidth"): 2(n-1)/n of that for an all-reduce over n ranks, (n-1)/n for an
+all-gather, a reduce-scatter or an all-to-all, all of it for a broadcast, a send or a receive.
+
+What each parallelism issues, per microbatch unless said (L: the rank's blocks; the embedding on the first pipeline
+stage, the final norm and output head on the last; the microbatch's activation [b, s/c, h] in the compute dtype):
+- Tensor parallelism (project.parallel.tensor_parallel, Megatron's plan): an all-reduce of the activation after
+  attention and after the feed-forward in each block's forward, and one before each in its backward (4 per block, 6
+  under full recompute, whose backward runs the forward again); after the embedding in the forward; before the head
+  in the backward. Sequence parallelism turns each into an all-gather and a reduce-scatter of the same activation,
+  and all-reduces each norm's weight gradient (h values; the norms see a part of the sequence each) where FSDP2
+  reduces gradients: each microbatch, once per step in a pipeline stage. Loss parallel (the default) reduces the
+  vocabulary-split logits' maxima, their exponentials' sums and the targets' logits: three all-reduces of the head's
+  tokens in float32 per chunk of the loss, six where the loss runs in several chunks (each computed again in the
+  backward).
+- Context parallelism (project.parallel.context_parallel): per block, all-gathers of the keys and of the values of the
+  whole sequence (again under full recompute) and reduce-scatters of their gradients: two calls each.
+- Pipeline parallelism (torch's schedules): per chunk of the rank, its input received and its gradient sent back,
+  its output sent on and the output's gradient received, wherever the neighbouring chunk is on another rank.
+- FSDP2 (fully_shard per block and at each root: the model, or each pipeline chunk) over data x context: per
+  microbatch each group's parameters all-gathered in the compute dtype for the forward and again for the backward,
+  and its gradients reduce-scattered in float32; inside a pipeline, gathered once per step and kept, and
+  reduce-scattered once after the last microbatch (torch's PipelineStage). Each tensor's dim 0 padded to a multiple
+  of the ranks.
+- FSDP1 (strategy fsdp, FULL_SHARD, each block a unit and the rest the root's): per microbatch every unit gathered for
+  the forward and the blocks again for the backward (the root stays gathered); the gradients reduce-scattered once
+  per step (Lightning accumulates without syncing), both in the compute dtype. Each unit's flat parameter padded to a
+  multiple of the ranks.
+- DDP: the gradients all-reduced once per step, in buckets of DDP's caps (1 MiB first, then 25 MiB).
+- Per step, whatever the layout: the loss averaged over every rank (an all-reduce of one float, for the loss-spike
+  check); the gradient norm's reduction (FSDP1: one float; DTensor's: one all-reduce of a float per parameter tensor
+  per mesh dimension the tensors are split over); under a pipeline, the norm summed over the stages and the loss
+  broadcast from the last stage.
+
+Not counted: collectives of setup (broadcasts of the model, checkpoint loads), the first step's extras (DDP's
+bucket rebuild at its second step, torch's pipeline shape exchange), those of logging and deciding steps (metrics
+reduced, the stop-signal flag, barriers around checkpoints), and of validation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+from project.model.config import LlamaConfig
+from project.parallel.mesh import MeshShape
+from project.parallel.pipeline_layout import SPLIT_BACKWARD, chunk_ranks
+from project.planning.candidates import Candidate
+from project.planning.memory import COMPUTE_BYTES, GRAD_REDUCE_BYTES, STORAGE_BYTES
+from project.planning.parameters import Weight, block_weights, holds_first_and_last, rank_layers, rank_weights
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv")
+# What a rank's links carry per byte of the buffer, over n ranks (the ring algorithm).
+RING = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 1.0,
+}
+# The mesh's dimensions, outermost first (MeshShape: tensor innermost, then context, data, pipeline).
+DIMENSIONS = ("pipeline", "data", "context", "tensor")
+FLOAT = 4  # norms and losses: float32
+# DDP's gradient buckets (torch.distributed's defaults): the first one small, so that communication starts early.
+DDP_FIRST_BUCKET_BYTES = 2**20
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class Collective:
+    """Calls of one kind on one process group, and the bytes of their buffers together."""
+
+    kind: str
+    group: str  # the mesh dimensions the group spans: "tensor", "data x context", "pipeline", ... (group_name)
+    ranks: int
+    span: int  # consecutive ranks its links reach over: inside a node if it fits (Cluster.bandwidth)
+    calls: float
+    bytes: float
+    part: str  # what step_time counts it in: tensor_parallel, context_parallel, pipeline, data_parallel or step
+
+    def seconds(self, bandwidth: float, latency: float) -> float:
+        """The ring algorithm's time: the bytes a rank's links carry over their bandwidth, plus a latency each call."""
+        return RING[self.kind](self.ranks) * self.bytes / bandwidth + self.calls * latency
+
+
+def group_name(shape: MeshShape, dims: Iterable[str]) -> str:
+    """The dimensions of `dims` that have more than one rank, outermost first: "data x context"; "" for none."""
+    degrees = dict(zip(DIMENSIONS, _degrees(shape)))
+    return " x ".join(d for d in DIMENSIONS if d in set(dims) and degrees[d] > 1)
+
+
+def dimension_of(ranks: Iterable[int], shape: MeshShape) -> str:
+    """The mesh dimensions along which a process group's global ranks differ (group_name's form), for a group a run
+    reports by its ranks: "" for a group of one rank."""
+    coordinates = [_coordinates(rank, shape) for rank in ranks]
+    return " x ".join(d for i, d in enumerate(DIMENSIONS) if len({c[i] for c in coordinates}) > 1)
+
+
+def _degrees(shape: MeshShape) -> tuple[int, int, int, int]:
+    return shape.pipeline_parallel, shape.data_parallel, shape.context_parallel, shape.tensor_parallel
+
+
+def _coordinates(rank: int, shape: MeshShape) -> tuple[int, ...]:
+    coordinates = []
+    for degree in reversed(_degrees(shape)):  # tensor innermost
+        coordinates.append(rank % degree)
+        rank //= degree
+    return tuple(reversed(coordinates))
+
+
+class _Groups:
+    """The process groups of a layout: ranks and span of each, by the dimensions it spans."""
+
+    def __init__(self, c: Candidate):
+        self.shape = c.shape
+        tp, cp, dp = c.tensor_parallel, c.context_parallel, c.data_parallel
+        self._spans = {"tensor": tp, "context": tp * cp, "data": tp * cp * dp, "pipeline": tp * cp * dp * 2}
+        self._spans["world"] = c.shape.world_size
+
+    def collective(self, kind: str, dims: Iterable[str], calls: float, bytes_: float, part: str) -> Collective | None:
+        dims = tuple(dims)
+        degrees = dict(zip(DIMENSIONS, _degrees(self.shape)))
+        ranks = math.prod(degrees[d] for d in dims)
+        if ranks == 1 or calls == 0:  # a group of one rank communicates nothing (FSDP2 and DTensor call nothing)
+            return None
+        if set(dims) == set(DIMENSIONS):
+            span = self._spans["world"]
+        else:
+            span = max(self._spans[d] for d in dims)
+        return Collective(kind, group_name(self.shape, dims), ranks, span, calls, bytes_, part)
+
+
+def _kept(collectives: Iterable[Collective | None]) -> list[Collective]:
+    return [c for c in collectives if c is not None]
+
+
+def _local(weights: list[Weight], tp: int) -> list[Weight]:
+    return [w.local(tp) if tp > 1 else w for w in weights]
+
+
+def tensor_parallel(config: LlamaConfig, c: Candidate, seq_len: int, precision: str, rank: int = 0) -> list[Collective]:
+    """One microbatch's tensor-parallel collectives on pipeline rank `rank` (module docstring)."""
+    if c.tensor_parallel == 1:
+        return []
+    groups, compute = _Groups(c), COMPUTE_BYTES[precision]
+    layers = sum(rank_layers(config, c, rank))
+    first, last = holds_first_and_last(c, rank)
+    tokens = seq_len * c.micro_batch_size // c.context_parallel
+    activation = tokens * config.dim * compute
+    # Megatron's f and g: per block two in the forward and two in the backward (the forward again under full
+    # recompute); the embedding's output in the forward, the head's input in the backward.
+    reductions = (6 if c.recompute == "full" else 4) * layers + first + last
+    part, tensor = "tensor_parallel", ("tensor",)
+    if c.sequence_parallel:
+        found = [
+            groups.collective("all_gather", tensor, reductions, reductions * activation, part),
+            groups.collective("reduce_scatter", tensor, reductions, reductions * activation, part),
+        ]
+        if c.pipeline_parallel == 1:
+            found += norm_gradients(config, c, precision, rank)
+    else:
+        found = [groups.collective("all_reduce", tensor, reductions, reductions * activation, part)]
+    if last:  # loss parallel: maxima, sums of exponentials and the targets' logits of each chunk of tokens
+        positions = seq_len // c.context_parallel
+        span = max(1, config.chunk_tokens // c.micro_batch_size)  # project.model.loss: positions per chunk
+        chunks = math.ceil(positions / span)
+        passes = 1 if chunks == 1 else 2  # several chunks are each computed again in the backward
+        found.append(groups.collective("all_reduce", tensor, 3 * chunks * passes, 3 * tokens * FLOAT * passes, part))
+    return _kept(found)
+
+
+def norm_gradients(config: LlamaConfig, c: Candidate, precision: str, rank: int = 0) -> list[Collective]:
+    """Under sequence parallelism each norm's weight sees a part of the sequence: its gradient is all-reduced over the
+    tensor-parallel ranks where FSDP2 reduces gradients (each microbatch; once per step in a pipeline stage, which
+    accumulates its microbatches' gradients before reducing them)."""
+    if c.tensor_parallel == 1 or not c.sequence_parallel:
+        return []
+    norms = 2 * sum(rank_layers(config, c, rank)) + holds_first_and_last(c, rank)[1]
+    size = norms * config.dim * COMPUTE_BYTES[precision]
+    return _kept([_Groups(c).collective("all_reduce", ("tensor",), norms, size, "tensor_parallel")])
+
+
+def context_parallel(
+    config: LlamaConfig, c: Candidate, seq_len: int, precision: str, rank: int = 0
+) -> list[Collective]:
+    """One microbatch's context-parallel collectives on pipeline rank `rank`: the keys and the values of every block
+    gathered (twice under full recompute), their gradients reduce-scattered, each its own call."""
+    if c.context_parallel == 1:
+        return []
+    groups = _Groups(c)
+    layers = sum(rank_layers(config, c, rank))
+    # Keys and values of the whole sequence (gathered), the rank's heads of them.
+    kv = (
+        seq_len
+        * c.micro_batch_size
+        * 2
+        * config.kv_heads
+        * config.head_dim
+        * COMPUTE_BYTES[precision]
+        / c.tensor_parallel
+    )
+    gathers = 2 if c.recompute == "full" else 1
+    part, context = "context_parallel", ("context",)
+    return _kept(
+        [
+            groups.collective("all_gather", context, 2 * gathers * layers, gathers * layers * kv, part),
+            groups.collective("reduce_scatter", context, 2 * layers, layers * kv, part),
+        ]
+    )
+
+
+def pipeline_transfers(
+    config: LlamaConfig, c: Candidate, seq_len: int, precision: str, rank: int = 0
+) -> list[Collective]:
+    """One microbatch's sends and receives on pipeline rank `rank`: per chunk, its input in and its gradient back,
+    its output on and the output's gradient in, wherever the neighbouring chunk runs on another rank."""
+    if c.pipeline_parallel == 1:
+        return []
+    n_chunks = c.pipeline_parallel * c.virtual_stages
+    ranks = chunk_ranks(c.schedule or "1f1b", c.pipeline_parallel, n_chunks)
+    neighbours = 0  # chunk boundaries of this rank that cross to another rank
+    for s in range(n_chunks):
+        if ranks[s] != rank:
+            continue
+        neighbours += s > 0 and ranks[s - 1] != rank
+        neighbours += s < n_chunks - 1 and ranks[s + 1] != rank
+    tokens = seq_len * c.micro_batch_size // c.context_parallel
+    boundary = tokens * config.dim * COMPUTE_BYTES[precision] / (c.tensor_parallel if c.sequence_parallel else 1)
+    groups, pipeline = _Groups(c), ("pipeline",)
+    return _kept(
+        [
+            groups.collective(kind, pipeline, neighbours, neighbours * boundary, "pipeline")
+            for kind in ("send", "recv")  # each boundary: one way in the forward, the other in the backward
+        ]
+    )
+
+
+def _fsdp2_groups(config: LlamaConfig, c: Candidate, rank: int) -> list[list[Weight]]:
+    """The parameters each FSDP2 group of the rank gathers at once (local to the rank's tensor-parallel slice): each
+    block, and each root's own tensors (the embedding, the final norm and head), one root per pipeline chunk."""
+    tp = c.tensor_parallel
+    blocks = [_local(block_weights(config), tp)] * sum(rank_layers(config, c, rank))
+    own = rank_weights(config, replace(c, pipeline_parallel=1), 0)[len(block_weights(config)) * config.n_layers :]
+    first, last = holds_first_and_last(c, rank)
+    roots: list[list[Weight]] = []
+    if c.pipeline_parallel == 1:
+        roots = [own]
+    else:
+        vocabulary, norm = own[0], own[1]
+        # The embedding's chunk and the head's chunk (the same chunk only without a pipeline)
+        roots = [r for r in ([vocabulary] if first else [], [norm, vocabulary] if last else []) if r]
+    return blocks + roots
+
+
+def _padded(weights: list[Weight], ranks: int) -> int:
+    """Elements of the tensors FSDP2 gathers: each dim 0 padded to a multiple of the ranks."""
+    return sum(math.ceil(w.rows / ranks) * ranks * w.cols for w in weights)
+
+
+def data_parallel(config: LlamaConfig, c: Candidate, precision: str, rank: int = 0) -> list[Collective]:
+    """One step's gradient reductions and parameter gathers on pipeline rank `rank` (module docstring)."""
+    n, m = c.shard_ranks, c.microbatches
+    groups, shard = _Groups(c), ("data", "context")
+    if n == 1:
+        return []
+    part = "data_parallel"
+    weights = rank_weights(config, c, rank)
+    if c.strategy == "ddp":
+        sizes = [w.rows * w.cols * STORAGE_BYTES[precision] for w in weights]
+        return _kept([groups.collective("all_reduce", shard, ddp_buckets(sizes), sum(sizes), part)])
+    compute = COMPUTE_BYTES[precision]
+    if c.strategy == "fsdp":
+        per_block = len(block_weights(config))
+        units = [weights[i : i + per_block] for i in range(0, len(weights), per_block)]  # the root's: the rest
+        flat = [math.ceil(sum(w.rows * w.cols for w in unit) / n) * n for unit in units]
+        blocks = sum(flat[: sum(rank_layers(config, c, rank))])
+        return _kept(
+            [
+                groups.collective(
+                    "all_gather", shard, m * (2 * len(flat) - 1), m * (sum(flat) + blocks) * compute, part
+                ),
+                groups.collective("reduce_scatter", shard, len(flat), sum(flat) * compute, part),
+            ]
+        )
+    if c.pipeline_parallel > 1 and c.schedule in SPLIT_BACKWARD:
+        return []  # no FSDP2 under these schedules (project.parallel.pipeline_layout refuses them with data parallel)
+    fsdp_groups = _fsdp2_groups(config, c, rank)
+    padded = sum(_padded(g, n) for g in fsdp_groups)
+    gathers = 1 if c.pipeline_parallel > 1 else 2 * m  # a pipeline stage keeps its gathered parameters
+    reduces = 1 if c.pipeline_parallel > 1 else m
+    return _kept(
+        [
+            groups.collective("all_gather", shard, gathers * len(fsdp_groups), gathers * padded * compute, part),
+            groups.collective(
+                "reduce_scatter", shard, reduces * len(fsdp_groups), reduces * padded * GRAD_REDUCE_BYTES, part
+            ),
+        ]
+    )
+
+
+def ddp_buckets(sizes: list[int]) -> int:
+    """How many buckets DDP cuts gradients of these byte sizes (the model's order) into: in reverse order, a bucket
+    closes once it holds its cap or more (torch's compute_bucket_assignment_by_size)."""
+    buckets, held = 0, 0
+    for size in reversed(sizes):
+        held += size
+        if held >= (DDP_FIRST_BUCKET_BYTES if buckets == 0 else DDP_BUCKET_BYTES):
+            buckets, held = buckets + 1, 0
+    return buckets + (held > 0)
+
+
+def step_reductions(config: LlamaConfig, c: Candidate, rank: int = 0) -> list[Collective]:
+    """The step's own reductions on pipeline rank `rank`: the loss's mean over every rank, the gradient norm's, and a
+    pipeline's sum of the norm over its stages and broadcast of the loss (module docstring)."""
+    groups, part = _Groups(c), "step"
+    found = [groups.collective("all_reduce", DIMENSIONS, 1, FLOAT, part)]
+    if c.strategy == "fsdp":
+        found.append(groups.collective("all_reduce", ("data", "context"), 1, FLOAT, part))
+    elif c.strategy != "ddp":
+        # DTensor's norm: the per-tensor norms of each mesh's parameters, reduced once per dimension they are split
+        # over. Tensor-parallel tensors (all of them under sequence parallelism) lie on the (data, tensor) mesh, the
+        # others on the data mesh.
+        tensors = rank_weights(config, replace(c, tensor_parallel=1), rank)
+        split = [w for w in tensors if c.tensor_parallel > 1 and (w.tensor_split or c.sequence_parallel)]
+        whole = len(tensors) - len(split)
+        found += [
+            groups.collective("all_reduce", ("tensor",), 1 if split else 0, len(split) * FLOAT, part),
+            groups.collective(
+                "all_reduce", ("data", "context"), (1 if split else 0) + (1 if whole else 0), len(tensors) * FLOAT, part
+            ),
+        ]
+    if c.pipeline_parallel > 1:
+        found += [
+            groups.collective("all_reduce", ("pipeline",), 1, FLOAT, part),
+            groups.collective("broadcast", ("pipeline",), 1, FLOAT, part),
+        ]
+    return _kept(found)
+
+
+def per_microbatch(config: LlamaConfig, c: Candidate, seq_len: int, precision: str, rank: int = 0) -> list[Collective]:
+    """What each microbatch issues on pipeline rank `rank`: tensor, context and pipeline parallelism's."""
+    return [
+        *tensor_parallel(config, c, seq_len, precision, rank),
+        *context_parallel(config, c, seq_len, precision, rank),
+        *pipeline_transfers(config, c, seq_len, precision, rank),
+    ]
+
+
+def collectives(config: LlamaConfig, c: Candidate, seq_len: int, precision: str, rank: int = 0) -> list[Collective]:
+    """Every collective of one optimizer step on pipeline rank `rank` (rank 0 of its data-, context- and
+    tensor-parallel groups; the others issue the same), merged by kind, group and part."""
+    scaled = [
+        replace(x, calls=x.calls * c.microbatches, bytes=x.bytes * c.microbatches)
+        for x in per_microbatch(config, c, seq_len, precision, rank)
+    ]
+    merged: dict[tuple[str, str, str], Collective] = {}
+    once = [*data_parallel(config, c, precision, rank), *step_reductions(config, c, rank)]
+    if c.pipeline_parallel > 1:
+        once += norm_gradients(config, c, precision, rank)
+    for x in [*scaled, *once]:
+        key = (x.kind, x.group, x.part)
+        if key in merged:
+            before = merged[key]
+            x = replace(before, calls=before.calls + x.calls, bytes=before.bytes + x.bytes)
+        merged[key] = x
+    return list(merged.values())
+
+
+def by_kind(found: Iterable[Collective]) -> dict[str, tuple[float, float]]:
+    """{kind: (calls, bytes)} over every group and part."""
+    table: dict[str, tuple[float, float]] = {}
+    for x in found:
+        calls, size = table.get(x.kind, (0.0, 0.0))
+        table[x.kind] = (calls + x.calls, size + x.bytes)
+    return dict(sorted(table.items(), key=lambda item: KINDS.index(item[0])))
+
+
+def by_kind_and_group(found: Iterable[Collective]) -> dict[tuple[str, str], tuple[float, float]]:
+    """{(kind, group): (calls, bytes)} over every part."""
+    table: dict[tuple[str, str], tuple[float, float]] = {}
+    for x in found:
+        calls, size = table.get((x.kind, x.group), (0.0, 0.0))
+        table[(x.kind, x.group)] = (calls + x.calls, size + x.bytes)
+    return dict(sorted(table.items(), key=lambda item: (KINDS.index(item[0][0]), item[0][1])))

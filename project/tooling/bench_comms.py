@@ -1,0 +1,269 @@
+"""Collectives measured per optimizer step and rank, beside the planner's: `python -m project.tooling.bench_comms
+[layouts=ddp,fsdp,...|all] [steps=4] [step=2] [out=experiments/benchmarks]`
+
+Each layout trains the debug model (dim 64, 4 layers under a pipeline, else 2; vocabulary 4,096, 256-token sequences,
+batches of 8 in micro batches of 2, 32-true) for `steps` steps with `python -m project.train` on its processes (2; 4
+for tp_fsdp and the 2-D pipelines; 8 for 3-D) over gloo, counting on every rank the calls and bytes of each kind
+of collective on each process group (project.tooling.comms.CountCollectives). The table sets step `step` (0-based)
+beside project.planning.communication's collectives for the same layout, model and batch: a step after the first two
+(torch's pipeline exchanges shapes in the first, DDP rebuilds its buckets in the second) and before the last, the one
+logging step (logging steps reduce the metrics, agree on a stop signal and save). Calls, and bytes (each call's whole
+buffer: an all-gather's output, a reduce-scatter's input). Writes new files <date>-<host>-comms.{json,md}.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from project.runtime.arguments import parse_key_values
+from project.runtime.errors import ConfigError, exit_on_config_error
+from project.tooling.bench import ROOT, add_row, new_report, publish
+
+DEFAULTS = {"layouts": "all", "steps": "4", "step": "2", "out": "experiments/benchmarks"}
+GLOBAL_BATCH, MICRO_BATCH, PRECISION = 8, 2, "32-true"
+PIPELINE = ("strategy=pipeline", "strategy.pipeline_parallel_size=2")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A layout as `project.train` overrides, and the same layout as the planner's Candidate describes it."""
+
+    devices: int
+    overrides: tuple[str, ...]
+    strategy: str
+    data_parallel: int = 1
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    context_parallel: int = 1
+    sequence_parallel: bool = False
+    schedule: str | None = None
+    virtual_stages: int = 1
+    layers: int = 2
+
+    def candidate(self, global_batch: int = GLOBAL_BATCH, micro_batch: int = MICRO_BATCH):
+        from project.planning.candidates import Candidate
+
+        microbatches = global_batch // self.data_parallel // micro_batch  # accumulated, or the pipeline's
+        return Candidate(
+            self.strategy, self.data_parallel, self.tensor_parallel, self.pipeline_parallel, micro_batch,
+            microbatches, "selective", self.sequence_parallel, self.schedule, self.virtual_stages,
+            self.context_parallel,
+        )  # fmt: skip
+
+    def pipeline_rank(self, rank: int) -> int:
+        return rank // (self.data_parallel * self.context_parallel * self.tensor_parallel)
+
+
+def _pipeline(
+    schedule: str, virtual_stages: int = 1, devices: int = 2, sequence_parallel: bool = False, **degrees: int
+) -> Layout:
+    """Two stages of 2 blocks each (chunks of one under virtual stages), with the other degrees given."""
+    settings = [f"strategy.schedule={schedule}", f"strategy.virtual_stages={virtual_stages}"]
+    settings += [f"strategy.{name}_size={degree}" for name, degree in degrees.items()]
+    settings += ["strategy.sequence_parallel=true"] if sequence_parallel else []
+    return Layout(
+        devices, (*PIPELINE, *settings), "pipeline", pipeline_parallel=2, schedule=schedule,
+        virtual_stages=virtual_stages, layers=4, sequence_parallel=sequence_parallel, **degrees,
+    )  # fmt: skip
+
+
+LAYOUTS = {
+    "ddp": Layout(2, ("strategy=ddp",), "ddp", data_parallel=2),
+    "fsdp": Layout(2, ("strategy=fsdp",), "fsdp", data_parallel=2),
+    "fsdp2": Layout(2, ("strategy=fsdp2",), "fsdp2", data_parallel=2),
+    "tp": Layout(2, ("strategy=tp",), "tp", tensor_parallel=2),
+    "tp-sp": Layout(
+        2, ("strategy=tp", "strategy.sequence_parallel=true"), "tp", tensor_parallel=2, sequence_parallel=True
+    ),
+    "cp": Layout(2, ("strategy=fsdp2", "strategy.context_parallel_size=2"), "fsdp2", context_parallel=2),
+    "pipeline-gpipe": _pipeline("gpipe"),
+    "pipeline-1f1b": _pipeline("1f1b"),
+    "pipeline-interleaved_1f1b": _pipeline("interleaved_1f1b", 2),
+    "pipeline-looped_bfs": _pipeline("looped_bfs", 2),
+    "pipeline-interleaved_zero_bubble": _pipeline("interleaved_zero_bubble", 2),
+    "pipeline-zbv": _pipeline("zbv", 2),
+    "tp_fsdp": Layout(4, ("strategy=tp_fsdp",), "tp_fsdp", data_parallel=2, tensor_parallel=2),
+    "tp_fsdp-sp": Layout(
+        4,
+        ("strategy=tp_fsdp", "strategy.sequence_parallel=true"),
+        "tp_fsdp",
+        data_parallel=2,
+        tensor_parallel=2,
+        sequence_parallel=True,
+    ),  # fmt: skip
+    "pipeline-fsdp2": _pipeline("1f1b", devices=4, data_parallel=2),
+    "pipeline-cp": _pipeline("1f1b", devices=4, context_parallel=2),
+    "pipeline-tp-sp": _pipeline("1f1b", devices=4, sequence_parallel=True, tensor_parallel=2),
+    "3d": _pipeline("1f1b", devices=8, sequence_parallel=True, data_parallel=2, tensor_parallel=2),
+}
+
+
+def parse(argv: list[str]) -> dict:
+    args = parse_key_values(argv, DEFAULTS, doc=__doc__)
+    layouts = list(LAYOUTS) if args["layouts"] == "all" else [name for name in args["layouts"].split(",") if name]
+    unknown = [name for name in layouts if name not in LAYOUTS]
+    if unknown or not layouts:
+        raise ConfigError(f"layouts={args['layouts']}: choose all, or among {list(LAYOUTS)}, separated by commas.")
+    for key in ("steps", "step"):
+        if not args[key].isdigit():
+            raise ConfigError(f"{key}={args[key]}: give a whole number.")
+    steps, step = int(args["steps"]), int(args["step"])
+    if not 2 <= step < steps - 1:
+        raise ConfigError(
+            f"step={step} with steps={steps}: choose a step after the first two (their extras: the pipeline's shape "
+            f"exchange, DDP's bucket rebuild) and before the last (which logs): 2 to {steps - 2}, with steps=4 or more."
+        )
+    out = Path(args["out"])
+    return {"layouts": layouts, "steps": steps, "step": step, "out": out if out.is_absolute() else ROOT / out}
+
+
+def model_config(layers: int, vocab_size: int):
+    """The debug preset (conf/model/debug.yaml) with this vocabulary and depth: the model the runs train."""
+    import yaml
+
+    from project.model.config import LlamaConfig
+
+    fields = yaml.safe_load((ROOT / "conf" / "model" / "debug.yaml").read_text())
+    return LlamaConfig(**{**fields, "vocab_size": vocab_size, "n_layers": layers})
+
+
+def by_group(rows: list[list], shape) -> dict[tuple[str, str], tuple[int, int]]:
+    """A rank's measured rows ([kind, ranks, calls, bytes], project.tooling.comms) as {(kind, mesh dimensions):
+    (calls, bytes)}, each group named by the dimensions its ranks span (project.planning.communication)."""
+    from project.planning.communication import dimension_of
+
+    table: dict[tuple[str, str], tuple[int, int]] = {}
+    for kind, ranks, calls, size in rows:
+        group = dimension_of(map(int, ranks.split(",")), shape) if ranks[0].isdigit() else ranks
+        before = table.get((kind, group), (0, 0))
+        table[(kind, group)] = (before[0] + calls, before[1] + size)
+    return table
+
+
+def planned(layout: Layout, config, seq_len: int, rank: int) -> dict[tuple[str, str], tuple[float, float]]:
+    """The planner's collectives of one step on global rank `rank` of the layout, by kind and group."""
+    from project.planning.communication import by_kind_and_group, collectives
+
+    found = collectives(config, layout.candidate(), seq_len, PRECISION, layout.pipeline_rank(rank))
+    return by_kind_and_group(found)
+
+
+def compare(measured: dict, plan: dict) -> list[dict]:
+    """One row per (kind, group) of either table: calls and bytes of both, and whether they agree (the same
+    calls, bytes within 10%)."""
+    rows = []
+    for key in sorted(measured.keys() | plan.keys()):
+        (calls, size), (planned_calls, planned_size) = measured.get(key, (0, 0)), plan.get(key, (0, 0))
+        off = size / planned_size - 1 if planned_size else (0.0 if not size else float("inf"))
+        rows.append(
+            {
+                "kind": key[0],
+                "group": key[1],
+                "calls": calls,
+                "planned_calls": planned_calls,
+                "bytes": size,
+                "planned_bytes": planned_size,
+                "bytes_off": off,
+                "agrees": calls == planned_calls and abs(off) <= 0.10,
+            }
+        )
+    return rows
+
+
+def measure(name: str, steps: int, step: int, data: Path, scratch: Path) -> dict:
+    """Train `name` with the counter; its table against the planner's on every rank."""
+    from project.tooling.bench_platform import SEQ_LEN, VOCAB_SIZE, data_settings
+    from project.tooling.comms import read_record
+
+    layout = LAYOUTS[name]
+    run_dir = scratch / name
+    command = [
+        sys.executable, "-m", "project.train", "experiment=debug", *data_settings(data), *layout.overrides,
+        f"trainer.devices={layout.devices}", f"model.n_layers={layout.layers}", f"hydra.run.dir={run_dir}",
+        f"trainer.max_steps={steps}", f"trainer.log_every_n_steps={steps}", f"global_batch_size={GLOBAL_BATCH}",
+        f"micro_batch_size={MICRO_BATCH}", f"trainer.precision={PRECISION}", "ckpt_every_n_steps=1000",
+        "val_every_n_steps=1000", "+callbacks.comms._target_=project.tooling.comms.CountCollectives",
+        f"+callbacks.comms.output_dir={run_dir}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"{name}: project.train failed:\n{result.stderr[-3000:]}")
+    c = layout.candidate()
+    shape = c.shape
+    config = model_config(layout.layers, VOCAB_SIZE)
+    ranks: list[dict[str, Any]] = []
+    for rank in range(layout.devices):
+        record = read_record(run_dir, rank)
+        if step in record["logging_steps"]:
+            raise RuntimeError(f"{name}: step {step} logs (logging steps {record['logging_steps']})")
+        rows = compare(by_group(record["steps"][step], shape), planned(layout, config, SEQ_LEN, rank))
+        ranks.append({"rank": rank, "pipeline_rank": layout.pipeline_rank(rank), "rows": rows})
+    return {
+        "layout": name,
+        "candidate": c.name,
+        "processes": layout.devices,
+        "ranks_agreeing": sum(all(r["agrees"] for r in rank["rows"]) for rank in ranks),
+        "ranks": ranks,
+    }
+
+
+def _size(n: float) -> str:
+    return f"{n:,.0f}"
+
+
+def table(report: dict) -> str:
+    lines = [
+        f"# Collectives per optimizer step and rank, measured and planned, {report['date']} on {report['host']}",
+        "",
+        f"`{report['command']}`: the debug model (dim 64; vocabulary {report['vocab_size']}, "
+        f"{report['seq_len']}-token sequences), global batch {GLOBAL_BATCH} in micro batches of {MICRO_BATCH}, "
+        f"{PRECISION}, gloo; step {report['step']} (0-based) of {report['steps']}, after the first two and before the "
+        "last, which logs. "
+        "Measured: project.tooling.comms on every rank; planned: project.planning.communication. Bytes: each call's "
+        "whole buffer (an all-gather's output, a reduce-scatter's input). A group is named by the mesh dimensions "
+        "its ranks span. Shown: the first rank of each pipeline stage; `agree` counts the ranks whose every row "
+        "has the planned calls and bytes within 10%.",
+        "",
+        "| layout | rank | kind | group | calls | planned | bytes | planned | off | agree |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        shown = [rank for rank in r["ranks"] if rank["rank"] == min(
+            x["rank"] for x in r["ranks"] if x["pipeline_rank"] == rank["pipeline_rank"]
+        )]  # fmt: skip
+        for rank in shown:
+            for row in rank["rows"]:
+                off = "-" if row["bytes_off"] == float("inf") else f"{row['bytes_off']:+.1%}"
+                lines.append(
+                    f"| {r['layout']} | {rank['rank']} | {row['kind']} | {row['group']} | {row['calls']} | "
+                    f"{row['planned_calls']:g} | {_size(row['bytes'])} | {_size(row['planned_bytes'])} | {off} | "
+                    f"{r['ranks_agreeing']}/{r['processes']} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
+@exit_on_config_error()
+def main() -> None:
+    args = parse(sys.argv[1:])
+    from project.tooling.bench_platform import SEQ_LEN, VOCAB_SIZE, shards
+
+    report = new_report(
+        "project.tooling.bench_comms", sys.argv[1:], steps=args["steps"], step=args["step"], seq_len=SEQ_LEN,
+        vocab_size=VOCAB_SIZE,
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as scratch:
+        data = shards(Path(scratch))
+        for name in args["layouts"]:
+            add_row(report, measure(name, args["steps"], args["step"], data, Path(scratch)))
+    publish(args["out"], "-comms", report, table(report))
+
+
+if __name__ == "__main__":
+    main()
