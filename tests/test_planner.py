@@ -502,3 +502,26 @@ def test_predicted_order_of_cpu_layouts_is_the_measured_order_of_their_sweep(rep
             measured[cells[2].strip("`").rsplit("_", 1)[1]] = float(cells[5].replace(",", ""))
     assert sorted(predicted) == sorted(measured) == ["ddp", "fsdp2", "pipeline", "tp"]
     assert sorted(predicted, key=predicted.get) == sorted(measured, key=measured.get)  # slowest to fastest
+
+
+def test_regathering_keys_and_values_costs_an_all_gather_and_attentions_forward_again_per_block():
+    """The planner's side of strategy.regather_kv: less memory (the keys and values each block keeps), one more
+    all-gather of them per block and microbatch, and attention's forward again in the backward (its QK^T and AV,
+    4 d s FLOPs per token and block); so at a sequence where both fit, the plan keeps them."""
+    from project.planning.communication import context_parallel
+
+    config, work, h100 = preset("llama3_8b"), Workload(preset("llama3_8b"), 65536, 16, 1e12), cluster("h100_80gb", 2)
+    kept, regathered = (
+        evaluate(work, h100, Candidate("fsdp2", 8, 1, 1, 1, 2, context_parallel=2, regather_kv=r), 0.5, Allowance())
+        for r in (False, True)
+    )
+    assert regathered.prediction.memory.activations < kept.prediction.memory.activations
+    gathers = [
+        {row.kind: row.calls for row in context_parallel(config, o.prediction.candidate, 65536, "bf16-mixed")}
+        for o in (kept, regathered)
+    ]
+    assert gathers[1]["all_gather"] == 2 * gathers[0]["all_gather"] == 4 * config.n_layers
+    extra = regathered.prediction.time.compute - kept.prediction.time.compute
+    rate = h100.peak_flops("bf16") * 0.5
+    assert extra == pytest.approx(2 * 32768 * config.n_layers * 4 * config.dim * 65536 / rate, rel=1e-9)
+    assert kept.tokens_per_second > regathered.tokens_per_second

@@ -192,7 +192,8 @@ def context_parallel(
     config: LlamaConfig, c: Candidate, seq_len: int, precision: str, rank: int = 0
 ) -> list[Collective]:
     """One microbatch's context-parallel collectives on pipeline rank `rank`: the keys and the values of every block
-    gathered (twice under full recompute), their gradients reduce-scattered, each its own call."""
+    gathered (twice under full recompute, or with regather_kv: again in the backward), their gradients
+    reduce-scattered, each its own call."""
     if c.context_parallel == 1:
         return []
     groups = _Groups(c)
@@ -207,7 +208,7 @@ def context_parallel(
         * COMPUTE_BYTES[precision]
         / c.tensor_parallel
     )
-    gathers = 2 if c.recompute == "full" else 1
+    gathers = 2 if c.recompute == "full" or c.regather_kv else 1
     part, context = "context_parallel", ("context",)
     return _kept(
         [

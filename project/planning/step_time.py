@@ -94,6 +94,8 @@ def step_time(
     latency = cluster.collective_latency_us * 1e-6
     tokens = seq_len * c.micro_batch_size // c.context_parallel  # per microbatch, on each rank
     _, block_hw = block_flops_per_token(config, seq_len, c.recompute)  # a token's attention spans the whole sequence
+    if c.regather_kv and c.context_parallel > 1 and c.recompute != "full":  # attention's forward again, in backward
+        block_hw += 12 * config.dim * seq_len / 3
 
     # The slowest pipeline rank's time per microbatch (the only rank without a pipeline).
     slowest = (0.0, 0.0, 0.0)
