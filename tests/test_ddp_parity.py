@@ -33,8 +33,10 @@ def test_two_process_ddp_matches_single_process_loss_per_step(trained, single_ru
     final_single = torch.load(single_run / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     final_ddp = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     for name in final_single:
-        # 12 AdamW steps from equal weights; only the order of float additions differs
-        torch.testing.assert_close(final_ddp[name], final_single[name], rtol=1e-4, atol=1e-5)
+        # 12 AdamW steps from equal weights; only the order of float additions differs (one element of 12,288
+        # 1.15e-5 apart with 2 accumulation steps since the initial values of 2026-11-27: AdamW's normalised step
+        # amplifies a sum in another order where a gradient nearly cancels)
+        torch.testing.assert_close(final_ddp[name], final_single[name], rtol=1e-4, atol=2e-5)
 
 
 def test_summed_gradients_are_data_parallel_size_times_the_mean(tiny_shards, single_run, tmp_path):

@@ -110,6 +110,7 @@ STRATEGY_CHOICES: dict[str, tuple] = {
             "find_unused_parameters",
             "static_graph",
             "hierarchical_allreduce",
+            "regather_kv",
         ),
         _BOOLEAN,
     ),
