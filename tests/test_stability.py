@@ -72,14 +72,14 @@ SKIPPED_ONLY = {
 LOG_EVERY_LATER = 4  # logging steps 3 and 7: a spike at 5 is read two steps after it
 COOLDOWN = [*ROLLBACK, "stability.cooldown_steps=2", "stability.cooldown_lr_scale=0.5"]
 SLOW = [*RUN, "FAULT=slow@2:rank=1", *LAYOUTS["ddp"]]
-# Ten incidents, each after a newer checkpoint: a spike at every second step from step 5 (each once in the process).
+# Ten incidents, each after a newer checkpoint: a spike at each step from step 5 (each once in the process).
 FIRST_OF_TEN = 5
 TEN_ROLLBACKS = [
     *RUN,
-    "FAULT=" + ",".join(f"spike@{FIRST_OF_TEN + 2 * i}" for i in range(10)),
+    "FAULT=" + ",".join(f"spike@{FIRST_OF_TEN + i}" for i in range(10)),
     "stability=rollback",
     "stability.skip_batches=0",
-    f"trainer.max_steps={FIRST_OF_TEN + 2 * 10}",
+    f"trainer.max_steps={FIRST_OF_TEN + 10 + 1}",
     "ckpt_every_n_steps=1",
     "stability.max_rollbacks=10",
     *LAYOUTS["fsdp2"],
