@@ -9,6 +9,7 @@ import importlib
 
 import pytest
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
@@ -79,6 +80,13 @@ INSTANCE_ATTRIBUTES = [
         "parallel/strategies/model_parallel.py, parallel/strategies/pipeline.py, planning/dry_run.py",
         "the strategy's device_mesh property is read-only; the strategies set the process's shared mesh "
         "(parallel/groups.py), the pipeline's 3-D, the dry run a mesh on a fake process group",
+    ),
+    (
+        lambda: LightningModule(),
+        "_device_mesh",
+        "parallel/strategies/model_parallel.py, parallel/strategies/pipeline.py",
+        "what LightningModule.device_mesh returns in configure_model, set as ModelParallelStrategy.setup_environment "
+        "sets it, which the strategies replace to use the process's shared mesh (parallel/groups.py)",
     ),
     (
         lambda: ModelParallelStrategy(),
