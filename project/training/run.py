@@ -109,6 +109,7 @@ def fit(cfg: DictConfig, run_dir: Path, layout: Layout | None) -> dict[str, floa
     spike ends the fit on every rank alike, and the run is built again from its last checkpoint, reading on past
     the spike's batches (`restart_after`)."""
     restart: Restart | None = None
+    StopOnSignal.forget_handed_on()  # a signal stays within the run it reached (rollbacks hand it on)
     while True:
         try:
             return fit_once(cfg, run_dir, layout, restart)

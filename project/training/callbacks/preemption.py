@@ -40,6 +40,12 @@ class StopOnSignal(Callback):
 
     _handed_on: signal.Signals | None = None  # a signal the fit a rollback ended had received, for the next fit
 
+    @classmethod
+    def forget_handed_on(cls) -> None:
+        """A new run starts: a signal handed on by an earlier run of the process (one that ended without another
+        fit) is not this run's."""
+        cls._handed_on = None
+
     def __init__(self, checkpoint: StepCheckpoint, signums: tuple[signal.Signals, ...] = (signal.SIGTERM,)):
         self.checkpoint, self.signums = checkpoint, signums
         self._signalled: signal.Signals | None = None
