@@ -60,7 +60,7 @@ ATTRIBUTES = [
     (
         ModelParallelStrategy,
         "_setup_distributed",
-        "parallel/strategies/model_parallel.py, parallel/strategies/pipeline.py",
+        "parallel/strategies/model_parallel.py (for the pipeline's too)",
         "the process group without ModelParallelStrategy's own mesh, which it makes anew for every fit (a rollback "
         "would keep each fit's groups: parallel/groups.py), and which is 2-D (the pipeline's is 3-D)",
     ),
@@ -77,14 +77,14 @@ INSTANCE_ATTRIBUTES = [
     (
         lambda: ModelParallelStrategy(),
         "_device_mesh",
-        "parallel/strategies/model_parallel.py, parallel/strategies/pipeline.py, planning/dry_run.py",
+        "parallel/strategies/model_parallel.py (for the pipeline's too), planning/dry_run.py",
         "the strategy's device_mesh property is read-only; the strategies set the process's shared mesh "
         "(parallel/groups.py), the pipeline's 3-D, the dry run a mesh on a fake process group",
     ),
     (
         lambda: LightningModule(),
         "_device_mesh",
-        "parallel/strategies/model_parallel.py, parallel/strategies/pipeline.py",
+        "parallel/strategies/model_parallel.py (for the pipeline's too)",
         "what LightningModule.device_mesh returns in configure_model, set as ModelParallelStrategy.setup_environment "
         "sets it, which the strategies replace to use the process's shared mesh (parallel/groups.py)",
     ),

@@ -9,8 +9,6 @@ process group lives (tests/test_stability.py counts what ten rollbacks hold).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -28,14 +26,7 @@ def shared_mesh(device_type: str, sizes: tuple[int, ...], names: tuple[str, ...]
     return found[1]
 
 
-def release_groups(groups: Iterable[dist.ProcessGroup | None]) -> None:
-    """Destroy each group once (one a fit made for itself and nothing else holds), never the default group; on
-    every rank alike."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    seen: dict[int, dist.ProcessGroup] = {}
-    for group in groups:
-        if group is not None and group != dist.group.WORLD:
-            seen.setdefault(id(group), group)
-    for group in seen.values():
+def release_group(group: dist.ProcessGroup | None) -> None:
+    """Destroy a group a fit made for itself and nothing else holds (never the default group); on every rank alike."""
+    if group is not None and group != dist.group.WORLD and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group(group)

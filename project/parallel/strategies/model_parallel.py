@@ -108,15 +108,19 @@ class LlamaParallelStrategy(LlamaStrategy, ModelParallelStrategy):
         shape = mesh_shape(degrees, self.num_nodes * self.num_processes, self.num_processes)
         self._data_parallel_size = shape.data_parallel * shape.context_parallel
         self._tensor_parallel_size = shape.tensor_parallel
-        # ModelParallelStrategy's own, but for its mesh, which would be made anew for every fit (groups.shared_mesh).
-        ParallelStrategy.setup_environment(self)  # the device
-        self._setup_distributed()
         sizes = (self._data_parallel_size, self._tensor_parallel_size)
-        self._device_mesh = shared_mesh(self.root_device.type, sizes, ("data_parallel", "tensor_parallel"))
-        assert self.lightning_module is not None  # connected before the trainer sets the strategy up
-        self.lightning_module._device_mesh = self._device_mesh  # what configure_model reads, as Lightning sets it
+        self._set_up_processes(sizes, ("data_parallel", "tensor_parallel"))
         if shape.context_parallel > 1:
             self._split_sequences(shape)
+
+    def _set_up_processes(self, sizes: tuple[int, ...], names: tuple[str, ...]) -> None:
+        """ModelParallelStrategy.setup_environment (the device, the process group, the module's mesh), but with the
+        process's shared mesh of `sizes` named `names` (parallel/groups.py), not one made anew for every fit."""
+        ParallelStrategy.setup_environment(self)  # the device
+        self._setup_distributed()
+        self._device_mesh = shared_mesh(self.root_device.type, sizes, names)
+        assert self.lightning_module is not None  # connected before the trainer sets the strategy up
+        self.lightning_module._device_mesh = self._device_mesh  # what configure_model reads, as Lightning sets it
 
     def _split_sequences(self, shape: MeshShape, outer: tuple[int, ...] = (), names: tuple[str, ...] = ()) -> None:
         """The context groups and the replicas' coordinates, from a mesh of the run's ranks with the context

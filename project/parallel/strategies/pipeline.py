@@ -18,7 +18,6 @@ from typing import Any, Literal, cast
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies import ParallelStrategy
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule
@@ -27,7 +26,6 @@ from project.checkpoint.files import read_checkpoint_file
 from project.model.llama import Llama
 from project.parallel.batch import BatchPlan
 from project.parallel.contract import TrainingModule
-from project.parallel.groups import shared_mesh
 from project.parallel.init import laid_out_like
 from project.parallel.mesh import MeshShape, mesh_shape
 from project.parallel.pipeline import LlamaStage, build_schedule, split_into_stages
@@ -122,11 +120,7 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         shape = self.shape
         self._pipeline_parallel_size, self._tensor_parallel_size = shape.pipeline_parallel, shape.tensor_parallel
         self._data_parallel_size = shape.data_parallel * shape.context_parallel  # FSDP2's ranks in each stage
-        ParallelStrategy.setup_environment(self)  # the device
-        self._setup_distributed()  # the process group; ModelParallelStrategy's own mesh is 2-D
-        degrees = (shape.pipeline_parallel, self._data_parallel_size, shape.tensor_parallel)
-        self._device_mesh = shared_mesh(self.root_device.type, degrees, MESH_DIMS)
-        self._lit_module._device_mesh = self._device_mesh
+        self._set_up_processes((shape.pipeline_parallel, self._data_parallel_size, shape.tensor_parallel), MESH_DIMS)
         if shape.context_parallel > 1:
             self._split_sequences(shape, (shape.pipeline_parallel,), ("pipeline",))
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
-from project.parallel.groups import release_groups
+from project.parallel.groups import release_group
 from project.training.callbacks.checkpoint import StepCheckpoint
 from project.training.callbacks.steps import OptimizerSteps
 
@@ -120,5 +120,5 @@ class StopOnSignal(Callback):
         for signum, handler in self._previous_handlers.items():
             signal.signal(signum, handler)
         self._previous_handlers = {}
-        release_groups([self._group])  # its sockets and threads: a rollback's fit makes a group of its own
+        release_group(self._group)  # its sockets and threads: a rollback's fit makes a group of its own
         self._group = None
