@@ -64,6 +64,8 @@ def test_the_cpu_check_times_the_step_compiled_and_eager_with_mfu_against_the_me
         flops = training_flops_per_token(load_preset("debug", correctness.VOCAB_SIZE), r["seq_len"])
         assert r["mfu"] == pytest.approx(flops * r["tokens_per_sec"] / peak, rel=1e-2)
         assert r["planner"]["tokens_per_sec"] > 0 and r["planner"]["memory_gib"] > 0
+        implied = r["planner"]["fraction"] * r["planner"]["tokens_per_sec"] / 0.5  # predicts what was measured
+        assert implied == pytest.approx(r["tokens_per_sec"], rel=1e-2)
     data = report["data_path"]
     assert data["status"] == "measured" and data["headroom"] == pytest.approx(
         data["loader_tokens_per_sec"] / data["step_tokens_per_sec"], rel=1e-2

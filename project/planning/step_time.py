@@ -58,13 +58,17 @@ class StepTime:
 
 def block_flops_per_token(config: LlamaConfig, seq_len: int, recompute: str) -> tuple[float, float]:
     """(model, hardware) FLOPs per token of one block's forward and backward. Model FLOPs are 6 per
-    parameter plus the attention term (project.model.flops); hardware FLOPs add what is recomputed: the
-    whole forward again under full recompute (x 4/3), QK^T again in a fused attention's backward otherwise."""
+    parameter plus the attention term over every pair of positions (PaLM's count, project.model.flops: what MFU
+    is measured against). Hardware FLOPs are what the kernels compute: a fused causal attention kernel (recompute
+    `selective` or `full`) only the pairs at or below the diagonal, half of them, where attention that keeps its
+    scores (`none`) multiplies every pair and masks; plus what is recomputed: the whole forward again under full
+    recompute (x 4/3), QK^T again in a fused attention's backward otherwise."""
     matmul = sum(w.rows * w.cols for w in block_weights(config) if w.cols > 1)
     attention = 12 * config.dim * seq_len
     model = 6 * matmul + attention
-    extra = {"full": 2 * matmul + attention / 3, "selective": attention / 6, "none": 0.0}[recompute]
-    return model, model + extra
+    computed = attention if recompute == "none" else attention / 2
+    extra = {"full": 2 * matmul + computed / 3, "selective": computed / 6, "none": 0.0}[recompute]
+    return model, 6 * matmul + computed + extra
 
 
 def head_flops_per_token(config: LlamaConfig, tokens: int = 1) -> float:
@@ -95,7 +99,7 @@ def step_time(
     tokens = seq_len * c.micro_batch_size // c.context_parallel  # per microbatch, on each rank
     _, block_hw = block_flops_per_token(config, seq_len, c.recompute)  # a token's attention spans the whole sequence
     if c.regather_kv and c.context_parallel > 1 and c.recompute != "full":  # attention's forward again, in backward
-        block_hw += 12 * config.dim * seq_len / 3
+        block_hw += 12 * config.dim * seq_len / 2 / 3  # a causal kernel's half of the pairs
 
     # The slowest pipeline rank's time per microbatch (the only rank without a pipeline).
     slowest = (0.0, 0.0, 0.0)

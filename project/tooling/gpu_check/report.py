@@ -118,11 +118,12 @@ def markdown(report: dict) -> str:
         "",
         "One device's training step (forward, float32 cross-entropy, backward, clipping, AdamW) on random tokens, "
         "compiled block by block and eager; MFU against the peak above. The planner's columns are its prediction "
-        "for the same model, micro batch and device (`project.planning`, achievable fraction 0.5).",
+        "for the same model, micro batch and device (`project.planning`, achievable fraction 0.5); the last column "
+        "is the achievable fraction at which it predicts the measured tokens/s (`project.plan achievable_fraction=`).",
         "",
         "| model | parameters | seq | micro batch | mode | precision | tokens/s | MFU | peak memory (GiB) | "
-        "planner tokens/s | planner MFU | planner memory (GiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "planner tokens/s | planner MFU | planner memory (GiB) | fraction measured |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report.get("speed", []):
         planned = r["planner"]
@@ -135,7 +136,7 @@ def markdown(report: dict) -> str:
             f"| {r['preset']} | {_count(r['parameters'])} | {r['seq_len']} | {r['micro_batch']} | {r['mode']} | "
             f"{r['precision']} | {measured} | {_number(r['mfu'], '.1%')} | {_number(r['peak_memory_gib'], '.1f')} | "
             f"{_number(planned.get('tokens_per_sec'), ',.0f')} | {_number(planned.get('mfu'), '.1%')} | "
-            f"{_number(planned.get('memory_gib'), '.1f')} |"
+            f"{_number(planned.get('memory_gib'), '.1f')} | {_number(planned.get('fraction'), '.3f')} |"
         )
     for left in report.get("speed_left_out", []):
         out.append(

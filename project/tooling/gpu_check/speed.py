@@ -253,6 +253,14 @@ def profile_steps(step, synchronize, device_type: str) -> dict:
     }
 
 
+def implied_fraction(measured: float | None, planned: dict) -> float | None:
+    """The achievable fraction at which the planner predicts the measured tokens/s: on one device its step time is
+    all compute, inversely proportional to the fraction. `project.plan achievable_fraction=` takes it."""
+    if not measured or not planned.get("tokens_per_sec"):
+        return None
+    return round(ACHIEVABLE_FRACTION * measured / planned["tokens_per_sec"], 4)
+
+
 def row(setting: Setting, outcome: dict, config: LlamaConfig, peak: float | None, planned: dict) -> dict:
     """One line of the speed table: the setting, what was measured, MFU against `peak`, the planner's figures."""
     flops = training_flops_per_token(config, setting.seq_len)
@@ -277,7 +285,7 @@ def row(setting: Setting, outcome: dict, config: LlamaConfig, peak: float | None
         **{k: outcome.get(k) for k in ("step_seconds", "tokens_per_sec", "peak_memory_gib", "loss", "loss_finite")},
         "profile": outcome.get("profile"),
         "mfu": round(flops * measured / peak, 4) if measured and peak else None,
-        "planner": planned,
+        "planner": {**planned, "fraction": implied_fraction(measured, planned)},
         "error": outcome.get("error", ""),
     }
 
