@@ -71,3 +71,18 @@ def test_a_signal_received_before_a_rollback_stops_the_fit_that_restarts():
     finally:
         restarted.teardown(None, None, "fit")  # type: ignore[arg-type]
         ended.teardown(None, None, "fit")  # type: ignore[arg-type]
+
+
+def test_a_signal_an_earlier_run_of_the_process_handed_on_does_not_stop_the_next_run(monkeypatch, tmp_path):
+    """A run whose last fit ended in an exception after a signal leaves it handed on; the next run the same process
+    starts (a sweep's next job, a notebook's next cell) begins without it."""
+    import signal
+
+    from project.training import run
+    from project.training.callbacks.preemption import StopOnSignal
+
+    seen = []
+    monkeypatch.setattr(run, "fit_once", lambda *args: seen.append(StopOnSignal._handed_on) or {})
+    monkeypatch.setattr(StopOnSignal, "_handed_on", signal.SIGTERM)  # what the earlier run left
+    run.fit(None, tmp_path, None)  # type: ignore[arg-type]
+    assert seen == [None]
