@@ -268,10 +268,10 @@ def assert_reproduces(run_dir, reference_dir):
     # 1.2e-4 for pp2 x dp2 x tp2 with sequence parallelism since the initial values of 2026-11-27.
     for step in reference_norms:
         assert norms[step] == pytest.approx(reference_norms[step], rel=2e-4), step
-    from project.checkpoint.files import load_full_checkpoint
+    from project.checkpoint.reshard import read_whole
 
-    weights = load_full_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
-    reference_weights = load_full_checkpoint(reference_dir / "checkpoints" / "last.ckpt")["state_dict"]
+    weights = read_whole(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
+    reference_weights = read_whole(reference_dir / "checkpoints" / "last.ckpt")["state_dict"]
     assert weights.keys() == reference_weights.keys()
     for name, value in reference_weights.items():
         # 12 AdamW steps of up to 3e-3 each: reductions summed in another order leave ~1e-6 differences, up to

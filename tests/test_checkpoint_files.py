@@ -4,16 +4,9 @@ import os
 
 import pytest
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
 
-from project.checkpoint.files import (
-    _index_keyed,
-    _name_keyed,
-    previous_checkpoint,
-    resolve_ckpt_path,
-    resumable_by,
-    swap_in,
-)
+from project.checkpoint.files import previous_checkpoint, resolve_ckpt_path, swap_in
+from project.checkpoint.reshard import by_name, by_position, read_whole
 from project.runtime.errors import ConfigError
 from project.training.lit_module import LlamaLitModule
 from tests.conftest import run_train
@@ -31,23 +24,45 @@ def stepped_module() -> tuple[LlamaLitModule, torch.optim.Optimizer]:
     return module, optimizer
 
 
+def order_of(module: LlamaLitModule) -> list[str]:
+    return module.optimizer_order([name for name, _ in module.named_parameters()])
+
+
 def test_optimizer_state_keyed_by_name_follows_the_optimizer_order_not_the_module_order():
     module, optimizer = stepped_module()
-    by_name = _name_keyed(optimizer.state_dict(), module.optimizer_parameter_names())
+    named = by_name(optimizer.state_dict(), order_of(module))
     shapes = dict(module.named_parameters())
-    assert set(by_name["state"]) == set(shapes)
-    for name, state in by_name["state"].items():
+    assert set(named["state"]) == set(shapes)
+    for name, state in named["state"].items():
         assert state["exp_avg"].shape == shapes[name].shape, name  # norms and matrices interleave in module order
-    assert by_name["param_groups"][1]["params"] == [n for n in shapes if n.endswith("norm.weight")]
+    assert named["param_groups"][1]["params"] == [n for n in shapes if n.endswith("norm.weight")]
 
 
 def test_optimizer_state_round_trips_between_name_and_position_keys():
     module, optimizer = stepped_module()
-    by_position = optimizer.state_dict()
-    back = _index_keyed(_name_keyed(by_position, module.optimizer_parameter_names()))
-    assert back["param_groups"] == by_position["param_groups"]
-    for i, state in by_position["state"].items():
+    positions = optimizer.state_dict()
+    back = by_position(by_name(positions, order_of(module)), order_of(module))
+    assert back["param_groups"] == positions["param_groups"]
+    for i, state in positions["state"].items():
         torch.testing.assert_close(back["state"][i], state, rtol=0, atol=0)
+
+
+def test_optimizer_state_of_another_model_is_refused_by_name():
+    module, optimizer = stepped_module()
+    with pytest.raises(ConfigError, match="holds 21 parameters, this model 3"):
+        by_name(optimizer.state_dict(), order_of(module)[:3])
+    with pytest.raises(ConfigError, match="holds state for model.norm.weight, which this model lacks"):
+        by_position(by_name(optimizer.state_dict(), order_of(module)), order_of(module)[:-1])
+
+
+def test_a_file_read_whole_gives_lightning_its_positions_whatever_the_file_keys_by(tmp_path):
+    module, optimizer = stepped_module()
+    path = tmp_path / "by-name.ckpt"
+    named = by_name(optimizer.state_dict(), order_of(module))  # as a sharded strategy's single file keys it
+    torch.save({"state_dict": module.state_dict(), "optimizer_states": [named]}, path)
+    whole = read_whole(path, module.optimizer_order)
+    assert whole["optimizer_states"][0]["param_groups"] == optimizer.state_dict()["param_groups"]
+    torch.testing.assert_close(whole["optimizer_states"][0]["state"], optimizer.state_dict()["state"])
 
 
 def test_a_saved_folder_replaces_the_previous_one_whole(tmp_path):
@@ -102,34 +117,6 @@ def test_a_stale_old_checkpoint_is_removed_by_the_next_file_save(tmp_path):
     assert previous_checkpoint(target) is None  # a later `ckpt_path=last` cannot fall back to it
 
 
-def test_processes_that_do_not_convert_wait_for_the_copy_and_give_up_clearly(tmp_path):
-    strategy = ModelParallelStrategy.__new__(ModelParallelStrategy)  # only its type matters here
-    with pytest.raises(ConfigError, match="waited 0 s for the first process to convert it"):
-        resumable_by(strategy, str(stepped_file(tmp_path)), tmp_path / "run", [], converts=False, wait_s=0)
-
-
-def stepped_file(tmp_path):
-    """A single-file checkpoint whose optimizer state is keyed by position."""
-    module, optimizer = stepped_module()
-    path = tmp_path / "single.ckpt"
-    torch.save({"state_dict": module.state_dict(), "optimizer_states": [optimizer.state_dict()]}, path)
-    return path
-
-
-def test_a_single_file_is_converted_once_for_a_sharded_strategy_with_optimizer_state_keyed_by_name(tmp_path):
-    module, _ = stepped_module()
-    strategy = ModelParallelStrategy.__new__(ModelParallelStrategy)
-    source = stepped_file(tmp_path)
-    converted = resumable_by(strategy, str(source), tmp_path, module.optimizer_parameter_names(), converts=True)
-    assert converted != str(source)
-    state = torch.load(converted, weights_only=False)["optimizer_states"][0]
-    assert set(state["state"]) == {name for name, _ in module.named_parameters()}
-    # every other process finds the same copy without converting it again
-    assert resumable_by(strategy, str(source), tmp_path, [], converts=False, wait_s=0) == converted
-    # and a copy keyed by name loads as it is
-    assert resumable_by(strategy, converted, tmp_path, [], converts=False, wait_s=0) == converted
-
-
 def test_a_failed_swap_on_rank_zero_is_an_error_on_every_rank(tmp_path):
     from types import SimpleNamespace
 
@@ -175,7 +162,8 @@ class _RunsCode:
 
 @pytest.mark.parametrize("damage", ["truncated", "runs_code", "not_a_checkpoint"])
 def test_a_damaged_or_code_carrying_checkpoint_is_refused_and_nothing_runs(tmp_path, damage):
-    from project.checkpoint.files import checkpoint_step, load_full_checkpoint
+    from project.checkpoint.files import checkpoint_step
+    from project.checkpoint.reshard import read_whole
 
     path = tmp_path / "last.ckpt"
     _RunsCode.marker = tmp_path / "code-ran"
@@ -187,7 +175,7 @@ def test_a_damaged_or_code_carrying_checkpoint_is_refused_and_nothing_runs(tmp_p
         torch.save({"global_step": 1, "payload": _RunsCode()}, path)
     else:
         path.write_text("not a checkpoint")
-    for read in (load_full_checkpoint, checkpoint_step):
+    for read in (read_whole, checkpoint_step):
         with pytest.raises(ConfigError, match=f"{path} is not a checkpoint this platform can read"):
             read(path)
     assert not _RunsCode.marker.exists()

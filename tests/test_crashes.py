@@ -17,7 +17,8 @@ import pytest
 import torch
 from warm_start import shared_server
 
-from project.checkpoint.files import checkpoint_step, load_full_checkpoint, resolve_ckpt_path
+from project.checkpoint.files import checkpoint_step, resolve_ckpt_path
+from project.checkpoint.reshard import read_whole
 from tests.conftest import PARITY_RUN, PIPELINE_RUN, ROOT, read_metrics, run_train, train_overrides
 
 pytestmark = pytest.mark.slow
@@ -90,8 +91,8 @@ def assert_same_run(run_dir: Path, reference: Path) -> None:
     """Bit for bit: every step's loss and gradient norm, and the final weights."""
     for column in ("train/loss", "train/grad_norm"):
         assert read_metrics(run_dir, column) == read_metrics(reference, column), column
-    weights = load_full_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
-    expected = load_full_checkpoint(reference / "checkpoints" / "last.ckpt")["state_dict"]
+    weights = read_whole(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
+    expected = read_whole(reference / "checkpoints" / "last.ckpt")["state_dict"]
     assert weights.keys() == expected.keys()
     assert all(torch.equal(weights[name], expected[name]) for name in expected)
 
@@ -140,9 +141,7 @@ def test_a_run_killed_while_it_saves_resumes_every_time(tiny_shards, tmp_path, l
             f"killed before change {kill}: {ended.stderr[-3000:]}"
         )
         found = resolve_ckpt_path("last", run)  # as the next run does
-        assert 1 <= checkpoint_step(found) < 24 and load_full_checkpoint(found)["state_dict"], (
-            f"killed before change {kill}"
-        )
+        assert 1 <= checkpoint_step(found) < 24 and read_whole(found)["state_dict"], f"killed before change {kill}"
     run_train(tiny_shards, run, *SAVE_RUN, *layout, "ckpt_path=last")
     assert_same_run(run, reference)
 

@@ -14,7 +14,8 @@ import time
 import pytest
 import torch
 
-from project.checkpoint.files import checkpoint_step, load_full_checkpoint
+from project.checkpoint.files import checkpoint_step
+from project.checkpoint.reshard import read_whole
 from tests.conftest import ROOT, read_metrics, run_module, run_train, train_overrides
 
 pytestmark = pytest.mark.slow
@@ -32,7 +33,7 @@ def test_a_nan_loss_stops_the_run_before_the_update_and_keeps_the_checkpoint(tin
     assert "error: step 3: the gradient norm is nan" in result.stderr and "Traceback" not in result.stderr
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert checkpoint_step(last) == 3  # the last good step's, not overwritten by the faulty one
-    assert all(torch.isfinite(t).all() for t in load_full_checkpoint(last)["state_dict"].values())
+    assert all(torch.isfinite(t).all() for t in read_whole(last)["state_dict"].values())
 
 
 def test_a_nan_at_a_step_that_does_not_log_stops_the_run_before_the_next_checkpoint(tiny_shards, tmp_path):
@@ -44,7 +45,7 @@ def test_a_nan_at_a_step_that_does_not_log_stops_the_run_before_the_next_checkpo
     assert "error: step 2: the gradient norm is nan" in result.stderr and "Traceback" not in result.stderr
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert checkpoint_step(last) == 2  # written after step 1; the one after step 3 was refused
-    assert all(torch.isfinite(t).all() for t in load_full_checkpoint(last)["state_dict"].values())
+    assert all(torch.isfinite(t).all() for t in read_whole(last)["state_dict"].values())
 
 
 def test_with_max_skipped_steps_a_nan_step_is_skipped_counted_and_training_goes_on(tiny_shards, tmp_path):
@@ -55,8 +56,7 @@ def test_with_max_skipped_steps_a_nan_step_is_skipped_counted_and_training_goes_
     assert skipped[2] == 0 and skipped[3] == 1 and skipped[7] == 1
     assert math.isnan(losses[3]) and all(math.isfinite(losses[s]) for s in (0, 1, 2, 4, 5, 6, 7))
     assert all(
-        torch.isfinite(t).all()
-        for t in load_full_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["state_dict"].values()
+        torch.isfinite(t).all() for t in read_whole(tmp_path / "checkpoints" / "last.ckpt")["state_dict"].values()
     )
 
 

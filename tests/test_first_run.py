@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import PARITY_RUN, PIPELINE_RUN, read_metrics, run_train
 
-from project.checkpoint.files import load_full_checkpoint
+from project.checkpoint.reshard import read_whole
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +39,6 @@ def test_the_run_that_prepares_its_data_trains_as_the_next_run(
     assert sorted(first) == sorted(second) and len(first) >= 10
     for step in second:
         assert first[step] == pytest.approx(second[step], rel=1e-6), step
-    weights = load_full_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")["state_dict"]
-    for name, value in load_full_checkpoint(later / "checkpoints" / "last.ckpt")["state_dict"].items():
+    weights = read_whole(tmp_path / "run" / "checkpoints" / "last.ckpt")["state_dict"]
+    for name, value in read_whole(later / "checkpoints" / "last.ckpt")["state_dict"].items():
         torch.testing.assert_close(weights[name], value, rtol=1e-6, atol=1e-7, msg=name)

@@ -110,7 +110,7 @@ def test_pipeline_checkpoints_resume_under_other_layouts_and_back(tiny_shards, u
 
 def test_pipeline_checkpoint_exports_to_transformers(tiny_shards, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from project.checkpoint.files import load_full_checkpoint
+    from project.checkpoint.reshard import read_whole
     from project.model.llama import Llama
     from project.training.lit_module import LlamaLitModule
 
@@ -118,7 +118,7 @@ def test_pipeline_checkpoint_exports_to_transformers(tiny_shards, tmp_path):
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
     result = run_module("project.export", [f"ckpt_path={ckpt}", f"output_dir={tmp_path / 'hf'}"])
     assert result.returncode == 0, result.stderr[-3000:]
-    full = load_full_checkpoint(ckpt)
+    full = read_whole(ckpt)
     ours = Llama(LlamaConfig(**full["hyper_parameters"]["model"])).eval()
     ours.load_state_dict({k.removeprefix("model."): v for k, v in full["state_dict"].items()})  # every stage's weights
     loaded = LlamaLitModule.load_from_checkpoint(ckpt).model  # the Python API reads the folder too

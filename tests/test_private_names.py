@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+from torch.distributed.tensor import DTensor
 
 from project.checkpoint.files import LIGHTNING_EXTRA
 
@@ -63,6 +64,13 @@ ATTRIBUTES = [
         "parallel/strategies/model_parallel.py (for the pipeline's too)",
         "the process group without ModelParallelStrategy's own mesh, which it makes anew for every fit (a rollback "
         "would keep each fit's groups: parallel/groups.py), and which is 2-D (the pipeline's is 3-D)",
+    ),
+    (
+        DTensor,
+        "__create_chunk_list__",
+        "checkpoint/reshard.py",
+        "a rank's piece of a DTensor (offsets and sizes), as torch's distributed checkpoint reads it, to cut from a "
+        "memory-mapped checkpoint file; the public distribute_tensor takes the whole tensor to the device first",
     ),
 ]
 # Names set on instances, so checked on one.

@@ -48,7 +48,7 @@ def test_every_checkpoint_format_resumes_under_every_other_family(tiny_shards, u
 
 def test_sharded_checkpoint_exports_to_transformers(tiny_shards, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from project.checkpoint.files import load_full_checkpoint
+    from project.checkpoint.reshard import read_whole
     from project.model.config import LlamaConfig
     from project.model.llama import Llama
     from project.training.lit_module import LlamaLitModule
@@ -59,7 +59,7 @@ def test_sharded_checkpoint_exports_to_transformers(tiny_shards, tmp_path):
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
     result = run_module("project.export", [f"ckpt_path={ckpt}", f"output_dir={tmp_path / 'hf'}"])
     assert result.returncode == 0, result.stderr[-3000:]
-    full = load_full_checkpoint(ckpt)
+    full = read_whole(ckpt)
     ours = Llama(LlamaConfig(**full["hyper_parameters"]["model"])).eval()
     ours.load_state_dict({k.removeprefix("model."): v for k, v in full["state_dict"].items()})
     # The Python API reads the sharded folder too, into the plain model.

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import PARITY_RUN, assert_reproduces, read_metrics, run_train
 
-from project.checkpoint.files import load_full_checkpoint
+from project.checkpoint.reshard import read_whole
 
 pytestmark = pytest.mark.slow
 
@@ -56,5 +56,5 @@ def test_fsdp2_computes_in_bfloat16_when_asked(tiny_shards, single_reference, tm
     for step in range(3):
         assert loss[step] != reference[step]  # float32 would agree to ~1e-7
         assert loss[step] == pytest.approx(reference[step], rel=2e-2)  # bfloat16 keeps about 3 significant digits
-    weights = load_full_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["state_dict"]
+    weights = read_whole(tmp_path / "checkpoints" / "last.ckpt")["state_dict"]
     assert all(w.dtype == torch.float32 for w in weights.values())  # the sharded master weights stay float32

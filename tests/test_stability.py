@@ -29,7 +29,7 @@ import torch
 from conftest import WEIGHT_ATOL, read_metrics, run_module, train_overrides
 from in_process import train_in_process
 
-from project.checkpoint.files import load_full_checkpoint
+from project.checkpoint.reshard import read_whole
 from project.config.stability import StabilityConfig
 from project.runtime.errors import TrainingStopped
 from project.training.stability import Rollback, SpikeDetector, escalate
@@ -137,8 +137,8 @@ def spike_records(run_dir) -> list[dict]:
 
 def assert_same_weights(run_dir, reference_dir) -> None:
     """The final weights, to the parity tests' tolerance (tests/conftest.py: assert_reproduces)."""
-    weights = load_full_checkpoint(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
-    for name, value in load_full_checkpoint(reference_dir / "checkpoints" / "last.ckpt")["state_dict"].items():
+    weights = read_whole(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
+    for name, value in read_whole(reference_dir / "checkpoints" / "last.ckpt")["state_dict"].items():
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=WEIGHT_ATOL, msg=name)
 
 
@@ -171,7 +171,7 @@ def test_rollback_trains_on_as_a_run_resumed_from_the_checkpoint_past_the_spikes
     # Left out: every batch read since the checkpoint (up to the spike's), and SKIP_BATCHES more.
     assert record["samples_left_out"] == [CHECKPOINT * BATCH, RESUME_SAMPLE] and "shift" not in record
     # Its checkpoints know it: a run resumed from them reads on where this one would, and counts the rollback.
-    checkpoint = load_full_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    checkpoint = read_whole(run_dir / "checkpoints" / "last.ckpt")
     data = next(v for k, v in checkpoint.items() if k.endswith("TokenShardDataModule"))
     assert data["samples_consumed"] == RESUME_SAMPLE + (STEPS - CHECKPOINT) * BATCH
     assert [r["spike_step"] for r in checkpoint["stability"]["rollbacks"]] == [SPIKE]
@@ -201,7 +201,7 @@ def test_past_max_rollbacks_the_run_stops_naming_the_spike_and_keeps_its_checkpo
         result.stderr
     )
     assert "Traceback" not in result.stderr
-    assert load_full_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == CHECKPOINT
+    assert read_whole(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == CHECKPOINT
 
 
 def robust_z(value: float, window: list[float], size: int) -> float:
@@ -420,7 +420,7 @@ def test_the_layers_gradient_norms_make_the_global_one_and_their_norms_the_check
     for step in NUMERICS_STEPS:
         total = math.sqrt(sum(figures[f"numerics/{layer}/grad_norm"][step] ** 2 for layer in layers))
         assert total == pytest.approx(norms[step], rel=1e-5), step
-    weights = load_full_checkpoint(runs["to-checkpoint"] / "checkpoints" / "last.ckpt")["state_dict"]
+    weights = read_whole(runs["to-checkpoint"] / "checkpoints" / "last.ckpt")["state_dict"]
 
     def layer_of(name: str) -> str:
         parts = name.split(".")  # model.layers.3.attention.wq.weight, model.tok_embeddings.weight, model.norm.weight

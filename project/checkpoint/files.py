@@ -1,24 +1,18 @@
-"""Read a training checkpoint in one process, whether a single file or a distributed-checkpoint folder."""
+"""Checkpoint files and folders: reading them safely, their records without their tensors, and putting a new one in
+place of the old."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import pickle
-import re
 import shutil
-import tempfile
-import time
 import zipfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_info
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from project.runtime.errors import ConfigError
 
@@ -106,35 +100,6 @@ def verify_sharded_checkpoint(folder: Path) -> None:
         raise refuse(str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__) from None
 
 
-def load_full_checkpoint(path: str | Path) -> dict[str, Any]:
-    """The Lightning checkpoint dict, with the whole (unsharded) state_dict, on the CPU.
-
-    Sharded strategies (fsdp with state_dict_type=sharded, fsdp2, tp, tp_fsdp) save `last.ckpt` as a
-    folder of torch.distributed.checkpoint shards, which torch consolidates here without a process group
-    (into one file in the temporary directory, $TMPDIR: it needs room for the whole checkpoint there).
-    FSDP1 stores the weights under "model", ModelParallelStrategy under "state_dict"; both keep optimizers
-    as "optimizer_0", ... (keyed by parameter name). The whole model must fit in CPU memory.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        return read_checkpoint_file(path)
-    verify_sharded_checkpoint(path)
-    with tempfile.TemporaryDirectory(prefix="whole-checkpoint-") as scratch:
-        whole = Path(scratch) / "checkpoint.pt"
-        dcp_to_torch_save(path, whole)
-        checkpoint = read_checkpoint_file(whole)
-    if (path / LIGHTNING_EXTRA).is_file():
-        checkpoint.update(read_checkpoint_file(path / LIGHTNING_EXTRA))
-    if "model" in checkpoint:
-        checkpoint["state_dict"] = checkpoint.pop("model")
-    optimizers = sorted(
-        (k for k in checkpoint if re.fullmatch(r"optimizer_\d+", k)), key=lambda k: int(k.split("_")[1])
-    )
-    if optimizers:
-        checkpoint["optimizer_states"] = [checkpoint.pop(k) for k in optimizers]
-    return checkpoint
-
-
 def checkpoint_metadata(path: str | Path) -> dict[str, Any]:
     """A checkpoint's (file or sharded folder) step, hyper-parameters and other records, without reading its tensors."""
     path = Path(path)
@@ -148,123 +113,6 @@ def checkpoint_metadata(path: str | Path) -> dict[str, Any]:
 def checkpoint_step(path: str | Path) -> int:
     """The optimizer steps a checkpoint (file or sharded folder) was trained for, without loading its tensors."""
     return int(checkpoint_metadata(path)["global_step"])
-
-
-def _keyed_by_name(optimizer_state: dict[str, Any]) -> bool:
-    params = [p for group in optimizer_state.get("param_groups", []) for p in group["params"]]
-    return not params or isinstance(params[0], str)
-
-
-def _rekeyed(optimizer_state: dict[str, Any], key: Mapping[Any, Any]) -> dict[str, Any]:
-    return {
-        "state": {key[k]: value for k, value in optimizer_state["state"].items()},
-        "param_groups": [
-            {**group, "params": [key[k] for k in group["params"]]} for group in optimizer_state["param_groups"]
-        ],
-    }
-
-
-def _index_keyed(optimizer_state: dict[str, Any]) -> dict[str, Any]:
-    """A distributed checkpoint keys optimizer state by parameter name; torch.optim wants positions."""
-    if not _keyed_by_name(optimizer_state):
-        return optimizer_state
-    names = [name for group in optimizer_state["param_groups"] for name in group["params"]]
-    return _rekeyed(optimizer_state, {name: i for i, name in enumerate(names)})
-
-
-def _name_keyed(optimizer_state: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """torch.optim's positions -> parameter names, given the names in the optimizer's order.
-
-    Lightning maps positions to names itself when a sharded strategy loads a single file, but in
-    the module's parameter order, which is not the optimizer's when there are several groups.
-    """
-    if _keyed_by_name(optimizer_state):
-        return optimizer_state
-    positions = sum(len(group["params"]) for group in optimizer_state["param_groups"])
-    if positions != len(names):
-        raise ConfigError(
-            f"the checkpoint's optimizer holds {positions} parameters, this model {len(names)}: "
-            "resume with the model config the checkpoint was trained with."
-        )
-    return _rekeyed(optimizer_state, dict(enumerate(names)))
-
-
-def checkpoint_format(path: str | Path) -> str:
-    """ "file" (one torch.save file), or the strategy family that wrote a sharded folder.
-
-    FSDP1 ("fsdp") keeps the weights under the top-level key "model", ModelParallelStrategy
-    ("model_parallel": fsdp2, tp, tp_fsdp) under "state_dict"; neither loads the other's folder.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        return "file"
-    verify_sharded_checkpoint(path)
-    keys = FileSystemReader(path).read_metadata().state_dict_metadata
-    return "fsdp" if any(key.startswith("model.") for key in keys) else "model_parallel"
-
-
-def _shards_by_name(strategy: Strategy) -> bool:
-    return isinstance(strategy, (FSDPStrategy, ModelParallelStrategy))
-
-
-def _loads_as_is(strategy: Strategy, path: Path) -> bool:
-    fmt = checkpoint_format(path)
-    if fmt != "file":  # a sharded strategy reshards its own family's folders as it loads them
-        return isinstance(strategy, {"fsdp": FSDPStrategy, "model_parallel": ModelParallelStrategy}[fmt])
-    if not _shards_by_name(strategy):
-        return True
-    optimizers = read_checkpoint_file(path, mmap=True).get("optimizer_states", [])
-    return all(_keyed_by_name(state) for state in optimizers)
-
-
-def _fingerprint(source: Path, by_name: bool) -> str:
-    """Names a conversion after its source's path, size and age: equal for all ranks, new when the source changes."""
-    files = [f for f in source.iterdir()] if source.is_dir() else [source]
-    stats = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-    return hashlib.sha1(repr((str(source.resolve()), stats, by_name)).encode()).hexdigest()[:12]
-
-
-def resumable_by(
-    strategy: Strategy,
-    ckpt_path: str | None,
-    run_dir: Path,
-    parameter_names: list[str],
-    converts: bool,
-    wait_s: float = 3600,
-) -> str | None:
-    """`ckpt_path`, or a single-file copy of it that `strategy` resumes from correctly.
-
-    Sharded strategies load folders of their own family (resharding them) and single files whose
-    optimizer state is keyed by parameter name; single-device and DDP runs load single files keyed
-    by position. Anything else is converted into checkpoints/resume-<fingerprint>.ckpt by the one
-    process with `converts` (the first of the run; the whole checkpoint passes through its CPU
-    memory) while the others wait for the file. `parameter_names` are the names in the
-    optimizer's order. StepCheckpoint deletes the copy once every rank has loaded it.
-    """
-    if ckpt_path is None or _loads_as_is(strategy, Path(ckpt_path)):
-        return ckpt_path
-    source, by_name = Path(ckpt_path), _shards_by_name(strategy)
-    target = run_dir / "checkpoints" / f"resume-{_fingerprint(source, by_name)}.ckpt"
-    if converts and not target.exists():
-        rank_zero_info(f"converting {source} for this layout into {target} ...")
-        checkpoint = load_full_checkpoint(source)
-        states = [_index_keyed(state) for state in checkpoint.get("optimizer_states", [])]
-        if by_name:
-            states = [_name_keyed(state, parameter_names) for state in states]
-        checkpoint["optimizer_states"] = states
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f".{target.name}.partial")  # written whole, then renamed into place
-        torch.save(checkpoint, partial)
-        os.replace(partial, target)
-    deadline = time.monotonic() + wait_s
-    while not target.exists():
-        if time.monotonic() > deadline:
-            raise ConfigError(
-                f"ckpt_path={ckpt_path}: waited {wait_s:.0f} s for the first process to convert it into {target}; "
-                "check that process's log, and that all processes share the run directory's file system."
-            )
-        time.sleep(1)
-    return str(target)
 
 
 def rebase_batch_progress(checkpoint: dict[str, Any], accumulate_grad_batches: int) -> None:

@@ -16,7 +16,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
 
-from project.checkpoint.files import load_full_checkpoint, rebase_batch_progress
+from project.checkpoint.files import rebase_batch_progress
+from project.checkpoint.reshard import read_whole
 from project.config.optim import OptimConfig
 from project.config.stability import StabilityConfig
 from project.data.datamodule import TokenShardDataModule
@@ -97,6 +98,10 @@ def check_resumable(
 def _settings(model: Mapping[str, Any], keys: list[str]) -> str:
     """`model.dim=64 model.n_kv_heads=null`, as the command line takes them."""
     return " ".join(f"model.{key}={'null' if model.get(key) is None else model.get(key)}" for key in keys)
+
+
+def _is_gain(name: str) -> bool:
+    return name.endswith("norm.weight")
 
 
 class LlamaLitModule(LightningModule):
@@ -182,7 +187,7 @@ class LlamaLitModule(LightningModule):
         if isinstance(checkpoint_path, (str, Path)) and Path(checkpoint_path).is_dir():
             # Lightning reads files only: hand it the folder's consolidated checkpoint as one, in memory.
             buffer = io.BytesIO()
-            torch.save(load_full_checkpoint(checkpoint_path), buffer)
+            torch.save(read_whole(checkpoint_path), buffer)
             buffer.seek(0)
             checkpoint_path = buffer
         return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
@@ -428,15 +433,17 @@ class LlamaLitModule(LightningModule):
         norm gains do not. Chosen by name, not by p.ndim: FSDP1 with use_orig_params exposes each
         parameter as a flat 1-D shard. Names are relative to this module, as in checkpoints."""
         named = [(f"model.{name}", p) for name, p in self.model.named_parameters() if p.requires_grad]
-        is_gain = [name.endswith("norm.weight") for name, _ in named]
+        is_gain = [_is_gain(name) for name, _ in named]
         return [
             (self.optim.weight_decay, [item for item, gain in zip(named, is_gain) if not gain]),
             (0.0, [item for item, gain in zip(named, is_gain) if gain]),
         ]
 
-    def optimizer_parameter_names(self) -> list[str]:
-        """Parameter names in the optimizer's order (torch.optim numbers them group after group)."""
-        return [name for _, group in self.decay_groups() for name, _ in group]
+    @staticmethod
+    def optimizer_order(names: list[str]) -> list[str]:
+        """The model's parameter names (in the model's order) as torch.optim numbers them: group after group of
+        `decay_groups`."""
+        return [n for n in names if not _is_gain(n)] + [n for n in names if _is_gain(n)]
 
     def configure_optimizers(self):
         groups = [{"params": [p for _, p in group], "weight_decay": decay} for decay, group in self.decay_groups()]

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
-from project.checkpoint.files import checkpoint_metadata, checkpoint_step, resolve_ckpt_path, resumable_by
+from project.checkpoint.files import checkpoint_metadata, checkpoint_step, resolve_ckpt_path
 from project.config.data import check_data, data_settings_differ
 from project.config.layout import Layout, plan_layout
 from project.data.datamodule import TokenShardDataModule
@@ -36,7 +36,7 @@ from project.runtime.secrets import redact_text, redacted_container, secret_valu
 from project.training.callbacks.preemption import REQUEUE_EXIT_STATUS, StopOnSignal
 from project.training.lit_module import check_resumable
 from project.training.stability import Rollback, RollbackRequested, describe, escalate
-from project.training.trainer import build_trainer, check_devices, devices_per_node, is_first_process, limit_cpu_threads
+from project.training.trainer import build_trainer, check_devices, devices_per_node, limit_cpu_threads
 
 
 def record_console(cfg: DictConfig, run_dir: Path) -> Callable[[], None]:
@@ -155,9 +155,6 @@ def fit_once(cfg: DictConfig, run_dir: Path, layout: Layout | None, restart: Res
     if trainer.is_global_zero and restart is None:  # only now: a refused or no-op start leaves the run's record
         OmegaConf.save(redacted_container(cfg), run_dir / "config.yaml")
         write_hydra_record(cfg, run_dir)
-    ckpt_path = resumable_by(
-        trainer.strategy, ckpt_path, run_dir, module.optimizer_parameter_names(), converts=is_first_process(trainer)
-    )
     if restart is None:  # the launcher that started this node's other ranks: the first fit's (Lightning's launcher
         # set LOCAL_RANK on this rank when it did, so that a later fit in the process launches nothing)
         watch_children(trainer.strategy.launcher)

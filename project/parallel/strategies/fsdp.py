@@ -16,6 +16,7 @@ from project.model.llama import Block, Llama
 from project.parallel.compiled import compile_blocks
 from project.parallel.contract import LlamaStrategy
 from project.parallel.groups import shared_mesh
+from project.parallel.strategies.loading import ShardedLoading
 from project.parallel.strategies.timeout import collective_timeout
 from project.runtime.errors import ConfigError
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
 
 
-class CPUCapableFSDPStrategy(LlamaStrategy, FSDPStrategy):
+class CPUCapableFSDPStrategy(ShardedLoading, LlamaStrategy, FSDPStrategy):
     """FSDPStrategy that also runs on CPU with gloo.
 
     Lightning refuses FSDP on CPU by checking `type(strategy) is FSDPStrategy` (a subclass passes);

@@ -21,6 +21,7 @@ from torch.distributed import ReduceOp
 from torchmetrics import Metric
 
 from project.parallel.contract import LlamaStrategy
+from project.parallel.strategies.loading import WholeModelLoading
 from project.parallel.strategies.timeout import collective_timeout
 from project.runtime.errors import ConfigError
 
@@ -92,7 +93,7 @@ class HorovodEnvironment(ClusterEnvironment):
         return self._hvd.cross_rank()
 
 
-class HorovodStrategy(LlamaStrategy, ParallelStrategy):
+class HorovodStrategy(WholeModelLoading, LlamaStrategy, ParallelStrategy):
     """One process per device; Horovod's DistributedOptimizer reduces the gradients before each step.
 
     The module's optimizer is wrapped once built; its learning-rate schedule keeps working through the

@@ -12,21 +12,17 @@ as in LlamaParallelStrategy.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule
 
-from project.checkpoint.files import read_checkpoint_file
 from project.model.llama import Llama
 from project.parallel.batch import BatchPlan
 from project.parallel.contract import TrainingModule
-from project.parallel.init import laid_out_like
 from project.parallel.mesh import MeshShape, mesh_shape
 from project.parallel.pipeline import LlamaStage, build_schedule, split_into_stages
 from project.parallel.pipeline_layout import SPLIT_BACKWARD, chunk_ranks, default_virtual_stages
@@ -286,36 +282,3 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
             every_stage = {name for stage in gathered for name in stage[i]}
             group["params"] = sorted(every_stage, key=self._parameter_order.__getitem__)
         return state
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """A folder loads as under ModelParallelStrategy: each rank reads its own parameters' shards.
-        A single file (keyed by parameter name: project.checkpoint.files converts one that is not) is read
-        by every rank, which cuts its own stage's shards from it locally; Lightning's way broadcasts
-        rank 0's parameters, which differ from the other stages'."""
-        path = Path(self.broadcast(checkpoint_path))
-        if path.is_dir():
-            return super().load_checkpoint(path, weights_only)
-        checkpoint = read_checkpoint_file(path, mmap=True)
-        module = self.model
-        assert module is not None  # the model is set up before a checkpoint is loaded into it
-        # This rank's parameters, sharded as they are here: a model's state dict holds tensors only.
-        mine = cast(dict[str, torch.Tensor], get_model_state_dict(module))
-        set_model_state_dict(
-            module, {name: laid_out_like(checkpoint["state_dict"][name], p) for name, p in mine.items()}
-        )
-        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
-            own: dict[str, Any] = {
-                "state": {
-                    name: {
-                        k: laid_out_like(v, mine[name]) if v.shape == mine[name].shape else v for k, v in values.items()
-                    }
-                    for name, values in state["state"].items()
-                    if name in mine
-                },
-                "param_groups": [
-                    {**group, "params": [n for n in group["params"] if n in mine]} for group in state["param_groups"]
-                ],
-            }
-            set_optimizer_state_dict(module, optimizer, own)
-        checkpoint.pop("state_dict")
-        return checkpoint

@@ -7,6 +7,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from project.parallel.compiled import CompiledBlocks
 from project.parallel.contract import LlamaStrategy
+from project.parallel.strategies.loading import WholeModelLoading
 
 
 def single_device_strategy(compile: bool = False) -> SingleDeviceStrategy:
@@ -15,7 +16,7 @@ def single_device_strategy(compile: bool = False) -> SingleDeviceStrategy:
     return CompiledSingleDeviceStrategy() if compile else TrainerDeviceStrategy()
 
 
-class TrainerDeviceStrategy(LlamaStrategy, SingleDeviceStrategy):
+class TrainerDeviceStrategy(WholeModelLoading, LlamaStrategy, SingleDeviceStrategy):
     """Lightning's single-device strategy on the device the trainer names (trainer.accelerator, trainer.devices).
 
     Given by name ("single_device"), Lightning builds SingleDeviceStrategy() on the CPU whatever the

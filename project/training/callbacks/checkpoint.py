@@ -62,11 +62,6 @@ class StepCheckpoint(ModelCheckpoint):
         super().on_train_start(trainer, pl_module)
         self._saved_at = time.monotonic()
         self._steps.start(trainer)
-        # Every rank has restored its checkpoint by now: a copy converted for this layout is spent.
-        trainer.strategy.barrier("checkpoint restored")
-        if trainer.is_global_zero and self.dirpath is not None:
-            for copy in [*Path(self.dirpath).glob("resume-*.ckpt"), *Path(self.dirpath).glob(".resume-*.partial")]:
-                copy.unlink()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._remove_replaced(trainer)
