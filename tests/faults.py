@@ -33,6 +33,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -138,6 +139,7 @@ class SaveWatch:
     save: int = 0
     active: bool = False
     changes: int = 0
+    in_save: bool = False
     kill_before: int | None = None
     originals: dict[str, Callable[..., Any]] = field(default_factory=dict)
 
@@ -209,24 +211,34 @@ def watch_saves(faults: list[Fault]) -> None:
         return
     watch = SaveWatch(kill_before=None)
     watch.install()
-    save = StepCheckpoint._save_checkpoint
+    save, swap_in = StepCheckpoint._save_checkpoint, StepCheckpoint._swap_in
+
+    def done(rank: int) -> None:
+        watch.active = False
+        if count:
+            print(f"faults: save {watch.save} of rank {rank} made {watch.changes} changes", file=sys.stderr, flush=True)
 
     def watched_save(checkpoint: StepCheckpoint, trainer: Trainer, filepath: str) -> None:
+        checkpoint.finish(trainer)  # the save before, written in the background (ckpt_async), ends in its own count
         watch.save += 1
         watch.active, watch.changes = True, 0
         watch.kill_before = kill.op if kill is not None and watch.save == kill.at else None
+        watch.in_save = True
         try:
             save(checkpoint, trainer, filepath)
         finally:
-            watch.active = False
-        if count:
-            print(
-                f"faults: save {watch.save} of rank {trainer.global_rank} made {watch.changes} changes",
-                file=sys.stderr,
-                flush=True,
-            )
+            watch.in_save = False
+            # Written in the background, the save goes on until rank 0 swaps it in (watched_swap_in) or the run ends.
+            if checkpoint._in_flight is None or not trainer.is_global_zero:
+                done(trainer.global_rank)
+
+    def watched_swap_in(staged: Path, target: Path) -> None:
+        swap_in(staged, target)
+        if watch.active and not watch.in_save:
+            done(0)  # only rank 0 swaps
 
     StepCheckpoint._save_checkpoint = watched_save
+    StepCheckpoint._swap_in = staticmethod(watched_swap_in)
 
 
 def with_faults(build_trainer, faults: list[Fault]):

@@ -29,13 +29,15 @@ def test_run_moves_from_tensor_parallel_to_fsdp2_to_one_device(tiny_shards, unin
 
 
 def test_every_checkpoint_format_resumes_under_every_other_family(tiny_shards, uninterrupted_reference, tmp_path):
-    """A single file, FSDP1 folders and ModelParallel folders each load under the other strategies."""
+    """A single file, FSDP1 folders and ModelParallel folders each load under the other strategies; those that can
+    write in the background (ckpt_async) do, and what they write resumes alike."""
     chain = [
-        [],  # one device writes a single file ...
+        ["ckpt_async=true"],  # one device writes a single file ...
         ["strategy=fsdp", "trainer.devices=2"],  # ... FSDP1 reads it (optimizer keyed by position) ...
-        ["strategy=fsdp2", "trainer.devices=2"],  # ... FSDP2 reads FSDP1's folder ...
+        ["strategy=fsdp2", "trainer.devices=2", "ckpt_async=true"],  # ... FSDP2 reads FSDP1's folder ...
         ["strategy=fsdp", "trainer.devices=2"],  # ... and FSDP1 FSDP2's ...
-        ["strategy=ddp", "trainer.devices=2"],  # ... and two DDP processes (Lightning starts the second) FSDP1's.
+        # ... and two DDP processes (Lightning starts the second) FSDP1's.
+        ["strategy=ddp", "trainer.devices=2", "ckpt_async=true"],
     ]
     for hop, layout in enumerate(chain):
         resume = ["ckpt_path=last"] if hop else []
@@ -71,3 +73,16 @@ def test_sharded_checkpoint_exports_to_transformers(tiny_shards, tmp_path):
     ids = torch.randint(0, 300, (1, 16))
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_a_strategy_that_cannot_write_in_the_background_refuses_ckpt_async_by_name():
+    from project.parallel.contract import contract_of
+    from project.parallel.strategies.fsdp import fsdp_strategy
+    from project.runtime.errors import ConfigError
+
+    fsdp = contract_of(fsdp_strategy())
+    fsdp.save_in_background(False)  # the default asks nothing of it
+    with pytest.raises(
+        ConfigError, match=r"ckpt_async=true: this strategy \(CPUCapableFSDPStrategy\) writes .* strategy=fsdp2 shards"
+    ):
+        fsdp.save_in_background(True)

@@ -87,6 +87,7 @@ BOOLEAN_SETTINGS = (
     "data.allow_repeats",
     "dry_run.enabled",
     "memory_check",
+    "ckpt_async",
 )
 _BOOLEAN = (True, False)
 _DTYPE_NAMES = (None, *DTYPE_NAMES)

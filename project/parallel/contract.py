@@ -4,7 +4,8 @@
 Lightning's own Strategy hooks (setup, backward, optimizer step, checkpoints) stay Lightning's. A Llama run
 needs a few more: how the model is built and sharded, the gradient norm over every shard (and sums of squares of
 any group of parameters, for per-layer numerics), how many processes share a node, which ranks read the same
-batch, the batch plan, and the loss of a step when the strategy runs the model itself (the pipeline). Every
+batch, the batch plan, the loss of a step when the strategy runs the model itself (the pipeline), and checkpoints
+written in the background. Every
 strategy of ours inherits `LlamaStrategy` beside its Lightning base and overrides what it does differently; the
 module, the run and the callbacks call these methods and never look for others.
 """
@@ -12,6 +13,7 @@ module, the run and the callbacks call these methods and never look for others.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
@@ -119,6 +121,27 @@ class LlamaStrategy:
         shard and pipeline stage, the same on every rank (per-layer numerics). Here: each rank holds whole tensors,
         the same on every rank."""
         return torch.stack([_local_sum_of_squares(group, device) for group in groups])
+
+    # -- checkpoints written in the background (ckpt_async) ----------------------------------------------------
+
+    def save_in_background(self, enabled: bool) -> None:
+        """From now on, `save_checkpoint` only copies the state to host memory and a thread writes it (`enabled`),
+        or writes it before it returns (the default). A strategy that cannot write in the background refuses."""
+        if enabled:
+            raise ConfigError(
+                f"ckpt_async=true: this strategy ({type(self).__name__}) writes its checkpoints while training waits. "
+                "strategy=fsdp2 shards as strategy=fsdp does and writes in the background (so do single, ddp, tp, "
+                "tp_fsdp, pipeline and horovod); or set ckpt_async=false."
+            )
+
+    def checkpoint_written(self) -> Future | None:
+        """The write of the last checkpoint saved, while it may be in flight: a future that every rank holds alike
+        (done where the rank writes nothing of it); None when saves are written before `save_checkpoint` returns."""
+        return None
+
+    def finish_checkpoint_writes(self) -> None:
+        """Wait for the write in flight, if any; one that failed on any rank ends the run on every rank, naming it.
+        Every rank calls it at the same point (a save, the end of training)."""
 
 
 def _local_sum_of_squares(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:

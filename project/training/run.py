@@ -130,6 +130,7 @@ def fit_once(cfg: DictConfig, run_dir: Path, layout: Layout | None, restart: Res
     strategy = instantiate(cfg.strategy, _convert_="all")
     layout = layout or plan_layout(cfg, cfg.trainer.get("num_nodes", 1), devices_per_node(cfg))
     contract_of(strategy).plan_batches(layout.plan)  # the pipeline's microbatches
+    contract_of(strategy).save_in_background(bool(cfg.get("ckpt_async", False)))
     trainer = build_trainer(cfg, run_dir, strategy, layout)
     check_devices(cfg, trainer)
     limit_cpu_threads(trainer, cfg.threads_per_process)

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from project.parallel.compiled import CompiledBlocks
 from project.parallel.contract import LlamaStrategy
 from project.parallel.strategies.loading import WholeModelLoading
+from project.parallel.strategies.saving import BackgroundSaving
 from project.parallel.strategies.timeout import collective_timeout
 from project.runtime.errors import ConfigError
 
@@ -23,7 +24,7 @@ def _allreduce_sum(
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-class GlooFriendlyDDPStrategy(WholeModelLoading, LlamaStrategy, DDPStrategy):
+class GlooFriendlyDDPStrategy(BackgroundSaving, WholeModelLoading, LlamaStrategy, DDPStrategy):
     """DDPStrategy that registers its communication hook on CPU (gloo) too.
 
     Lightning registers `ddp_comm_hook` only when the root device is CUDA and silently drops it

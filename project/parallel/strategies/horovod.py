@@ -22,6 +22,7 @@ from torchmetrics import Metric
 
 from project.parallel.contract import LlamaStrategy
 from project.parallel.strategies.loading import WholeModelLoading
+from project.parallel.strategies.saving import BackgroundSaving
 from project.parallel.strategies.timeout import collective_timeout
 from project.runtime.errors import ConfigError
 
@@ -93,7 +94,7 @@ class HorovodEnvironment(ClusterEnvironment):
         return self._hvd.cross_rank()
 
 
-class HorovodStrategy(WholeModelLoading, LlamaStrategy, ParallelStrategy):
+class HorovodStrategy(BackgroundSaving, WholeModelLoading, LlamaStrategy, ParallelStrategy):
     """One process per device; Horovod's DistributedOptimizer reduces the gradients before each step.
 
     The module's optimizer is wrapped once built; its learning-rate schedule keeps working through the

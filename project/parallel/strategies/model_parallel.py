@@ -25,6 +25,7 @@ from project.parallel.groups import shared_mesh
 from project.parallel.init import materialize
 from project.parallel.mesh import MeshShape, mesh_shape
 from project.parallel.strategies.loading import ShardedLoading
+from project.parallel.strategies.saving import ShardedBackgroundSaving
 from project.parallel.strategies.timeout import collective_timeout
 from project.parallel.tensor_parallel import apply_tensor_parallel
 from project.runtime.errors import ConfigError
@@ -39,7 +40,7 @@ def checkpoint_activations(block: nn.Module) -> None:
     block.forward = lambda *args: checkpoint(forward, *args, use_reentrant=False)
 
 
-class LlamaParallelStrategy(ShardedLoading, LlamaStrategy, ModelParallelStrategy):
+class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrategy, ModelParallelStrategy):
     """The mesh is (data_parallel, tensor_parallel); `parallelize` runs in configure_model.
 
     Order, as in torchtitan: the tensor-parallel plan on the `tensor_parallel` dimension, activation

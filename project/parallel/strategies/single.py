@@ -8,6 +8,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from project.parallel.compiled import CompiledBlocks
 from project.parallel.contract import LlamaStrategy
 from project.parallel.strategies.loading import WholeModelLoading
+from project.parallel.strategies.saving import BackgroundSaving
 
 
 def single_device_strategy(compile: bool = False) -> SingleDeviceStrategy:
@@ -16,7 +17,7 @@ def single_device_strategy(compile: bool = False) -> SingleDeviceStrategy:
     return CompiledSingleDeviceStrategy() if compile else TrainerDeviceStrategy()
 
 
-class TrainerDeviceStrategy(WholeModelLoading, LlamaStrategy, SingleDeviceStrategy):
+class TrainerDeviceStrategy(BackgroundSaving, WholeModelLoading, LlamaStrategy, SingleDeviceStrategy):
     """Lightning's single-device strategy on the device the trainer names (trainer.accelerator, trainer.devices).
 
     Given by name ("single_device"), Lightning builds SingleDeviceStrategy() on the CPU whatever the

@@ -4,7 +4,9 @@ checkpoint by val/loss; both with a write the file system refuses (a full disk) 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 from weakref import proxy
@@ -15,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.checkpoint.api import CheckpointException
 
 from project.checkpoint.files import remove, swap_in
+from project.parallel.contract import contract_of
 from project.runtime.errors import ConfigError
 from project.training.callbacks.steps import OptimizerSteps
 
@@ -31,7 +34,9 @@ class StepCheckpoint(ModelCheckpoint):
 
     Each save is written beside last.ckpt and then swapped in, so a run killed while saving
     (preemption, out of memory) keeps its previous last.ckpt; one of another layout's format (a
-    sharded folder, now a single file, or the reverse) is kept under another name.
+    sharded folder, now a single file, or the reverse) is kept under another name. Written in the background
+    (ckpt_async), it is swapped in once written: by rank 0 as soon as it sees the write ended (at the start of a
+    batch), else before the next save and at the end of training, where every rank waits for it.
     """
 
     def __init__(self, every_minutes: float | None = None, check_every_n_steps: int = 10, **kwargs: Any):
@@ -42,6 +47,7 @@ class StepCheckpoint(ModelCheckpoint):
         self.check_every_n_steps = check_every_n_steps
         self._saved_at = time.monotonic()
         self._steps = OptimizerSteps()
+        self._in_flight: InFlight | None = None  # a save being written in the background, to swap in once written
 
     @property
     def state_key(self) -> str:
@@ -64,11 +70,43 @@ class StepCheckpoint(ModelCheckpoint):
         self._steps.start(trainer)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        written = self._in_flight
+        if written is not None and trainer.is_global_zero and written.future.done() and not written.swapped:
+            if written.future.exception() is None:  # a failed write is reported where every rank agrees
+                self._swap_in(written.staged, written.target)
+                written.swapped = True
         self._remove_replaced(trainer)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
+        self.finish(trainer)
         self._remove_replaced(trainer)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # A rollback builds the run again in this process: the write must not go on into the next fit's saves.
+        if self._in_flight is not None:
+            with suppress(Exception):
+                self._in_flight.future.result()
+            self._in_flight = None
+
+    def finish(self, trainer: Trainer) -> None:
+        """Wait for a save written in the background (every rank), and put it in place."""
+        written, self._in_flight = self._in_flight, None
+        if written is None:
+            return
+        try:
+            contract_of(trainer.strategy).finish_checkpoint_writes()  # a failed write ends the run here, named
+        except ConfigError:
+            self._on_rank_zero(trainer, remove, written.staged)  # nothing half written is left beside the last one
+            raise
+        swap = (lambda staged, target: None) if written.swapped else self._swap_in  # rank 0's record decides
+        self._on_rank_zero(trainer, swap, written.staged, written.target)
+
+    @staticmethod
+    def _swap_in(staged: Path, target: Path) -> None:
+        kept = swap_in(staged, target, False)
+        if kept is not None:
+            rank_zero_info(f"the previous {target.name}, of another layout's format, is now {kept}")
 
     def _remove_replaced(self, trainer: Trainer) -> None:
         if trainer.is_global_zero and self._last_checkpoint_saved:
@@ -91,6 +129,7 @@ class StepCheckpoint(ModelCheckpoint):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        self.finish(trainer)  # one in flight at most: the one before is in place first
         staged = Path(f"{filepath}.partial")
         # Only rank 0 touches the files; the others learn whether it worked (or they would wait for
         # it at the next collective until the process group times out).
@@ -99,9 +138,12 @@ class StepCheckpoint(ModelCheckpoint):
             trainer.save_checkpoint(staged, self.save_weights_only)  # ends with a barrier: every rank has written
         # The replaced checkpoint is removed at the next step, not here: Lightning logs this step's metrics
         # after the save returns, and a run killed between the swap and that row would lose the row for good.
-        kept = self._on_rank_zero(trainer, swap_in, staged, Path(filepath), False)
-        if kept is not None:
-            rank_zero_info(f"the previous {Path(filepath).name}, of another layout's format, is now {kept}")
+        future = contract_of(trainer.strategy).checkpoint_written()
+        written = InFlight(staged, Path(filepath), future if future is not None else done())
+        if future is None:  # written already
+            self._on_rank_zero(trainer, self._swap_in, staged, Path(filepath))
+        else:
+            self._in_flight = written
         self._last_global_step_saved = trainer.global_step
         self._last_checkpoint_saved = filepath
         self._saved_at = time.monotonic()
@@ -125,6 +167,22 @@ class StepCheckpoint(ModelCheckpoint):
                 "directory> ckpt_path=last."
             )
         return value
+
+
+@dataclass
+class InFlight:
+    """A save of last.ckpt: written (or being written) to `staged`, to be swapped in at `target`."""
+
+    staged: Path
+    target: Path
+    future: Future  # the write, going on in the background or done
+    swapped: bool = False
+
+
+def done() -> Future:
+    finished: Future = Future()
+    finished.set_result(None)
+    return finished
 
 
 class BestCheckpoint(ModelCheckpoint):

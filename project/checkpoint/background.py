@@ -1,0 +1,78 @@
+"""Checkpoints written in the background (`ckpt_async=true`).
+
+The step that saves copies the training state to host memory, into staging buffers kept from one save to the next
+(torch's distributed-checkpoint stager, which reuses a buffer for each tensor it staged before), and training goes on
+while a thread writes the copy: a folder of shards through torch's distributed checkpoint `async_save`, or one file
+through the strategy's checkpoint IO. One write at a time: `wait` returns when the one in flight has ended.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+
+class BackgroundWriter:
+    """Writes one checkpoint at a time in a thread, from a copy made in host memory as the save is asked for."""
+
+    def __init__(self, pinned: bool):
+        # Staged while the caller waits (the state must not change while it is copied); pinned on a GPU, where
+        # the copy from the device is then faster.
+        options = StagingOptions(
+            use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+        )
+        self._stager = DefaultStager(options)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self.in_flight: Future | None = None
+        self.path: Path | None = None  # where the write in flight goes
+
+    def write_folder(self, state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> Future:
+        """A distributed checkpoint of `state` (every rank its shards) in the folder `path`; `group` must have a CPU
+        backend (gloo): the ranks agree on the metadata from the writing thread."""
+        written = dcp.async_save(state, checkpoint_id=str(path), process_group=group, async_stager=self._stager)
+        assert isinstance(written, Future)  # staged in this thread, so the future is the write's
+        return self._started(written, path)
+
+    def write_file(self, checkpoint: dict[str, Any], path: Path, write: Callable[[Any, Path], Any]) -> Future:
+        """`write(copy, path)` in the thread, `copy` the checkpoint's tensors staged in host memory."""
+        staged = self._stager.stage(checkpoint)  # staged here (not asynchronous staging): the copy itself
+        return self._started(self._thread.submit(write, staged, path), path)
+
+    def nothing_to_write(self, path: Path) -> Future:
+        """A rank that writes nothing of this save (DDP's others) holds a finished write, like the rank that does."""
+        done: Future = Future()
+        done.set_result(None)
+        return self._started(done, path)
+
+    def _started(self, written: Future, path: Path) -> Future:
+        self.in_flight, self.path = written, path
+        return written
+
+    def wait(self) -> tuple[Path | None, BaseException | None]:
+        """Wait for the write in flight: (its path, its error, if it failed); (None, None) when none was."""
+        written, path = self.in_flight, self.path
+        self.in_flight = self.path = None
+        if written is None:
+            return None, None
+        try:
+            written.result()
+        except BaseException as error:  # reported by the caller, which agrees with the other ranks first
+            return path, error
+        return path, None
+
+    def close(self) -> None:
+        self.wait()
+        self._thread.shutdown(wait=True)
+        self._stager.close()
+
+
+def cause_of(error: BaseException) -> BaseException:
+    """What made a write fail: for torch's distributed checkpoint, which gathers every rank's failure with its
+    traceback, the first rank's own error (a full disk's OSError first)."""
+    failures = [failure for failure, _ in getattr(error, "failures", {}).values()]  # CheckpointException's
+    return next((f for f in failures if isinstance(f, OSError)), failures[0] if failures else error)

@@ -1,0 +1,93 @@
+"""Checkpoints written in the background (`ckpt_async=true`, project.checkpoint.background) by our strategies that
+write a folder of shards (ModelParallelStrategy's: fsdp2, tp, tp_fsdp, context parallel, pipeline) or one file from
+rank 0 (one device, DDP, Horovod): Lightning's `save_checkpoint` hook copies the state to host memory and returns,
+and the contract's `checkpoint_written` and `finish_checkpoint_writes` (project.parallel.contract) follow the write.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from project.checkpoint.background import BackgroundWriter, cause_of
+from project.checkpoint.files import LIGHTNING_EXTRA
+from project.parallel.groups import release_group
+from project.runtime.errors import ConfigError
+
+
+class BackgroundSaving:
+    """The contract's background saves; a strategy's family says how a save is written (`_write_in_background`)."""
+
+    _in_background = False
+    _writer: BackgroundWriter | None = None  # made at the first save, once the device is known
+
+    def save_in_background(self, enabled: bool) -> None:
+        self._in_background = enabled
+
+    def checkpoint_written(self) -> Future | None:
+        return self._writer.in_flight if self._writer is not None else None
+
+    def finish_checkpoint_writes(self) -> None:
+        if self._writer is None or self._writer.in_flight is None:  # alike on every rank: each holds a write
+            return
+        path, error = self._writer.wait()
+        if cast(Any, self).reduce_boolean_decision(error is not None, all=False):
+            cause = cause_of(error) if error is not None else None
+            reason = f"{type(cause).__name__}: {cause}" if cause is not None else "on another rank"
+            raise ConfigError(
+                f"the checkpoint written in the background to {path} failed ({reason}). The checkpoint before it is "
+                "kept, and the run resumes from it: free space or fix the permissions there, then resume with "
+                "hydra.run.dir=<this run's directory> ckpt_path=last (or ckpt_async=false to write in the foreground)."
+            )
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        strategy = cast(Any, self)
+        if not self._in_background:
+            return cast(Any, super()).save_checkpoint(checkpoint, filepath, storage_options)
+        self.finish_checkpoint_writes()  # one write at a time: the one before ends first
+        if self._writer is None:
+            self._writer = BackgroundWriter(pinned=strategy.root_device.type == "cuda")
+        self._write_in_background(self._writer, checkpoint, Path(strategy.broadcast(filepath)))
+
+    def _write_in_background(self, writer: BackgroundWriter, checkpoint: dict[str, Any], path: Path) -> None:
+        """One file, written by rank 0 through the strategy's checkpoint IO."""
+        strategy = cast(Any, self)
+        if strategy.is_global_zero:
+            writer.write_file(checkpoint, path, strategy.checkpoint_io.save_checkpoint)
+        else:
+            writer.nothing_to_write(path)
+
+    def teardown(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        cast(Any, super()).teardown()
+
+
+class ShardedBackgroundSaving(BackgroundSaving):
+    """ModelParallelStrategy's folder of shards (state_dict, optimizer_0, ... and Lightning's records in meta.pt),
+    every rank writing its own through torch's async_save."""
+
+    _host_group: dist.ProcessGroup | None = None
+
+    def _write_in_background(self, writer: BackgroundWriter, checkpoint: dict[str, Any], path: Path) -> None:
+        strategy = cast(Any, self)
+        if path.is_file():
+            path.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        if self._host_group is None:  # the writing thread agrees on the metadata over a group of its own (gloo):
+            self._host_group = dist.new_group(backend="gloo")  # on training's, its calls would mix with training's
+        writer.write_folder(state, path, self._host_group)
+        if strategy.global_rank == 0:
+            torch.save(checkpoint, path / LIGHTNING_EXTRA)
+
+    def teardown(self) -> None:
+        super().teardown()
+        release_group(self._host_group)
+        self._host_group = None
