@@ -116,6 +116,7 @@ bench: install $(VENV)/litgpt-reference/.installed
 	$(PY) -m project.tooling.bench_document_mask  # building the document mask: dense, torch's block mask, ours (-document-mask.*)
 	$(PY) -m project.tooling.bench_context_parallel  # cp=1 against 2 on 2 processes, 1,024 to 8,192 tokens, beside the planner (-context-parallel.*)
 	$(PY) -m project.tooling.bench_comms  # collectives per step and rank of every layout, measured beside the planner's (-comms.*)
+	$(PY) -m project.tooling.bench_checkpoint  # training time lost per save, foreground against background, fsdp2 on 2 (-checkpoint.*)
 	$(PY) -m project.tooling.bench_stability  # loss-spike actions on make train's run, prose and poisoned prose (-stability.*), ~20 minutes
 
 # On a machine with GPUs: ten minutes that prove they train (fp32, bf16, compile, FSDP2, and DDP, tensor parallel

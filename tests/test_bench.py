@@ -419,3 +419,24 @@ def test_stability_bench_refuses_unknown_corpora_and_poisons_about_five_percent_
         {**row, "action": "skip", "val_loss": 4.1, "clean_val_loss": 4.02},
     ]}  # fmt: skip
     assert "| prose | skip | 4.1000 | 4.0200 | +0.50% | none | 3 | none | no |" in table(report)
+
+
+def test_checkpoint_bench_charges_each_save_to_the_step_after_it_and_refuses_runs_without_one(monkeypatch, tmp_path):
+    """bench_checkpoint's arithmetic: a save after step k (every `every` steps, the last step's left out) shows in
+    step k + 1's time; the time lost per save is the extra time of the timed steps over the run that saves none."""
+    from project.runtime.errors import ConfigError
+    from project.tooling import bench_checkpoint
+
+    steps, every, stall = 14, 4, {"none": 0.0, "foreground": 0.5, "background": 0.1}
+
+    def run(size, mode, steps, every, data, scratch):
+        return {s: 1.0 + (stall[mode] if (s - 1) % every == 0 and s - 1 < steps - 1 else 0.0) for s in range(3, steps)}
+
+    monkeypatch.setattr(bench_checkpoint, "run", run)
+    row = bench_checkpoint.measure("small", steps, every, tmp_path, tmp_path)
+    assert row["saves"] == 3  # after steps 4, 8 and 12; the one after 13, the last, is waited for at the end
+    assert row["lost_per_save"] == pytest.approx({"foreground": 0.5, "background": 0.1})
+    assert row["background_over_foreground"] == pytest.approx(0.2)
+    for bad in (["steps=4", "every=4"], ["every=2"], ["sizes=huge"]):
+        with pytest.raises(ConfigError):
+            bench_checkpoint.parse(bad)

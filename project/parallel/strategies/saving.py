@@ -12,6 +12,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
 
 from project.checkpoint.background import BackgroundWriter, cause_of
 from project.checkpoint.files import LIGHTNING_EXTRA
@@ -51,6 +52,12 @@ class BackgroundSaving:
         self.finish_checkpoint_writes()  # one write at a time: the one before ends first
         if self._writer is None:
             self._writer = BackgroundWriter(pinned=strategy.root_device.type == "cuda")
+            if strategy.root_device.type == "cpu":
+                rank_zero_warn(
+                    "ckpt_async=true on the CPU: the thread that writes each checkpoint takes its time from training "
+                    "on the same cores, so a save may cost more than in the foreground (docs/performance.md). It pays "
+                    "where training leaves the host's cores idle (a GPU node); here ckpt_async=false may be faster."
+                )
         self._write_in_background(self._writer, checkpoint, Path(strategy.broadcast(filepath)))
 
     def _write_in_background(self, writer: BackgroundWriter, checkpoint: dict[str, Any], path: Path) -> None:
