@@ -25,7 +25,7 @@ def stepped_module() -> tuple[LlamaLitModule, torch.optim.Optimizer]:
 
 
 def order_of(module: LlamaLitModule) -> list[str]:
-    return module.optimizer_order([name for name, _ in module.named_parameters()])
+    return module.optimizer_order()
 
 
 def test_optimizer_state_keyed_by_name_follows_the_optimizer_order_not_the_module_order():
@@ -60,7 +60,7 @@ def test_a_file_read_whole_gives_lightning_its_positions_whatever_the_file_keys_
     path = tmp_path / "by-name.ckpt"
     named = by_name(optimizer.state_dict(), order_of(module))  # as a sharded strategy's single file keys it
     torch.save({"state_dict": module.state_dict(), "optimizer_states": [named]}, path)
-    whole = read_whole(path, module.optimizer_order)
+    whole = read_whole(path, module.optimizer_order())
     assert whole["optimizer_states"][0]["param_groups"] == optimizer.state_dict()["param_groups"]
     torch.testing.assert_close(whole["optimizer_states"][0]["state"], optimizer.state_dict()["state"])
 
@@ -265,3 +265,16 @@ def test_a_sharded_checkpoint_whose_entries_would_run_code_is_refused_and_torch_
     )
     subprocess.run([sys.executable, "-c", load], check=True, capture_output=True)
     assert marker.exists()
+
+
+def test_a_tied_model_numbers_its_embedding_once_as_the_optimizer_does():
+    """A tied output matrix is the embedding parameter: the state dict names it twice, the optimizer holds it once."""
+    module = LlamaLitModule(model={**MODEL, "tie_embeddings": True}, optim={"lr": 1e-3, "warmup_steps": 0})
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for _, p in group], "weight_decay": decay} for decay, group in module.decay_groups()]
+    )
+    module.model(torch.randint(0, 64, (2, 8))).sum().backward()
+    optimizer.step()
+    assert len(module.state_dict()) == len(order_of(module)) + 1
+    named = by_name(optimizer.state_dict(), order_of(module))
+    assert "model.tok_embeddings.weight" in named["state"] and "model.output.weight" not in named["state"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,17 +33,16 @@ from torch.distributed.tensor import DTensor
 from project.checkpoint.files import LIGHTNING_EXTRA, read_checkpoint_file, verify_sharded_checkpoint
 from project.runtime.errors import ConfigError
 
-Order = Callable[[list[str]], list[str]]  # the model's parameter names -> the optimizer's order of them
 WEIGHT_KEYS = ("state_dict", "model")  # where a folder keeps the weights: ModelParallelStrategy's, FSDP1's
 
 
 def load_resharded(
-    module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], path: Path, optimizer_order: Order
+    module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], path: Path, optimizer_order: list[str]
 ) -> dict[str, Any]:
     """Fill `module` (as the strategy wrapped it) and `optimizers` from the checkpoint at `path`, a file or a folder
     of any strategy family; the checkpoint's other entries (step, loops, callbacks' and the module's records).
-    `optimizer_order`: the model's parameter names in the order the optimizer numbers them, for a file that keys
-    AdamW's state by position (one device's, DDP's)."""
+    `optimizer_order`: the whole model's parameter names in the order the optimizer numbers them, for a file that
+    keys AdamW's state by position (one device's, DDP's)."""
     if len(optimizers) > 1:
         raise NotImplementedError("a checkpoint is loaded into one optimizer")  # the module builds one AdamW
     for optimizer in optimizers:
@@ -103,7 +102,7 @@ def _from_folder(path: Path, model_state: dict, optimizer_state: dict | None) ->
     return read_checkpoint_file(path / LIGHTNING_EXTRA) if (path / LIGHTNING_EXTRA).is_file() else {}
 
 
-def _from_file(path: Path, model_state: dict, optimizer_state: dict | None, order: Order) -> dict[str, Any]:
+def _from_file(path: Path, model_state: dict, optimizer_state: dict | None, order: list[str]) -> dict[str, Any]:
     checkpoint = read_checkpoint_file(path, mmap=True)  # tensors stay on disk until a piece of them is read
     whole = checkpoint.pop("state_dict")
     missing = sorted(set(model_state) - set(whole))
@@ -118,7 +117,7 @@ def _from_file(path: Path, model_state: dict, optimizer_state: dict | None, orde
     if optimizer_state is not None:
         if not stored_optimizers:
             raise ConfigError(f"{path} holds no optimizer state: resume from a training checkpoint, not weights only.")
-        stored = by_name(stored_optimizers[0], order(list(whole)))
+        stored = by_name(stored_optimizers[0], order)
         for name, values in optimizer_state["state"].items():
             for k, target in values.items():
                 values[k] = cut_like(stored["state"][name][k], target)
@@ -127,17 +126,17 @@ def _from_file(path: Path, model_state: dict, optimizer_state: dict | None, orde
     return checkpoint
 
 
-def read_whole(path: str | Path, optimizer_order: Order | None = None) -> dict[str, Any]:
+def read_whole(path: str | Path, optimizer_order: list[str] | None = None) -> dict[str, Any]:
     """The checkpoint at `path` (a file, or a folder of any sharded family) in Lightning's own form, whole, in this
     process's memory: the weights under `state_dict`, AdamW's state under `optimizer_states`, keyed by position in
-    `optimizer_order` of the weights' names where given (as torch.optim loads it), else as stored."""
+    `optimizer_order` (the whole model's parameter names) where given, as torch.optim loads it; else as stored."""
     path = Path(path)
     if path.is_dir():
         checkpoint = _whole_folder(path)
     else:
         checkpoint = read_checkpoint_file(path)
     if optimizer_order is not None:
-        names = optimizer_order(list(checkpoint["state_dict"]))
+        names = optimizer_order
         checkpoint["optimizer_states"] = [
             by_position(by_name(state, names), names) for state in checkpoint.get("optimizer_states", [])
         ]

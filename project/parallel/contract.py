@@ -51,10 +51,10 @@ class TrainingModule(Protocol):
 
     def zero_grad(self, set_to_none: bool = True) -> None: ...
 
-    def optimizer_order(self, names: list[str]) -> list[str]:
-        """The whole model's parameter names (`model.<name>`, in the model's order, as checkpoints hold them) in the
-        order the optimizer numbers them: a checkpoint of one device or DDP keys AdamW's state by that position
-        (project.checkpoint.reshard)."""
+    def optimizer_order(self) -> list[str]:
+        """The whole model's parameter names (`model.<name>`, as checkpoints hold them) in the order the optimizer
+        numbers them, whatever part of the model this rank holds: a checkpoint of one device or DDP keys AdamW's
+        state by that position (project.checkpoint.reshard)."""
         ...
 
 

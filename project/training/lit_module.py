@@ -439,10 +439,12 @@ class LlamaLitModule(LightningModule):
             (0.0, [item for item, gain in zip(named, is_gain) if gain]),
         ]
 
-    @staticmethod
-    def optimizer_order(names: list[str]) -> list[str]:
-        """The model's parameter names (in the model's order) as torch.optim numbers them: group after group of
-        `decay_groups`."""
+    def optimizer_order(self) -> list[str]:
+        """The whole model's parameter names as torch.optim numbers them (group after group of `decay_groups`),
+        whatever part of it this rank holds: from the model built again on the meta device (no memory). A tied
+        output matrix is the embedding, named once."""
+        with torch.device("meta"):
+            names = [f"model.{name}" for name, _ in Llama(LlamaConfig(**self.hparams.model)).named_parameters()]
         return [n for n in names if not _is_gain(n)] + [n for n in names if _is_gain(n)]
 
     def configure_optimizers(self):

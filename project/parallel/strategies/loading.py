@@ -9,14 +9,14 @@ form and lets Lightning load it as it loads its own.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, cast
+from typing import Any, cast
 
 from project.checkpoint.reshard import load_resharded, read_whole
 from project.parallel.contract import TrainingModule
 
 
-def _optimizer_order(strategy: Any) -> Callable[[list[str]], list[str]]:
-    return cast(TrainingModule, strategy.lightning_module).optimizer_order
+def _optimizer_order(strategy: Any) -> list[str]:
+    return cast(TrainingModule, strategy.lightning_module).optimizer_order()
 
 
 class ShardedLoading:
