@@ -42,6 +42,13 @@ ATTRIBUTES = [
         "checkpoint); Lightning offers no public hook around the write",
     ),
     (ModelCheckpoint, "_should_skip_saving_checkpoint", "training/callbacks/checkpoint.py", "the time-based save"),
+    (
+        ModelCheckpoint,
+        "_remove_checkpoint",
+        "training/callbacks/checkpoint.py",
+        "the best checkpoint a better one replaces is removed only once the better one's background write has ended "
+        "(ckpt_async); Lightning removes it as soon as the save returns, with no public hook between",
+    ),
     (ModelCheckpoint, "_save_last_checkpoint", "training/callbacks/checkpoint.py", "the time-based save"),
     (ModelCheckpoint, "_monitor_candidates", "training/callbacks/checkpoint.py", "the time-based save"),
     (

@@ -4,12 +4,16 @@ import pytest
 import torch
 from conftest import RESUME_RUN, assert_continues, run_module, run_train
 
+from project.checkpoint.files import checkpoint_step
+
 pytestmark = pytest.mark.slow
 
 
 def test_run_moves_from_tensor_parallel_to_fsdp2_to_one_device(tiny_shards, uninterrupted_reference, tmp_path):
-    run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=7", "strategy=tp", "trainer.devices=2")
+    keep = "ckpt_keep_last=2"  # and the checkpoint before last.ckpt is kept, as step-<N>.ckpt
+    run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=7", "strategy=tp", "trainer.devices=2", keep)
     assert (tmp_path / "checkpoints" / "last.ckpt").is_dir()  # a distributed checkpoint
+    assert checkpoint_step(tmp_path / "checkpoints" / "step-000005.ckpt") == 5  # saved at 5, then 7 (the last)
     run_train(
         tiny_shards,
         tmp_path,
@@ -18,8 +22,11 @@ def test_run_moves_from_tensor_parallel_to_fsdp2_to_one_device(tiny_shards, unin
         "strategy=fsdp2",
         "trainer.devices=2",
         "ckpt_path=last",
+        keep,
     )
     assert_continues(tmp_path, uninterrupted_reference, 14)
+    # Saved at 10 and 14: step-000007 (the tp run's last) went once step-000010 took its place.
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-000010.ckpt"]
     run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=20", "ckpt_path=last")
     assert_continues(tmp_path, uninterrupted_reference, 20)
     checkpoints = tmp_path / "checkpoints"

@@ -31,6 +31,7 @@ RULES: list[Rule] = [
     ("val_sequences", or_null(whole(1)), "null (the whole split) or 1 or more"),
     ("ckpt_every_minutes", or_null(above(0)), "null (by steps only) or minutes above 0"),
     ("ckpt_check_every_n_steps", whole(1), "a whole number of steps, 1 or more (10 by default)"),
+    ("ckpt_keep_last", whole(1), "a whole number of checkpoints, 1 or more (1: last.ckpt alone)"),
     ("threads_per_process", or_null(whole(1)), "null (1) or 1 or more"),
     (
         "strategy.collective_timeout_minutes",

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.checkpoint.api import CheckpointException
 
-from project.checkpoint.files import remove, swap_in
+from project.checkpoint.files import checkpoint_step, remove, swap_in
 from project.parallel.contract import contract_of
 from project.runtime.errors import ConfigError
 from project.training.callbacks.steps import OptimizerSteps
@@ -39,12 +39,15 @@ class StepCheckpoint(ModelCheckpoint):
     batch), else before the next save and at the end of training, where every rank waits for it.
     """
 
-    def __init__(self, every_minutes: float | None = None, check_every_n_steps: int = 10, **kwargs: Any):
+    def __init__(
+        self, every_minutes: float | None = None, check_every_n_steps: int = 10, keep_last: int = 1, **kwargs: Any
+    ):
         # Always last.ckpt, never last-v1.ckpt: a run directory moved elsewhere restores a stale
         # last_model_path, and Lightning would then version the name, leaving `ckpt_path=last` behind.
         super().__init__(save_top_k=0, save_last=True, enable_version_counter=False, **kwargs)
         self.every_minutes = every_minutes
         self.check_every_n_steps = check_every_n_steps
+        self.keep_last = keep_last
         self._saved_at = time.monotonic()
         self._steps = OptimizerSteps()
         self._in_flight: InFlight | None = None  # a save being written in the background, to swap in once written
@@ -109,8 +112,18 @@ class StepCheckpoint(ModelCheckpoint):
             rank_zero_info(f"the previous {target.name}, of another layout's format, is now {kept}")
 
     def _remove_replaced(self, trainer: Trainer) -> None:
-        if trainer.is_global_zero and self._last_checkpoint_saved:
-            remove(Path(f"{self._last_checkpoint_saved}.old"))
+        """The last.ckpt a newer one replaced (swapped in whole): removed, or with `keep_last` > 1 kept as
+        step-<N>.ckpt, the oldest of those removed beyond keep_last - 1."""
+        if not (trainer.is_global_zero and self._last_checkpoint_saved):
+            return
+        replaced = Path(f"{self._last_checkpoint_saved}.old")
+        if self.keep_last <= 1 or not replaced.exists():
+            remove(replaced)
+            return
+        replaced.rename(replaced.with_name(f"step-{checkpoint_step(replaced):06d}.ckpt"))
+        kept = sorted(replaced.parent.glob("step-*.ckpt"))  # by step: the names' numbers are zero-padded
+        for old in kept[: max(0, len(kept) - (self.keep_last - 1))]:
+            remove(old)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -196,6 +209,12 @@ class BestCheckpoint(ModelCheckpoint):
     def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
         with refused_by_storage(trainer, Path(filepath), Path(filepath)):
             super()._save_checkpoint(trainer, filepath)
+
+    def _remove_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        # Lightning removes the best it replaced right after the new one's save returns: written in the background
+        # (ckpt_async), the new one is complete only once its write ends.
+        contract_of(trainer.strategy).finish_checkpoint_writes()
+        super()._remove_checkpoint(trainer, filepath)
 
 
 @contextmanager
