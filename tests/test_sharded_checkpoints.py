@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import RESUME_RUN, assert_continues, run_module, run_train
+from conftest import RESUME_RUN, assert_continues, read_metrics, run_module, run_train
 
 from project.checkpoint.files import checkpoint_step
 
@@ -50,6 +50,12 @@ def test_every_checkpoint_format_resumes_under_every_other_family(tiny_shards, u
         resume = ["ckpt_path=last"] if hop else []
         run_train(tiny_shards, tmp_path, *RESUME_RUN, f"trainer.max_steps={4 * (hop + 1)}", *resume, *layout)
     assert_continues(tmp_path, uninterrupted_reference, 20)
+    # Each save's size, seconds and throughput, in the row of the step it saved: every 5 steps and each run's last.
+    sizes, seconds, waited = (
+        read_metrics(tmp_path, f"checkpoint/{m}") for m in ("gigabytes", "seconds", "stall_seconds")
+    )
+    assert sorted(sizes) == [3, 4, 7, 9, 11, 14, 15, 19] and all(size > 0 for size in sizes.values())
+    assert all(0 < waited[step] <= seconds[step] for step in sizes)
     left = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if not p.name.startswith("best"))
     # Each change of format moved the old last.ckpt aside once; no converted copies or partial saves remain.
     assert left == ["last-file.ckpt", "last-sharded.ckpt", "last.ckpt"]

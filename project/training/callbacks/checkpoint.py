@@ -78,6 +78,7 @@ class StepCheckpoint(ModelCheckpoint):
             if written.future.exception() is None:  # a failed write is reported where every rank agrees
                 self._swap_in(written.staged, written.target)
                 written.swapped = True
+                self._log(trainer, written)
         self._remove_replaced(trainer)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -104,6 +105,17 @@ class StepCheckpoint(ModelCheckpoint):
             raise
         swap = (lambda staged, target: None) if written.swapped else self._swap_in  # rank 0's record decides
         self._on_rank_zero(trainer, swap, written.staged, written.target)
+        if not written.swapped:
+            self._log(trainer, written)
+
+    @staticmethod
+    def _log(trainer: Trainer, written: "InFlight") -> None:
+        """The save's checkpoint/* metrics, in the row of the step whose end it saved (rank 0, whose loggers write):
+        as train/loss is, 0-based, so that a run resumed from it keeps the row."""
+        if trainer.is_global_zero:
+            metrics = written.metrics()
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=written.step - 1)
 
     @staticmethod
     def _swap_in(staged: Path, target: Path) -> None:
@@ -143,6 +155,7 @@ class StepCheckpoint(ModelCheckpoint):
 
     def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
         self.finish(trainer)  # one in flight at most: the one before is in place first
+        started = time.perf_counter()
         staged = Path(f"{filepath}.partial")
         # Only rank 0 touches the files; the others learn whether it worked (or they would wait for
         # it at the next collective until the process group times out).
@@ -152,9 +165,13 @@ class StepCheckpoint(ModelCheckpoint):
         # The replaced checkpoint is removed at the next step, not here: Lightning logs this step's metrics
         # after the save returns, and a run killed between the swap and that row would lose the row for good.
         future = contract_of(trainer.strategy).checkpoint_written()
-        written = InFlight(staged, Path(filepath), future if future is not None else done())
+        stall = time.perf_counter() - started
+        written = InFlight(
+            staged, Path(filepath), future if future is not None else done(), trainer.global_step, started, stall
+        )
         if future is None:  # written already
             self._on_rank_zero(trainer, self._swap_in, staged, Path(filepath))
+            self._log(trainer, written)
         else:
             self._in_flight = written
         self._last_global_step_saved = trainer.global_step
@@ -189,7 +206,27 @@ class InFlight:
     staged: Path
     target: Path
     future: Future  # the write, going on in the background or done
+    step: int
+    started: float  # time.perf_counter() as the save began
+    stall: float  # seconds training waited for it: the whole save, or the copy to host memory
+    written_at: float | None = None  # when its write ended
     swapped: bool = False
+
+    def __post_init__(self) -> None:
+        self.future.add_done_callback(lambda _: setattr(self, "written_at", time.perf_counter()))
+
+    def metrics(self) -> dict[str, float]:
+        """checkpoint/*: its size, the seconds from the save's start to the end of its write, and the write's
+        throughput; the seconds training waited for it. Once it is in place (rank 0)."""
+        size = sum(f.stat().st_size for f in self.target.rglob("*") if f.is_file()) if self.target.is_dir() else 0
+        size = size or (self.target.stat().st_size if self.target.is_file() else 0)
+        seconds = (self.written_at or time.perf_counter()) - self.started
+        return {
+            "checkpoint/gigabytes": size / 1e9,
+            "checkpoint/seconds": seconds,
+            "checkpoint/gigabytes_per_second": size / 1e9 / seconds if seconds > 0 else 0.0,
+            "checkpoint/stall_seconds": self.stall,
+        }
 
 
 def done() -> Future:
