@@ -51,6 +51,7 @@ class StepCheckpoint(ModelCheckpoint):
         self._saved_at = time.monotonic()
         self._steps = OptimizerSteps()
         self._in_flight: InFlight | None = None  # a save being written in the background, to swap in once written
+        self._unlogged: list[InFlight] = []  # saves in place whose checkpoint/* metrics are still to be logged
 
     @property
     def state_key(self) -> str:
@@ -78,12 +79,14 @@ class StepCheckpoint(ModelCheckpoint):
             if written.future.exception() is None:  # a failed write is reported where every rank agrees
                 self._swap_in(written.staged, written.target)
                 written.swapped = True
-                self._log(trainer, written)
+                self._unlogged.append(written)
+        self._log(trainer)
         self._remove_replaced(trainer)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
         self.finish(trainer)
+        self._log(trainer)
         self._remove_replaced(trainer)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -106,16 +109,17 @@ class StepCheckpoint(ModelCheckpoint):
         swap = (lambda staged, target: None) if written.swapped else self._swap_in  # rank 0's record decides
         self._on_rank_zero(trainer, swap, written.staged, written.target)
         if not written.swapped:
-            self._log(trainer, written)
+            self._unlogged.append(written)
 
-    @staticmethod
-    def _log(trainer: Trainer, written: "InFlight") -> None:
-        """The save's checkpoint/* metrics, in the row of the step whose end it saved (rank 0, whose loggers write):
-        as train/loss is, 0-based, so that a run resumed from it keeps the row."""
+    def _log(self, trainer: Trainer) -> None:
+        """The checkpoint/* metrics of the saves put in place since, each in the row of the step whose end it saved
+        (0-based, as train/loss: a run resumed from it keeps the row); rank 0, whose loggers write. Not inside the
+        save: Lightning writes the step's own row after the save returns, and a run killed before that row lost it."""
+        saves, self._unlogged = self._unlogged, []
         if trainer.is_global_zero:
-            metrics = written.metrics()
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=written.step - 1)
+            for written in saves:
+                for logger in trainer.loggers:
+                    logger.log_metrics(written.metrics(), step=written.step - 1)
 
     @staticmethod
     def _swap_in(staged: Path, target: Path) -> None:
@@ -171,7 +175,7 @@ class StepCheckpoint(ModelCheckpoint):
         )
         if future is None:  # written already
             self._on_rank_zero(trainer, self._swap_in, staged, Path(filepath))
-            self._log(trainer, written)
+            self._unlogged.append(written)
         else:
             self._in_flight = written
         self._last_global_step_saved = trainer.global_step
