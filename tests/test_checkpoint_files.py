@@ -278,3 +278,21 @@ def test_a_tied_model_numbers_its_embedding_once_as_the_optimizer_does():
     assert len(module.state_dict()) == len(order_of(module)) + 1
     named = by_name(optimizer.state_dict(), order_of(module))
     assert "model.tok_embeddings.weight" in named["state"] and "model.output.weight" not in named["state"]
+
+
+def test_kept_checkpoints_follow_the_step_and_one_saved_again_replaces_its_namesake(tmp_path):
+    """ckpt_keep_last=3: last.ckpt and the two before it as step-<N>.ckpt, ordered by step (not by name); a run
+    resumed from an earlier one saves a step again, whose kept copy replaces the one of that name."""
+    from project.training.callbacks import StepCheckpoint
+
+    def replaced(step: int) -> None:
+        torch.save({"global_step": step}, tmp_path / "last.ckpt.old")
+
+    keeper = StepCheckpoint(dirpath=str(tmp_path), keep_last=3)
+    for step in (999_990, 1_000_000, 1_000_010):  # past six digits, where names would sort wrongly
+        replaced(step)
+        keeper._keep_replaced(tmp_path / "last.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1000000.ckpt", "step-1000010.ckpt"]
+    replaced(1_000_000)  # resumed from step-1000000, which it saves again
+    keeper._keep_replaced(tmp_path / "last.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1000000.ckpt", "step-1000010.ckpt"]

@@ -27,8 +27,9 @@ def test_run_moves_from_tensor_parallel_to_fsdp2_to_one_device(tiny_shards, unin
     assert_continues(tmp_path, uninterrupted_reference, 14)
     # Saved at 10 and 14: step-000007 (the tp run's last) went once step-000010 took its place.
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-000010.ckpt"]
-    run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=20", "ckpt_path=last")
+    run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=20", "ckpt_path=last", keep)
     assert_continues(tmp_path, uninterrupted_reference, 20)
+    assert (tmp_path / "checkpoints" / "step-000015.ckpt").is_file()  # a file replaced by a file is kept too
     checkpoints = tmp_path / "checkpoints"
     assert (checkpoints / "last.ckpt").is_file() and (
         checkpoints / "last-sharded.ckpt"

@@ -8,6 +8,7 @@ through the strategy's checkpoint IO. One write at a time: `wait` returns when t
 
 from __future__ import annotations
 
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -66,7 +67,9 @@ class BackgroundWriter:
         return path, None
 
     def close(self) -> None:
-        self.wait()
+        path, error = self.wait()
+        if error is not None:  # a run ending otherwise (an exception): the write's failure is said, not raised
+            warnings.warn(f"the checkpoint written in the background to {path} failed: {cause_of(error)}", stacklevel=2)
         self._thread.shutdown(wait=True)
         self._stager.close()
 

@@ -152,8 +152,10 @@ def swap_in(staged: Path, target: Path, remove_old: bool = True) -> Path | None:
     """
     old = target.with_name(f"{target.name}.old")
     if staged.is_file() and target.is_file():
-        os.replace(staged, target)
         remove(old)
+        if not remove_old:  # the caller keeps the replaced one a while (ckpt_keep_last): a second name for it
+            os.link(target, old)
+        os.replace(staged, target)
         return None
     if target.exists():
         remove(old)

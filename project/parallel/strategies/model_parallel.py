@@ -84,6 +84,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
             process_group_backend=process_group_backend,
             timeout=collective_timeout(collective_timeout_minutes),
         )
+        self.writer_timeout = collective_timeout(collective_timeout_minutes)
         for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if dtype is not None and dtype not in DTYPE_NAMES:
                 raise ConfigError(f"strategy.{name}={dtype!r}: choose one of {list(DTYPE_NAMES)} or null.")

@@ -7,6 +7,7 @@ and the contract's `checkpoint_written` and `finish_checkpoint_writes` (project.
 from __future__ import annotations
 
 from concurrent.futures import Future
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
 
@@ -80,6 +81,7 @@ class ShardedBackgroundSaving(BackgroundSaving):
     every rank writing its own through torch's async_save."""
 
     _host_group: dist.ProcessGroup | None = None
+    writer_timeout: timedelta | None = None  # the strategy's collective timeout, for the writers' group too
 
     def _write_in_background(self, writer: BackgroundWriter, checkpoint: dict[str, Any], path: Path) -> None:
         strategy = cast(Any, self)
@@ -89,10 +91,11 @@ class ShardedBackgroundSaving(BackgroundSaving):
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         if self._host_group is None:  # the writing thread agrees on the metadata over a group of its own (gloo):
-            self._host_group = dist.new_group(backend="gloo")  # on training's, its calls would mix with training's
-        writer.write_folder(state, path, self._host_group)
-        if strategy.global_rank == 0:
+            self._host_group = dist.new_group(backend="gloo", timeout=self.writer_timeout)  # not training's: its
+            # calls would mix with training's
+        if strategy.global_rank == 0:  # before the writer starts: a failure here leaves nothing being written
             torch.save(checkpoint, path / LIGHTNING_EXTRA)
+        writer.write_folder(state, path, self._host_group)
 
     def teardown(self) -> None:
         super().teardown()

@@ -13,7 +13,7 @@ from weakref import proxy
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from project.checkpoint.files import checkpoint_step, remove, swap_in
@@ -77,9 +77,11 @@ class StepCheckpoint(ModelCheckpoint):
         written = self._in_flight
         if written is not None and trainer.is_global_zero and written.future.done() and not written.swapped:
             if written.future.exception() is None:  # a failed write is reported where every rank agrees
-                self._swap_in(written.staged, written.target)
-                written.swapped = True
-                self._unlogged.append(written)
+                try:
+                    self._put_in_place(written.staged, written.target)
+                    self._swapped(written)
+                except OSError as error:  # rank 0 alone here: left to `finish`, where every rank learns of it
+                    rank_zero_warn(f"{written.target} not yet put in place ({error}); tried again at the next save")
         self._log(trainer)
         self._remove_replaced(trainer)
 
@@ -104,12 +106,35 @@ class StepCheckpoint(ModelCheckpoint):
         try:
             contract_of(trainer.strategy).finish_checkpoint_writes()  # a failed write ends the run here, named
         except ConfigError:
-            self._on_rank_zero(trainer, remove, written.staged)  # nothing half written is left beside the last one
+            # Rank 0's record decides: its own write done (the failed one was another, a best checkpoint's), it goes
+            # in place; failed, nothing half written is left beside the last one.
+            whole = written.future.done() and written.future.exception() is None
+            settle = self._nothing if written.swapped else self._put_in_place if whole else self._remove_staged
+            self._on_rank_zero(trainer, settle, written.staged, written.target)
             raise
-        swap = (lambda staged, target: None) if written.swapped else self._swap_in  # rank 0's record decides
-        self._on_rank_zero(trainer, swap, written.staged, written.target)
-        if not written.swapped:
-            self._unlogged.append(written)
+        settle = self._nothing if written.swapped else self._put_in_place
+        self._on_rank_zero(trainer, settle, written.staged, written.target)
+        if trainer.is_global_zero and not written.swapped:
+            self._swapped(written)
+
+    @staticmethod
+    def _nothing(staged: Path, target: Path) -> None:
+        pass
+
+    @staticmethod
+    def _remove_staged(staged: Path, target: Path) -> None:
+        remove(staged)
+
+    def _put_in_place(self, staged: Path, target: Path) -> None:
+        """Rank 0: the written checkpoint at `staged` becomes `target`; the one it replaces is kept or removed
+        first (ckpt_keep_last), so that a replaced one awaiting that is never lost to the next swap."""
+        self._keep_replaced(target)
+        self._swap_in(staged, target)
+
+    def _swapped(self, written: "InFlight") -> None:
+        written.swapped = True
+        written.measured = written.metrics()  # now: a later save replaces the target
+        self._unlogged.append(written)
 
     def _log(self, trainer: Trainer) -> None:
         """The checkpoint/* metrics of the saves put in place since, each in the row of the step whose end it saved
@@ -119,7 +144,7 @@ class StepCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             for written in saves:
                 for logger in trainer.loggers:
-                    logger.log_metrics(written.metrics(), step=written.step - 1)
+                    logger.log_metrics(written.measured or written.metrics(), step=written.step - 1)
 
     @staticmethod
     def _swap_in(staged: Path, target: Path) -> None:
@@ -128,17 +153,25 @@ class StepCheckpoint(ModelCheckpoint):
             rank_zero_info(f"the previous {target.name}, of another layout's format, is now {kept}")
 
     def _remove_replaced(self, trainer: Trainer) -> None:
-        """The last.ckpt a newer one replaced (swapped in whole): removed, or with `keep_last` > 1 kept as
-        step-<N>.ckpt, the oldest of those removed beyond keep_last - 1."""
-        if not (trainer.is_global_zero and self._last_checkpoint_saved):
-            return
-        replaced = Path(f"{self._last_checkpoint_saved}.old")
+        if trainer.is_global_zero and self._last_checkpoint_saved:
+            try:
+                self._keep_replaced(Path(self._last_checkpoint_saved))
+            except OSError as error:  # rank 0 alone here: said, and tried again at the next save
+                rank_zero_warn(f"the checkpoint {self._last_checkpoint_saved} replaced was not yet removed ({error})")
+
+    def _keep_replaced(self, target: Path) -> None:
+        """The checkpoint a newer `target` replaced (`<target>.old`, the newer whole in place): removed, or with
+        `keep_last` > 1 kept as step-<N>.ckpt (one of that step already there replaced), the oldest steps removed
+        beyond keep_last - 1."""
+        replaced = target.with_name(f"{target.name}.old")
         if self.keep_last <= 1 or not replaced.exists():
             remove(replaced)
             return
-        replaced.rename(replaced.with_name(f"step-{checkpoint_step(replaced):06d}.ckpt"))
-        kept = sorted(replaced.parent.glob("step-*.ckpt"))  # by step: the names' numbers are zero-padded
-        for old in kept[: max(0, len(kept) - (self.keep_last - 1))]:
+        kept = replaced.with_name(f"step-{checkpoint_step(replaced):06d}.ckpt")
+        remove(kept)  # a run resumed from an earlier one saves that step again
+        replaced.rename(kept)
+        steps = sorted(replaced.parent.glob("step-*.ckpt"), key=lambda p: int(p.stem.removeprefix("step-")))
+        for old in steps[: max(0, len(steps) - (self.keep_last - 1))]:
             remove(old)
 
     def on_train_batch_end(
@@ -174,8 +207,9 @@ class StepCheckpoint(ModelCheckpoint):
             staged, Path(filepath), future if future is not None else done(), trainer.global_step, started, stall
         )
         if future is None:  # written already
-            self._on_rank_zero(trainer, self._swap_in, staged, Path(filepath))
-            self._unlogged.append(written)
+            self._on_rank_zero(trainer, self._put_in_place, staged, Path(filepath))
+            if trainer.is_global_zero:
+                self._swapped(written)
         else:
             self._in_flight = written
         self._last_global_step_saved = trainer.global_step
@@ -214,7 +248,8 @@ class InFlight:
     started: float  # time.perf_counter() as the save began
     stall: float  # seconds training waited for it: the whole save, or the copy to host memory
     written_at: float | None = None  # when its write ended
-    swapped: bool = False
+    swapped: bool = False  # rank 0's record: in place
+    measured: dict[str, float] | None = None  # its checkpoint/* metrics, as it went in place
 
     def __post_init__(self) -> None:
         self.future.add_done_callback(lambda _: setattr(self, "written_at", time.perf_counter()))
