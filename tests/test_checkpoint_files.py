@@ -296,3 +296,21 @@ def test_kept_checkpoints_follow_the_step_and_one_saved_again_replaces_its_names
     replaced(1_000_000)  # resumed from step-1000000, which it saves again
     keeper._keep_replaced(tmp_path / "last.ckpt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1000000.ckpt", "step-1000010.ckpt"]
+
+
+def test_optimizer_state_numbered_in_the_models_order_is_read_by_name_too():
+    """FSDP1's whole-state file numbers AdamW's state by the model's order of its parameters (torch's rekeying without
+    the optimizer), where norms and matrices interleave; read by name, each moment is its own parameter's."""
+    module, optimizer = stepped_module()
+    positions = optimizer.state_dict()
+    named = by_name(positions, order_of(module))
+    model_order = [name for name, _ in module.named_parameters()]
+    number = {name: i for i, name in enumerate(model_order)}
+    renumbered = {
+        "state": {number[n]: v for n, v in named["state"].items()},
+        "param_groups": [{**g, "params": [number[n] for n in g["params"]]} for g in named["param_groups"]],
+    }
+    again = by_name(renumbered, order_of(module))
+    assert again["param_groups"] == named["param_groups"]
+    for name, state in named["state"].items():
+        torch.testing.assert_close(again["state"][name], state, rtol=0, atol=0)

@@ -217,8 +217,10 @@ def cut_like(whole: Any, like: Any) -> Any:
 
 
 def by_name(optimizer_state: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """AdamW's state keyed by parameter name: as stored by sharded strategies, or from torch.optim's positions
-    (one device's, DDP's), numbered group after group in the order of `names`."""
+    """AdamW's state keyed by parameter name: as stored by sharded strategies, or from numbers: torch.optim's
+    positions (one device's, DDP's: group after group, in the order of `names`) or the model's order of its
+    parameters (FSDP1's whole-state files, rekeyed by torch without the optimizer). Either way the j-th smallest
+    number of a group is the group's j-th parameter, which is how both are read."""
     params = [p for group in optimizer_state.get("param_groups", []) for p in group["params"]]
     if not params or isinstance(params[0], str):
         return optimizer_state
@@ -227,7 +229,10 @@ def by_name(optimizer_state: dict[str, Any], names: list[str]) -> dict[str, Any]
             f"the checkpoint's optimizer holds {len(params)} parameters, this model {len(names)}: "
             "resume with the model config the checkpoint was trained with."
         )
-    key = dict(enumerate(names))
+    key: dict[int, str] = {}
+    for group in optimizer_state["param_groups"]:  # `names` holds each group's names in turn, in the model's order
+        numbers = sorted(group["params"])
+        key.update(zip(numbers, names[len(key) : len(key) + len(numbers)]))
     return {
         "state": {key[i]: value for i, value in optimizer_state["state"].items()},
         "param_groups": [{**g, "params": [key[i] for i in g["params"]]} for g in optimizer_state["param_groups"]],
