@@ -156,7 +156,8 @@ class SaveWatch:
 
         @functools.wraps(original)
         def changing(*args, **kwargs):
-            self.change()
+            if not (args and is_run_record(args[0])):
+                self.change()
             return original(*args, **kwargs)
 
         setattr(module, name, changing)
@@ -169,9 +170,22 @@ class SaveWatch:
         @functools.wraps(original_open)
         def watched_open(file, mode="r", *args, **kwargs):
             opened = original_open(file, mode, *args, **kwargs)
-            return WatchedFile(opened, self) if self.active and any(c in mode for c in "wax+") else opened
+            writes = self.active and any(c in mode for c in "wax+") and not is_run_record(file)
+            return WatchedFile(opened, self) if writes else opened
 
         io.open = builtins.open = watched_open  # pathlib's Path.open calls io.open
+
+
+RUN_RECORDS = {"metrics.csv", "hparams.yaml", "config.yaml", "layouts.jsonl", "stability.jsonl"}
+
+
+def is_run_record(path: Any) -> bool:
+    """The run's logs and metrics: while a save is written in the background (ckpt_async) the run goes on writing
+    them, and their writes are not the save's changes."""
+    if not isinstance(path, (str, os.PathLike)):
+        return False
+    path = Path(path)
+    return path.name in RUN_RECORDS or path.suffix == ".log" or "memory" in path.parts or "wandb" in path.parts
 
 
 class WatchedFile:
