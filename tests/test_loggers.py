@@ -37,3 +37,35 @@ def test_wandb_logger_records_an_offline_run_with_the_resolved_config(tiny_shard
     )  # named and described by its layout
     assert read_metrics(tmp_path, "layout/world_size") == {0: 1.0}  # CSV is kept beside wandb, with the same facts
     assert read_metrics(tmp_path, "layout/micro_batch_size") == {0: 8.0}
+
+
+def test_a_run_killed_while_a_new_column_rewrites_metrics_csv_keeps_its_rows(monkeypatch, tmp_path):
+    """A column that first appears (val/loss, checkpoint/*) makes the CSV writer rewrite every row; the new file is
+    made whole beside metrics.csv and renamed into place, so a failure (a kill) midway leaves the old rows."""
+    import csv
+
+    from project.training.loggers import _AppendingWriter
+
+    writer = _AppendingWriter(log_dir=str(tmp_path))
+    for step in range(3):
+        writer.log_metrics({"train/loss": 1.0 + step}, step)
+        writer.save()
+    before = (tmp_path / "metrics.csv").read_text()
+
+    def killed(self, rows):
+        raise KeyboardInterrupt("killed while writing the rows")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(csv.DictWriter, "writerows", killed)
+        writer.log_metrics({"checkpoint/gigabytes": 0.5}, 2)
+        with pytest.raises(KeyboardInterrupt):
+            writer.save()
+    assert (tmp_path / "metrics.csv").read_text() == before
+
+    # Not killed, the new column joins every row.
+    again = _AppendingWriter(log_dir=str(tmp_path / "again"))
+    for step, metrics in enumerate([{"train/loss": 1.0}, {"train/loss": 2.0}, {"checkpoint/gigabytes": 0.5}]):
+        again.log_metrics(metrics, step)
+        again.save()
+    assert read_metrics(tmp_path / "again", "train/loss") == {0: 1.0, 1: 2.0}
+    assert read_metrics(tmp_path / "again", "checkpoint/gigabytes") == {2: 0.5}

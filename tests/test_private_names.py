@@ -53,6 +53,13 @@ ATTRIBUTES = [
     (ModelCheckpoint, "_monitor_candidates", "training/callbacks/checkpoint.py", "the time-based save"),
     (
         ExperimentWriter,
+        "_rewrite_with_new_header",
+        "training/loggers.py",
+        "rewrites metrics.csv whole when a column first appears, truncating it first: ours writes the new file "
+        "beside and renames it into place, so that a run killed meanwhile keeps its rows; no public option",
+    ),
+    (
+        ExperimentWriter,
         "_check_log_dir_exists",
         "training/loggers.py",
         "a resumed run appends to metrics.csv (Lightning's writer deletes it); no public option keeps it",

@@ -49,11 +49,23 @@ class _AppendingWriter(ExperimentWriter):
             self._resuming = False
             with self._fs.open(self.metrics_file_path, "r", newline="") as file:
                 kept = [row for row in csv.DictReader(file) if int(row["step"]) < step]
-            with self._fs.open(self.metrics_file_path, "w", newline="") as file:
-                writer = csv.DictWriter(file, fieldnames=self.metrics_keys)
-                writer.writeheader()
-                writer.writerows(kept)
+            self._replace_whole(self.metrics_keys, kept)
         super().log_metrics(metrics_dict, step)
+
+    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
+        """Lightning's rewrite of every row when a column first appears (val/loss, checkpoint/*), made whole
+        before it replaces the file: a run killed meanwhile keeps the rows it had."""
+        with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+            rows = list(csv.DictReader(file))
+        self._replace_whole(fieldnames, rows)
+
+    def _replace_whole(self, fieldnames: list[str], rows: list[dict]) -> None:
+        partial = f"{self.metrics_file_path}.partial"
+        with self._fs.open(partial, "w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=fieldnames)
+            writer.writeheader()
+            writer.writerows(rows)
+        self._fs.mv(partial, self.metrics_file_path)
 
 
 @dataclass(frozen=True)
