@@ -46,9 +46,7 @@ class BackgroundWriter:
 
     def nothing_to_write(self, path: Path) -> Future:
         """A rank that writes nothing of this save (DDP's others) holds a finished write, like the rank that does."""
-        done: Future = Future()
-        done.set_result(None)
-        return self._started(done, path)
+        return self._started(finished(), path)
 
     def _started(self, written: Future, path: Path) -> Future:
         self.in_flight, self.path = written, path
@@ -79,3 +77,10 @@ def cause_of(error: BaseException) -> BaseException:
     traceback, the first rank's own error (a full disk's OSError first)."""
     failures = [failure for failure, _ in getattr(error, "failures", {}).values()]  # CheckpointException's
     return next((f for f in failures if isinstance(f, OSError)), failures[0] if failures else error)
+
+
+def finished() -> Future:
+    """A write that is already over: what a save written before it returned, or by another rank, stands for."""
+    done: Future = Future()
+    done.set_result(None)
+    return done

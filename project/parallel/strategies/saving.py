@@ -85,8 +85,8 @@ class ShardedBackgroundSaving(BackgroundSaving):
 
     def _write_in_background(self, writer: BackgroundWriter, checkpoint: dict[str, Any], path: Path) -> None:
         strategy = cast(Any, self)
-        if path.is_file():
-            path.unlink()
+        if path.is_file():  # every rank looks: one may find it gone already
+            path.unlink(missing_ok=True)
         path.mkdir(parents=True, exist_ok=True)
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})

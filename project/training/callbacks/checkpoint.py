@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from project.checkpoint.background import finished
 from project.checkpoint.files import checkpoint_step, remove, swap_in
 from project.parallel.contract import contract_of
 from project.runtime.errors import ConfigError
@@ -204,7 +205,7 @@ class StepCheckpoint(ModelCheckpoint):
         future = contract_of(trainer.strategy).checkpoint_written()
         stall = time.perf_counter() - started
         written = InFlight(
-            staged, Path(filepath), future if future is not None else done(), trainer.global_step, started, stall
+            staged, Path(filepath), future if future is not None else finished(), trainer.global_step, started, stall
         )
         if future is None:  # written already
             self._on_rank_zero(trainer, self._put_in_place, staged, Path(filepath))
@@ -266,12 +267,6 @@ class InFlight:
             "checkpoint/gigabytes_per_second": size / 1e9 / seconds if seconds > 0 else 0.0,
             "checkpoint/stall_seconds": self.stall,
         }
-
-
-def done() -> Future:
-    finished: Future = Future()
-    finished.set_result(None)
-    return finished
 
 
 class BestCheckpoint(ModelCheckpoint):
