@@ -5,7 +5,7 @@ import os
 
 import boto3
 import pytest
-from conftest import read_metrics, run_train
+from conftest import read_metrics, run_module, run_train, train_overrides
 
 from project.data.prepare import prepare_shards
 from project.data.storage import upload_dataset
@@ -46,9 +46,9 @@ def chunked_shards(tiny_shards, tmp_path_factory):
     return root / "shards"
 
 
-def objects(prefix):
+def objects(prefix, field="ETag"):
     listing = boto3.client("s3").list_objects_v2(Bucket="corpus", Prefix=prefix)
-    return {item["Key"]: item["ETag"] for item in listing.get("Contents", [])}
+    return {item["Key"]: item[field] for item in listing.get("Contents", [])}
 
 
 def test_training_from_object_storage_and_resuming_there_matches_a_local_folder(
@@ -94,3 +94,64 @@ def test_prepare_writes_straight_to_object_storage_the_shards_it_writes_locally(
     with pytest.raises(ConfigError, match="holds objects but no manifest.json"):
         prepare_shards(raw, f"{bucket}/other", **settings)
     assert objects("other/") and "other/manifest.json" not in objects("other/")
+
+
+CHECKPOINT_SECRET = "CheckpointEnvSecret0123456789abcdefEXAMPLE"  # moto takes any key: a distinctive one, looked for
+
+
+def test_checkpoints_in_object_storage_resume_across_layouts_and_export_like_local_ones(
+    tiny_shards, bucket, tmp_path, monkeypatch
+):
+    from in_process import train_in_process
+
+    from project.hf.export import export
+
+    ckpts = f"{bucket}/checkpoints"
+    common = ["ckpt_every_n_steps=1", "ckpt_keep_last=2", "val_every_n_steps=2", f"ckpt_dir={ckpts}"]
+    run_train(tiny_shards, tmp_path / "local", "trainer.max_steps=4", "val_every_n_steps=2")
+    # fsdp2 on 2 ranks writes folders of shards in the background; a save killed earlier left a partial folder.
+    boto3.client("s3").put_object(Bucket="corpus", Key="checkpoints/step-000009.ckpt/__0_0.distcp", Body=b"partial")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CHECKPOINT_SECRET)
+    sharded = ["strategy=fsdp2", "trainer.devices=2", "ckpt_async=true", "trainer.max_steps=2", *common]
+    train_in_process(2, [(tmp_path / "fsdp2", train_overrides(tiny_shards, tmp_path / "fsdp2", *sharded))])
+    saved = objects("checkpoints/")
+    assert (
+        boto3.client("s3").get_object(Bucket="corpus", Key="checkpoints/latest")["Body"].read() == b"step-000002.ckpt"
+    )
+    assert {k.split("/")[1] for k in saved if k.split("/")[1].startswith("step-")} == {
+        "step-000001.ckpt",
+        "step-000002.ckpt",
+    }, "the two newest saves kept, the partial one removed"
+    assert "checkpoints/step-000002.ckpt/.metadata" in saved and any(k.endswith(".distcp") for k in saved)
+    assert any(k.startswith("checkpoints/best-step") for k in saved)
+    # One device resumes from the folder in object storage (`last`: the save `latest` names), and saves files there.
+    resumed = run_module(
+        "project.train",
+        train_overrides(tiny_shards, tmp_path / "single", "trainer.max_steps=4", "ckpt_path=last", *common),
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    local = read_metrics(tmp_path / "local", "train/loss")
+    assert {**read_metrics(tmp_path / "fsdp2", "train/loss"), **read_metrics(tmp_path / "single", "train/loss")} == (
+        pytest.approx(local, rel=1e-5)
+    )
+    saved = objects("checkpoints/", "Size")
+    assert sorted({k.split("/")[1] for k in saved if k.split("/")[1].startswith("step-")}) == [
+        "step-000003.ckpt",
+        "step-000004.ckpt",
+    ]
+    assert read_metrics(tmp_path / "single", "checkpoint/gigabytes")[3] * 1e9 == pytest.approx(
+        saved["checkpoints/step-000004.ckpt"], rel=1e-6
+    )
+    # Export reads the checkpoint where it lies: the same model as from a local copy of it.
+    copy = tmp_path / "copy.ckpt"
+    boto3.client("s3").download_file("corpus", "checkpoints/step-000004.ckpt", str(copy))
+    export(f"{ckpts}/step-000004.ckpt", tmp_path / "hf-remote")
+    export(str(copy), tmp_path / "hf-local")
+    assert (tmp_path / "hf-remote" / "model.safetensors").read_bytes() == (
+        tmp_path / "hf-local" / "model.safetensors"
+    ).read_bytes()
+    # No credential in what the runs wrote, there or in their folders.
+    body = boto3.client("s3")
+    leaks = [k for k in saved if CHECKPOINT_SECRET.encode() in body.get_object(Bucket="corpus", Key=k)["Body"].read()]
+    leaks += [str(p) for p in tmp_path.rglob("*") if p.is_file() and CHECKPOINT_SECRET.encode() in p.read_bytes()]
+    assert leaks == []

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from project.checkpoint.locations import Location, storage_writer
 
 
 class BackgroundWriter:
@@ -30,29 +31,31 @@ class BackgroundWriter:
         self._stager = DefaultStager(options)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self.in_flight: Future | None = None
-        self.path: Path | None = None  # where the write in flight goes
+        self.path: Location | None = None  # where the write in flight goes
 
-    def write_folder(self, state: dict[str, Any], path: Path, group: dist.ProcessGroup | None) -> Future:
+    def write_folder(self, state: dict[str, Any], path: Location, group: dist.ProcessGroup | None) -> Future:
         """A distributed checkpoint of `state` (every rank its shards) in the folder `path`; `group` must have a CPU
         backend (gloo): the ranks agree on the metadata from the writing thread."""
-        written = dcp.async_save(state, checkpoint_id=str(path), process_group=group, async_stager=self._stager)
+        written = dcp.async_save(
+            state, storage_writer=storage_writer(path), process_group=group, async_stager=self._stager
+        )
         assert isinstance(written, Future)  # staged in this thread, so the future is the write's
         return self._started(written, path)
 
-    def write_file(self, checkpoint: dict[str, Any], path: Path, write: Callable[[Any, Path], Any]) -> Future:
+    def write_file(self, checkpoint: dict[str, Any], path: Location, write: Callable[[Any, Location], Any]) -> Future:
         """`write(copy, path)` in the thread, `copy` the checkpoint's tensors staged in host memory."""
         staged = self._stager.stage(checkpoint)  # staged here (not asynchronous staging): the copy itself
         return self._started(self._thread.submit(write, staged, path), path)
 
-    def nothing_to_write(self, path: Path) -> Future:
+    def nothing_to_write(self, path: Location) -> Future:
         """A rank that writes nothing of this save (DDP's others) holds a finished write, like the rank that does."""
         return self._started(finished(), path)
 
-    def _started(self, written: Future, path: Path) -> Future:
+    def _started(self, written: Future, path: Location) -> Future:
         self.in_flight, self.path = written, path
         return written
 
-    def wait(self) -> tuple[Path | None, BaseException | None]:
+    def wait(self) -> tuple[Location | None, BaseException | None]:
         """Wait for the write in flight: (its path, its error, if it failed); (None, None) when none was."""
         written, path = self.in_flight, self.path
         self.in_flight = self.path = None

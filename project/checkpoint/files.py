@@ -14,18 +14,30 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from project.checkpoint.locations import (
+    Location,
+    exists,
+    is_folder,
+    is_remote,
+    join,
+    local_file,
+    read_bytes,
+    read_range,
+)
 from project.runtime.errors import ConfigError
 
 
-def read_checkpoint_file(path: str | Path, mmap: bool = False) -> dict[str, Any]:
-    """A checkpoint file, or a sharded folder's metadata file, on the CPU.
+def read_checkpoint_file(path: Location, mmap: bool = False) -> dict[str, Any]:
+    """A checkpoint file, or a sharded folder's metadata file, on the CPU (one in object storage: memory-mapped from
+    a local copy, else read into memory).
 
     weights_only: a checkpoint is data (tensors, numbers, strings, dicts), and one from elsewhere must not
     run code as it loads; the platform's own checkpoints hold nothing else. A file that is not a readable
     checkpoint (truncated, corrupt, or holding other objects) is a ConfigError naming it.
     """
+    source: Any = local_file(path) if mmap else io.BytesIO(read_bytes(path)) if is_remote(path) else path
     try:
-        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+        return torch.load(source, map_location="cpu", mmap=mmap, weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(
@@ -64,7 +76,7 @@ class _ShardedMetadataUnpickler(pickle.Unpickler):
         return found
 
 
-def verify_sharded_checkpoint(folder: Path) -> None:
+def verify_sharded_checkpoint(folder: Location) -> None:
     """Refuse a sharded checkpoint folder that would run code as torch loads it.
 
     torch reads a distributed checkpoint's `.metadata` with `pickle.load`, and its non-tensor entries
@@ -82,8 +94,7 @@ def verify_sharded_checkpoint(folder: Path) -> None:
         )
 
     try:
-        with open(folder / SHARDED_METADATA, "rb") as file:
-            metadata = _ShardedMetadataUnpickler(file).load()
+        metadata = _ShardedMetadataUnpickler(io.BytesIO(read_bytes(join(folder, SHARDED_METADATA)))).load()
         entries = [
             MetadataIndex(fqn)
             for fqn, kind in metadata.state_dict_metadata.items()
@@ -91,26 +102,25 @@ def verify_sharded_checkpoint(folder: Path) -> None:
         ]
         for entry in entries:
             where = metadata.storage_data[entry]
-            with open(folder / where.relative_path, "rb") as file:
-                file.seek(where.offset)
-                torch.load(io.BytesIO(file.read(where.length)), map_location="cpu", weights_only=True)
+            data = read_range(join(folder, where.relative_path), where.offset, where.length)
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except FileNotFoundError as error:
-        raise refuse(f"{Path(error.filename).name} is missing") from None
+        missing = Path(error.filename).name if error.filename else str(error).strip().splitlines()[0]
+        raise refuse(f"{missing} is missing") from None
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError, KeyError, TypeError) as error:
         raise refuse(str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__) from None
 
 
-def checkpoint_metadata(path: str | Path) -> dict[str, Any]:
+def checkpoint_metadata(path: Location) -> dict[str, Any]:
     """A checkpoint's (file or sharded folder) step, hyper-parameters and other records, without reading its tensors."""
-    path = Path(path)
     return (
-        read_checkpoint_file(path / LIGHTNING_EXTRA, mmap=False)
-        if path.is_dir()
+        read_checkpoint_file(join(path, LIGHTNING_EXTRA), mmap=False)
+        if is_folder(path)
         else read_checkpoint_file(path, mmap=True)
     )
 
 
-def checkpoint_step(path: str | Path) -> int:
+def checkpoint_step(path: Location) -> int:
     """The optimizer steps a checkpoint (file or sharded folder) was trained for, without loading its tensors."""
     return int(checkpoint_metadata(path)["global_step"])
 
@@ -179,12 +189,21 @@ def previous_checkpoint(target: Path) -> Path | None:
     return old if old.exists() else None
 
 
-def resolve_ckpt_path(ckpt_path: str | None, run_dir: Path) -> str | None:
-    """The checkpoint a run resumes from: `ckpt_path`, or `last` in `run_dir`; the one swap_in kept aside
-    where the run stopped while replacing it."""
+def resolve_ckpt_path(ckpt_path: str | None, ckpt_dir: Location) -> str | None:
+    """The checkpoint a run resumes from: `ckpt_path`, or `last` in `ckpt_dir` (the run's checkpoints folder); the
+    one swap_in kept aside where the run stopped while replacing it. In object storage, `last` is the save that
+    `latest` names (project.checkpoint.latest)."""
     if ckpt_path is None:
         return None
-    path = run_dir / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
+    if is_remote(ckpt_path) or ckpt_path == "last" and is_remote(ckpt_dir):
+        from project.checkpoint.latest import latest
+
+        found = latest(ckpt_dir) if ckpt_path == "last" else ckpt_path if exists(ckpt_path) else None
+        if found is None:
+            where = f"in {ckpt_dir} (no complete step-*.ckpt there)" if ckpt_path == "last" else f"at {ckpt_path}"
+            raise ConfigError(f"ckpt_path={ckpt_path}: no checkpoint {where}.")
+        return str(found)
+    path = Path(ckpt_dir, "last.ckpt") if ckpt_path == "last" else Path(ckpt_path)
     previous = previous_checkpoint(path)
     if not path.exists() and previous is not None:
         rank_zero_info(f"{path} was being replaced when the run stopped: resuming from the previous one")

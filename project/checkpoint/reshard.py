@@ -19,25 +19,24 @@ is written to a temporary file.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from project.checkpoint.files import LIGHTNING_EXTRA, read_checkpoint_file, verify_sharded_checkpoint
+from project.checkpoint.locations import Location, is_file, is_folder, join, location, storage_reader
 from project.runtime.errors import ConfigError
 
 WEIGHT_KEYS = ("state_dict", "model")  # where a folder keeps the weights: ModelParallelStrategy's, FSDP1's
 
 
 def load_resharded(
-    module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], path: Path, optimizer_order: list[str]
+    module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], path: Location, optimizer_order: list[str]
 ) -> dict[str, Any]:
     """Fill `module` (as the strategy wrapped it) and `optimizers` from the checkpoint at `path`, a file or a folder
     of any strategy family; the checkpoint's other entries (step, loops, callbacks' and the module's records).
@@ -48,7 +47,7 @@ def load_resharded(
     for optimizer in optimizers:
         make_state(optimizer)
     model_state, optimizer_state = get_state_dict(module, list(optimizers))
-    if path.is_dir():
+    if is_folder(path):
         rest = _from_folder(path, model_state, optimizer_state if optimizers else None)
     else:
         rest = _from_file(path, model_state, optimizer_state if optimizers else None, optimizer_order)
@@ -81,9 +80,9 @@ def make_state(optimizer: torch.optim.Optimizer) -> None:
             group["lr"] = rate
 
 
-def _from_folder(path: Path, model_state: dict, optimizer_state: dict | None) -> dict[str, Any]:
+def _from_folder(path: Location, model_state: dict, optimizer_state: dict | None) -> dict[str, Any]:
     verify_sharded_checkpoint(path)  # nothing in it runs code as torch reads it
-    stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stored = storage_reader(path).read_metadata().state_dict_metadata
     key = next((k for k in WEIGHT_KEYS if any(name.startswith(f"{k}.") for name in stored)), None)
     if key is None:
         raise ConfigError(f"{path} holds no model weights: pass a checkpoint this platform wrote.")
@@ -94,15 +93,20 @@ def _from_folder(path: Path, model_state: dict, optimizer_state: dict | None) ->
             raise ConfigError(f"{path} holds no optimizer state: resume from a training checkpoint, not weights only.")
         own_groups = [list(group["params"]) for group in optimizer_state["param_groups"]]
         wanted["optimizer_0"] = optimizer_state
-    dcp.load(wanted, checkpoint_id=str(path))
+    dcp.load(wanted, storage_reader=storage_reader(path))
     # The groups' settings are the checkpoint's; the parameters each names are this rank's own (a pipeline
     # stage's checkpoint names every stage's, a rank here holds some of them).
     for group, own in zip(optimizer_state["param_groups"] if optimizer_state else [], own_groups):
         group["params"] = own
-    return read_checkpoint_file(path / LIGHTNING_EXTRA) if (path / LIGHTNING_EXTRA).is_file() else {}
+    return _lightning_extra(path)
 
 
-def _from_file(path: Path, model_state: dict, optimizer_state: dict | None, order: list[str]) -> dict[str, Any]:
+def _lightning_extra(folder: Location) -> dict[str, Any]:
+    extra = join(folder, LIGHTNING_EXTRA)
+    return read_checkpoint_file(extra) if is_file(extra) else {}
+
+
+def _from_file(path: Location, model_state: dict, optimizer_state: dict | None, order: list[str]) -> dict[str, Any]:
     checkpoint = read_checkpoint_file(path, mmap=True)  # tensors stay on disk until a piece of them is read
     whole = checkpoint.pop("state_dict")
     missing = sorted(set(model_state) - set(whole))
@@ -126,12 +130,12 @@ def _from_file(path: Path, model_state: dict, optimizer_state: dict | None, orde
     return checkpoint
 
 
-def read_whole(path: str | Path, optimizer_order: list[str] | None = None) -> dict[str, Any]:
+def read_whole(path: Location, optimizer_order: list[str] | None = None) -> dict[str, Any]:
     """The checkpoint at `path` (a file, or a folder of any sharded family) in Lightning's own form, whole, in this
     process's memory: the weights under `state_dict`, AdamW's state under `optimizer_states`, keyed by position in
     `optimizer_order` (the whole model's parameter names) where given, as torch.optim loads it; else as stored."""
-    path = Path(path)
-    if path.is_dir():
+    path = location(path)
+    if is_folder(path):
         checkpoint = _whole_folder(path)
     else:
         checkpoint = read_checkpoint_file(path)
@@ -143,18 +147,18 @@ def read_whole(path: str | Path, optimizer_order: list[str] | None = None) -> di
     return checkpoint
 
 
-def _whole_folder(path: Path) -> dict[str, Any]:
+def _whole_folder(path: Location) -> dict[str, Any]:
     """A distributed-checkpoint folder read whole with torch's `load` into tensors the size its metadata says."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     verify_sharded_checkpoint(path)
-    stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stored = storage_reader(path).read_metadata().state_dict_metadata
     flat: dict[str, Any] = {
         name: torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
         for name, m in stored.items()
     }
-    dcp.load(flat, checkpoint_id=str(path), no_dist=not (dist.is_available() and dist.is_initialized()))
-    checkpoint = read_checkpoint_file(path / LIGHTNING_EXTRA) if (path / LIGHTNING_EXTRA).is_file() else {}
+    dcp.load(flat, storage_reader=storage_reader(path), no_dist=not (dist.is_available() and dist.is_initialized()))
+    checkpoint = _lightning_extra(path)
     key = next((k for k in WEIGHT_KEYS if any(name.startswith(f"{k}.") for name in flat)), None)
     if key is None:
         raise ConfigError(f"{path} holds no model weights: pass a checkpoint this platform wrote.")

@@ -5,24 +5,57 @@ from __future__ import annotations
 import os
 import zipfile
 from pathlib import Path
+from urllib.parse import urlparse
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from project.parallel.kinds import strategy_kind
 from project.runtime.errors import ConfigError
 
 
+def checkpoint_dir(cfg: DictConfig, run_dir: str | os.PathLike) -> str:
+    """Where the run's checkpoints go: `ckpt_dir`, a local folder or an s3:// URL; by default the run directory's
+    checkpoints/."""
+    value = cfg.get("ckpt_dir")
+    return str(value).rstrip("/") if value else str(Path(run_dir) / "checkpoints")
+
+
+def check_ckpt_dir(cfg: DictConfig) -> None:
+    """An object-storage `ckpt_dir` is one the platform writes to (S3), with a strategy that can."""
+    value = cfg.get("ckpt_dir")
+    for setting, url in (("ckpt_dir", value), ("ckpt_path", cfg.get("ckpt_path"))):
+        if url is not None and "://" in str(url):
+            parsed = urlparse(str(url))
+            if parsed.scheme != "s3" or not parsed.netloc:
+                raise ConfigError(
+                    f"{setting}={url}: checkpoints go to a local folder or to S3 (and S3-compatible servers) as "
+                    "s3://bucket/prefix, with credentials and endpoint from the AWS_* environment variables. Use a "
+                    "local folder (and copy it with your storage's own tool) or an s3:// URL."
+                )
+    if value is not None and "://" in str(value) and strategy_kind(cfg.get("strategy", {})).local_checkpoints:
+        raise ConfigError(
+            f"ckpt_dir={value} with strategy=fsdp: FSDP1 writes its checkpoints to local folders only. Use "
+            "strategy=fsdp2 (the same sharding, and what the platform recommends), or a local ckpt_dir."
+        )
+
+
 def check_ckpt_path(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> None:
-    """A checkpoint named by path exists; `last`, that of the run directory `run_dir` (Hydra's, by default)."""
+    """A checkpoint named by path exists; `last`, that of the run directory `run_dir` (Hydra's, by default), or of
+    `ckpt_dir`. One in object storage is looked for when the run starts (this check reads no network)."""
+    check_ckpt_dir(cfg)
     ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path is None:
+    if ckpt_path is None or "://" in str(ckpt_path):
         return
     if str(ckpt_path) == "last":
         if run_dir is None and HydraConfig.initialized():
             run_dir = HydraConfig.get().runtime.output_dir
-        if run_dir is None:
+        if run_dir is None and not cfg.get("ckpt_dir"):
             return
-        path = Path(run_dir) / "checkpoints" / "last.ckpt"
+        folder = checkpoint_dir(cfg, run_dir or ".")
+        if "://" in folder:
+            return
+        path = Path(folder) / "last.ckpt"
         if not path.exists() and not path.with_name(f"{path.name}.old").exists():
             raise ConfigError(
                 f"ckpt_path=last: no checkpoint at {path}. `ckpt_path=last` resumes the run in this run directory: "

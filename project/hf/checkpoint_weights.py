@@ -17,10 +17,10 @@ from typing import Callable
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from project.checkpoint.files import verify_sharded_checkpoint
+from project.checkpoint.locations import Location, storage_reader
 from project.hf.conversion import hf_name, weight_names
 from project.hf.folder import INDEX
 from project.model.config import LlamaConfig
@@ -38,7 +38,7 @@ class CheckpointWeights:
     read: Callable[[list[str]], dict[str, torch.Tensor]]
 
 
-def checkpoint_weights(path: Path, state_dict: dict[str, torch.Tensor] | None = None) -> CheckpointWeights:
+def checkpoint_weights(path: Location, state_dict: dict[str, torch.Tensor] | None = None) -> CheckpointWeights:
     """The model weights of a checkpoint file (its `state_dict`, memory-mapped, given) or of a sharded folder."""
     if state_dict is not None:
         tensors = {k.removeprefix("model."): v for k, v in state_dict.items() if k.startswith("model.")}
@@ -46,7 +46,7 @@ def checkpoint_weights(path: Path, state_dict: dict[str, torch.Tensor] | None = 
             {k: (v.shape, v.dtype) for k, v in tensors.items()}, lambda names: {n: tensors[n] for n in names}
         )
     verify_sharded_checkpoint(path)
-    metadata = FileSystemReader(str(path)).read_metadata()
+    metadata = storage_reader(path).read_metadata()
     stored = {k: m for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
     prefix = next((p for p in FOLDER_PREFIXES if any(k.startswith(p) for k in stored)), None)
     if prefix is None:
@@ -61,7 +61,7 @@ def checkpoint_weights(path: Path, state_dict: dict[str, torch.Tensor] | None = 
         try:
             with warnings.catch_warnings():  # one process reading a folder is what we mean
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-                dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=True)
+                dcp.load(state, storage_reader=storage_reader(path), no_dist=True)
         except Exception as error:  # a damaged shard: which exception depends on the damage
             reason = " ".join(f"{type(error).__name__}: {error}".split())[:500]
             raise ConfigError(

@@ -44,6 +44,7 @@ import torch
 from safetensors import SafetensorError
 
 from project.checkpoint.files import checkpoint_metadata
+from project.checkpoint.locations import Location, exists, is_folder, location
 from project.data.shards import MANIFEST_NAME
 from project.hf.checkpoint_weights import CheckpointWeights, checkpoint_weights, write_safetensors
 from project.hf.conversion import hf_config_dict
@@ -56,24 +57,26 @@ __all__ = ["USAGE", "default_output_dir", "export", "main", "parse_args"]  # the
 PASS_TOKENIZER = "Pass tokenizer=PATH (a HF tokenizer.json or a sentencepiece .model)."
 
 
-def load_checkpoint(path: Path) -> tuple[LlamaConfig, CheckpointWeights, Mapping]:
+def load_checkpoint(path: Location) -> tuple[LlamaConfig, CheckpointWeights, Mapping]:
     """(model config, its weights to read, the checkpoint's other records) from a Lightning checkpoint of our
     module: a `.ckpt` file (memory-mapped) or, from a sharded strategy, a distributed-checkpoint folder, whose
-    tensors are read only as they are written out."""
-    if not path.exists():
+    tensors are read only as they are written out; either in object storage too (an s3:// URL)."""
+    path = location(path)
+    if not exists(path):
         raise ConfigError(
             f"checkpoint {path} does not exist; pass ckpt_path= a Lightning .ckpt file or sharded checkpoint folder."
         )
     try:
         ckpt = checkpoint_metadata(path)
         hparams = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, Mapping) else {}
-        if not isinstance(ckpt, Mapping) or "model" not in hparams or not (path.is_dir() or "state_dict" in ckpt):
+        folder = is_folder(path)
+        if not isinstance(ckpt, Mapping) or "model" not in hparams or not (folder or "state_dict" in ckpt):
             found = sorted(ckpt) if isinstance(ckpt, Mapping) else type(ckpt).__name__
             raise ConfigError(
                 f"{path} is not a checkpoint of our LightningModule: it needs 'state_dict' (the model under the "
                 f"'model.' prefix) and 'hyper_parameters' -> 'model' (the LlamaConfig as a dict); found {found}."
             )
-        weights = checkpoint_weights(path, None if path.is_dir() else ckpt["state_dict"])
+        weights = checkpoint_weights(path, None if folder else ckpt["state_dict"])
     except ConfigError as e:  # a damaged file, said by project.checkpoint.files
         raise ConfigError(f"ckpt_path={path}: {e}") from None
     except Exception as e:  # a damaged sharded folder: which exception depends on the damage
@@ -231,7 +234,7 @@ def export(
     max_bytes = parse_size(max_shard_size, "max_shard_size")
     out = Path(output_dir)
     check_output_dir(out, overwrite)  # before the checkpoint is read (project.export: before torch is imported too)
-    config, weights, ckpt = load_checkpoint(Path(ckpt_path))
+    config, weights, ckpt = load_checkpoint(location(ckpt_path))
     tokenizer_path, bos_id, eos_id = resolve_tokenizer(ckpt, tokenizer)
     document_mask = bool((ckpt.get("hyper_parameters") or {}).get("document_mask"))
 

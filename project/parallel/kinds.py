@@ -21,6 +21,8 @@ class StrategyKind:
     context_parallel: bool = False
     #: It runs one process on one device, whatever trainer.devices asks.
     single_device: bool = False
+    #: It writes checkpoints to local folders only, not to object storage (ckpt_dir=s3://...).
+    local_checkpoints: bool = False
 
 
 DATA_PARALLEL = StrategyKind()
@@ -30,6 +32,7 @@ KINDS: dict[str, StrategyKind] = {
     "project.parallel.strategies.horovod.horovod_strategy": StrategyKind(own_launcher=True),
     "project.parallel.strategies.single.single_device_strategy": StrategyKind(single_device=True),
     "project.parallel.strategies.model_parallel.LlamaParallelStrategy": StrategyKind(context_parallel=True),
+    "project.parallel.strategies.fsdp.fsdp_strategy": StrategyKind(local_checkpoints=True),
 }
 
 

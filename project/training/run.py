@@ -22,6 +22,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 from project.checkpoint.files import checkpoint_metadata, checkpoint_step, resolve_ckpt_path
+from project.checkpoint.latest import latest
+from project.checkpoint.locations import exists, join, use_object_storage
+from project.config.checkpoints import checkpoint_dir
 from project.config.data import check_data, data_settings_differ
 from project.config.layout import Layout, plan_layout
 from project.data.datamodule import TokenShardDataModule
@@ -87,6 +90,9 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
     """Fit; `layout` is what project.config.checks.preflight planned, None where it could not (devices: auto)."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     cfg.paths.run_dir = str(run_dir)
+    cfg.ckpt_dir = checkpoint_dir(cfg, run_dir)  # the callbacks' folder (conf/callbacks), as the record says
+    if is_remote(cfg.ckpt_dir) or is_remote(cfg.ckpt_path):
+        use_object_storage()  # before the callbacks are built: Lightning's ModelCheckpoint reaches s3:// by fsspec
     restore_console = record_console(cfg, run_dir)
     metrics = fit(cfg, run_dir, layout)
     # Not after an error: what the entry point then prints (the error, a failed rank's report) belongs in the log.
@@ -136,7 +142,7 @@ def fit_once(cfg: DictConfig, run_dir: Path, layout: Layout | None, restart: Res
     limit_cpu_threads(trainer, cfg.threads_per_process)
     prepare_if_needed(cfg)
     datamodule = build_datamodule(cfg, layout.plan, restart.sample if restart else None)
-    ckpt_path = restart.ckpt_path if restart else resolve_ckpt_path(cfg.ckpt_path, run_dir)
+    ckpt_path = restart.ckpt_path if restart else resolve_ckpt_path(cfg.ckpt_path, cfg.ckpt_dir)
     module = instantiate(
         cfg.module,
         eos_id=datamodule.eos_id,
@@ -160,7 +166,7 @@ def fit_once(cfg: DictConfig, run_dir: Path, layout: Layout | None, restart: Res
         # set LOCAL_RANK on this rank when it did, so that a later fit in the process launches nothing)
         watch_children(trainer.strategy.launcher)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    return finish(trainer, run_dir)
+    return finish(trainer, cfg.ckpt_dir)
 
 
 def restart_after(cfg: DictConfig, run_dir: Path, spike: RollbackRequested, previous: Restart | None) -> Restart:
@@ -170,10 +176,11 @@ def restart_after(cfg: DictConfig, run_dir: Path, spike: RollbackRequested, prev
     the batches read since that checkpoint are left out too; its cooldown recorded. Said, and written to
     stability.jsonl."""
     stability, spike_step = cfg.stability, int(spike.event["step"])
-    started_from = previous.ckpt_path if previous is not None else resolve_ckpt_path(cfg.ckpt_path, run_dir)
+    started_from = previous.ckpt_path if previous is not None else resolve_ckpt_path(cfg.ckpt_path, cfg.ckpt_dir)
     ckpt_path: str | None = None
-    for candidate in (run_dir / "checkpoints" / "last.ckpt", started_from):
-        if candidate is not None and Path(candidate).exists():
+    last = latest(cfg.ckpt_dir) if is_remote(cfg.ckpt_dir) else join(Path(cfg.ckpt_dir), "last.ckpt")
+    for candidate in (last, started_from):
+        if candidate is not None and exists(candidate):
             step = checkpoint_step(candidate)
             if step in spike.checkpoint_steps and step <= spike_step:
                 ckpt_path = str(candidate)
@@ -272,7 +279,7 @@ def trained_to_the_end(cfg: DictConfig, ckpt_path: str) -> bool:
     return True
 
 
-def finish(trainer: L.Trainer, run_dir: Path) -> dict[str, float]:
+def finish(trainer: L.Trainer, ckpt_dir: str) -> dict[str, float]:
     """The final metrics, said, and where a callback stopped the run before trainer.max_steps (EarlyStopping), at
     which step and why; a run stopped by a signal exits with the status that asks for a requeue."""
     callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
@@ -294,5 +301,5 @@ def finish(trainer: L.Trainer, run_dir: Path) -> dict[str, float]:
             f"stopped early at step {trainer.global_step} of trainer.max_steps={trainer.max_steps} "
             f"{reasons[0] if reasons else 'by a callback'}; {said}"
         )
-    rank_zero_info(f"done: {said}; checkpoints in {run_dir / 'checkpoints'}")
+    rank_zero_info(f"done: {said}; checkpoints in {ckpt_dir}")
     return metrics

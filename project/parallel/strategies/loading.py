@@ -8,9 +8,9 @@ form and lets Lightning load it as it loads its own.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, cast
 
+from project.checkpoint.locations import location
 from project.checkpoint.reshard import load_resharded, read_whole
 from project.parallel.contract import TrainingModule
 
@@ -25,7 +25,7 @@ class ShardedLoading:
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         strategy = cast(Any, self)
-        path = Path(strategy.broadcast(checkpoint_path))
+        path = location(strategy.broadcast(checkpoint_path))
         return load_resharded(strategy.model, strategy.optimizers, path, _optimizer_order(strategy))
 
 
@@ -36,4 +36,4 @@ class WholeModelLoading:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         strategy = cast(Any, self)
         order = _optimizer_order(strategy) if strategy.lightning_module is not None else None
-        return read_whole(Path(checkpoint_path), order)
+        return read_whole(location(checkpoint_path), order)

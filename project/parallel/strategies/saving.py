@@ -6,6 +6,7 @@ and the contract's `checkpoint_written` and `finish_checkpoint_writes` (project.
 
 from __future__ import annotations
 
+import io
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
@@ -13,10 +14,12 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from lightning.pytorch.utilities import rank_zero_warn
 
 from project.checkpoint.background import BackgroundWriter, cause_of
 from project.checkpoint.files import LIGHTNING_EXTRA
+from project.checkpoint.locations import Location, is_remote, join, location, storage_writer, write_bytes
 from project.parallel.groups import release_group
 from project.runtime.errors import ConfigError
 
@@ -49,7 +52,7 @@ class BackgroundSaving:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         strategy = cast(Any, self)
         if not self._in_background:
-            return cast(Any, super()).save_checkpoint(checkpoint, filepath, storage_options)
+            return self._write_in_foreground(checkpoint, filepath, storage_options)
         self.finish_checkpoint_writes()  # one write at a time: the one before ends first
         if self._writer is None:
             self._writer = BackgroundWriter(pinned=strategy.root_device.type == "cuda")
@@ -59,9 +62,13 @@ class BackgroundSaving:
                     "on the same cores, so a save may cost more than in the foreground (docs/performance.md). It pays "
                     "where training leaves the host's cores idle (a GPU node); here ckpt_async=false may be faster."
                 )
-        self._write_in_background(self._writer, checkpoint, Path(strategy.broadcast(filepath)))
+        self._write_in_background(self._writer, checkpoint, location(strategy.broadcast(filepath)))
 
-    def _write_in_background(self, writer: BackgroundWriter, checkpoint: dict[str, Any], path: Path) -> None:
+    def _write_in_foreground(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
+        """Lightning's own save (its checkpoint IO writes a file to object storage too, through fsspec)."""
+        cast(Any, super()).save_checkpoint(checkpoint, filepath, storage_options)
+
+    def _write_in_background(self, writer: BackgroundWriter, checkpoint: dict[str, Any], path: Location) -> None:
         """One file, written by rank 0 through the strategy's checkpoint IO."""
         strategy = cast(Any, self)
         if strategy.is_global_zero:
@@ -83,19 +90,33 @@ class ShardedBackgroundSaving(BackgroundSaving):
     _host_group: dist.ProcessGroup | None = None
     writer_timeout: timedelta | None = None  # the strategy's collective timeout, for the writers' group too
 
-    def _write_in_background(self, writer: BackgroundWriter, checkpoint: dict[str, Any], path: Path) -> None:
-        strategy = cast(Any, self)
-        if path.is_file():  # every rank looks: one may find it gone already
-            path.unlink(missing_ok=True)
-        path.mkdir(parents=True, exist_ok=True)
-        state = {"state_dict": checkpoint.pop("state_dict")}
-        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    def _write_in_foreground(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
+        if not is_remote(filepath):
+            return super()._write_in_foreground(checkpoint, filepath, storage_options)
+        path = location(cast(Any, self).broadcast(filepath))  # Lightning's own save takes local folders only
+        dcp.save(self._folder_state(checkpoint, path), storage_writer=storage_writer(path))
+
+    def _write_in_background(self, writer: BackgroundWriter, checkpoint: dict[str, Any], path: Location) -> None:
+        state = self._folder_state(checkpoint, path)
         if self._host_group is None:  # the writing thread agrees on the metadata over a group of its own (gloo):
             self._host_group = dist.new_group(backend="gloo", timeout=self.writer_timeout)  # not training's: its
             # calls would mix with training's
-        if strategy.global_rank == 0:  # before the writer starts: a failure here leaves nothing being written
-            torch.save(checkpoint, path / LIGHTNING_EXTRA)
         writer.write_folder(state, path, self._host_group)
+
+    def _folder_state(self, checkpoint: dict[str, Any], path: Location) -> dict[str, Any]:
+        """The folder's tensors, for torch's distributed checkpoint, as Lightning lays them out; Lightning's records
+        written by rank 0 to meta.pt first (a failure here leaves nothing being written)."""
+        if isinstance(path, Path):
+            if path.is_file():  # every rank looks: one may find it gone already
+                path.unlink(missing_ok=True)
+            path.mkdir(parents=True, exist_ok=True)
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        if cast(Any, self).global_rank == 0:
+            records = io.BytesIO()
+            torch.save(checkpoint, records)
+            write_bytes(join(path, LIGHTNING_EXTRA), records.getvalue())
+        return state
 
     def teardown(self) -> None:
         super().teardown()

@@ -17,7 +17,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from project.checkpoint.background import finished
-from project.checkpoint.files import checkpoint_step, remove, swap_in
+from project.checkpoint.files import checkpoint_step, swap_in
+from project.checkpoint.latest import publish, save_name
+from project.checkpoint.locations import Location, is_remote, join, location, name_of, parent_of, remove, size
 from project.parallel.contract import contract_of
 from project.runtime.errors import ConfigError
 from project.training.callbacks.steps import OptimizerSteps
@@ -35,7 +37,9 @@ class StepCheckpoint(ModelCheckpoint):
 
     Each save is written beside last.ckpt and then swapped in, so a run killed while saving
     (preemption, out of memory) keeps its previous last.ckpt; one of another layout's format (a
-    sharded folder, now a single file, or the reverse) is kept under another name. Written in the background
+    sharded folder, now a single file, or the reverse) is kept under another name. In object storage, where nothing
+    is renamed, each save is written as step-<N>.ckpt and `latest` then names it (project.checkpoint.latest). Written
+    in the background
     (ckpt_async), it is swapped in once written: by rank 0 as soon as it sees the write ended (at the start of a
     batch), else before the next save and at the end of training, where every rank waits for it.
     """
@@ -119,16 +123,21 @@ class StepCheckpoint(ModelCheckpoint):
             self._swapped(written)
 
     @staticmethod
-    def _nothing(staged: Path, target: Path) -> None:
+    def _nothing(staged: Location, target: Location) -> None:
         pass
 
     @staticmethod
-    def _remove_staged(staged: Path, target: Path) -> None:
+    def _remove_staged(staged: Location, target: Location) -> None:
         remove(staged)
 
-    def _put_in_place(self, staged: Path, target: Path) -> None:
+    def _put_in_place(self, staged: Location, target: Location) -> None:
         """Rank 0: the written checkpoint at `staged` becomes `target`; the one it replaces is kept or removed
-        first (ckpt_keep_last), so that a replaced one awaiting that is never lost to the next swap."""
+        first (ckpt_keep_last), so that a replaced one awaiting that is never lost to the next swap. In object
+        storage: `latest` names it, then the saves beyond keep_last go."""
+        if is_remote(target):
+            publish(staged, self.keep_last)
+            return
+        assert isinstance(staged, Path) and isinstance(target, Path)
         self._keep_replaced(target)
         self._swap_in(staged, target)
 
@@ -154,7 +163,7 @@ class StepCheckpoint(ModelCheckpoint):
             rank_zero_info(f"the previous {target.name}, of another layout's format, is now {kept}")
 
     def _remove_replaced(self, trainer: Trainer) -> None:
-        if trainer.is_global_zero and self._last_checkpoint_saved:
+        if trainer.is_global_zero and self._last_checkpoint_saved and not is_remote(self._last_checkpoint_saved):
             try:
                 self._keep_replaced(Path(self._last_checkpoint_saved))
             except OSError as error:  # rank 0 alone here: said, and tried again at the next save
@@ -194,21 +203,26 @@ class StepCheckpoint(ModelCheckpoint):
     def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
         self.finish(trainer)  # one in flight at most: the one before is in place first
         started = time.perf_counter()
-        staged = Path(f"{filepath}.partial")
+        target = location(filepath)
+        staged = (
+            join(parent_of(target), save_name(trainer.global_step))
+            if is_remote(target)
+            else Path(f"{filepath}.partial")
+        )
         # Only rank 0 touches the files; the others learn whether it worked (or they would wait for
         # it at the next collective until the process group times out).
         self._on_rank_zero(trainer, remove, staged)  # left by a save that was killed: never mix old shards with new
-        with refused_by_storage(trainer, staged, Path(filepath)):
-            trainer.save_checkpoint(staged, self.save_weights_only)  # ends with a barrier: every rank has written
+        with refused_by_storage(trainer, staged, target):
+            trainer.save_checkpoint(str(staged), self.save_weights_only)  # ends with a barrier: every rank has written
         # The replaced checkpoint is removed at the next step, not here: Lightning logs this step's metrics
         # after the save returns, and a run killed between the swap and that row would lose the row for good.
         future = contract_of(trainer.strategy).checkpoint_written()
         stall = time.perf_counter() - started
         written = InFlight(
-            staged, Path(filepath), future if future is not None else finished(), trainer.global_step, started, stall
+            staged, target, future if future is not None else finished(), trainer.global_step, started, stall
         )
         if future is None:  # written already
-            self._on_rank_zero(trainer, self._put_in_place, staged, Path(filepath))
+            self._on_rank_zero(trainer, self._put_in_place, staged, target)
             if trainer.is_global_zero:
                 self._swapped(written)
         else:
@@ -232,18 +246,19 @@ class StepCheckpoint(ModelCheckpoint):
         if not ok:
             raise ConfigError(
                 f"rank 0 could not put the checkpoint in place ({fn.__name__} {', '.join(map(str, args))}: {value}). "
-                f"Free space or fix the permissions in {args[0].parent}, then resume with hydra.run.dir=<this run's "
-                "directory> ckpt_path=last."
+                f"Free space or fix the permissions in {parent_of(args[0])}, then resume with "
+                "hydra.run.dir=<this run's directory> ckpt_path=last."
             )
         return value
 
 
 @dataclass
 class InFlight:
-    """A save of last.ckpt: written (or being written) to `staged`, to be swapped in at `target`."""
+    """A save of last.ckpt: written (or being written) to `staged`, to be swapped in at `target` (in object storage,
+    named by `latest` where it is)."""
 
-    staged: Path
-    target: Path
+    staged: Location
+    target: Location
     future: Future  # the write, going on in the background or done
     step: int
     started: float  # time.perf_counter() as the save began
@@ -258,13 +273,12 @@ class InFlight:
     def metrics(self) -> dict[str, float]:
         """checkpoint/*: its size, the seconds from the save's start to the end of its write, and the write's
         throughput; the seconds training waited for it. Once it is in place (rank 0)."""
-        size = sum(f.stat().st_size for f in self.target.rglob("*") if f.is_file()) if self.target.is_dir() else 0
-        size = size or (self.target.stat().st_size if self.target.is_file() else 0)
+        written = size(self.staged if is_remote(self.target) else self.target)
         seconds = (self.written_at or time.perf_counter()) - self.started
         return {
-            "checkpoint/gigabytes": size / 1e9,
+            "checkpoint/gigabytes": written / 1e9,
             "checkpoint/seconds": seconds,
-            "checkpoint/gigabytes_per_second": size / 1e9 / seconds if seconds > 0 else 0.0,
+            "checkpoint/gigabytes_per_second": written / 1e9 / seconds if seconds > 0 else 0.0,
             "checkpoint/stall_seconds": self.stall,
         }
 
@@ -278,18 +292,21 @@ class BestCheckpoint(ModelCheckpoint):
         return super().state_key.replace(type(self).__qualname__, ModelCheckpoint.__qualname__, 1)
 
     def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
-        with refused_by_storage(trainer, Path(filepath), Path(filepath)):
+        with refused_by_storage(trainer, location(filepath), location(filepath)):
             super()._save_checkpoint(trainer, filepath)
 
     def _remove_checkpoint(self, trainer: Trainer, filepath: str) -> None:
         # Lightning removes the best it replaced right after the new one's save returns: written in the background
         # (ckpt_async), the new one is complete only once its write ends.
         contract_of(trainer.strategy).finish_checkpoint_writes()
-        super()._remove_checkpoint(trainer, filepath)
+        if not is_remote(filepath):
+            super()._remove_checkpoint(trainer, filepath)
+        elif trainer.is_global_zero:  # a folder of shards is a prefix: removed object by object
+            remove(filepath)
 
 
 @contextmanager
-def refused_by_storage(trainer: Trainer, written: Path, target: Path) -> Iterator[None]:
+def refused_by_storage(trainer: Trainer, written: Location, target: Location) -> Iterator[None]:
     """A save that the file system refused (full disk, quota, permissions) becomes a ConfigError that says
     so, with what was half written removed; the checkpoints saved before are untouched.
 
@@ -309,7 +326,7 @@ def refused_by_storage(trainer: Trainer, written: Path, target: Path) -> Iterato
             with suppress(OSError):
                 remove(written)
         raise ConfigError(
-            f"{target.name} of step {trainer.global_step} could not be written to {target.parent} "
+            f"{name_of(target)} of step {trainer.global_step} could not be written to {parent_of(target)} "
             f"({type(cause).__name__}: {cause}). The checkpoints saved before are untouched: free space (or raise the "
             "quota, or fix the permissions) there, then resume with hydra.run.dir=<this run's directory> "
             "ckpt_path=last."
