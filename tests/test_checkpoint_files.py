@@ -89,7 +89,7 @@ def test_resume_finds_the_checkpoint_a_run_killed_mid_swap_had_moved_aside(tmp_p
     checkpoints.mkdir()
     (checkpoints / "last.ckpt.old").mkdir()  # renamed away; the new folder never arrived
     (checkpoints / "last.ckpt.partial").mkdir()
-    assert resolve_ckpt_path("last", tmp_path) == str(checkpoints / "last.ckpt.old")
+    assert resolve_ckpt_path("last", checkpoints) == str(checkpoints / "last.ckpt.old")
     staged = checkpoints / "last.ckpt.partial"
     (staged / "__0_0.distcp").write_text("new")
     swap_in(staged, checkpoints / "last.ckpt")  # the resumed run's first save clears it up

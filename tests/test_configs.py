@@ -117,7 +117,7 @@ def test_every_strategy_of_ours_speaks_the_contract_and_nothing_probes_for_anoth
 def test_the_settings_check_knows_each_strategy_as_its_built_class_does():
     """The torch-free kinds (project.parallel.kinds) answer as the strategies' classes do, once built."""
     from hydra.utils import instantiate
-    from lightning.pytorch.strategies import SingleDeviceStrategy
+    from lightning.pytorch.strategies import FSDPStrategy, SingleDeviceStrategy
 
     from project.parallel.contract import contract_of
     from project.parallel.kinds import strategy_kind
@@ -135,6 +135,7 @@ def test_the_settings_check_knows_each_strategy_as_its_built_class_does():
         assert kind.pipeline == isinstance(strategy, LlamaPipelineStrategy), name
         assert kind.single_device == isinstance(strategy, SingleDeviceStrategy), name
         assert kind.own_launcher == contract_of(strategy).ranks_from_own_launcher, name
+        assert kind.local_checkpoints == isinstance(strategy, FSDPStrategy), name  # FSDP1: no object storage
     assert {n for n in STRATEGIES if strategy_kind(compose_train(f"strategy={n}").strategy).pipeline} == {"pipeline"}
 
 

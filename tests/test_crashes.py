@@ -150,7 +150,7 @@ def test_a_run_killed_while_it_saves_resumes_every_time(tiny_shards, tmp_path, l
         assert ended.returncode == -signal.SIGKILL and not ended.survivors, (
             f"killed before change {kill}: {ended.stderr[-3000:]}"
         )
-        found = resolve_ckpt_path("last", run)  # as the next run does
+        found = resolve_ckpt_path("last", run / "checkpoints")  # as the next run does
         assert 1 <= checkpoint_step(found) < 24 and read_whole(found)["state_dict"], f"killed before change {kill}"
     run_train(tiny_shards, run, *SAVE_RUN, *layout, "ckpt_path=last")
     assert_same_run(run, reference)

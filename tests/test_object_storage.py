@@ -155,3 +155,29 @@ def test_checkpoints_in_object_storage_resume_across_layouts_and_export_like_loc
     leaks = [k for k in saved if CHECKPOINT_SECRET.encode() in body.get_object(Bucket="corpus", Key=k)["Body"].read()]
     leaks += [str(p) for p in tmp_path.rglob("*") if p.is_file() and CHECKPOINT_SECRET.encode() in p.read_bytes()]
     assert leaks == []
+
+
+def test_checkpoints_refused_where_they_cannot_go_in_one_error(tiny_shards, bucket, tmp_path):
+    from omegaconf import OmegaConf
+
+    from project.config.checkpoints import check_ckpt_dir
+
+    for settings, said in [
+        ({"ckpt_dir": "gs://b/c"}, "ckpt_dir=gs://b/c: checkpoints go to a local folder or to S3"),
+        ({"ckpt_path": "s3:///c"}, "ckpt_path=s3:///c: checkpoints go to a local folder or to S3"),
+        (
+            {"ckpt_dir": "s3://b/c", "strategy": {"_target_": "project.parallel.strategies.fsdp.fsdp_strategy"}},
+            "with strategy=fsdp: FSDP1 writes its checkpoints to local folders only",
+        ),
+    ]:
+        with pytest.raises(ConfigError, match=said):
+            check_ckpt_dir(OmegaConf.create(settings))
+    check_ckpt_dir(OmegaConf.create({"ckpt_dir": "s3://b/c", "strategy": {"_target_": "x.fsdp2"}}))  # no error
+    # A bucket that is not there: said before training starts, and the run ends with status 2.
+    result = run_module(
+        "project.train",
+        train_overrides(tiny_shards, tmp_path / "run", "trainer.max_steps=1", "ckpt_dir=s3://no-such-bucket/c"),
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "error: ckpt_dir=s3://no-such-bucket/c: could not reach it" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from project.checkpoint.locations import Location, storage_writer
+from project.checkpoint.locations import Location, storage_errors, storage_writer
 
 
 class BackgroundWriter:
@@ -79,7 +79,7 @@ def cause_of(error: BaseException) -> BaseException:
     """What made a write fail: for torch's distributed checkpoint, which gathers every rank's failure with its
     traceback, the first rank's own error (a full disk's OSError first)."""
     failures = [failure for failure, _ in getattr(error, "failures", {}).values()]  # CheckpointException's
-    return next((f for f in failures if isinstance(f, OSError)), failures[0] if failures else error)
+    return next((f for f in failures if isinstance(f, storage_errors())), failures[0] if failures else error)
 
 
 def finished() -> Future:

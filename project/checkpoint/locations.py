@@ -69,6 +69,14 @@ def check_url(url: str, setting: str) -> None:
         )
 
 
+def storage_errors() -> tuple[type[BaseException], ...]:
+    """What a refused write raises: the file system's OSError (a full disk, permissions), object storage's errors
+    (a missing bucket, denied or missing credentials)."""
+    from obstore.exceptions import BaseError
+
+    return (OSError, BaseError)
+
+
 def _endpoint() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
 
@@ -90,6 +98,19 @@ def _store(bucket: str, endpoint: str | None) -> Any:
 def _split(url: Location) -> tuple[Any, str]:
     parsed = urlparse(str(url))
     return _store(parsed.netloc, _endpoint()), parsed.path.strip("/")
+
+
+def check_reachable(url: str, setting: str = "ckpt_dir") -> None:
+    """The bucket at `url` answers a listing with these credentials, else a ConfigError saying what to check."""
+    try:
+        children(url)
+    except storage_errors() as error:
+        reason = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+        raise ConfigError(
+            f"{setting}={url}: could not reach it ({type(error).__name__}: {reason}). Check that the bucket exists, "
+            "the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or the machine's role) and the endpoint "
+            "(AWS_ENDPOINT_URL for an S3-compatible server)."
+        ) from None
 
 
 def use_object_storage() -> None:

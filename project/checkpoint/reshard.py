@@ -13,7 +13,8 @@ not) and fills them:
 
 Then `set_state_dict` puts them in place. A strategy that keeps the whole model on each rank (one device, DDP,
 Horovod) reads the whole checkpoint instead, in Lightning's own form (`read_whole`): its share is all of it. Nothing
-is written to a temporary file.
+is written to a temporary file, except a single file in object storage, which each process fetches whole before it
+memory-maps it (project.checkpoint.locations.local_file); a folder there is read in place, each rank its ranges.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from project.checkpoint.files import checkpoint_metadata, checkpoint_step, resolve_ckpt_path
 from project.checkpoint.latest import latest
-from project.checkpoint.locations import exists, join, use_object_storage
+from project.checkpoint.locations import check_reachable, exists, join, use_object_storage
 from project.config.checkpoints import checkpoint_dir
 from project.config.data import check_data, data_settings_differ
 from project.config.layout import Layout, plan_layout
@@ -93,6 +93,9 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
     cfg.ckpt_dir = checkpoint_dir(cfg, run_dir)  # the callbacks' folder (conf/callbacks), as the record says
     if is_remote(cfg.ckpt_dir) or is_remote(cfg.ckpt_path):
         use_object_storage()  # before the callbacks are built: Lightning's ModelCheckpoint reaches s3:// by fsspec
+        for setting in ("ckpt_dir", "ckpt_path"):
+            if is_remote(cfg[setting]):
+                check_reachable(cfg[setting], setting)
     restore_console = record_console(cfg, run_dir)
     metrics = fit(cfg, run_dir, layout)
     # Not after an error: what the entry point then prints (the error, a failed rank's report) belongs in the log.

@@ -19,7 +19,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from project.checkpoint.background import finished
 from project.checkpoint.files import checkpoint_step, swap_in
 from project.checkpoint.latest import publish, save_name
-from project.checkpoint.locations import Location, is_remote, join, location, name_of, parent_of, remove, size
+from project.checkpoint.locations import (
+    Location,
+    is_remote,
+    join,
+    location,
+    name_of,
+    parent_of,
+    remove,
+    size,
+    storage_errors,
+)
 from project.parallel.contract import contract_of
 from project.runtime.errors import ConfigError
 from project.training.callbacks.steps import OptimizerSteps
@@ -307,27 +317,28 @@ class BestCheckpoint(ModelCheckpoint):
 
 @contextmanager
 def refused_by_storage(trainer: Trainer, written: Location, target: Location) -> Iterator[None]:
-    """A save that the file system refused (full disk, quota, permissions) becomes a ConfigError that says
+    """A save that the storage refused (full disk, quota, permissions; a missing bucket or credentials) becomes a
+    ConfigError that says
     so, with what was half written removed; the checkpoints saved before are untouched.
 
     No collective here: the other ranks may not have failed, and they are ended with this one.
     """
     try:
         yield
-    except (OSError, CheckpointException) as error:
-        cause = (
-            error
-            if isinstance(error, OSError)
-            else next((failure for failure, _ in error.failures.values() if isinstance(failure, OSError)), None)
-        )
+    except Exception as error:
+        refused = storage_errors()
+        if not isinstance(error, (*refused, CheckpointException)):
+            raise
+        failures = [f for f, _ in error.failures.values()] if isinstance(error, CheckpointException) else [error]
+        cause = next((f for f in failures if isinstance(f, refused)), None)
         if cause is None:
             raise
         if trainer.is_global_zero:
-            with suppress(OSError):
+            with suppress(*refused):
                 remove(written)
         raise ConfigError(
             f"{name_of(target)} of step {trainer.global_step} could not be written to {parent_of(target)} "
             f"({type(cause).__name__}: {cause}). The checkpoints saved before are untouched: free space (or raise the "
-            "quota, or fix the permissions) there, then resume with hydra.run.dir=<this run's directory> "
-            "ckpt_path=last."
+            "quota, or fix the permissions or credentials) there, then resume with hydra.run.dir=<this run's "
+            "directory> ckpt_path=last."
         ) from None
