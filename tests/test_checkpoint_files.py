@@ -131,6 +131,31 @@ def test_a_failed_swap_on_rank_zero_is_an_error_on_every_rank(tmp_path):
     assert sent and sent[0][0] is False  # the other ranks receive the failure rather than wait
 
 
+def test_a_failed_background_write_leaves_nothing_half_written_and_is_said_on_every_rank(tmp_path):
+    from concurrent.futures import Future
+
+    from project.checkpoint.background import BackgroundWriter
+    from project.parallel.strategies.saving import BackgroundSaving
+
+    class Strategy(BackgroundSaving):
+        is_global_zero = True
+
+        def reduce_boolean_decision(self, decision, all=True):
+            return decision  # one rank: its own decision
+
+    partial = tmp_path / "best-step000004.ckpt"  # a best checkpoint's write, failed part way
+    partial.write_bytes(b"half")
+    failed: Future = Future()
+    failed.set_exception(OSError(28, "No space left on device"))
+    strategy, writer = Strategy(), BackgroundWriter(pinned=False)
+    writer.in_flight, writer.path = failed, partial
+    strategy._writer = writer
+    with pytest.raises(ConfigError, match=r"written in the background to .*best-step000004.ckpt failed \(OSError"):
+        strategy.finish_checkpoint_writes()
+    assert not partial.exists()
+    writer.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["single", "fsdp2"])
 def test_checkpoints_get_the_users_file_mode(tiny_shards, tmp_path, strategy):

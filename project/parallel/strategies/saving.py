@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 from concurrent.futures import Future
+from contextlib import suppress
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -19,7 +20,16 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from project.checkpoint.background import BackgroundWriter, cause_of
 from project.checkpoint.files import LIGHTNING_EXTRA
-from project.checkpoint.locations import Location, is_remote, join, location, storage_writer, write_bytes
+from project.checkpoint.locations import (
+    Location,
+    is_remote,
+    join,
+    location,
+    remove,
+    storage_errors,
+    storage_writer,
+    write_bytes,
+)
 from project.parallel.groups import release_group
 from project.runtime.errors import ConfigError
 
@@ -40,7 +50,11 @@ class BackgroundSaving:
         if self._writer is None or self._writer.in_flight is None:  # alike on every rank: each holds a write
             return
         path, error = self._writer.wait()
-        if cast(Any, self).reduce_boolean_decision(error is not None, all=False):
+        strategy = cast(Any, self)
+        if strategy.reduce_boolean_decision(error is not None, all=False):
+            if strategy.is_global_zero and path is not None:  # nothing half written left: a best checkpoint's too
+                with suppress(*storage_errors()):
+                    remove(path)
             cause = cause_of(error) if error is not None else None
             reason = f"{type(cause).__name__}: {cause}" if cause is not None else "on another rank"
             raise ConfigError(
