@@ -131,6 +131,33 @@ def test_a_failed_swap_on_rank_zero_is_an_error_on_every_rank(tmp_path):
     assert sent and sent[0][0] is False  # the other ranks receive the failure rather than wait
 
 
+PEAK_GROWTH = """
+import io, resource, sys, torch
+from project.checkpoint.files import write_checkpoint_file
+state = {"state_dict": {f"w{i}": torch.ones(16, 1 << 20) for i in range(4)}}  # 256 MiB
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+write_checkpoint_file(state, sys.argv[1]) if sys.argv[2] == "file" else torch.save(state, io.BytesIO())
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 / (256 << 20))
+"""
+
+
+@pytest.mark.parametrize("how, most, least", [("file", 0.1, 0.0), ("in-memory", None, 0.5)])
+def test_a_checkpoint_file_is_written_without_a_copy_of_it_in_host_memory(tmp_path, how, most, least):
+    import subprocess
+    import sys
+
+    # A fresh process, whose peak resident memory then measures the save alone; serializing into memory first (what
+    # Lightning's checkpoint IO does) is the reference that shows the measure sees a copy.
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK_GROWTH, str(tmp_path / "last.ckpt"), how], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    growth = float(done.stdout.split()[-1])  # of the state's size
+    assert growth >= least and (most is None or growth <= most), growth
+    if how == "file":
+        assert torch.load(tmp_path / "last.ckpt", weights_only=True)["state_dict"]["w3"].sum() == 16 << 20
+
+
 def test_a_failed_background_write_leaves_nothing_half_written_and_is_said_on_every_rank(tmp_path):
     from concurrent.futures import Future
 

@@ -23,6 +23,7 @@ from project.checkpoint.locations import (
     local_file,
     read_bytes,
     read_range,
+    writing,
 )
 from project.runtime.errors import ConfigError
 
@@ -45,6 +46,19 @@ def read_checkpoint_file(path: Location, mmap: bool = False) -> dict[str, Any]:
             "(copied or downloaded only in part: pass another checkpoint, e.g. the run's best-step*.ckpt), or hold "
             "objects other than tensors and plain data, which are not loaded because loading them could run code."
         ) from None
+
+
+def write_checkpoint_file(checkpoint: dict[str, Any], path: Location) -> None:
+    """`checkpoint` saved by torch straight into the file at `path` (or object), whole or not at all. Lightning's
+    checkpoint IO serializes it into memory first and copies that out again: two more copies of the whole state in
+    host memory, for the length of the save."""
+    with writing(path) as file:
+        try:
+            torch.save(checkpoint, file)
+        except RuntimeError:
+            if file.error is not None:  # the storage's own error (a full disk), which torch reported as its own
+                raise file.error from None
+            raise
 
 
 SHARDED_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a folder's shards

@@ -22,7 +22,7 @@ import io
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator, Union
@@ -239,6 +239,32 @@ def write_bytes(path: Location, data: bytes) -> None:
     obstore.put(store, key, data)
 
 
+@contextmanager
+def writing(path: Location) -> Iterator[Any]:
+    """A file to write at `path` that appears whole or not at all: locally written beside it and renamed into
+    place; in object storage an upload, which appears when it ends (and is removed if writing failed)."""
+    if not is_remote(path):
+        staged = Path(f"{path}.{os.getpid()}.partial")
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with _WholeWrites(open(staged, "wb", buffering=0)) as file:
+                yield file
+            os.replace(staged, path)
+        finally:
+            staged.unlink(missing_ok=True)
+        return
+    import obstore
+
+    store, key = _split(path)
+    try:
+        with _Writing(obstore.open_writer(store, key)) as stream:
+            yield stream
+    except BaseException:
+        with suppress(*storage_errors()):
+            remove(path)
+        raise
+
+
 _copies: dict[str, Path] = {}  # URL -> this process's local copy of a single-file checkpoint
 
 
@@ -297,11 +323,13 @@ class _Reading(io.RawIOBase):
         super().close()
 
 
-class _Writing(io.RawIOBase):
-    """An object written as a file: obstore's multipart writer, keeping the position torch's writer asks for."""
+class _WholeWrites(io.RawIOBase):
+    """A file whose every write is whole or raises, keeping its first error in `error`: torch's writer, given a file
+    object whose write fails (a full disk, a size limit), reports a RuntimeError of its own instead."""
 
     def __init__(self, file: Any):
         self._file, self._written = file, 0
+        self.error: Exception | None = None
 
     def writable(self) -> bool:
         return True
@@ -310,15 +338,31 @@ class _Writing(io.RawIOBase):
         return self._written
 
     def write(self, data: Any) -> int:
-        # A copy: obstore keeps the buffer it is given until it uploads, and torch reuses its buffers meanwhile.
-        count = self._file.write(bytes(data))
-        self._written += count
-        return count
+        view, done = memoryview(data).cast("B"), 0
+        try:
+            while done < len(view):  # a short write (the disk just filled) is followed by one that raises
+                done += self._send(view[done:])
+        except Exception as error:
+            self.error = self.error or error
+            raise
+        self._written += done
+        return done
+
+    def _send(self, data: memoryview) -> int:
+        return self._file.write(data)
 
     def close(self) -> None:
         if not self.closed:
             self._file.close()
         super().close()
+
+
+class _Writing(_WholeWrites):
+    """An object written as a file: obstore's multipart writer, keeping the position torch's writer asks for."""
+
+    def _send(self, data: memoryview) -> int:
+        # A copy: obstore keeps the buffer it is given until it uploads, and torch reuses its buffers meanwhile.
+        return self._file.write(bytes(data))
 
 
 class ObjectFiles(FileSystem):

@@ -1,7 +1,9 @@
-"""Checkpoints written in the background (`ckpt_async=true`, project.checkpoint.background) by our strategies that
-write a folder of shards (ModelParallelStrategy's: fsdp2, tp, tp_fsdp, context parallel, pipeline) or one file from
-rank 0 (one device, DDP, Horovod): Lightning's `save_checkpoint` hook copies the state to host memory and returns,
-and the contract's `checkpoint_written` and `finish_checkpoint_writes` (project.parallel.contract) follow the write.
+"""How our strategies write a checkpoint, a folder of shards (ModelParallelStrategy's: fsdp2, tp, tp_fsdp, context
+parallel, pipeline) or one file from rank 0 (one device, DDP, Horovod), to a local path or to object storage
+(project.checkpoint.locations), in the foreground or in the background (`ckpt_async=true`,
+project.checkpoint.background): there, Lightning's `save_checkpoint` hook copies the state to host memory and
+returns, and the contract's `checkpoint_written` and `finish_checkpoint_writes` (project.parallel.contract) follow
+the write.
 """
 
 from __future__ import annotations
@@ -19,10 +21,9 @@ import torch.distributed.checkpoint as dcp
 from lightning.pytorch.utilities import rank_zero_warn
 
 from project.checkpoint.background import BackgroundWriter, cause_of
-from project.checkpoint.files import LIGHTNING_EXTRA
+from project.checkpoint.files import LIGHTNING_EXTRA, write_checkpoint_file
 from project.checkpoint.locations import (
     Location,
-    is_remote,
     join,
     location,
     remove,
@@ -79,14 +80,15 @@ class BackgroundSaving:
         self._write_in_background(self._writer, checkpoint, location(strategy.broadcast(filepath)))
 
     def _write_in_foreground(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
-        """Lightning's own save (its checkpoint IO writes a file to object storage too, through fsspec)."""
-        cast(Any, super()).save_checkpoint(checkpoint, filepath, storage_options)
+        """Rank 0 writes the one file (locally or to object storage), torch.save streaming into it."""
+        if cast(Any, self).is_global_zero:
+            write_checkpoint_file(checkpoint, location(filepath))
 
     def _write_in_background(self, writer: BackgroundWriter, checkpoint: dict[str, Any], path: Location) -> None:
-        """One file, written by rank 0 through the strategy's checkpoint IO."""
+        """One file, written by rank 0."""
         strategy = cast(Any, self)
         if strategy.is_global_zero:
-            writer.write_file(checkpoint, path, strategy.checkpoint_io.save_checkpoint)
+            writer.write_file(checkpoint, path, write_checkpoint_file)
         else:
             writer.nothing_to_write(path)
 
@@ -105,9 +107,8 @@ class ShardedBackgroundSaving(BackgroundSaving):
     writer_timeout: timedelta | None = None  # the strategy's collective timeout, for the writers' group too
 
     def _write_in_foreground(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
-        if not is_remote(filepath):
-            return super()._write_in_foreground(checkpoint, filepath, storage_options)
-        path = location(cast(Any, self).broadcast(filepath))  # Lightning's own save takes local folders only
+        """As Lightning's ModelParallelStrategy writes its folder (which takes local paths only), anywhere."""
+        path = location(cast(Any, self).broadcast(filepath))
         dcp.save(self._folder_state(checkpoint, path), storage_writer=storage_writer(path))
 
     def _write_in_background(self, writer: BackgroundWriter, checkpoint: dict[str, Any], path: Location) -> None:

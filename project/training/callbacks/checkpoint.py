@@ -325,7 +325,7 @@ def refused_by_storage(trainer: Trainer, written: Location, target: Location) ->
     """
     try:
         yield
-    except Exception as error:
+    except BaseException as error:  # torch's CheckpointException is a BaseException
         refused = storage_errors()
         if not isinstance(error, (*refused, CheckpointException)):
             raise
