@@ -430,13 +430,16 @@ def test_checkpoint_bench_charges_each_save_to_the_step_after_it_and_refuses_run
     steps, every, stall = 14, 4, {"none": 0.0, "foreground": 0.5, "background": 0.1}
 
     def run(size, mode, steps, every, data, scratch):
-        return {s: 1.0 + (stall[mode] if (s - 1) % every == 0 and s - 1 < steps - 1 else 0.0) for s in range(3, steps)}
+        timed = {s: 1.0 + (stall[mode] if (s - 1) % every == 0 and s - 1 < steps - 1 else 0.0) for s in range(3, steps)}
+        return timed, stall[mode] / 2  # the run's own checkpoint/stall_seconds, as it measured them
 
     monkeypatch.setattr(bench_checkpoint, "run", run)
     row = bench_checkpoint.measure("small", steps, every, tmp_path, tmp_path)
     assert row["saves"] == 3  # after steps 4, 8 and 12; the one after 13, the last, is waited for at the end
     assert row["lost_per_save"] == pytest.approx({"foreground": 0.5, "background": 0.1})
     assert row["background_over_foreground"] == pytest.approx(0.2)
+    assert row["stall_per_save"] == pytest.approx({"foreground": 0.25, "background": 0.05})
+    assert row["stall_background_over_foreground"] == pytest.approx(0.2)
     for bad in (["steps=4", "every=4"], ["every=2"], ["sizes=huge"]):
         with pytest.raises(ConfigError):
             bench_checkpoint.parse(bad)

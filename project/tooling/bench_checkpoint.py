@@ -6,11 +6,14 @@ sequences) three times: saving no checkpoint, saving last.ckpt every `every` ste
 (ckpt_async=false), and in the background (ckpt_async=true: the step copies each rank's shard to host memory and a
 thread writes it). Rank 0 clocks every optimizer step (StepClock); the time lost per save is the sum of the steps'
 times (after the second step, before the last, whose save the run waits for at its end) over the run that saves
-none, divided by the saves among them. Writes new files <date>-<host>-checkpoint.{json,md}.
+none, divided by the saves among them: the stall and, in the background, the writer's share of the cores. The stall
+alone, the seconds training waited inside each save, is the run's own `checkpoint/stall_seconds` (rank 0), averaged
+over its saves. Writes new files <date>-<host>-checkpoint.{json,md}.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -67,7 +70,8 @@ def parameters(dim: int, layers: int, ffn: int, vocab: int) -> int:
     return layers * (4 * dim * dim + 3 * dim * ffn + 2 * dim) + 2 * vocab * dim + dim
 
 
-def run(size: str, mode: str, steps: int, every: int, data: Path, scratch: Path) -> dict[int, float]:
+def run(size: str, mode: str, steps: int, every: int, data: Path, scratch: Path) -> tuple[dict[int, float], float]:
+    """(seconds of each timed step, the mean stall per save)"""
     from project.tooling.bench_platform import data_settings
 
     dim, layers, heads, ffn = SIZES[size]
@@ -87,13 +91,23 @@ def run(size: str, mode: str, steps: int, every: int, data: Path, scratch: Path)
     if result.returncode:
         raise RuntimeError(f"{size} {mode}: project.train failed:\n{result.stderr[-3000:]}")
     ends = {int(k): v for k, v in json.loads((run_dir / "steps.json").read_text()).items()}
-    return {step: ends[step] - ends[step - 1] for step in range(FIRST_TIMED + 1, steps)}
+    with open(run_dir / "metrics.csv", newline="") as file:
+        stalls = [
+            float(row["checkpoint/stall_seconds"])
+            for row in csv.DictReader(file)
+            if row.get("checkpoint/stall_seconds")
+        ]
+    return {step: ends[step] - ends[step - 1] for step in range(FIRST_TIMED + 1, steps)}, (
+        sum(stalls) / len(stalls) if stalls else 0.0
+    )
 
 
 def measure(size: str, steps: int, every: int, data: Path, scratch: Path) -> dict:
     from project.tooling.bench_platform import VOCAB_SIZE
 
-    times = {mode: run(size, mode, steps, every, data, scratch) for mode in MODES}
+    runs = {mode: run(size, mode, steps, every, data, scratch) for mode in MODES}
+    times = {mode: timed for mode, (timed, _) in runs.items()}
+    stall = {mode: runs[mode][1] for mode in ("foreground", "background")}
     # A save after step k (StepCheckpoint, after the clock in Lightning's order) is in step k + 1's time.
     saved = [k + 1 for k in range(every, steps - 1, every) if FIRST_TIMED + 1 <= k + 1 < steps]
     base = sum(times["none"].values())
@@ -108,6 +122,8 @@ def measure(size: str, steps: int, every: int, data: Path, scratch: Path) -> dic
         "step_seconds": {mode: sum(t.values()) / len(t) for mode, t in times.items()},
         "lost_per_save": lost,
         "background_over_foreground": lost["background"] / lost["foreground"] if lost["foreground"] > 0 else None,
+        "stall_per_save": stall,
+        "stall_background_over_foreground": stall["background"] / stall["foreground"] if stall["foreground"] else None,
     }
 
 
@@ -117,18 +133,22 @@ def table(report: dict) -> str:
         "",
         f"`{report['command']}`: fsdp2 on 2 gloo processes, 32-true, global batch 8 in micro batches of 2, "
         f"{report['steps']} steps, last.ckpt every {report['every']}; the time lost per save is the steps' time over "
-        "a run that saves none, per save (rank 0's clock).",
+        "a run that saves none, per save (rank 0's clock); the stall is the seconds training waited inside each save "
+        "(`checkpoint/stall_seconds`, rank 0, mean over the run's saves).",
         "",
         "| model | parameters | weights and moments | step, no saves (s) | lost per save, foreground (s) | "
-        "lost per save, background (s) | background / foreground |",
-        "|---|---|---|---|---|---|---|",
+        "lost per save, background (s) | background / foreground | stall, foreground (s) | stall, background (s) "
+        "| stall background / foreground |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
-        ratio = r["background_over_foreground"]
+        ratio, stall = r["background_over_foreground"], r.get("stall_background_over_foreground")
         lines.append(
             f"| {r['size']} | {r['parameters'] / 1e6:.1f}M | {r['state_bytes'] / 2**20:,.0f} MiB | "
             f"{r['step_seconds']['none']:.3f} | {r['lost_per_save']['foreground']:.3f} | "
-            f"{r['lost_per_save']['background']:.3f} | {'-' if ratio is None else f'{ratio:.2f}'} |"
+            f"{r['lost_per_save']['background']:.3f} | {'-' if ratio is None else f'{ratio:.2f}'} | "
+            f"{r['stall_per_save']['foreground']:.3f} | {r['stall_per_save']['background']:.3f} | "
+            f"{'-' if stall is None else f'{stall:.2f}'} |"
         )
     return "\n".join(lines) + "\n"
 
