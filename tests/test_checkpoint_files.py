@@ -366,3 +366,34 @@ def test_optimizer_state_numbered_in_the_models_order_is_read_by_name_too():
     assert again["param_groups"] == named["param_groups"]
     for name, state in named["state"].items():
         torch.testing.assert_close(again["state"][name], state, rtol=0, atol=0)
+
+
+def test_latest_names_the_save_to_resume_and_a_killed_saves_leftovers_never_win(tmp_path):
+    """Object storage's commit protocol (project.checkpoint.latest), on a local folder: the same functions."""
+    from project.checkpoint.latest import latest, publish, save_name
+
+    def save(step, complete=True, kind="folder"):
+        path = tmp_path / save_name(step)
+        if kind == "file":
+            path.write_bytes(b"whole")
+        else:
+            path.mkdir()
+            (path / "__0_0.distcp").write_bytes(b"shard")
+            if complete:
+                (path / ".metadata").write_bytes(b"written last")
+        return path
+
+    assert latest(tmp_path) is None
+    publish(save(2), keep=2)
+    publish(save(4, kind="file"), keep=2)
+    save(6, complete=False)  # killed while its shards were written: `latest` still names step 4
+    assert latest(tmp_path) == tmp_path / save_name(4)
+    publish(save(8), keep=2)  # the next save: the partial one goes, and the oldest beyond keep
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", save_name(4), save_name(8)]
+    # A run resumed from step 4 (an earlier save) saves step 5: it becomes the one to resume; step 8, of the
+    # abandoned run, is left (it is newer) until saves overtake it.
+    publish(save(5), keep=2)
+    assert latest(tmp_path) == tmp_path / save_name(5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", save_name(4), save_name(5), save_name(8)]
+    (tmp_path / "latest").unlink()  # lost (or never written: killed between the save and it)
+    assert latest(tmp_path) == tmp_path / save_name(8), "the newest complete save"
