@@ -401,3 +401,24 @@ def pipeline_reference(tiny_shards, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("pipeline-reference")
     run_train(tiny_shards, run_dir, *PIPELINE_RUN)
     return run_dir
+
+
+S3_ENV = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def bucket():
+    """A bucket on a server of our own, reached by this process and the runs it starts (the AWS_* environment)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    saved = dict(os.environ)
+    os.environ.update(S3_ENV, AWS_ENDPOINT_URL=f"http://{host}:{port}")
+    boto3.client("s3").create_bucket(Bucket="corpus")
+    yield "s3://corpus"
+    os.environ.clear()
+    os.environ.update(saved)
+    server.stop()

@@ -165,6 +165,22 @@ class SaveWatch:
     def install(self) -> None:
         for name in ("rename", "replace", "unlink", "remove", "rmdir", "mkdir"):
             self.wrap(os, name)
+        # Object storage (ckpt_dir=s3://...): each piece of an upload, each small object put, each removal, and
+        # torch's rename of a folder's metadata (a copy there). Where a module imported a function by name, there.
+        from project.checkpoint import latest, locations
+        from project.parallel.strategies import saving
+        from project.training.callbacks import checkpoint
+
+        for module, name in [
+            (locations._Writing, "_send"),
+            (locations.ObjectFiles, "rename"),
+            (locations.ObjectFiles, "rm_file"),
+            (latest, "write_bytes"),
+            (latest, "remove"),
+            (saving, "write_bytes"),
+            (checkpoint, "remove"),
+        ]:
+            self.wrap(module, name)
         original_open = io.open
 
         @functools.wraps(original_open)
@@ -225,7 +241,7 @@ def watch_saves(faults: list[Fault]) -> None:
         return
     watch = SaveWatch(kill_before=None)
     watch.install()
-    save, swap_in = StepCheckpoint._save_checkpoint, StepCheckpoint._swap_in
+    save, put_in_place = StepCheckpoint._save_checkpoint, StepCheckpoint._put_in_place
 
     def done(rank: int) -> None:
         watch.active = False
@@ -242,17 +258,18 @@ def watch_saves(faults: list[Fault]) -> None:
             save(checkpoint, trainer, filepath)
         finally:
             watch.in_save = False
-            # Written in the background, the save goes on until rank 0 swaps it in (watched_swap_in) or the run ends.
+            # Written in the background, the save goes on until rank 0 puts it in place (watched_put_in_place) or
+            # the run ends.
             if checkpoint._in_flight is None or not trainer.is_global_zero:
                 done(trainer.global_rank)
 
-    def watched_swap_in(staged: Path, target: Path) -> None:
-        swap_in(staged, target)
+    def watched_put_in_place(checkpoint: StepCheckpoint, staged: Path, target: Path) -> None:
+        put_in_place(checkpoint, staged, target)
         if watch.active and not watch.in_save:
-            done(0)  # only rank 0 swaps
+            done(0)  # only rank 0 puts a save in place
 
     StepCheckpoint._save_checkpoint = watched_save
-    StepCheckpoint._swap_in = staticmethod(watched_swap_in)
+    StepCheckpoint._put_in_place = watched_put_in_place
 
 
 def with_faults(build_trainer, faults: list[Fault]):

@@ -87,12 +87,14 @@ def launch(
     return Ended(process.returncode, stderr, seconds, survivors)
 
 
-def assert_same_run(run_dir: Path, reference: Path) -> None:
-    """Bit for bit: every step's loss and gradient norm, and the final weights."""
+def assert_same_run(run_dir: Path, reference: Path, checkpoints: tuple[str, str] | None = None) -> None:
+    """Bit for bit: every step's loss and gradient norm, and the final weights (`checkpoints`: the two runs'
+    checkpoint folders, where not in their run directories)."""
     for column in ("train/loss", "train/grad_norm"):
         assert read_metrics(run_dir, column) == read_metrics(reference, column), column
-    weights = read_whole(run_dir / "checkpoints" / "last.ckpt")["state_dict"]
-    expected = read_whole(reference / "checkpoints" / "last.ckpt")["state_dict"]
+    mine, theirs = checkpoints or (run_dir / "checkpoints", reference / "checkpoints")
+    weights = read_whole(resolve_ckpt_path("last", mine))["state_dict"]
+    expected = read_whole(resolve_ckpt_path("last", theirs))["state_dict"]
     assert weights.keys() == expected.keys()
     assert all(torch.equal(weights[name], expected[name]) for name in expected)
 

@@ -1,7 +1,8 @@
 """Shards in object storage: an S3-compatible server on loopback (moto's server mode) stands in for S3."""
 
 import json
-import os
+import re
+import signal
 
 import boto3
 import pytest
@@ -10,25 +11,6 @@ from conftest import read_metrics, run_module, run_train, train_overrides
 from project.data.prepare import prepare_shards
 from project.data.storage import upload_dataset
 from project.runtime.errors import ConfigError
-
-S3_ENV = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-@pytest.fixture(scope="module")
-def bucket():
-    """A bucket on a server of our own, reached by this process and the runs it starts (the AWS_* environment)."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    saved = dict(os.environ)
-    os.environ.update(S3_ENV, AWS_ENDPOINT_URL=f"http://{host}:{port}")
-    boto3.client("s3").create_bucket(Bucket="corpus")
-    yield "s3://corpus"
-    os.environ.clear()
-    os.environ.update(saved)
-    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +163,35 @@ def test_checkpoints_refused_where_they_cannot_go_in_one_error(tiny_shards, buck
     assert result.returncode == 2, result.stderr[-3000:]
     assert "error: ckpt_dir=s3://no-such-bucket/c: could not reach it" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_run_killed_while_it_saves_to_object_storage_resumes_every_time(tiny_shards, bucket, tmp_path):
+    """As tests/test_crashes.py kills local saves: fsdp2 writing its folder in the background to object storage,
+    killed before the first, the last and two changes between of its second save (each piece uploaded, each object
+    put or removed, `latest` written), resumes from the save `latest` names, and the run ends as one never killed."""
+    from test_crashes import SAVE_RUN, assert_same_run, launch
+
+    from project.checkpoint.files import checkpoint_step, resolve_ckpt_path
+
+    steps = [s for s in SAVE_RUN if not s.startswith(("trainer.max_steps=", "optim.decay_steps="))]
+    layout = [*steps, "strategy=fsdp2", "trainer.devices=1", "ckpt_async=true", "trainer.max_steps=12"]
+    layout += ["optim.decay_steps=12"]
+    reference = tmp_path / "reference"
+    counted = launch("count-save-ops", tiny_shards, reference, *layout, f"ckpt_dir={bucket}/reference")
+    assert counted.returncode == 0, counted.stderr[-3000:]
+    changes = min(
+        int(n) for s, n in re.findall(r"faults: save (\d+) of rank 0 made (\d+) changes", counted.stderr) if int(s) > 1
+    )
+    moments = sorted({round(1 + i * (changes - 1) / 3) for i in range(4)})
+    assert len(moments) == 4, f"a save makes only {changes} changes"
+    run, ckpts = tmp_path / "run", f"{bucket}/killed"
+    for kill in moments:
+        resume = ["ckpt_path=last"] if objects("killed/") else []
+        ended = launch(f"kill-in-save@2:{kill}", tiny_shards, run, *layout, f"ckpt_dir={ckpts}", *resume)
+        assert ended.returncode == -signal.SIGKILL and not ended.survivors, (
+            f"killed before {kill}: {ended.stderr[-3000:]}"
+        )
+        found = resolve_ckpt_path("last", ckpts)  # as the next run does
+        assert 1 <= checkpoint_step(found) < 12, f"killed before change {kill}"
+    run_train(tiny_shards, run, *layout, f"ckpt_dir={ckpts}", "ckpt_path=last")
+    assert_same_run(run, reference, (ckpts, f"{bucket}/reference"))
