@@ -113,7 +113,8 @@ def parse_args(argv: list[str]) -> dict:
     if raw["stop_at_eos"].lower() not in ("true", "false"):
         raise ConfigError(f"stop_at_eos={raw['stop_at_eos']} must be true or false.")
     args["stop_at_eos"] = raw["stop_at_eos"].lower() == "true"
-    if not Path(args["ckpt_path"]).exists():  # said before `load` imports Lightning
+    # Said before `load` imports Lightning (one in object storage is looked for as it is read).
+    if "://" not in args["ckpt_path"] and not Path(args["ckpt_path"]).exists():
         raise ConfigError(
             f"checkpoint {args['ckpt_path']} does not exist; pass ckpt_path= a .ckpt file or sharded checkpoint folder."
         )
@@ -126,7 +127,7 @@ def load(ckpt_path: str, tokenizer: str | None):
     from project.data.tokenizer import load_tokenizer
     from project.hf.export import load_checkpoint, resolve_tokenizer
 
-    config, weights, ckpt = load_checkpoint(Path(ckpt_path))
+    config, weights, ckpt = load_checkpoint(ckpt_path)
     state_dict = weights.read(list(weights.shapes))  # the whole model: generation runs it on this process
     tokenizer_path, _, _ = resolve_tokenizer(ckpt, tokenizer)
     document_mask = bool(ckpt["hyper_parameters"].get("document_mask"))

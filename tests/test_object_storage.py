@@ -195,3 +195,20 @@ def test_a_run_killed_while_it_saves_to_object_storage_resumes_every_time(tiny_s
         assert 1 <= checkpoint_step(found) < 12, f"killed before change {kill}"
     run_train(tiny_shards, run, *layout, f"ckpt_dir={ckpts}", "ckpt_path=last")
     assert_same_run(run, reference, (ckpts, f"{bucket}/reference"))
+
+
+def test_a_failed_upload_leaves_no_object_and_a_new_run_never_takes_over_another_runs_saves(bucket):
+    from project.checkpoint.latest import publish, refuse_another_runs, save_name
+    from project.checkpoint.locations import exists, write_bytes, writing
+
+    with pytest.raises(RuntimeError, match="torch failed"):
+        with writing(f"{bucket}/uploads/step-000001.ckpt") as file:
+            file.write(b"the first part")
+            raise RuntimeError("torch failed")  # half way: the upload is abandoned, not completed
+    assert not exists(f"{bucket}/uploads/step-000001.ckpt")
+    refuse_another_runs(f"{bucket}/uploads", None)  # nothing saved there: a new run may start
+    write_bytes(f"{bucket}/uploads/{save_name(3)}", b"a whole file")
+    publish(f"{bucket}/uploads/{save_name(3)}", keep=1)
+    with pytest.raises(ConfigError, match=r"holds another run's checkpoints \(the latest: .*step-000003.ckpt\)"):
+        refuse_another_runs(f"{bucket}/uploads", None)
+    refuse_another_runs(f"{bucket}/uploads", "last")  # resuming it is what the folder is for

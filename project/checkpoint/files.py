@@ -16,7 +16,6 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from project.checkpoint.locations import (
     Location,
-    exists,
     is_folder,
     is_remote,
     join,
@@ -210,11 +209,15 @@ def resolve_ckpt_path(ckpt_path: str | None, ckpt_dir: Location) -> str | None:
     if ckpt_path is None:
         return None
     if is_remote(ckpt_path) or ckpt_path == "last" and is_remote(ckpt_dir):
-        from project.checkpoint.latest import latest
+        from project.checkpoint.latest import complete, latest
 
-        found = latest(ckpt_dir) if ckpt_path == "last" else ckpt_path if exists(ckpt_path) else None
+        found = latest(ckpt_dir) if ckpt_path == "last" else ckpt_path if complete(ckpt_path) else None
         if found is None:
-            where = f"in {ckpt_dir} (no complete step-*.ckpt there)" if ckpt_path == "last" else f"at {ckpt_path}"
+            where = (
+                f"in {ckpt_dir} (no complete step-*.ckpt there)"
+                if ckpt_path == "last"
+                else f"at {ckpt_path} (or one whose save did not end: a folder without .metadata)"
+            )
             raise ConfigError(f"ckpt_path={ckpt_path}: no checkpoint {where}.")
         return str(found)
     path = Path(ckpt_dir, "last.ckpt") if ckpt_path == "last" else Path(ckpt_path)

@@ -13,6 +13,7 @@ import re
 
 from project.checkpoint.files import SHARDED_METADATA
 from project.checkpoint.locations import Location, children, is_file, join, read_bytes, remove, write_bytes
+from project.runtime.errors import ConfigError
 
 LATEST = "latest"
 SAVE_NAME = re.compile(r"step-(\d+)\.ckpt")
@@ -62,3 +63,14 @@ def publish(saved: Location, keep: int) -> None:
             kept += 1
             if kept > keep:
                 remove(path)
+
+
+def refuse_another_runs(folder: Location, ckpt_path: str | None) -> None:
+    """A new run (no ckpt_path) into a folder of object storage that holds saves would publish its own over them
+    (`latest` renamed, theirs pruned): refused, naming the fix."""
+    found = latest(folder) if ckpt_path is None else None
+    if found is not None:
+        raise ConfigError(
+            f"ckpt_dir={folder} holds another run's checkpoints (the latest: {found}): resume that run with "
+            "ckpt_path=last, or give this run a ckpt_dir of its own."
+        )

@@ -4,8 +4,9 @@ operations the platform does on either.
 A checkpoint in object storage is written and read where it lies, each rank its own share: torch's distributed
 checkpoint (`save`, `async_save`, `load`) through a storage writer and reader of ours on obstore (already installed
 for litdata's S3 reads; `ObjectWriter`, `ObjectReader`), which read only the byte ranges a rank's pieces need.
-Lightning's own file operations (its checkpoint IO for single files, ModelCheckpoint's listing and removal) go
-through fsspec, for which obstore's fsspec implementation is registered for s3:// (`use_object_storage`).
+A single file is streamed by torch.save into an upload of ours (`writing`). Lightning's own file operations
+(ModelCheckpoint's look at its folder) go through fsspec, for which obstore's fsspec implementation is registered for
+s3:// (`use_object_storage`).
 
 Object stores have no rename and no folders: a checkpoint there is a name prefix, complete once its last object is
 written (a single file's object; a folder's `.metadata`, which torch writes after every rank's shards), and the
@@ -22,7 +23,7 @@ import io
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator, Union
@@ -58,13 +59,14 @@ def parent_of(path: Location) -> Location:
     return str(path).rstrip("/").rsplit("/", 1)[0] if is_remote(path) else Path(path).parent
 
 
-def check_url(url: str, setting: str) -> None:
-    """A URL the platform can keep checkpoints at, else a ConfigError naming `setting`."""
+def check_url(url: str, setting: str | None = None) -> None:
+    """A URL the platform can keep checkpoints at, else a ConfigError naming it (and the `setting` that gave it)."""
     parsed = urlparse(str(url))
     if parsed.scheme not in SCHEMES or not parsed.netloc:
+        named = f"{setting}={url}" if setting else str(url)
         raise ConfigError(
-            f"{setting}={url}: checkpoints go to a local folder or to S3 (and S3-compatible servers) as "
-            "s3://bucket/prefix. Write them to a local folder and copy them with your storage's own tool, or use an "
+            f"{named}: checkpoints go to a local folder or to S3 (and S3-compatible servers) as s3://bucket/prefix."
+            " Write them to a local folder and copy them with your storage's own tool, or use an "
             "s3:// URL (credentials and endpoint from AWS_* environment variables)."
         )
 
@@ -96,6 +98,7 @@ def _store(bucket: str, endpoint: str | None) -> Any:
 
 
 def _split(url: Location) -> tuple[Any, str]:
+    check_url(str(url))
     parsed = urlparse(str(url))
     return _store(parsed.netloc, _endpoint()), parsed.path.strip("/")
 
@@ -114,8 +117,8 @@ def check_reachable(url: str, setting: str = "ckpt_dir") -> None:
 
 
 def use_object_storage() -> None:
-    """Lightning's file operations (fsspec) reach s3:// through obstore's fsspec implementation: its checkpoint IO
-    writes a single file there, ModelCheckpoint lists and removes. Idempotent; every process that saves calls it."""
+    """Lightning's file operations (fsspec) reach s3:// through obstore's fsspec implementation: ModelCheckpoint
+    looks at its folder there. Idempotent; every process that saves calls it."""
     import fsspec
     from obstore.fsspec import register
 
@@ -256,13 +259,8 @@ def writing(path: Location) -> Iterator[Any]:
     import obstore
 
     store, key = _split(path)
-    try:
-        with _Writing(obstore.open_writer(store, key)) as stream:
-            yield stream
-    except BaseException:
-        with suppress(*storage_errors()):
-            remove(path)
-        raise
+    with _Writing(obstore.open_writer(store, key)) as stream:
+        yield stream
 
 
 _copies: dict[str, Path] = {}  # URL -> this process's local copy of a single-file checkpoint
@@ -358,11 +356,19 @@ class _WholeWrites(io.RawIOBase):
 
 
 class _Writing(_WholeWrites):
-    """An object written as a file: obstore's multipart writer, keeping the position torch's writer asks for."""
+    """An object written as a file: obstore's multipart writer, keeping the position torch's writer asks for. Left
+    on an error, the upload is abandoned (obstore's writer, told of the error, aborts it): no partial object."""
 
     def _send(self, data: memoryview) -> int:
         # A copy: obstore keeps the buffer it is given until it uploads, and torch reuses its buffers meanwhile.
         return self._file.write(bytes(data))
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
+        if kind is None:
+            self.close()
+            return
+        self._file.__exit__(kind, error, trace)
+        io.RawIOBase.close(self)
 
 
 class ObjectFiles(FileSystem):

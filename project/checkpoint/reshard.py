@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from project.checkpoint.files import LIGHTNING_EXTRA, read_checkpoint_file, verify_sharded_checkpoint
-from project.checkpoint.locations import Location, is_file, is_folder, join, location, storage_reader
+from project.checkpoint.locations import Location, is_file, is_folder, is_remote, join, location, storage_reader
 from project.runtime.errors import ConfigError
 
 WEIGHT_KEYS = ("state_dict", "model")  # where a folder keeps the weights: ModelParallelStrategy's, FSDP1's
@@ -138,8 +138,8 @@ def read_whole(path: Location, optimizer_order: list[str] | None = None) -> dict
     path = location(path)
     if is_folder(path):
         checkpoint = _whole_folder(path)
-    else:
-        checkpoint = read_checkpoint_file(path)
+    else:  # one in object storage memory-mapped from its local copy, not read into memory beside its tensors
+        checkpoint = read_checkpoint_file(path, mmap=is_remote(path))
     if optimizer_order is not None:
         names = optimizer_order
         checkpoint["optimizer_states"] = [

@@ -44,7 +44,16 @@ import torch
 from safetensors import SafetensorError
 
 from project.checkpoint.files import checkpoint_metadata
-from project.checkpoint.locations import Location, exists, is_folder, location
+from project.checkpoint.locations import (
+    Location,
+    check_reachable,
+    check_url,
+    exists,
+    is_folder,
+    is_remote,
+    location,
+    parent_of,
+)
 from project.data.shards import MANIFEST_NAME
 from project.hf.checkpoint_weights import CheckpointWeights, checkpoint_weights, write_safetensors
 from project.hf.conversion import hf_config_dict
@@ -62,6 +71,9 @@ def load_checkpoint(path: Location) -> tuple[LlamaConfig, CheckpointWeights, Map
     module: a `.ckpt` file (memory-mapped) or, from a sharded strategy, a distributed-checkpoint folder, whose
     tensors are read only as they are written out; either in object storage too (an s3:// URL)."""
     path = location(path)
+    if is_remote(path):  # said as settings errors: a URL we cannot keep checkpoints at, a bucket not reached
+        check_url(str(path), "ckpt_path")
+        check_reachable(str(parent_of(path)), "ckpt_path")
     if not exists(path):
         raise ConfigError(
             f"checkpoint {path} does not exist; pass ckpt_path= a Lightning .ckpt file or sharded checkpoint folder."

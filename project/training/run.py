@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
 from project.checkpoint.files import checkpoint_metadata, checkpoint_step, resolve_ckpt_path
-from project.checkpoint.latest import latest
+from project.checkpoint.latest import latest, refuse_another_runs
 from project.checkpoint.locations import check_reachable, exists, join, use_object_storage
 from project.config.checkpoints import checkpoint_dir
 from project.config.data import check_data, data_settings_differ
@@ -96,6 +96,8 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
         for setting in ("ckpt_dir", "ckpt_path"):
             if is_remote(cfg[setting]):
                 check_reachable(cfg[setting], setting)
+        if is_remote(cfg.ckpt_dir):
+            refuse_another_runs(cfg.ckpt_dir, cfg.ckpt_path)
     restore_console = record_console(cfg, run_dir)
     metrics = fit(cfg, run_dir, layout)
     # Not after an error: what the entry point then prints (the error, a failed rank's report) belongs in the log.

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from project.checkpoint.background import finished
 from project.checkpoint.files import checkpoint_step, swap_in
-from project.checkpoint.latest import publish, save_name
+from project.checkpoint.latest import latest, publish, save_name
 from project.checkpoint.locations import (
     Location,
     is_remote,
@@ -95,7 +95,7 @@ class StepCheckpoint(ModelCheckpoint):
                 try:
                     self._put_in_place(written.staged, written.target)
                     self._swapped(written)
-                except OSError as error:  # rank 0 alone here: left to `finish`, where every rank learns of it
+                except storage_errors() as error:  # rank 0 alone here: left to `finish`, where every rank learns of it
                     rank_zero_warn(f"{written.target} not yet put in place ({error}); tried again at the next save")
         self._log(trainer)
         self._remove_replaced(trainer)
@@ -137,6 +137,10 @@ class StepCheckpoint(ModelCheckpoint):
         pass
 
     @staticmethod
+    def _is_latest(staged: Location, target: Location) -> bool:
+        return latest(parent_of(staged)) == staged
+
+    @staticmethod
     def _remove_staged(staged: Location, target: Location) -> None:
         remove(staged)
 
@@ -176,7 +180,7 @@ class StepCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero and self._last_checkpoint_saved and not is_remote(self._last_checkpoint_saved):
             try:
                 self._keep_replaced(Path(self._last_checkpoint_saved))
-            except OSError as error:  # rank 0 alone here: said, and tried again at the next save
+            except storage_errors() as error:  # rank 0 alone here: said, and tried again at the next save
                 rank_zero_warn(f"the checkpoint {self._last_checkpoint_saved} replaced was not yet removed ({error})")
 
     def _keep_replaced(self, target: Path) -> None:
@@ -219,6 +223,11 @@ class StepCheckpoint(ModelCheckpoint):
             if is_remote(target)
             else Path(f"{filepath}.partial")
         )
+        if is_remote(target) and self._on_rank_zero(trainer, self._is_latest, staged, target):
+            # The save this run resumed from, saved again (its step reached anew): it is there, and removing it to
+            # write it again would leave nothing to resume from until the write ends.
+            self._last_global_step_saved = trainer.global_step
+            return
         # Only rank 0 touches the files; the others learn whether it worked (or they would wait for
         # it at the next collective until the process group times out).
         self._on_rank_zero(trainer, remove, staged)  # left by a save that was killed: never mix old shards with new
@@ -250,8 +259,11 @@ class StepCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             try:
                 outcome = (True, fn(*args))
-            except OSError as error:  # a full disk, permissions
-                outcome = (False, f"{type(error).__name__}: {error}")
+            except storage_errors() as error:  # a full disk, permissions; a bucket refusing
+                outcome = (
+                    False,
+                    f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}",
+                )
         ok, value = trainer.strategy.broadcast(outcome)
         if not ok:
             raise ConfigError(
@@ -283,7 +295,10 @@ class InFlight:
     def metrics(self) -> dict[str, float]:
         """checkpoint/*: its size, the seconds from the save's start to the end of its write, and the write's
         throughput; the seconds training waited for it. Once it is in place (rank 0)."""
-        written = size(self.staged if is_remote(self.target) else self.target)
+        try:
+            written = size(self.staged if is_remote(self.target) else self.target)
+        except storage_errors():  # rank 0 alone here: the metric is lost, not the run
+            written = 0
         seconds = (self.written_at or time.perf_counter()) - self.started
         return {
             "checkpoint/gigabytes": written / 1e9,
