@@ -132,16 +132,21 @@ def test_a_failed_swap_on_rank_zero_is_an_error_on_every_rank(tmp_path):
 
 
 PEAK_GROWTH = """
-import io, resource, sys, torch
+import io, sys, torch
 from project.checkpoint.files import write_checkpoint_file
+
+def status(field):  # kB
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field))
+
 state = {"state_dict": {f"w{i}": torch.ones(16, 1 << 20) for i in range(4)}}  # 256 MiB
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) starts again from here: earlier peaks do not count
+before = status("VmRSS:")
 write_checkpoint_file(state, sys.argv[1]) if sys.argv[2] == "file" else torch.save(state, io.BytesIO())
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 / (256 << 20))
+print((status("VmHWM:") - before) * 1024 / (256 << 20))
 """
 
 
-@pytest.mark.parametrize("how, most, least", [("file", 0.1, 0.0), ("in-memory", None, 0.5)])
+@pytest.mark.parametrize("how, most, least", [("file", 0.1, 0.0), ("in-memory", None, 0.9)])
 def test_a_checkpoint_file_is_written_without_a_copy_of_it_in_host_memory(tmp_path, how, most, least):
     import subprocess
     import sys

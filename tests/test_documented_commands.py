@@ -32,6 +32,7 @@ SKIPS = {
     "make install-horovod": "make test has run it before this test (the build is kept per machine)",
     "make gpu-check": "needs GPUs (tests/test_gpu_check.py runs its CPU plumbing, and its answer where there is none)",
     "make gpu-wheels": "fetches wheels from the package index (tests reach no network)",
+    "s3://": "needs an S3 bucket and its credentials (tests/test_object_storage.py runs the same on moto's server)",
 }
 # Commands of other programs, none run here, each for its reason.
 SKIPPED_PROGRAMS = {
@@ -40,6 +41,7 @@ SKIPPED_PROGRAMS = {
     "torchrun": "needs two machines (tests/test_clusters.py runs torchrun on two local nodes)",
     "sbatch": "needs a SLURM cluster (tests/test_clusters.py runs the scripts on a local one)",
     "mkdir": "prepares the SLURM job's log folder, for the sbatch command after it",
+    "export": "sets the credentials of the s3:// commands after it",
     "scripts/gpu_check_offline.sh": "runs on a GPU node without a package index (tests/test_gpu_check.py runs it here)",
 }
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"

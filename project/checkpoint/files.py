@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from project.checkpoint.locations import (
+    SHARDED_METADATA,
     Location,
     is_folder,
     is_remote,
@@ -60,7 +61,6 @@ def write_checkpoint_file(checkpoint: dict[str, Any], path: Location) -> None:
             raise
 
 
-SHARDED_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a folder's shards
 # What Lightning saves beside the shards of a sharded checkpoint: the step, hyper-parameters and loops' state.
 # Its name is Lightning's (lightning.fabric.utilities.load), which keeps it private: tests/test_private_names.py.
 LIGHTNING_EXTRA = "meta.pt"

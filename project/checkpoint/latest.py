@@ -11,8 +11,16 @@ from __future__ import annotations
 
 import re
 
-from project.checkpoint.files import SHARDED_METADATA
-from project.checkpoint.locations import Location, children, is_file, join, read_bytes, remove, write_bytes
+from project.checkpoint.locations import (
+    SHARDED_METADATA,
+    Location,
+    children,
+    is_file,
+    join,
+    read_bytes,
+    remove,
+    write_bytes,
+)
 from project.runtime.errors import ConfigError
 
 LATEST = "latest"

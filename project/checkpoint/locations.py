@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from project.runtime.errors import ConfigError
 
+SHARDED_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a folder's shards, written after them
 Location = Union[Path, str]  # a local path, or an object-storage URL kept as text (pathlib folds its //)
 SCHEMES = ("s3",)
 

@@ -288,10 +288,11 @@ def check_checkpoint_resumable(cfg: DictConfig, run_dir: Path) -> None:
     if cfg.get("ckpt_path") is None:
         return
     from project.checkpoint.files import checkpoint_metadata, resolve_ckpt_path
+    from project.config.checkpoints import checkpoint_dir
     from project.data.datamodule import tokenizer_identity
     from project.training.lit_module import check_resumable
 
-    path = resolve_ckpt_path(str(cfg.ckpt_path), run_dir)  # as a real start finds it
+    path = resolve_ckpt_path(str(cfg.ckpt_path), checkpoint_dir(cfg, run_dir))  # as a real start finds it
     local_shards = not cfg.data.get("mix") and (Path(str(cfg.data.dir)) / MANIFEST_NAME).is_file()
     tokenizer = tokenizer_identity(str(cfg.data.dir)) if local_shards else None  # shards elsewhere: a real start checks
     check_resumable(

@@ -147,7 +147,7 @@ def fit_once(cfg: DictConfig, run_dir: Path, layout: Layout | None, restart: Res
     limit_cpu_threads(trainer, cfg.threads_per_process)
     prepare_if_needed(cfg)
     datamodule = build_datamodule(cfg, layout.plan, restart.sample if restart else None)
-    ckpt_path = restart.ckpt_path if restart else resolve_ckpt_path(cfg.ckpt_path, cfg.ckpt_dir)
+    ckpt_path = restart.ckpt_path if restart else resolve_ckpt_path(cfg.ckpt_path, checkpoint_dir(cfg, run_dir))
     module = instantiate(
         cfg.module,
         eos_id=datamodule.eos_id,
@@ -171,7 +171,7 @@ def fit_once(cfg: DictConfig, run_dir: Path, layout: Layout | None, restart: Res
         # set LOCAL_RANK on this rank when it did, so that a later fit in the process launches nothing)
         watch_children(trainer.strategy.launcher)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    return finish(trainer, cfg.ckpt_dir)
+    return finish(trainer, checkpoint_dir(cfg, run_dir))
 
 
 def restart_after(cfg: DictConfig, run_dir: Path, spike: RollbackRequested, previous: Restart | None) -> Restart:
@@ -181,9 +181,10 @@ def restart_after(cfg: DictConfig, run_dir: Path, spike: RollbackRequested, prev
     the batches read since that checkpoint are left out too; its cooldown recorded. Said, and written to
     stability.jsonl."""
     stability, spike_step = cfg.stability, int(spike.event["step"])
-    started_from = previous.ckpt_path if previous is not None else resolve_ckpt_path(cfg.ckpt_path, cfg.ckpt_dir)
+    ckpt_dir = checkpoint_dir(cfg, run_dir)
+    started_from = previous.ckpt_path if previous is not None else resolve_ckpt_path(cfg.ckpt_path, ckpt_dir)
     ckpt_path: str | None = None
-    last = latest(cfg.ckpt_dir) if is_remote(cfg.ckpt_dir) else join(Path(cfg.ckpt_dir), "last.ckpt")
+    last = latest(ckpt_dir) if is_remote(ckpt_dir) else join(Path(ckpt_dir), "last.ckpt")
     for candidate in (last, started_from):
         if candidate is not None and exists(candidate):
             step = checkpoint_step(candidate)
