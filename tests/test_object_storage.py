@@ -139,7 +139,7 @@ def test_checkpoints_in_object_storage_resume_across_layouts_and_export_like_loc
     assert leaks == []
 
 
-def test_checkpoints_refused_where_they_cannot_go_in_one_error(tiny_shards, bucket, tmp_path):
+def test_checkpoints_refused_where_they_cannot_go_in_one_error(bucket):
     from omegaconf import OmegaConf
 
     from project.config.checkpoints import check_ckpt_dir
@@ -155,35 +155,36 @@ def test_checkpoints_refused_where_they_cannot_go_in_one_error(tiny_shards, buck
         with pytest.raises(ConfigError, match=said):
             check_ckpt_dir(OmegaConf.create(settings))
     check_ckpt_dir(OmegaConf.create({"ckpt_dir": "s3://b/c", "strategy": {"_target_": "x.fsdp2"}}))  # no error
-    # A bucket that is not there: said before training starts, and the run ends with status 2.
-    result = run_module(
-        "project.train",
-        train_overrides(tiny_shards, tmp_path / "run", "trainer.max_steps=1", "ckpt_dir=s3://no-such-bucket/c"),
-    )
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "error: ckpt_dir=s3://no-such-bucket/c: could not reach it" in result.stderr
-    assert "Traceback" not in result.stderr
+    # A bucket that is not there: said before training starts (project.training.run.train asks first).
+    from project.checkpoint.locations import check_reachable
+
+    with pytest.raises(
+        ConfigError, match=r"ckpt_dir=s3://no-such-bucket/c: could not reach it \(GenericError: .*404 Not Found"
+    ):
+        check_reachable("s3://no-such-bucket/c", "ckpt_dir")
+    check_reachable(f"{bucket}/c", "ckpt_dir")
 
 
 def test_a_run_killed_while_it_saves_to_object_storage_resumes_every_time(tiny_shards, bucket, tmp_path):
     """As tests/test_crashes.py kills local saves: fsdp2 writing its folder in the background to object storage,
-    killed before the first, the last and two changes between of its second save (each piece uploaded, each object
-    put or removed, `latest` written), resumes from the save `latest` names, and the run ends as one never killed."""
+    killed in the middle of its second save (its changes: each piece uploaded, each object put or removed, `latest`
+    written), resumes from the save `latest` names, and the run ends as one never killed. (The other moments, a
+    complete save not yet named and a lost `latest`, are the commit protocol's test in test_checkpoint_files.py.)"""
     from test_crashes import SAVE_RUN, assert_same_run, launch
 
     from project.checkpoint.files import checkpoint_step, resolve_ckpt_path
 
     steps = [s for s in SAVE_RUN if not s.startswith(("trainer.max_steps=", "optim.decay_steps="))]
-    layout = [*steps, "strategy=fsdp2", "trainer.devices=1", "ckpt_async=true", "trainer.max_steps=12"]
-    layout += ["optim.decay_steps=12"]
+    layout = [*steps, "strategy=fsdp2", "trainer.devices=1", "ckpt_async=true", "trainer.max_steps=8"]
+    layout += ["optim.decay_steps=8"]
     reference = tmp_path / "reference"
     counted = launch("count-save-ops", tiny_shards, reference, *layout, f"ckpt_dir={bucket}/reference")
     assert counted.returncode == 0, counted.stderr[-3000:]
     changes = min(
         int(n) for s, n in re.findall(r"faults: save (\d+) of rank 0 made (\d+) changes", counted.stderr) if int(s) > 1
     )
-    moments = sorted({round(1 + i * (changes - 1) / 3) for i in range(4)})
-    assert len(moments) == 4, f"a save makes only {changes} changes"
+    moments = [changes // 2]
+    assert changes >= 4, f"a save makes only {changes} changes"
     run, ckpts = tmp_path / "run", f"{bucket}/killed"
     for kill in moments:
         resume = ["ckpt_path=last"] if objects("killed/") else []
@@ -192,7 +193,7 @@ def test_a_run_killed_while_it_saves_to_object_storage_resumes_every_time(tiny_s
             f"killed before {kill}: {ended.stderr[-3000:]}"
         )
         found = resolve_ckpt_path("last", ckpts)  # as the next run does
-        assert 1 <= checkpoint_step(found) < 12, f"killed before change {kill}"
+        assert 1 <= checkpoint_step(found) < 8, f"killed before change {kill}"
     run_train(tiny_shards, run, *layout, f"ckpt_dir={ckpts}", "ckpt_path=last")
     assert_same_run(run, reference, (ckpts, f"{bucket}/reference"))
 
