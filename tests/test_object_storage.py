@@ -213,3 +213,30 @@ def test_a_failed_upload_leaves_no_object_and_a_new_run_never_takes_over_another
     with pytest.raises(ConfigError, match=r"holds another run's checkpoints \(the latest: .*step-000003.ckpt\)"):
         refuse_another_runs(f"{bucket}/uploads", None)
     refuse_another_runs(f"{bucket}/uploads", "last")  # resuming it is what the folder is for
+
+
+def test_one_local_copy_of_a_remote_file_at_a_time_and_a_remote_best_resumed_from_is_kept(bucket):
+    from types import SimpleNamespace
+
+    import torch
+
+    from project.checkpoint.locations import local_file, use_object_storage, write_bytes
+    from project.training.callbacks import BestCheckpoint
+
+    for step in (1, 2):
+        write_bytes(f"{bucket}/copies/step-{step}.ckpt", f"checkpoint {step}".encode())
+    first = local_file(f"{bucket}/copies/step-1.ckpt")
+    assert local_file(f"{bucket}/copies/step-1.ckpt") == first and first.read_bytes() == b"checkpoint 1"  # fetched once
+    second = local_file(f"{bucket}/copies/step-2.ckpt")
+    assert second.read_bytes() == b"checkpoint 2" and not first.exists()  # the one before removed
+    # Lightning removes any URL a better best replaces: the best this run resumed from, and one elsewhere, stay.
+    use_object_storage()  # as a run does before it builds its callbacks
+    best = BestCheckpoint(dirpath=f"{bucket}/best")
+    trainer = SimpleNamespace(strategy=None, is_global_zero=True, ckpt_path=f"{bucket}/best/best-step000002.ckpt")
+    for name in ("best/best-step000002.ckpt", "best/best-step000004.ckpt", "elsewhere/best-step000001.ckpt"):
+        write_bytes(f"{bucket}/{name}", torch.__version__.encode())
+        best._remove_checkpoint(trainer, f"{bucket}/{name}")
+    assert sorted(k for k in objects("") if "best-step" in k) == [
+        "best/best-step000002.ckpt",
+        "elsewhere/best-step000001.ckpt",
+    ]

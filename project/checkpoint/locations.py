@@ -265,24 +265,29 @@ def writing(path: Location) -> Iterator[Any]:
 
 
 _copies: dict[str, Path] = {}  # URL -> this process's local copy of a single-file checkpoint
+_copies_removed_at_exit: list[bool] = []
 
 
 def local_file(path: Location) -> Path:
     """A single-file checkpoint where torch can memory-map it: itself, or (in object storage) a copy fetched once
-    per process into $TMPDIR and removed at exit. (A folder's shards are read in place, each rank its ranges.)"""
+    per process into $TMPDIR, removed when another is fetched and at exit. (A folder's shards are read in place, each
+    rank its ranges.)"""
     if not is_remote(path):
         return Path(path)
     if str(path) not in _copies:
         import obstore
 
+        _remove_copies()  # one copy at a time: a rollback to another save does not pile them up (a copy still
+        # memory-mapped stays readable: its pages go when the mapping does)
         store, key = _split(path)
         handle, name = tempfile.mkstemp(prefix="checkpoint-", suffix=".ckpt")
         with os.fdopen(handle, "wb") as file:
             for chunk in obstore.get(store, key).stream(min_chunk_size=8 << 20):
                 file.write(chunk)
-        _copies[str(path)] = Path(name)
-        if len(_copies) == 1:
+        if not _copies_removed_at_exit:
             atexit.register(_remove_copies)
+            _copies_removed_at_exit.append(True)
+        _copies[str(path)] = Path(name)
     return _copies[str(path)]
 
 

@@ -326,8 +326,14 @@ class BestCheckpoint(ModelCheckpoint):
         contract_of(trainer.strategy).finish_checkpoint_writes()
         if not is_remote(filepath):
             super()._remove_checkpoint(trainer, filepath)
-        elif trainer.is_global_zero:  # a folder of shards is a prefix: removed object by object
-            remove(filepath)
+        elif trainer.is_global_zero and self._ours_to_remove(trainer, filepath):
+            remove(filepath)  # a folder of shards is a prefix: removed object by object
+
+    def _ours_to_remove(self, trainer: Trainer, filepath: str) -> bool:
+        """What Lightning keeps of a local best it replaced, for object storage too (it removes any URL): the
+        checkpoint the run resumed from, and one outside this callback's folder."""
+        folder = f"{str(self.dirpath).rstrip('/')}/"
+        return filepath != str(trainer.ckpt_path) and filepath.startswith(folder)
 
 
 @contextmanager
