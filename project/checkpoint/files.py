@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import shutil
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from project.checkpoint.locations import (
     local_file,
     read_bytes,
     read_range,
+    remove,
     writing,
 )
 from project.runtime.errors import ConfigError
@@ -155,13 +155,6 @@ def rebase_batch_progress(checkpoint: dict[str, Any], accumulate_grad_batches: i
         in_flight = counts["ready"] - counts["completed"]  # the batch a mid-step checkpoint was taken in
         counts["ready"] = counts["started"] = counts["processed"] = steps * accumulate_grad_batches
         counts["completed"] = counts["ready"] - in_flight
-
-
-def remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
 
 
 def swap_in(staged: Path, target: Path, remove_old: bool = True) -> Path | None:
