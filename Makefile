@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 LITDATA ?= litdata==0.2.76
+# torchao for strategy.float8 (its float8 linears; emulated on CPU): pure Python and one optional CUDA library.
+TORCHAO ?= torchao==0.18.0
 TRANSFORMERS ?= transformers>=4.45
 # lm-evaluation-harness, which tests/test_export_clients.py scores an export with (its HFLM needs accelerate too).
 LM_EVAL ?= lm_eval==0.4.13
@@ -44,7 +46,7 @@ $(STAMP): pyproject.toml Makefile
 	rm -f $(VENV)/.installed-*
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e ".[test]"
-	$(PIP) install -q --no-deps "$(LITDATA)"
+	$(PIP) install -q --no-deps "$(LITDATA)" "$(TORCHAO)"
 	# transformers, which the tests compare the model and the export with, goes beside the environment
 	# (tests/conftest.py puts it on sys.path), not into it: torchmetrics, which Lightning imports, imports
 	# transformers wherever it is installed, which costs every process of every run about 1.3 s at start.

@@ -34,6 +34,11 @@ COMMAND_LINE = [
     (["optim.learning_rate=1e-3"], r"optim.learning_rate: no such setting in optim"),
     (["globl_batch_size=8"], r"globl_batch_size: no such setting at the top level. Did you mean global_batch_size\?"),
     (["optim.lr=="], r"Error parsing override 'optim.lr=='"),
+    (
+        ["strategy=fsdp", "strategy.float8=tensorwise"],
+        r"strategy.float8 is not a setting of strategy=fsdp: it is one of strategy=ddp, fsdp2, pipeline, single, tp, "
+        r"tp_fsdp",
+    ),
     # The argparse habit: answered with the override it meant.
     (
         ["--max_steps", "10"],
@@ -99,6 +104,7 @@ VALUES = [
     (["data.seq_len=1"], r"data.seq_len=1 is out of range"),
     (["data.seq_len=4096"], r"data.seq_len=4096 exceeds model.max_seq_len=1024"),
     (["model.dim=90"], r"model.dim=90 must be divisible by model.n_heads=4"),
+    (["strategy.float8=tensorwise", "model.dim=72"], r"strategy.float8=tensorwise: no linear layer of the blocks has"),
     (["model.n_kv_heads=3"], r"model.n_heads=4 must be a multiple of model.n_kv_heads=3"),
     (["model.n_layers=0"], r"model.n_layers=0 is out of range"),
     (["model.norm_eps=0"], r"model.norm_eps=0 is out of range"),

@@ -47,20 +47,22 @@ def test_every_model_preset_is_a_valid_llama_config(model):
 def test_strategy_configs_build_the_strategy_they_name():
     from hydra.utils import instantiate
 
-    from project.parallel.compiled import CompiledBlocks
     from project.parallel.strategies.ddp import GlooFriendlyDDPStrategy
     from project.parallel.strategies.fsdp import CPUCapableFSDPStrategy
     from project.parallel.strategies.model_parallel import LlamaParallelStrategy
 
     # A new strategy config gets a line here (horovod: built by tests/test_horovod.py, which needs Horovod installed).
     assert STRATEGIES == ["ddp", "fsdp", "fsdp2", "horovod", "pipeline", "single", "tp", "tp_fsdp"]
-    from project.parallel.strategies.single import CompiledSingleDeviceStrategy, TrainerDeviceStrategy
+    from project.parallel.strategies.single import TrainerDeviceStrategy, TransformedSingleDeviceStrategy
+    from project.parallel.whole_model import WholeModelTransforms
 
     assert type(instantiate(compose_train("strategy=single").strategy)) is TrainerDeviceStrategy
     for name in ("single", "ddp", "fsdp"):  # strategy.compile=true reaches the strategy of every group
         compiled = instantiate(compose_train(f"strategy={name}", "strategy.compile=true").strategy)
-        assert compiled.compile if name == "fsdp" else isinstance(compiled, CompiledBlocks)
-    assert isinstance(instantiate(compose_train("strategy.compile=true").strategy), CompiledSingleDeviceStrategy)
+        assert compiled.compile and (name == "fsdp" or isinstance(compiled, WholeModelTransforms))
+    for name in ("single", "ddp", "fsdp2", "tp", "tp_fsdp", "pipeline"):  # so does strategy.float8
+        assert instantiate(compose_train(f"strategy={name}", "strategy.float8=rowwise").strategy).float8 == "rowwise"
+    assert isinstance(instantiate(compose_train("strategy.compile=true").strategy), TransformedSingleDeviceStrategy)
     assert instantiate(compose_train("strategy=fsdp", "strategy.compile=true").strategy).compile
     fsdp = instantiate(compose_train("strategy=fsdp", "strategy.sharding_strategy=SHARD_GRAD_OP").strategy)
     assert isinstance(fsdp, CPUCapableFSDPStrategy) and fsdp.sharding_strategy.name == "SHARD_GRAD_OP"

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 LAYOUTS = {
     # strategy.compile=true where the model stays whole: compiled blocks optimize as the eager ones do. One
-    # device compiles through the same hook as ddp (CompiledBlocks; tests/test_configs.py shows it has it).
+    # device compiles through the same hook as ddp (WholeModelTransforms; tests/test_configs.py shows it has it).
     "ddp-compiled-blocks": ["strategy=ddp", "trainer.devices=2", "strategy.compile=true"],
     "fsdp-full-shard": ["strategy=fsdp", "trainer.devices=2"],
     "fsdp-shard-grad-op": ["strategy=fsdp", "trainer.devices=2", "strategy.sharding_strategy=SHARD_GRAD_OP"],

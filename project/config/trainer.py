@@ -37,7 +37,8 @@ def check_precision(precision: object) -> None:
         return
     choices = "; ".join(f"{name} ({use})" for name, use in PRECISIONS.items())
     float8 = (
-        " float8 training (torchao's float8 linears) is not available yet: train in bf16-mixed."
+        " float8 is not a trainer precision: train in bf16-mixed with the blocks' linear layers in float8, "
+        "strategy.float8=tensorwise (or rowwise)."
         if "8" in str(precision)
         else ""
     )

@@ -102,6 +102,7 @@ STRATEGY_CHOICES: dict[str, tuple] = {
     "schedule": SCHEDULE_NAMES,
     "param_dtype": _DTYPE_NAMES,
     "reduce_dtype": _DTYPE_NAMES,
+    "float8": (None, "tensorwise", "rowwise"),  # project.parallel.float8.RECIPES
     **dict.fromkeys(
         (
             "sequence_parallel",
@@ -139,6 +140,11 @@ def check_strategy_choices(strategy_cfg: Mapping[str, Any], strategy_name: str =
     settings = _strategy_settings(strategy_cfg, strategy_name)
     for key in sorted(set(strategy_cfg) - set(settings or strategy_cfg)):
         which = f"strategy={strategy_name}" if strategy_name else strategy_cfg.get("_target_")
+        if key == "float8":
+            raise ConfigError(
+                f"strategy.float8: {which} trains no float8 layers. float8 runs under strategy=single, ddp, fsdp2 "
+                "(sharded as fsdp is, with float8 gathers), tp, tp_fsdp and pipeline; or remove the setting."
+            )
         if key == "context_parallel_size":
             raise ConfigError(
                 f"strategy.context_parallel_size: {which} does not split sequences. Context parallelism runs under "

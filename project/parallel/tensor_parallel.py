@@ -6,7 +6,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -14,11 +13,16 @@ from torch.distributed.tensor.parallel import (
 )
 
 from project.model.llama import Llama
+from project.parallel.float8 import all_float8, tensor_parallel_styles
 from project.parallel.mesh import check_tensor_parallel_degree
 
 
 def apply_tensor_parallel(
-    model: Llama, mesh: DeviceMesh, sequence_parallel: bool = False, loss_parallel: bool = False
+    model: Llama,
+    mesh: DeviceMesh,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    float8: str | None = None,
 ) -> None:
     """Megatron-style plan (torchtitan's layout) on the `tensor_parallel` mesh.
 
@@ -29,6 +33,8 @@ def apply_tensor_parallel(
     degree; the all-reduces become reduce-scatter + all-gather pairs. With `loss_parallel` the
     logits stay split over the vocabulary (a DTensor), never gathered whole on one rank: the loss
     must then be computed, and backpropagated, inside torch's `loss_parallel()` context.
+    `float8`: the blocks' recipe (project.parallel.float8); with `tensorwise`, a sub-layer whose projections are all
+    float8 takes torchao's float8 styles, which cast its input once and gather it in float8.
     """
     check_tensor_parallel_degree(model.config, mesh.size())
     residual = Shard(1) if sequence_parallel else Replicate()  # layout of [B, T, dim] between blocks
@@ -52,31 +58,16 @@ def apply_tensor_parallel(
         whole = PrepareModuleOutput(output_layouts=residual, desired_output_layouts=Replicate(), use_local_output=False)
         parallelize_module(model.norm, mesh, whole)
     for block in model.layers.values():
-        plan = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=residual),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=residual),
-        }
-        if sequence_parallel:
-            plan |= {
-                "attention_norm": SequenceParallel(),
-                "ffn_norm": SequenceParallel(),
-                # gather the sequence before the projections; rotary tables and mask pass through
-                "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
-                ),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            }
-        else:  # the input made a DTensor once for q, k and v (and once for w1 and w3), not by each projection: its
-            # gradient is then all-reduced once per sub-layer, not once per projection (measured: tests/test_comms.py)
-            plan |= {
-                "attention": PrepareModuleInput(
-                    input_layouts=(Replicate(), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
-                ),
-                "feed_forward": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
-            }
+        plan: dict = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()} if sequence_parallel else {}
+        for name, projections in (("attention", ("wq", "wk", "wv", "wo")), ("feed_forward", ("w1", "w3", "w2"))):
+            colwise, rowwise, prepare = tensor_parallel_styles(all_float8(block.get_submodule(name), float8))
+            *split, joined = projections
+            plan |= {f"{name}.{p}": colwise() for p in split}
+            plan[f"{name}.{joined}"] = rowwise(output_layouts=residual)
+            # With sequence parallelism the sequence is gathered before the projections; otherwise the input is made
+            # a DTensor once for q, k and v (once for w1 and w3), not by each projection: its gradient is then
+            # all-reduced once per sub-layer, not once per projection (measured: tests/test_comms.py). Attention's
+            # other inputs (rotary tables, mask) pass through.
+            others = (None, None, None) if name == "attention" else ()
+            plan[name] = prepare(input_layouts=(residual, *others), desired_input_layouts=(Replicate(), *others))
         parallelize_module(block, mesh, plan)

@@ -1,6 +1,7 @@
 """Data parallelism through Lightning's DDPStrategy: gloo on CPU, NCCL on GPU."""
 
 # No `from __future__ import annotations` here: torch checks the comm hook's annotations at runtime.
+from functools import partial
 from typing import Literal, cast
 
 import torch
@@ -8,11 +9,11 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
-from project.parallel.compiled import CompiledBlocks
 from project.parallel.contract import LlamaStrategy
 from project.parallel.strategies.loading import WholeModelLoading
 from project.parallel.strategies.saving import BackgroundSaving
 from project.parallel.strategies.timeout import collective_timeout
+from project.parallel.whole_model import WholeModelTransforms
 from project.runtime.errors import ConfigError
 
 
@@ -38,8 +39,9 @@ class GlooFriendlyDDPStrategy(BackgroundSaving, WholeModelLoading, LlamaStrategy
         model.register_comm_hook(state=self._ddp_comm_state, hook=self._ddp_comm_hook)
 
 
-class CompiledDDPStrategy(CompiledBlocks, GlooFriendlyDDPStrategy):
-    """DDP over a model whose blocks are compiled (strategy.compile=true); DDP wraps them as they are."""
+class TransformedDDPStrategy(WholeModelTransforms, GlooFriendlyDDPStrategy):
+    """DDP over a model whose blocks are in float8 (strategy.float8) or compiled (strategy.compile=true); DDP wraps
+    them as they are."""
 
 
 def ddp_strategy(
@@ -49,6 +51,7 @@ def ddp_strategy(
     static_graph: bool = False,
     collective_timeout_minutes: float = 10,
     compile: bool = False,
+    float8: str | None = None,
 ) -> DDPStrategy:
     """DDP with averaged gradients (the default), or summed ones.
 
@@ -58,7 +61,10 @@ def ddp_strategy(
     """
     if grad_reduction not in ("mean", "sum"):
         raise ConfigError(f"strategy.grad_reduction={grad_reduction!r}: choose 'mean' (default) or 'sum'.")
-    strategy = CompiledDDPStrategy if compile else GlooFriendlyDDPStrategy
+    transformed = compile or float8
+    strategy = (
+        partial(TransformedDDPStrategy, compile=compile, float8=float8) if transformed else GlooFriendlyDDPStrategy
+    )
     return strategy(
         process_group_backend=process_group_backend,  # None: Lightning picks gloo on CPU, NCCL on GPU
         find_unused_parameters=find_unused_parameters,

@@ -20,6 +20,7 @@ from project.model.llama import Llama
 from project.parallel.compiled import compile_blocks
 from project.parallel.context_parallel import apply_context_parallel, split_for_rank
 from project.parallel.contract import LlamaStrategy, TrainingModule
+from project.parallel.float8 import apply_float8, scales_before_each_forward
 from project.parallel.fsdp2 import apply_fsdp2
 from project.parallel.groups import shared_mesh
 from project.parallel.init import materialize
@@ -43,7 +44,8 @@ def checkpoint_activations(block: nn.Module) -> None:
 class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrategy, ModelParallelStrategy):
     """The mesh is (data_parallel, tensor_parallel); `parallelize` runs in configure_model.
 
-    Order, as in torchtitan: the tensor-parallel plan on the `tensor_parallel` dimension, activation
+    Order, as in torchtitan: float8 layers (`float8`, project.parallel.float8), the tensor-parallel plan on the
+    `tensor_parallel` dimension, activation
     checkpointing of blocks, torch.compile per block, then FSDP2 over `data_parallel`; a model built
     on the meta device is only then given memory and initialized, shard by shard. With
     `loss_parallel` (the default) the training and validation steps and the backward pass run
@@ -77,6 +79,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         collective_timeout_minutes: float = 10,
         context_parallel_size: int = 1,
         regather_kv: bool = False,
+        float8: str | None = None,
     ):
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -95,6 +98,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.context_parallel_size = context_parallel_size
         self.regather_kv = regather_kv
+        self.float8 = float8
         self._asked_data_parallel_size = data_parallel_size  # Lightning's own becomes data x context
         self._context_group: dist.ProcessGroup | None = None
         self._context_coords = (0, 1)
@@ -148,8 +152,16 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
         # Kept: slicing the mesh in a step would read its rank tensor on the host each time.
         self._sharded_logits = self.loss_parallel and tp_mesh.size() > 1
+        roots = self._sharded_roots(model)
+        # FSDP2 gathers float8 weights already cast (tensorwise), where it gathers over several ranks.
+        float8_gathers = self.float8 == "tensorwise" and dp_mesh.size() > 1 and bool(roots)
+        if self.float8:  # before the plans below, which take float8 layers as they are
+            apply_float8(model, self.float8, self.root_device, self.compile, float8_gathers)
         if tp_mesh.size() > 1:
-            apply_tensor_parallel(model, tp_mesh, self.sequence_parallel, self.loss_parallel)
+            # gloo has no float8 collectives: on a CPU, sequence parallelism's gathers stay in the run's precision.
+            gathers_float8 = not self.sequence_parallel or self.root_device.type == "cuda"
+            float8 = self.float8 if gathers_float8 else None
+            apply_tensor_parallel(model, tp_mesh, self.sequence_parallel, self.loss_parallel, float8)
         # Both in place, so parameter names (and checkpoints) stay those of the plain model.
         if self.activation_checkpointing:
             for block in model.layers.values():
@@ -158,8 +170,10 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
             apply_context_parallel(model, self._context_group, self.regather_kv)
         if self.compile:
             compile_blocks(model)
-        for root in self._sharded_roots(model):
+        for root in roots:
             apply_fsdp2(root, dp_mesh, self.gather_dtype(), self.reduce_dtype, self.reshard_after_forward)
+            if float8_gathers:
+                scales_before_each_forward(root)
 
     def gather_dtype(self) -> str | None:
         """The dtype FSDP2 gathers parameters in and computes with: `strategy.param_dtype` where set, else the

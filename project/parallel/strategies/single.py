@@ -1,20 +1,23 @@
-"""One device, no distribution: Lightning's single-device strategy on the trainer's device, blocks compiled if asked."""
+"""One device, no distribution: Lightning's single-device strategy on the trainer's device, with float8 layers and
+compiled blocks if asked."""
 
 from __future__ import annotations
 
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
-from project.parallel.compiled import CompiledBlocks
 from project.parallel.contract import LlamaStrategy
 from project.parallel.strategies.loading import WholeModelLoading
 from project.parallel.strategies.saving import BackgroundSaving
+from project.parallel.whole_model import WholeModelTransforms
 
 
-def single_device_strategy(compile: bool = False) -> SingleDeviceStrategy:
+def single_device_strategy(compile: bool = False, float8: str | None = None) -> SingleDeviceStrategy:
     # On the trainer's device; the entry point refuses trainer.devices > 1 with it instead of letting
     # Lightning drop devices.
-    return CompiledSingleDeviceStrategy() if compile else TrainerDeviceStrategy()
+    if compile or float8:
+        return TransformedSingleDeviceStrategy(compile=compile, float8=float8)
+    return TrainerDeviceStrategy()
 
 
 class TrainerDeviceStrategy(BackgroundSaving, WholeModelLoading, LlamaStrategy, SingleDeviceStrategy):
@@ -42,5 +45,5 @@ class TrainerDeviceStrategy(BackgroundSaving, WholeModelLoading, LlamaStrategy, 
         return self._devices[0] if self._devices else super().root_device
 
 
-class CompiledSingleDeviceStrategy(CompiledBlocks, TrainerDeviceStrategy):
-    """One device, each block compiled (strategy.compile=true)."""
+class TransformedSingleDeviceStrategy(WholeModelTransforms, TrainerDeviceStrategy):
+    """One device, the blocks in float8 (strategy.float8) or compiled (strategy.compile=true)."""
