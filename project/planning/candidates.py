@@ -49,6 +49,7 @@ class Candidate:
     virtual_stages: int = 1
     context_parallel: int = 1  # ranks that split each sequence
     regather_kv: bool = False  # context parallel: each block keeps its own keys and values only, gathered again
+    float8: str | None = None  # strategy.float8: the blocks' linear layers in float8 (project.parallel.float8)
 
     @property
     def shape(self) -> MeshShape:
@@ -76,6 +77,8 @@ class Candidate:
             parts.append("sp")
         if self.regather_kv:
             parts.append("regather")
+        if self.float8:
+            parts.append(f"fp8{self.float8[:3]}")  # fp8ten, fp8row
         parts.append(self.recompute)
         return "_".join(parts)
 

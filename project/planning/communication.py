@@ -53,7 +53,14 @@ from project.parallel.mesh import MeshShape
 from project.parallel.pipeline_layout import SPLIT_BACKWARD, chunk_ranks
 from project.planning.candidates import Candidate
 from project.planning.memory import COMPUTE_BYTES, GRAD_REDUCE_BYTES, STORAGE_BYTES
-from project.planning.parameters import Weight, block_weights, holds_first_and_last, rank_layers, rank_weights
+from project.planning.parameters import (
+    Weight,
+    block_weights,
+    float8_weights,
+    holds_first_and_last,
+    rank_layers,
+    rank_weights,
+)
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv")
 # What a rank's links carry per byte of the buffer, over n ranks (the ring algorithm).
@@ -69,6 +76,8 @@ RING = {
 # The mesh's dimensions, outermost first (MeshShape: tensor innermost, then context, data, pipeline).
 DIMENSIONS = ("pipeline", "data", "context", "tensor")
 FLOAT = 4  # norms and losses: float32
+FLOAT8 = 1  # a float8 value
+AMAX = 8  # torchao's maximum of a sharded tensor, reduced as a float64
 # DDP's gradient buckets (torch.distributed's defaults): the first one small, so that communication starts early.
 DDP_FIRST_BUCKET_BYTES = 2**20
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -174,7 +183,24 @@ def tensor_parallel(config: LlamaConfig, c: Candidate, seq_len: int, precision: 
         chunks = math.ceil(positions / span)
         passes = 1 if chunks == 1 else 2  # several chunks are each computed again in the backward
         found.append(groups.collective("all_reduce", tensor, 3 * chunks * passes, 3 * tokens * FLOAT * passes, part))
+    casts = layers * _float8_tensor_casts(config, c)
+    found.append(groups.collective("all_reduce", tensor, casts, casts * AMAX, part))
     return _kept(found)
+
+
+def _float8_tensor_casts(config: LlamaConfig, c: Candidate) -> int:
+    """A block's float8 casts of tensor-parallel-sharded tensors per microbatch, each scaled by the whole tensor's
+    maximum, one all-reduce each (torchao's casts of DTensors): a row-parallel projection's input in the forward
+    (again under full recompute), a column-parallel one's output gradient in the backward, and each float8 weight in
+    the forward (again under full recompute) and the backward, unless FSDP2 gathers it in float8 with its scale."""
+    again = c.recompute == "full"
+    weights = not float8_gathers(c)
+    casts = 0
+    for w, float8 in zip(block_weights(config), float8_weights(config, c)):
+        if float8:
+            casts += (w.tensor_split == "cols") * (1 + again) + (w.tensor_split == "rows")
+            casts += weights * (2 + again)
+    return casts
 
 
 def norm_gradients(config: LlamaConfig, c: Candidate, precision: str, rank: int = 0) -> list[Collective]:
@@ -261,9 +287,18 @@ def _fsdp2_groups(config: LlamaConfig, c: Candidate, rank: int) -> list[list[Wei
     return blocks + roots
 
 
-def _padded(weights: list[Weight], ranks: int) -> int:
-    """Elements of the tensors FSDP2 gathers: each dim 0 padded to a multiple of the ranks."""
-    return sum(math.ceil(w.rows / ranks) * ranks * w.cols for w in weights)
+def _padded(weights: list[Weight], ranks: int, sizes: Iterable[float]) -> float:
+    """Bytes of the tensors FSDP2 gathers, each element of `sizes` bytes: each dim 0 padded to a multiple of the
+    ranks."""
+    return sum(math.ceil(w.rows / ranks) * ranks * w.cols * size for w, size in zip(weights, sizes))
+
+
+def float8_gathers(c: Candidate) -> bool:
+    """Whether FSDP2 gathers the float8 weights in float8 (tensorwise, sharded over several ranks: as
+    LlamaParallelStrategy decides) and their scales are computed in one all-reduce before each forward that gathers
+    them."""
+    no_fsdp2 = c.pipeline_parallel > 1 and c.schedule in SPLIT_BACKWARD
+    return c.float8 == "tensorwise" and c.strategy != "fsdp" and c.shard_ranks > 1 and not no_fsdp2
 
 
 def data_parallel(config: LlamaConfig, c: Candidate, precision: str, rank: int = 0) -> list[Collective]:
@@ -294,17 +329,28 @@ def data_parallel(config: LlamaConfig, c: Candidate, precision: str, rank: int =
     if c.pipeline_parallel > 1 and c.schedule in SPLIT_BACKWARD:
         return []  # no FSDP2 under these schedules (project.parallel.pipeline_layout refuses them with data parallel)
     fsdp_groups = _fsdp2_groups(config, c, rank)
-    padded = sum(_padded(g, n) for g in fsdp_groups)
+    layers = sum(rank_layers(config, c, rank))
+    in_float8 = [FLOAT8 if f else compute for f in float8_weights(config, c)] if float8_gathers(c) else None
+    # The blocks come first; a float8 weight is gathered as its float8 values.
+    gathered = sum(
+        _padded(g, n, in_float8 if in_float8 and i < layers else [compute] * len(g)) for i, g in enumerate(fsdp_groups)
+    )
+    padded = sum(_padded(g, n, [1] * len(g)) for g in fsdp_groups)
     gathers = 1 if c.pipeline_parallel > 1 else 2 * m  # a pipeline stage keeps its gathered parameters
     reduces = 1 if c.pipeline_parallel > 1 else m
-    return _kept(
-        [
-            groups.collective("all_gather", shard, gathers * len(fsdp_groups), gathers * padded * compute, part),
-            groups.collective(
-                "reduce_scatter", shard, reduces * len(fsdp_groups), reduces * padded * GRAD_REDUCE_BYTES, part
-            ),
-        ]
-    )
+    found = [
+        groups.collective("all_gather", shard, gathers * len(fsdp_groups), gathers * gathered, part),
+        groups.collective(
+            "reduce_scatter", shard, reduces * len(fsdp_groups), reduces * padded * GRAD_REDUCE_BYTES, part
+        ),
+    ]
+    if in_float8:  # the float8 weights' maxima, all-reduced before each forward that gathers them (once per chunk
+        # and step in a pipeline stage, which keeps them gathered): over each dimension the weights are split on
+        scaled = layers * sum(size == FLOAT8 for size in in_float8)
+        forwards = len(rank_layers(config, c, rank)) if c.pipeline_parallel > 1 else m
+        for dims in (shard, ("tensor",)):
+            found.append(groups.collective("all_reduce", dims, forwards, forwards * scaled * FLOAT, part))
+    return _kept(found)
 
 
 def ddp_buckets(sizes: list[int]) -> int:

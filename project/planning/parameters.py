@@ -8,6 +8,7 @@ import math
 from typing import NamedTuple
 
 from project.model.config import LlamaConfig
+from project.parallel.float8_rules import takes_shape
 from project.parallel.pipeline_layout import chunk_ranks, stage_layer_counts
 from project.planning.candidates import Candidate
 
@@ -44,6 +45,12 @@ def block_weights(config: LlamaConfig) -> list[Weight]:
         Weight(f, h, "rows"),
         Weight(h, f, "cols"),  # w1, w3, w2
     ]
+
+
+def float8_weights(config: LlamaConfig, candidate: Candidate) -> list[bool]:
+    """For each of `block_weights`: whether the candidate trains it in float8 (strategy.float8: the projections whose
+    shapes float8 kernels take, project.parallel.float8)."""
+    return [bool(candidate.float8) and w.cols > 1 and takes_shape((w.rows, w.cols)) for w in block_weights(config)]
 
 
 def rank_layers(config: LlamaConfig, candidate: Candidate, pipeline_rank: int) -> list[int]:

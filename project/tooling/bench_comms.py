@@ -45,6 +45,7 @@ class Layout:
     schedule: str | None = None
     virtual_stages: int = 1
     layers: int = 2
+    float8: str | None = None
 
     def candidate(self, global_batch: int = GLOBAL_BATCH, micro_batch: int = MICRO_BATCH):
         from project.planning.candidates import Candidate
@@ -53,7 +54,7 @@ class Layout:
         return Candidate(
             self.strategy, self.data_parallel, self.tensor_parallel, self.pipeline_parallel, micro_batch,
             microbatches, "selective", self.sequence_parallel, self.schedule, self.virtual_stages,
-            self.context_parallel,
+            self.context_parallel, float8=self.float8,
         )  # fmt: skip
 
     def pipeline_rank(self, rank: int) -> int:
@@ -82,6 +83,10 @@ LAYOUTS = {
         2, ("strategy=tp", "strategy.sequence_parallel=true"), "tp", tensor_parallel=2, sequence_parallel=True
     ),
     "cp": Layout(2, ("strategy=fsdp2", "strategy.context_parallel_size=2"), "fsdp2", context_parallel=2),
+    "fsdp2-float8": Layout(
+        2, ("strategy=fsdp2", "strategy.float8=tensorwise"), "fsdp2", data_parallel=2, float8="tensorwise"
+    ),
+    "tp-float8": Layout(2, ("strategy=tp", "strategy.float8=tensorwise"), "tp", tensor_parallel=2, float8="tensorwise"),
     "pipeline-gpipe": _pipeline("gpipe"),
     "pipeline-1f1b": _pipeline("1f1b"),
     "pipeline-interleaved_1f1b": _pipeline("interleaved_1f1b", 2),
@@ -98,6 +103,14 @@ LAYOUTS = {
         sequence_parallel=True,
     ),  # fmt: skip
     "pipeline-fsdp2": _pipeline("1f1b", devices=4, data_parallel=2),
+    "tp_fsdp-float8": Layout(
+        4,
+        ("strategy=tp_fsdp", "strategy.float8=tensorwise"),
+        "tp_fsdp",
+        data_parallel=2,
+        tensor_parallel=2,
+        float8="tensorwise",
+    ),  # fmt: skip
     "pipeline-cp": _pipeline("1f1b", devices=4, context_parallel=2),
     "pipeline-tp-sp": _pipeline("1f1b", devices=4, sequence_parallel=True, tensor_parallel=2),
     "3d": _pipeline("1f1b", devices=8, sequence_parallel=True, data_parallel=2, tensor_parallel=2),

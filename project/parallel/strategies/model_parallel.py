@@ -156,10 +156,12 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         # FSDP2 gathers float8 weights already cast (tensorwise), where it gathers over several ranks.
         float8_gathers = self.float8 == "tensorwise" and dp_mesh.size() > 1 and bool(roots)
         if self.float8:  # before the plans below, which take float8 layers as they are
-            apply_float8(model, self.float8, self.root_device, self.compile, float8_gathers)
+            # The mesh's device, not root_device: a dry run shards on a fake process group with no device of its own.
+            device = torch.device(self.device_mesh.device_type)
+            apply_float8(model, self.float8, device, self.compile, float8_gathers)
         if tp_mesh.size() > 1:
             # gloo has no float8 collectives: on a CPU, sequence parallelism's gathers stay in the run's precision.
-            gathers_float8 = not self.sequence_parallel or self.root_device.type == "cuda"
+            gathers_float8 = not self.sequence_parallel or self.device_mesh.device_type == "cuda"
             float8 = self.float8 if gathers_float8 else None
             apply_tensor_parallel(model, tp_mesh, self.sequence_parallel, self.loss_parallel, float8)
         # Both in place, so parameter names (and checkpoints) stay those of the plain model.
