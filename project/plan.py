@@ -39,7 +39,10 @@ def workload(cfg: DictConfig) -> Workload:
                 f"seq_len={cfg.seq_len}: set global_batch_size (sequences) instead, or a multiple of seq_len."
             )
         batch = cfg.global_batch_tokens // cfg.seq_len
-    return Workload(model_config(cfg), int(cfg.seq_len), int(batch), float(cfg.train_tokens), str(cfg.precision))
+    float8 = cfg.get("float8")
+    return Workload(
+        model_config(cfg), int(cfg.seq_len), int(batch), float(cfg.train_tokens), str(cfg.precision), float8
+    )
 
 
 def model_name(cfg: DictConfig) -> str | None:

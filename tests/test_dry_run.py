@@ -93,6 +93,18 @@ def test_a_cluster_size_layout_shards_on_one_cpu_into_the_shares_computed_by_han
         assert share.parameters == pytest.approx(total / 64, rel=1e-3)
 
 
+def test_a_float8_job_shards_its_weights_as_the_same_job_in_bf16():
+    """strategy.float8 under tp_fsdp: torchao's float8 layers, its float8 styles and FSDP2's float8 gathers (the
+    weights wrapped in torchao's tensor) hold the same parameters, of the same bytes, as bf16's."""
+    job = ["model=llama3_8b", "trainer=gpu", "trainer.num_nodes=8", "trainer.devices=8", "global_batch_size=1024"]
+    cfg = compose_job(*job, *JOBS["tp_fsdp"], "strategy.float8=tensorwise", "strategy.compile=true")
+    layout = preflight(cfg, dry_run=True)
+    for rank in (0, 63):
+        share = rank_share(cfg, layout, rank)
+        assert share.parameters == hand_share(model_config(cfg), layout.shape, rank), rank
+        assert share.param_bytes == share.grad_bytes == 4 * share.parameters
+
+
 def test_a_context_parallel_job_places_each_rank_on_the_4d_mesh_and_shards_over_data_x_context():
     """16 GPUs as 2 stages x 2 replicas x 2 context x 2 tensor: each rank's coordinates on the 4-D mesh (tensor
     innermost, then context, data, pipeline), its states those of a data-parallel degree of 4 (FSDP2 over data x

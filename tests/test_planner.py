@@ -561,3 +561,47 @@ def test_regathering_keys_and_values_costs_an_all_gather_and_attentions_forward_
     rate = h100.peak_flops("bf16") * 0.5
     assert extra == pytest.approx(2 * 32768 * config.n_layers * 2 * config.dim * 65536 / rate, rel=1e-9)
     assert kept.tokens_per_second > regathered.tokens_per_second
+
+
+def test_float8_counts_the_blocks_products_at_the_float8_peak_and_their_casts_at_memory_speed():
+    from project.planning.step_time import step_time
+
+    config, h100, seq_len, microbatches = preset("llama3_8b"), cluster("h100_80gb", 1), 8192, 64
+    plain = Candidate("fsdp2", 8, 1, 1, 1, microbatches)
+    times = [step_time(config, c, seq_len, "bf16-mixed", h100, 0.5) for c in (plain, replace_float8(plain))]
+    # Written out: the seven projections of a block, forward and backward (6 FLOPs per weight and token), at 0.5 of
+    # each peak; each cast reads bfloat16 twice and writes float8 (5 bytes an element): every projection's input and
+    # output gradient per token, its weight twice per microbatch.
+    h, kv, f = config.dim, config.n_kv_heads * config.head_dim, config.ffn_hidden_dim
+    shapes = [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f)]
+    flops = 6 * sum(r * c for r, c in shapes) * seq_len * config.n_layers * microbatches
+    saved = flops / (989e12 * 0.5) - flops / (1979e12 * 0.5)
+    elements = sum(seq_len * (r + c) + 2 * r * c for r, c in shapes) * config.n_layers * microbatches
+    assert times[0].compute - times[1].compute == pytest.approx(saved - 5 * elements / 3350e9, rel=1e-9)
+    assert times[1].data_parallel <= times[0].data_parallel  # float8 gathers: half the bytes
+
+
+def replace_float8(candidate: Candidate) -> Candidate:
+    return dataclasses.replace(candidate, float8="tensorwise")
+
+
+def test_the_plan_adds_float8_where_it_pays_and_refuses_it_where_the_cluster_has_none():
+    h100, space = cluster("h100_80gb", 1), SearchSpace(strategies=["fsdp2"], micro_batch_sizes=[1, 2])
+    small = LlamaConfig(**{**yaml.safe_load((CONF / "model" / "small10m.yaml").read_text()), "vocab_size": 4096})
+    best = {}
+    for name, config in (("small10m", small), ("llama3_8b", preset("llama3_8b"))):
+        work = Workload(config, 2048, 64, 1e9, float8="auto")
+        found = plan(work, h100, space, 0.5)
+        assert {o.prediction.candidate.float8 for o in found} == {None, "tensorwise"}  # each layout both ways
+        best[name] = found[0]
+    # 384-wide products gain less from float8 than their casts cost; an 8B's 4,096-wide ones gain much more
+    assert [best[name].prediction.candidate.float8 for name in best] == [None, "tensorwise"]
+    command = train_overrides(best["llama3_8b"].prediction.candidate, work, h100, [])
+    assert "strategy.float8=tensorwise" in command and "strategy.compile=true" in command
+    for work, where, message in (
+        (Workload(preset("llama3_8b"), 2048, 64, 1e9, float8="auto"), cluster("a100_80gb", 1), "no float8 peak"),
+        (Workload(preset("llama3_8b"), 2048, 64, 1e9, "32-true", "tensorwise"), h100, "precision=32-true"),
+        (Workload(preset("llama3_8b"), 2048, 64, 1e9, float8="rowwise"), h100, "models tensorwise"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            plan(work, where, space, 0.5)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -53,7 +54,9 @@ def _quiet_import() -> Iterator[None]:
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        yield
+        with warnings.catch_warnings():  # torchao's modules use torch.jit's script_method, which torch deprecated
+            warnings.filterwarnings("ignore", "`torch.jit.script_method` is deprecated", DeprecationWarning)
+            yield
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)

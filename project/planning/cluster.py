@@ -19,10 +19,13 @@ class Cluster:
     nodes: int
     gpus_per_node: int
     memory_gib: float
-    peak_tflops: Mapping[str, float]  # by compute dtype: bf16, fp32
+    peak_tflops: Mapping[str, float]  # by compute dtype: bf16, fp32, and fp8 where the device has float8 products
     intra_node_gbps: float
     inter_node_gbps: float
     collective_latency_us: float = 10.0
+    # Device memory's bandwidth, GB/s: what float8's casts (memory-bound: each tensor read for its maximum, read
+    # again and written as float8) take their time from. None: unknown, and float8 is not planned.
+    memory_gbps: float | None = None
     # What a transformer block costs under tensor parallelism beyond its share of the FLOPs and its
     # collectives' bytes and latency, per microbatch, forward and backward: DTensor's dispatch and the
     # collectives' set-up, on the host. On GPUs the host runs ahead of the kernels and this hides; on a
@@ -42,6 +45,15 @@ class Cluster:
 
     def peak_flops(self, compute_dtype: str) -> float:
         return self.peak_tflops[compute_dtype] * 1e12
+
+    def check_float8(self) -> None:
+        """Planning float8 needs the device's float8 peak and its memory bandwidth (the casts)."""
+        if not self.peak_tflops.get("fp8", 0) > 0 or not (self.memory_gbps or 0) > 0:
+            raise ConfigError(
+                f"float8 on cluster={self.name}: its preset gives no float8 peak (peak_tflops.fp8) or memory bandwidth "
+                "(memory_gbps): float8 products start at compute capability 8.9 (H100, H200: conf/cluster/h100_80gb "
+                "and h200). Plan with float8=null, or add both figures to the preset."
+            )
 
     def bandwidth(self, group_span: int) -> float:
         """Bytes/s per device of a collective over a group of consecutive ranks `group_span` wide:

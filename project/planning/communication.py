@@ -32,6 +32,13 @@ stage, the final norm and output head on the last; the microbatch's activation [
   per step (Lightning accumulates without syncing), both in the compute dtype. Each unit's flat parameter padded to a
   multiple of the ranks.
 - DDP: the gradients all-reduced once per step, in buckets of DDP's caps (1 MiB first, then 25 MiB).
+- float8 (strategy.float8=tensorwise, project.parallel.float8): FSDP2 gathers the float8 weights as float8 (one
+  byte each; a block's norms keep the compute dtype) and, before each forward that gathers them, all-reduces their
+  maxima (a float32 each) once over each dimension they are split on (data x context, and tensor); under tensor
+  parallelism each cast of a sharded tensor all-reduces its maximum (a float64): a row-parallel projection's input,
+  a column-parallel one's output gradient, and the weights themselves where FSDP2 does not gather them in float8
+  (forward and backward). Sequence parallelism's gathers in float8 (torchao's float8 styles, on GPUs: gloo has no
+  float8 collectives) are counted in the compute dtype.
 - Per step, whatever the layout: the loss averaged over every rank (an all-reduce of one float, for the loss-spike
   check); the gradient norm's reduction (FSDP1: one float; DTensor's: one all-reduce of a float per parameter tensor
   per mesh dimension the tensors are split over); under a pipeline, the norm summed over the stages and the loss

@@ -388,6 +388,7 @@ def planned_memory(
         virtual_stages=(s.get("virtual_stages") or default_virtual_stages(schedule)) if schedule else 1,
         context_parallel=layout.shape.context_parallel,
         regather_kv=bool(s.get("regather_kv")) and layout.shape.context_parallel > 1,
+        float8=s.get("float8"),
     )
     accelerator = "gpu" if s.get("compile") else "cpu"  # the planner counts compiled (fused) blocks on GPUs
     estimate = estimate_memory(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from project.model.config import LlamaConfig
@@ -24,6 +25,7 @@ class Workload:
     global_batch_size: int  # sequences per optimizer step
     train_tokens: float
     precision: str = "bf16-mixed"
+    float8: str | None = None  # strategy.float8 of the planned runs: tensorwise, auto (each layout both ways), None
 
     @property
     def tokens_per_step(self) -> int:
@@ -105,7 +107,28 @@ def layouts(workload: Workload, cluster: Cluster, space: SearchSpace) -> list[Ca
             "search settings given: each data-parallel replica needs whole micro batches. Choose a global batch "
             "divisible by the device count, or widen search.micro_batch_sizes and search.strategies."
         )
-    return found
+    return with_float8(found, workload, cluster)
+
+
+FLOAT8_CHOICES = (None, "tensorwise", "auto")
+
+
+def with_float8(found: list[Candidate], workload: Workload, cluster: Cluster) -> list[Candidate]:
+    """The candidates in float8 (`tensorwise`), or each both ways (`auto`: the table then shows where it pays); FSDP1
+    trains no float8 layers and stays as it is."""
+    if workload.float8 not in FLOAT8_CHOICES:
+        shown = ", ".join("null" if c is None else c for c in FLOAT8_CHOICES)
+        raise ConfigError(
+            f"float8={workload.float8}: choose one of {shown} (the planner models tensorwise, the faster recipe)."
+        )
+    if workload.float8 is None:
+        return found
+    cluster.check_float8()
+    if workload.precision == "32-true":
+        raise ConfigError("float8 with precision=32-true: float8 runs train in bf16-mixed (precision=bf16-mixed).")
+    converted = [dataclasses.replace(c, float8="tensorwise") for c in found if c.strategy != "fsdp"]
+    kept = [c for c in found if workload.float8 == "auto" or c.strategy == "fsdp"]
+    return converted + kept
 
 
 def plan(

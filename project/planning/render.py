@@ -62,6 +62,8 @@ def train_overrides(candidate: Candidate, workload: Workload, cluster: Cluster, 
         out.append(f"strategy.activation_checkpointing={str(c.recompute == 'full').lower()}")
     if c.strategy in HAS_COMPILE and cluster.accelerator == "gpu":
         out.append("strategy.compile=true")  # the activation count assumes compiled (fused) blocks
+    if c.float8:
+        out.append(f"strategy.float8={c.float8}")
     # FSDP2 gathers in bfloat16 under bf16-mixed by default (LlamaParallelStrategy.gather_dtype): nothing to add.
     return out
 

@@ -28,7 +28,7 @@ from project.planning.communication import (
     tensor_parallel,
 )
 from project.planning.memory import COMPUTE_BYTES
-from project.planning.parameters import block_weights, holds_first_and_last, rank_layers
+from project.planning.parameters import block_weights, float8_weights, holds_first_and_last, rank_layers
 
 
 @dataclass
@@ -71,6 +71,27 @@ def block_flops_per_token(config: LlamaConfig, seq_len: int, recompute: str) -> 
     return model, 6 * matmul + computed + extra
 
 
+def float8_flops_per_token(config: LlamaConfig, c: Candidate) -> float:
+    """Of a block's hardware FLOPs per token (block_flops_per_token), those of its float8 products (strategy.float8):
+    forward and backward of each float8 projection, and its forward again under full recompute."""
+    matmul = sum(w.rows * w.cols for w, f in zip(block_weights(config), float8_weights(config, c)) if f)
+    return (6 + 2 * (c.recompute == "full")) * matmul
+
+
+def float8_cast_bytes(config: LlamaConfig, c: Candidate, tokens: int, compute_bytes: int) -> float:
+    """Bytes a block's float8 casts move in one microbatch of `tokens` tokens on a rank: each cast reads its tensor
+    twice (its maximum, then the cast) and writes it as float8, for every float8 projection's input and output
+    gradient (the rank's part under tensor parallelism) and its weight in the forward and again in the backward.
+    Fused into neighbouring kernels by torch.compile, some of this is saved: an upper bound."""
+    per_element = 2 * compute_bytes + 1
+    moved = 0.0
+    for w, float8 in zip(block_weights(config), float8_weights(config, c)):
+        if float8:
+            local = w.local(c.tensor_parallel)
+            moved += tokens * (local.cols + local.rows) + 2 * local.rows * local.cols
+    return moved * per_element
+
+
 def head_flops_per_token(config: LlamaConfig, tokens: int = 1) -> float:
     """The output head's forward and backward per token, plus its forward again where the loss runs over
     several chunks of the microbatch's `tokens` (project.model.loss recomputes each chunk's logits)."""
@@ -95,9 +116,19 @@ def step_time(
     c, tp, pp = candidate, candidate.tensor_parallel, candidate.pipeline_parallel
     compute_bytes = COMPUTE_BYTES[precision]
     rate = cluster.peak_flops("fp32" if compute_bytes == 4 else "bf16") * achievable_fraction
+    float8_block = 0.0  # seconds per microbatch of a block's float8 products and casts on a rank
+    if c.float8:
+        cluster.check_float8()
+        float8_rate = cluster.peak_flops("fp8") * achievable_fraction
+        tokens_per_rank = seq_len * c.micro_batch_size // c.context_parallel
+        float8_flops = float8_flops_per_token(config, c)
+        casts = float8_cast_bytes(config, c, tokens_per_rank, compute_bytes) / (cluster.memory_gbps or 1) / 1e9
+        float8_block = tokens_per_rank * float8_flops / tp / float8_rate + casts
     latency = cluster.collective_latency_us * 1e-6
     tokens = seq_len * c.micro_batch_size // c.context_parallel  # per microbatch, on each rank
     _, block_hw = block_flops_per_token(config, seq_len, c.recompute)  # a token's attention spans the whole sequence
+    if c.float8:  # those products are counted at float8's rate (float8_block)
+        block_hw -= float8_flops_per_token(config, c)
     if c.regather_kv and c.context_parallel > 1 and c.recompute != "full":  # attention's forward again, in backward
         block_hw += 12 * config.dim * seq_len / 2 / 3  # a causal kernel's half of the pairs
 
@@ -108,12 +139,13 @@ def step_time(
         layers = sum(rank_layers(config, c, rank))
         _, last = holds_first_and_last(c, rank)
         flops = tokens * (layers * block_hw + (head_flops_per_token(config, tokens) if last else 0.0)) / tp
+        compute = flops / rate + layers * float8_block
         tensor = seconds(tensor_parallel(config, c, seq_len, precision, rank), cluster)
         if tp > 1:
             tensor += layers * cluster.tensor_parallel_block_overhead_ms * 1e-3
         transfers = _pipeline_critical_path(config, c, seq_len, precision, rank, cluster, latency)
-        if flops / rate + tensor + transfers > sum(slowest):
-            slowest, slowest_rank = (flops / rate, tensor, transfers), rank
+        if compute + tensor + transfers > sum(slowest):
+            slowest, slowest_rank = (compute, tensor, transfers), rank
     compute, tensor, transfers = (c.microbatches * x for x in slowest)
     if pp > 1:  # a stage reduces its norms' gradients once per step (communication.norm_gradients)
         tensor += seconds(norm_gradients(config, c, precision, slowest_rank), cluster)
