@@ -1,7 +1,7 @@
 """Prove that this machine's GPUs train, and measure them: `make gpu-check` or
 
     python -m project.gpu_check [device=auto|cuda|cpu] [devices=N] [minutes=10] [out=experiments/benchmarks]
-                                [sections=correctness,speed,data]
+                                [sections=correctness,speed,data] [float8=tensorwise,rowwise]
 
 In at most `minutes` (progress on the console):
 1. environment: Python, torch, Lightning, CUDA, the driver, NCCL, the GPUs and their memory, the peak FLOP/s
@@ -12,6 +12,7 @@ In at most `minutes` (progress on the console):
    the fp32 run's, within stated tolerances (project.tooling.gpu_check.correctness);
 3. speed: the training step of a ~1B Llama (llama3_2_1b) at 2,048 and 8,192 tokens, bf16-mixed, micro batch filling
    the memory, compiled and eager side by side: tokens/s, MFU and peak memory beside the planner's prediction;
+   with `float8=` (strategy.float8's recipes, comma-separated), each compiled step again in each float8 recipe;
 4. the data path: the train loader's tokens/s against what that step consumes.
 `sections=` runs some of the last three alone, within the same `minutes`. Writes new files
 experiments/benchmarks/<date>-<gpu name>-gpu.{json,md} and prints the Markdown. Exit status 0 when every check
@@ -38,6 +39,7 @@ DEFAULTS = {
     "minutes": "10",
     "out": "experiments/benchmarks",
     "sections": "correctness,speed,data",
+    "float8": "",
 }
 SECTIONS = ("correctness", "speed", "data")
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +64,9 @@ def parse(argv: list[str]) -> dict:
         raise ConfigError(
             f"sections={args['sections']}: name one or more of {','.join(SECTIONS)}, separated by commas."
         )
+    float8 = tuple(name for name in args["float8"].split(",") if name)
+    if set(float8) - {"tensorwise", "rowwise"}:
+        raise ConfigError(f"float8={args['float8']}: name tensorwise, rowwise or both, separated by commas.")
     out = Path(args["out"])
     return {
         "device": args["device"],
@@ -69,6 +74,7 @@ def parse(argv: list[str]) -> dict:
         "minutes": minutes,
         "out": out if out.is_absolute() else ROOT / out,
         "sections": sections,
+        "float8": float8,
     }
 
 
@@ -95,7 +101,7 @@ def main() -> None:
     from project.tooling.gpu_check import report
     from project.tooling.gpu_check.check import Options, run
 
-    result = run(Options(device, devices, args["minutes"], args["out"], args["sections"]))
+    result = run(Options(device, devices, args["minutes"], args["out"], args["sections"], args["float8"]))
     result["command"] = shlex.join(["python", "-m", "project.gpu_check", *sys.argv[1:]])
     result["date"] = datetime.date.today().isoformat()
     target = report.write(result, args["out"])

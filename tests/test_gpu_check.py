@@ -80,6 +80,19 @@ def test_the_cpu_check_times_the_step_compiled_and_eager_with_mfu_against_the_me
     )
 
 
+def test_a_float8_step_is_timed_with_its_blocks_converted_as_a_run_converts_them():
+    """`float8=tensorwise`'s rows, here emulated on the CPU (on a GPU: make gpu-check GPU_CHECK=float8=...)."""
+    from project.tooling.gpu_check import speed
+
+    config = load_preset("debug", correctness.VOCAB_SIZE)
+    setting = speed.Setting("debug", 64, 2, False, "32-true", "cpu", 2, 1, correctness.VOCAB_SIZE, float8="tensorwise")
+    outcome = speed.step_in_this_process(setting)
+    plain = speed.step_in_this_process(speed.Setting(**{**setting.__dict__, "float8": None}))
+    assert outcome["ok"] and outcome["loss_finite"] and outcome["loss"] != plain["loss"]  # really converted
+    row = speed.row(setting, outcome, config, 1e12, {})
+    assert row["status"] == "measured" and row["mode"] == "eager, float8 tensorwise"
+
+
 def test_without_a_gpu_the_check_says_so_in_one_line_and_writes_nothing(tmp_path):
     result = run_module("project.gpu_check", [f"out={tmp_path}"], env={"CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode == 0, result.stderr
@@ -98,6 +111,7 @@ def test_without_a_gpu_the_check_says_so_in_one_line_and_writes_nothing(tmp_path
         ("devices=0", "devices=0: give a positive number"),
         ("speed=fast", "unknown argument 'speed=fast'"),
         ("sections=speed,lunch", "sections=speed,lunch: name one or more of correctness,speed,data"),
+        ("float8=fp8", "float8=fp8: name tensorwise, rowwise or both"),
     ],
 )
 def test_bad_options_are_refused_by_name(argument, message):
@@ -135,7 +149,9 @@ def test_a_run_that_fails_fails_its_case_with_the_runs_own_error(tmp_path, tiny_
 
 def test_the_offline_wheels_are_the_runs_imports_beyond_torch():
     wheels = closure()
-    for needed in ("hydra-core", "omegaconf", "antlr4-python3-runtime", "litdata", "lightning", "lightning-utilities"):
+    for needed in (
+        "hydra-core", "omegaconf", "antlr4-python3-runtime", "litdata", "lightning", "lightning-utilities", "torchao"
+    ):  # fmt: skip
         assert needed in wheels
     for provided in ("torch", "torchvision", "sympy", "networkx", "wandb", "triton"):
         assert provided not in wheels  # the node's torch brings its own; wandb is not imported with logger=csv

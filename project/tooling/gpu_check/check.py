@@ -55,6 +55,7 @@ class Options:
     minutes: float
     out: Path
     sections: tuple[str, ...] = tuple(SECTION_SHARES)
+    float8: tuple[str, ...] = ()  # strategy.float8 recipes each compiled step is timed in again
 
 
 def say(text: str) -> None:
@@ -123,7 +124,9 @@ def speed_presets(options: Options, facts: dict) -> tuple[list[str], list[dict]]
     """The presets to time, and those left out with the planner's reason: the ~1B model and the largest other
     preset whose step fits the device at micro batch 1 and the shortest sequence, by the planner's count."""
     plan = SPEED[options.device]
-    cluster = speed.device_cluster(facts["device_name"], options.device, facts["memory_bytes"], facts["peak_flops"])
+    cluster = speed.device_cluster(
+        facts["device_name"], options.device, facts["memory_bytes"], facts["peak_flops"], facts.get("memory_gbps")
+    )
     chosen, left_out = [plan["first"]], []
     for name in plan["larger"]:
         config = load_preset(name, correctness.VOCAB_SIZE)
@@ -136,7 +139,7 @@ def speed_presets(options: Options, facts: dict) -> tuple[list[str], list[dict]]
 
 def time_step(setting: speed.Setting, env: dict, deadline: float) -> tuple[speed.Setting, dict]:
     """Measure `setting`, halving its micro batch after each out-of-memory error; the setting that ran, the outcome."""
-    mode = "compiled" if setting.compile else "eager"
+    mode = ("compiled" if setting.compile else "eager") + (f", float8 {setting.float8}" if setting.float8 else "")
     while True:
         if deadline - time.monotonic() < 1:
             return setting, {"ok": False, "error": "out of time (minutes=)"}
@@ -153,7 +156,9 @@ def time_step(setting: speed.Setting, env: dict, deadline: float) -> tuple[speed
 def run_speed(options: Options, facts: dict, env: dict, deadline: float) -> tuple[list[dict], list[dict]]:
     plan = SPEED[options.device]
     peak = facts["peak_flops"].get("bf16" if plan["precision"] == "bf16-mixed" else "fp32")
-    cluster = speed.device_cluster(facts["device_name"], options.device, facts["memory_bytes"], facts["peak_flops"])
+    cluster = speed.device_cluster(
+        facts["device_name"], options.device, facts["memory_bytes"], facts["peak_flops"], facts.get("memory_gbps")
+    )
     presets, left_out = speed_presets(options, facts)
     rows = []
     for preset in presets:
@@ -182,12 +187,24 @@ def run_speed(options: Options, facts: dict, env: dict, deadline: float) -> tupl
                 micro = setting.micro_batch
                 planned = speed.prediction(config, seq_len, micro, plan["precision"], cluster, compiled)
                 rows.append(speed.row(setting, outcome, config, peak, planned))
-                if outcome.get("ok"):
-                    mfu = f", MFU {rows[-1]['mfu']:.1%}" if rows[-1]["mfu"] is not None else ""
-                    say(f"[speed]   {rows[-1]['tokens_per_sec']:,.0f} tokens/s{mfu}")
-                else:
-                    say(f"[speed]   not measured: {outcome.get('error', '')}")
+                said(rows[-1], outcome)
+            # The compiled step again with its blocks' linear layers in float8, at the micro batch bf16 took.
+            for recipe in options.float8 if rows and rows[-1]["status"] == "measured" else ():
+                setting, outcome = time_step(replace(setting, float8=recipe, profile=False), env, deadline)
+                planned = speed.prediction(
+                    config, seq_len, setting.micro_batch, plan["precision"], cluster, True, recipe
+                )
+                rows.append(speed.row(setting, outcome, config, peak, planned))
+                said(rows[-1], outcome)
     return rows, left_out
+
+
+def said(row: dict, outcome: dict) -> None:
+    if outcome.get("ok"):
+        mfu = f", MFU {row['mfu']:.1%}" if row["mfu"] is not None else ""
+        say(f"[speed]   {row['tokens_per_sec']:,.0f} tokens/s{mfu}")
+    else:
+        say(f"[speed]   not measured: {outcome.get('error', '')}")
 
 
 def run_data_path(options: Options, work: Path, env: dict, rows: list[dict], deadline: float) -> dict:

@@ -89,10 +89,16 @@ def describe(device_type: str, devices: int, threads: int) -> dict:
             },
             "peak_source": "Lightning's table of dense peaks (lightning.fabric.utilities.throughput)",
         }
-        if not facts["peak_flops"]["bf16"] and (preset := cluster_preset(properties[0].name)) is not None:
+        preset = cluster_preset(properties[0].name)
+        if preset is not None:  # float8's peak and the memory bandwidth (the planner's float8 prediction)
+            figures = yaml.safe_load(preset.read_text())
+            if figures["peak_tflops"].get("fp8"):
+                facts["peak_flops"]["fp8"] = figures["peak_tflops"]["fp8"] * 1e12
+            facts["memory_gbps"] = figures.get("memory_gbps")
+        if not facts["peak_flops"]["bf16"] and preset is not None:
             # Lightning's table misses some names ("NVIDIA H200", say): the cluster preset's datasheet figures.
             peaks = yaml.safe_load(preset.read_text())["peak_tflops"]
-            facts["peak_flops"] = {dtype: peaks[dtype] * 1e12 for dtype in ("bf16", "fp32")}
+            facts["peak_flops"] |= {dtype: peaks[dtype] * 1e12 for dtype in ("bf16", "fp32")}
             facts["peak_source"] = f"dense datasheet peaks of conf/cluster/{preset.name} (Lightning has none for it)"
     else:
         torch.set_num_threads(threads)

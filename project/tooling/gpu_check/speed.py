@@ -16,7 +16,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from project.model.config import LlamaConfig
 from project.model.flops import count_parameters, training_flops_per_token
@@ -44,6 +44,7 @@ class Setting:
     warmup: int
     vocab_size: int  # for the presets that follow data.vocab_size
     profile: bool = False  # then two more steps under torch.profiler: where the time goes
+    float8: str | None = None  # strategy.float8's recipe for the blocks' linear layers (project.parallel.float8)
 
 
 def single_device_candidate(micro_batch: int) -> Candidate:
@@ -52,13 +53,17 @@ def single_device_candidate(micro_batch: int) -> Candidate:
     return Candidate("fsdp2", 1, 1, 1, micro_batch, 1, recompute="selective")
 
 
-def device_cluster(name: str, device_type: str, memory_bytes: float, peak_flops: dict) -> Cluster:
+def device_cluster(
+    name: str, device_type: str, memory_bytes: float, peak_flops: dict, memory_gbps: float | None = None
+) -> Cluster:
     """This one device as the planner's cluster; its links never matter to a one-device step. On a GPU the
     planner counts compiled blocks' activations, and an eager row's as eager blocks keep them (`prediction`)."""
     accelerator = "gpu" if device_type == "cuda" else "cpu"
-    peaks = {dtype: (flops or 0.0) / 1e12 for dtype, flops in peak_flops.items()}
-    peaks = {"bf16": peaks.get("bf16") or peaks["fp32"], "fp32": peaks["fp32"] or peaks.get("bf16", 0.0)}
-    return Cluster(name, accelerator, 1, 1, memory_bytes / 2**30, peaks, 1.0, 1.0)
+    given = {dtype: (flops or 0.0) / 1e12 for dtype, flops in peak_flops.items()}
+    peaks = {"bf16": given.get("bf16") or given["fp32"], "fp32": given["fp32"] or given.get("bf16", 0.0)}
+    if given.get("fp8"):
+        peaks["fp8"] = given["fp8"]
+    return Cluster(name, accelerator, 1, 1, memory_bytes / 2**30, peaks, 1.0, 1.0, memory_gbps=memory_gbps)
 
 
 def planned_micro_batch(config: LlamaConfig, seq_len: int, precision: str, cluster: Cluster, cap: int) -> int:
@@ -73,13 +78,19 @@ def planned_micro_batch(config: LlamaConfig, seq_len: int, precision: str, clust
 
 
 def prediction(
-    config: LlamaConfig, seq_len: int, micro_batch: int, precision: str, cluster: Cluster, compiled: bool = True
+    config: LlamaConfig,
+    seq_len: int,
+    micro_batch: int,
+    precision: str,
+    cluster: Cluster,
+    compiled: bool = True,
+    float8: str | None = None,
 ) -> dict:
     """What the planner predicts for this step: tokens/s, MFU and memory on the device (an eager step's memory
     counted as eager blocks keep it)."""
-    if not cluster.peak_tflops["fp32"] > 0:
+    if not cluster.peak_tflops["fp32"] > 0 or float8 and not (cluster.peak_tflops.get("fp8") and cluster.memory_gbps):
         return {}
-    candidate = single_device_candidate(micro_batch)
+    candidate = replace(single_device_candidate(micro_batch), float8=float8)
     memory = peak_memory(config, candidate, seq_len, precision, cluster.accelerator, Allowance(), compiled)
     outcome = evaluate(
         Workload(config, seq_len, micro_batch, 1.0, precision),
@@ -151,6 +162,10 @@ def step_in_this_process(setting: Setting) -> dict:
                     parameter.fill_(1.0)
                 else:
                     parameter.normal_(0.0, config.init_std)
+        if setting.float8:  # as a run does it: before the blocks are compiled
+            from project.parallel.float8 import apply_float8
+
+            apply_float8(model, setting.float8, device, setting.compile, gather=False)
         if setting.compile:
             compile_blocks(model)
         # Fused, as project.train's default optimizer (module.optimizer.fused): one kernel over all tensors.
@@ -277,7 +292,7 @@ def row(setting: Setting, outcome: dict, config: LlamaConfig, peak: float | None
         "parameters": count_parameters(config),
         "seq_len": setting.seq_len,
         "micro_batch": setting.micro_batch,
-        "mode": "compiled" if setting.compile else "eager",
+        "mode": ("compiled" if setting.compile else "eager") + (f", float8 {setting.float8}" if setting.float8 else ""),
         "precision": setting.precision,
         "steps": setting.steps,
         "flops_per_token": flops,

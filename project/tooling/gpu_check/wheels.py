@@ -25,8 +25,11 @@ from project.runtime.errors import ConfigError, exit_on_config_error
 
 DEFAULTS = {"out": "gpu-wheels", "python": "3.12", "platform": "manylinux_2_28_x86_64"}
 # What the check's runs import (project.train with logger=csv, project.prepare): the project's runtime
-# requirements (pyproject.toml) less wandb, which a run with the csv logger never imports.
-ROOTS = ("hydra-core", "lightning", "litdata", "tokenizers", "sentencepiece", "safetensors", "tqdm", "PyYAML")
+# requirements (pyproject.toml) less wandb, which a run with the csv logger never imports; and torchao, float8's.
+ROOTS = (
+    "hydra-core", "lightning", "litdata", "tokenizers", "sentencepiece", "safetensors", "tqdm", "PyYAML",
+    "torchao",  # strategy.float8 (gpu_check float8=...)
+)  # fmt: skip
 # The node brings these: torch itself, and torchvision, which litdata declares and no token loader needs.
 NODE_PROVIDES = frozenset({"torch", "torchvision"})
 # Older manylinux tags that wheels built for `platform` may carry instead (pip matches each tag exactly),
