@@ -282,3 +282,21 @@ def test_a_float8_checkpoint_holds_the_plain_models_weights(runs):
     for name, weight in saved[0].items():
         assert type(weight) is torch.Tensor and weight.dtype == saved[1][name].dtype == torch.float32, name
         assert weight.shape == saved[1][name].shape, name
+
+
+@slow
+def test_a_float8_runs_export_holds_its_trained_weights(runs, tmp_path):
+    """Exported as any run's: the Hugging Face folder holds the checkpoint's own weights (no float8 anywhere)."""
+    from safetensors.torch import load_file
+
+    from project.checkpoint.reshard import read_whole
+    from project.hf.conversion import hf_name
+    from project.hf.export import export
+
+    checkpoint = runs["fsdp2"] / "checkpoints" / "last.ckpt"
+    export(str(checkpoint), str(tmp_path / "hf"))
+    exported = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+    trained = read_whole(checkpoint)["state_dict"]
+    assert len(exported) == len(trained)
+    for name, weight in trained.items():
+        torch.testing.assert_close(exported[hf_name(name.removeprefix("model."))], weight, rtol=0, atol=0, msg=name)

@@ -560,3 +560,22 @@ def test_ten_rollbacks_in_one_process_release_what_each_fit_held(runs):
         assert len(steps) == 11 and steps[0] == 0 and all(a < b for a, b in zip(steps, steps[1:])), steps
         held = [{k: s[k] for k in ("fds", "threads", "python_threads")} for s in starts]
         assert all(h == held[1] for h in held[1:]), (rank, held)
+
+
+def test_a_compiled_blocks_timing_runs_at_its_edges_without_warnings():
+    """strategy.compile traces a block's hooks with its forward: the straggler watch's clock is run outside the trace
+    (torch.compile would warn at each block that it cannot trace it)."""
+    import warnings
+
+    from project.training.callbacks.stragglers import StragglerWatch
+
+    watch = StragglerWatch()
+    block = torch.nn.Linear(8, 8)
+    block.register_forward_pre_hook(lambda *_: watch._start(False))
+    block.register_forward_hook(lambda *_: watch._end(False))
+    block.compile()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        block(torch.randn(2, 8))
+        block(torch.randn(2, 8))
+    assert [str(w.message) for w in caught] == [] and watch._forwards == 2 and watch._seconds > 0

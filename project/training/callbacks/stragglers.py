@@ -59,6 +59,9 @@ class StragglerWatch(Callback):
         if dist.is_available() and dist.is_initialized():
             dist.all_gather_object(self._hosts, socket.gethostname())
 
+    # Hooks of a compiled block (strategy.compile) run inside torch.compile's trace, which cannot trace a clock or an
+    # event and says so in a warning each time: run eagerly, at the compiled block's edges.
+    @torch.compiler.disable
     def _start(self, cuda: bool) -> None:
         if cuda:
             event = torch.cuda.Event(enable_timing=True)
@@ -67,6 +70,7 @@ class StragglerWatch(Callback):
         else:
             self._started.append(time.process_time())
 
+    @torch.compiler.disable
     def _end(self, cuda: bool) -> None:
         start = self._started.pop()
         if cuda:
