@@ -105,6 +105,11 @@ VALUES = [
     (["data.seq_len=4096"], r"data.seq_len=4096 exceeds model.max_seq_len=1024"),
     (["model.dim=90"], r"model.dim=90 must be divisible by model.n_heads=4"),
     (["strategy.float8=tensorwise", "model.dim=72"], r"strategy.float8=tensorwise: no linear layer of the blocks has"),
+    (
+        ["strategy=tp", "trainer.devices=8", "strategy.float8=rowwise", "model.n_heads=8", "model.n_kv_heads=8"],
+        r"strategy.float8=rowwise: no linear layer .* multiples of 16, split over 8 tensor-parallel ranks",
+    ),
+    (["strategy.float8=tensorwise", "data.seq_len=40"], r"data.seq_len=40 gives each rank 40 tokens of a sequence"),
     (["model.n_kv_heads=3"], r"model.n_heads=4 must be a multiple of model.n_kv_heads=3"),
     (["model.n_layers=0"], r"model.n_layers=0 is out of range"),
     (["model.norm_eps=0"], r"model.norm_eps=0 is out of range"),

@@ -93,9 +93,10 @@ def test_a_cluster_size_layout_shards_on_one_cpu_into_the_shares_computed_by_han
         assert share.parameters == pytest.approx(total / 64, rel=1e-3)
 
 
-def test_a_float8_job_shards_its_weights_as_the_same_job_in_bf16():
+def test_a_float8_job_dry_runs_into_the_shares_of_the_same_job_in_bf16():
     """strategy.float8 under tp_fsdp: torchao's float8 layers, its float8 styles and FSDP2's float8 gathers (the
-    weights wrapped in torchao's tensor) hold the same parameters, of the same bytes, as bf16's."""
+    weights wrapped in torchao's tensor) shard on the fake process group into the parameters, of the same bytes, that
+    bf16's hold (the conversion itself: tests/test_float8.py)."""
     job = ["model=llama3_8b", "trainer=gpu", "trainer.num_nodes=8", "trainer.devices=8", "global_batch_size=1024"]
     cfg = compose_job(*job, *JOBS["tp_fsdp"], "strategy.float8=tensorwise", "strategy.compile=true")
     layout = preflight(cfg, dry_run=True)

@@ -105,22 +105,39 @@ def test_layers_whose_shapes_float8_cannot_take_keep_their_precision_and_are_nam
     assert "layers.0.attention.wk, layers.0.attention.wv" in caplog.text
 
 
+def test_the_shapes_checked_are_those_each_tensor_parallel_rank_holds():
+    from project.parallel.float8_rules import in_float8, sub_layer_in_float8
+
+    # keys and values 32 wide: 16 on each of 2 ranks, 8 on each of 4, which float8 kernels cannot take
+    assert len(in_float8(TINY, 2)) == 7
+    assert sorted(set(in_float8(TINY)) - set(in_float8(TINY, 4))) == ["attention.wk", "attention.wv"]
+    assert not sub_layer_in_float8(TINY, "attention", 4) and sub_layer_in_float8(TINY, "feed_forward", 4)
+    model = Llama(TINY)
+    apply_float8(model, "tensorwise", torch.device("cpu"), compiled=False, gather=False, tensor_parallel=4)
+    assert type(model.layers["0"].attention.wk) is nn.Linear
+    assert type(model.layers["0"].attention.wq) is torchao_float8().float8_linear.Float8Linear
+
+
 def test_a_model_float8_can_take_no_layer_of_is_refused():
     config = LlamaConfig(vocab_size=96, dim=72, n_layers=1, n_heads=6, multiple_of=8, max_seq_len=64)
     with pytest.raises(ConfigError, match="strategy.float8=tensorwise: no linear layer"):
         apply_float8(Llama(config), "tensorwise", torch.device("cpu"), compiled=False, gather=False)
 
 
-def test_a_gpu_without_float8_products_is_refused_and_an_uncompiled_one_warned(monkeypatch, caplog):
+def test_a_gpu_without_float8_products_is_refused_and_an_uncompiled_one_warned(monkeypatch):
+    import warnings
+
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ConfigError, match=r"A100.*compute capability 8.0.*start at 8.9.*strategy.float8=null"):
         check_float8_device("tensorwise", torch.device("cuda", 0), compiled=True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert check_float8_device("tensorwise", torch.device("cuda", 0), compiled=True) is False  # real float8
-    assert "compile" not in caplog.text
-    check_float8_device("rowwise", torch.device("cuda", 0), compiled=False)
-    assert "without strategy.compile=true" in caplog.text
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert check_float8_device("tensorwise", torch.device("cuda", 0), compiled=True) is False  # real float8
+    assert caught == []
+    with pytest.warns(UserWarning, match="without strategy.compile=true"):
+        check_float8_device("rowwise", torch.device("cuda", 0), compiled=False)
     assert check_float8_device("rowwise", torch.device("cpu"), compiled=False) is True  # emulated
 
 
@@ -183,21 +200,20 @@ LONG = {"float32-30": ["trainer.max_steps=30"], "float8-30": ["trainer.max_steps
 CONTEXT_PARALLEL = ["strategy=fsdp2", "trainer.devices=2", "strategy.context_parallel_size=2", TENSORWISE]
 # Resumed at step 10 (best-step000010.ckpt) to step 12, in the other precision and layout.
 RESUMED = {
-    "float8-fsdp2-to-float32-single": ("fsdp2", []),
+    "float8-fsdp2-to-float32-ddp": ("fsdp2", ["strategy=ddp", "trainer.devices=2"]),
     "float32-single-to-float8-tp": ("float32", ["strategy=tp", "trainer.devices=2", TENSORWISE]),
+    # into FSDP2's float8 gathers, whose weights are torchao's wrappers
+    "float32-single-to-float8-fsdp2": ("float32", ["strategy=fsdp2", "trainer.devices=2", TENSORWISE]),
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_shards, tmp_path_factory) -> dict:
-    folders = {}
+    names = [*ONE_DEVICE, *LONG, *PARALLEL, "context-parallel", *RESUMED]
+    folders = {name: tmp_path_factory.mktemp(name) for name in names}  # a resume names its source's beforehand
 
     def cases(names_overrides: dict[str, list[str]]) -> list:
-        listed = []
-        for name, overrides in names_overrides.items():
-            folders[name] = tmp_path_factory.mktemp(name)
-            listed.append((folders[name], train_overrides(tiny_shards, folders[name], *overrides)))
-        return listed
+        return [(folders[name], train_overrides(tiny_shards, folders[name], *o)) for name, o in names_overrides.items()]
 
     def resumed(name: str) -> list[str]:
         source, overrides = RESUMED[name]
@@ -208,10 +224,11 @@ def runs(tiny_shards, tmp_path_factory) -> dict:
     two = {name: [*PARITY_RUN, *o] for name, (o, _) in PARALLEL.items() if "trainer.devices=2" in o}
     two["context-parallel"] = [*PARITY_RUN, *CONTEXT_PARALLEL]
     two["float32-single-to-float8-tp"] = resumed("float32-single-to-float8-tp")
+    two["float32-single-to-float8-fsdp2"] = resumed("float32-single-to-float8-fsdp2")
+    two["float8-fsdp2-to-float32-ddp"] = resumed("float8-fsdp2-to-float32-ddp")  # after fsdp2, in the same group
     train_in_process(2, cases(two))
     four = {name: [*PARITY_RUN, *o] for name, (o, _) in PARALLEL.items() if "trainer.devices=4" in o}
     train_in_process(4, cases(four))
-    train_in_process(1, cases({"float8-fsdp2-to-float32-single": resumed("float8-fsdp2-to-float32-single")}))
     return folders
 
 

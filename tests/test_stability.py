@@ -19,6 +19,8 @@ import math
 import re
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import WEIGHT_ATOL, read_metrics, run_module, train_overrides
+from conftest import ROOT, WEIGHT_ATOL, read_metrics, run_module, train_overrides
 from in_process import train_in_process
 
 from project.checkpoint.reshard import read_whole
@@ -564,18 +566,21 @@ def test_ten_rollbacks_in_one_process_release_what_each_fit_held(runs):
 
 def test_a_compiled_blocks_timing_runs_at_its_edges_without_warnings():
     """strategy.compile traces a block's hooks with its forward: the straggler watch's clock is run outside the trace
-    (torch.compile would warn at each block that it cannot trace it)."""
-    import warnings
-
-    from project.training.callbacks.stragglers import StragglerWatch
-
-    watch = StragglerWatch()
-    block = torch.nn.Linear(8, 8)
-    block.register_forward_pre_hook(lambda *_: watch._start(False))
-    block.register_forward_hook(lambda *_: watch._end(False))
-    block.compile()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        block(torch.randn(2, 8))
-        block(torch.randn(2, 8))
-    assert [str(w.message) for w in caught] == [] and watch._forwards == 2 and watch._seconds > 0
+    (torch.compile would warn at each block that it cannot trace it). In a process of its own: torch warns once per
+    process."""
+    code = """
+import warnings, torch
+from project.training.callbacks.stragglers import StragglerWatch
+watch = StragglerWatch()
+block = torch.nn.Linear(8, 8)
+block.register_forward_pre_hook(lambda *_: watch._start(False))
+block.register_forward_hook(lambda *_: watch._end(False))
+block.compile()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    block(torch.randn(2, 8))
+    block(torch.randn(2, 8))
+assert [str(w.message) for w in caught] == [] and watch._forwards == 2 and watch._seconds > 0, caught
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

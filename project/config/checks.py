@@ -29,7 +29,6 @@ def preflight(cfg: DictConfig, dry_run: bool = False, run_dir: str | os.PathLike
     check_init_from(cfg)
     check_trainer(cfg, here=not dry_run)
     check_values(cfg)
-    check_float8(cfg)
     check_data(cfg, shards=not dry_run or data_on_this_machine(cfg))
     check_ckpt_path(cfg, run_dir)
     nodes, devices = cfg.trainer.get("num_nodes", 1), cfg.trainer.get("devices", "auto")
@@ -39,8 +38,11 @@ def preflight(cfg: DictConfig, dry_run: bool = False, run_dir: str | os.PathLike
     if kind.single_device:
         check_one_device(cfg, nodes, devices)
     if not (isinstance(nodes, int) and isinstance(devices, int)):
+        check_float8(cfg)
         return None
-    return plan_layout(cfg, nodes, devices)
+    layout = plan_layout(cfg, nodes, devices)
+    check_float8(cfg, layout.shape)
+    return layout
 
 
 def check_one_device(cfg: DictConfig, nodes: object, devices: object) -> None:

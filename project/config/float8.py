@@ -1,4 +1,5 @@
-"""strategy.float8 checked before the imports: torchao is there, and the model has layers float8 can take."""
+"""strategy.float8 checked before the imports: torchao is there, the model has layers float8 can take as each rank
+holds them, and each rank's micro batch has tokens float8's products can take."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import importlib.util
 from omegaconf import DictConfig
 
 from project.config.values import model_config
-from project.parallel.float8_rules import FLOAT8_MULTIPLE, block_projections, unconvertible
+from project.parallel.float8_rules import FLOAT8_MULTIPLE, in_float8
+from project.parallel.mesh import MeshShape
 from project.runtime.errors import ConfigError
 
 
-def check_float8(cfg: DictConfig) -> None:
+def check_float8(cfg: DictConfig, shape: MeshShape | None = None) -> None:
+    """`shape`: the run's mesh where the device count is known (its tensor- and context-parallel degrees)."""
     recipe = cfg.strategy.get("float8")
     if recipe is None:
         return
@@ -21,12 +24,22 @@ def check_float8(cfg: DictConfig) -> None:
             "(or pip install torchao==0.18.0); or set strategy.float8=null."
         )
     model = model_config(cfg)
-    kept = unconvertible(model)
-    if len(kept) == len(block_projections(model)):
+    tp, cp = (shape.tensor_parallel, shape.context_parallel) if shape else (1, 1)
+    if not in_float8(model, tp):
+        split = f", split over {tp} tensor-parallel ranks" if tp > 1 else ""
         raise ConfigError(
             f"strategy.float8={recipe}: no linear layer of the blocks has sides that are multiples of "
-            f"{FLOAT8_MULTIPLE} (model.dim={model.dim}, heads of {model.head_dim}, feed-forward "
+            f"{FLOAT8_MULTIPLE}{split} (model.dim={model.dim}, heads of {model.head_dim}, feed-forward "
             f"{model.ffn_hidden_dim}), so none can train in float8: choose model.dim, model.n_heads and the "
-            f"feed-forward width (model.multiple_of or model.ffn_dim) as multiples of {FLOAT8_MULTIPLE}, or set "
+            f"feed-forward width (model.multiple_of or model.ffn_dim) as multiples of {FLOAT8_MULTIPLE} times the "
+            "tensor-parallel degree, or set strategy.float8=null."
+        )
+    tokens = cfg.data.seq_len // cp  # of each sequence, on a rank
+    if tokens % FLOAT8_MULTIPLE:
+        where = f" / strategy.context_parallel_size={cp}" if cp > 1 else ""
+        raise ConfigError(
+            f"strategy.float8={recipe}: data.seq_len={cfg.data.seq_len}{where} gives each rank {tokens} tokens of a "
+            f"sequence, not a multiple of {FLOAT8_MULTIPLE}: a weight's gradient multiplies over the tokens, and "
+            f"float8 products take multiples of {FLOAT8_MULTIPLE}. Choose data.seq_len accordingly, or "
             "strategy.float8=null."
         )

@@ -11,6 +11,7 @@ from project.config.command_line import CONF, close_match
 from project.config.optim import OptimConfig
 from project.config.stability import StabilityConfig
 from project.model.config import DTYPE_NAMES, LlamaConfig
+from project.parallel.float8_rules import RECIPES
 from project.parallel.pipeline_layout import SCHEDULE_NAMES
 from project.runtime.errors import ConfigError
 from project.runtime.settings import Rule, above, accepted, or_null, out_of_range, whole
@@ -102,7 +103,7 @@ STRATEGY_CHOICES: dict[str, tuple] = {
     "schedule": SCHEDULE_NAMES,
     "param_dtype": _DTYPE_NAMES,
     "reduce_dtype": _DTYPE_NAMES,
-    "float8": (None, "tensorwise", "rowwise"),  # project.parallel.float8.RECIPES
+    "float8": (None, *RECIPES),
     **dict.fromkeys(
         (
             "sequence_parallel",

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from project.parallel.float8_rules import FLOAT8_CAPABILITY, FLOAT8_MULTIPLE, RECIPES, takes_shape
+from project.parallel.float8_rules import FLOAT8_CAPABILITY, FLOAT8_MULTIPLE, RECIPES, in_float8
 from project.runtime.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -93,10 +93,11 @@ def check_float8_device(recipe: str, device: torch.device, compiled: bool) -> bo
             "H200, B200). Set strategy.float8=null (bf16-mixed is this GPU's fastest precision)."
         )
     if not compiled:
-        logging.getLogger(__name__).warning(
-            "strategy.float8=%s without strategy.compile=true: the casts to float8 run as separate kernels and eat "
-            "most of the speed-up; compile the blocks.",
-            recipe,
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(
+            f"strategy.float8={recipe} without strategy.compile=true: the casts to float8 run as separate kernels and "
+            "eat most of the speed-up; compile the blocks."
         )
     return False
 
@@ -110,36 +111,29 @@ def float8_linear_config(recipe: str, emulate: bool, all_gather_in_float8: bool)
     return dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
 
 
-def convert_to_float8(model: Llama | nn.Module, config: Any) -> list[str]:
+def convert_to_float8(model: Llama, config: Any, tensor_parallel: int = 1) -> list[str]:
     """Swap the linear layers of `model`'s blocks (`layers`) for torchao's float8 ones in place, with `config`
-    (float8_linear_config); return the names of those left as they were, for their shapes. Parameter names,
-    and so checkpoints, stay the plain model's."""
+    (float8_linear_config), where float8 kernels take their shapes as each of `tensor_parallel` ranks will hold them
+    (project.parallel.float8_rules); return the names of those left as they were. Parameter names, and so
+    checkpoints, stay the plain model's."""
+    chosen = set(in_float8(model.config, tensor_parallel))
     kept: list[str] = []
 
-    def chosen(module: nn.Module, name: str) -> bool:
+    def convert(module: nn.Module, name: str) -> bool:
         if not isinstance(module, nn.Linear) or not name.startswith("layers."):  # not the head
             return False
-        if not takes_shape(tuple(module.weight.shape)):
+        if name.split(".", 2)[2] not in chosen:  # layers.<i>.<sub-layer>.<projection>
             kept.append(name)
             return False
         return True
 
-    torchao_float8().convert_to_float8_training(model, module_filter_fn=chosen, config=config)
+    torchao_float8().convert_to_float8_training(model, module_filter_fn=convert, config=config)
     return kept
 
 
-def all_float8(module: nn.Module, recipe: str | None) -> bool:
-    """Whether every linear layer of `module` is a float8 one of the tensorwise recipe, whose inputs may then be
-    cast to float8 before a tensor-parallel gather (torchao's float8 styles assume one scale per tensor)."""
-    if recipe != "tensorwise":
-        return False
-    linear = torchao_float8().float8_linear.Float8Linear
-    return all(isinstance(m, linear) for m in module.modules() if isinstance(m, nn.Linear))
-
-
 def tensor_parallel_styles(float8: bool) -> tuple[type, type, type]:
-    """(colwise, rowwise, prepare-input) styles: torchao's float8 ones, which gather activations in float8, or
-    torch's."""
+    """(colwise, rowwise, prepare-input) styles: torchao's float8 ones, which cast a sub-layer's input once and
+    gather activations in float8 (tensorwise scales only), or torch's."""
     if float8:
         styles = torchao_float8().float8_tensor_parallel
         return styles.Float8ColwiseParallel, styles.Float8RowwiseParallel, styles.PrepareFloat8ModuleInput
@@ -148,11 +142,19 @@ def tensor_parallel_styles(float8: bool) -> tuple[type, type, type]:
     return ColwiseParallel, RowwiseParallel, PrepareModuleInput
 
 
-def apply_float8(model: Llama | nn.Module, recipe: str, device: torch.device, compiled: bool, gather: bool) -> None:
+def apply_float8(
+    model: Llama,
+    recipe: str,
+    device: torch.device,
+    compiled: bool,
+    gather: bool,
+    tensor_parallel: int = 1,
+) -> None:
     """`strategy.float8=recipe` on `model` (its blocks' linear layers) before it is sharded or compiled, for
-    `device`; `gather`: FSDP2 is to gather the weights in float8 (tensorwise only)."""
+    `device`; `gather`: FSDP2 is to gather the weights in float8 (tensorwise only); `tensor_parallel`: the degree
+    that will split them."""
     emulate = check_float8_device(recipe, device, compiled)
-    kept = convert_to_float8(model, float8_linear_config(recipe, emulate, gather))
+    kept = convert_to_float8(model, float8_linear_config(recipe, emulate, gather), tensor_parallel)
     if gather:
         for module in model.modules():
             if isinstance(module, torchao_float8().float8_linear.Float8Linear):
@@ -173,7 +175,9 @@ def apply_float8(model: Llama | nn.Module, recipe: str, device: torch.device, co
 
 def _plain_weight(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """A float8-gathered weight is torchao's wrapper of the weight (it casts at each gather): a checkpoint holds the
-    weight itself (an alias unwraps it: the same memory), which loads without torchao, in any precision."""
+    weight itself (an alias unwraps it: the same memory), which loads without torchao, in any precision. Relies on
+    torchao's wrapper returning plain tensors from operators other than the few it keeps wrapped (alias is not
+    among them: torchao 0.18); tests/test_float8.py reads such a checkpoint without torchao's classes."""
     state_dict[f"{prefix}weight"] = torch.ops.aten.alias.default(state_dict[f"{prefix}weight"])
 
 
@@ -182,6 +186,9 @@ def scales_before_each_forward(root: nn.Module) -> None:
     all its float8 weights in one all-reduce of their maxima (torchao's precompute), instead of one all-reduce per
     weight at each gather. Computed at each forward, not after the optimizer step as torchao's example does, so that
     weights changed any other way (a checkpoint loaded, a rollback) are never cast with stale scales; each weight's
-    scale is what a gather of it would compute, so the numbers do not change."""
+    scale is what a gather of it would compute, so the numbers do not change. A pipeline stage, which keeps its
+    weights gathered through the step, finds none sharded after its first microbatch and all-reduces nothing then.
+    Relies on torchao casting at each gather with the scale last precomputed (torchao 0.18); tests/test_comms.py
+    counts these all-reduces in runs."""
     precompute = torchao_float8().precompute_float8_dynamic_scale_for_fsdp
     root.register_forward_pre_hook(lambda module, args: precompute(module), prepend=True)

@@ -1,5 +1,5 @@
 """What float8 training can take, known without torch: the recipes, the devices, the layer shapes (the settings
-check runs these before the imports; project.parallel.float8 converts the model)."""
+check and the planner use these before any model exists; project.parallel.float8 converts the model)."""
 
 from __future__ import annotations
 
@@ -8,26 +8,26 @@ from project.model.config import LlamaConfig
 RECIPES = ("tensorwise", "rowwise")
 #: float8 matrix products on a GPU: NVIDIA compute capability 8.9 (Ada: L4, L40S) and later (Hopper, Blackwell).
 FLOAT8_CAPABILITY = (8, 9)
-#: Both sides of a float8 matrix product must be multiples of this (torch's scaled_mm on NVIDIA GPUs).
+#: Both sides of a float8 matrix product must be multiples of this (torch's scaled_mm on NVIDIA GPUs), and so must
+#: the tokens of a micro batch on a rank (the inner side of the weight gradient's product).
 FLOAT8_MULTIPLE = 16
+#: The sub-layers of a block and their projections; the last of each is row-parallel under tensor parallelism (its
+#: input split), the others column-parallel (their output split), as project.parallel.tensor_parallel lays them out.
+SUB_LAYERS = {"attention": ("wq", "wk", "wv", "wo"), "feed_forward": ("w1", "w3", "w2")}
 
 
-def block_projections(config: LlamaConfig) -> dict[str, tuple[int, int]]:
-    """Each block's linear layers (by their names in a block) and their weights' shapes (out, in)."""
-    heads, kv, dim, ffn = (
-        config.n_heads * config.head_dim,
-        config.kv_heads * config.head_dim,
-        config.dim,
-        config.ffn_hidden_dim,
-    )
+def block_projections(config: LlamaConfig, tensor_parallel: int = 1) -> dict[str, tuple[int, int]]:
+    """Each block projection's weight (by its name in a block) as one rank holds it: (out, in)."""
+    heads, kv = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
+    dim, ffn, tp = config.dim, config.ffn_hidden_dim, tensor_parallel
     return {
-        "attention.wq": (heads, dim),
-        "attention.wk": (kv, dim),
-        "attention.wv": (kv, dim),
-        "attention.wo": (dim, heads),
-        "feed_forward.w1": (ffn, dim),
-        "feed_forward.w3": (ffn, dim),
-        "feed_forward.w2": (dim, ffn),
+        "attention.wq": (heads // tp, dim),
+        "attention.wk": (kv // tp, dim),
+        "attention.wv": (kv // tp, dim),
+        "attention.wo": (dim, heads // tp),
+        "feed_forward.w1": (ffn // tp, dim),
+        "feed_forward.w3": (ffn // tp, dim),
+        "feed_forward.w2": (dim, ffn // tp),
     }
 
 
@@ -36,6 +36,13 @@ def takes_shape(shape: tuple[int, ...]) -> bool:
     return all(side % FLOAT8_MULTIPLE == 0 for side in shape)
 
 
-def unconvertible(config: LlamaConfig) -> list[str]:
-    """The block projections that stay in their precision under strategy.float8, for their shapes."""
-    return [name for name, shape in block_projections(config).items() if not takes_shape(shape)]
+def in_float8(config: LlamaConfig, tensor_parallel: int = 1) -> list[str]:
+    """The block projections strategy.float8 trains in float8: those whose shapes, as each rank holds them, float8
+    kernels take."""
+    return [name for name, shape in block_projections(config, tensor_parallel).items() if takes_shape(shape)]
+
+
+def sub_layer_in_float8(config: LlamaConfig, sub_layer: str, tensor_parallel: int = 1) -> bool:
+    """Whether every projection of a block's `sub_layer` (attention, feed_forward) is in float8."""
+    kept = in_float8(config, tensor_parallel)
+    return all(f"{sub_layer}.{name}" in kept for name in SUB_LAYERS[sub_layer])

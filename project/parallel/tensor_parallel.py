@@ -13,7 +13,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from project.model.llama import Llama
-from project.parallel.float8 import all_float8, tensor_parallel_styles
+from project.parallel.float8 import tensor_parallel_styles
+from project.parallel.float8_rules import SUB_LAYERS, sub_layer_in_float8
 from project.parallel.mesh import check_tensor_parallel_degree
 
 
@@ -34,7 +35,8 @@ def apply_tensor_parallel(
     logits stay split over the vocabulary (a DTensor), never gathered whole on one rank: the loss
     must then be computed, and backpropagated, inside torch's `loss_parallel()` context.
     `float8`: the blocks' recipe (project.parallel.float8); with `tensorwise`, a sub-layer whose projections are all
-    float8 takes torchao's float8 styles, which cast its input once and gather it in float8.
+    float8 (project.parallel.float8_rules) takes torchao's float8 styles, which cast its input once and gather it in
+    float8.
     """
     check_tensor_parallel_degree(model.config, mesh.size())
     residual = Shard(1) if sequence_parallel else Replicate()  # layout of [B, T, dim] between blocks
@@ -59,8 +61,9 @@ def apply_tensor_parallel(
         parallelize_module(model.norm, mesh, whole)
     for block in model.layers.values():
         plan: dict = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()} if sequence_parallel else {}
-        for name, projections in (("attention", ("wq", "wk", "wv", "wo")), ("feed_forward", ("w1", "w3", "w2"))):
-            colwise, rowwise, prepare = tensor_parallel_styles(all_float8(block.get_submodule(name), float8))
+        for name, projections in SUB_LAYERS.items():
+            float8_styles = float8 == "tensorwise" and sub_layer_in_float8(model.config, name, mesh.size())
+            colwise, rowwise, prepare = tensor_parallel_styles(float8_styles)
             *split, joined = projections
             plan |= {f"{name}.{p}": colwise() for p in split}
             plan[f"{name}.{joined}"] = rowwise(output_layouts=residual)

@@ -48,9 +48,14 @@ def block_weights(config: LlamaConfig) -> list[Weight]:
 
 
 def float8_weights(config: LlamaConfig, candidate: Candidate) -> list[bool]:
-    """For each of `block_weights`: whether the candidate trains it in float8 (strategy.float8: the projections whose
-    shapes float8 kernels take, project.parallel.float8)."""
-    return [bool(candidate.float8) and w.cols > 1 and takes_shape((w.rows, w.cols)) for w in block_weights(config)]
+    """For each of `block_weights`: whether the candidate trains it in float8 (strategy.float8: the projections
+    whose shapes, as each tensor-parallel rank holds them, float8 kernels take; project.parallel.float8_rules)."""
+    if not candidate.float8:
+        return [False] * len(block_weights(config))
+    return [
+        w.cols > 1 and takes_shape((local.rows, local.cols))
+        for w, local in ((w, w.local(candidate.tensor_parallel)) for w in block_weights(config))
+    ]
 
 
 def rank_layers(config: LlamaConfig, candidate: Candidate, pipeline_rank: int) -> list[int]:

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 
 from project.model.config import LlamaConfig
 from project.model.flops import training_flops_per_token
+from project.parallel.float8_rules import FLOAT8_MULTIPLE
 from project.planning.candidates import Candidate, SearchSpace, candidates
 from project.planning.cluster import GIB, Cluster
 from project.planning.memory import STORAGE_BYTES, Allowance, MemoryEstimate, peak_memory
+from project.planning.parameters import float8_weights
 from project.planning.step_time import StepTime, step_time
 from project.runtime.errors import ConfigError
 
@@ -126,8 +128,23 @@ def with_float8(found: list[Candidate], workload: Workload, cluster: Cluster) ->
     cluster.check_float8()
     if workload.precision == "32-true":
         raise ConfigError("float8 with precision=32-true: float8 runs train in bf16-mixed (precision=bf16-mixed).")
-    converted = [dataclasses.replace(c, float8="tensorwise") for c in found if c.strategy != "fsdp"]
-    kept = [c for c in found if workload.float8 == "auto" or c.strategy == "fsdp"]
+    converted, kept = [], []
+    for c in found:
+        as_float8 = dataclasses.replace(c, float8="tensorwise")
+        # FSDP1 trains no float8 layers; a layout whose ranks hold no projection float8 can take gains nothing; a
+        # rank's tokens of a sequence must be a multiple of 16 too (project.config.float8)
+        tokens = workload.seq_len // c.context_parallel
+        takes = (
+            c.strategy != "fsdp" and any(float8_weights(workload.model, as_float8)) and tokens % FLOAT8_MULTIPLE == 0
+        )
+        converted += [as_float8] if takes else []
+        kept += [c] if not takes or workload.float8 == "auto" else []
+    if workload.float8 == "tensorwise" and not converted:
+        raise ConfigError(
+            "float8=tensorwise: no layout has a block projection whose sides float8 can take (multiples of 16 as each "
+            "tensor-parallel rank holds it) and a multiple of 16 tokens of a sequence on each rank: plan with "
+            "float8=null."
+        )
     return converted + kept
 
 

@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +103,11 @@ LAYOUTS = {
         sequence_parallel=True,
     ),  # fmt: skip
     "pipeline-fsdp2": _pipeline("1f1b", devices=4, data_parallel=2),
+    "pipeline-fsdp2-float8": replace(
+        _pipeline("1f1b", devices=4, data_parallel=2),
+        overrides=(*_pipeline("1f1b", devices=4, data_parallel=2).overrides, "strategy.float8=tensorwise"),
+        float8="tensorwise",
+    ),
     "tp_fsdp-float8": Layout(
         4,
         ("strategy=tp_fsdp", "strategy.float8=tensorwise"),

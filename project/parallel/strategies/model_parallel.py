@@ -158,7 +158,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         if self.float8:  # before the plans below, which take float8 layers as they are
             # The mesh's device, not root_device: a dry run shards on a fake process group with no device of its own.
             device = torch.device(self.device_mesh.device_type)
-            apply_float8(model, self.float8, device, self.compile, float8_gathers)
+            apply_float8(model, self.float8, device, self.compile, float8_gathers, tp_mesh.size())
         if tp_mesh.size() > 1:
             # gloo has no float8 collectives: on a CPU, sequence parallelism's gathers stay in the run's precision.
             gathers_float8 = not self.sequence_parallel or self.device_mesh.device_type == "cuda"

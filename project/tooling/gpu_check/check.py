@@ -188,9 +188,10 @@ def run_speed(options: Options, facts: dict, env: dict, deadline: float) -> tupl
                 planned = speed.prediction(config, seq_len, micro, plan["precision"], cluster, compiled)
                 rows.append(speed.row(setting, outcome, config, peak, planned))
                 said(rows[-1], outcome)
-            # The compiled step again with its blocks' linear layers in float8, at the micro batch bf16 took.
+            # The compiled step again with its blocks' linear layers in float8, each from the micro batch bf16 took.
+            compiled_step = setting
             for recipe in options.float8 if rows and rows[-1]["status"] == "measured" else ():
-                setting, outcome = time_step(replace(setting, float8=recipe, profile=False), env, deadline)
+                setting, outcome = time_step(replace(compiled_step, float8=recipe, profile=False), env, deadline)
                 planned = speed.prediction(
                     config, seq_len, setting.micro_batch, plan["precision"], cluster, True, recipe
                 )

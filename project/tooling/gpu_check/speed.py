@@ -88,8 +88,10 @@ def prediction(
 ) -> dict:
     """What the planner predicts for this step: tokens/s, MFU and memory on the device (an eager step's memory
     counted as eager blocks keep it)."""
-    if not cluster.peak_tflops["fp32"] > 0 or float8 and not (cluster.peak_tflops.get("fp8") and cluster.memory_gbps):
+    if not cluster.peak_tflops["fp32"] > 0:
         return {}
+    if float8 and (float8 != "tensorwise" or not (cluster.peak_tflops.get("fp8") and cluster.memory_gbps)):
+        return {}  # the planner models tensorwise float8, given the device's float8 peak and memory bandwidth
     candidate = replace(single_device_candidate(micro_batch), float8=float8)
     memory = peak_memory(config, candidate, seq_len, precision, cluster.accelerator, Allowance(), compiled)
     outcome = evaluate(
