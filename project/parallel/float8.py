@@ -12,13 +12,16 @@ parameters and float8 tensor-parallel styles; `rowwise`, one scale per row, more
 communication in the parameters' dtype.
 
 Without a float8 device (a CPU, tests) torchao emulates the products (`emulate=True`): the values are rounded to
-float8 exactly as a GPU rounds them and multiplied in float32, slower than plain float32. On a GPU float8 pays only
+float8 exactly as a GPU rounds them and multiplied in float32: for tests, not for speed. On a GPU float8 pays only
 compiled (`strategy.compile=true`), where the casts fuse into the kernels around them.
 
 Scales are computed over what a rank holds: under data or context parallelism over its own micro batch or part of
-each sequence, so a data-parallel float8 run equals one device that accumulates the same micro batches (not one that
-takes the whole batch at once), and a context-parallel one is within float8's rounding of one device. Tensor
-parallelism keeps one device's scales (a sharded tensor's scale is reduced over its shards).
+each sequence, so a data-parallel float8 run compares with one device that accumulates the same micro batches (not
+one that takes the whole batch at once: ddp equals it exactly), and a context-parallel one is within float8's
+rounding of one device. Tensor parallelism keeps one device's scales (a sharded tensor's scale is reduced over its
+shards). Float32 sums in another order (tensor parallelism's partial products, FSDP's reductions) round to the other
+side of a float8 value now and then, so those layouts drift from one device by float8's rounding after their first
+step (docs/configuration.md, tests/test_float8.py).
 """
 
 from __future__ import annotations
