@@ -32,15 +32,11 @@ from urllib.parse import urlparse
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from project.checkpoint.urls import SCHEMES, check_url, is_remote, join_text
 from project.runtime.errors import ConfigError
 
 SHARDED_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a folder's shards, written after them
 Location = Union[Path, str]  # a local path, or an object-storage URL kept as text (pathlib folds its //)
-SCHEMES = ("s3",)
-
-
-def is_remote(path: Location | os.PathLike | None) -> bool:
-    return path is not None and "://" in str(path)
 
 
 def location(path: str | os.PathLike) -> Location:
@@ -49,7 +45,7 @@ def location(path: str | os.PathLike) -> Location:
 
 
 def join(base: Location, *parts: str) -> Location:
-    return "/".join([str(base).rstrip("/"), *parts]) if is_remote(base) else Path(base, *parts)
+    return join_text(base, *parts) if is_remote(base) else Path(base, *parts)
 
 
 def name_of(path: Location) -> str:
@@ -58,18 +54,6 @@ def name_of(path: Location) -> str:
 
 def parent_of(path: Location) -> Location:
     return str(path).rstrip("/").rsplit("/", 1)[0] if is_remote(path) else Path(path).parent
-
-
-def check_url(url: str, setting: str | None = None) -> None:
-    """A URL the platform can keep checkpoints at, else a ConfigError naming it (and the `setting` that gave it)."""
-    parsed = urlparse(str(url))
-    if parsed.scheme not in SCHEMES or not parsed.netloc:
-        named = f"{setting}={url}" if setting else str(url)
-        raise ConfigError(
-            f"{named}: checkpoints go to a local folder or to S3 (and S3-compatible servers) as s3://bucket/prefix."
-            " Write them to a local folder and copy them with your storage's own tool, or use an "
-            "s3:// URL (credentials and endpoint from AWS_* environment variables)."
-        )
 
 
 def storage_errors() -> tuple[type[BaseException], ...]:

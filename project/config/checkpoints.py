@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import zipfile
 from pathlib import Path
-from urllib.parse import urlparse
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from project.checkpoint.urls import check_url, is_remote
 from project.parallel.kinds import strategy_kind
 from project.runtime.errors import ConfigError
 
@@ -25,15 +25,9 @@ def check_ckpt_dir(cfg: DictConfig) -> None:
     """An object-storage `ckpt_dir` is one the platform writes to (S3), with a strategy that can."""
     value = cfg.get("ckpt_dir")
     for setting, url in (("ckpt_dir", value), ("ckpt_path", cfg.get("ckpt_path"))):
-        if url is not None and "://" in str(url):
-            parsed = urlparse(str(url))
-            if parsed.scheme != "s3" or not parsed.netloc:
-                raise ConfigError(
-                    f"{setting}={url}: checkpoints go to a local folder or to S3 (and S3-compatible servers) as "
-                    "s3://bucket/prefix, with credentials and endpoint from the AWS_* environment variables. Use a "
-                    "local folder (and copy it with your storage's own tool) or an s3:// URL."
-                )
-    if value is not None and "://" in str(value) and strategy_kind(cfg.get("strategy", {})).local_checkpoints:
+        if is_remote(url):
+            check_url(url, setting)
+    if is_remote(value) and strategy_kind(cfg.get("strategy", {})).local_checkpoints:
         raise ConfigError(
             f"ckpt_dir={value} with strategy=fsdp: FSDP1 writes its checkpoints to local folders only. Use "
             "strategy=fsdp2 (the same sharding, and what the platform recommends), or a local ckpt_dir."
@@ -45,7 +39,7 @@ def check_ckpt_path(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -
     `ckpt_dir`. One in object storage is looked for when the run starts (this check reads no network)."""
     check_ckpt_dir(cfg)
     ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path is None or "://" in str(ckpt_path):
+    if ckpt_path is None or is_remote(ckpt_path):
         return
     if str(ckpt_path) == "last":
         if run_dir is None and HydraConfig.initialized():
@@ -53,7 +47,7 @@ def check_ckpt_path(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -
         if run_dir is None and not cfg.get("ckpt_dir"):
             return
         folder = checkpoint_dir(cfg, run_dir or ".")
-        if "://" in folder:
+        if is_remote(folder):
             return
         path = Path(folder) / "last.ckpt"
         if not path.exists() and not path.with_name(f"{path.name}.old").exists():

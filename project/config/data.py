@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 from omegaconf import DictConfig
 
+from project.checkpoint.urls import is_remote
 from project.data.corpus import NoSourcesError, resolve_sources
 from project.data.shards import MANIFEST_NAME, read_manifest
 from project.data.storage import check_prepared_shards
@@ -18,7 +19,7 @@ from project.runtime.errors import ConfigError
 def data_on_this_machine(cfg: DictConfig) -> bool:
     """False for a local data.dir that does not exist here: a dry run of a job for another machine, whose
     shards are there, cannot check them (a real start prepares them, or refuses)."""
-    return bool(cfg.data.get("mix")) or "://" in str(cfg.data.dir) or Path(cfg.data.dir).exists()
+    return bool(cfg.data.get("mix")) or is_remote(cfg.data.dir) or Path(cfg.data.dir).exists()
 
 
 def check_data(cfg: DictConfig, shards: bool = True, prepared: bool = False) -> None:
@@ -39,7 +40,7 @@ def check_data(cfg: DictConfig, shards: bool = True, prepared: bool = False) -> 
                     f"{{dir: data/web, weight: 0.7}}."
                 )
             check_prepared_shards(data_dir, cfg.data.seq_len, *options)
-    if "://" in str(cfg.data.dir):  # training does not prepare into object storage: the shards must be there
+    if is_remote(cfg.data.dir):  # training does not prepare into object storage: the shards must be there
         _check_vocabulary(cfg, check_prepared_shards(cfg.data.dir, cfg.data.seq_len, *options)[1])
         return
     data_dir = Path(cfg.data.dir)

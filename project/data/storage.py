@@ -24,19 +24,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from project.checkpoint.urls import is_remote
+from project.checkpoint.urls import join_text as join
 from project.data.shards import MANIFEST_NAME, SPLITS, check_block_size, check_shards, read_manifest
 from project.runtime.errors import ConfigError
-
-
-def is_remote(path: str | os.PathLike | None) -> bool:
-    return path is not None and "://" in str(path)
-
-
-def join(base: str | os.PathLike, *parts: str) -> str:
-    """A path or URL inside `base` (pathlib would fold the // of a URL)."""
-    if is_remote(base):
-        return "/".join([str(base).rstrip("/"), *parts])
-    return str(Path(base, *parts))
 
 
 def allow_plain_http(storage_options: Mapping[str, Any] | None) -> None:

@@ -107,7 +107,7 @@ def resolve_tokenizer(ckpt: Mapping, override: str | None) -> tuple[Path, int | 
     """(tokenizer file, bos id, eos id): `override` if given, else the data directory's manifest.json."""
     data = ckpt.get("datamodule_hyper_parameters") or {}
     data_dir = data.get("data_dir")
-    if data_dir and "://" in str(data_dir):  # shards in object storage: their manifest and tokenizer, fetched
+    if data_dir and is_remote(data_dir):  # shards in object storage: their manifest and tokenizer, fetched
         from project.data.storage import local_view
 
         data_dir = local_view(data_dir, data.get("cache_dir"), data.get("storage_options"))

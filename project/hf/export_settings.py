@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from project.checkpoint.urls import is_remote
 from project.model.config import DTYPE_NAMES
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError
@@ -40,7 +41,7 @@ def parse_args(argv: list[str], doc: str | None = None) -> dict[str, str | None]
 def default_output_dir(ckpt_path: str) -> Path:
     """`outputs/hf/<run>-<checkpoint>` for a checkpoint in a run's checkpoints/ folder, else
     `outputs/hf/<checkpoint>`, under $PROJECT_ROOT: the last and the best checkpoint of a run get folders apart."""
-    path = Path(ckpt_path.split("://", 1)[-1]) if "://" in ckpt_path else Path(ckpt_path).absolute()
+    path = Path(ckpt_path.split("://", 1)[-1]) if is_remote(ckpt_path) else Path(ckpt_path).absolute()
     name = path.stem if path.suffix == ".ckpt" else path.name
     if path.parent.name == "checkpoints":
         name = f"{path.parent.parent.name}-{name}"
