@@ -124,7 +124,7 @@ def _check_run_dir(argv: list[str], cfg: DictConfig) -> None:
         )
 
 
-def _strategies_with(setting: str) -> list[str]:
+def strategies_with(setting: str) -> list[str]:
     """The strategy groups that have `setting`."""
     return [p.stem for p in sorted((CONF / "strategy").glob("*.yaml")) if setting in OmegaConf.load(p)]
 
@@ -152,12 +152,12 @@ def _explain(error: HydraException, overrides: list[str], config_name: str) -> s
         parent, _, leaf = key.rpartition(".")
         if parent == "trainer" and leaf in COMPUTED_TRAINER_KEYS:  # adding it with + would only be refused next
             return f"trainer.{leaf} is computed by project.train: {COMPUTED_TRAINER_KEYS[leaf]}."
-        if parent == "strategy" and (others := _strategies_with(leaf)):  # a setting of other strategies
+        if parent == "strategy" and (others := strategies_with(leaf)):  # a setting of other strategies
             chosen = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("strategy=")), None)
             which = f"strategy={chosen}" if chosen else "this run's strategy"
             return (
                 f"strategy.{leaf} is not a setting of {which}: it is one of strategy={', '.join(others)}. Choose one "
-                f"of those, or remove the setting."
+                "of those, or remove the setting."
             )
         groups_only = [o for o in overrides if (CONF / o.split("=")[0]).is_dir()]  # the structure, without the typo
         try:

@@ -3,12 +3,10 @@ holds them, and each rank's micro batch has tokens float8's products can take.""
 
 from __future__ import annotations
 
-import importlib.util
-
 from omegaconf import DictConfig
 
 from project.config.values import model_config
-from project.parallel.float8_rules import FLOAT8_MULTIPLE, in_float8
+from project.parallel.float8_rules import FLOAT8_MULTIPLE, INSTALL_HINT, in_float8, torchao_installed
 from project.parallel.mesh import MeshShape
 from project.runtime.errors import ConfigError
 
@@ -18,10 +16,10 @@ def check_float8(cfg: DictConfig, shape: MeshShape | None = None) -> None:
     recipe = cfg.strategy.get("float8")
     if recipe is None:
         return
-    if importlib.util.find_spec("torchao") is None:
+    if not torchao_installed():
         raise ConfigError(
-            f"strategy.float8={recipe} needs torchao, which this environment lacks: `make install` brings it "
-            "(or pip install torchao==0.18.0); or set strategy.float8=null."
+            f"strategy.float8={recipe} needs torchao, which this environment lacks: {INSTALL_HINT}; or set "
+            "strategy.float8=null."
         )
     model = model_config(cfg)
     tp, cp = (shape.tensor_parallel, shape.context_parallel) if shape else (1, 1)

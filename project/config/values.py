@@ -7,7 +7,7 @@ from typing import Any, Mapping
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from project.config.command_line import CONF, close_match
+from project.config.command_line import CONF, close_match, strategies_with
 from project.config.optim import OptimConfig
 from project.config.stability import StabilityConfig
 from project.model.config import DTYPE_NAMES, LlamaConfig
@@ -141,15 +141,15 @@ def check_strategy_choices(strategy_cfg: Mapping[str, Any], strategy_name: str =
     settings = _strategy_settings(strategy_cfg, strategy_name)
     for key in sorted(set(strategy_cfg) - set(settings or strategy_cfg)):
         which = f"strategy={strategy_name}" if strategy_name else strategy_cfg.get("_target_")
-        if key == "float8":
-            raise ConfigError(
-                f"strategy.float8: {which} trains no float8 layers. float8 runs under strategy=single, ddp, fsdp2 "
-                "(sharded as fsdp is, with float8 gathers), tp, tp_fsdp and pipeline; or remove the setting."
-            )
         if key == "context_parallel_size":
             raise ConfigError(
                 f"strategy.context_parallel_size: {which} does not split sequences. Context parallelism runs under "
                 "strategy=fsdp2, tp_fsdp, tp or pipeline (strategy.context_parallel_size=N); or remove the setting."
+            )
+        if others := strategies_with(key):  # the same words as the command line's check (+strategy.KEY gets here)
+            raise ConfigError(
+                f"strategy.{key} is not a setting of {which}: it is one of strategy={', '.join(others)}. Choose one "
+                "of those, or remove the setting."
             )
         raise ConfigError(
             f"strategy.{key} is not a setting of {which}.{close_match(key, settings)} "

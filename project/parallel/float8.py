@@ -27,7 +27,6 @@ step (docs/configuration.md, tests/test_float8.py).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import warnings
 from collections.abc import Iterator
@@ -37,7 +36,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from project.parallel.float8_rules import FLOAT8_CAPABILITY, FLOAT8_MULTIPLE, RECIPES, in_float8
+from project.parallel.float8_rules import (
+    FLOAT8_CAPABILITY,
+    FLOAT8_MULTIPLE,
+    INSTALL_HINT,
+    RECIPES,
+    in_float8,
+    torchao_installed,
+)
 from project.runtime.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -46,8 +52,6 @@ if TYPE_CHECKING:
 # Loggers that print at import on a machine without CUDA's libraries (torchao's optional kernels) or about an API
 # torch deprecated that torchao still calls; nothing a user of float8 can act on.
 _IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
-
-INSTALL_HINT = "pip install torchao==0.18.0 (make install brings it)"
 
 
 @contextmanager
@@ -63,10 +67,6 @@ def _quiet_import() -> Iterator[None]:
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
-
-
-def torchao_installed() -> bool:
-    return importlib.util.find_spec("torchao") is not None
 
 
 def torchao_float8() -> Any:

@@ -3,9 +3,12 @@ check and the planner use these before any model exists; project.parallel.float8
 
 from __future__ import annotations
 
+import importlib.util
+
 from project.model.config import LlamaConfig
 
 RECIPES = ("tensorwise", "rowwise")
+INSTALL_HINT = "`make install` brings it (or pip install torchao==0.18.0)"
 #: float8 matrix products on a GPU: NVIDIA compute capability 8.9 (Ada: L4, L40S) and later (Hopper, Blackwell).
 FLOAT8_CAPABILITY = (8, 9)
 #: Both sides of a float8 matrix product must be multiples of this (torch's scaled_mm on NVIDIA GPUs), and so must
@@ -46,3 +49,7 @@ def sub_layer_in_float8(config: LlamaConfig, sub_layer: str, tensor_parallel: in
     """Whether every projection of a block's `sub_layer` (attention, feed_forward) is in float8."""
     kept = in_float8(config, tensor_parallel)
     return all(f"{sub_layer}.{name}" in kept for name in SUB_LAYERS[sub_layer])
+
+
+def torchao_installed() -> bool:
+    return importlib.util.find_spec("torchao") is not None
