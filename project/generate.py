@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from project.model.families import build_model
 from project.model.llama import KVCache, Llama
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError, exit_on_config_error
@@ -142,7 +143,7 @@ def load(ckpt_path: str, tokenizer: str | None):
             f"tokenizer {tokenizer_path} has {tok.vocab_size} tokens but the model only {config.vocab_size} "
             "embeddings: is it the tokenizer this model was trained with?"
         )
-    model = Llama(config)
+    model = build_model(config)
     try:
         model.load_state_dict(state_dict)
     except RuntimeError as e:

@@ -39,9 +39,11 @@ def test_experiment_values_override_the_defaults():
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_every_model_preset_is_a_valid_llama_config(model):
-    cfg = compose_train(f"model={model}")
-    LlamaConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+def test_every_model_preset_is_a_valid_config_of_its_family(model):
+    from project.model.families import FAMILIES, model_config
+
+    fields = OmegaConf.to_container(compose_train(f"model={model}").model, resolve=True)
+    assert type(model_config(fields)) is FAMILIES[fields["family"]].config
 
 
 def test_strategy_configs_build_the_strategy_they_name():

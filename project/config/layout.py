@@ -9,6 +9,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from project.config.values import model_config
+from project.model.config import LlamaConfig
+from project.model.families import family_of
 from project.parallel.batch import BatchPlan, plan_batches, plan_pipeline_batches
 from project.parallel.kinds import strategy_kind
 from project.parallel.mesh import MeshShape, check_context_parallel_degree, check_tensor_parallel_degree, mesh_shape
@@ -87,6 +89,19 @@ def strategy_name(cfg: DictConfig) -> str:
     return str(cfg.strategy.get("_target_", "?")).rsplit(".", 1)[-1]
 
 
+def check_family_layout(model: LlamaConfig, shape: MeshShape, pipeline: bool, strategy: str) -> None:
+    """Refuse the dimensions the model's family cannot be split over (project.model.families)."""
+    family = family_of(model)
+    used = {"tensor": shape.tensor_parallel > 1, "context": shape.context_parallel > 1, "pipeline": pipeline}
+    refused = [name for name in family.refuses if used[name]]
+    if refused:
+        raise ConfigError(
+            f"strategy={strategy} splits the model over {' and '.join(refused)} parallelism, which model.family="
+            f"{family.name} ({family.summary}) does not take yet: its routing is per token and has not been made "
+            f"to agree with one device there. Train it with strategy=single, ddp, fsdp or fsdp2 (docs/moe.md)."
+        )
+
+
 def plan_layout(cfg: DictConfig, num_nodes: int, devices_per_node: int) -> Layout:
     """Degrees and batch plan of the run on `num_nodes x devices_per_node` devices, refusing what
     cannot be built: degrees that do not divide the devices or the model, batches that do not split,
@@ -95,6 +110,7 @@ def plan_layout(cfg: DictConfig, num_nodes: int, devices_per_node: int) -> Layou
     model = model_config(cfg)
     shape = mesh_shape(strategy_cfg, num_nodes * devices_per_node, devices_per_node)
     kind = strategy_kind(strategy_cfg)
+    check_family_layout(model, shape, kind.pipeline, strategy_name(cfg))
     check_context_parallel_degree(shape.context_parallel, cfg.data.seq_len, strategy_name(cfg), kind.context_parallel)
     if shape.tensor_parallel > 1:
         sequence_parallel = strategy_cfg.get("sequence_parallel", False)

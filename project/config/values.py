@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from project.config.command_line import CONF, close_match, strategies_with
 from project.config.optim import OptimConfig
 from project.config.stability import StabilityConfig
+from project.model import families
 from project.model.config import DTYPE_NAMES, LlamaConfig
 from project.parallel.float8_rules import RECIPES
 from project.parallel.pipeline_layout import SCHEDULE_NAMES
@@ -183,8 +184,9 @@ def check_values(cfg: DictConfig) -> None:
 
 
 def model_config(cfg: DictConfig) -> LlamaConfig:
-    """The model's LlamaConfig; shapes it cannot take (dim not divisible by the heads, ...) as a ConfigError."""
+    """The model's config, of its family's class (project.model.families); shapes it cannot take (dim not divisible
+    by the heads, ...) as a ConfigError."""
     try:
-        return LlamaConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+        return families.model_config(OmegaConf.to_container(cfg.model, resolve=True))
     except (ValueError, TypeError) as error:
         raise ConfigError(str(error)) from None

@@ -59,6 +59,7 @@ from project.hf.checkpoint_weights import CheckpointWeights, checkpoint_weights,
 from project.hf.conversion import hf_config_dict
 from project.hf.export_settings import DEFAULTS, USAGE, check_output_dir, default_output_dir, parse_args
 from project.model.config import LlamaConfig
+from project.model.families import model_config, without_hf_format
 from project.runtime.arguments import parse_size
 from project.runtime.errors import ConfigError, exit_on_config_error
 
@@ -97,9 +98,9 @@ def load_checkpoint(path: Location) -> tuple[LlamaConfig, CheckpointWeights, Map
             f"ckpt_path={path}: could not read the checkpoint ({reason}); pass another checkpoint."
         ) from None
     try:
-        config = LlamaConfig(**dict(hparams["model"]))
+        config = model_config(dict(hparams["model"]))
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"hyper_parameters['model'] in {path} is not a valid LlamaConfig: {e}") from e
+        raise ConfigError(f"hyper_parameters['model'] in {path} is not a valid model config: {e}") from e
     return config, weights, ckpt
 
 
@@ -247,6 +248,8 @@ def export(
     out = Path(output_dir)
     check_output_dir(out, overwrite)  # before the checkpoint is read (project.export: before torch is imported too)
     config, weights, ckpt = load_checkpoint(location(ckpt_path))
+    if refusal := without_hf_format(config, "project.export"):
+        raise ConfigError(refusal)
     tokenizer_path, bos_id, eos_id = resolve_tokenizer(ckpt, tokenizer)
     document_mask = bool((ckpt.get("hyper_parameters") or {}).get("document_mask"))
 

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from project.hf.conversion import LLAMA3_ROPE_KEYS, hf_weight_shapes
 from project.model.config import LlamaConfig
+from project.model.families import without_hf_format
 from project.runtime.errors import ConfigError
 
 CONFIG = "config.json"
@@ -218,6 +219,8 @@ def apply_init_from(cfg: Any, overrides: list[str]) -> None:
     it."""
     from omegaconf import open_dict
 
+    if refusal := without_hf_format(dict(cfg.model), "init_from"):
+        raise ConfigError(refusal)
     folder = Path(str(cfg.init_from))
     hf_config = read_config(folder)
     settings = model_settings(folder, hf_config)

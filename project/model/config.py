@@ -21,6 +21,8 @@ LOSS_CHUNK_LOGITS = 2**27
 
 @dataclass
 class LlamaConfig:
+    # The model family (project.model.families) whose config this is: each family's config class sets its own.
+    family: str = "llama"
     vocab_size: int = setting(32000, whole(2), "a whole number, at least the tokenizer's size")
     dim: int = setting(4096, whole(1), WHOLE)
     n_layers: int = setting(32, whole(1), WHOLE)
@@ -48,6 +50,10 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "model")
+        if self.family != type(self).family:
+            raise ValueError(
+                f"model.family={self.family} is not the family of {type(self).__name__}: {type(self).family}."
+            )
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.dim % self.n_heads:
@@ -77,6 +83,11 @@ class LlamaConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    def feed_forward_parameters(self, index: int, active: bool = False) -> int:
+        """Parameters of block `index`'s feed-forward (`active`: those one token's products use; all, for a dense
+        one). A family whose feed-forward differs says so here (project.model.moe_config)."""
+        return 3 * self.dim * self.ffn_hidden_dim
 
     @property
     def ffn_hidden_dim(self) -> int:

@@ -171,23 +171,26 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, hidden_dim: int | None = None):
         super().__init__()
-        self.w1 = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
-        self.w3 = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
-        self.w2 = nn.Linear(config.ffn_hidden_dim, config.dim, bias=False)
+        hidden = config.ffn_hidden_dim if hidden_dim is None else hidden_dim
+        self.w1 = nn.Linear(config.dim, hidden, bias=False)
+        self.w3 = nn.Linear(config.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, feed_forward: nn.Module | None = None):
+        """`feed_forward`: another family's (a mixture of experts) in place of the SwiGLU, taking and giving
+        [B, T, dim]."""
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = FeedForward(config) if feed_forward is None else feed_forward
 
     def forward(
         self,
@@ -218,7 +221,7 @@ class Llama(nn.Module):
         with torch.device("meta"):
             self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
             # A ModuleDict keyed by layer index keeps names stable when pipeline stages drop layers.
-            self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
+            self.layers = nn.ModuleDict({str(i): self.block(config, i) for i in range(config.n_layers)})
             self.norm = RMSNorm(config.dim, config.norm_eps)
             self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.document_masking = DocumentMasking()
@@ -227,6 +230,10 @@ class Llama(nn.Module):
         if device.type != "meta":
             self.to_empty(device=device)
             self.init_weights()
+
+    def block(self, config: LlamaConfig, index: int) -> Block:
+        """Block `index` of the model (a family whose blocks differ builds its own)."""
+        return Block(config)
 
     def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> "Llama":
         super().to_empty(device=device, recurse=recurse)
@@ -242,6 +249,11 @@ class Llama(nn.Module):
                 self.initial_value(name, out=p.view(matrix_shape(p.shape)))
             else:
                 p.copy_(self.initial_value(name))
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """The initial values of the model's state that is not trained by gradients (to_empty leaves it unset; a
+        strategy that shards the parameters calls this after drawing them). A dense Llama has none."""
 
     def initial_value(
         self,
@@ -255,20 +267,26 @@ class Llama(nn.Module):
         depends on `init_seed`, the name and its position alone (project.model.initial_values). `out`: a
         [rows, cols] tensor to write the values into (a rank's shard) instead of a new one on the CPU.
 
-        Normal(0, init_std); residual projections (attention.wo, feed_forward.w2) scaled by
-        1/sqrt(2 * n_layers) as in GPT-2; norm gains 1.
+        Normal(0, initial_std(name)); norm gains 1.
         """
         shape = self.get_parameter(name).shape  # the global shape, also for a sharded parameter
-        if name.endswith("norm.weight"):
+        std = self.initial_std(name)
+        if std is None:
             n_rows, n_cols = matrix_shape(shape)
             size = (n_rows if rows is None else rows.numel(), n_cols if cols is None else cols.numel())
             values = torch.ones(size, device="cpu") if out is None else out.fill_(1.0)
         else:
-            std = self.config.init_std
-            if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-                std /= math.sqrt(2 * self.config.n_layers)
             values = normal_values(self.init_seed, name, shape, std, rows, cols, out)
         return values.view(shape) if rows is None and cols is None and out is None else values
+
+    def initial_std(self, name: str) -> float | None:
+        """The standard deviation of parameter `name`'s initial values: init_std, and for the residual projections
+        (attention.wo, feed_forward.w2) init_std / sqrt(2 * n_layers) as in GPT-2; None for a norm's gain (ones)."""
+        if name.endswith("norm.weight"):
+            return None
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            return self.config.init_std / math.sqrt(2 * self.config.n_layers)
+        return self.config.init_std
 
     def rope(
         self, seq_len: int, device: torch.device, dtype: torch.dtype, start: int = 0
@@ -340,6 +358,12 @@ class Llama(nn.Module):
         if targets is not None:
             return self.head_loss(self.norm(h), targets)
         return self.output(self.norm(h))
+
+    def step_statistics(self, sum_over_ranks, report: bool) -> dict[str, torch.Tensor]:
+        """What the model gathered over an optimizer step's forward passes, after their backward: summed over every
+        rank with `sum_over_ranks`, acted on, and with `report` as metrics to log. A dense Llama gathers nothing; a
+        mixture of experts its experts' loads (project.model.moe)."""
+        return {}
 
     def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean cross-entropy of the output head's logits of `hidden` [B, T, dim] (the final norm's output)

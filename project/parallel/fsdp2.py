@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from project.model.llama import Llama
 
@@ -37,5 +38,18 @@ def apply_fsdp2(
     )
     # nn.Module's attribute typing (Tensor | Module) does not know a stage's `layers` is a ModuleDict.
     for block in cast(nn.ModuleDict, model.layers).values():
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            block,
+            mesh=mesh,
+            mp_policy=policy,
+            reshard_after_forward=reshard_after_forward,
+            shard_placement_fn=stacked_experts_by_width,
+        )
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+
+def stacked_experts_by_width(param: nn.Parameter) -> Shard | None:
+    """Experts' stacked weights [n_experts, out, in] (project.model.moe) are split along their width, not their
+    first dimension: 8 experts over 64 ranks would leave 56 ranks none of them and 8 a whole expert each. Every
+    other parameter: FSDP2's own dim-0 split (None)."""
+    return Shard(1) if param.ndim == 3 else None

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from project.model.initial_values import matrix_shape
 from project.model.llama import Llama
 
 
@@ -22,6 +21,7 @@ def materialize(model: Llama, device: torch.device, initialize: bool = True) -> 
     model.to_empty(device=device)
     if not initialize:
         return
+    model.init_buffers()
     for name, param in model.named_parameters():
         if not isinstance(param, DTensor):
             param.copy_(model.initial_value(name))
@@ -37,32 +37,30 @@ def materialize(model: Llama, device: torch.device, initialize: bool = True) -> 
 
 
 def local_indices(param: DTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global row and column indices (of the parameter seen as a matrix, project.model.initial_values) whose
-    product is this rank's shard, in the order the shard holds them.
+    """The global row and column indices (of the parameter seen as a matrix, its first dimension by the product of
+    the others: project.model.initial_values) whose product is this rank's shard, in the order the shard holds them.
 
-    Read off DTensor's own split of index probes (one index per row, or per column) with the parameter's mesh
-    and placements: however the placements combine (a dim-0 shard of a column split, say), the shard holds what
-    they say."""
-    if param.ndim > 2:
-        raise ValueError(f"a parameter of {param.ndim} dimensions; Llama's have 1 or 2 ({tuple(param.shape)})")
-    n_rows, n_cols = matrix_shape(param.shape)
-    mesh_device = param.device_mesh.device_type
+    Read off DTensor's own split of one index probe per dimension, with the parameter's mesh and placements: however
+    the placements combine (a dim-0 shard of a column split, say), the shard holds what they say. Each probe is as
+    long as its dimension along it: O(the dimensions times the mesh's size), never O(the parameter's elements)."""
+    shape, mesh = param.shape, param.device_mesh
+    # As wide as the mesh is large along a dimension split by any of its dimensions (one entry per rank at least,
+    # however the splits combine: FSDP2's strided shard over a tensor-parallel one, say), 1 along the others.
+    sharded = {p.dim for p in param.placements if isinstance(p, Shard)}
+    shards = [mesh.size() if d in sharded else 1 for d in range(param.ndim)]
+    held = []
+    for d in range(param.ndim):
+        along = [-1 if i == d else 1 for i in range(param.ndim)]
+        probe = torch.arange(shape[d], device=mesh.device_type).view(along)
+        probe = probe.expand([shape[d] if i == d else shards[i] for i in range(param.ndim)])
+        local = distribute_tensor(probe, mesh, param.placements, src_data_rank=None).to_local()
+        held.append(local[tuple(slice(None) if i == d else 0 for i in range(param.ndim))].cpu())
     if param.ndim == 1:
-        shard = distribute_tensor(
-            torch.arange(n_rows, device=mesh_device), param.device_mesh, param.placements, src_data_rank=None
-        )
-        return shard.to_local().cpu(), torch.zeros(1, dtype=torch.long, device="cpu")
-    # Each probe's other dimension is as long as the mesh is large: split by any of the mesh's dimensions, every
-    # rank keeps at least one of its entries, and the probes cost O(rows + columns), not O(rows x columns).
-    width = param.device_mesh.size()
-    probes = (
-        torch.arange(n_rows, device=mesh_device)[:, None].expand(n_rows, width),
-        torch.arange(n_cols, device=mesh_device)[None, :].expand(width, n_cols),
-    )
-    rows, cols = (
-        distribute_tensor(probe, param.device_mesh, param.placements, src_data_rank=None).to_local() for probe in probes
-    )
-    return rows[:, 0].cpu(), cols[0, :].cpu()
+        return held[0], torch.zeros(1, dtype=torch.long, device="cpu")
+    cols = torch.zeros(1, dtype=torch.long)
+    for d in range(1, param.ndim):  # row-major flattening of the dimensions after the first
+        cols = (cols[:, None] * shape[d] + held[d][None, :]).reshape(-1)
+    return held[0], cols
 
 
 def laid_out_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

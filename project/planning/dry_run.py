@@ -154,10 +154,10 @@ def share_of(model: Any, rank: int, shape: MeshShape, stages: list[str]) -> Rank
 def build_meta_model(cfg: DictConfig) -> Any:
     import torch
 
-    from project.model.llama import Llama
+    from project.model.families import build_model
 
     with torch.device("meta"):
-        model = Llama(model_config(cfg))
+        model = build_model(model_config(cfg))
     dtype = STORAGE_DTYPES.get(str(cfg.trainer.get("precision", "32-true")))
     return model.to(getattr(torch, dtype)) if dtype else model
 

@@ -23,7 +23,7 @@ from project.config.stability import StabilityConfig
 from project.data.datamodule import TokenShardDataModule
 from project.hf.published import load_published_weights
 from project.model.config import LlamaConfig
-from project.model.llama import Llama
+from project.model.families import build_model, config_fields, model_config
 from project.model.loss import IGNORED
 from project.parallel.contract import LlamaStrategy, contract_of
 from project.runtime.errors import ConfigError
@@ -49,7 +49,7 @@ def _plain(loss: torch.Tensor) -> torch.Tensor:
 
 def _weight_shapes(model: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):  # shapes only: no memory, whatever the model's size
-        return {name: tuple(t.shape) for name, t in Llama(LlamaConfig(**model)).state_dict().items()}
+        return {name: tuple(t.shape) for name, t in build_model(model).state_dict().items()}
 
 
 def check_resumable(
@@ -141,14 +141,14 @@ class LlamaLitModule(LightningModule):
         `stability`: what a loss spike does (project.training.stability); `rollbacks`: those the run made before
         this module was built (it restarts with a new one), kept in its checkpoints."""
         super().__init__()
-        model_cfg = model if isinstance(model, LlamaConfig) else LlamaConfig(**model)
+        model_cfg = model_config(model)
         optim_cfg = optim if isinstance(optim, OptimConfig) else OptimConfig(**(optim or {}))
         stability_cfg = stability if isinstance(stability, StabilityConfig) else StabilityConfig(**(stability or {}))
         if document_mask and eos_id is None:
             raise ValueError("document_mask needs the tokenizer's eos_id")
         self.save_hyperparameters(
             {
-                "model": asdict(model_cfg),
+                "model": config_fields(model_cfg),
                 "optim": asdict(optim_cfg),
                 "stability": asdict(stability_cfg),
                 "document_mask": document_mask,
@@ -167,7 +167,7 @@ class LlamaLitModule(LightningModule):
         # A model whose every value is about to be read from a file is built without memory, on any strategy.
         self._init_from = None if weights_from_checkpoint else init_from
         with torch.device("meta") if init_on_meta or self._init_from else contextlib.nullcontext():
-            self.model = Llama(model_cfg, init_seed)
+            self.model = build_model(model_cfg, init_seed)
         self.val_losses = nn.ModuleList([MeanMetric()])  # one per validation loader: per corpus of a mixture (setup)
         self._loss_sum: float | torch.Tensor = 0.0  # micro-batch losses since the last optimizer step
         self._loss_count = 0
@@ -279,6 +279,9 @@ class LlamaLitModule(LightningModule):
             self.log("train/lr", optimizer.param_groups[0]["lr"])
         self._step_loss = torch.as_tensor(self._loss_sum / self._loss_count)
         self._loss_sum, self._loss_count = 0.0, 0
+        # What the model gathered over the step (a mixture of experts' loads: its routing biases move on them).
+        if statistics := self.model.step_statistics(self.strategy().sum_over_ranks, report=self._logs_now()):
+            self.log_dict(statistics)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         # Lightning calls this every step after gradients are reduced (and unscaled), clipping or not.
@@ -444,7 +447,7 @@ class LlamaLitModule(LightningModule):
         whatever part of it this rank holds: from the model built again on the meta device (no memory). A tied
         output matrix is the embedding, named once."""
         with torch.device("meta"):
-            names = [f"model.{name}" for name, _ in Llama(LlamaConfig(**self.hparams.model)).named_parameters()]
+            names = [f"model.{name}" for name, _ in build_model(self.hparams.model).named_parameters()]
         return [n for n in names if not _is_gain(n)] + [n for n in names if _is_gain(n)]
 
     def configure_optimizers(self):

@@ -10,7 +10,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 from torch.distributed.tensor import DTensor
 
-from project.model.config import LlamaConfig
+from project.model.families import family_of, model_config
 from project.model.flops import count_parameters, training_flops_per_token
 
 
@@ -38,16 +38,18 @@ class LlamaModelSummary(ModelSummary):
 
     @staticmethod
     def say(trainer: Trainer, pl_module: LightningModule) -> None:
-        config = LlamaConfig(**pl_module.hparams["model"])
+        config = model_config(pl_module.hparams["model"])
         data: Any = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector, undeclared
         seq_len = data.hparams.seq_len
         tokens_per_step = data.hparams.global_batch_size * seq_len
         flops_per_token = training_flops_per_token(config, seq_len)
         held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in pl_module.parameters())
-        total = count_parameters(config)
+        total, active = count_parameters(config), count_parameters(config, active=True)
+        of_them = "" if active == total else f", {get_human_readable_count(active)} of them active per token"
         share = "" if held == total else f" (rank 0 holds {get_human_readable_count(held)})"
         rank_zero_info(
-            f"model: Llama, {get_human_readable_count(total)} parameters{share}, {config.n_layers} layers of width "
+            f"model: {family_of(config).summary}, {get_human_readable_count(total)} parameters{of_them}{share}, "
+            f"{config.n_layers} layers of width "
             f"{config.dim}; {get_human_readable_count(int(flops_per_token))} training FLOPs per token, "
             f"{get_human_readable_count(int(flops_per_token * tokens_per_step))} per optimizer step of "
             f"{tokens_per_step} tokens"

@@ -13,7 +13,7 @@ from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
-from project.model.config import LlamaConfig
+from project.model.families import model_config
 from project.model.flops import training_flops_per_token
 from project.training.callbacks.steps import OptimizerSteps, logs_at
 
@@ -102,5 +102,5 @@ class TokenThroughput(Callback):
         )
         pl_module.log("train/tokens_seen", seen)
         if self._peak:
-            flops_per_token = training_flops_per_token(LlamaConfig(**pl_module.hparams["model"]), seq_len)
+            flops_per_token = training_flops_per_token(model_config(pl_module.hparams["model"]), seq_len)
             pl_module.log("train/mfu", flops_per_token * tokens_per_sec / (self._peak * trainer.world_size))

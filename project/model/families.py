@@ -1,0 +1,97 @@
+"""The model families this platform trains, one entry each: the config a family's settings build, its model class,
+the Hugging Face architecture it converts to, and what the strategies can do with it (torchtitan's ModelSpec is the
+shape). Everything that builds or sizes a model asks here (`model_config`, `build_model`), never a family's class.
+
+Torch-free: the settings check reads it before torch is imported; the model classes are imported on first build.
+A new family is a config class (with its own `feed_forward_parameters` for the planner's counts), a model class
+with the dense Llama's interface (`run_layers`, `head_loss`, `initial_value`, `init_weights`, `to_empty`), and an
+entry below.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from project.model.config import LlamaConfig
+from project.model.moe_config import MoEConfig
+
+if TYPE_CHECKING:
+    from project.model.llama import Llama
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    config: type[LlamaConfig]
+    model: str  # "module:Class", imported when a model is built
+    summary: str  # what the family is, in the words of an error or the docs
+    # The Hugging Face architecture project.export writes and init_from reads (project.hf); None: not yet.
+    hf_architecture: str | None = None
+    # The strategies' dimensions this family's model can be split over (project.parallel.kinds' names): a mixture
+    # of experts' routing is per token, and splitting a sequence (context, sequence parallelism) or its blocks
+    # (pipeline) has not been made to agree with one device for it yet.
+    refuses: tuple[str, ...] = ()
+
+    def model_class(self) -> type[Llama]:
+        module, name = self.model.split(":")
+        return getattr(importlib.import_module(module), name)
+
+
+FAMILIES: dict[str, ModelFamily] = {
+    family.name: family
+    for family in (
+        ModelFamily(
+            "llama", LlamaConfig, "project.model.llama:Llama", "dense Llama (Llama 2, Llama 3)", "LlamaForCausalLM"
+        ),
+        ModelFamily(
+            "moe",
+            MoEConfig,
+            "project.model.moe:MoELlama",
+            "Llama with a mixture of experts as feed-forward (Mixtral, Llama 4)",
+            refuses=("tensor", "context", "pipeline"),
+        ),
+    )
+}
+
+
+def family_of(fields: Mapping[str, Any] | LlamaConfig) -> ModelFamily:
+    """The family of a model config, or of its fields as a dict (no `family` key: a dense Llama, as every
+    checkpoint written before families existed)."""
+    name = fields.family if isinstance(fields, LlamaConfig) else fields.get("family", "llama")
+    if name not in FAMILIES:
+        raise ValueError(f"model.family={name} is not a model family: it is one of {', '.join(FAMILIES)}.")
+    return FAMILIES[name]
+
+
+def without_hf_format(config: LlamaConfig | Mapping[str, Any], what: str) -> str | None:
+    """Why `what` (export, init_from) cannot be done for a model of this family's, or None where it can."""
+    family = family_of(config)
+    if family.hf_architecture is not None:
+        return None
+    return (
+        f"{what} reads and writes Hugging Face folders of dense Llamas (LlamaForCausalLM); model.family={family.name} "
+        f"({family.summary}) has no Hugging Face format here yet (docs/moe.md). Train it from random weights, and "
+        "keep its checkpoints (they resume, and project.generate reads them)."
+    )
+
+
+def model_config(fields: Mapping[str, Any] | LlamaConfig) -> LlamaConfig:
+    """The config of a model's family from its fields (ValueError or TypeError for fields it cannot take)."""
+    if isinstance(fields, LlamaConfig):
+        return fields
+    return family_of(fields).config(**fields)
+
+
+def config_fields(config: LlamaConfig) -> dict[str, Any]:
+    """The fields of a model config as a dict, `family` included: what `model_config` builds it again from."""
+    return asdict(config)
+
+
+def build_model(config: LlamaConfig | Mapping[str, Any], init_seed: int = 0) -> Llama:
+    """The single-device model of `config` (built where torch's default device says, as the model classes are):
+    a Llama, or a family's subclass of it with the same interface."""
+    config = model_config(config)
+    return family_of(config).model_class()(config, init_seed)

@@ -1,0 +1,214 @@
+"""A Llama whose feed-forward is a mixture of SwiGLU experts (Mixtral, Llama 4): router, experts, the balancing.
+
+Plain PyTorch like project.model.llama, whose attention, norms and head it keeps. Dropless: every token reaches
+each of its `top_k` experts, however unevenly the router spreads them (no capacity, nothing dropped), so the
+result never depends on how tokens are batched. The router's scores are computed in float32.
+
+Balancing the experts' load, two ways (MoEConfig):
+- an auxiliary loss, per sequence (DeepSeek-V3's sequence-wise form of the Switch Transformer's loss): for each
+  sequence, the experts' shares of its routed tokens times their mean scores, summed and times n_experts (1 when
+  balanced); averaged over sequences and mixture blocks. Per sequence, not per batch, so that it is the same sum
+  however a layout splits a batch's sequences over ranks and micro batches. Its gradient joins the loss's
+  (`with_auxiliary_gradient`) while the loss's value, and so train/loss, stays the next-token loss;
+- a routing bias (bias_update_rate > 0): added to the scores only to choose experts, moved after each optimizer
+  step toward the mean load (`balance_experts`, from every rank's loads).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from project.model.llama import Block, FeedForward, Llama
+from project.model.moe_config import MoEConfig
+
+
+class Router(nn.Module):
+    """Each token's experts and their weights: scores of `gate`'s logits in float32 (softmax or sigmoid), the
+    `top_k` highest (after the routing bias, where there is one), their scores renormalised if asked."""
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.gate = nn.Linear(config.dim, config.n_experts, bias=False)
+        self.top_k, self.score_func, self.normalize = config.top_k, config.score_func, config.normalize_top_k
+        # Chooses experts only, never weighs them; moved by MoELlama.step_statistics. None: no bias (a buffer of
+        # None is no state, so models without one keep their state dict's names).
+        bias = torch.zeros(config.n_experts) if config.bias_update_rate > 0 else None
+        self.expert_bias: torch.Tensor | None
+        self.register_buffer("expert_bias", bias)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, dim] -> (scores [N, n_experts] float32, chosen [N, top_k] expert indices, weights [N, top_k])."""
+        logits = F.linear(x.float(), self.gate.weight.float())
+        scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
+        choice = scores if self.expert_bias is None else scores + self.expert_bias
+        chosen = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return scores, chosen, weights
+
+
+class Experts(nn.Module):
+    """n SwiGLU experts, their weights stacked [n, out, in] (w1, w3: [n, hidden, dim]; w2: [n, dim, hidden])."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [M, dim]: the routed tokens sorted by expert, counts[e] of them for expert e -> [M, dim]."""
+        if x.device.type == "cuda" and x.dtype == torch.bfloat16:
+            # One grouped product per projection for all experts (torch's kernel takes bf16 on sm80 and later).
+            ends = counts.cumsum(0).to(torch.int32)
+            hidden = F.silu(F.grouped_mm(x, self.w1.transpose(-2, -1), offs=ends))
+            hidden = hidden * F.grouped_mm(x, self.w3.transpose(-2, -1), offs=ends)
+            return F.grouped_mm(hidden, self.w2.transpose(-2, -1), offs=ends)
+        parts = x.split(counts.tolist())
+        return torch.cat(
+            [
+                F.linear(F.silu(F.linear(part, self.w1[e])) * F.linear(part, self.w3[e]), self.w2[e])
+                for e, part in enumerate(parts)
+            ]
+        )
+
+
+class MoEFeedForward(nn.Module):
+    """The mixture: each token through its chosen experts, weighted, plus the shared expert where there is one.
+
+    After each forward it holds that batch's auxiliary loss (`aux_loss`, with its graph) and the tokens each expert
+    received (`load` [n_experts]), for the model to collect (MoELlama.forward)."""
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.n_experts, self.top_k = config.n_experts, config.top_k
+        self.router = Router(config)
+        self.experts = Experts(config.n_experts, config.dim, config.expert_hidden_dim)
+        self.shared_expert = FeedForward(config, config.expert_hidden_dim) if config.shared_expert else None
+        self.aux_loss: torch.Tensor | None = None
+        self.load: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        tokens = x.reshape(B * T, D)
+        scores, chosen, weights = self.router(tokens)
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)  # the (token, slot) pairs grouped by expert, tokens in order within each
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        token = order // self.top_k
+        routed = self.experts(tokens[token], counts) * weights.reshape(-1)[order, None].to(x.dtype)
+        out = torch.zeros_like(tokens).index_add_(0, token, routed)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(tokens)
+        self.aux_loss = self.sequence_balance_loss(scores.view(B, T, -1), chosen.view(B, T * self.top_k))
+        self.load = counts.detach().float()
+        return out.view(B, T, D)
+
+    def sequence_balance_loss(self, scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Mean over sequences of n_experts * sum_e f_e P_e: f_e the share of the sequence's routed (token, slot)
+        pairs that went to expert e, P_e the mean over its tokens of e's score (scores normalised to sum 1 per
+        token, as sigmoid's do not)."""
+        B, T, E = scores.shape
+        share = torch.zeros(B, E, device=scores.device).scatter_add_(
+            1, chosen, torch.ones_like(chosen, dtype=torch.float)
+        )
+        share = share / chosen.shape[1]
+        probability = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=1)
+        return E * (share * probability).sum(dim=-1).mean()
+
+
+class WithAuxiliaryGradient(torch.autograd.Function):
+    """The loss's value, and in the backward pass the gradient of loss + coef * aux: the auxiliary loss's gradient
+    gets the same scale as the loss's (accumulation's division, a gradient scaler's factor) without either being
+    known here, and train/loss stays the next-token loss."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, aux: torch.Tensor, coef: float) -> torch.Tensor:
+        ctx.coef = coef
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad * ctx.coef, None
+
+
+class MoELlama(Llama):
+    """Llama with MoEFeedForward in every `moe_every`-th block (MoEConfig); the rest is the dense model's."""
+
+    config: MoEConfig
+
+    def __init__(self, config: MoEConfig, init_seed: int = 0):
+        super().__init__(config, init_seed)
+        # Since the last optimizer step: each mixture's routed tokens per expert, and the auxiliary loss's sum and
+        # count of batches (read and cleared by balance_experts).
+        self._loads: torch.Tensor | None = None
+        self._aux_sum: torch.Tensor | None = None
+        self._batches = 0
+
+    def block(self, config: MoEConfig, index: int) -> Block:  # type: ignore[override]
+        return Block(config, MoEFeedForward(config) if config.is_moe_layer(index) else None)
+
+    def mixtures(self) -> list[MoEFeedForward]:
+        """The mixture-of-experts feed-forwards of the blocks this model holds, in order."""
+        return [m for m in self.modules() if isinstance(m, MoEFeedForward)]
+
+    def initial_std(self, name: str) -> float | None:
+        if name.endswith("experts.w2"):  # a residual projection, as the dense w2
+            return self.config.init_std / (2 * self.config.n_layers) ** 0.5
+        return super().initial_std(name)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """The routing biases start at zero (to_empty leaves buffers unset)."""
+        for mixture in self.mixtures():
+            if mixture.router.expert_bias is not None:
+                mixture.router.expert_bias.zero_()
+
+    def forward(self, tokens, document_ids=None, cache=None, targets=None):
+        out = super().forward(tokens, document_ids, cache, targets)
+        mixtures = self.mixtures()
+        aux = torch.stack([m.aux_loss for m in mixtures if m.aux_loss is not None]).mean()
+        loads = torch.stack([m.load for m in mixtures if m.load is not None])
+        for m in mixtures:  # the graph is the loss's now; the modules hold none between steps
+            m.aux_loss = m.load = None
+        if not self.training:
+            return out
+        self._loads = loads if self._loads is None else self._loads + loads
+        self._aux_sum = aux.detach() if self._aux_sum is None else self._aux_sum + aux.detach()
+        self._batches += 1
+        if targets is None or self.config.aux_loss_coef == 0:
+            return out
+        return WithAuxiliaryGradient.apply(out, aux, self.config.aux_loss_coef)
+
+    @torch.no_grad()
+    def step_statistics(self, sum_over_ranks, report: bool) -> dict[str, torch.Tensor]:
+        """After the backward passes of an optimizer step: every rank's expert loads and auxiliary losses since the
+        last step, summed by `sum_over_ranks` (the strategy's), move the routing biases (bias_update_rate > 0), and
+        with `report` give the step's metrics: moe/aux_loss (mean over batches and ranks), and per mixture block i
+        moe/layer{i}/load_max and load_min (the most and least loaded expert's tokens over the mean) and
+        moe/layer{i}/top_share (the share of the step's tokens routed to the most loaded expert)."""
+        loads, aux_sum, batches = self._loads, self._aux_sum, self._batches
+        self._loads, self._aux_sum, self._batches = None, None, 0
+        if loads is None or aux_sum is None or not (report or self.config.bias_update_rate > 0):
+            return {}
+        counts = torch.stack([aux_sum, torch.tensor(float(batches), device=loads.device)])
+        totals = sum_over_ranks(torch.cat([loads.flatten(), counts]))
+        loads = totals[: loads.numel()].view_as(loads)
+        mean = loads.mean(dim=1, keepdim=True)
+        if self.config.bias_update_rate > 0:
+            for mixture, load, m in zip(self.mixtures(), loads, mean, strict=True):
+                bias = mixture.router.expert_bias
+                assert bias is not None  # every router has one where bias_update_rate > 0
+                bias += self.config.bias_update_rate * torch.sign(m - load)
+        if not report:
+            return {}
+        tokens = loads.sum(dim=1) / self.config.top_k
+        metrics = {"moe/aux_loss": totals[-2] / totals[-1]}
+        for index, load, m, n in zip(self.config.moe_layers, loads, mean[:, 0], tokens, strict=True):
+            metrics[f"moe/layer{index}/load_max"] = load.max() / m
+            metrics[f"moe/layer{index}/load_min"] = load.min() / m
+            metrics[f"moe/layer{index}/top_share"] = load.max() / n
+        return metrics

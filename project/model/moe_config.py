@@ -1,0 +1,70 @@
+"""MoEConfig: the shape of a Llama whose feed-forward is a mixture of experts, as plain data (no torch).
+
+Attention, norms, rotary embeddings and the head are the dense Llama's (LlamaConfig's fields); every `moe_every`-th
+block's SwiGLU becomes `n_experts` SwiGLU experts of width `expert_ffn_dim`, of which a router picks `top_k` per
+token, beside an optional shared expert every token goes through (Llama 4). Mixtral 8x7B is n_experts=8, top_k=2,
+moe_every=1, softmax scores renormalised over the chosen two; Llama 4 Scout's text model 16 experts, top_k=1 and a
+shared expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from project.model.config import WHOLE, LlamaConfig
+from project.runtime.settings import at_least, or_null, setting, switch, whole
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+@dataclass
+class MoEConfig(LlamaConfig):
+    family: str = "moe"
+    n_experts: int = setting(8, whole(2), "a whole number of experts, at least 2")
+    top_k: int = setting(2, whole(1), "a whole number of experts per token, at least 1")
+    # Blocks 0-based i with (i + 1) % moe_every == 0 are mixtures, the others dense (Llama 4's interleave step).
+    moe_every: int = setting(1, whole(1), WHOLE)
+    # Each expert's SwiGLU width; null: the dense rule's (ffn_dim, or multiple_of and ffn_dim_multiplier).
+    expert_ffn_dim: int | None = setting(None, or_null(whole(1)), "null (the dense width) or a whole number above 0")
+    # A SwiGLU of expert_ffn_dim that every token goes through beside its routed experts (Llama 4, DeepSeek).
+    shared_expert: bool = switch(False)
+    # How the router's logits become scores: softmax over the experts (Mixtral) or each expert's sigmoid (DeepSeek-V3).
+    score_func: str = setting("softmax", lambda v: v in SCORE_FUNCTIONS, "softmax or sigmoid")
+    # Divide the chosen experts' scores by their sum, so a token's expert weights add up to 1 (Mixtral does).
+    normalize_top_k: bool = switch(True)
+    # The load-balancing loss's weight in the training objective (0: none); the loss is logged as train/aux_loss.
+    aux_loss_coef: float = setting(0.01, at_least(0), "at least 0, e.g. 0.01 (0: no auxiliary loss)")
+    # DeepSeek-V3's balancing without a loss: after each optimizer step every expert's routing bias moves by this
+    # much toward the mean load (up if under-loaded); it only chooses experts, never weighs them. 0: no bias.
+    bias_update_rate: float = setting(0.0, at_least(0), "at least 0, e.g. 0.001 (0: no routing bias)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.top_k > self.n_experts:
+            raise ValueError(
+                f"model.top_k={self.top_k} exceeds model.n_experts={self.n_experts}: a token cannot be routed to more "
+                "experts than there are. Lower model.top_k or raise model.n_experts."
+            )
+        if self.moe_every > self.n_layers:
+            raise ValueError(
+                f"model.moe_every={self.moe_every} exceeds model.n_layers={self.n_layers}: no block would be a mixture "
+                "of experts. Set model.moe_every to at most model.n_layers (1: every block)."
+            )
+
+    @property
+    def expert_hidden_dim(self) -> int:
+        return self.ffn_hidden_dim if self.expert_ffn_dim is None else self.expert_ffn_dim
+
+    def is_moe_layer(self, index: int) -> bool:
+        return (index + 1) % self.moe_every == 0
+
+    def feed_forward_parameters(self, index: int, active: bool = False) -> int:
+        if not self.is_moe_layer(index):
+            return super().feed_forward_parameters(index, active)
+        expert = 3 * self.dim * self.expert_hidden_dim
+        routed = (self.top_k if active else self.n_experts) * expert
+        return self.n_experts * self.dim + routed + (expert if self.shared_expert else 0)  # the router's matrix first
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.n_layers) if self.is_moe_layer(i)]

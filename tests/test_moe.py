@@ -1,0 +1,213 @@
+"""The mixture-of-experts family (project.model.moe): its layer against a per-token computation written out here, its
+balancing loss against the formula, its counts against the built model, and training in every layout it takes equal
+to one device (in process, over gloo)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from conftest import PARITY_RUN, assert_reproduces, read_metrics, train_overrides
+from in_process import CONF, train_in_process
+
+from project.model.families import FAMILIES, build_model, family_of, model_config
+from project.model.flops import count_parameters, training_flops_per_token
+from project.model.moe import MoEFeedForward, WithAuxiliaryGradient
+from project.model.moe_config import MoEConfig
+
+TINY = {"vocab_size": 96, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 16}
+
+
+def tiny(**fields) -> MoEConfig:
+    return MoEConfig(**{**TINY, "n_experts": 4, "top_k": 2, "expert_ffn_dim": 24, **fields})
+
+
+def seeded_mixture(config: MoEConfig) -> MoEFeedForward:
+    model = build_model(config, init_seed=7)
+    mixture = model.layers[str(config.moe_layers[0])].feed_forward
+    if mixture.router.expert_bias is not None:  # a bias that changes the choice, not the weights
+        mixture.router.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1]))
+    return mixture
+
+
+def per_token_reference(mixture: MoEFeedForward, config: MoEConfig, x: torch.Tensor) -> torch.Tensor:
+    """Each token alone: its scores, the top_k experts by score plus bias (sorted here, not torch.topk), their
+    weights, and the sum of those experts' SwiGLUs plus the shared one."""
+    gate, experts = mixture.router.gate.weight, mixture.experts
+    bias = mixture.router.expert_bias
+    out = []
+    for token in x.reshape(-1, x.shape[-1]):
+        logits = gate.float() @ token.float()
+        scores = logits.softmax(-1) if config.score_func == "softmax" else logits.sigmoid()
+        ranked = sorted(range(config.n_experts), key=lambda e: -(scores[e] + (0 if bias is None else bias[e])))
+        chosen = ranked[: config.top_k]
+        weights = scores[chosen]
+        if config.normalize_top_k:
+            weights = weights / weights.sum()
+        y = sum(
+            w * (experts.w2[e] @ (F.silu(experts.w1[e] @ token) * (experts.w3[e] @ token)))
+            for w, e in zip(weights, chosen, strict=True)
+        )
+        if mixture.shared_expert is not None:
+            y = y + mixture.shared_expert(token)
+        out.append(y)
+    return torch.stack(out).view_as(x)
+
+
+VARIANTS = {
+    "mixtral": {},
+    "top1-shared-sigmoid": {"top_k": 1, "shared_expert": True, "score_func": "sigmoid", "normalize_top_k": False},
+    "routing-bias": {"bias_update_rate": 0.01, "score_func": "sigmoid"},
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=list(VARIANTS))
+def test_the_mixture_is_each_tokens_chosen_experts_weighted_as_written_out(variant):
+    config = tiny(**VARIANTS[variant])
+    mixture = seeded_mixture(config)
+    x = torch.randn(3, 5, config.dim, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(mixture(x), per_token_reference(mixture, config, x), rtol=1e-5, atol=1e-6)
+
+
+def test_no_token_is_dropped_and_none_depends_on_the_others_in_its_batch():
+    """Dropless: a token's output is the same alone as among a batch routed mostly elsewhere."""
+    config = tiny()
+    mixture = seeded_mixture(config)
+    x = torch.randn(4, 8, config.dim, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        together = mixture(x)
+        assert mixture.load.sum() == 4 * 8 * config.top_k  # every (token, slot) reached an expert
+        alone = torch.stack([mixture(x[b : b + 1, t : t + 1]).view(-1) for b in range(4) for t in range(8)])
+    torch.testing.assert_close(together.view(-1, config.dim), alone, rtol=1e-5, atol=1e-6)
+
+
+def test_the_balancing_loss_is_the_per_sequence_formula_and_one_when_balanced():
+    config = tiny()
+    mixture = seeded_mixture(config)
+    x = torch.randn(2, 6, config.dim, generator=torch.Generator().manual_seed(2))
+    mixture(x)
+    expected = []
+    for sequence in x:
+        logits = sequence @ mixture.router.gate.weight.T
+        scores = logits.softmax(-1)
+        chosen = scores.topk(config.top_k, -1).indices
+        share = torch.tensor([(chosen == e).sum().item() for e in range(4)]) / chosen.numel()
+        expected.append(4 * (share * scores.mean(0)).sum())
+    torch.testing.assert_close(mixture.aux_loss, torch.stack(expected).mean())
+    # Uniform scores and an even spread of tokens: each share 1/4, each mean score 1/4.
+    even = torch.eye(4).repeat(1, 2).view(1, 8, 4)  # token t chose expert t % 4 (top_k 2: each twice)
+    assert mixture.sequence_balance_loss(torch.full((1, 8, 4), 0.25), even.argmax(-1).view(1, 8)) == pytest.approx(1)
+
+
+def test_the_auxiliary_loss_adds_its_gradient_at_the_losss_scale_and_leaves_the_value_alone():
+    loss, aux = torch.tensor(2.0, requires_grad=True), torch.tensor(1.5, requires_grad=True)
+    joined = WithAuxiliaryGradient.apply(loss, aux, 0.01)
+    assert joined.item() == 2.0
+    (joined / 4).backward()  # as Lightning divides by the accumulated micro batches
+    assert loss.grad.item() == pytest.approx(0.25) and aux.grad.item() == pytest.approx(0.0025)
+
+
+def test_counts_of_parameters_and_flops_are_the_built_models_and_mixtrals_published_ones():
+    for config in (tiny(), tiny(shared_expert=True, moe_every=2)):
+        model = build_model(config)
+        assert count_parameters(config) == sum(p.numel() for p in model.parameters())
+        unused = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) // config.n_experts
+        unused *= config.n_experts - config.top_k  # of each mixture's routed experts, those a token skips
+        assert count_parameters(config, active=True) == count_parameters(config) - unused
+    mixtral = model_config(yaml.safe_load((CONF / "model" / "mixtral_8x7b.yaml").read_text()))
+    # Mistral's announcement: 46.7B parameters, 12.9B used per token.
+    assert count_parameters(mixtral) / 1e9 == pytest.approx(46.7, abs=0.05)
+    assert count_parameters(mixtral, active=True) / 1e9 == pytest.approx(12.9, abs=0.05)
+    dense = model_config({**TINY, "ffn_dim": 24 * 2})  # the width of two experts: a token's products alike
+    assert training_flops_per_token(tiny(), 64) - training_flops_per_token(dense, 64) == 6 * 2 * 4 * TINY["dim"]
+
+
+def test_routing_biases_move_toward_the_mean_load_after_a_step():
+    config = tiny(bias_update_rate=0.5)
+    model = build_model(config, init_seed=1).train()
+    model(torch.randint(0, 96, (2, 16)), targets=torch.randint(0, 96, (2, 16))).backward()
+    loads = model._loads.clone()
+    metrics = model.step_statistics(lambda t: t * 2, report=True)  # as two ranks of the same batch would sum
+    for mixture, load in zip(model.mixtures(), loads, strict=True):
+        expected = 0.5 * torch.sign(load.mean() - load)
+        torch.testing.assert_close(mixture.router.expert_bias, expected)
+    assert metrics["moe/layer0/load_max"] == pytest.approx((loads[0].max() / loads[0].mean()).item())
+    assert metrics["moe/layer0/top_share"] == pytest.approx((loads[0].max() / 32).item())
+    assert model.step_statistics(lambda t: t, report=True) == {}  # cleared: nothing since the step
+
+
+def test_every_family_builds_from_its_presets_and_an_unknown_family_is_named():
+    for preset in sorted((CONF / "model").glob("*.yaml")):
+        fields = yaml.safe_load(preset.read_text())
+        fields["vocab_size"] = 512 if isinstance(fields["vocab_size"], str) else fields["vocab_size"]
+        assert family_of(fields).name == fields["family"] in FAMILIES
+        assert type(model_config(fields)) is FAMILIES[fields["family"]].config
+    with pytest.raises(ValueError, match="model.family=gpt is not a model family: it is one of llama, moe"):
+        family_of({"family": "gpt"})
+    assert family_of({}).name == "llama"  # checkpoints from before families
+
+
+# -- training: every layout the family takes equals one device ---------------------------------------------------
+
+MOE = ["model=moe_debug", "model.expert_ffn_dim=48"]
+LAYOUTS = {
+    "ddp": ["strategy=ddp", "trainer.devices=2"],
+    "fsdp2": ["strategy=fsdp2", "trainer.devices=2"],
+    "fsdp": ["strategy=fsdp", "trainer.devices=2"],
+}
+BIAS = ["model.bias_update_rate=0.01", "model.score_func=sigmoid", "model.shared_expert=true"]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_shards, tmp_path_factory) -> dict:
+    names = ["single", "accumulated", "bias-single", *LAYOUTS, "bias-fsdp2", "fsdp2-to-single"]
+    folders = {name: tmp_path_factory.mktemp(name) for name in names}
+
+    def case(name: str, *overrides: str):
+        return folders[name], train_overrides(tiny_shards, folders[name], *PARITY_RUN, *MOE, *overrides)
+
+    resumed_from = f"ckpt_path={folders['fsdp2'] / 'checkpoints' / 'best-step000010.ckpt'}"
+    train_in_process(1, [case("single"), case("accumulated", "micro_batch_size=4"), case("bias-single", *BIAS)])
+    two = [case(name, *overrides) for name, overrides in LAYOUTS.items()]
+    two.append(case("bias-fsdp2", *LAYOUTS["fsdp2"], *BIAS))
+    train_in_process(2, two)
+    train_in_process(1, [case("fsdp2-to-single", resumed_from)])
+    return folders
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [*LAYOUTS, "accumulated"])
+def test_a_mixture_of_experts_trains_in_every_layout_it_takes_like_one_device(runs, layout):
+    """Dropless routing and a per-sequence balancing loss: a batch split over ranks or micro batches routes each
+    token as one device does and sums the same loss."""
+    assert_reproduces(runs[layout], runs["single"])
+
+
+@pytest.mark.slow
+def test_routing_biases_moved_by_every_ranks_loads_train_like_one_device(runs):
+    assert_reproduces(runs["bias-fsdp2"], runs["bias-single"])
+    assert read_metrics(runs["bias-single"], "train/loss") != read_metrics(runs["single"], "train/loss")
+
+
+@pytest.mark.slow
+def test_a_sharded_mixture_resumes_on_one_device_as_if_never_stopped(runs):
+    resumed, single = read_metrics(runs["fsdp2-to-single"], "train/loss"), read_metrics(runs["single"], "train/loss")
+    assert sorted(resumed) == [10, 11]
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(single[step], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_the_balancing_loss_and_each_blocks_expert_load_are_logged_every_step(runs):
+    aux = read_metrics(runs["single"], "moe/aux_loss")
+    assert len(aux) == 12 and all(1 <= value < 4 for value in aux.values())  # 1 balanced, n_experts at worst
+    for layer in (0, 1):
+        most, least = (
+            read_metrics(runs["single"], f"moe/layer{layer}/load_max"),
+            read_metrics(runs["single"], f"moe/layer{layer}/load_min"),
+        )
+        share = read_metrics(runs["single"], f"moe/layer{layer}/top_share")
+        assert all(least[s] <= 1 <= most[s] <= 4 and 2 / 4 <= share[s] <= 1 for s in most)
+    assert read_metrics(runs["ddp"], "moe/aux_loss") == pytest.approx(aux, rel=1e-5)
