@@ -152,28 +152,44 @@ def test_every_family_builds_from_its_presets_and_an_unknown_family_is_named():
 # -- training: every layout the family takes equals one device ---------------------------------------------------
 
 MOE = ["model=moe_debug", "model.expert_ffn_dim=48"]
+EP = "strategy.expert_parallel_size"
 LAYOUTS = {
     "ddp": ["strategy=ddp", "trainer.devices=2"],
     "fsdp2": ["strategy=fsdp2", "trainer.devices=2"],
     "fsdp": ["strategy=fsdp", "trainer.devices=2"],
+    "ep2": ["strategy=fsdp2", "trainer.devices=2", f"{EP}=2"],  # each rank 2 of the 4 experts
+    "ep2-dp4": ["strategy=fsdp2", "trainer.devices=4", f"{EP}=2"],  # and FSDP2 over the two groups
+    "ep4": ["strategy=fsdp2", "trainer.devices=4", f"{EP}=4"],  # each rank one expert
 }
 BIAS = ["model.bias_update_rate=0.01", "model.score_func=sigmoid", "model.shared_expert=true"]
+# Resumed at step 10 (best-step000010.ckpt) to step 12 under other expert-parallel degrees.
+RESUMED = {
+    "ep4-to-ep2": ("ep4", LAYOUTS["ep2"]),
+    "ep4-to-single": ("ep4", []),
+    "ep2-to-fsdp2": ("ep2", LAYOUTS["fsdp2"]),
+}
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_shards, tmp_path_factory) -> dict:
-    names = ["single", "accumulated", "bias-single", *LAYOUTS, "bias-fsdp2", "fsdp2-to-single"]
+    names = ["single", "accumulated", "bias-single", *LAYOUTS, "bias-ep2", *RESUMED]
     folders = {name: tmp_path_factory.mktemp(name) for name in names}
 
     def case(name: str, *overrides: str):
         return folders[name], train_overrides(tiny_shards, folders[name], *PARITY_RUN, *MOE, *overrides)
 
-    resumed_from = f"ckpt_path={folders['fsdp2'] / 'checkpoints' / 'best-step000010.ckpt'}"
+    def resumed(name: str):
+        source, overrides = RESUMED[name]
+        return case(name, *overrides, f"ckpt_path={folders[source] / 'checkpoints' / 'best-step000010.ckpt'}")
+
+    def on(devices: int) -> list:
+        return [case(name, *o) for name, o in LAYOUTS.items() if f"trainer.devices={devices}" in o]
+
     train_in_process(1, [case("single"), case("accumulated", "micro_batch_size=4"), case("bias-single", *BIAS)])
-    two = [case(name, *overrides) for name, overrides in LAYOUTS.items()]
-    two.append(case("bias-fsdp2", *LAYOUTS["fsdp2"], *BIAS))
-    train_in_process(2, two)
-    train_in_process(1, [case("fsdp2-to-single", resumed_from)])
+    train_in_process(4, on(4))
+    two = [*on(2), case("bias-ep2", *LAYOUTS["ep2"], *BIAS), resumed("ep4-to-ep2")]
+    train_in_process(2, [*two, resumed("ep2-to-fsdp2")])
+    train_in_process(1, [resumed("ep4-to-single")])
     return folders
 
 
@@ -187,13 +203,14 @@ def test_a_mixture_of_experts_trains_in_every_layout_it_takes_like_one_device(ru
 
 @pytest.mark.slow
 def test_routing_biases_moved_by_every_ranks_loads_train_like_one_device(runs):
-    assert_reproduces(runs["bias-fsdp2"], runs["bias-single"])
+    assert_reproduces(runs["bias-ep2"], runs["bias-single"])
     assert read_metrics(runs["bias-single"], "train/loss") != read_metrics(runs["single"], "train/loss")
 
 
 @pytest.mark.slow
-def test_a_sharded_mixture_resumes_on_one_device_as_if_never_stopped(runs):
-    resumed, single = read_metrics(runs["fsdp2-to-single"], "train/loss"), read_metrics(runs["single"], "train/loss")
+@pytest.mark.parametrize("resume", RESUMED)
+def test_a_mixture_resumes_under_another_expert_parallel_degree_as_if_never_stopped(runs, resume):
+    resumed, single = read_metrics(runs[resume], "train/loss"), read_metrics(runs["single"], "train/loss")
     assert sorted(resumed) == [10, 11]
     for step, loss in resumed.items():
         assert loss == pytest.approx(single[step], rel=1e-5)
@@ -210,4 +227,6 @@ def test_the_balancing_loss_and_each_blocks_expert_load_are_logged_every_step(ru
         )
         share = read_metrics(runs["single"], f"moe/layer{layer}/top_share")
         assert all(least[s] <= 1 <= most[s] <= 4 and 2 / 4 <= share[s] <= 1 for s in most)
-    assert read_metrics(runs["ddp"], "moe/aux_loss") == pytest.approx(aux, rel=1e-5)
+    for layout in ("ddp", "ep4"):  # every rank's loads and losses counted
+        assert read_metrics(runs[layout], "moe/aux_loss") == pytest.approx(aux, rel=1e-5)
+        assert read_metrics(runs[layout], "moe/layer1/load_max") == pytest.approx(most, rel=1e-5)

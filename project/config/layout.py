@@ -4,6 +4,7 @@ what cannot be built."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
@@ -11,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from project.config.values import model_config
 from project.model.config import LlamaConfig
 from project.model.families import family_of
+from project.model.moe_config import MoEConfig
 from project.parallel.batch import BatchPlan, plan_batches, plan_pipeline_batches
 from project.parallel.kinds import strategy_kind
 from project.parallel.mesh import MeshShape, check_context_parallel_degree, check_tensor_parallel_degree, mesh_shape
@@ -102,6 +104,34 @@ def check_family_layout(model: LlamaConfig, shape: MeshShape, pipeline: bool, st
         )
 
 
+def check_expert_parallel(model: LlamaConfig, ep: Any, shape: MeshShape) -> None:
+    """Refuse an expert-parallel degree the model or the data-parallel ranks cannot be split by."""
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ConfigError(
+            f"strategy.expert_parallel_size={ep}: give the number of data-parallel ranks that split each mixture's "
+            "experts between them (1: every rank holds every expert)."
+        )
+    if ep == 1:
+        return
+    if not isinstance(model, MoEConfig):
+        raise ConfigError(
+            f"strategy.expert_parallel_size={ep} splits a mixture's experts, and model.family={model.family} has "
+            "none: choose a mixture of experts (model=moe_debug, mixtral_8x7b, or model.family=moe) or set "
+            "strategy.expert_parallel_size=1."
+        )
+    replicas = shape.data_parallel * shape.context_parallel
+    if replicas % ep:
+        raise ConfigError(
+            f"strategy.expert_parallel_size={ep} does not divide the {replicas} data-parallel ranks: an expert group "
+            f"is made of data-parallel ranks. Choose a divisor of {replicas}, or more devices."
+        )
+    if model.n_experts % ep:
+        raise ConfigError(
+            f"model.n_experts={model.n_experts} is not divisible by strategy.expert_parallel_size={ep}: each rank "
+            f"of an expert group holds an equal number of whole experts. Choose a divisor of {model.n_experts}."
+        )
+
+
 def plan_layout(cfg: DictConfig, num_nodes: int, devices_per_node: int) -> Layout:
     """Degrees and batch plan of the run on `num_nodes x devices_per_node` devices, refusing what
     cannot be built: degrees that do not divide the devices or the model, batches that do not split,
@@ -111,6 +141,7 @@ def plan_layout(cfg: DictConfig, num_nodes: int, devices_per_node: int) -> Layou
     shape = mesh_shape(strategy_cfg, num_nodes * devices_per_node, devices_per_node)
     kind = strategy_kind(strategy_cfg)
     check_family_layout(model, shape, kind.pipeline, strategy_name(cfg))
+    check_expert_parallel(model, strategy_cfg.get("expert_parallel_size", 1), shape)
     check_context_parallel_degree(shape.context_parallel, cfg.data.seq_len, strategy_name(cfg), kind.context_parallel)
     if shape.tensor_parallel > 1:
         sequence_parallel = strategy_cfg.get("sequence_parallel", False)

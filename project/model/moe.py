@@ -50,8 +50,27 @@ class Router(nn.Module):
         return scores, chosen, weights
 
 
+def expert_products(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """x [M, dim]: tokens sorted by expert, counts[e] of them for expert e of the stacked weights (w1, w3:
+    [n, hidden, dim]; w2: [n, dim, hidden]) -> each token through its expert's SwiGLU, [M, dim]."""
+    if x.device.type == "cuda" and x.dtype == torch.bfloat16:
+        # One grouped product per projection for all experts (torch's kernel takes bf16 on sm80 and later).
+        ends = counts.cumsum(0).to(torch.int32)
+        hidden = F.silu(F.grouped_mm(x, w1.transpose(-2, -1), offs=ends))
+        hidden = hidden * F.grouped_mm(x, w3.transpose(-2, -1), offs=ends)
+        return F.grouped_mm(hidden, w2.transpose(-2, -1), offs=ends)
+    parts = x.split(counts.tolist())
+    return torch.cat(
+        [F.linear(F.silu(F.linear(part, w1[e])) * F.linear(part, w3[e]), w2[e]) for e, part in enumerate(parts)]
+    )
+
+
 class Experts(nn.Module):
-    """n SwiGLU experts, their weights stacked [n, out, in] (w1, w3: [n, hidden, dim]; w2: [n, dim, hidden])."""
+    """n SwiGLU experts, their weights stacked [n, out, in] (w1, w3: [n, hidden, dim]; w2: [n, dim, hidden]).
+
+    Expert parallelism (project.parallel.expert_parallel) gives each rank some of them and sends it their tokens."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
@@ -61,19 +80,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [M, dim]: the routed tokens sorted by expert, counts[e] of them for expert e -> [M, dim]."""
-        if x.device.type == "cuda" and x.dtype == torch.bfloat16:
-            # One grouped product per projection for all experts (torch's kernel takes bf16 on sm80 and later).
-            ends = counts.cumsum(0).to(torch.int32)
-            hidden = F.silu(F.grouped_mm(x, self.w1.transpose(-2, -1), offs=ends))
-            hidden = hidden * F.grouped_mm(x, self.w3.transpose(-2, -1), offs=ends)
-            return F.grouped_mm(hidden, self.w2.transpose(-2, -1), offs=ends)
-        parts = x.split(counts.tolist())
-        return torch.cat(
-            [
-                F.linear(F.silu(F.linear(part, self.w1[e])) * F.linear(part, self.w3[e]), self.w2[e])
-                for e, part in enumerate(parts)
-            ]
-        )
+        return expert_products(x, counts, self.w1, self.w3, self.w2)
 
 
 class MoEFeedForward(nn.Module):
@@ -86,7 +93,8 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.n_experts, self.top_k = config.n_experts, config.top_k
         self.router = Router(config)
-        self.experts = Experts(config.n_experts, config.dim, config.expert_hidden_dim)
+        # An Experts, or what a strategy made of it (project.parallel.expert_parallel): (x, counts) -> [M, dim].
+        self.experts: nn.Module = Experts(config.n_experts, config.dim, config.expert_hidden_dim)
         self.shared_expert = FeedForward(config, config.expert_hidden_dim) if config.shared_expert else None
         self.aux_loss: torch.Tensor | None = None
         self.load: torch.Tensor | None = None

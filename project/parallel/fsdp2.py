@@ -11,6 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from project.model.llama import Llama
+from project.parallel.expert_parallel import ExpertParallelExperts
 
 
 def apply_fsdp2(
@@ -19,6 +20,7 @@ def apply_fsdp2(
     param_dtype: str | None = None,
     reduce_dtype: str | None = None,
     reshard_after_forward: bool = True,
+    experts_mesh: DeviceMesh | None = None,
 ) -> None:
     """Shard parameters, gradients and optimizer state over `mesh`.
 
@@ -31,6 +33,9 @@ def apply_fsdp2(
     `reshard_after_forward=False` keeps each block's gathered parameters from its forward to the end of the
     step's backward passes: one gather per step instead of one per forward and backward of each microbatch (a
     pipeline stage runs several microbatches per step: torchtitan does the same there).
+    `experts_mesh`: the ranks that hold the same experts, where expert parallelism split them
+    (project.parallel.expert_parallel): each mixture's experts are sharded over those ranks alone, and their
+    gradients averaged over them (each already the mean over its expert-parallel group's ranks).
     """
     policy = MixedPrecisionPolicy(
         param_dtype=getattr(torch, param_dtype) if param_dtype else None,
@@ -38,6 +43,15 @@ def apply_fsdp2(
     )
     # nn.Module's attribute typing (Tensor | Module) does not know a stage's `layers` is a ModuleDict.
     for block in cast(nn.ModuleDict, model.layers).values():
+        for experts in block.modules() if experts_mesh is not None else ():
+            if isinstance(experts, ExpertParallelExperts):
+                fully_shard(
+                    experts,
+                    mesh=experts_mesh,
+                    mp_policy=policy,
+                    reshard_after_forward=reshard_after_forward,
+                    shard_placement_fn=stacked_experts_by_width,
+                )
         fully_shard(
             block,
             mesh=mesh,

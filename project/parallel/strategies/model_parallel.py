@@ -20,6 +20,7 @@ from project.model.llama import Llama
 from project.parallel.compiled import compile_blocks
 from project.parallel.context_parallel import apply_context_parallel, split_for_rank
 from project.parallel.contract import LlamaStrategy, TrainingModule
+from project.parallel.expert_parallel import apply_expert_parallel
 from project.parallel.float8 import apply_float8, scales_before_each_forward
 from project.parallel.fsdp2 import apply_fsdp2
 from project.parallel.groups import shared_mesh
@@ -80,6 +81,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         context_parallel_size: int = 1,
         regather_kv: bool = False,
         float8: str | None = None,
+        expert_parallel_size: int = 1,
     ):
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -99,6 +101,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         self.context_parallel_size = context_parallel_size
         self.regather_kv = regather_kv
         self.float8 = float8
+        self.expert_parallel_size = expert_parallel_size
         self._asked_data_parallel_size = data_parallel_size  # Lightning's own becomes data x context
         self._context_group: dist.ProcessGroup | None = None
         self._context_coords = (0, 1)
@@ -170,12 +173,24 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
                 checkpoint_activations(block)
         if self._context_group is not None:  # hooks on attention, inside any compiled block
             apply_context_parallel(model, self._context_group, self.regather_kv)
+        experts_mesh = self._split_experts(model)
         if self.compile:
             compile_blocks(model)
         for root in roots:
-            apply_fsdp2(root, dp_mesh, self.gather_dtype(), self.reduce_dtype, self.reshard_after_forward)
+            apply_fsdp2(root, dp_mesh, self.gather_dtype(), self.reduce_dtype, self.reshard_after_forward, experts_mesh)
             if float8_gathers:
                 scales_before_each_forward(root)
+
+    def _split_experts(self, model: Llama) -> Any:
+        """With expert_parallel_size = ep > 1: the mixtures' experts split over groups of ep data-parallel ranks
+        (neighbours), and the mesh of the ranks that hold the same experts, for FSDP2; else None."""
+        ep = self.expert_parallel_size
+        if ep == 1:
+            return None
+        dp, tp = self.device_mesh["data_parallel"].size(), self.device_mesh["tensor_parallel"].size()
+        mesh = shared_mesh(self.device_mesh.device_type, (dp // ep, ep, tp), ("expert_data", "expert", "tensor"))
+        apply_expert_parallel(model, mesh["expert"])
+        return mesh["expert_data"]
 
     def gather_dtype(self) -> str | None:
         """The dtype FSDP2 gathers parameters in and computes with: `strategy.param_dtype` where set, else the
@@ -243,8 +258,9 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         return value
 
     def blocks_run_alone(self) -> bool:
-        """FSDP2 gathers in hooks outside the block's own forward; tensor and context parallelism reduce inside it."""
-        return self._tensor_parallel_size == 1 and self._context_group is None
+        """FSDP2 gathers in hooks outside the block's own forward; tensor and context parallelism reduce inside it,
+        expert parallelism sends tokens inside it."""
+        return self._tensor_parallel_size == 1 and self._context_group is None and self.expert_parallel_size == 1
 
     def sum_of_squares(self, groups: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
         """Each group's DTensors reduced to a full sum per mesh (as clip_grad_norm's norms), then the stages'."""
