@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from project.model.moe import Experts, MoEFeedForward, expert_products
+from project.model.moe import MoEFeedForward, expert_products
 
 
 class AllToAll(torch.autograd.Function):
@@ -53,7 +53,7 @@ class ExpertParallelExperts(nn.Module):
     experts per rank), run on the tokens every rank of the group routed to them. Its parameters are the Experts'
     (w1, w3, w2: the same names), as shards."""
 
-    def __init__(self, experts: Experts, ep_mesh: DeviceMesh):
+    def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh):
         super().__init__()
         for name, param in experts.named_parameters(recurse=False):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
@@ -77,8 +77,8 @@ class ExpertParallelExperts(nn.Module):
         # Arrived by source rank, then expert; the experts take theirs together: regrouped by expert, then source.
         pieces = arrived.split(received.flatten().tolist())
         by_expert = torch.cat([pieces[s * local + e] for e in range(local) for s in range(ep)])
-        weights = [self.get_parameter(name) for name in ("w1", "w3", "w2")]
-        weights = [w.to_local() if isinstance(w, DTensor) else w for w in weights]
+        params = [self.get_parameter(name) for name in ("w1", "w3", "w2")]
+        weights = [w.to_local() if isinstance(w, DTensor) else w for w in params]
         out = expert_products(by_expert, received.sum(dim=0), *weights)
         results = out.split(received.t().flatten().tolist())
         by_source = torch.cat([results[e * ep + s] for s in range(ep) for e in range(local)])
