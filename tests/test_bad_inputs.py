@@ -39,6 +39,10 @@ COMMAND_LINE = [
         r"strategy.float8 is not a setting of strategy=fsdp: it is one of strategy=ddp, fsdp2, pipeline, single, tp, "
         r"tp_fsdp",
     ),
+    (
+        ["strategy=ddp", "strategy.expert_parallel_size=2"],
+        r"strategy.expert_parallel_size is not a setting of strategy=ddp: it is one of strategy=fsdp2",
+    ),
     # The argparse habit: answered with the override it meant.
     (
         ["--max_steps", "10"],
@@ -58,6 +62,7 @@ OPEN_STRATEGY_SETTINGS = {
     "context_parallel_size",
     "pipeline_parallel_size",
     "hybrid_shard_size",
+    "expert_parallel_size",
     "virtual_stages",
     "n_microbatches",
     "stage_layers",
@@ -111,6 +116,44 @@ VALUES = [
     ),
     (["strategy.float8=tensorwise", "data.seq_len=40"], r"data.seq_len=40 gives each rank 40 tokens of a sequence"),
     (["model.n_kv_heads=3"], r"model.n_heads=4 must be a multiple of model.n_kv_heads=3"),
+    # Mixtures of experts (docs/moe.md).
+    (["model.family=gpt"], r"model.family=gpt is not a model family: it is one of llama, moe"),
+    (["model=moe_debug", "model.top_k=5"], r"model.top_k=5 exceeds model.n_experts=4"),
+    (["model=moe_debug", "model.score_func=relu"], r"model.score_func=relu is out of range: it must be softmax or"),
+    (["model=moe_debug", "model.moe_every=3"], r"model.moe_every=3 exceeds model.n_layers=2"),
+    (["model=moe_debug", "model.aux_loss_coef=-1"], r"model.aux_loss_coef=-1 is out of range"),
+    (
+        ["model=moe_debug", "strategy=tp", "trainer.devices=2"],
+        r"strategy.tensor_parallel_size=2: model.family=moe .* cannot be split that way yet",
+    ),
+    (
+        ["model=moe_debug", "strategy=pipeline", "trainer.devices=2"],
+        r"a pipeline of stages \(strategy=pipeline\): model.family=moe",
+    ),
+    (
+        ["model=moe_debug", "strategy=fsdp2", "trainer.devices=2", "strategy.context_parallel_size=2"],
+        r"strategy.context_parallel_size=2: model.family=moe",
+    ),
+    (
+        ["model=moe_debug", "strategy=fsdp2", "trainer.devices=2", "strategy.expert_parallel_size=4"],
+        r"strategy.expert_parallel_size=4 does not divide the 2 data-parallel ranks",
+    ),
+    (
+        [
+            "model=moe_debug",
+            "strategy=fsdp2",
+            "trainer.devices=4",
+            "strategy.expert_parallel_size=4",
+            "model.n_experts=6",
+        ],
+        r"model.n_experts=6 is not divisible by strategy.expert_parallel_size=4",
+    ),
+    (
+        ["strategy=fsdp2", "trainer.devices=2", "strategy.expert_parallel_size=2"],
+        r"strategy.expert_parallel_size=2 splits a mixture's experts, and model.family=llama has none",
+    ),
+    (["strategy=fsdp2", "strategy.expert_parallel_size=0"], r"strategy.expert_parallel_size=0: give the number"),
+    (["model=moe_debug", "init_from=/nowhere"], r"init_from reads and writes Hugging Face folders of dense Llamas"),
     (["model.n_layers=0"], r"model.n_layers=0 is out of range"),
     (["model.norm_eps=0"], r"model.norm_eps=0 is out of range"),
     (["model.ffn_dim=0"], r"model.ffn_dim=0 is out of range"),

@@ -230,3 +230,13 @@ def test_the_balancing_loss_and_each_blocks_expert_load_are_logged_every_step(ru
     for layout in ("ddp", "ep4"):  # every rank's loads and losses counted
         assert read_metrics(runs[layout], "moe/aux_loss") == pytest.approx(aux, rel=1e-5)
         assert read_metrics(runs[layout], "moe/layer1/load_max") == pytest.approx(most, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_export_of_a_mixture_says_it_has_no_hugging_face_format_yet(runs, tmp_path):
+    from project.hf.export import export
+    from project.runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model.family=moe .* has no Hugging Face format here yet"):
+        export(str(runs["single"] / "checkpoints" / "last.ckpt"), str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()

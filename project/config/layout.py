@@ -91,16 +91,21 @@ def strategy_name(cfg: DictConfig) -> str:
     return str(cfg.strategy.get("_target_", "?")).rsplit(".", 1)[-1]
 
 
-def check_family_layout(model: LlamaConfig, shape: MeshShape, pipeline: bool, strategy: str) -> None:
+def check_family_layout(model: LlamaConfig, shape: MeshShape, pipeline: bool) -> None:
     """Refuse the dimensions the model's family cannot be split over (project.model.families)."""
     family = family_of(model)
-    used = {"tensor": shape.tensor_parallel > 1, "context": shape.context_parallel > 1, "pipeline": pipeline}
-    refused = [name for name in family.refuses if used[name]]
+    used = {
+        "tensor": f"strategy.tensor_parallel_size={shape.tensor_parallel}" if shape.tensor_parallel > 1 else "",
+        "context": f"strategy.context_parallel_size={shape.context_parallel}" if shape.context_parallel > 1 else "",
+        "pipeline": "a pipeline of stages (strategy=pipeline)" if pipeline else "",
+    }
+    refused = [used[name] for name in family.refuses if used[name]]
     if refused:
         raise ConfigError(
-            f"strategy={strategy} splits the model over {' and '.join(refused)} parallelism, which model.family="
-            f"{family.name} ({family.summary}) does not take yet: its routing is per token and has not been made "
-            f"to agree with one device there. Train it with strategy=single, ddp, fsdp or fsdp2 (docs/moe.md)."
+            f"{' and '.join(refused)}: model.family={family.name} ({family.summary}) cannot be split that way yet: "
+            "its routing is per token, and those splits have not been made to agree with one device for it. Train "
+            "it with strategy=single, ddp, fsdp or fsdp2, with strategy.expert_parallel_size for its experts "
+            "(docs/moe.md)."
         )
 
 
@@ -140,7 +145,7 @@ def plan_layout(cfg: DictConfig, num_nodes: int, devices_per_node: int) -> Layou
     model = model_config(cfg)
     shape = mesh_shape(strategy_cfg, num_nodes * devices_per_node, devices_per_node)
     kind = strategy_kind(strategy_cfg)
-    check_family_layout(model, shape, kind.pipeline, strategy_name(cfg))
+    check_family_layout(model, shape, kind.pipeline)
     check_expert_parallel(model, strategy_cfg.get("expert_parallel_size", 1), shape)
     check_context_parallel_degree(shape.context_parallel, cfg.data.seq_len, strategy_name(cfg), kind.context_parallel)
     if shape.tensor_parallel > 1:
