@@ -93,6 +93,32 @@ def test_a_cluster_size_layout_shards_on_one_cpu_into_the_shares_computed_by_han
         assert share.parameters == pytest.approx(total / 64, rel=1e-3)
 
 
+def test_mixtral_with_eight_way_expert_parallelism_shards_on_64_fake_ranks_into_the_shares_computed_by_hand():
+    """Each rank of an expert group of 8 holds one of each block's 8 experts, its width split over the 8 ranks that
+    hold the same expert (FSDP2 over the groups); the rest of the model FSDP2's dim-0 chunks over all 64 ranks."""
+    cfg = compose_job(
+        "model=mixtral_8x7b",
+        "trainer=gpu",
+        "trainer.num_nodes=8",
+        "trainer.devices=8",
+        "global_batch_size=64",
+        "strategy=fsdp2",
+        "strategy.expert_parallel_size=8",
+    )
+    layout = preflight(cfg, dry_run=True)
+    config = model_config(cfg)
+    h, kv, f, v = config.dim, config.n_kv_heads * config.head_dim, config.ffn_hidden_dim, config.vocab_size
+    dense = [(h, 1), (h, h), (kv, h), (kv, h), (h, h), (h, 1), (config.n_experts, h)] * config.n_layers
+    dense += [(v, h), (h, 1), (v, h)]
+    expert = 3 * (f // 8) * h  # w1, w3 [1, f/8, h] and w2 [1, h/8, f]: one expert, an eighth of its width
+    for rank in (0, 63):
+        chunk = lambda rows: math.ceil(rows / 64)  # noqa: E731
+        by_hand = sum(max(0, min(chunk(rows), rows - rank * chunk(rows))) * cols for rows, cols in dense)
+        by_hand += expert * config.n_layers
+        assert rank_share(cfg, layout, rank).parameters == by_hand, rank
+    assert by_hand == pytest.approx(46.7e9 / 64, rel=0.01)
+
+
 def test_a_float8_job_dry_runs_into_the_shares_of_the_same_job_in_bf16():
     """strategy.float8 under tp_fsdp: torchao's float8 layers, its float8 styles and FSDP2's float8 gathers (the
     weights wrapped in torchao's tensor) shard on the fake process group into the parameters, of the same bytes, that

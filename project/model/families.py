@@ -34,6 +34,9 @@ class ModelFamily:
     # of experts' routing is per token, and splitting a sequence (context, sequence parallelism) or its blocks
     # (pipeline) has not been made to agree with one device for it yet.
     refuses: tuple[str, ...] = ()
+    # Whether project.planning's memory, time and traffic formulas describe this family's blocks (the dry run's
+    # shards are the strategies' own, for every family).
+    planned: bool = True
 
     def model_class(self) -> type[Llama]:
         module, name = self.model.split(":")
@@ -52,6 +55,7 @@ FAMILIES: dict[str, ModelFamily] = {
             "project.model.moe:MoELlama",
             "Llama with a mixture of experts as feed-forward (Mixtral, Llama 4)",
             refuses=("tensor", "context", "pipeline"),
+            planned=False,
         ),
     )
 }
@@ -75,6 +79,18 @@ def without_hf_format(config: LlamaConfig | Mapping[str, Any], what: str) -> str
         f"{what} reads and writes Hugging Face folders of dense Llamas (LlamaForCausalLM); model.family={family.name} "
         f"({family.summary}) has no Hugging Face format here yet (docs/moe.md). Train it from random weights, and "
         "keep its checkpoints (they resume, and project.generate reads them)."
+    )
+
+
+def unplanned(config: LlamaConfig) -> str | None:
+    """Why the planner cannot size a model of this family, or None where it can."""
+    family = family_of(config)
+    if family.planned:
+        return None
+    return (
+        f"project.plan sizes dense Llamas; model.family={family.name} ({family.summary}) is not in its formulas "
+        "yet (docs/moe.md). `python -m project.train ... dry_run=true` shards it as the run would on a fake "
+        "process group of the job's size and reports each rank's parameters, gradients and optimizer state."
     )
 
 

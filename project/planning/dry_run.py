@@ -26,6 +26,7 @@ from project.config.data import data_on_this_machine
 from project.config.layout import Layout
 from project.config.trainer import check_trainer_arguments
 from project.config.values import model_config
+from project.model.families import unplanned
 from project.data.shards import MANIFEST_NAME
 from project.parallel.mesh import MeshShape
 from project.parallel.pipeline_layout import chunk_ranks, default_virtual_stages
@@ -372,7 +373,7 @@ def planned_memory(
     name = "ddp" if strategy_name == "single" else strategy_name
     precision = str(cfg.trainer.get("precision", "32-true"))
     zero2 = name != "fsdp" or s.get("sharding_strategy") == "SHARD_GRAD_OP"  # the planner's fsdp is ZeRO-2
-    if name not in STRATEGIES or precision not in STORAGE_BYTES or not zero2:
+    if name not in STRATEGIES or precision not in STORAGE_BYTES or not zero2 or unplanned(model_config(cfg)):
         return None
     schedule = s.get("schedule") if pp > 1 else None
     candidate = Candidate(
@@ -483,7 +484,7 @@ def render(
                 f" + allowance {estimate.overhead / GIB:.1f}"
                 f" = {total / GIB:.1f} GiB"
                 if estimate
-                else " GiB (no estimate of the rest for this strategy)"
+                else " GiB (no estimate of the rest for this strategy or model family)"
             )
             verdict = (
                 f"fits, {left / GIB:.1f} GiB to spare" if left > 0 else f"does not fit: {-left / GIB:.1f} GiB over"
