@@ -26,8 +26,8 @@ from project.config.data import data_on_this_machine
 from project.config.layout import Layout
 from project.config.trainer import check_trainer_arguments
 from project.config.values import model_config
-from project.model.families import unplanned
 from project.data.shards import MANIFEST_NAME
+from project.model.families import unplanned
 from project.parallel.mesh import MeshShape
 from project.parallel.pipeline_layout import chunk_ranks, default_virtual_stages
 from project.planning.parameters import INIT_VALUES_PER_SECOND
