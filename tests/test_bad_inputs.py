@@ -153,7 +153,6 @@ VALUES = [
         r"strategy.expert_parallel_size=2 splits a mixture's experts, and model.family=llama has none",
     ),
     (["strategy=fsdp2", "strategy.expert_parallel_size=0"], r"strategy.expert_parallel_size=0: give the number"),
-    (["model=moe_debug", "init_from=/nowhere"], r"init_from reads and writes Hugging Face folders of dense Llamas"),
     (["model.n_layers=0"], r"model.n_layers=0 is out of range"),
     (["model.norm_eps=0"], r"model.norm_eps=0 is out of range"),
     (["model.ffn_dim=0"], r"model.ffn_dim=0 is out of range"),

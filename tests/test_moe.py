@@ -11,6 +11,7 @@ import yaml
 from conftest import PARITY_RUN, assert_reproduces, read_metrics, train_overrides
 from in_process import CONF, train_in_process
 
+from project.hf.export import export
 from project.model.families import FAMILIES, build_model, family_of, model_config
 from project.model.flops import count_parameters, training_flops_per_token
 from project.model.moe import MoEFeedForward, WithAuxiliaryGradient
@@ -172,7 +173,16 @@ RESUMED = {
 
 @pytest.fixture(scope="module")
 def runs(tiny_shards, tmp_path_factory) -> dict:
-    names = ["single", "accumulated", "bias-single", *LAYOUTS, "bias-ep2", *RESUMED]
+    names = [
+        "single",
+        "accumulated",
+        "bias-single",
+        *LAYOUTS,
+        "bias-ep2",
+        *RESUMED,
+        "init-from-single",
+        "init-from-ep2",
+    ]
     folders = {name: tmp_path_factory.mktemp(name) for name in names}
 
     def case(name: str, *overrides: str):
@@ -186,10 +196,15 @@ def runs(tiny_shards, tmp_path_factory) -> dict:
         return [case(name, *o) for name, o in LAYOUTS.items() if f"trainer.devices={devices}" in o]
 
     train_in_process(1, [case("single"), case("accumulated", "micro_batch_size=4"), case("bias-single", *BIAS)])
+    # The single run's final weights in Mixtral's format, and new runs starting from them.
+    folders["mixtral"] = tmp_path_factory.mktemp("exported") / "mixtral"
+    export(str(folders["single"] / "checkpoints" / "last.ckpt"), str(folders["mixtral"]))
+    from_mixtral = (f"init_from={folders['mixtral']}", "trainer.max_steps=2")
     train_in_process(4, on(4))
     two = [*on(2), case("bias-ep2", *LAYOUTS["ep2"], *BIAS), resumed("ep4-to-ep2")]
-    train_in_process(2, [*two, resumed("ep2-to-fsdp2")])
-    train_in_process(1, [resumed("ep4-to-single")])
+    two += [resumed("ep2-to-fsdp2"), case("init-from-ep2", *LAYOUTS["ep2"], *from_mixtral)]
+    train_in_process(2, two)
+    train_in_process(1, [resumed("ep4-to-single"), case("init-from-single", *from_mixtral)])
     return folders
 
 
@@ -233,10 +248,63 @@ def test_the_balancing_loss_and_each_blocks_expert_load_are_logged_every_step(ru
 
 
 @pytest.mark.slow
-def test_export_of_a_mixture_says_it_has_no_hugging_face_format_yet(runs, tmp_path):
-    from project.hf.export import export
+def test_a_trained_mixture_exports_as_mixtral_whose_logits_transformers_computes_alike(runs):
+    transformers = pytest.importorskip("transformers")
+    from project.training.lit_module import LlamaLitModule
+
+    ours = LlamaLitModule.load_from_checkpoint(runs["single"] / "checkpoints" / "last.ckpt").model.eval()
+    hf = transformers.MixtralForCausalLM.from_pretrained(runs["mixtral"]).eval()
+    tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, ours(tokens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_init_from_a_mixtral_folder_starts_every_layout_from_its_weights(runs):
+    """Each rank of ep=2 reads the experts it holds; both start from the exported weights (a loss far below a random
+    start's) and train alike."""
+    one, split = read_metrics(runs["init-from-single"], "train/loss"), read_metrics(runs["init-from-ep2"], "train/loss")
+    assert split == pytest.approx(one, rel=1e-5) and sorted(one) == [0, 1]
+    assert one[0] < read_metrics(runs["single"], "train/loss")[0] - 0.5
+
+
+@pytest.mark.slow
+def test_a_mixture_mixtrals_format_cannot_hold_is_refused_at_export(runs, tmp_path):
     from project.runtime.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="model.family=moe .* has no Hugging Face format here yet"):
-        export(str(runs["single"] / "checkpoints" / "last.ckpt"), str(tmp_path / "hf"))
+    with pytest.raises(ConfigError, match=r"as MixtralForCausalLM, which cannot hold model.shared_expert=True, "):
+        export(str(runs["bias-single"] / "checkpoints" / "last.ckpt"), str(tmp_path / "hf"))
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+def test_settings_that_contradict_a_mixtral_folder_are_refused_and_the_rest_come_from_it(runs):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from project.hf.folder import apply_init_from
+    from project.runtime.errors import ConfigError
+
+    def composed(*overrides: str):
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return compose("train", overrides=["experiment=debug", f"init_from={runs['mixtral']}", *overrides])
+
+    for overrides, refused in [
+        (["model=moe_debug", "model.top_k=1"], r"model.top_k=1 contradicts init_from=.*num_experts_per_tok=2"),
+        (["model=moe_debug", "model.score_func=sigmoid"], r"model.score_func=sigmoid contradicts .*Mixtral's routing"),
+    ]:
+        with pytest.raises(ConfigError, match=refused):
+            apply_init_from(composed(*overrides), overrides)
+    cfg = composed()  # the dense debug preset: the folder makes it a mixture, of the exported shape
+    apply_init_from(cfg, [])
+    fields = OmegaConf.to_container(cfg.model)
+    assert model_config(fields) == model_config(
+        {
+            **yaml.safe_load((CONF / "model" / "moe_debug.yaml").read_text()),
+            "vocab_size": 300,
+            "expert_ffn_dim": 48,
+            "ffn_dim": 48,
+            "multiple_of": 32,
+            "max_seq_len": 1024,
+        }
+    )

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from project.checkpoint.files import verify_sharded_checkpoint
 from project.checkpoint.locations import Location, storage_reader
-from project.hf.conversion import hf_name, weight_names
+from project.hf.conversion import hf_pieces, weight_names
 from project.hf.folder import INDEX
 from project.model.config import LlamaConfig
 from project.runtime.errors import ConfigError
@@ -108,12 +108,16 @@ def write_safetensors(
         else [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
     )
     for group, file in zip(groups, files):
-        tensors = {hf_name(n): t.detach().to(dtype).contiguous() for n, t in weights.read(group).items()}
+        tensors = {
+            hf: (t if j is None else t[j]).detach().to(dtype).contiguous()
+            for n, t in weights.read(group).items()
+            for hf, j in hf_pieces(n, config)
+        }
         # transformers refuses safetensors files whose metadata does not name the framework.
         save_file(tensors, out / file, metadata={"format": "pt"})
         del tensors
     if len(files) > 1:
-        weight_map = {hf_name(n): file for group, file in zip(groups, files) for n in group}
+        weight_map = {hf: file for group, file in zip(groups, files) for n in group for hf, _ in hf_pieces(n, config)}
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         files.append(INDEX)

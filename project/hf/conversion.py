@@ -1,8 +1,10 @@
-"""Conversion between our Llama and Hugging Face's LlamaForCausalLM format.
+"""Conversion between our models and Hugging Face's formats: a dense Llama and LlamaForCausalLM, a mixture of
+experts and MixtralForCausalLM (as Mistral published it: each expert's matrices under names of their own).
 
 Pure functions over dicts and tensors, with no transformers import, so a checkpoint can be exported on a
-machine without transformers. Our rotary layout is HF's rotate-half, so weights map 1:1 by name; nothing
-is permuted.
+machine without transformers. Our rotary layout is HF's rotate-half, so weights map by name; nothing is
+permuted. A weight of ours is one HF tensor, or (a mixture's stacked experts [n_experts, out, in]) one per expert
+(`hf_pieces`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from project.model.config import LlamaConfig
+from project.model.moe_config import MoEConfig
 
 if TYPE_CHECKING:  # no torch at import: project.hf.folder reads folders before the heavy imports
     import torch
@@ -64,7 +67,7 @@ def hf_config_dict(
             "original_max_position_embeddings": int(s["original_max_position_embeddings"]),
         }
         rope_parameters = {**rope_scaling, "rope_theta": config.rope_theta}
-    return {
+    llama = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": config.vocab_size,
@@ -91,26 +94,53 @@ def hf_config_dict(
         "torch_dtype": torch_dtype,
         "dtype": torch_dtype,
     }
+    if not isinstance(config, MoEConfig):
+        return llama
+    del llama["mlp_bias"], llama["attention_bias"]
+    return {
+        **llama,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": config.expert_hidden_dim,
+        "num_local_experts": config.n_experts,
+        "num_experts_per_tok": config.top_k,
+        "router_aux_loss_coef": config.aux_loss_coef,
+        "router_jitter_noise": 0.0,
+        "output_router_logits": False,
+        "sliding_window": None,
+    }
+
+
+# A Mixtral block's feed-forward (under model.layers.{i}.block_sparse_moe.): the router, and expert j's matrices.
+_MIXTURE_NAMES = {"feed_forward.router.gate.weight": "gate.weight"}
+_EXPERT_NAMES = {"feed_forward.experts.w1": "w1", "feed_forward.experts.w3": "w3", "feed_forward.experts.w2": "w2"}
+
+
+def _block_names(config: LlamaConfig) -> list[str]:
+    names = [n for n in _BLOCK_NAMES if not n.startswith("feed_forward.")]
+    if isinstance(config, MoEConfig):
+        return names + [*_MIXTURE_NAMES, *_EXPERT_NAMES]
+    return names + [n for n in _BLOCK_NAMES if n.startswith("feed_forward.")]
 
 
 def weight_names(config: LlamaConfig) -> list[str]:
     """Our parameter names for `config`; `output.weight` only when it is a separate matrix."""
     names = ["tok_embeddings.weight", "norm.weight"]
-    names += [f"layers.{i}.{name}" for i in range(config.n_layers) for name in _BLOCK_NAMES]
+    names += [f"layers.{i}.{name}" for i in range(config.n_layers) for name in _block_names(config)]
     if not config.tie_embeddings:
         names.append("output.weight")
     return names
 
 
-def hf_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """The HF names and shapes of the weights of a LlamaForCausalLM of `config`, as a folder holds them."""
+def _shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Our weights' shapes, by their names within a block or the model."""
     d, q, kv, ffn = (
         config.dim,
         config.n_heads * config.head_dim,
         config.kv_heads * config.head_dim,
         config.ffn_hidden_dim,
     )
-    block = {
+    shapes = {
         "attention_norm.weight": (d,),
         "attention.wq.weight": (q, d),
         "attention.wk.weight": (kv, d),
@@ -120,17 +150,50 @@ def hf_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         "feed_forward.w1.weight": (ffn, d),
         "feed_forward.w3.weight": (ffn, d),
         "feed_forward.w2.weight": (d, ffn),
-    }
-    top = {
         "tok_embeddings.weight": (config.vocab_size, d),
         "norm.weight": (d,),
         "output.weight": (config.vocab_size, d),
     }
-    return {hf_name(name): top.get(name) or block[name.split(".", 2)[2]] for name in weight_names(config)}
+    if isinstance(config, MoEConfig):
+        n, f = config.n_experts, config.expert_hidden_dim
+        shapes |= {
+            "feed_forward.router.gate.weight": (n, d),
+            "feed_forward.experts.w1": (n, f, d),
+            "feed_forward.experts.w3": (n, f, d),
+            "feed_forward.experts.w2": (n, d, f),
+        }
+    return shapes
+
+
+def weight_shape(name: str, config: LlamaConfig) -> tuple[int, ...]:
+    """The shape of our weight `name` (`layers.3.attention.wq.weight`) in a model of `config`."""
+    return _shapes(config)[re.sub(r"^layers\.\d+\.", "", name)]
+
+
+def hf_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The HF names and shapes of the weights of `config`'s HF model, as a folder holds them."""
+    shapes = {}
+    for name in weight_names(config):
+        shape = weight_shape(name, config)
+        for hf, expert in hf_pieces(name, config):
+            shapes[hf] = shape if expert is None else shape[1:]
+    return shapes
+
+
+def hf_pieces(name: str, config: LlamaConfig) -> list[tuple[str, int | None]]:
+    """The HF tensors our weight `name` is: [(its HF name, None)], or for a mixture's stacked experts one
+    (`model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight`, j) per expert j, its slice [j]."""
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if m and m[2] in _EXPERT_NAMES and isinstance(config, MoEConfig):
+        prefix = f"model.layers.{m[1]}.block_sparse_moe.experts"
+        return [(f"{prefix}.{j}.{_EXPERT_NAMES[m[2]]}.weight", j) for j in range(config.n_experts)]
+    if m and m[2] in _MIXTURE_NAMES:
+        return [(f"model.layers.{m[1]}.block_sparse_moe.{_MIXTURE_NAMES[m[2]]}", None)]
+    return [(hf_name(name), None)]
 
 
 def hf_name(name: str) -> str:
-    """The HF name of one of our parameters (`layers.0.attention.wq.weight` ->
+    """The HF name of one of our parameters that is one HF tensor (`layers.0.attention.wq.weight` ->
     `model.layers.0.self_attn.q_proj.weight`)."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
@@ -154,17 +217,25 @@ def _rename_checked(state_dict: Mapping[str, torch.Tensor], rename: dict[str, st
 
 
 def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
-    """Our Llama's state dict -> HF LlamaForCausalLM names. `lm_head.weight` is left out when tied,
-    as HF's own checkpoints do. Tensors are shared, not copied."""
-    rename = {name: hf_name(name) for name in weight_names(config)}
-    return _rename_checked(state_dict, rename, tied_name="output.weight")
+    """Our model's state dict -> HF names (`hf_pieces`). `lm_head.weight` is left out when tied, as HF's own
+    checkpoints do. Tensors are shared (or a mixture's experts sliced), not copied."""
+    rename = {name: name for name in weight_names(config)}
+    ours = _rename_checked(state_dict, rename, tied_name="output.weight")
+    return {hf: t if j is None else t[j] for name, t in ours.items() for hf, j in hf_pieces(name, config)}
 
 
 def from_hf_state_dict(state_dict: Mapping[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
-    """HF LlamaForCausalLM names -> ours, ready for `Llama(config).load_state_dict(..., strict=True)`:
-    with tied embeddings `output.weight` is the embedding tensor itself and any `lm_head.weight` is ignored."""
-    rename = {hf_name(name): name for name in weight_names(config)}
-    ours = _rename_checked(state_dict, rename, tied_name="lm_head.weight")
+    """HF names -> ours, ready for `load_state_dict(..., strict=True)` on the model of `config`: a mixture's experts
+    stacked; with tied embeddings `output.weight` is the embedding tensor itself and any `lm_head.weight` ignored."""
+    import torch
+
+    pieces = {name: hf_pieces(name, config) for name in weight_names(config)}
+    rename = {hf: hf for parts in pieces.values() for hf, _ in parts}
+    given = _rename_checked(state_dict, rename, tied_name="lm_head.weight")
+    ours = {
+        name: given[parts[0][0]] if parts[0][1] is None else torch.stack([given[hf] for hf, _ in parts])
+        for name, parts in pieces.items()
+    }
     if config.tie_embeddings:
         ours["output.weight"] = ours["tok_embeddings.weight"]
     return ours

@@ -8,6 +8,7 @@ project.hf.published then reads the weights themselves, each rank its own slices
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any, Mapping
 
 from project.hf.conversion import LLAMA3_ROPE_KEYS, hf_weight_shapes
 from project.model.config import LlamaConfig
-from project.model.families import without_hf_format
+from project.model.families import family_of, model_config
 from project.runtime.errors import ConfigError
 
 CONFIG = "config.json"
@@ -35,13 +36,28 @@ FIXED = {
     "rope_scaling": "rope_scaling",
     "tie_embeddings": "tie_word_embeddings",
 }
+# A Mixtral's (model_type "mixtral") besides: its experts, their width (intermediate_size, as ffn_dim above), and
+# routing as Mixtral routes (softmax, the chosen two renormalised, no shared expert, no bias).
+MIXTURE_FIXED = {
+    "n_experts": "num_local_experts",
+    "top_k": "num_experts_per_tok",
+    "expert_ffn_dim": "intermediate_size",
+}
+MIXTRAL_ROUTING = {
+    "moe_every": 1,
+    "shared_expert": False,
+    "score_func": "softmax",
+    "normalize_top_k": True,
+    "bias_update_rate": 0.0,
+}
 # Settings that would change the FFN width the folder fixes (model.ffn_dim wins over both).
 FFN_RULE = ("multiple_of", "ffn_dim_multiplier")
+MODEL_TYPES = {"llama": "llama", "mixtral": "moe"}  # HF's model_type -> our model.family
 
 
 def _refuse(folder: Path, problem: str) -> ConfigError:
     return ConfigError(
-        f"init_from={folder}: {problem} init_from takes a Hugging Face Llama folder as published "
+        f"init_from={folder}: {problem} init_from takes a Hugging Face Llama or Mixtral folder as published "
         f"(config.json, model.safetensors or model-0000N-of-0000M.safetensors with {INDEX})."
     )
 
@@ -56,12 +72,12 @@ def read_config(folder: Path) -> dict[str, Any]:
         config = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise _refuse(folder, f"its {CONFIG} is not JSON ({error}).") from None
-    if not isinstance(config, dict) or config.get("model_type") != "llama":
+    if not isinstance(config, dict) or config.get("model_type") not in MODEL_TYPES:
         kind = config.get("model_type") if isinstance(config, dict) else None
         raise _refuse(
             folder,
-            f"its {CONFIG} describes a model_type={kind!r} model; this platform trains Llama models "
-            "(model_type='llama').",
+            f"its {CONFIG} describes a model_type={kind!r} model; this platform trains Llama and Mixtral models "
+            "(model_type='llama' or 'mixtral').",
         )
     return config
 
@@ -127,6 +143,18 @@ def model_settings(folder: Path, config: Mapping[str, Any]) -> dict[str, Any]:
         settings["max_seq_len"] = config["max_position_embeddings"]
     if "initializer_range" in config:
         settings["init_std"] = config["initializer_range"]
+    settings["family"] = MODEL_TYPES[config["model_type"]]
+    if settings["family"] == "moe":
+        if config.get("sliding_window") is not None:
+            raise _refuse(
+                folder,
+                f"its {CONFIG} has sliding_window={config['sliding_window']}; attention here sees every earlier "
+                "position (sliding_window null, as Mixtral 8x7B's).",
+            )
+        missing = [hf for hf in MIXTURE_FIXED.values() if hf not in config]
+        if missing:
+            raise _refuse(folder, f"its {CONFIG} lacks {missing}.")
+        settings |= {ours: config[hf] for ours, hf in MIXTURE_FIXED.items()} | MIXTRAL_ROUTING
     return settings
 
 
@@ -219,27 +247,34 @@ def apply_init_from(cfg: Any, overrides: list[str]) -> None:
     it."""
     from omegaconf import open_dict
 
-    if refusal := without_hf_format(dict(cfg.model), "init_from"):
-        raise ConfigError(refusal)
     folder = Path(str(cfg.init_from))
     hf_config = read_config(folder)
     settings = model_settings(folder, hf_config)
     explicit = _explicit_model_keys(overrides)
-    for key in sorted(explicit & (set(FIXED) | set(FFN_RULE))):
+    mixture = settings["family"] == "moe"
+    named = FIXED | (MIXTURE_FIXED | {key: f"Mixtral's routing, {key}" for key in MIXTRAL_ROUTING} if mixture else {})
+    for key in sorted(explicit & (set(named) | set(FFN_RULE) | {"family"})):
         ours = cfg.model.get(key)
-        theirs = settings.get(key) if key in FIXED else None
+        theirs = settings.get(key)
         if key in FFN_RULE or ours != theirs:
             published = (
-                f"{FIXED[key]}={theirs}"
-                if key in FIXED
+                f"{named[key]}={theirs}"
+                if key in named
+                else f"model_type={hf_config['model_type']}"
+                if key == "family"
                 else f"intermediate_size={settings['ffn_dim']}, which fixes the FFN width"
             )
             raise ConfigError(
                 f"model.{key}={ours} contradicts init_from={folder}, whose {CONFIG} has {published}: the folder's "
                 f"weights have its shape. Drop model.{key}, or train a model of your own without init_from."
             )
+    fixed = set(FIXED) | set(MIXTURE_FIXED) | set(MIXTRAL_ROUTING) | {"family"}
     with open_dict(cfg):
         for key, value in settings.items():
-            if key in FIXED or key not in explicit:  # max_seq_len and init_std: the command line's, where it sets them
+            if key in fixed or key not in explicit:  # max_seq_len and init_std: the command line's, where it sets them
                 cfg.model[key] = value
-    check_weights(folder, LlamaConfig(**settings))
+        # The folder's family decides the model: settings of another family's (a preset's n_experts) go.
+        fields = {f.name for f in dataclasses.fields(family_of(settings).config)}
+        for key in [key for key in cfg.model if key not in fields]:
+            del cfg.model[key]
+    check_weights(folder, model_config(dict(cfg.model)))

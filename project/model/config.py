@@ -84,6 +84,10 @@ class LlamaConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    def hf_format_differences(self) -> list[str]:
+        """The settings its family's Hugging Face format cannot hold (project.model.families.without_hf_format)."""
+        return []
+
     def feed_forward_parameters(self, index: int, active: bool = False) -> int:
         """Parameters of block `index`'s feed-forward (`active`: those one token's products use; all, for a dense
         one). A family whose feed-forward differs says so here (project.model.moe_config)."""

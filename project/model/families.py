@@ -54,6 +54,7 @@ FAMILIES: dict[str, ModelFamily] = {
             MoEConfig,
             "project.model.moe:MoELlama",
             "Llama with a mixture of experts as feed-forward (Mixtral, Llama 4)",
+            hf_architecture="MixtralForCausalLM",
             refuses=("tensor", "context", "pipeline"),
             planned=False,
         ),
@@ -70,16 +71,19 @@ def family_of(fields: Mapping[str, Any] | LlamaConfig) -> ModelFamily:
     return FAMILIES[name]
 
 
-def without_hf_format(config: LlamaConfig | Mapping[str, Any], what: str) -> str | None:
-    """Why `what` (export, init_from) cannot be done for a model of this family's, or None where it can."""
+def without_hf_format(config: LlamaConfig, what: str) -> str | None:
+    """Why `what` (project.export) cannot write a model of this config in its family's Hugging Face format, or
+    None where it can."""
     family = family_of(config)
-    if family.hf_architecture is not None:
-        return None
-    return (
-        f"{what} reads and writes Hugging Face folders of dense Llamas (LlamaForCausalLM); model.family={family.name} "
-        f"({family.summary}) has no Hugging Face format here yet (docs/moe.md). Train it from random weights, and "
-        "keep its checkpoints (they resume, and project.generate reads them)."
-    )
+    if family.hf_architecture is None:
+        return f"{what}: model.family={family.name} ({family.summary}) has no Hugging Face format here."
+    if differences := config.hf_format_differences():
+        return (
+            f"{what} writes a model.family={family.name} checkpoint as {family.hf_architecture}, which cannot hold "
+            f"{', '.join(differences)} (docs/moe.md): the exported model would compute something else. Keep the "
+            "checkpoint (it resumes, and project.generate reads it)."
+        )
+    return None
 
 
 def unplanned(config: LlamaConfig) -> str | None:

@@ -58,6 +58,17 @@ class MoEConfig(LlamaConfig):
     def is_moe_layer(self, index: int) -> bool:
         return (index + 1) % self.moe_every == 0
 
+    def hf_format_differences(self) -> list[str]:
+        """The settings that Mixtral's format (MixtralForCausalLM) cannot hold, as `model.KEY=VALUE`."""
+        mixtral = {
+            "moe_every": 1,
+            "shared_expert": False,
+            "score_func": "softmax",
+            "normalize_top_k": True,
+            "bias_update_rate": 0.0,
+        }
+        return [f"model.{key}={getattr(self, key)}" for key, value in mixtral.items() if getattr(self, key) != value]
+
     def feed_forward_parameters(self, index: int, active: bool = False) -> int:
         if not self.is_moe_layer(index):
             return super().feed_forward_parameters(index, active)
