@@ -1,4 +1,5 @@
-"""Export a training checkpoint as a Hugging Face model folder (LlamaForCausalLM + tokenizer).
+"""Export a training checkpoint as a Hugging Face model folder (LlamaForCausalLM, or MixtralForCausalLM for a
+mixture of experts, + tokenizer).
 
     python -m project.export ckpt_path=PATH [output_dir=DIR] [tokenizer=PATH] [dtype=float32|bfloat16|float16]
                              [max_shard_size=5GB] [overwrite=true]
