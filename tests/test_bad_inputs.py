@@ -131,10 +131,6 @@ VALUES = [
         r"a pipeline of stages \(strategy=pipeline\): model.family=moe",
     ),
     (
-        ["model=moe_debug", "strategy=fsdp2", "trainer.devices=2", "strategy.context_parallel_size=2"],
-        r"strategy.context_parallel_size=2: model.family=moe",
-    ),
-    (
         ["model=moe_debug", "strategy=fsdp2", "trainer.devices=2", "strategy.expert_parallel_size=4"],
         r"strategy.expert_parallel_size=4 does not divide the 2 data-parallel ranks",
     ),

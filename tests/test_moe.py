@@ -97,9 +97,9 @@ def test_the_balancing_loss_is_the_per_sequence_formula_and_one_when_balanced():
         share = torch.tensor([(chosen == e).sum().item() for e in range(4)]) / chosen.numel()
         expected.append(4 * (share * scores.mean(0)).sum())
     torch.testing.assert_close(mixture.aux_loss, torch.stack(expected).mean())
-    # Uniform scores and an even spread of tokens: each share 1/4, each mean score 1/4.
-    even = torch.eye(4).repeat(1, 2).view(1, 8, 4)  # token t chose expert t % 4 (top_k 2: each twice)
-    assert mixture.sequence_balance_loss(torch.full((1, 8, 4), 0.25), even.argmax(-1).view(1, 8)) == pytest.approx(1)
+    # Uniform scores and an even spread of 4 tokens' 2 slots each: each share 1/4, each mean score 1/4.
+    even = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])  # every expert chosen twice
+    assert mixture.sequence_balance_loss(torch.full((1, 4, 4), 0.25), even) == pytest.approx(1)
 
 
 def test_the_auxiliary_loss_adds_its_gradient_at_the_losss_scale_and_leaves_the_value_alone():
@@ -161,6 +161,10 @@ LAYOUTS = {
     "ep2": ["strategy=fsdp2", "trainer.devices=2", f"{EP}=2"],  # each rank 2 of the 4 experts
     "ep2-dp4": ["strategy=fsdp2", "trainer.devices=4", f"{EP}=2"],  # and FSDP2 over the two groups
     "ep4": ["strategy=fsdp2", "trainer.devices=4", f"{EP}=4"],  # each rank one expert
+    # Each sequence split over 2 ranks (the balancing loss's per-sequence sums over both), with and without experts
+    # split over those ranks and the other pair's.
+    "cp2": ["strategy=fsdp2", "trainer.devices=2", "strategy.context_parallel_size=2"],
+    "cp2-ep4": ["strategy=fsdp2", "trainer.devices=4", "strategy.context_parallel_size=2", f"{EP}=4"],
 }
 BIAS = ["model.bias_update_rate=0.01", "model.score_func=sigmoid", "model.shared_expert=true"]
 # Resumed at step 10 (best-step000010.ckpt) to step 12 under other expert-parallel degrees.
@@ -180,7 +184,7 @@ def runs(tiny_shards, tmp_path_factory) -> dict:
         *LAYOUTS,
         "bias-ep2",
         *RESUMED,
-        "init-from-single",
+        "init-from-ddp",
         "init-from-ep2",
     ]
     folders = {name: tmp_path_factory.mktemp(name) for name in names}
@@ -195,16 +199,18 @@ def runs(tiny_shards, tmp_path_factory) -> dict:
     def on(devices: int) -> list:
         return [case(name, *o) for name, o in LAYOUTS.items() if f"trainer.devices={devices}" in o]
 
-    train_in_process(1, [case("single"), case("accumulated", "micro_batch_size=4"), case("bias-single", *BIAS)])
+    # Three groups of ranks, each started once: the 4-rank layouts, then one device (and a resume of ep=4 there),
+    # then the 2-rank layouts (and resumes of the others, and starts from the one-device run's export).
+    train_in_process(4, on(4))
+    one = [case("single"), case("accumulated", "micro_batch_size=4"), case("bias-single", *BIAS)]
+    train_in_process(1, [*one, resumed("ep4-to-single")])
     # The single run's final weights in Mixtral's format, and new runs starting from them.
     folders["mixtral"] = tmp_path_factory.mktemp("exported") / "mixtral"
     export(str(folders["single"] / "checkpoints" / "last.ckpt"), str(folders["mixtral"]))
     from_mixtral = (f"init_from={folders['mixtral']}", "trainer.max_steps=2")
-    train_in_process(4, on(4))
     two = [*on(2), case("bias-ep2", *LAYOUTS["ep2"], *BIAS), resumed("ep4-to-ep2")]
     two += [resumed("ep2-to-fsdp2"), case("init-from-ep2", *LAYOUTS["ep2"], *from_mixtral)]
-    train_in_process(2, two)
-    train_in_process(1, [resumed("ep4-to-single"), case("init-from-single", *from_mixtral)])
+    train_in_process(2, [*two, case("init-from-ddp", *LAYOUTS["ddp"], *from_mixtral)])
     return folders
 
 
@@ -261,9 +267,9 @@ def test_a_trained_mixture_exports_as_mixtral_whose_logits_transformers_computes
 
 @pytest.mark.slow
 def test_init_from_a_mixtral_folder_starts_every_layout_from_its_weights(runs):
-    """Each rank of ep=2 reads the experts it holds; both start from the exported weights (a loss far below a random
-    start's) and train alike."""
-    one, split = read_metrics(runs["init-from-single"], "train/loss"), read_metrics(runs["init-from-ep2"], "train/loss")
+    """Each rank of ep=2 reads the experts it holds, each of ddp the whole model; both start from the exported weights
+    (a loss far below a random start's) and train alike."""
+    one, split = read_metrics(runs["init-from-ddp"], "train/loss"), read_metrics(runs["init-from-ep2"], "train/loss")
     assert split == pytest.approx(one, rel=1e-5) and sorted(one) == [0, 1]
     assert one[0] < read_metrics(runs["single"], "train/loss")[0] - 0.5
 

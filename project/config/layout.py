@@ -102,10 +102,10 @@ def check_family_layout(model: LlamaConfig, shape: MeshShape, pipeline: bool) ->
     refused = [used[name] for name in family.refuses if used[name]]
     if refused:
         raise ConfigError(
-            f"{' and '.join(refused)}: model.family={family.name} ({family.summary}) cannot be split that way yet: "
-            "its routing is per token, and those splits have not been made to agree with one device for it. Train "
-            "it with strategy=single, ddp, fsdp or fsdp2, with strategy.expert_parallel_size for its experts "
-            "(docs/moe.md)."
+            f"{' and '.join(refused)}: model.family={family.name} ({family.summary}) cannot be split that way yet "
+            "(its experts under tensor parallelism, its balancing loss across pipeline stages). Train it with "
+            "strategy=single, ddp, fsdp or fsdp2, with strategy.expert_parallel_size for its experts and "
+            "strategy.context_parallel_size for long sequences (docs/moe.md)."
         )
 
 

@@ -28,11 +28,11 @@ class ModelFamily:
     config: type[LlamaConfig]
     model: str  # "module:Class", imported when a model is built
     summary: str  # what the family is, in the words of an error or the docs
+    label: str  # its name in a run's summary line ("model: LABEL, 4.0 M parameters, ...")
     # The Hugging Face architecture project.export writes and init_from reads (project.hf); None: not yet.
     hf_architecture: str | None = None
-    # The strategies' dimensions this family's model can be split over (project.parallel.kinds' names): a mixture
-    # of experts' routing is per token, and splitting a sequence (context, sequence parallelism) or its blocks
-    # (pipeline) has not been made to agree with one device for it yet.
+    # The dimensions this family's model cannot be split over yet ("tensor", "context", "pipeline"): a mixture's
+    # experts under tensor parallelism, and its balancing loss across pipeline stages, are not written yet.
     refuses: tuple[str, ...] = ()
     # Whether project.planning's memory, time and traffic formulas describe this family's blocks (the dry run's
     # shards are the strategies' own, for every family).
@@ -47,15 +47,21 @@ FAMILIES: dict[str, ModelFamily] = {
     family.name: family
     for family in (
         ModelFamily(
-            "llama", LlamaConfig, "project.model.llama:Llama", "dense Llama (Llama 2, Llama 3)", "LlamaForCausalLM"
+            "llama",
+            LlamaConfig,
+            "project.model.llama:Llama",
+            "dense Llama (Llama 2, Llama 3)",
+            "Llama",
+            "LlamaForCausalLM",
         ),
         ModelFamily(
             "moe",
             MoEConfig,
             "project.model.moe:MoELlama",
             "Llama with a mixture of experts as feed-forward (Mixtral, Llama 4)",
+            "Llama mixture of experts",
             hf_architecture="MixtralForCausalLM",
-            refuses=("tensor", "context", "pipeline"),
+            refuses=("tensor", "pipeline"),
             planned=False,
         ),
     )

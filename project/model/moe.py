@@ -8,10 +8,11 @@ Balancing the experts' load, two ways (MoEConfig):
 - an auxiliary loss, per sequence (DeepSeek-V3's sequence-wise form of the Switch Transformer's loss): for each
   sequence, the experts' shares of its routed tokens times their mean scores, summed and times n_experts (1 when
   balanced); averaged over sequences and mixture blocks. Per sequence, not per batch, so that it is the same sum
-  however a layout splits a batch's sequences over ranks and micro batches. Its gradient joins the loss's
-  (`with_auxiliary_gradient`) while the loss's value, and so train/loss, stays the next-token loss;
+  however a layout splits a batch's sequences over ranks and micro batches (and, context parallelism summing each
+  sequence's parts over its ranks, however a sequence is split: `SequenceSums`). Its gradient joins the loss's
+  (`WithAuxiliaryGradient`) while the loss's value, and so train/loss, stays the next-token loss;
 - a routing bias (bias_update_rate > 0): added to the scores only to choose experts, moved after each optimizer
-  step toward the mean load (`balance_experts`, from every rank's loads).
+  step toward the mean load (`step_statistics`, from every rank's loads).
 """
 
 from __future__ import annotations
@@ -83,6 +84,15 @@ class Experts(nn.Module):
         return expert_products(x, counts, self.w1, self.w3, self.w2)
 
 
+class SequenceSums(nn.Module):
+    """Per-sequence sums over a batch's tokens [B, ...], as given: each sequence's tokens are all here. A module of
+    its own, without parameters, so that a strategy whose ranks each hold part of every sequence (context
+    parallelism) can sum the parts."""
+
+    def forward(self, sums: torch.Tensor) -> torch.Tensor:
+        return sums
+
+
 class MoEFeedForward(nn.Module):
     """The mixture: each token through its chosen experts, weighted, plus the shared expert where there is one.
 
@@ -96,6 +106,7 @@ class MoEFeedForward(nn.Module):
         # An Experts, or what a strategy made of it (project.parallel.expert_parallel): (x, counts) -> [M, dim].
         self.experts: nn.Module = Experts(config.n_experts, config.dim, config.expert_hidden_dim)
         self.shared_expert = FeedForward(config, config.expert_hidden_dim) if config.shared_expert else None
+        self.sequence_sums: nn.Module = SequenceSums()  # or a strategy's (project.parallel.context_parallel)
         self.aux_loss: torch.Tensor | None = None
         self.load: torch.Tensor | None = None
 
@@ -120,12 +131,15 @@ class MoEFeedForward(nn.Module):
         pairs that went to expert e, P_e the mean over its tokens of e's score (scores normalised to sum 1 per
         token, as sigmoid's do not)."""
         B, T, E = scores.shape
-        share = torch.zeros(B, E, device=scores.device).scatter_add_(
+        routed = torch.zeros(B, E, device=scores.device).scatter_add_(
             1, chosen, torch.ones_like(chosen, dtype=torch.float)
         )
-        share = share / chosen.shape[1]
-        probability = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=1)
-        return E * (share * probability).sum(dim=-1).mean()
+        probability = (scores / scores.sum(dim=-1, keepdim=True)).sum(dim=1)
+        tokens = torch.full((B, 1), float(T), device=scores.device)
+        sums = self.sequence_sums(torch.cat([routed, probability, tokens], dim=1))
+        routed, probability, tokens = sums[:, :E], sums[:, E : 2 * E], sums[:, 2 * E :]
+        share = routed / (tokens * self.top_k)
+        return E * (share * probability / tokens).sum(dim=-1).mean()
 
 
 class WithAuxiliaryGradient(torch.autograd.Function):
@@ -151,7 +165,7 @@ class MoELlama(Llama):
     def __init__(self, config: MoEConfig, init_seed: int = 0):
         super().__init__(config, init_seed)
         # Since the last optimizer step: each mixture's routed tokens per expert, and the auxiliary loss's sum and
-        # count of batches (read and cleared by balance_experts).
+        # count of batches (read and cleared by step_statistics).
         self._loads: torch.Tensor | None = None
         self._aux_sum: torch.Tensor | None = None
         self._batches = 0

@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from project.model.document_mask import BlockMask, document_mask
 from project.model.llama import DocumentMasking, Llama
+from project.model.moe import MoEFeedForward
 
 
 @functools.lru_cache(maxsize=64)  # the same few sequence lengths every step, every layer
@@ -201,6 +202,36 @@ class ContextParallelDocumentMasking(DocumentMasking):
         return document_mask(document_ids, query_positions=mine)
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """The sum over a group's ranks of each rank's tensor; its gradient, every rank's output gradient summed (each
+    output depends on every rank's input)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        total = x.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        total = grad.clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
+class ContextParallelSequenceSums(nn.Module):
+    """A mixture of experts' per-sequence sums (project.model.moe.SequenceSums: its balancing loss's tokens and
+    scores per expert) over the whole sequences: every rank's part summed."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        super().__init__()
+        self.group = group
+
+    def forward(self, sums: torch.Tensor) -> torch.Tensor:
+        return _SumOverGroup.apply(sums, self.group)
+
+
 class ContextParallel:
     """One rank of a context-parallel group, applied to a Llama (or a pipeline stage of one)."""
 
@@ -218,6 +249,9 @@ class ContextParallel:
             attention.attend = ContextParallelAttention(
                 attention.attend, self.group, self.rank, self.size, self._masks, self.regather
             )
+            for module in block.modules():
+                if isinstance(module, MoEFeedForward):
+                    module.sequence_sums = ContextParallelSequenceSums(self.group)
 
     def _own_positions(self, module: nn.Module, args: tuple) -> tuple:
         x, cos, sin, mask = args

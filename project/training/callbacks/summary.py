@@ -48,7 +48,7 @@ class LlamaModelSummary(ModelSummary):
         of_them = "" if active == total else f", {get_human_readable_count(active)} of them active per token"
         share = "" if held == total else f" (rank 0 holds {get_human_readable_count(held)})"
         rank_zero_info(
-            f"model: {family_of(config).summary}, {get_human_readable_count(total)} parameters{of_them}{share}, "
+            f"model: {family_of(config).label}, {get_human_readable_count(total)} parameters{of_them}{share}, "
             f"{config.n_layers} layers of width "
             f"{config.dim}; {get_human_readable_count(int(flops_per_token))} training FLOPs per token, "
             f"{get_human_readable_count(int(flops_per_token * tokens_per_step))} per optimizer step of "
