@@ -171,7 +171,6 @@ BIAS = ["model.bias_update_rate=0.01", "model.score_func=sigmoid", "model.shared
 RESUMED = {
     "ep4-to-ep2": ("ep4", LAYOUTS["ep2"]),
     "ep4-to-single": ("ep4", []),
-    "ep2-to-fsdp2": ("ep2", LAYOUTS["fsdp2"]),
 }
 
 
@@ -209,7 +208,7 @@ def runs(tiny_shards, tmp_path_factory) -> dict:
     export(str(folders["single"] / "checkpoints" / "last.ckpt"), str(folders["mixtral"]))
     from_mixtral = (f"init_from={folders['mixtral']}", "trainer.max_steps=2")
     two = [*on(2), case("bias-ep2", *LAYOUTS["ep2"], *BIAS), resumed("ep4-to-ep2")]
-    two += [resumed("ep2-to-fsdp2"), case("init-from-ep2", *LAYOUTS["ep2"], *from_mixtral)]
+    two.append(case("init-from-ep2", *LAYOUTS["ep2"], *from_mixtral))
     train_in_process(2, [*two, case("init-from-ddp", *LAYOUTS["ddp"], *from_mixtral)])
     return folders
 
