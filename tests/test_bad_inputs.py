@@ -149,6 +149,11 @@ VALUES = [
         r"strategy.expert_parallel_size=2 splits a mixture's experts, and model.family=llama has none",
     ),
     (["strategy=fsdp2", "strategy.expert_parallel_size=0"], r"strategy.expert_parallel_size=0: give the number"),
+    (
+        ["model=moe_debug", "model.bias_update_rate=0.001", "trainer.precision=bf16-true"],
+        r"model.bias_update_rate=0.001 with trainer.precision=bf16-true: the routing biases would be stored in "
+        r"bfloat16",
+    ),
     (["model.n_layers=0"], r"model.n_layers=0 is out of range"),
     (["model.norm_eps=0"], r"model.norm_eps=0 is out of range"),
     (["model.ffn_dim=0"], r"model.ffn_dim=0 is out of range"),

@@ -119,6 +119,23 @@ def test_mixtral_with_eight_way_expert_parallelism_shards_on_64_fake_ranks_into_
     assert by_hand == pytest.approx(46.7e9 / 64, rel=0.01)
 
 
+@pytest.mark.parametrize("devices", [3, 5])
+def test_experts_whose_widths_the_ranks_do_not_divide_are_sharded_along_another_dimension(devices):
+    """moe_debug's experts are 96 wide and 64 deep: 3 ranks split w1 and w3 along 96 and w2 along its 96 inputs
+    (FSDP2 splits only dim 0 unevenly), 5 ranks divide neither and split the 4 experts (dim 0, padded): every rank's
+    shard is made, and together they hold the model once."""
+    cfg = compose_job(
+        "experiment=debug",
+        "model=moe_debug",
+        "strategy=fsdp2",
+        f"trainer.devices={devices}",
+        f"global_batch_size={devices}",
+    )
+    layout = preflight(cfg, dry_run=True)
+    total = sum(p.numel() for p in build_meta_model(cfg).parameters())
+    assert sum(rank_share(cfg, layout, rank).parameters for rank in range(devices)) == total
+
+
 def test_a_float8_job_dry_runs_into_the_shares_of_the_same_job_in_bf16():
     """strategy.float8 under tp_fsdp: torchao's float8 layers, its float8 styles and FSDP2's float8 gathers (the
     weights wrapped in torchao's tensor) shard on the fake process group into the parameters, of the same bytes, that

@@ -165,27 +165,27 @@ LAYOUTS = {
     # split over those ranks and the other pair's.
     "cp2": ["strategy=fsdp2", "trainer.devices=2", "strategy.context_parallel_size=2"],
     "cp2-ep4": ["strategy=fsdp2", "trainer.devices=4", "strategy.context_parallel_size=2", f"{EP}=4"],
+    # Blocks recomputed in the backward: the mixture runs again, its all-to-alls too.
+    "ep2-recomputed": ["strategy=fsdp2", "trainer.devices=2", f"{EP}=2", "strategy.activation_checkpointing=true"],
 }
-BIAS = ["model.bias_update_rate=0.01", "model.score_func=sigmoid", "model.shared_expert=true"]
+# New runs from the single run's export: each rank of ddp reads the whole model, of fsdp2 a slice of every expert's
+# rows, of ep=2 its own experts.
+FROM_MIXTRAL = {"init-from-ddp": "ddp", "init-from-fsdp2": "fsdp2", "init-from-ep2": "ep2"}
+# Routing biases, a shared expert, sigmoid scores and a strong balancing loss (its gradient as large as to show
+# any error in the context-parallel sums' backward).
+BIAS = ["model.bias_update_rate=0.01", "model.score_func=sigmoid", "model.shared_expert=true", "model.aux_loss_coef=1"]
+BIASED = {"bias-cp2-ep4": ["strategy=fsdp2", "trainer.devices=4", "strategy.context_parallel_size=2", f"{EP}=4"]}
 # Resumed at step 10 (best-step000010.ckpt) to step 12 under other expert-parallel degrees.
 RESUMED = {
     "ep4-to-ep2": ("ep4", LAYOUTS["ep2"]),
     "ep4-to-single": ("ep4", []),
+    "bias-single-to-ep2": ("bias-single", [*LAYOUTS["ep2"], *BIAS]),  # the biases come back with the checkpoint
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_shards, tmp_path_factory) -> dict:
-    names = [
-        "single",
-        "accumulated",
-        "bias-single",
-        *LAYOUTS,
-        "bias-ep2",
-        *RESUMED,
-        "init-from-ddp",
-        "init-from-ep2",
-    ]
+    names = ["single", "accumulated", "bias-single", *LAYOUTS, *BIASED, *RESUMED, *FROM_MIXTRAL]
     folders = {name: tmp_path_factory.mktemp(name) for name in names}
 
     def case(name: str, *overrides: str):
@@ -200,16 +200,16 @@ def runs(tiny_shards, tmp_path_factory) -> dict:
 
     # Three groups of ranks, each started once: the 4-rank layouts, then one device (and a resume of ep=4 there),
     # then the 2-rank layouts (and resumes of the others, and starts from the one-device run's export).
-    train_in_process(4, on(4))
+    train_in_process(4, [*on(4), case("bias-cp2-ep4", *BIASED["bias-cp2-ep4"], *BIAS)])
     one = [case("single"), case("accumulated", "micro_batch_size=4"), case("bias-single", *BIAS)]
     train_in_process(1, [*one, resumed("ep4-to-single")])
     # The single run's final weights in Mixtral's format, and new runs starting from them.
     folders["mixtral"] = tmp_path_factory.mktemp("exported") / "mixtral"
     export(str(folders["single"] / "checkpoints" / "last.ckpt"), str(folders["mixtral"]))
     from_mixtral = (f"init_from={folders['mixtral']}", "trainer.max_steps=2")
-    two = [*on(2), case("bias-ep2", *LAYOUTS["ep2"], *BIAS), resumed("ep4-to-ep2")]
-    two.append(case("init-from-ep2", *LAYOUTS["ep2"], *from_mixtral))
-    train_in_process(2, [*two, case("init-from-ddp", *LAYOUTS["ddp"], *from_mixtral)])
+    two = [*on(2), resumed("ep4-to-ep2"), resumed("bias-single-to-ep2")]
+    two += [case(name, *LAYOUTS[layout], *from_mixtral) for name, layout in FROM_MIXTRAL.items()]
+    train_in_process(2, two)
     return folders
 
 
@@ -223,14 +223,19 @@ def test_a_mixture_of_experts_trains_in_every_layout_it_takes_like_one_device(ru
 
 @pytest.mark.slow
 def test_routing_biases_moved_by_every_ranks_loads_train_like_one_device(runs):
-    assert_reproduces(runs["bias-ep2"], runs["bias-single"])
+    """Under context and expert parallelism at once, with a balancing loss 100 times the presets' weight."""
+    assert_reproduces(runs["bias-cp2-ep4"], runs["bias-single"])
+    assert read_metrics(runs["bias-cp2-ep4"], "moe/aux_loss") == pytest.approx(
+        read_metrics(runs["bias-single"], "moe/aux_loss"), rel=1e-5
+    )
     assert read_metrics(runs["bias-single"], "train/loss") != read_metrics(runs["single"], "train/loss")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("resume", RESUMED)
 def test_a_mixture_resumes_under_another_expert_parallel_degree_as_if_never_stopped(runs, resume):
-    resumed, single = read_metrics(runs[resume], "train/loss"), read_metrics(runs["single"], "train/loss")
+    source = "bias-single" if resume.startswith("bias") else "single"
+    resumed, single = read_metrics(runs[resume], "train/loss"), read_metrics(runs[source], "train/loss")
     assert sorted(resumed) == [10, 11]
     for step, loss in resumed.items():
         assert loss == pytest.approx(single[step], rel=1e-5)
@@ -247,7 +252,7 @@ def test_the_balancing_loss_and_each_blocks_expert_load_are_logged_every_step(ru
         )
         share = read_metrics(runs["single"], f"moe/layer{layer}/top_share")
         assert all(least[s] <= 1 <= most[s] <= 4 and 2 / 4 <= share[s] <= 1 for s in most)
-    for layout in ("ddp", "ep4"):  # every rank's loads and losses counted
+    for layout in ("ddp", "ep4", "cp2", "cp2-ep4"):  # every rank's loads and losses counted
         assert read_metrics(runs[layout], "moe/aux_loss") == pytest.approx(aux, rel=1e-5)
         assert read_metrics(runs[layout], "moe/layer1/load_max") == pytest.approx(most, rel=1e-5)
 
@@ -266,10 +271,12 @@ def test_a_trained_mixture_exports_as_mixtral_whose_logits_transformers_computes
 
 @pytest.mark.slow
 def test_init_from_a_mixtral_folder_starts_every_layout_from_its_weights(runs):
-    """Each rank of ep=2 reads the experts it holds, each of ddp the whole model; both start from the exported weights
-    (a loss far below a random start's) and train alike."""
-    one, split = read_metrics(runs["init-from-ddp"], "train/loss"), read_metrics(runs["init-from-ep2"], "train/loss")
-    assert split == pytest.approx(one, rel=1e-5) and sorted(one) == [0, 1]
+    """Each rank of ddp reads the whole model, of fsdp2 the rows of every expert it holds, of ep=2 its own experts;
+    all start from the exported weights (a loss far below a random start's) and train alike."""
+    one = read_metrics(runs["init-from-ddp"], "train/loss")
+    assert sorted(one) == [0, 1]
+    for split in ("init-from-fsdp2", "init-from-ep2"):
+        assert read_metrics(runs[split], "train/loss") == pytest.approx(one, rel=1e-5), split
     assert one[0] < read_metrics(runs["single"], "train/loss")[0] - 0.5
 
 

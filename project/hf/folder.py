@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from project.hf.conversion import LLAMA3_ROPE_KEYS, hf_weight_shapes
 from project.model.config import LlamaConfig
 from project.model.families import family_of, model_config
+from project.model.moe_config import MIXTRAL_ROUTING
 from project.runtime.errors import ConfigError
 
 CONFIG = "config.json"
@@ -37,18 +38,11 @@ FIXED = {
     "tie_embeddings": "tie_word_embeddings",
 }
 # A Mixtral's (model_type "mixtral") besides: its experts, their width (intermediate_size, as ffn_dim above), and
-# routing as Mixtral routes (softmax, the chosen two renormalised, no shared expert, no bias).
+# routing as Mixtral routes (MIXTRAL_ROUTING: softmax, the chosen renormalised, no shared expert, no bias).
 MIXTURE_FIXED = {
     "n_experts": "num_local_experts",
     "top_k": "num_experts_per_tok",
     "expert_ffn_dim": "intermediate_size",
-}
-MIXTRAL_ROUTING = {
-    "moe_every": 1,
-    "shared_expert": False,
-    "score_func": "softmax",
-    "normalize_top_k": True,
-    "bias_update_rate": 0.0,
 }
 # Settings that would change the FFN width the folder fixes (model.ffn_dim wins over both).
 FFN_RULE = ("multiple_of", "ffn_dim_multiplier")
@@ -269,12 +263,17 @@ def apply_init_from(cfg: Any, overrides: list[str]) -> None:
                 f"weights have its shape. Drop model.{key}, or train a model of your own without init_from."
             )
     fixed = set(FIXED) | set(MIXTURE_FIXED) | set(MIXTRAL_ROUTING) | {"family"}
+    fields = {f.name for f in dataclasses.fields(family_of(settings).config)}
+    if stray := sorted(explicit - fields):
+        raise ConfigError(
+            f"model.{stray[0]} is not a setting of the model in init_from={folder} (model_type="
+            f"{hf_config['model_type']}): drop it, or train a model of your own without init_from."
+        )
     with open_dict(cfg):
         for key, value in settings.items():
             if key in fixed or key not in explicit:  # max_seq_len and init_std: the command line's, where it sets them
                 cfg.model[key] = value
         # The folder's family decides the model: settings of another family's (a preset's n_experts) go.
-        fields = {f.name for f in dataclasses.fields(family_of(settings).config)}
         for key in [key for key in cfg.model if key not in fields]:
             del cfg.model[key]
     check_weights(folder, model_config(dict(cfg.model)))

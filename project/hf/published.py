@@ -4,25 +4,28 @@ layout.
 torch's distributed checkpoint reads the folder through its Hugging Face reader: each rank asks for its
 parameters as they are laid out (whole, or DTensor shards under fsdp2, tp, tp_fsdp and the pipeline) and
 reads only those slices from the safetensors files, so no rank holds more of the model than its own share. A
-Mixtral's experts are one tensor each in the folder and one stacked tensor here: a rank reads each expert it holds
-a part of whole, one at a time (at most one expert's matrix more than its share: 235 MB at Mixtral 8x7B's size in
-float32), and keeps its part.
+Mixtral's experts are one tensor each in the folder and one stacked tensor here: of each expert a rank holds a part
+of, it reads the rows its part spans (FSDP2 splits experts along their width: the rank's own rows), one expert at a
+time.
 Values are copied into the parameters' own type: a bfloat16 folder fills float32 master weights.
 The folder itself was checked (project.hf.folder) before training started.
 """
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.tensor import DTensor
 
 from project.hf.conversion import hf_pieces
+from project.hf.folder import INDEX
 from project.model.llama import Llama
 from project.parallel.init import local_indices
 
@@ -42,21 +45,33 @@ def load_published_weights(model: Llama, folder: str | Path) -> None:
     with warnings.catch_warnings():  # said even when asked for: one process is what we mean
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         dcp.load(state, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=single_process)
-        for param, names in stacked:
-            load_experts(param, names, str(folder))
+    files = tensor_files(Path(folder))
+    for param, names in stacked:
+        load_experts(param, [files(name) for name in names], names)
 
 
-def load_experts(param: torch.Tensor, names: list[str], folder: str) -> None:
-    """A mixture's stacked experts [n, out, in] (this rank's shard of them) from the folder's one tensor per expert
-    (`names`, expert by expert): each expert this rank holds any of is read whole, one at a time, and the rank keeps
-    its part. Every rank reads on its own (no collective: ranks may hold different experts)."""
+def tensor_files(folder: Path):
+    """The safetensors file of each tensor of a published folder (its index's map, or its one file)."""
+    index = folder / INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return lambda name: folder / weight_map[name]
+    return lambda name: folder / "model.safetensors"
+
+
+def load_experts(param: torch.Tensor, files: list[Path], names: list[str]) -> None:
+    """A mixture's stacked experts [n, out, in] (this rank's shard of them) from a folder's one tensor per expert
+    (`names`, expert by expert, in `files`): of each expert this rank holds a part of, it reads the rows its part
+    spans (safetensors reads slices of a file) and keeps its part. Every rank reads on its own: ranks hold different
+    experts, and no collective is needed."""
     local = param.to_local() if isinstance(param, DTensor) else param
     if local.numel() == 0:
         return
     rows, cols = local_indices(param) if isinstance(param, DTensor) else (torch.arange(param.shape[0]), None)
+    in_dim = param.shape[2]
+    first, last = (0, param.shape[1]) if cols is None else (int(cols.min()) // in_dim, int(cols.max()) // in_dim + 1)
     held = local.view(rows.numel(), -1)
     for i, expert in enumerate(rows.tolist()):
-        whole = torch.empty(param.shape[1:], dtype=param.dtype)
-        dcp.load({names[expert]: whole}, storage_reader=HuggingFaceStorageReader(folder), no_dist=True)
-        values = whole.view(-1)
-        held[i].copy_(values if cols is None else values[cols])
+        with safe_open(str(files[expert]), framework="pt") as tensors:
+            values = tensors.get_slice(names[expert])[first:last].to(param.dtype).reshape(-1)
+        held[i].copy_(values if cols is None else values[cols - first * in_dim])

@@ -178,7 +178,7 @@ class MoELlama(Llama):
         return [m for m in self.modules() if isinstance(m, MoEFeedForward)]
 
     def initial_std(self, name: str) -> float | None:
-        if name.endswith("experts.w2"):  # a residual projection, as the dense w2
+        if name.endswith(("experts.w2", "shared_expert.w2.weight")):  # residual projections, as the dense w2
             return self.config.init_std / (2 * self.config.n_layers) ** 0.5
         return super().initial_std(name)
 

@@ -15,6 +15,15 @@ from project.model.config import WHOLE, LlamaConfig
 from project.runtime.settings import at_least, or_null, setting, switch, whole
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+# How Mixtral routes (MixtralForCausalLM): what a mixture must have to be written in its format, and what a Mixtral
+# folder's model is given (project.hf.folder).
+MIXTRAL_ROUTING = {
+    "moe_every": 1,
+    "shared_expert": False,
+    "score_func": "softmax",
+    "normalize_top_k": True,
+    "bias_update_rate": 0.0,
+}
 
 
 @dataclass
@@ -32,7 +41,7 @@ class MoEConfig(LlamaConfig):
     score_func: str = setting("softmax", lambda v: v in SCORE_FUNCTIONS, "softmax or sigmoid")
     # Divide the chosen experts' scores by their sum, so a token's expert weights add up to 1 (Mixtral does).
     normalize_top_k: bool = switch(True)
-    # The load-balancing loss's weight in the training objective (0: none); the loss is logged as train/aux_loss.
+    # The load-balancing loss's weight in the training objective (0: none); the loss is logged as moe/aux_loss.
     aux_loss_coef: float = setting(0.01, at_least(0), "at least 0, e.g. 0.01 (0: no auxiliary loss)")
     # DeepSeek-V3's balancing without a loss: after each optimizer step every expert's routing bias moves by this
     # much toward the mean load (up if under-loaded); it only chooses experts, never weighs them. 0: no bias.
@@ -60,14 +69,9 @@ class MoEConfig(LlamaConfig):
 
     def hf_format_differences(self) -> list[str]:
         """The settings that Mixtral's format (MixtralForCausalLM) cannot hold, as `model.KEY=VALUE`."""
-        mixtral = {
-            "moe_every": 1,
-            "shared_expert": False,
-            "score_func": "softmax",
-            "normalize_top_k": True,
-            "bias_update_rate": 0.0,
-        }
-        return [f"model.{key}={getattr(self, key)}" for key, value in mixtral.items() if getattr(self, key) != value]
+        return [
+            f"model.{key}={getattr(self, key)}" for key, value in MIXTRAL_ROUTING.items() if getattr(self, key) != value
+        ]
 
     def feed_forward_parameters(self, index: int, active: bool = False) -> int:
         if not self.is_moe_layer(index):

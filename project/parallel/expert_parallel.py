@@ -66,21 +66,23 @@ class ExpertParallelExperts(nn.Module):
         # received[s, l]: the tokens rank s sends this rank's expert l (each rank's counts, laid out by rank).
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
+        # The all-to-alls take their sizes on the host: read both counts there at once (one wait for the device).
+        sent_host, received_host = torch.stack([counts, received]).tolist()
         received = received.view(ep, local)
-        sent_splits = counts.view(ep, local).sum(dim=1).tolist()
-        received_splits = received.sum(dim=1).tolist()
+        sent_splits = [sum(sent_host[r * local : (r + 1) * local]) for r in range(ep)]
+        received_splits = [sum(received_host[s * local : (s + 1) * local]) for s in range(ep)]
         # The experts' gradients sum what every rank of the group sent them; a dense weight's gradient is the mean
         # over data-parallel ranks. So the combine's backward divides the results' gradients by the group's size
         # (the experts' gradients come out as that mean) and the dispatch's multiplies the tokens' back (theirs
         # unchanged); FSDP2 then averages over the groups, as it does a dense weight's.
         arrived = AllToAll.apply(x, sent_splits, received_splits, self.group, float(ep))
         # Arrived by source rank, then expert; the experts take theirs together: regrouped by expert, then source.
-        pieces = arrived.split(received.flatten().tolist())
+        pieces = arrived.split(received_host)
         by_expert = torch.cat([pieces[s * local + e] for e in range(local) for s in range(ep)])
         params = [self.get_parameter(name) for name in ("w1", "w3", "w2")]
         weights = [w.to_local() if isinstance(w, DTensor) else w for w in params]
         out = expert_products(by_expert, received.sum(dim=0), *weights)
-        results = out.split(received.t().flatten().tolist())
+        results = out.split([received_host[s * local + e] for e in range(local) for s in range(ep)])
         by_source = torch.cat([results[e * ep + s] for s in range(ep) for e in range(local)])
         return AllToAll.apply(by_source, received_splits, sent_splits, self.group, 1.0 / ep)
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Callable, cast
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from project.model.llama import Llama
+from project.model.moe import Experts
 from project.parallel.expert_parallel import ExpertParallelExperts
 
 
@@ -43,27 +44,40 @@ def apply_fsdp2(
     )
     # nn.Module's attribute typing (Tensor | Module) does not know a stage's `layers` is a ModuleDict.
     for block in cast(nn.ModuleDict, model.layers).values():
-        for experts in block.modules() if experts_mesh is not None else ():
-            if isinstance(experts, ExpertParallelExperts):
+        for experts in block.modules():
+            if isinstance(experts, ExpertParallelExperts) and experts_mesh is not None:
                 fully_shard(
                     experts,
                     mesh=experts_mesh,
                     mp_policy=policy,
                     reshard_after_forward=reshard_after_forward,
-                    shard_placement_fn=stacked_experts_by_width,
+                    shard_placement_fn=stacked_experts_by_width(experts, experts_mesh.size()),
                 )
         fully_shard(
             block,
             mesh=mesh,
             mp_policy=policy,
             reshard_after_forward=reshard_after_forward,
-            shard_placement_fn=stacked_experts_by_width,
+            shard_placement_fn=stacked_experts_by_width(block, mesh.size()),
         )
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
 
-def stacked_experts_by_width(param: nn.Parameter) -> Shard | None:
-    """Experts' stacked weights [n_experts, out, in] (project.model.moe) are split along their width, not their
-    first dimension: 8 experts over 64 ranks would leave 56 ranks none of them and 8 a whole expert each. Every
-    other parameter: FSDP2's own dim-0 split (None)."""
-    return Shard(1) if param.ndim == 3 else None
+def stacked_experts_by_width(module: nn.Module, ranks: int) -> Callable[[nn.Parameter], Shard | None]:
+    """FSDP2's placement of each parameter of `module` over `ranks`: a mixture's stacked expert weights
+    [n_experts, out, in] (project.model.moe) split along a width (out, else in) that the ranks divide, not along
+    their first dimension: 8 experts over 64 ranks would leave 56 ranks none of them and 8 a whole expert each
+    (FSDP2 splits only dim 0 unevenly). Every other parameter, and experts no width of which the ranks divide:
+    FSDP2's own dim-0 split (None)."""
+    stacked = {
+        id(p) for m in module.modules() if isinstance(m, (Experts, ExpertParallelExperts)) for p in m.parameters()
+    }
+
+    def placement(param: nn.Parameter) -> Shard | None:
+        if id(param) not in stacked:
+            return None
+        # A DTensor (expert parallelism's shard) is placed by its local shape, as FSDP2 splits that.
+        shape = param.to_local().shape if isinstance(param, DTensor) else param.shape
+        return next((Shard(dim) for dim in (1, 2) if shape[dim] % ranks == 0), None)
+
+    return placement

@@ -19,9 +19,9 @@ def materialize(model: Llama, device: torch.device, initialize: bool = True) -> 
     the values anyway.
     """
     model.to_empty(device=device)
+    model.init_buffers()  # before any load, which then overwrites them: never left unset
     if not initialize:
         return
-    model.init_buffers()
     for name, param in model.named_parameters():
         if not isinstance(param, DTensor):
             param.copy_(model.initial_value(name))

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
@@ -181,7 +182,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
             if float8_gathers:
                 scales_before_each_forward(root)
 
-    def _split_experts(self, model: Llama) -> Any:
+    def _split_experts(self, model: Llama) -> DeviceMesh | None:
         """With expert_parallel_size = ep > 1: the mixtures' experts split over groups of ep data-parallel ranks
         (neighbours), and the mesh of the ranks that hold the same experts, for FSDP2; else None."""
         ep = self.expert_parallel_size
