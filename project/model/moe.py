@@ -57,7 +57,9 @@ def expert_products(
     """x [M, dim]: tokens sorted by expert, counts[e] of them for expert e of the stacked weights (w1, w3:
     [n, hidden, dim]; w2: [n, dim, hidden]) -> each token through its expert's SwiGLU, [M, dim]."""
     if x.device.type == "cuda" and x.dtype == torch.bfloat16:
-        # One grouped product per projection for all experts (torch's kernel takes bf16 on sm80 and later).
+        # One grouped product per projection for all experts (torch's kernel takes bf16 on sm80 and later). The
+        # input is bf16 under bf16-true and under FSDP2's bf16 gathers; under autocast (single, ddp with bf16-mixed)
+        # it is float32 and the experts run one after another, with a wait for the counts on the host.
         ends = counts.cumsum(0).to(torch.int32)
         hidden = F.silu(F.grouped_mm(x, w1.transpose(-2, -1), offs=ends))
         hidden = hidden * F.grouped_mm(x, w3.transpose(-2, -1), offs=ends)
@@ -194,7 +196,9 @@ class MoELlama(Llama):
         mixtures = self.mixtures()
         aux = torch.stack([m.aux_loss for m in mixtures if m.aux_loss is not None]).mean()
         loads = torch.stack([m.load for m in mixtures if m.load is not None])
-        for m in mixtures:  # the graph is the loss's now; the modules hold none between steps
+        # The graph is the loss's now. (Activation checkpointing's recompute sets them again in the backward, from
+        # the same tokens; the next forward replaces them: nothing is read from them before.)
+        for m in mixtures:
             m.aux_loss = m.load = None
         if not self.training:
             return out
