@@ -123,10 +123,6 @@ VALUES = [
     (["model=moe_debug", "model.moe_every=3"], r"model.moe_every=3 exceeds model.n_layers=2"),
     (["model=moe_debug", "model.aux_loss_coef=-1"], r"model.aux_loss_coef=-1 is out of range"),
     (
-        ["model=moe_debug", "strategy=tp", "trainer.devices=2"],
-        r"strategy.tensor_parallel_size=2: model.family=moe .* cannot be split that way yet",
-    ),
-    (
         ["model=moe_debug", "strategy=pipeline", "trainer.devices=2"],
         r"a pipeline of stages \(strategy=pipeline\): model.family=moe",
     ),

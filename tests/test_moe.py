@@ -165,6 +165,11 @@ LAYOUTS = {
     # split over those ranks and the other pair's.
     "cp2": ["strategy=fsdp2", "trainer.devices=2", "strategy.context_parallel_size=2"],
     "cp2-ep4": ["strategy=fsdp2", "trainer.devices=4", "strategy.context_parallel_size=2", f"{EP}=4"],
+    # Tensor parallelism of the dense parts (the mixture replicated over the group), with sequence parallelism, and
+    # with experts split over the data-parallel ranks besides.
+    "tp2": ["strategy=tp", "trainer.devices=2"],
+    "tp2-sp": ["strategy=tp", "trainer.devices=2", "strategy.sequence_parallel=true"],
+    "tp2-sp-ep2": ["strategy=tp_fsdp", "trainer.devices=4", "strategy.sequence_parallel=true", f"{EP}=2"],
     # Blocks recomputed in the backward: the mixture runs again, its all-to-alls too.
     "ep2-recomputed": ["strategy=fsdp2", "trainer.devices=2", f"{EP}=2", "strategy.activation_checkpointing=true"],
 }

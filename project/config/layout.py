@@ -103,9 +103,9 @@ def check_family_layout(model: LlamaConfig, shape: MeshShape, pipeline: bool) ->
     if refused:
         raise ConfigError(
             f"{' and '.join(refused)}: model.family={family.name} ({family.summary}) cannot be split that way yet "
-            "(its experts under tensor parallelism, its balancing loss across pipeline stages). Train it with "
-            "strategy=single, ddp, fsdp or fsdp2, with strategy.expert_parallel_size for its experts and "
-            "strategy.context_parallel_size for long sequences (docs/moe.md)."
+            "(its balancing loss across pipeline stages). Train it with strategy=single, ddp, fsdp, fsdp2, tp or "
+            "tp_fsdp, with strategy.expert_parallel_size for its experts and strategy.context_parallel_size for long "
+            "sequences (docs/moe.md)."
         )
 
 

@@ -32,7 +32,7 @@ class ModelFamily:
     # The Hugging Face architecture project.export writes and init_from reads (project.hf); None: not yet.
     hf_architecture: str | None = None
     # The dimensions this family's model cannot be split over yet ("tensor", "context", "pipeline"): a mixture's
-    # experts under tensor parallelism, and its balancing loss across pipeline stages, are not written yet.
+    # balancing loss across pipeline stages is not written yet.
     refuses: tuple[str, ...] = ()
     # Whether project.planning's memory, time and traffic formulas describe this family's blocks (the dry run's
     # shards are the strategies' own, for every family).
@@ -61,7 +61,7 @@ FAMILIES: dict[str, ModelFamily] = {
             "Llama with a mixture of experts as feed-forward (Mixtral, Llama 4)",
             "Llama mixture of experts",
             hf_architecture="MixtralForCausalLM",
-            refuses=("tensor", "pipeline"),
+            refuses=("pipeline",),
             planned=False,
         ),
     )

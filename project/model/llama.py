@@ -359,6 +359,12 @@ class Llama(nn.Module):
             return self.head_loss(self.norm(h), targets)
         return self.output(self.norm(h))
 
+    def with_auxiliary_losses(self, loss: torch.Tensor) -> torch.Tensor:
+        """The training objective of the forward that just computed `loss` (its mean next-token loss, a plain
+        tensor): the loss itself, or with the gradient of losses of the model's own (a mixture of experts' balancing
+        loss, project.model.moe), its value unchanged."""
+        return loss
+
     def step_statistics(self, sum_over_ranks, report: bool) -> dict[str, torch.Tensor]:
         """What the model gathered over an optimizer step's forward passes, after their backward: summed over every
         rank with `sum_over_ranks`, acted on, and with `report` as metrics to log. A dense Llama gathers nothing; a

@@ -171,6 +171,7 @@ class MoELlama(Llama):
         self._loads: torch.Tensor | None = None
         self._aux_sum: torch.Tensor | None = None
         self._batches = 0
+        self._pending_aux: torch.Tensor | None = None  # the last training forward's, until with_auxiliary_losses
 
     def block(self, config: MoEConfig, index: int) -> Block:  # type: ignore[override]
         return Block(config, MoEFeedForward(config) if config.is_moe_layer(index) else None)
@@ -205,9 +206,14 @@ class MoELlama(Llama):
         self._loads = loads if self._loads is None else self._loads + loads
         self._aux_sum = aux.detach() if self._aux_sum is None else self._aux_sum + aux.detach()
         self._batches += 1
-        if targets is None or self.config.aux_loss_coef == 0:
-            return out
-        return WithAuxiliaryGradient.apply(out, aux, self.config.aux_loss_coef)
+        if targets is not None and self.config.aux_loss_coef > 0:
+            self._pending_aux = aux
+        return out
+
+    def with_auxiliary_losses(self, loss: torch.Tensor) -> torch.Tensor:
+        # The loss as a plain tensor (the caller's: a tensor-parallel head's is a DTensor until then).
+        aux, self._pending_aux = self._pending_aux, None
+        return loss if aux is None else WithAuxiliaryGradient.apply(loss, aux, self.config.aux_loss_coef)
 
     @torch.no_grad()
     def step_statistics(self, sum_over_ranks, report: bool) -> dict[str, torch.Tensor]:

@@ -41,6 +41,7 @@ from project.parallel.float8_rules import (
     FLOAT8_MULTIPLE,
     INSTALL_HINT,
     RECIPES,
+    block_projections,
     in_float8,
     torchao_installed,
 )
@@ -120,12 +121,16 @@ def convert_to_float8(model: Llama, config: Any, tensor_parallel: int = 1) -> li
     (project.parallel.float8_rules); return the names of those left as they were. Parameter names, and so
     checkpoints, stay the plain model's."""
     chosen = set(in_float8(model.config, tensor_parallel))
+    projections = set(block_projections(model.config, tensor_parallel))
     kept: list[str] = []
 
     def convert(module: nn.Module, name: str) -> bool:
         if not isinstance(module, nn.Linear) or not name.startswith("layers."):  # not the head
             return False
-        if name.split(".", 2)[2] not in chosen:  # layers.<i>.<sub-layer>.<projection>
+        projection = name.split(".", 2)[2]  # layers.<i>.<sub-layer>.<projection>
+        if projection not in projections:  # a mixture's router (float32 scores) and shared expert
+            return False
+        if projection not in chosen:
             kept.append(name)
             return False
         return True

@@ -6,6 +6,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -13,6 +14,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from project.model.llama import Llama
+from project.model.moe import MoEFeedForward
 from project.parallel.float8 import tensor_parallel_styles
 from project.parallel.float8_rules import SUB_LAYERS, sub_layer_in_float8
 from project.parallel.mesh import check_tensor_parallel_degree
@@ -62,6 +64,9 @@ def apply_tensor_parallel(
     for block in model.layers.values():
         plan: dict = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()} if sequence_parallel else {}
         for name, projections in SUB_LAYERS.items():
+            if isinstance(getattr(block, name), MoEFeedForward):
+                plan |= mixture_plan(sequence_parallel)
+                continue
             float8_styles = float8 == "tensorwise" and sub_layer_in_float8(model.config, name, mesh.size())
             colwise, rowwise, prepare = tensor_parallel_styles(float8_styles)
             *split, joined = projections
@@ -74,3 +79,23 @@ def apply_tensor_parallel(
             others = (None, None, None) if name == "attention" else ()
             plan[name] = prepare(input_layouts=(residual, *others), desired_input_layouts=(Replicate(), *others))
         parallelize_module(block, mesh, plan)
+
+
+def mixture_plan(sequence_parallel: bool) -> dict:
+    """A mixture of experts' feed-forward under tensor parallelism: not split (its experts whole on every rank of the
+    group, or split over data-parallel ranks by expert parallelism), it routes and computes every token of the
+    group's sequences alike on each rank, as a replicated layer. Without sequence parallelism its input and output
+    are the replicated residual stream already; with it, the sequence is gathered before it and each rank keeps its
+    part of the output (whose gradient is gathered again in the backward)."""
+    if not sequence_parallel:
+        return {}
+    return {
+        "feed_forward": PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=True,
+        )
+    }

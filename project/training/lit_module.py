@@ -250,7 +250,7 @@ class LlamaLitModule(LightningModule):
         (a pipeline: model and criterion split over stages). `model_kwargs`: the model's other inputs where the
         strategy computed them (context parallelism: those of the whole sequences), else from `inputs`."""
         kwargs = self.model_kwargs(inputs) if model_kwargs is None else model_kwargs
-        return _plain(self.model(inputs, targets=targets, **kwargs))
+        return self.model.with_auxiliary_losses(_plain(self.model(inputs, targets=targets, **kwargs)))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.strategy().step_loss(self, *batch, train=True)
