@@ -129,7 +129,8 @@ def test_routing_biases_move_toward_the_mean_load_after_a_step():
     config = tiny(bias_update_rate=0.5)
     model = build_model(config, init_seed=1).train()
     model(torch.randint(0, 96, (2, 16)), targets=torch.randint(0, 96, (2, 16))).backward()
-    loads = model._loads.clone()
+    loads = model._statistics[:, :-2].clone()  # each mixture's routed (token, slot) pairs per expert
+    assert loads.sum(dim=1).tolist() == [2 * 16 * config.top_k] * 2
     metrics = model.step_statistics(lambda t: t * 2, report=True)  # as two ranks of the same batch would sum
     for mixture, load in zip(model.mixtures(), loads, strict=True):
         expected = 0.5 * torch.sign(load.mean() - load)

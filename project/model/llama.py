@@ -365,6 +365,11 @@ class Llama(nn.Module):
         loss, project.model.moe), its value unchanged."""
         return loss
 
+    def stage_output(self, h: torch.Tensor) -> torch.Tensor:
+        """A pipeline stage's output hidden states (project.parallel.pipeline), joined to losses of the model's own
+        its blocks computed (a mixture of experts' balancing loss) where there are any; `h` itself here."""
+        return h
+
     def step_statistics(self, sum_over_ranks, report: bool) -> dict[str, torch.Tensor]:
         """What the model gathered over an optimizer step's forward passes, after their backward: summed over every
         rank with `sum_over_ranks`, acted on, and with `report` as metrics to log. A dense Llama gathers nothing; a

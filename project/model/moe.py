@@ -145,18 +145,20 @@ class MoEFeedForward(nn.Module):
 
 
 class WithAuxiliaryGradient(torch.autograd.Function):
-    """The loss's value, and in the backward pass the gradient of loss + coef * aux: the auxiliary loss's gradient
-    gets the same scale as the loss's (accumulation's division, a gradient scaler's factor) without either being
-    known here, and train/loss stays the next-token loss."""
+    """`x` itself, and in the backward pass the gradient of x + coef * aux: with `scaled` (x is the loss) at the
+    loss's own scale (accumulation's division, a gradient scaler's factor) without either being known here, so that
+    train/loss stays the next-token loss; without (x is a pipeline stage's output, whose loss is backpropagated from
+    a gradient of 1), as coef."""
 
     @staticmethod
-    def forward(ctx, loss: torch.Tensor, aux: torch.Tensor, coef: float) -> torch.Tensor:
-        ctx.coef = coef
-        return loss.clone()
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, coef: float, scaled: bool = True) -> torch.Tensor:
+        ctx.coef, ctx.scaled = coef, scaled
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, grad * ctx.coef, None
+        aux_grad = grad * ctx.coef if ctx.scaled else grad.new_tensor(ctx.coef)
+        return grad, aux_grad, None, None
 
 
 class MoELlama(Llama):
@@ -166,12 +168,13 @@ class MoELlama(Llama):
 
     def __init__(self, config: MoEConfig, init_seed: int = 0):
         super().__init__(config, init_seed)
-        # Since the last optimizer step: each mixture's routed tokens per expert, and the auxiliary loss's sum and
-        # count of batches (read and cleared by step_statistics).
-        self._loads: torch.Tensor | None = None
-        self._aux_sum: torch.Tensor | None = None
-        self._batches = 0
-        self._pending_aux: torch.Tensor | None = None  # the last training forward's, until with_auxiliary_losses
+        # Since the last optimizer step, per mixture block of the whole model (config.moe_layers, whichever this
+        # model holds: a pipeline stage holds some): its routed tokens per expert, its auxiliary losses' sum and
+        # their count, [mixtures, n_experts + 2] (read and cleared by step_statistics).
+        self._statistics: torch.Tensor | None = None
+        # The training forward's auxiliary loss so far (each mixture's, over the whole model's number of
+        # mixtures), until with_auxiliary_losses or stage_output joins it to the objective.
+        self._pending_aux: torch.Tensor | None = None
 
     def block(self, config: MoEConfig, index: int) -> Block:  # type: ignore[override]
         return Block(config, MoEFeedForward(config) if config.is_moe_layer(index) else None)
@@ -179,6 +182,16 @@ class MoELlama(Llama):
     def mixtures(self) -> list[MoEFeedForward]:
         """The mixture-of-experts feed-forwards of the blocks this model holds, in order."""
         return [m for m in self.modules() if isinstance(m, MoEFeedForward)]
+
+    def held_mixtures(self) -> dict[int, MoEFeedForward]:
+        """The mixtures this model holds (a pipeline stage: some) by their position among config.moe_layers."""
+        held = {}
+        for position, index in enumerate(self.config.moe_layers):
+            if str(index) in self.layers:
+                mixture = self.layers[str(index)].get_submodule("feed_forward")
+                assert isinstance(mixture, MoEFeedForward)
+                held[position] = mixture
+        return held
 
     def initial_std(self, name: str) -> float | None:
         if name.endswith(("experts.w2", "shared_expert.w2.weight")):  # residual projections, as the dense w2
@@ -192,54 +205,66 @@ class MoELlama(Llama):
             if mixture.router.expert_bias is not None:
                 mixture.router.expert_bias.zero_()
 
-    def forward(self, tokens, document_ids=None, cache=None, targets=None):
-        out = super().forward(tokens, document_ids, cache, targets)
-        mixtures = self.mixtures()
-        aux = torch.stack([m.aux_loss for m in mixtures if m.aux_loss is not None]).mean()
-        loads = torch.stack([m.load for m in mixtures if m.load is not None])
-        # The graph is the loss's now. (Activation checkpointing's recompute sets them again in the backward, from
-        # the same tokens; the next forward replaces them: nothing is read from them before.)
-        for m in mixtures:
+    def run_layers(self, h, layers, seq_len, document_ids=None, cache=None):
+        layers = list(layers)
+        h = super().run_layers(h, layers, seq_len, document_ids, cache)
+        ran_now = {id(layer.get_submodule("feed_forward")) for layer in layers}
+        ran = [(p, m) for p, m in self.held_mixtures().items() if id(m) in ran_now]
+        aux = [m.aux_loss for _, m in ran if m.aux_loss is not None]
+        rows = [
+            torch.cat([m.load, m.aux_loss.detach()[None], m.load.new_ones(1)])
+            for _, m in ran
+            if m.load is not None and m.aux_loss is not None
+        ]
+        # The graph is the objective's now. (Activation checkpointing's recompute sets them again in the backward,
+        # from the same tokens; the next forward replaces them: nothing is read from them before.)
+        for _, m in ran:
             m.aux_loss = m.load = None
-        if not self.training:
-            return out
-        self._loads = loads if self._loads is None else self._loads + loads
-        self._aux_sum = aux.detach() if self._aux_sum is None else self._aux_sum + aux.detach()
-        self._batches += 1
-        if targets is not None and self.config.aux_loss_coef > 0:
-            self._pending_aux = aux
-        return out
+        if not self.training or not ran:
+            return h
+        statistics = torch.zeros(len(self.config.moe_layers), self.config.n_experts + 2, device=h.device)
+        statistics[[p for p, _ in ran]] = torch.stack(rows)
+        self._statistics = statistics if self._statistics is None else self._statistics + statistics
+        if self.config.aux_loss_coef > 0:
+            part = torch.stack(aux).sum() / len(self.config.moe_layers)
+            self._pending_aux = part if self._pending_aux is None else self._pending_aux + part
+        return h
 
     def with_auxiliary_losses(self, loss: torch.Tensor) -> torch.Tensor:
         # The loss as a plain tensor (the caller's: a tensor-parallel head's is a DTensor until then).
         aux, self._pending_aux = self._pending_aux, None
         return loss if aux is None else WithAuxiliaryGradient.apply(loss, aux, self.config.aux_loss_coef)
 
+    def stage_output(self, h: torch.Tensor) -> torch.Tensor:
+        # A pipeline's schedule backpropagates each microbatch's loss from a gradient of 1 (and scales every
+        # gradient once at the end): the stage's auxiliary losses join with their own weight as gradient.
+        aux, self._pending_aux = self._pending_aux, None
+        return h if aux is None else WithAuxiliaryGradient.apply(h, aux, self.config.aux_loss_coef, False)
+
     @torch.no_grad()
     def step_statistics(self, sum_over_ranks, report: bool) -> dict[str, torch.Tensor]:
         """After the backward passes of an optimizer step: every rank's expert loads and auxiliary losses since the
         last step, summed by `sum_over_ranks` (the strategy's), move the routing biases (bias_update_rate > 0), and
-        with `report` give the step's metrics: moe/aux_loss (mean over batches and ranks), and per mixture block i
-        moe/layer{i}/load_max and load_min (the most and least loaded expert's tokens over the mean) and
-        moe/layer{i}/top_share (the share of the step's tokens routed to the most loaded expert)."""
-        loads, aux_sum, batches = self._loads, self._aux_sum, self._batches
-        self._loads, self._aux_sum, self._batches = None, None, 0
-        if loads is None or aux_sum is None or not (report or self.config.bias_update_rate > 0):
+        with `report` give the step's metrics: moe/aux_loss (the mean of each mixture's mean over batches and
+        ranks), and per mixture block i moe/layer{i}/load_max and load_min (the most and least loaded expert's tokens
+        over the mean) and moe/layer{i}/top_share (the share of the step's tokens routed to the most loaded expert).
+        Every rank sums the whole model's table alike (a pipeline stage's rows of others' mixtures are zeros)."""
+        statistics, self._statistics = self._statistics, None
+        if statistics is None or not (report or self.config.bias_update_rate > 0):
             return {}
-        counts = torch.stack([aux_sum, torch.tensor(float(batches), device=loads.device)])
-        totals = sum_over_ranks(torch.cat([loads.flatten(), counts]))
-        loads = totals[: loads.numel()].view_as(loads)
-        mean = loads.mean(dim=1, keepdim=True)
+        statistics = sum_over_ranks(statistics)
+        loads, aux_sums, counts = statistics[:, :-2], statistics[:, -2], statistics[:, -1]
+        mean = loads.mean(dim=1)
         if self.config.bias_update_rate > 0:
-            for mixture, load, m in zip(self.mixtures(), loads, mean, strict=True):
+            for position, mixture in self.held_mixtures().items():
                 bias = mixture.router.expert_bias
                 assert bias is not None  # every router has one where bias_update_rate > 0
-                bias += self.config.bias_update_rate * torch.sign(m - load)
+                bias += self.config.bias_update_rate * torch.sign(mean[position] - loads[position])
         if not report:
             return {}
         tokens = loads.sum(dim=1) / self.config.top_k
-        metrics = {"moe/aux_loss": totals[-2] / totals[-1]}
-        for index, load, m, n in zip(self.config.moe_layers, loads, mean[:, 0], tokens, strict=True):
+        metrics = {"moe/aux_loss": (aux_sums / counts).mean()}
+        for index, load, m, n in zip(self.config.moe_layers, loads, mean, tokens, strict=True):
             metrics[f"moe/layer{index}/load_max"] = load.max() / m
             metrics[f"moe/layer{index}/load_min"] = load.min() / m
             metrics[f"moe/layer{index}/top_share"] = load.max() / n

@@ -56,12 +56,13 @@ class LlamaStage(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
         self.norm = model.norm if last else None
         self.output = model.output if last else None
-        self.run_layers = model.run_layers  # a bound method: the model is not registered as a submodule
+        # Bound methods: the model is not registered as a submodule.
+        self.run_layers, self.stage_output = model.run_layers, model.stage_output
 
     def forward(self, x: torch.Tensor, seq_len: int, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         h = self.run_layers(h, self.layers.values(), seq_len, document_ids)
-        return h if self.norm is None else self.norm(h)
+        return self.stage_output(h if self.norm is None else self.norm(h))
 
 
 def split_into_stages(
