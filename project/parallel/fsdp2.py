@@ -42,24 +42,23 @@ def apply_fsdp2(
         param_dtype=getattr(torch, param_dtype) if param_dtype else None,
         reduce_dtype=getattr(torch, reduce_dtype or "float32"),
     )
+
+    def shard(module: nn.Module, over: DeviceMesh) -> None:
+        placement = stacked_experts_by_width(module, over.size())
+        fully_shard(
+            module,
+            mesh=over,
+            mp_policy=policy,
+            reshard_after_forward=reshard_after_forward,
+            shard_placement_fn=placement,
+        )
+
     # nn.Module's attribute typing (Tensor | Module) does not know a stage's `layers` is a ModuleDict.
     for block in cast(nn.ModuleDict, model.layers).values():
         for experts in block.modules():
             if isinstance(experts, ExpertParallelExperts) and experts_mesh is not None:
-                fully_shard(
-                    experts,
-                    mesh=experts_mesh,
-                    mp_policy=policy,
-                    reshard_after_forward=reshard_after_forward,
-                    shard_placement_fn=stacked_experts_by_width(experts, experts_mesh.size()),
-                )
-        fully_shard(
-            block,
-            mesh=mesh,
-            mp_policy=policy,
-            reshard_after_forward=reshard_after_forward,
-            shard_placement_fn=stacked_experts_by_width(block, mesh.size()),
-        )
+                shard(experts, experts_mesh)  # over the ranks holding the same experts, before the block
+        shard(block, mesh)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
 
