@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from project.model.config import LlamaConfig
@@ -109,11 +109,6 @@ def model_config(fields: Mapping[str, Any] | LlamaConfig) -> LlamaConfig:
     if isinstance(fields, LlamaConfig):
         return fields
     return family_of(fields).config(**fields)
-
-
-def config_fields(config: LlamaConfig) -> dict[str, Any]:
-    """The fields of a model config as a dict, `family` included: what `model_config` builds it again from."""
-    return asdict(config)
 
 
 def build_model(config: LlamaConfig | Mapping[str, Any], init_seed: int = 0) -> Llama:

@@ -181,7 +181,7 @@ class MoELlama(Llama):
 
     def mixtures(self) -> list[MoEFeedForward]:
         """The mixture-of-experts feed-forwards of the blocks this model holds, in order."""
-        return [m for m in self.modules() if isinstance(m, MoEFeedForward)]
+        return list(self.held_mixtures().values())
 
     def held_mixtures(self) -> dict[int, MoEFeedForward]:
         """The mixtures this model holds (a pipeline stage: some) by their position among config.moe_layers."""

@@ -23,7 +23,7 @@ from project.config.stability import StabilityConfig
 from project.data.datamodule import TokenShardDataModule
 from project.hf.published import load_published_weights
 from project.model.config import LlamaConfig
-from project.model.families import build_model, config_fields, model_config
+from project.model.families import build_model, model_config
 from project.model.loss import IGNORED
 from project.parallel.contract import LlamaStrategy, contract_of
 from project.runtime.errors import ConfigError
@@ -148,7 +148,7 @@ class LlamaLitModule(LightningModule):
             raise ValueError("document_mask needs the tokenizer's eos_id")
         self.save_hyperparameters(
             {
-                "model": config_fields(model_cfg),
+                "model": asdict(model_cfg),  # `family` among the fields: model_config builds it again
                 "optim": asdict(optim_cfg),
                 "stability": asdict(stability_cfg),
                 "document_mask": document_mask,
