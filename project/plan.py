@@ -21,7 +21,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from project.config.command_line import check_command_line
 from project.config.values import model_config
-from project.model.families import unplanned
 from project.planning.candidates import SearchSpace
 from project.planning.cluster import GIB, Cluster
 from project.planning.memory import STORAGE_BYTES, Allowance
@@ -41,8 +40,6 @@ def workload(cfg: DictConfig) -> Workload:
             )
         batch = cfg.global_batch_tokens // cfg.seq_len
     float8 = cfg.get("float8")
-    if refusal := unplanned(model_config(cfg)):
-        raise ConfigError(refusal)
     return Workload(
         model_config(cfg), int(cfg.seq_len), int(batch), float(cfg.train_tokens), str(cfg.precision), float8
     )

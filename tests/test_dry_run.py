@@ -21,6 +21,7 @@ from project.planning.candidates import Candidate
 from project.planning.cluster import Cluster
 from project.planning.dry_run import build_meta_model, coordinates, rank_share, representative_ranks
 from project.planning.memory import Allowance, estimate_memory
+from project.planning.parameters import sharded_parameters
 from project.planning.planner import Workload
 from project.planning.render import model_arguments
 from project.planning.render import train_overrides as planned_overrides
@@ -117,6 +118,9 @@ def test_mixtral_with_eight_way_expert_parallelism_shards_on_64_fake_ranks_into_
         by_hand += expert * config.n_layers
         assert rank_share(cfg, layout, rank).parameters == by_hand, rank
     assert by_hand == pytest.approx(46.7e9 / 64, rel=0.01)
+    # The planner's count of the fullest rank (rank 0: dim-0 chunks rounded up) is the dry run's.
+    planned = sharded_parameters(config, Candidate("fsdp2", 64, 1, 1, 1, 1, expert_parallel=8))
+    assert planned == rank_share(cfg, layout, 0).parameters
 
 
 @pytest.mark.parametrize("devices", [3, 5])
@@ -133,7 +137,10 @@ def test_experts_whose_widths_the_ranks_do_not_divide_are_sharded_along_another_
     )
     layout = preflight(cfg, dry_run=True)
     total = sum(p.numel() for p in build_meta_model(cfg).parameters())
-    assert sum(rank_share(cfg, layout, rank).parameters for rank in range(devices)) == total
+    shares = [rank_share(cfg, layout, rank).parameters for rank in range(devices)]
+    assert sum(shares) == total
+    # The planner's count of the fullest rank, padded where FSDP2 pads, is the dry run's.
+    assert sharded_parameters(model_config(cfg), Candidate("fsdp2", devices, 1, 1, 1, 1)) == max(shares)
 
 
 def test_a_float8_job_dry_runs_into_the_shares_of_the_same_job_in_bf16():

@@ -93,6 +93,11 @@ class LlamaConfig:
         one). A family whose feed-forward differs says so here (project.model.moe_config)."""
         return 3 * self.dim * self.ffn_hidden_dim
 
+    def values_summed_each_step(self) -> int:
+        """How many float32 values the model sums over every rank after each optimizer step (its step_statistics,
+        where they change training: a mixture's routing biases), for the planner's traffic; 0 for a dense one."""
+        return 0
+
     @property
     def ffn_hidden_dim(self) -> int:
         if self.ffn_dim is not None:

@@ -80,6 +80,11 @@ class MoEConfig(LlamaConfig):
         routed = (self.top_k if active else self.n_experts) * expert
         return self.n_experts * self.dim + routed + (expert if self.shared_expert else 0)  # the router's matrix first
 
+    def values_summed_each_step(self) -> int:
+        # The expert loads and balancing losses of every mixture (MoELlama.step_statistics), summed after each step
+        # where the routing biases move; only on logging steps otherwise.
+        return len(self.moe_layers) * (self.n_experts + 2) if self.bias_update_rate > 0 else 0
+
     @property
     def moe_layers(self) -> list[int]:
         return [i for i in range(self.n_layers) if self.is_moe_layer(i)]

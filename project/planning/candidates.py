@@ -13,6 +13,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+from project.config.layout import check_expert_parallel, check_family_layout
 from project.model.config import LlamaConfig
 from project.parallel.batch import plan_batches, plan_pipeline_batches
 from project.parallel.mesh import MeshShape, check_tensor_parallel_degree
@@ -33,6 +34,8 @@ HAS_CHECKPOINTING = {"fsdp", "fsdp2", "tp", "tp_fsdp", "pipeline"}
 HAS_COMPILE = {"fsdp2", "tp", "tp_fsdp", "pipeline"}
 # Strategies that split sequences over strategy.context_parallel_size ranks (project.parallel.context_parallel).
 HAS_CONTEXT_PARALLEL = {"fsdp2", "tp", "tp_fsdp", "pipeline"}
+# Strategies that split a mixture's experts over strategy.expert_parallel_size ranks (project.parallel.expert_parallel).
+HAS_EXPERT_PARALLEL = {"fsdp2", "tp_fsdp"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class Candidate:
     context_parallel: int = 1  # ranks that split each sequence
     regather_kv: bool = False  # context parallel: each block keeps its own keys and values only, gathered again
     float8: str | None = None  # strategy.float8: the blocks' linear layers in float8 (project.parallel.float8)
+    expert_parallel: int = 1  # a mixture's experts split over groups of this many data x context ranks
 
     @property
     def shape(self) -> MeshShape:
@@ -61,6 +65,11 @@ class Candidate:
         return self.data_parallel * self.context_parallel
 
     @property
+    def expert_shard_ranks(self) -> int:
+        """The ranks FSDP2 shards a mixture's experts over: those holding the same experts (project.parallel.fsdp2)."""
+        return self.shard_ranks // self.expert_parallel
+
+    @property
     def zero_level(self) -> int:
         return ZERO_LEVEL[self.strategy]
 
@@ -70,6 +79,8 @@ class Candidate:
         degrees = f"dp{self.data_parallel}-tp{self.tensor_parallel}-pp{self.pipeline_parallel}"
         if self.context_parallel > 1:
             degrees += f"-cp{self.context_parallel}"
+        if self.expert_parallel > 1:
+            degrees += f"-ep{self.expert_parallel}"
         parts = [self.strategy, degrees, f"mb{self.micro_batch_size}"]
         if self.schedule:
             parts.append(f"{self.schedule}-v{self.virtual_stages}")
@@ -95,6 +106,7 @@ class SearchSpace:
     micro_batch_sizes: Sequence[int] = (1, 2, 4, 8)
     max_tensor_parallel: int | None = None  # None: the devices of one node
     context_parallel: Sequence[int] = (1,)  # degrees tried for the strategies that have it
+    expert_parallel: Sequence[int] | None = None  # a mixture's: None, every degree its experts and ranks take
 
     def check(self) -> None:
         for name, values, known in (
@@ -112,10 +124,12 @@ class SearchSpace:
             or min(self.virtual_stages) < 1
             or not self.context_parallel
             or min(self.context_parallel) < 1
+            or self.expert_parallel is not None
+            and (not self.expert_parallel or min(self.expert_parallel) < 1)
         ):
             raise ConfigError(
-                "search.micro_batch_sizes, search.virtual_stages and search.context_parallel must list positive "
-                "integers."
+                "search.micro_batch_sizes, search.virtual_stages, search.context_parallel and search.expert_parallel "
+                "must list positive integers (search.expert_parallel may be null: every degree)."
             )
 
 
@@ -154,10 +168,29 @@ def candidates(
             candidate = _checked(
                 config, strategy, dp, tp, pp, micro, recompute, sp, schedule, v, global_batch_size, seq_len, cp
             )
-            if candidate is not None:
-                yield candidate
+            if candidate is None:
+                continue
+            for ep in expert_parallel_degrees(config, candidate, space.expert_parallel):
+                with_experts = dataclasses.replace(candidate, expert_parallel=ep)
+                yield with_experts
                 if cp > 1 and recompute != "full":  # the gathered keys and values gathered again instead of kept
-                    yield dataclasses.replace(candidate, regather_kv=True)
+                    yield dataclasses.replace(with_experts, regather_kv=True)
+
+
+def expert_parallel_degrees(config: LlamaConfig, candidate: Candidate, tried: Sequence[int] | None = None) -> list[int]:
+    """The expert-parallel degrees a candidate can take: 1, and for a mixture of experts under a strategy that splits
+    experts, every degree (of `tried`, where given) the run's settings check accepts (dividing the data x context
+    ranks and the experts)."""
+    if candidate.strategy not in HAS_EXPERT_PARALLEL:
+        return [1]
+    degrees = []
+    for ep in _divisors(candidate.shard_ranks) if tried is None else sorted(set(tried) | {1}):
+        try:
+            check_expert_parallel(config, ep, candidate.shape)
+        except ConfigError:
+            continue
+        degrees.append(ep)
+    return degrees
 
 
 def _checked(
@@ -165,6 +198,7 @@ def _checked(
 ) -> Candidate | None:
     """The candidate if the training run's own checks accept it, else None."""
     try:
+        check_family_layout(config, MeshShape(pp, dp, tp, cp), strategy == "pipeline")
         if tp > 1:
             check_tensor_parallel_degree(config, tp, seq_len // cp if sp else None)
         if schedule is None:

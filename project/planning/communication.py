@@ -54,6 +54,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from project.model.config import LlamaConfig
 from project.parallel.mesh import MeshShape
@@ -64,9 +65,15 @@ from project.planning.parameters import (
     Weight,
     block_weights,
     float8_weights,
+    held_blocks,
     holds_first_and_last,
+    local_block,
+    mixture_of,
+    rank_blocks,
     rank_layers,
+    rank_own,
     rank_weights,
+    shard_numel,
 )
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv")
@@ -84,6 +91,8 @@ RING = {
 DIMENSIONS = ("pipeline", "data", "context", "tensor")
 FLOAT = 4  # norms and losses: float32
 FLOAT8 = 1  # a float8 value
+INT64 = 8  # a mixture's token counts per expert
+EXPERTS = ("expert", "expert_data")  # expert parallelism's groups (dimension_of)
 AMAX = 8  # torchao's maximum of a sharded tensor, reduced as a float64
 # DDP's gradient buckets (torch.distributed's defaults): the first one small, so that communication starts early.
 DDP_FIRST_BUCKET_BYTES = 2**20
@@ -113,11 +122,23 @@ def group_name(shape: MeshShape, dims: Iterable[str]) -> str:
     return " x ".join(d for d in DIMENSIONS if d in set(dims) and degrees[d] > 1)
 
 
-def dimension_of(ranks: Iterable[int], shape: MeshShape) -> str:
+def dimension_of(ranks: Iterable[int], shape: MeshShape, expert_parallel: int = 1) -> str:
     """The mesh dimensions along which a process group's global ranks differ (group_name's form), for a group a run
-    reports by its ranks: "" for a group of one rank."""
+    reports by its ranks: "" for a group of one rank. Under expert parallelism a group of data x context ranks that
+    is not the whole of those dimensions is "expert" (neighbours that split a mixture's experts) or "expert_data"
+    (the ranks that hold the same experts)."""
+    ranks = sorted(set(ranks))
     coordinates = [_coordinates(rank, shape) for rank in ranks]
-    return " x ".join(d for i, d in enumerate(DIMENSIONS) if len({c[i] for c in coordinates}) > 1)
+    varying = [d for i, d in enumerate(DIMENSIONS) if len({c[i] for c in coordinates}) > 1]
+    degrees = dict(zip(DIMENSIONS, _degrees(shape)))
+    if expert_parallel > 1 and set(varying) <= {"data", "context"}:
+        if len(ranks) < math.prod(degrees[d] for d in varying):  # a part of those dimensions' groups
+            shards = {c[1] * shape.context_parallel + c[2] for c in coordinates}  # data x context, context inner
+            if len({s // expert_parallel for s in shards}) == 1:
+                return "expert"
+            if len({s % expert_parallel for s in shards}) == 1:
+                return "expert_data"
+    return " x ".join(varying)
 
 
 def _degrees(shape: MeshShape) -> tuple[int, int, int, int]:
@@ -136,13 +157,15 @@ class _Groups:
     """The process groups of a layout: ranks and span of each, by the dimensions it spans."""
 
     def __init__(self, c: Candidate):
-        self.shape = c.shape
+        self.shape, self.expert_parallel = c.shape, c.expert_parallel
         tp, cp, dp = c.tensor_parallel, c.context_parallel, c.data_parallel
         self._spans = {"tensor": tp, "context": tp * cp, "data": tp * cp * dp, "pipeline": tp * cp * dp * 2}
         self._spans["world"] = c.shape.world_size
 
     def collective(self, kind: str, dims: Iterable[str], calls: float, bytes_: float, part: str) -> Collective | None:
         dims = tuple(dims)
+        if dims in (("expert",), ("expert_data",)):
+            return self._expert_collective(kind, dims[0], calls, bytes_, part)
         degrees = dict(zip(DIMENSIONS, _degrees(self.shape)))
         ranks = math.prod(degrees[d] for d in dims)
         if ranks == 1 or calls == 0:  # a group of one rank communicates nothing (FSDP2 and DTensor call nothing)
@@ -152,6 +175,18 @@ class _Groups:
         else:
             span = max(self._spans[d] for d in dims)
         return Collective(kind, group_name(self.shape, dims), ranks, span, calls, bytes_, part)
+
+    def _expert_collective(self, kind: str, group: str, calls: float, bytes_: float, part: str) -> Collective | None:
+        """On the expert-parallel group of the first ranks ("expert": ep neighbours of data x context), or on the ranks
+        holding the same experts as the first ("expert_data"), named as a run's groups are (dimension_of)."""
+        shape, ep = self.shape, self.expert_parallel
+        shards = shape.data_parallel * shape.context_parallel
+        members = range(ep) if group == "expert" else range(0, shards, ep)
+        ranks = [shard * shape.tensor_parallel for shard in members]  # data x context with context inner; tensor 0
+        if len(ranks) == 1 or calls == 0:
+            return None
+        name = dimension_of(ranks, shape, ep)
+        return Collective(kind, name, len(ranks), max(ranks) + 1, calls, bytes_, part)
 
 
 def _kept(collectives: Iterable[Collective | None]) -> list[Collective]:
@@ -167,17 +202,23 @@ def tensor_parallel(config: LlamaConfig, c: Candidate, seq_len: int, precision: 
     if c.tensor_parallel == 1:
         return []
     groups, compute = _Groups(c), COMPUTE_BYTES[precision]
-    layers = sum(rank_layers(config, c, rank))
+    blocks = held_blocks(config, c, rank)
+    layers = len(blocks)
+    mixtures = sum(mixture_of(config, i) is not None for i in blocks)
     first, last = holds_first_and_last(c, rank)
     tokens = seq_len * c.micro_batch_size // c.context_parallel
     activation = tokens * config.dim * compute
     # Megatron's f and g: per block two in the forward and two in the backward (the forward again under full
-    # recompute); the embedding's output in the forward, the head's input in the backward.
-    reductions = (6 if c.recompute == "full" else 4) * layers + first + last
+    # recompute); the embedding's output in the forward, the head's input in the backward. A mixture of experts is
+    # not split (mixture_plan): its block reduces around attention only, and under sequence parallelism gathers the
+    # mixture's input in the forward and its output's gradient in the backward.
+    again = c.recompute == "full"
+    reductions = (6 if again else 4) * (layers - mixtures) + (3 if again else 2) * mixtures + first + last
     part, tensor = "tensor_parallel", ("tensor",)
     if c.sequence_parallel:
+        gathers = (6 if again else 4) * layers + first + last
         found = [
-            groups.collective("all_gather", tensor, reductions, reductions * activation, part),
+            groups.collective("all_gather", tensor, gathers, gathers * activation, part),
             groups.collective("reduce_scatter", tensor, reductions, reductions * activation, part),
         ]
         if c.pipeline_parallel == 1:
@@ -190,12 +231,12 @@ def tensor_parallel(config: LlamaConfig, c: Candidate, seq_len: int, precision: 
         chunks = math.ceil(positions / span)
         passes = 1 if chunks == 1 else 2  # several chunks are each computed again in the backward
         found.append(groups.collective("all_reduce", tensor, 3 * chunks * passes, 3 * tokens * FLOAT * passes, part))
-    casts = layers * _float8_tensor_casts(config, c)
+    casts = sum(_float8_tensor_casts(config, c, i) for i in blocks)
     found.append(groups.collective("all_reduce", tensor, casts, casts * AMAX, part))
     return _kept(found)
 
 
-def _float8_tensor_casts(config: LlamaConfig, c: Candidate) -> int:
+def _float8_tensor_casts(config: LlamaConfig, c: Candidate, index: int) -> int:
     """A block's float8 casts of tensor-parallel-sharded tensors per microbatch, each scaled by the whole tensor's
     maximum, one all-reduce each (torchao's casts of DTensors): a row-parallel projection's input in the forward
     (again under full recompute), a column-parallel one's output gradient in the backward, and each float8 weight in
@@ -203,7 +244,7 @@ def _float8_tensor_casts(config: LlamaConfig, c: Candidate) -> int:
     again = c.recompute == "full"
     weights = not float8_gathers(c)
     casts = 0
-    for w, float8 in zip(block_weights(config), float8_weights(config, c)):
+    for w, float8 in zip(block_weights(config, index), float8_weights(config, c, index)):
         if float8:
             casts += (w.tensor_split == "cols") * (1 + again) + (w.tensor_split == "rows")
             casts += weights * (2 + again)
@@ -243,12 +284,37 @@ def context_parallel(
     )
     gathers = 2 if c.recompute == "full" or c.regather_kv else 1
     part, context = "context_parallel", ("context",)
+    # A mixture's balancing loss sums each sequence's routed tokens and scores per expert, and its tokens, over the
+    # sequence's parts (ContextParallelSequenceSums): in the forward (again under full recompute) and the backward.
+    mixtures = [m for m in (mixture_of(config, i) for i in held_blocks(config, c, rank)) if m is not None]
+    sums = (3 if c.recompute == "full" else 2) * len(mixtures)
+    summed = sums // max(1, len(mixtures)) * sum(c.micro_batch_size * (2 * m.experts + 1) * FLOAT for m in mixtures)
     return _kept(
         [
             groups.collective("all_gather", context, 2 * gathers * layers, gathers * layers * kv, part),
             groups.collective("reduce_scatter", context, 2 * layers, layers * kv, part),
+            groups.collective("all_reduce", context, sums, summed, part),
         ]
     )
+
+
+def expert_parallel(config: LlamaConfig, c: Candidate, seq_len: int, precision: str, rank: int = 0) -> list[Collective]:
+    """One microbatch's expert-parallel all-to-alls on pipeline rank `rank` (project.parallel.expert_parallel): per
+    mixture block, in the forward (again under full recompute) the experts' token counts (int64), the routed copies
+    of the rank's tokens sent to their experts' ranks and the results sent back; in the backward, the results'
+    gradients and the copies' gradients the other way. What a rank receives depends on the routing: planned as an
+    even spread, the rank's own top_k copies of each token of its part of the sequence (every token of it on each
+    tensor-parallel rank, the mixture being whole there)."""
+    if c.expert_parallel == 1:
+        return []
+    mixtures = [m for m in (mixture_of(config, i) for i in held_blocks(config, c, rank)) if m is not None]
+    tokens = seq_len * c.micro_batch_size // c.context_parallel
+    forwards = 2 if c.recompute == "full" else 1
+    calls = (3 * forwards + 2) * len(mixtures)
+    copies = sum((2 * forwards + 2) * tokens * m.top_k for m in mixtures)
+    counts = sum(forwards * m.experts * INT64 for m in mixtures)
+    size = copies * config.dim * COMPUTE_BYTES[precision] + counts
+    return _kept([_Groups(c).collective("all_to_all", ("expert",), calls, size, "expert_parallel")])
 
 
 def pipeline_transfers(
@@ -277,27 +343,37 @@ def pipeline_transfers(
     )
 
 
-def _fsdp2_groups(config: LlamaConfig, c: Candidate, rank: int) -> list[list[Weight]]:
-    """The parameters each FSDP2 group of the rank gathers at once (local to the rank's tensor-parallel slice): each
-    block, and each root's own tensors (the embedding, the final norm and head), one root per pipeline chunk."""
-    tp = c.tensor_parallel
-    blocks = [_local(block_weights(config), tp)] * sum(rank_layers(config, c, rank))
-    own = rank_weights(config, replace(c, pipeline_parallel=1), 0)[len(block_weights(config)) * config.n_layers :]
-    first, last = holds_first_and_last(c, rank)
-    roots: list[list[Weight]] = []
+class _FSDP2Group(NamedTuple):
+    weights: list[Weight]  # local to the rank's tensor-parallel slice and expert-parallel experts
+    float8: list[bool]  # which of them FSDP2 gathers in float8 (where float8_gathers)
+    experts: bool  # a mixture's experts split by expert parallelism: sharded over the ranks holding the same ones
+
+
+def _fsdp2_groups(config: LlamaConfig, c: Candidate, rank: int) -> list[_FSDP2Group]:
+    """The parameters each FSDP2 group of the rank gathers at once: each block (under expert parallelism its
+    mixture's experts a group of their own, project.parallel.fsdp2), and each root's own tensors (the embedding, the
+    final norm and head), one root per pipeline chunk."""
+    found = []
+    for index in held_blocks(config, c, rank):
+        weights, float8 = local_block(config, c, index), float8_weights(config, c, index)
+        apart = [c.expert_parallel > 1 and w.experts is not None for w in weights]
+        kept = [i for i, a in enumerate(apart) if not a]
+        found.append(_FSDP2Group([weights[i] for i in kept], [float8[i] for i in kept], False))
+        if any(apart):
+            found.append(_FSDP2Group([w for w, a in zip(weights, apart) if a], [False] * sum(apart), True))
     if c.pipeline_parallel == 1:
-        roots = [own]
-    else:
-        vocabulary, norm = own[0], own[1]
-        # The embedding's chunk and the head's chunk (the same chunk only without a pipeline)
-        roots = [r for r in ([vocabulary] if first else [], [norm, vocabulary] if last else []) if r]
-    return blocks + roots
+        roots = [rank_own(config, c, rank)]
+    else:  # the embedding's chunk and the head's chunk (the same chunk only without a pipeline)
+        first, last = holds_first_and_last(c, rank)
+        vocabulary = Weight(config.vocab_size, config.dim, "rows").local(c.tensor_parallel)
+        roots = [r for r in ([vocabulary] if first else [], [Weight(config.dim, 1, None), vocabulary] if last else [])]
+    return found + [_FSDP2Group(r, [False] * len(r), False) for r in roots if r]
 
 
 def _padded(weights: list[Weight], ranks: int, sizes: Iterable[float]) -> float:
-    """Bytes of the tensors FSDP2 gathers, each element of `sizes` bytes: each dim 0 padded to a multiple of the
-    ranks."""
-    return sum(math.ceil(w.rows / ranks) * ranks * w.cols * size for w, size in zip(weights, sizes))
+    """Bytes of the tensors FSDP2 gathers over `ranks`, each element of `sizes` bytes: every rank's shard as large as
+    the first (parameters.shard_numel: dim 0 padded to a multiple of the ranks)."""
+    return sum(shard_numel(w, ranks) * ranks * size for w, size in zip(weights, sizes))
 
 
 def float8_gathers(c: Candidate) -> bool:
@@ -317,14 +393,13 @@ def data_parallel(config: LlamaConfig, c: Candidate, precision: str, rank: int =
     part = "data_parallel"
     weights = rank_weights(config, c, rank)
     if c.strategy == "ddp":
-        sizes = [w.rows * w.cols * STORAGE_BYTES[precision] for w in weights]
+        sizes = [w.numel * STORAGE_BYTES[precision] for w in weights]
         return _kept([groups.collective("all_reduce", shard, ddp_buckets(sizes), sum(sizes), part)])
     compute = COMPUTE_BYTES[precision]
     if c.strategy == "fsdp":
-        per_block = len(block_weights(config))
-        units = [weights[i : i + per_block] for i in range(0, len(weights), per_block)]  # the root's: the rest
-        flat = [math.ceil(sum(w.rows * w.cols for w in unit) / n) * n for unit in units]
-        blocks = sum(flat[: sum(rank_layers(config, c, rank))])
+        units = [*rank_blocks(config, c, rank), rank_own(config, c, rank)]
+        flat = [math.ceil(sum(w.numel for w in unit) / n) * n for unit in units if unit]
+        blocks = sum(flat[: len(held_blocks(config, c, rank))])
         return _kept(
             [
                 groups.collective(
@@ -335,25 +410,26 @@ def data_parallel(config: LlamaConfig, c: Candidate, precision: str, rank: int =
         )
     if c.pipeline_parallel > 1 and c.schedule in SPLIT_BACKWARD:
         return []  # no FSDP2 under these schedules (project.parallel.pipeline_layout refuses them with data parallel)
-    fsdp_groups = _fsdp2_groups(config, c, rank)
-    layers = sum(rank_layers(config, c, rank))
-    in_float8 = [FLOAT8 if f else compute for f in float8_weights(config, c)] if float8_gathers(c) else None
-    # The blocks come first; a float8 weight is gathered as its float8 values.
-    gathered = sum(
-        _padded(g, n, in_float8 if in_float8 and i < layers else [compute] * len(g)) for i, g in enumerate(fsdp_groups)
-    )
-    padded = sum(_padded(g, n, [1] * len(g)) for g in fsdp_groups)
+    in_float8 = float8_gathers(c)
     gathers = 1 if c.pipeline_parallel > 1 else 2 * m  # a pipeline stage keeps its gathered parameters
     reduces = 1 if c.pipeline_parallel > 1 else m
-    found = [
-        groups.collective("all_gather", shard, gathers * len(fsdp_groups), gathers * gathered, part),
-        groups.collective(
-            "reduce_scatter", shard, reduces * len(fsdp_groups), reduces * padded * GRAD_REDUCE_BYTES, part
-        ),
-    ]
+    found = []
+    for experts in (False, True):
+        fsdp_groups = [g for g in _fsdp2_groups(config, c, rank) if g.experts == experts]
+        ranks, dims = (c.expert_shard_ranks, ("expert_data",)) if experts else (n, shard)
+        # A float8 weight is gathered as its float8 values.
+        element_bytes = [[FLOAT8 if f and in_float8 else compute for f in g.float8] for g in fsdp_groups]
+        gathered = sum(_padded(g.weights, ranks, size) for g, size in zip(fsdp_groups, element_bytes))
+        padded = sum(_padded(g.weights, ranks, [1] * len(g.weights)) for g in fsdp_groups)
+        found += [
+            groups.collective("all_gather", dims, gathers * len(fsdp_groups), gathers * gathered, part),
+            groups.collective(
+                "reduce_scatter", dims, reduces * len(fsdp_groups), reduces * padded * GRAD_REDUCE_BYTES, part
+            ),
+        ]
     if in_float8:  # the float8 weights' maxima, all-reduced before each forward that gathers them (once per chunk
         # and step in a pipeline stage, which keeps them gathered): over each dimension the weights are split on
-        scaled = layers * sum(size == FLOAT8 for size in in_float8)
+        scaled = sum(sum(float8_weights(config, c, i)) for i in held_blocks(config, c, rank))
         forwards = len(rank_layers(config, c, rank)) if c.pipeline_parallel > 1 else m
         for dims in (shard, ("tensor",)):
             found.append(groups.collective("all_reduce", dims, forwards, forwards * scaled * FLOAT, part))
@@ -382,15 +458,24 @@ def step_reductions(config: LlamaConfig, c: Candidate, rank: int = 0) -> list[Co
         # DTensor's norm: the per-tensor norms of each mesh's parameters, reduced once per dimension they are split
         # over. Tensor-parallel tensors (all of them under sequence parallelism) lie on the (data, tensor) mesh, the
         # others on the data mesh.
-        tensors = rank_weights(config, replace(c, tensor_parallel=1), rank)
-        split = [w for w in tensors if c.tensor_parallel > 1 and (w.tensor_split or c.sequence_parallel)]
+        # others on the data mesh; a mixture's (never split by tensor parallelism) on the data mesh too, its experts
+        # under expert parallelism on their own (expert_data, expert) mesh.
+        tensors = rank_weights(config, replace(c, tensor_parallel=1, expert_parallel=1), rank)
+        experts = [w for w in tensors if c.expert_parallel > 1 and w.experts is not None]
+        tensors = [w for w in tensors if not (c.expert_parallel > 1 and w.experts is not None)]
+        split = [
+            w for w in tensors if c.tensor_parallel > 1 and not w.mixture and (w.tensor_split or c.sequence_parallel)
+        ]
         whole = len(tensors) - len(split)
         found += [
             groups.collective("all_reduce", ("tensor",), 1 if split else 0, len(split) * FLOAT, part),
             groups.collective(
                 "all_reduce", ("data", "context"), (1 if split else 0) + (1 if whole else 0), len(tensors) * FLOAT, part
             ),
+            *(groups.collective("all_reduce", (g,), 1 if experts else 0, len(experts) * FLOAT, part) for g in EXPERTS),
         ]
+    if summed := config.values_summed_each_step():  # the model's own statistics (a mixture's routing biases move)
+        found.append(groups.collective("all_reduce", DIMENSIONS, 1, summed * FLOAT, part))
     if c.pipeline_parallel > 1:
         found += [
             groups.collective("all_reduce", ("pipeline",), 1, FLOAT, part),
@@ -400,11 +485,12 @@ def step_reductions(config: LlamaConfig, c: Candidate, rank: int = 0) -> list[Co
 
 
 def per_microbatch(config: LlamaConfig, c: Candidate, seq_len: int, precision: str, rank: int = 0) -> list[Collective]:
-    """What each microbatch issues on pipeline rank `rank`: tensor, context and pipeline parallelism's."""
+    """What each microbatch issues on pipeline rank `rank`: tensor, context, pipeline and expert parallelism's."""
     return [
         *tensor_parallel(config, c, seq_len, precision, rank),
         *context_parallel(config, c, seq_len, precision, rank),
         *pipeline_transfers(config, c, seq_len, precision, rank),
+        *expert_parallel(config, c, seq_len, precision, rank),
     ]
 
 

@@ -27,7 +27,6 @@ from project.config.layout import Layout
 from project.config.trainer import check_trainer_arguments
 from project.config.values import model_config
 from project.data.shards import MANIFEST_NAME
-from project.model.families import unplanned
 from project.parallel.mesh import MeshShape
 from project.parallel.pipeline_layout import chunk_ranks, default_virtual_stages
 from project.planning.parameters import INIT_VALUES_PER_SECOND
@@ -373,7 +372,7 @@ def planned_memory(
     name = "ddp" if strategy_name == "single" else strategy_name
     precision = str(cfg.trainer.get("precision", "32-true"))
     zero2 = name != "fsdp" or s.get("sharding_strategy") == "SHARD_GRAD_OP"  # the planner's fsdp is ZeRO-2
-    if name not in STRATEGIES or precision not in STORAGE_BYTES or not zero2 or unplanned(model_config(cfg)):
+    if name not in STRATEGIES or precision not in STORAGE_BYTES or not zero2:
         return None
     schedule = s.get("schedule") if pp > 1 else None
     candidate = Candidate(
@@ -390,6 +389,7 @@ def planned_memory(
         context_parallel=layout.shape.context_parallel,
         regather_kv=bool(s.get("regather_kv")) and layout.shape.context_parallel > 1,
         float8=s.get("float8"),
+        expert_parallel=int(s.get("expert_parallel_size") or 1),
     )
     accelerator = "gpu" if s.get("compile") else "cpu"  # the planner counts compiled (fused) blocks on GPUs
     estimate = estimate_memory(

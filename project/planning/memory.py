@@ -29,8 +29,11 @@ from dataclasses import dataclass, field, replace
 from project.model.config import LlamaConfig
 from project.planning.candidates import HAS_COMPILE, Candidate
 from project.planning.parameters import (
-    block_weights,
+    Mixture,
+    held_blocks,
     holds_first_and_last,
+    mixture_of,
+    rank_blocks,
     rank_layers,
     sharded_parameters,
     unsharded_parameters,
@@ -82,18 +85,23 @@ def layer_activation_bytes(
     compute_bytes: int,
     compiled: bool,
     autocast: bool = False,
+    index: int = 0,
 ) -> float:
-    """Bytes one block keeps from its forward for its backward, for one microbatch (module docstring): compiled, or
-    eager (`compiled=False`), under autocast's 16-bit compute of 32-bit weights (`autocast`) or not."""
+    """Bytes block `index` keeps from its forward for its backward, for one microbatch (module docstring): compiled,
+    or eager (`compiled=False`), under autocast's 16-bit compute of 32-bit weights (`autocast`) or not. A mixture of
+    experts' block keeps its attention's and `mixture_activation_bytes`."""
     t, sp = candidate.tensor_parallel, candidate.sequence_parallel
-    h, g, f = config.dim, config.n_kv_heads / config.n_heads, config.ffn_hidden_dim
+    mixture = mixture_of(config, index)
+    h, g = config.dim, config.n_kv_heads / config.n_heads
+    f = 0 if mixture else config.ffn_hidden_dim  # the dense feed-forward's width
     sbh = seq_len * micro_batch * h * compute_bytes / 2  # the paper's units: s*b*h 16-bit values = 2 bytes each
     if candidate.recompute == "full":
         return 2 * sbh / (t if sp else 1)  # the block's input
     scores = 2 * config.n_heads * seq_len / h if candidate.recompute == "none" else 0.0
+    mixed = mixture_activation_bytes(mixture, h, seq_len, micro_batch, compute_bytes, compiled, autocast, sp)
     if compiled:
         split = 4 + 4 * g + 6 * f / h
-        return sbh * (8 / (t if sp else 1) + (split + scores) / t)
+        return sbh * (8 / (t if sp else 1) + (split + scores) / t) + mixed
     # Eager, per token, as torch saves it (counted in tests/test_planner.py): under autocast the norms' float32
     # input and output and the float32 residual (12h), a 16-bit copy of the normed input for each of wq, wk, wv,
     # w1 and w3 (10h: autocast casts activations anew for every matrix product), Q and the attention output (4h),
@@ -101,12 +109,47 @@ def layer_activation_bytes(
     # inputs and outputs and the residual (5h), Q and the attention output (2h), K and V (2 kv) and 4f, each in the
     # compute dtype; both, attention's float32 log-sum-exp per head and the norms' statistics.
     kv = config.n_kv_heads * config.head_dim
-    if autocast:
+    if autocast:  # a mixture's gate keeps its float32 input in place of w1's and w3's copies (10h either way)
         replicated, split = 22 * h, 4 * h + 4 * kv + 8 * f
     else:
         replicated, split = compute_bytes * 5 * h, compute_bytes * (2 * h + 2 * kv + 4 * f)
     stats = 4 * config.n_heads / t + 8
-    return seq_len * micro_batch * (replicated / (t if sp else 1) + split / t + stats) + sbh * scores / t
+    return seq_len * micro_batch * (replicated / (t if sp else 1) + split / t + stats) + sbh * scores / t + mixed
+
+
+def mixture_activation_bytes(
+    mixture: Mixture | None,
+    dim: int,
+    seq_len: int,
+    micro_batch: int,
+    compute_bytes: int,
+    compiled: bool,
+    autocast: bool,
+    sequence_parallel: bool,
+) -> float:
+    """Bytes a mixture of experts' feed-forward (project.model.moe.MoEFeedForward) keeps for its backward, for one
+    microbatch of `seq_len` positions (0 for a dense block). Tensor parallelism leaves the whole mixture on every rank,
+    every token of the sequence (gathered first under sequence parallelism, that input kept too). Per token: the
+    router's float32 scores (4 bytes per expert), its choices, weights and their sum, and the two orderings of the
+    routed copies (int64); per routed copy (top_k per token), eager: the copy of its input, its expert's SwiGLU (4
+    tensors of the expert's width, 3 once compiled: silu fused) and output, and the float32 weight it is scaled by;
+    the shared expert's SwiGLU per token; per sequence, the balancing loss's sums. Under autocast (bf16-mixed) each
+    expert product keeps its own 16-bit copy of its input, and the expert's outputs, 16-bit, are scaled in float32.
+    tests/test_planner.py holds the eager count to what the mixture saves, exactly."""
+    if mixture is None:
+        return 0.0
+    n, k, f, h = mixture.experts, mixture.top_k, mixture.width, dim
+    tokens = seq_len * micro_batch
+    c = 2 if autocast else compute_bytes
+    per_token = 4 * n + 32 * k + 8 + (h * compute_bytes if sequence_parallel else 0)
+    if compiled:
+        routed = c * (2 * h + 3 * f)
+    elif autocast:
+        routed = 10 * h + 8 * f  # the float32 copies, 16-bit outputs, two 16-bit input copies, the SwiGLU
+    else:
+        routed = c * (3 * h + 4 * f)
+    shared = (c * (3 if compiled else 4) * f + (4 * h if autocast and not compiled else 0)) if mixture.shared else 0
+    return tokens * (per_token + k * routed + shared) + micro_batch * (16 * n + 8)
 
 
 def in_flight(candidate: Candidate, pipeline_rank: int, layers: list[int]) -> float:
@@ -142,7 +185,7 @@ def estimate_memory(
     full = unsharded_parameters(config, candidate, pipeline_rank)
     dp, zero = candidate.shard_ranks, candidate.zero_level  # FSDP2 shards over data x context
     shard = sharded_parameters(config, candidate, pipeline_rank) if zero and dp > 1 else full
-    block = sum(w.rows * w.cols for w in block_weights(config)) / candidate.tensor_parallel
+    block = max(sum(w.numel for w in b) for b in rank_blocks(config, candidate, pipeline_rank))  # the largest
     mixed = compute != storage  # 16-bit compute of 32-bit parameters
     if candidate.strategy == "ddp":
         params, grads, optimizer = full * storage, full * storage, 2 * full * storage
@@ -167,7 +210,11 @@ def estimate_memory(
     layers = rank_layers(config, candidate, pipeline_rank)
     cp = candidate.context_parallel
     own = seq_len // cp  # each rank's part of every sequence
-    per_layer = layer_activation_bytes(config, own, candidate.micro_batch_size, candidate, compute, compiled, mixed)
+    held = held_blocks(config, candidate, pipeline_rank)
+    per_layer = sum(
+        layer_activation_bytes(config, own, candidate.micro_batch_size, candidate, compute, compiled, mixed, index)
+        for index in held
+    ) / len(held)  # the mean of the rank's blocks (a mixture of experts' blocks keep more than its dense ones)
     regathered = 0.0
     if cp > 1 and candidate.recompute != "full":  # the rest of the sequence's keys and values, gathered
         kv = 4 * config.n_kv_heads / config.n_heads / candidate.tensor_parallel

@@ -8,6 +8,7 @@ import math
 from typing import NamedTuple
 
 from project.model.config import LlamaConfig
+from project.model.moe_config import MoEConfig
 from project.parallel.float8_rules import takes_shape
 from project.parallel.pipeline_layout import chunk_ranks, stage_layer_counts
 from project.planning.candidates import Candidate
@@ -20,11 +21,27 @@ INIT_VALUES_PER_SECOND = 1.0e8
 
 
 class Weight(NamedTuple):
-    rows: int  # dim 0, the dimension FSDP shards
+    rows: int  # dim 0 of a matrix, the dimension FSDP shards; of stacked experts, each expert's
     cols: int
     tensor_split: str | None  # "rows" (column-wise parallel, vocabulary), "cols" (row-wise parallel), None: replicated
+    experts: int | None = None  # a mixture's experts stacked [experts, rows, cols] (project.model.moe.Experts)
+    used: float = 1.0  # of the stacked experts, the share one token's products go through (top_k / experts)
+    mixture: bool = False  # part of a mixture of experts: never split by tensor parallelism, never float8
 
-    def local(self, tp: int) -> Weight:
+    @property
+    def numel(self) -> int:
+        return (self.experts or 1) * self.rows * self.cols
+
+    @property
+    def per_token(self) -> float:
+        """Its parameters one token multiplies by (its products: all of a matrix, top_k of the experts')."""
+        return self.numel * self.used
+
+    def local(self, tp: int, ep: int = 1) -> Weight:
+        """What a rank holds of it: a tensor-parallel rank's part, an expert-parallel rank's experts (each receiving
+        `ep` times the share of a group's tokens, so that a token's products stay the same)."""
+        if self.experts is not None:
+            return self._replace(experts=self.experts // ep, used=self.used * ep)
         if self.tensor_split == "rows":
             return Weight(self.rows // tp, self.cols, None)
         if self.tensor_split == "cols":
@@ -32,8 +49,8 @@ class Weight(NamedTuple):
         return self
 
 
-def block_weights(config: LlamaConfig) -> list[Weight]:
-    h, kv, f = config.dim, config.n_kv_heads * config.head_dim, config.ffn_hidden_dim
+def _attention(config: LlamaConfig) -> list[Weight]:
+    h, kv = config.dim, config.n_kv_heads * config.head_dim
     return [
         Weight(h, 1, None),  # attention_norm
         Weight(h, h, "rows"),
@@ -41,31 +58,92 @@ def block_weights(config: LlamaConfig) -> list[Weight]:
         Weight(kv, h, "rows"),  # wq, wk, wv: column-wise parallel
         Weight(h, h, "cols"),  # wo: row-wise parallel
         Weight(h, 1, None),  # ffn_norm
-        Weight(f, h, "rows"),
-        Weight(f, h, "rows"),
-        Weight(h, f, "cols"),  # w1, w3, w2
     ]
 
 
-def float8_weights(config: LlamaConfig, candidate: Candidate) -> list[bool]:
-    """For each of `block_weights`: whether the candidate trains it in float8 (strategy.float8: the projections
-    whose shapes, as each tensor-parallel rank holds them, float8 kernels take; project.parallel.float8_rules)."""
+def _swiglu(h: int, f: int) -> list[Weight]:
+    return [Weight(f, h, "rows"), Weight(f, h, "rows"), Weight(h, f, "cols")]  # w1, w3, w2
+
+
+def _dense_feed_forward(config: LlamaConfig, index: int) -> list[Weight]:
+    return _swiglu(config.dim, config.ffn_hidden_dim)
+
+
+def _mixture_feed_forward(config: LlamaConfig, index: int) -> list[Weight]:
+    """A mixture block's (project.model.moe): the router's gate, the stacked experts' w1, w3 and w2, the shared
+    expert's; tensor parallelism leaves the whole mixture on every rank (tensor_parallel.mixture_plan)."""
+    assert isinstance(config, MoEConfig)
+    if not config.is_moe_layer(index):
+        return _dense_feed_forward(config, index)
+    h, f, n = config.dim, config.expert_hidden_dim, config.n_experts
+    used = config.top_k / n
+    experts = [Weight(f, h, None, n, used, True), Weight(f, h, None, n, used, True), Weight(h, f, None, n, used, True)]
+    shared = [w._replace(tensor_split=None, mixture=True) for w in _swiglu(h, f)] if config.shared_expert else []
+    return [Weight(n, h, None, mixture=True), *experts, *shared]
+
+
+# Each model family's feed-forward tensors in block `index` (project.model.families names the families): a new family
+# gives its own here, and the planner's memory, time and traffic follow from them.
+FEED_FORWARD = {"llama": _dense_feed_forward, "moe": _mixture_feed_forward}
+
+
+def block_weights(config: LlamaConfig, index: int = 0) -> list[Weight]:
+    """Block `index`'s tensors, whole: attention and norms, then the family's feed-forward."""
+    return _attention(config) + FEED_FORWARD[config.family](config, index)
+
+
+class Mixture(NamedTuple):
+    """A block's mixture of experts, as its tensors tell it."""
+
+    experts: int
+    top_k: int
+    width: int  # each expert's SwiGLU width
+    shared: bool  # a shared expert beside the routed ones
+
+
+def mixture_of(config: LlamaConfig, index: int) -> Mixture | None:
+    """Block `index`'s mixture of experts, None for a dense feed-forward."""
+    weights = block_weights(config, index)
+    stacked = next((w for w in weights if w.experts is not None), None)
+    if stacked is None or stacked.experts is None:
+        return None
+    matrices = [w for w in weights if w.mixture and w.experts is None and w.cols > 1]  # the gate, a shared expert's
+    return Mixture(stacked.experts, round(stacked.used * stacked.experts), stacked.rows, len(matrices) > 1)
+
+
+def float8_weights(config: LlamaConfig, candidate: Candidate, index: int = 0) -> list[bool]:
+    """For each of `block_weights(config, index)`: whether the candidate trains it in float8 (strategy.float8: the
+    projections whose shapes, as each tensor-parallel rank holds them, float8 kernels take; project.parallel.
+    float8_rules; a mixture's tensors never)."""
+    weights = block_weights(config, index)
     if not candidate.float8:
-        return [False] * len(block_weights(config))
+        return [False] * len(weights)
     return [
-        w.cols > 1 and takes_shape((local.rows, local.cols))
-        for w, local in ((w, w.local(candidate.tensor_parallel)) for w in block_weights(config))
+        w.cols > 1 and not w.mixture and takes_shape((local.rows, local.cols))
+        for w, local in ((w, w.local(candidate.tensor_parallel)) for w in weights)
     ]
+
+
+def rank_layer_ids(config: LlamaConfig, candidate: Candidate, pipeline_rank: int) -> list[list[int]]:
+    """The blocks (their indices in the model) of each stage chunk this pipeline rank runs (all blocks in one chunk
+    without a pipeline)."""
+    if candidate.pipeline_parallel == 1:
+        return [list(range(config.n_layers))]
+    n_chunks = candidate.pipeline_parallel * candidate.virtual_stages
+    counts = stage_layer_counts(config.n_layers, n_chunks)
+    starts = [sum(counts[:s]) for s in range(n_chunks)]
+    ranks = chunk_ranks(candidate.schedule or "1f1b", candidate.pipeline_parallel, n_chunks)
+    return [list(range(starts[s], starts[s] + counts[s])) for s in range(n_chunks) if ranks[s] == pipeline_rank]
 
 
 def rank_layers(config: LlamaConfig, candidate: Candidate, pipeline_rank: int) -> list[int]:
-    """Blocks of each stage chunk this pipeline rank runs (all blocks in one chunk without a pipeline)."""
-    if candidate.pipeline_parallel == 1:
-        return [config.n_layers]
-    n_chunks = candidate.pipeline_parallel * candidate.virtual_stages
-    counts = stage_layer_counts(config.n_layers, n_chunks)
-    ranks = chunk_ranks(candidate.schedule or "1f1b", candidate.pipeline_parallel, n_chunks)
-    return [counts[s] for s in range(n_chunks) if ranks[s] == pipeline_rank]
+    """How many blocks each stage chunk this pipeline rank runs holds (all blocks in one chunk without a pipeline)."""
+    return [len(ids) for ids in rank_layer_ids(config, candidate, pipeline_rank)]
+
+
+def held_blocks(config: LlamaConfig, candidate: Candidate, pipeline_rank: int) -> list[int]:
+    """The indices of every block this pipeline rank holds."""
+    return [i for ids in rank_layer_ids(config, candidate, pipeline_rank) for i in ids]
 
 
 def holds_first_and_last(candidate: Candidate, pipeline_rank: int) -> tuple[bool, bool]:
@@ -77,33 +155,65 @@ def holds_first_and_last(candidate: Candidate, pipeline_rank: int) -> tuple[bool
     return ranks[0] == pipeline_rank, ranks[-1] == pipeline_rank
 
 
-def rank_weights(config: LlamaConfig, candidate: Candidate, pipeline_rank: int = 0) -> list[Weight]:
-    """The tensors one rank holds after tensor and pipeline parallelism, before data-parallel sharding."""
-    tp = candidate.tensor_parallel
-    weights = block_weights(config) * sum(rank_layers(config, candidate, pipeline_rank))
+def local_block(config: LlamaConfig, candidate: Candidate, index: int) -> list[Weight]:
+    """Block `index`'s tensors as one rank holds them after tensor and expert parallelism."""
+    return [w.local(candidate.tensor_parallel, candidate.expert_parallel) for w in block_weights(config, index)]
+
+
+def rank_blocks(config: LlamaConfig, candidate: Candidate, pipeline_rank: int = 0) -> list[list[Weight]]:
+    """Each block's tensors one rank holds after tensor, expert and pipeline parallelism, before data-parallel
+    sharding."""
+    return [local_block(config, candidate, i) for i in held_blocks(config, candidate, pipeline_rank)]
+
+
+def rank_own(config: LlamaConfig, candidate: Candidate, pipeline_rank: int = 0) -> list[Weight]:
+    """The tensors besides the blocks one rank holds: the embedding on the first chunk's, the final norm and the
+    output head (unless tied to the embedding on the same rank) on the last's."""
     first, last = holds_first_and_last(candidate, pipeline_rank)
     vocabulary = Weight(config.vocab_size, config.dim, "rows")
-    if first:
-        weights.append(vocabulary)  # the embedding, split over the vocabulary
+    own = [vocabulary] if first else []  # the embedding, split over the vocabulary
     if last:
-        weights.append(Weight(config.dim, 1, None))  # final norm
+        own.append(Weight(config.dim, 1, None))  # final norm
         if not config.tie_embeddings or not first:
-            weights.append(vocabulary)  # output head
-    return [w.local(tp) if tp > 1 else w for w in weights]
+            own.append(vocabulary)  # output head
+    return [w.local(candidate.tensor_parallel) for w in own]
+
+
+def rank_weights(config: LlamaConfig, candidate: Candidate, pipeline_rank: int = 0) -> list[Weight]:
+    """The tensors one rank holds after tensor, expert and pipeline parallelism, before data-parallel sharding."""
+    blocks = rank_blocks(config, candidate, pipeline_rank)
+    return [w for block in blocks for w in block] + rank_own(config, candidate, pipeline_rank)
 
 
 def unsharded_parameters(config: LlamaConfig, candidate: Candidate, pipeline_rank: int = 0) -> int:
-    return sum(w.rows * w.cols for w in rank_weights(config, candidate, pipeline_rank))
+    return sum(w.numel for w in rank_weights(config, candidate, pipeline_rank))
+
+
+def shard_ranks(candidate: Candidate, weight: Weight) -> int:
+    """The ranks FSDP2 shards a tensor over: data x context; a mixture's experts split by expert parallelism, the
+    ranks holding the same experts (project.parallel.fsdp2, over `expert_data`)."""
+    if weight.experts is not None and candidate.expert_parallel > 1:
+        return candidate.shard_ranks // candidate.expert_parallel
+    return candidate.shard_ranks
+
+
+def shard_numel(weight: Weight, ranks: int) -> int:
+    """The parameters of the first (largest) of FSDP2's shards of `weight` over `ranks`: dim 0 cut into `ranks` pieces
+    rounded up; stacked experts along a width the ranks divide (project.parallel.fsdp2.stacked_experts_by_width),
+    else along dim 0, the experts."""
+    if weight.experts is not None:
+        if weight.rows % ranks == 0 or weight.cols % ranks == 0:
+            return weight.numel // ranks
+        return math.ceil(weight.experts / ranks) * weight.rows * weight.cols
+    return math.ceil(weight.rows / ranks) * weight.cols
 
 
 def sharded_parameters(config: LlamaConfig, candidate: Candidate, pipeline_rank: int = 0) -> int:
-    """Parameters of data-parallel rank 0's shards: FSDP2 cuts each tensor on dim 0 into dp pieces (dp x cp under
-    context parallelism), the first ones rounded up. FSDP1 (strategy fsdp) flattens each block and pads it to dp
-    equal pieces."""
+    """Parameters of data-parallel rank 0's shards: FSDP2 cuts each tensor into dp pieces (dp x cp under context
+    parallelism; `shard_numel`), the first ones rounded up. FSDP1 (strategy fsdp) flattens each block and pads it
+    to dp equal pieces."""
     dp = candidate.shard_ranks
-    weights = rank_weights(config, candidate, pipeline_rank)
     if candidate.strategy == "fsdp":
-        per_block = len(block_weights(config))
-        blocks = [weights[i : i + per_block] for i in range(0, len(weights), per_block)]  # the root: the rest
-        return sum(math.ceil(sum(w.rows * w.cols for w in unit) / dp) for unit in blocks)
-    return sum(math.ceil(w.rows / dp) * w.cols for w in weights)
+        units = [*rank_blocks(config, candidate, pipeline_rank), rank_own(config, candidate, pipeline_rank)]
+        return sum(math.ceil(sum(w.numel for w in unit) / dp) for unit in units if unit)
+    return sum(shard_numel(w, shard_ranks(candidate, w)) for w in rank_weights(config, candidate, pipeline_rank))

@@ -22,13 +22,20 @@ from project.planning.communication import (
     Collective,
     context_parallel,
     data_parallel,
+    expert_parallel,
     norm_gradients,
     pipeline_transfers,
     step_reductions,
     tensor_parallel,
 )
 from project.planning.memory import COMPUTE_BYTES
-from project.planning.parameters import block_weights, float8_weights, holds_first_and_last, rank_layers
+from project.planning.parameters import (
+    block_weights,
+    float8_weights,
+    held_blocks,
+    holds_first_and_last,
+    rank_layers,
+)
 
 
 @dataclass
@@ -42,6 +49,7 @@ class StepTime:
     data_parallel: float  # gradient reduction and parameter gathering not hidden behind compute
     context_parallel: float = 0.0  # the keys' and values' all-gathers and their gradients' reduce-scatters
     reductions: float = 0.0  # the step's own: the loss's mean over the ranks, the gradient norm's
+    expert_parallel: float = 0.0  # a mixture's tokens sent to their experts' ranks and back: on the critical path
 
     @property
     def total(self) -> float:
@@ -53,17 +61,19 @@ class StepTime:
             + self.data_parallel
             + self.context_parallel
             + self.reductions
+            + self.expert_parallel
         )
 
 
-def block_flops_per_token(config: LlamaConfig, seq_len: int, recompute: str) -> tuple[float, float]:
-    """(model, hardware) FLOPs per token of one block's forward and backward. Model FLOPs are 6 per
-    parameter plus the attention term over every pair of positions (PaLM's count, project.model.flops: what MFU
-    is measured against). Hardware FLOPs are what the kernels compute: a fused causal attention kernel (recompute
-    `selective` or `full`) only the pairs at or below the diagonal, half of them, where attention that keeps its
-    scores (`none`) multiplies every pair and masks; plus what is recomputed: the whole forward again under full
-    recompute (x 4/3), QK^T again in a fused attention's backward otherwise."""
-    matmul = sum(w.rows * w.cols for w in block_weights(config) if w.cols > 1)
+def block_flops_per_token(config: LlamaConfig, seq_len: int, recompute: str, index: int = 0) -> tuple[float, float]:
+    """(model, hardware) FLOPs per token of block `index`'s forward and backward. Model FLOPs are 6 per
+    parameter a token multiplies by (of a mixture, the gate and its top_k experts') plus the attention term over
+    every pair of positions (PaLM's count, project.model.flops: what MFU is measured against). Hardware FLOPs are
+    what the kernels compute: a fused causal attention kernel (recompute `selective` or `full`) only the pairs at or
+    below the diagonal, half of them, where attention that keeps its scores (`none`) multiplies every pair and masks;
+    plus what is recomputed: the whole forward again under full recompute (x 4/3), QK^T again in a fused
+    attention's backward otherwise."""
+    matmul = sum(w.per_token for w in block_weights(config, index) if w.cols > 1)
     attention = 12 * config.dim * seq_len
     model = 6 * matmul + attention
     computed = attention if recompute == "none" else attention / 2
@@ -71,21 +81,22 @@ def block_flops_per_token(config: LlamaConfig, seq_len: int, recompute: str) -> 
     return model, 6 * matmul + computed + extra
 
 
-def float8_flops_per_token(config: LlamaConfig, c: Candidate) -> float:
-    """Of a block's hardware FLOPs per token (block_flops_per_token), those of its float8 products (strategy.float8):
-    forward and backward of each float8 projection, and its forward again under full recompute."""
-    matmul = sum(w.rows * w.cols for w, f in zip(block_weights(config), float8_weights(config, c)) if f)
+def float8_flops_per_token(config: LlamaConfig, c: Candidate, index: int = 0) -> float:
+    """Of block `index`'s hardware FLOPs per token (block_flops_per_token), those of its float8 products
+    (strategy.float8): forward and backward of each float8 projection, and its forward again under full recompute."""
+    weights = zip(block_weights(config, index), float8_weights(config, c, index))
+    matmul = sum(w.per_token for w, f in weights if f)
     return (6 + 2 * (c.recompute == "full")) * matmul
 
 
-def float8_cast_bytes(config: LlamaConfig, c: Candidate, tokens: int, compute_bytes: int) -> float:
+def float8_cast_bytes(config: LlamaConfig, c: Candidate, tokens: int, compute_bytes: int, index: int = 0) -> float:
     """Bytes a block's float8 casts move in one microbatch of `tokens` tokens on a rank: each cast reads its tensor
     twice (its maximum, then the cast) and writes it as float8, for every float8 projection's input and output
     gradient (the rank's part under tensor parallelism) and its weight in the forward and again in the backward.
     Fused into neighbouring kernels by torch.compile, some of this is saved: an upper bound."""
     per_element = 2 * compute_bytes + 1
     moved = 0.0
-    for w, float8 in zip(block_weights(config), float8_weights(config, c)):
+    for w, float8 in zip(block_weights(config, index), float8_weights(config, c, index)):
         if float8:
             local = w.local(c.tensor_parallel)
             moved += tokens * (local.cols + local.rows) + 2 * local.rows * local.cols
@@ -116,37 +127,27 @@ def step_time(
     c, tp, pp = candidate, candidate.tensor_parallel, candidate.pipeline_parallel
     compute_bytes = COMPUTE_BYTES[precision]
     rate = cluster.peak_flops("fp32" if compute_bytes == 4 else "bf16") * achievable_fraction
-    float8_block = 0.0  # seconds per microbatch of a block's float8 products and casts on a rank
+    tokens = seq_len * c.micro_batch_size // c.context_parallel  # per microbatch, on each rank
     if c.float8:
         cluster.check_float8()
-        float8_rate = cluster.peak_flops("fp8") * achievable_fraction
-        tokens_per_rank = seq_len * c.micro_batch_size // c.context_parallel
-        float8_flops = float8_flops_per_token(config, c)
-        casts = float8_cast_bytes(config, c, tokens_per_rank, compute_bytes) / (cluster.memory_gbps or 1) / 1e9
-        float8_block = tokens_per_rank * float8_flops / tp / float8_rate + casts
     latency = cluster.collective_latency_us * 1e-6
-    tokens = seq_len * c.micro_batch_size // c.context_parallel  # per microbatch, on each rank
-    _, block_hw = block_flops_per_token(config, seq_len, c.recompute)  # a token's attention spans the whole sequence
-    if c.float8:  # those products are counted at float8's rate (float8_block)
-        block_hw -= float8_flops_per_token(config, c)
-    if c.regather_kv and c.context_parallel > 1 and c.recompute != "full":  # attention's forward again, in backward
-        block_hw += 12 * config.dim * seq_len / 2 / 3  # a causal kernel's half of the pairs
 
     # The slowest pipeline rank's time per microbatch (the only rank without a pipeline).
-    slowest = (0.0, 0.0, 0.0)
+    slowest = (0.0, 0.0, 0.0, 0.0)
     slowest_rank = 0
     for rank in range(pp):
-        layers = sum(rank_layers(config, c, rank))
         _, last = holds_first_and_last(c, rank)
-        flops = tokens * (layers * block_hw + (head_flops_per_token(config, tokens) if last else 0.0)) / tp
-        compute = flops / rate + layers * float8_block
+        blocks = sum(block_seconds(config, c, seq_len, tokens, compute_bytes, cluster, achievable_fraction, i)
+                     for i in held_blocks(config, c, rank))  # fmt: skip
+        compute = blocks + tokens * (head_flops_per_token(config, tokens) if last else 0.0) / tp / rate
         tensor = seconds(tensor_parallel(config, c, seq_len, precision, rank), cluster)
         if tp > 1:
-            tensor += layers * cluster.tensor_parallel_block_overhead_ms * 1e-3
+            tensor += sum(rank_layers(config, c, rank)) * cluster.tensor_parallel_block_overhead_ms * 1e-3
         transfers = _pipeline_critical_path(config, c, seq_len, precision, rank, cluster, latency)
-        if compute + tensor + transfers > sum(slowest):
-            slowest, slowest_rank = (compute, tensor, transfers), rank
-    compute, tensor, transfers = (c.microbatches * x for x in slowest)
+        experts = seconds(expert_parallel(config, c, seq_len, precision, rank), cluster)
+        if compute + tensor + transfers + experts > sum(slowest):
+            slowest, slowest_rank = (compute, tensor, transfers, experts), rank
+    compute, tensor, transfers, experts = (c.microbatches * x for x in slowest)
     if pp > 1:  # a stage reduces its norms' gradients once per step (communication.norm_gradients)
         tensor += seconds(norm_gradients(config, c, precision, slowest_rank), cluster)
     # Every pipeline rank holds equally many blocks but for a remainder: the first's keys and values.
@@ -160,7 +161,36 @@ def step_time(
     microbatch_compute = slowest[0] if cluster.overlaps_communication else 0.0
     data = _data_parallel_exposed(config, c, precision, cluster, microbatch_compute)
     reductions = seconds(step_reductions(config, c, slowest_rank), cluster)
-    return StepTime(compute, tensor, transfers, bubble, data, context, reductions)
+    return StepTime(compute, tensor, transfers, bubble, data, context, reductions, experts)
+
+
+def block_seconds(
+    config: LlamaConfig,
+    c: Candidate,
+    seq_len: int,
+    tokens: int,
+    compute_bytes: int,
+    cluster: Cluster,
+    achievable_fraction: float,
+    index: int,
+) -> float:
+    """Seconds of block `index`'s forward and backward for one microbatch of `tokens` tokens on a rank: its products
+    at the compute dtype's achievable rate, split over the tensor-parallel ranks but for a mixture of experts' (every
+    rank of the group computes the whole mixture), its float8 products at float8's rate with their casts at memory
+    speed."""
+    rate = cluster.peak_flops("fp32" if compute_bytes == 4 else "bf16") * achievable_fraction
+    _, hardware = block_flops_per_token(config, seq_len, c.recompute, index)  # attention spans the whole sequence
+    passes = 6 + 2 * (c.recompute == "full")  # forward, backward, the forward again under full recompute
+    mixture = passes * sum(w.per_token for w in block_weights(config, index) if w.mixture and w.cols > 1)
+    float8 = float8_flops_per_token(config, c, index) if c.float8 else 0.0  # counted at float8's rate below
+    if c.regather_kv and c.context_parallel > 1 and c.recompute != "full":  # attention's forward again, in backward
+        hardware += 12 * config.dim * seq_len / 2 / 3  # a causal kernel's half of the pairs
+    spent = tokens * ((hardware - mixture - float8) / c.tensor_parallel + mixture) / rate
+    if float8:
+        float8_rate = cluster.peak_flops("fp8") * achievable_fraction
+        casts = float8_cast_bytes(config, c, tokens, compute_bytes, index) / (cluster.memory_gbps or 1) / 1e9
+        spent += tokens * float8 / c.tensor_parallel / float8_rate + casts
+    return spent
 
 
 def _pipeline_critical_path(

@@ -28,6 +28,7 @@ from project.tooling.bench import ROOT, add_row, new_report, publish
 DEFAULTS = {"layouts": "all", "steps": "4", "step": "2", "out": "experiments/benchmarks"}
 GLOBAL_BATCH, MICRO_BATCH, PRECISION = 8, 2, "32-true"
 PIPELINE = ("strategy=pipeline", "strategy.pipeline_parallel_size=2")
+MOE, EP = ("model=moe_debug",), "strategy.expert_parallel_size"
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class Layout:
     virtual_stages: int = 1
     layers: int = 2
     float8: str | None = None
+    model: str = "debug"  # the preset in conf/model
+    expert_parallel: int = 1
 
     def candidate(self, global_batch: int = GLOBAL_BATCH, micro_batch: int = MICRO_BATCH):
         from project.planning.candidates import Candidate
@@ -54,7 +57,7 @@ class Layout:
         return Candidate(
             self.strategy, self.data_parallel, self.tensor_parallel, self.pipeline_parallel, micro_batch,
             microbatches, "selective", self.sequence_parallel, self.schedule, self.virtual_stages,
-            self.context_parallel, float8=self.float8,
+            self.context_parallel, float8=self.float8, expert_parallel=self.expert_parallel,
         )  # fmt: skip
 
     def pipeline_rank(self, rank: int) -> int:
@@ -119,7 +122,23 @@ LAYOUTS = {
     "pipeline-cp": _pipeline("1f1b", devices=4, context_parallel=2),
     "pipeline-tp-sp": _pipeline("1f1b", devices=4, sequence_parallel=True, tensor_parallel=2),
     "3d": _pipeline("1f1b", devices=8, sequence_parallel=True, data_parallel=2, tensor_parallel=2),
-}
+    # A mixture of experts (routing biases moved each step on two ranks): its experts' all-to-alls and groups.
+    "fsdp2-moe-ep2": Layout(
+        2, ("strategy=fsdp2", *MOE, "model.bias_update_rate=0.01", f"{EP}=2"), "fsdp2", data_parallel=2,
+        model="moe_debug", expert_parallel=2,
+    ),
+    "fsdp2-moe-dp4-ep2": Layout(
+        4, ("strategy=fsdp2", *MOE, f"{EP}=2"), "fsdp2", data_parallel=4, model="moe_debug", expert_parallel=2
+    ),
+    "fsdp2-moe-cp2-ep2": Layout(
+        4, ("strategy=fsdp2", *MOE, "strategy.context_parallel_size=2", f"{EP}=2"), "fsdp2", data_parallel=2,
+        context_parallel=2, model="moe_debug", expert_parallel=2,
+    ),
+    "tp_fsdp-sp-moe-ep2": Layout(
+        4, ("strategy=tp_fsdp", "strategy.sequence_parallel=true", *MOE, f"{EP}=2"), "tp_fsdp", data_parallel=2,
+        tensor_parallel=2, sequence_parallel=True, model="moe_debug", expert_parallel=2,
+    ),
+}  # fmt: skip
 
 
 def parse(argv: list[str]) -> dict:
@@ -141,24 +160,27 @@ def parse(argv: list[str]) -> dict:
     return {"layouts": layouts, "steps": steps, "step": step, "out": out if out.is_absolute() else ROOT / out}
 
 
-def model_config(layers: int, vocab_size: int):
-    """The debug preset (conf/model/debug.yaml) with this vocabulary and depth: the model the runs train."""
+def model_config(layout: Layout, vocab_size: int):
+    """The model a layout's runs train: its preset of conf/model (the debug model's) with this vocabulary, its depth
+    and its `model.KEY=VALUE` overrides."""
     import yaml
 
-    from project.model.config import LlamaConfig
+    from project.model.families import model_config as family_config
 
-    fields = yaml.safe_load((ROOT / "conf" / "model" / "debug.yaml").read_text())
-    return LlamaConfig(**{**fields, "vocab_size": vocab_size, "n_layers": layers})
+    fields = yaml.safe_load((ROOT / "conf" / "model" / f"{layout.model}.yaml").read_text())
+    for key, value in (o.split("=", 1) for o in layout.overrides if o.startswith("model.")):
+        fields[key.removeprefix("model.")] = yaml.safe_load(value)
+    return family_config({**fields, "vocab_size": vocab_size, "n_layers": layout.layers})
 
 
-def by_group(rows: list[list], shape) -> dict[tuple[str, str], tuple[int, int]]:
+def by_group(rows: list[list], shape, expert_parallel: int = 1) -> dict[tuple[str, str], tuple[int, int]]:
     """A rank's measured rows ([kind, ranks, calls, bytes], project.tooling.comms) as {(kind, mesh dimensions):
     (calls, bytes)}, each group named by the dimensions its ranks span (project.planning.communication)."""
     from project.planning.communication import dimension_of
 
     table: dict[tuple[str, str], tuple[int, int]] = {}
     for kind, ranks, calls, size in rows:
-        group = dimension_of(map(int, ranks.split(",")), shape) if ranks[0].isdigit() else ranks
+        group = dimension_of(map(int, ranks.split(",")), shape, expert_parallel) if ranks[0].isdigit() else ranks
         before = table.get((kind, group), (0, 0))
         table[(kind, group)] = (before[0] + calls, before[1] + size)
     return table
@@ -215,13 +237,14 @@ def measure(name: str, steps: int, step: int, data: Path, scratch: Path) -> dict
         raise RuntimeError(f"{name}: project.train failed:\n{result.stderr[-3000:]}")
     c = layout.candidate()
     shape = c.shape
-    config = model_config(layout.layers, VOCAB_SIZE)
+    config = model_config(layout, VOCAB_SIZE)
     ranks: list[dict[str, Any]] = []
     for rank in range(layout.devices):
         record = read_record(run_dir, rank)
         if step in record["logging_steps"]:
             raise RuntimeError(f"{name}: step {step} logs (logging steps {record['logging_steps']})")
-        rows = compare(by_group(record["steps"][step], shape), planned(layout, config, SEQ_LEN, rank))
+        measured = by_group(record["steps"][step], shape, c.expert_parallel)
+        rows = compare(measured, planned(layout, config, SEQ_LEN, rank))
         ranks.append({"rank": rank, "pipeline_rank": layout.pipeline_rank(rank), "rows": rows})
     return {
         "layout": name,
