@@ -42,6 +42,8 @@ class Weight(NamedTuple):
         `ep` times the share of a group's tokens, so that a token's products stay the same)."""
         if self.experts is not None:
             return self._replace(experts=self.experts // ep, used=self.used * ep)
+        if tp == 1:  # whole, and still saying how tensor parallelism would split it
+            return self
         if self.tensor_split == "rows":
             return Weight(self.rows // tp, self.cols, None)
         if self.tensor_split == "cols":

@@ -8,7 +8,9 @@ of collective on each process group (project.tooling.comms.CountCollectives). Th
 beside project.planning.communication's collectives for the same layout, model and batch: a step after the first two
 (torch's pipeline exchanges shapes in the first, DDP rebuilds its buckets in the second) and before the last, the one
 logging step (logging steps reduce the metrics, agree on a stop signal and save). Calls, and bytes (each call's whole
-buffer: an all-gather's output, a reduce-scatter's input). Writes new files <date>-<host>-comms.{json,md}.
+buffer: an all-gather's output, a reduce-scatter's input, an all-to-all's input). A mixture of experts' all-to-alls
+carry what its router sends each rank: the planner counts an even spread, which their sum over the ranks is
+(tests/test_comms.py holds that), not each rank's. Writes new files <date>-<host>-comms.{json,md}.
 """
 
 from __future__ import annotations

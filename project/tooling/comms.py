@@ -59,6 +59,8 @@ OPERATORS = {
 NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 _KIND_OF = {name: kind for kind, names in OPERATORS.items() for name in names}
 # Functional all-gathers are given each rank's part and the group's size, not the output.
+# Where an all-to-all's input is among its arguments: c10d's take (output, input, ...), the functional one (input, ...).
+_ALL_TO_ALL_INPUT = {"alltoall_": 1, "alltoall_base_": 1, "all_to_all_single": 0}
 _GIVEN_THE_PART = {"all_gather_into_tensor", "all_gather_into_tensor_coalesced"}
 
 Counts = dict[tuple[str, str], list[int]]  # (kind, group) -> [calls, bytes]
@@ -151,7 +153,10 @@ class CollectiveCounter(TorchDispatchMode):
                 for op, tensor in zip(args[0], args[3]):
                     self.add("send" if op == "isend" else "recv", group, 1, _tensor_bytes(tensor))
             elif name in _KIND_OF:
-                size = max([_tensor_bytes(v) for v in [*args, *kwargs.values()]], default=0)
+                if name in _ALL_TO_ALL_INPUT:  # its input and output differ in size where the ranks send unevenly
+                    size = _tensor_bytes(args[_ALL_TO_ALL_INPUT[name]])
+                else:
+                    size = max([_tensor_bytes(v) for v in [*args, *kwargs.values()]], default=0)
                 if namespace != "c10d" and name in _GIVEN_THE_PART:
                     size *= args[1]  # the group's size
                 self.add(_KIND_OF[name], self._group(args, kwargs), 1, size)
