@@ -123,8 +123,8 @@ VALUES = [
     (["model=moe_debug", "model.moe_every=3"], r"model.moe_every=3 exceeds model.n_layers=2"),
     (["model=moe_debug", "model.aux_loss_coef=-1"], r"model.aux_loss_coef=-1 is out of range"),
     (
-        ["model=moe_debug", "strategy=pipeline", "trainer.devices=2"],
-        r"a pipeline of stages \(strategy=pipeline\): model.family=moe",
+        ["model=moe_debug", "strategy=pipeline", "trainer.devices=4", "strategy.expert_parallel_size=2"],
+        r"strategy.expert_parallel_size=2 does not divide the 1 data-parallel ranks of each pipeline stage",
     ),
     (
         ["model=moe_debug", "strategy=fsdp2", "trainer.devices=2", "strategy.expert_parallel_size=4"],

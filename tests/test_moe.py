@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from conftest import PARITY_RUN, assert_reproduces, read_metrics, train_overrides
+from conftest import PARITY_RUN, assert_reproduces, assert_validates_like, read_metrics, train_overrides
 from in_process import CONF, train_in_process
 
 from project.hf.export import export
@@ -110,6 +110,18 @@ def test_the_auxiliary_loss_adds_its_gradient_at_the_losss_scale_and_leaves_the_
     assert loss.grad.item() == pytest.approx(0.25) and aux.grad.item() == pytest.approx(0.0025)
 
 
+def test_router_scores_are_float32_under_bf16_autocast():
+    """bf16-mixed runs matrix products in bfloat16 under autocast whatever their inputs: the router's scores, and so
+    each token's choice of experts, are those float32 computes."""
+    mixture = seeded_mixture(tiny())
+    x = torch.randn(64, TINY["dim"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        scores, chosen, weights = mixture.router(x)
+    expected, expected_chosen, _ = mixture.router(x)
+    assert scores.dtype == weights.dtype == torch.float32
+    assert torch.equal(scores, expected) and torch.equal(chosen, expected_chosen)
+
+
 def test_counts_of_parameters_and_flops_are_the_built_models_and_mixtrals_published_ones():
     for config in (tiny(), tiny(shared_expert=True, moe_every=2)):
         model = build_model(config)
@@ -138,6 +150,25 @@ def test_routing_biases_move_toward_the_mean_load_after_a_step():
     assert metrics["moe/layer0/load_max"] == pytest.approx((loads[0].max() / loads[0].mean()).item())
     assert metrics["moe/layer0/top_share"] == pytest.approx((loads[0].max() / 32).item())
     assert model.step_statistics(lambda t: t, report=True) == {}  # cleared: nothing since the step
+
+
+def test_only_forwards_that_train_are_counted_and_a_stage_of_dense_blocks_still_joins_the_sum():
+    """A pipeline finds its stages' shapes by a forward without gradients (project.parallel.strategies.pipeline),
+    which trains nothing; a stage whose blocks are all dense gives zeros to the sum over ranks, which every rank must
+    join alike."""
+    from project.parallel.pipeline import split_into_stages
+
+    model = build_model(tiny(moe_every=2), init_seed=1).train()  # block 1 a mixture, block 0 dense
+    tokens = torch.randint(0, 96, (2, 16))
+    with torch.no_grad():
+        model(tokens, targets=tokens)
+    assert model._statistics is None and model._pending_aux is None
+    chunks = split_into_stages(model, pipeline_rank=0, pipeline_parallel_size=2, schedule="1f1b", virtual_stages=1)
+    assert list(chunks) == [0] and not model.mixtures()  # the first stage: block 0 alone
+    chunks[0](tokens, seq_len=16)
+    summed = []
+    model.step_statistics(lambda t: summed.append(t.clone()) or t, report=True)
+    assert [t.tolist() for t in summed] == [[[0.0] * (4 + 2)]]  # one mixture's row: no loads, losses or count here
 
 
 def test_every_family_builds_from_its_presets_and_an_unknown_family_is_named():
@@ -171,6 +202,8 @@ LAYOUTS = {
     "tp2-sp-ep2": ["strategy=tp_fsdp", "trainer.devices=4", "strategy.sequence_parallel=true", f"{EP}=2"],
     # Blocks recomputed in the backward: the mixture runs again, its all-to-alls too.
     "ep2-recomputed": ["strategy=fsdp2", "trainer.devices=2", f"{EP}=2", "strategy.activation_checkpointing=true"],
+    # One mixture per stage, each joining its balancing loss to the stage's output, over 8 microbatches.
+    "pp2": ["strategy=pipeline", "trainer.devices=2"],
 }
 # New runs from the single run's export: each rank of ddp reads the whole model, of fsdp2 a slice of every expert's
 # rows, of ep=2 its own experts.
@@ -178,7 +211,12 @@ FROM_MIXTRAL = {"init-from-ddp": "ddp", "init-from-fsdp2": "fsdp2", "init-from-e
 # Routing biases, a shared expert, sigmoid scores and a strong balancing loss (its gradient as large as to show
 # any error in the context-parallel sums' backward).
 BIAS = ["model.bias_update_rate=0.01", "model.score_func=sigmoid", "model.shared_expert=true", "model.aux_loss_coef=1"]
-BIASED = {"bias-cp2-ep4": ["strategy=fsdp2", "trainer.devices=4", "strategy.context_parallel_size=2", f"{EP}=4"]}
+BIASED = {
+    "bias-cp2-ep4": ["strategy=fsdp2", "trainer.devices=4", "strategy.context_parallel_size=2", f"{EP}=4"],
+    # Each stage's two data-parallel ranks split its mixture's experts; every rank's loads move the biases.
+    "bias-pp2-dp2-ep2": ["strategy=pipeline", "trainer.devices=4", "strategy.data_parallel_size=2", f"{EP}=2"],
+}
+PIPELINES = ["pp2", "bias-pp2-dp2-ep2"]  # whose validation runs through the stages (their own forward)
 # Resumed at step 10 (best-step000010.ckpt) to step 12 under other expert-parallel degrees.
 RESUMED = {
     "ep4-to-ep2": ("ep4", LAYOUTS["ep2"]),
@@ -204,7 +242,7 @@ def runs(tiny_shards, tmp_path_factory) -> dict:
 
     # Three groups of ranks, each started once: the 4-rank layouts, then one device (and a resume of ep=4 there),
     # then the 2-rank layouts (and resumes of the others, and starts from the one-device run's export).
-    train_in_process(4, [*on(4), case("bias-cp2-ep4", *BIASED["bias-cp2-ep4"], *BIAS)])
+    train_in_process(4, [*on(4), *(case(name, *overrides, *BIAS) for name, overrides in BIASED.items())])
     one = [case("single"), case("accumulated", "micro_batch_size=4"), case("bias-single", *BIAS)]
     train_in_process(1, [*one, resumed("ep4-to-single")])
     # The single run's final weights in Mixtral's format, and new runs starting from them.
@@ -223,15 +261,20 @@ def test_a_mixture_of_experts_trains_in_every_layout_it_takes_like_one_device(ru
     """Dropless routing and a per-sequence balancing loss: a batch split over ranks or micro batches routes each
     token as one device does and sums the same loss."""
     assert_reproduces(runs[layout], runs["single"])
+    if layout in PIPELINES:
+        assert_validates_like(runs[layout], runs["single"])
 
 
 @pytest.mark.slow
-def test_routing_biases_moved_by_every_ranks_loads_train_like_one_device(runs):
-    """Under context and expert parallelism at once, with a balancing loss 100 times the presets' weight."""
-    assert_reproduces(runs["bias-cp2-ep4"], runs["bias-single"])
-    assert read_metrics(runs["bias-cp2-ep4"], "moe/aux_loss") == pytest.approx(
-        read_metrics(runs["bias-single"], "moe/aux_loss"), rel=1e-5
-    )
+@pytest.mark.parametrize("layout", BIASED)
+def test_routing_biases_moved_by_every_ranks_loads_train_like_one_device(runs, layout):
+    """Under context or pipeline and expert parallelism at once, with a balancing loss 100 times the presets'
+    weight (a pipeline's stages join it to their outputs, whose gradient the schedule does not scale)."""
+    assert_reproduces(runs[layout], runs["bias-single"])
+    if layout in PIPELINES:
+        assert_validates_like(runs[layout], runs["bias-single"])
+    for metric in ("moe/aux_loss", "moe/layer1/load_max"):
+        assert read_metrics(runs[layout], metric) == pytest.approx(read_metrics(runs["bias-single"], metric), rel=1e-5)
     assert read_metrics(runs["bias-single"], "train/loss") != read_metrics(runs["single"], "train/loss")
 
 
@@ -256,7 +299,7 @@ def test_the_balancing_loss_and_each_blocks_expert_load_are_logged_every_step(ru
         )
         share = read_metrics(runs["single"], f"moe/layer{layer}/top_share")
         assert all(least[s] <= 1 <= most[s] <= 4 and 2 / 4 <= share[s] <= 1 for s in most)
-    for layout in ("ddp", "ep4", "cp2"):  # every rank's loads and losses counted
+    for layout in ("ddp", "ep4", "cp2", "pp2"):  # every rank's loads and losses counted, once
         assert read_metrics(runs[layout], "moe/aux_loss") == pytest.approx(aux, rel=1e-5)
         assert read_metrics(runs[layout], "moe/layer1/load_max") == pytest.approx(most, rel=1e-5)
 

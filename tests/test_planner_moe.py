@@ -101,16 +101,19 @@ def test_activation_count_of_an_eager_mixture_block_is_what_it_saves_for_its_bac
 
 
 def test_a_mixtral_plan_lists_expert_parallel_layouts_that_project_train_accepts_as_planned():
-    """Mixtral 8x7B on 64 H100s: fsdp2 and tp_fsdp take every expert-parallel degree its 8 experts and their ranks
-    allow, the others none; each listed command builds the layout it was planned as; the fastest fsdp2 layout splits
-    the experts (holding all 8 on every rank leaves less room for activations)."""
+    """Mixtral 8x7B on 64 H100s: fsdp2, tp_fsdp and pipeline stages take every expert-parallel degree its 8 experts
+    and their data-parallel ranks allow, ddp none; each listed command builds the layout it was planned as; the
+    fastest fsdp2 layout splits the experts (holding all 8 on every rank leaves less room for activations)."""
     config, gpus = preset("mixtral_8x7b"), h100s(8)
     work = Workload(config, 4096, 512, 1e12)
-    space = SearchSpace(strategies=["fsdp2", "tp_fsdp", "pipeline"], micro_batch_sizes=[1, 2])
+    space = SearchSpace(strategies=["ddp", "fsdp2", "tp_fsdp", "pipeline"], micro_batch_sizes=[1, 2])
     outcomes = plan(work, gpus, space, 0.5)
     degrees = {(o.prediction.candidate.strategy, o.prediction.candidate.expert_parallel) for o in outcomes}
     assert {ep for strategy, ep in degrees if strategy == "fsdp2"} == {1, 2, 4, 8}
-    assert {ep for strategy, ep in degrees if strategy == "pipeline"} == {1}
+    assert {ep for strategy, ep in degrees if strategy == "ddp"} == {1}
+    for c in (o.prediction.candidate for o in outcomes):
+        assert c.shard_ranks % c.expert_parallel == 0 and config.n_experts % c.expert_parallel == 0, c.name
+    assert {c.expert_parallel for c in (o.prediction.candidate for o in outcomes) if c.strategy == "pipeline"} > {1}
     fastest = next(o.prediction for o in outcomes if o.prediction.candidate.strategy == "fsdp2")
     assert fastest.fits and fastest.candidate.expert_parallel > 1
     split = [o for o in outcomes if o.prediction.candidate.expert_parallel > 1]

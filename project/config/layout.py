@@ -102,10 +102,8 @@ def check_family_layout(model: LlamaConfig, shape: MeshShape, pipeline: bool) ->
     refused = [used[name] for name in family.refuses if used[name]]
     if refused:
         raise ConfigError(
-            f"{' and '.join(refused)}: model.family={family.name} ({family.summary}) cannot be split that way yet "
-            "(its balancing loss across pipeline stages). Train it with strategy=single, ddp, fsdp, fsdp2, tp or "
-            "tp_fsdp, with strategy.expert_parallel_size for its experts and strategy.context_parallel_size for long "
-            "sequences (docs/moe.md)."
+            f"{' and '.join(refused)}: model.family={family.name} ({family.summary}) cannot be split that way yet. "
+            "Train it without that dimension (docs/strategies.md lists the strategies)."
         )
 
 
@@ -126,9 +124,11 @@ def check_expert_parallel(model: LlamaConfig, ep: Any, shape: MeshShape) -> None
         )
     replicas = shape.data_parallel * shape.context_parallel
     if replicas % ep:
+        # A pipeline's expert groups are made of each stage's data-parallel ranks (data x context).
+        stage = " of each pipeline stage" if shape.pipeline_parallel > 1 else ""
         raise ConfigError(
-            f"strategy.expert_parallel_size={ep} does not divide the {replicas} data-parallel ranks: an expert group "
-            f"is made of data-parallel ranks. Choose a divisor of {replicas}, or more devices."
+            f"strategy.expert_parallel_size={ep} does not divide the {replicas} data-parallel ranks{stage}: an "
+            f"expert group is made of data-parallel ranks. Choose a divisor of {replicas}, or more devices."
         )
     if model.n_experts % ep:
         raise ConfigError(

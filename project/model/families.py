@@ -31,12 +31,9 @@ class ModelFamily:
     label: str  # its name in a run's summary line ("model: LABEL, 4.0 M parameters, ...")
     # The Hugging Face architecture project.export writes and init_from reads (project.hf); None: not yet.
     hf_architecture: str | None = None
-    # The dimensions this family's model cannot be split over yet ("tensor", "context", "pipeline"): a mixture's
-    # balancing loss across pipeline stages is not written yet.
+    # The dimensions this family's model cannot be split over yet ("tensor", "context", "pipeline"; none today):
+    # the settings check refuses them by name (project.config.layout.check_family_layout).
     refuses: tuple[str, ...] = ()
-    # Whether project.planning's memory, time and traffic formulas describe this family's blocks (the dry run's
-    # shards are the strategies' own, for every family).
-    planned: bool = True
 
     def model_class(self) -> type[Llama]:
         module, name = self.model.split(":")
@@ -61,8 +58,6 @@ FAMILIES: dict[str, ModelFamily] = {
             "Llama with a mixture of experts as feed-forward (Mixtral, Llama 4)",
             "Llama mixture of experts",
             hf_architecture="MixtralForCausalLM",
-            refuses=("pipeline",),
-            planned=False,
         ),
     )
 }
@@ -90,18 +85,6 @@ def without_hf_format(config: LlamaConfig, what: str) -> str | None:
             "checkpoint (it resumes, and project.generate reads it)."
         )
     return None
-
-
-def unplanned(config: LlamaConfig) -> str | None:
-    """Why the planner cannot size a model of this family, or None where it can."""
-    family = family_of(config)
-    if family.planned:
-        return None
-    return (
-        f"project.plan sizes dense Llamas; model.family={family.name} ({family.summary}) is not in its formulas "
-        "yet (docs/moe.md). `python -m project.train ... dry_run=true` shards it as the run would on a fake "
-        "process group of the job's size and reports each rank's parameters, gradients and optimizer state."
-    )
 
 
 def model_config(fields: Mapping[str, Any] | LlamaConfig) -> LlamaConfig:

@@ -41,7 +41,9 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, dim] -> (scores [N, n_experts] float32, chosen [N, top_k] expert indices, weights [N, top_k])."""
-        logits = F.linear(x.float(), self.gate.weight.float())
+        # Autocast (bf16-mixed) would run the product in 16 bits whatever its inputs are: off for the scores.
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.gate.weight.float())
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
         choice = scores if self.expert_bias is None else scores + self.expert_bias
         chosen = choice.topk(self.top_k, dim=-1).indices
@@ -220,12 +222,17 @@ class MoELlama(Llama):
         # from the same tokens; the next forward replaces them: nothing is read from them before.)
         for _, m in ran:
             m.aux_loss = m.load = None
-        if not self.training or not ran:
+        # Only a training forward that a backward pass follows trains on its tokens: one without gradients (a
+        # pipeline's probe of its stages' shapes, project.parallel.strategies.pipeline) counts nothing.
+        if not (self.training and torch.is_grad_enabled()):
             return h
+        # A table even where these layers hold no mixture (a pipeline stage of dense blocks): every rank that trained
+        # then joins step_statistics' sum over ranks.
         statistics = torch.zeros(len(self.config.moe_layers), self.config.n_experts + 2, device=h.device)
-        statistics[[p for p, _ in ran]] = torch.stack(rows)
+        if rows:
+            statistics[[p for p, _ in ran]] = torch.stack(rows)
         self._statistics = statistics if self._statistics is None else self._statistics + statistics
-        if self.config.aux_loss_coef > 0:
+        if self.config.aux_loss_coef > 0 and aux:
             part = torch.stack(aux).sum() / len(self.config.moe_layers)
             self._pending_aux = part if self._pending_aux is None else self._pending_aux + part
         return h

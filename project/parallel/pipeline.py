@@ -9,7 +9,7 @@ rank s mod p) or, for the V-shaped schedules, down and back up (rank 0 holds the
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence, cast
+from typing import Callable, Mapping, Sequence, TypedDict, cast
 
 import torch
 from torch import nn
@@ -102,15 +102,54 @@ def build_schedule(
     schedule: str,
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    examples: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> PipelineSchedule:
     """torch's schedule over this rank's chunks. `loss_fn` returns a microbatch's mean loss; the
     schedule divides the accumulated gradients by the number of microbatches, so they are those of
-    the mean over the whole batch."""
+    the mean over the whole batch. `examples`: each chunk's input and output on one microbatch, by stage index
+    (`static_shapes`); without them torch's stages find their shapes at the first step by a forward and backward
+    pass of their own."""
     stages: list = [  # of PipelineStage (torch types the argument by its private base class)
-        PipelineStage(chunk, index, n_chunks, device, group=group) for index, chunk in sorted(chunks.items())
+        PipelineStage(
+            chunk, index, n_chunks, device, group=group, **(static_shapes(*examples[index]) if examples else {})
+        )
+        for index, chunk in sorted(chunks.items())
     ]
     cls = SCHEDULES[schedule]
     if issubclass(cls, PipelineScheduleSingle):
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
     # Every schedule of SCHEDULES that is not single-stage is multi-stage.
     return cast(type[PipelineScheduleMulti], cls)(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+
+
+class StageShapes(TypedDict, total=False):
+    """PipelineStage's shape arguments; none given: torch infers them."""
+
+    input_args: tuple[torch.Tensor, ...]
+    output_args: tuple[torch.Tensor, ...]
+    input_grads: tuple[torch.Tensor | None, ...]
+    output_grads: tuple[torch.Tensor | None, ...]
+
+
+def static_shapes(x: torch.Tensor, out: torch.Tensor) -> StageShapes:
+    """PipelineStage's shapes of a chunk, from its input and output on one microbatch (computed without gradients):
+    every microbatch's are alike, and in training what flows between stages carries gradients, the tokens none.
+
+    Given them, torch's stages infer none. torch 2.13's inference is a training-mode forward and backward pass of
+    the chunk at the first step, on empty tensors past the first stage (PipelineStage._forward_metadata_inference):
+    its results are thrown away, but a model that counts what its forwards see (a mixture's expert loads) would count
+    that pass too. The gradients are given too: tensor parallelism's last chunk outputs a DTensor, whose gradient's
+    placement torch would otherwise infer in that pass (the last chunk receives none)."""
+
+    def carried(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().requires_grad_(t.is_floating_point())
+
+    def gradient(t: torch.Tensor) -> torch.Tensor | None:
+        return t.detach() if t.is_floating_point() else None
+
+    return {
+        "input_args": (carried(x),),
+        "output_args": (carried(out),),
+        "input_grads": (gradient(x),),
+        "output_grads": (gradient(out),),
+    }

@@ -35,7 +35,7 @@ HAS_COMPILE = {"fsdp2", "tp", "tp_fsdp", "pipeline"}
 # Strategies that split sequences over strategy.context_parallel_size ranks (project.parallel.context_parallel).
 HAS_CONTEXT_PARALLEL = {"fsdp2", "tp", "tp_fsdp", "pipeline"}
 # Strategies that split a mixture's experts over strategy.expert_parallel_size ranks (project.parallel.expert_parallel).
-HAS_EXPERT_PARALLEL = {"fsdp2", "tp_fsdp"}
+HAS_EXPERT_PARALLEL = {"fsdp2", "tp_fsdp", "pipeline"}
 
 
 @dataclass(frozen=True)

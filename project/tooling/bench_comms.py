@@ -136,6 +136,12 @@ LAYOUTS = {
         4, ("strategy=fsdp2", *MOE, "strategy.context_parallel_size=2", f"{EP}=2"), "fsdp2", data_parallel=2,
         context_parallel=2, model="moe_debug", expert_parallel=2,
     ),
+    "pipeline-moe-dp2-ep2": replace(
+        _pipeline("1f1b", devices=4, data_parallel=2),
+        overrides=(*_pipeline("1f1b", devices=4, data_parallel=2).overrides, *MOE, f"{EP}=2"),
+        model="moe_debug",
+        expert_parallel=2,
+    ),
     "tp_fsdp-sp-moe-ep2": Layout(
         4, ("strategy=tp_fsdp", "strategy.sequence_parallel=true", *MOE, f"{EP}=2"), "tp_fsdp", data_parallel=2,
         tensor_parallel=2, sequence_parallel=True, model="moe_debug", expert_parallel=2,

@@ -133,9 +133,19 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         assert self.lightning_module is not None  # connected before the trainer sets the strategy up
         self.lightning_module._device_mesh = self._device_mesh  # what configure_model reads, as Lightning sets it
 
-    def _split_sequences(self, shape: MeshShape, outer: tuple[int, ...] = (), names: tuple[str, ...] = ()) -> None:
+    def _outer_dims(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The sizes and names of the mesh's dimensions outside data parallelism (a pipeline's stages): the meshes
+        that split the data-parallel ranks into groups (context, experts) keep them outermost, as the mesh does, so
+        that each group's ranks hold the same part of the model."""
+        names = self.device_mesh.mesh_dim_names
+        assert names is not None  # every mesh of ours names its dimensions
+        outer = names[: names.index("data_parallel")]
+        return tuple(self.device_mesh.shape[: len(outer)]), outer
+
+    def _split_sequences(self, shape: MeshShape) -> None:
         """The context groups and the replicas' coordinates, from a mesh of the run's ranks with the context
-        dimension apart (`outer`: the dimensions outside data parallelism, a pipeline's stages)."""
+        dimension apart."""
+        outer, names = self._outer_dims()
         sizes = (*outer, shape.data_parallel, shape.context_parallel, shape.tensor_parallel)
         mesh = shared_mesh(self.root_device.type, sizes, (*names, "data", "context", "tensor"))
         # Kept: slicing the mesh later would read its rank tensor on the host each time.
@@ -184,12 +194,15 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
 
     def _split_experts(self, model: Llama) -> DeviceMesh | None:
         """With expert_parallel_size = ep > 1: the mixtures' experts split over groups of ep data-parallel ranks
-        (neighbours), and the mesh of the ranks that hold the same experts, for FSDP2; else None."""
+        (neighbours; of one pipeline stage), and the mesh of the ranks that hold the same experts, for FSDP2; else
+        None."""
         ep = self.expert_parallel_size
         if ep == 1:
             return None
         dp, tp = self.device_mesh["data_parallel"].size(), self.device_mesh["tensor_parallel"].size()
-        mesh = shared_mesh(self.device_mesh.device_type, (dp // ep, ep, tp), ("expert_data", "expert", "tensor"))
+        outer, names = self._outer_dims()
+        sizes, names = (*outer, dp // ep, ep, tp), (*names, "expert_data", "expert", "tensor")
+        mesh = shared_mesh(self.device_mesh.device_type, sizes, names)
         apply_expert_parallel(model, mesh["expert"])
         return mesh["expert_data"]
 

@@ -12,7 +12,8 @@ as in LlamaParallelStrategy.
 
 from __future__ import annotations
 
-from typing import Any, Literal, cast
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ from project.model.llama import Llama
 from project.parallel.batch import BatchPlan
 from project.parallel.contract import TrainingModule
 from project.parallel.mesh import MeshShape, mesh_shape
-from project.parallel.pipeline import LlamaStage, build_schedule, split_into_stages
+from project.parallel.pipeline import LlamaStage, PipelineSchedule, build_schedule, split_into_stages
 from project.parallel.pipeline_layout import SPLIT_BACKWARD, chunk_ranks, default_virtual_stages
 from project.parallel.strategies.model_parallel import LlamaParallelStrategy
 
@@ -99,10 +100,6 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         return module
 
     @property
-    def _llama_module(self) -> TrainingModule:
-        return cast(TrainingModule, self._lit_module)
-
-    @property
     def shape(self) -> MeshShape:
         degrees = {
             "pipeline_parallel_size": self._pipeline_parallel_size,
@@ -118,7 +115,7 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         self._data_parallel_size = shape.data_parallel * shape.context_parallel  # FSDP2's ranks in each stage
         self._set_up_processes((shape.pipeline_parallel, self._data_parallel_size, shape.tensor_parallel), MESH_DIMS)
         if shape.context_parallel > 1:
-            self._split_sequences(shape, (shape.pipeline_parallel,), ("pipeline",))
+            self._split_sequences(shape)
 
     # -- building the stages ------------------------------------------------------------------------
 
@@ -136,15 +133,7 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
             dist.get_global_rank(pipeline.get_group(), r) for r in chunk_ranks(self.schedule, pipeline.size(), n_chunks)
         ]
         self._last_stage_rank = self._stage_ranks[-1]
-        self._pipeline = build_schedule(
-            self._chunks,
-            n_chunks,
-            pipeline.get_group(),
-            self.root_device,
-            self.schedule,
-            self.n_microbatches,
-            self._llama_module.criterion,
-        )
+        self._pipeline: PipelineSchedule | None = None  # built at the first training step (_schedule)
 
     def shard(self, model: Llama) -> None:
         """Prune `model` to this rank's stage chunks, then shard each as LlamaParallelStrategy does."""
@@ -192,10 +181,11 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         whole = module.model_kwargs(inputs)  # of the whole sequences, also under context parallelism
         inputs, targets = self._own_parts(inputs, targets)
         if train:
+            schedule = self._schedule(module, inputs, whole)
             kwargs: dict[str, Any] = {"seq_len": inputs.shape[1], **whole}
             losses: list[torch.Tensor] = []
             module.zero_grad(set_to_none=True)  # Lightning zeroes gradients after the step, not before
-            self._pipeline.step(
+            schedule.step(
                 *((inputs,) if self._has_first_stage else ()),
                 target=targets if self._has_last_stage else None,
                 losses=losses,
@@ -208,29 +198,60 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         dist.broadcast(loss, src=self._last_stage_rank, group=self._pipeline_group)
         return loss
 
+    def _schedule(self, module: TrainingModule, inputs: torch.Tensor, kwargs: dict[str, Any]) -> PipelineSchedule:
+        """torch's schedule over this rank's chunks, built at the first training step with the shapes the step's first
+        microbatch takes through them (project.parallel.pipeline.static_shapes: torch's stages then run no pass of
+        their own to find them), from a forward of it without gradients, which trains nothing and which the model
+        does not count."""
+        if self._pipeline is None:
+            assert self.n_microbatches is not None  # parallelize refuses to build the stages without it
+            with torch.no_grad():
+                examples = {stage: (x, out) for stage, _, x, out in self._forward(inputs, kwargs, rows=1)}
+            self._pipeline = build_schedule(
+                self._chunks,
+                self.pipeline_size * self.virtual_stages,
+                self._pipeline_group,
+                self.root_device,
+                self.schedule,
+                self.n_microbatches,
+                module.criterion,
+                examples,
+            )
+        return self._pipeline
+
     @torch.no_grad()
     def _evaluate(
         self, module: TrainingModule, inputs: torch.Tensor, targets: torch.Tensor, kwargs: dict[str, torch.Tensor]
     ) -> torch.Tensor:
-        """Forward only: microbatches of `micro_batch_size` through this rank's chunks in stage order,
-        activations sent on to the rank of the next chunk. The sequence-weighted mean loss on the rank
-        of the last chunk, zero elsewhere.
+        """Forward only (`_forward`). The sequence-weighted mean loss on the rank of the last chunk, zero elsewhere.
 
         Not torch's `schedule.eval()`: in torch 2.13 it fails for V-shaped schedules ("can't
         steal_bwd_input if this stage doesn't have backward"), and its buffers keep the training
         batch's shape, which the last validation batch of a replica need not have.
         """
+        last = self.pipeline_size * self.virtual_stages - 1
+        total = torch.zeros((), device=self.root_device)
+        for stage, part, x, out in self._forward(inputs, kwargs):
+            if stage == last:
+                total += module.criterion(out, targets[part]).float() * x.shape[0]
+        return total / inputs.shape[0]
+
+    def _forward(
+        self, inputs: torch.Tensor, kwargs: dict[str, torch.Tensor], rows: int | None = None
+    ) -> Iterator[tuple[int, slice, torch.Tensor, torch.Tensor]]:
+        """Microbatches of `micro_batch_size` (the first `rows` of them, or all) through this rank's chunks in stage
+        order, outputs sent on to the rank of the next chunk: each chunk's (stage index, the microbatch's rows of
+        the batch, input, output) as it runs. Run it to its end: the last sends are waited for there."""
         group = self._pipeline_group
         seq_len = inputs.shape[1]
         size = self.micro_batch_size
         assert size is not None  # parallelize refuses to build the stages without it
-        rows = [slice(i, i + size) for i in range(0, inputs.shape[0], size)]
+        parts = [slice(i, i + size) for i in range(0, inputs.shape[0], size)][:rows]
         last = self.pipeline_size * self.virtual_stages - 1
         here: dict[tuple[int, int], torch.Tensor] = {}  # outputs for the next chunk, when it is on this rank too
         sends: list[tuple[Any, torch.Tensor]] = []
-        total = torch.zeros((), device=self.root_device)
         for stage, chunk in sorted(self._chunks.items()):
-            for i, part in enumerate(rows):
+            for i, part in enumerate(parts):
                 if stage == 0:
                     x = inputs[part]
                 elif (stage - 1) in self._chunks:
@@ -238,9 +259,10 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
                 else:
                     x = receive_activation(self._stage_ranks[stage - 1], group, tag=stage - 1, device=self.root_device)
                 out = chunk(x, seq_len=seq_len, **{k: v[part] for k, v in kwargs.items()})
+                yield stage, part, x, out
                 if stage == last:
-                    total += module.criterion(out, targets[part]).float() * x.shape[0]
-                elif (stage + 1) in self._chunks:
+                    continue
+                if (stage + 1) in self._chunks:
                     here[(stage, i)] = out
                 else:
                     sends.extend(send_activation(out, self._stage_ranks[stage + 1], group, tag=stage))
@@ -251,7 +273,6 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         for chunk in self._chunks.values():
             if isinstance(chunk, FSDPModule):
                 chunk.reshard()
-        return total / inputs.shape[0]
 
     def step_loss(
         self, module: TrainingModule, inputs: torch.Tensor, targets: torch.Tensor, train: bool
