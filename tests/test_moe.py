@@ -184,7 +184,8 @@ def test_every_family_builds_from_its_presets_and_an_unknown_family_is_named():
 
 # -- training: every layout the family takes equals one device ---------------------------------------------------
 
-MOE = ["model=moe_debug", "model.expert_ffn_dim=48"]
+# Numerics at step 10 (0-based), whose weights before the update best-step000010.ckpt holds.
+MOE = ["model=moe_debug", "model.expert_ffn_dim=48", "stability.numerics_every_n_steps=11"]
 EP = "strategy.expert_parallel_size"
 LAYOUTS = {
     "ddp": ["strategy=ddp", "trainer.devices=2"],
@@ -263,6 +264,34 @@ def test_a_mixture_of_experts_trains_in_every_layout_it_takes_like_one_device(ru
     assert_reproduces(runs[layout], runs["single"])
     if layout in PIPELINES:
         assert_validates_like(runs[layout], runs["single"])
+
+
+EXPERT_STATS = [f"numerics/block{b}/expert{e}/{s}" for b in (0, 1) for e in range(4) for s in ("param_norm", "grad_norm")]
+
+
+@pytest.mark.slow
+def test_each_experts_numerics_are_its_checkpointed_weights_and_one_devices_in_every_layout(runs):
+    """Per expert, at a numerics step: the parameter norm is that of its rows of the stacked weights in the step's
+    checkpoint (computed here from the file); every layout that keeps rows apart gives one device's norms and update
+    ratios, its expert-parallel, sharded, replicated and pipelined rows summed where they lie; strategy=fsdp, whose
+    ranks hold flat pieces, gives none."""
+    single = runs["single"]
+    state = torch.load(single / "checkpoints" / "best-step000010.ckpt", map_location="cpu", weights_only=False)
+    weights = state["state_dict"]
+    for block, expert in ((0, 0), (1, 3)):
+        rows = [weights[f"model.layers.{block}.feed_forward.experts.{w}"][expert] for w in ("w1", "w3", "w2")]
+        by_hand = sum(float(r.double().square().sum()) for r in rows) ** 0.5
+        logged = read_metrics(single, f"numerics/block{block}/expert{expert}/param_norm")
+        assert logged == {10: pytest.approx(by_hand, rel=1e-6)}
+    ratio = "numerics/block1/expert2/update_ratio"
+    for layout in [name for name in LAYOUTS if name != "fsdp"]:
+        for stat in EXPERT_STATS:
+            assert read_metrics(runs[layout], stat)[10] == pytest.approx(read_metrics(single, stat)[10], rel=2e-4), (
+                layout,
+                stat,
+            )
+        assert read_metrics(runs[layout], ratio)[10] == pytest.approx(read_metrics(single, ratio)[10], rel=1e-3)
+    assert not read_metrics(runs["fsdp"], EXPERT_STATS[0]) and read_metrics(runs["fsdp"], "numerics/block0/grad_norm")
 
 
 @pytest.mark.slow

@@ -370,6 +370,12 @@ class Llama(nn.Module):
         its blocks computed (a mixture of experts' balancing loss) where there are any; `h` itself here."""
         return h
 
+    def stacked_parameters(self) -> dict[str, tuple[int, list[nn.Parameter]]]:
+        """Parameters that stack several of a layer's parts along dim 0, for numerics per part: {name: (parts,
+        the tensors this model holds)}, one entry per such layer of the whole model (a pipeline stage holds some:
+        the others' lists are empty). None in a dense Llama; a mixture's experts (project.model.moe)."""
+        return {}
+
     def step_statistics(self, sum_over_ranks, report: bool) -> dict[str, torch.Tensor]:
         """What the model gathered over an optimizer step's forward passes, after their backward: summed over every
         rank with `sum_over_ranks`, acted on, and with `report` as metrics to log. A dense Llama gathers nothing; a

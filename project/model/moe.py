@@ -195,6 +195,13 @@ class MoELlama(Llama):
                 held[position] = mixture
         return held
 
+    def stacked_parameters(self) -> dict[str, tuple[int, list[nn.Parameter]]]:
+        held = self.held_mixtures()
+        return {
+            f"block{index}": (self.config.n_experts, list(held[p].experts.parameters()) if p in held else [])
+            for p, index in enumerate(self.config.moe_layers)
+        }
+
     def initial_std(self, name: str) -> float | None:
         if name.endswith(("experts.w2", "shared_expert.w2.weight")):  # residual projections, as the dense w2
             return self.config.init_std / (2 * self.config.n_layers) ** 0.5

@@ -122,6 +122,18 @@ class LlamaStrategy:
         the same on every rank."""
         return torch.stack([_local_sum_of_squares(group, device) for group in groups])
 
+    def row_sums_of_squares(
+        self, tensors: Sequence[torch.Tensor], rows: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """[rows]: for each index of dim 0 of `tensors` (a mixture's stacked experts, as this rank holds them; none
+        on a rank that holds no part of them), the sum of the squares of its elements in all of them, over every
+        shard and pipeline stage, the same on every rank (per-expert numerics); None where the strategy's ranks hold
+        pieces that are not rows. Here: whole tensors, the same on every rank."""
+        total = torch.zeros(rows, device=device, dtype=torch.float32)
+        for t in tensors:
+            total += t.detach().float().square().flatten(1).sum(dim=1)
+        return total
+
     # -- checkpoints written in the background (ckpt_async) ----------------------------------------------------
 
     def save_in_background(self, enabled: bool) -> None:

@@ -97,6 +97,12 @@ class CPUCapableFSDPStrategy(ShardedLoading, LlamaStrategy, FSDPStrategy):
         hybrid = world // (self.hybrid_shard_size or self.num_processes)  # the shard groups, each a whole copy
         return sums / {"NO_SHARD": world, "HYBRID_SHARD": hybrid}.get(name, 1)
 
+    def row_sums_of_squares(
+        self, tensors: Sequence[torch.Tensor], rows: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """None: each rank holds pieces of a block's flat parameter, whose rows it cannot tell apart."""
+        return None
+
 
 def fsdp_strategy(
     sharding_strategy: ShardingStrategy = "FULL_SHARD",

@@ -290,6 +290,17 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
             sums.append(total)
         return self._sum_over_stages(torch.stack(sums))
 
+    def row_sums_of_squares(
+        self, tensors: Sequence[torch.Tensor], rows: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """Each DTensor's rows summed where they lie (DTensor's own reduction: an all-gather of the row sums where
+        dim 0 is split, an all-reduce where another dimension is), then the stages'."""
+        total = torch.zeros(rows, device=device, dtype=torch.float32)
+        for t in tensors:
+            squares: Any = t.detach().float().square().sum(dim=tuple(range(1, t.dim())))
+            total += squares.full_tensor() if isinstance(squares, DTensor) else squares
+        return self._sum_over_stages(total)
+
     def clip_grad_norm(self, module: LightningModule, max_norm: float) -> torch.Tensor:
         """Global gradient norm over all shards and tensor-parallel slices (before clipping).
 

@@ -1,7 +1,10 @@
 """Per-layer numerics every `stability.numerics_every_n_steps` steps: for the embedding, each transformer block and
 the head (final norm and output layer), the gradient norm, the parameter norm, the update-to-parameter ratio of the
 step and the RMS of the layer's output activation (the head's: the final norm's output, its input), logged as
-`numerics/<layer>/<stat>` (e.g. `numerics/block3/update_ratio`) and drawn by `project.report` as heat maps.
+`numerics/<layer>/<stat>` (e.g. `numerics/block3/update_ratio`) and drawn by `project.report` as heat maps. A layer
+that stacks parts along dim 0 (a mixture's experts: the model's `stacked_parameters`) also gets each part's gradient
+norm, parameter norm and update ratio, `numerics/<layer>/expert<e>/<stat>` (not under strategy=fsdp, whose ranks
+hold flat pieces of them: said once).
 
 Every figure is over the whole model, whatever the layout: the norms sum the squares of every shard and stage
 (the strategy's `sum_of_squares`, as its clipping sums them), the RMS every rank's activations (each rank's sum of
@@ -12,12 +15,14 @@ step's own row, as a logging step's are); other steps cost nothing.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.tensor import DTensor
 
+from project.model.llama import Llama
 from project.parallel.contract import contract_of
 from project.training.callbacks.steps import OptimizerSteps
 
@@ -42,6 +47,10 @@ def parameters_of(layers: dict[str, list[Any]]) -> dict[str, list[torch.nn.Param
     return out
 
 
+def _model(pl_module: LightningModule) -> Llama:
+    return cast(Llama, pl_module.model)
+
+
 class NumericsMonitor(Callback):
     def __init__(self, every_n_steps: int = 0):
         self.every_n_steps = every_n_steps
@@ -49,8 +58,10 @@ class NumericsMonitor(Callback):
         self._hooks: list[Any] = []
         self._squares: dict[str, torch.Tensor] = {}  # per layer: the sum of its outputs' squares on this rank
         self._counts: dict[str, int] = {}  # and how many values they held
-        self._before: dict[str, list[torch.Tensor]] | None = None  # this rank's parameters before the update
+        self._before: dict[int, torch.Tensor] | None = None  # this rank's parameters before the update, by id
         self._figures: dict[str, torch.Tensor] = {}
+        self._part_figures: dict[str, dict[str, torch.Tensor]] = {}  # per stacked layer: {stat: [parts]}
+        self._warned = False
 
     def _due(self, step: int) -> bool:
         return self.every_n_steps > 0 and (step + 1) % self.every_n_steps == 0
@@ -94,7 +105,26 @@ class NumericsMonitor(Callback):
         activations = contract_of(trainer.strategy).sum_over_ranks(squares)
         self._figures = {"grad_norm": grads.sqrt(), "param_norm": norms.sqrt()}
         self._figures["output_rms"] = (activations[0] / activations[1].clamp(min=1)).sqrt().float()
-        self._before = {name: [p.detach().clone() for p in ps] for name, ps in params.items()}
+        self._part_figures = self._parts(trainer, pl_module)
+        self._before = {id(p): p.detach().clone() for ps in params.values() for p in ps}
+
+    def _parts(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, dict[str, torch.Tensor]]:
+        """Each stacked layer's per-part gradient and parameter norms, where the strategy can tell its rows apart."""
+        rows = contract_of(trainer.strategy).row_sums_of_squares
+        figures = {}
+        for name, (parts, params) in _model(pl_module).stacked_parameters().items():
+            grads = rows([p.grad for p in params if p.grad is not None], parts, pl_module.device)
+            norms = rows(params, parts, pl_module.device)
+            if grads is None or norms is None:
+                if not self._warned:
+                    rank_zero_warn(
+                        f"stability.numerics_every_n_steps: no figures per expert under strategy "
+                        f"{type(trainer.strategy).__name__}: its ranks hold flat pieces of the stacked experts."
+                    )
+                self._warned = True
+                return {}
+            figures[name] = {"grad_norm": grads.sqrt(), "param_norm": norms.sqrt()}
+        return figures
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -102,16 +132,29 @@ class NumericsMonitor(Callback):
         if not self._steps.just_ended(trainer) or self._before is None:
             return
         params = parameters_of(layers_of(pl_module.model))
-        updates = [[p.detach() - old for p, old in zip(ps, self._before[name])] for name, ps in params.items()]
+        before = self._before
+        updates = [[p.detach() - before[id(p)] for p in ps] for ps in params.values()]
         self._before = None
-        moved = contract_of(trainer.strategy).sum_of_squares(updates, pl_module.device).sqrt()
-        self._figures["update_ratio"] = moved / self._figures["param_norm"].clamp(min=torch.finfo(torch.float32).tiny)
+        contract = contract_of(trainer.strategy)
+        tiny = torch.finfo(torch.float32).tiny
+        moved = contract.sum_of_squares(updates, pl_module.device).sqrt()
+        self._figures["update_ratio"] = moved / self._figures["param_norm"].clamp(min=tiny)
         names = list(params)
         metrics = {
             f"numerics/{name}/{stat}": float(value)
             for stat, values in self._figures.items()
             for name, value in zip(names, values.tolist())
         }
+        for name, (parts, stacked) in _model(pl_module).stacked_parameters().items():
+            figures = self._part_figures.get(name)
+            if figures is None:
+                continue
+            steps = [p.detach() - before[id(p)] for p in stacked]
+            changed = contract.row_sums_of_squares(steps, parts, pl_module.device)
+            assert changed is not None  # the strategy told the rows apart before the update
+            figures["update_ratio"] = changed.sqrt() / figures["param_norm"].clamp(min=tiny)
+            for stat, values in figures.items():
+                metrics.update({f"numerics/{name}/expert{e}/{stat}": float(v) for e, v in enumerate(values.tolist())})
         if trainer.is_global_zero:  # at once, in the step's own row: the step need not be a logging step
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step - 1)
