@@ -16,6 +16,7 @@ from project.model.families import FAMILIES, build_model, family_of, model_confi
 from project.model.flops import count_parameters, training_flops_per_token
 from project.model.moe import MoEFeedForward, WithAuxiliaryGradient
 from project.model.moe_config import MoEConfig
+from project.training.nonfinite import NonFiniteGuard
 
 TINY = {"vocab_size": 96, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 16}
 
@@ -152,6 +153,16 @@ def test_routing_biases_move_toward_the_mean_load_after_a_step():
     assert model.step_statistics(lambda t: t, report=True) == {}  # cleared: nothing since the step
 
 
+def test_routing_biases_stay_on_a_step_whose_update_the_non_finite_guard_withholds():
+    """The guard's flag (project.training.nonfinite, on the device) reaches the biases as it reaches the weights."""
+    model = build_model(tiny(bias_update_rate=0.5), init_seed=1).train()
+    model(torch.randint(0, 96, (2, 16)), targets=torch.randint(0, 96, (2, 16))).backward()
+    optimizer = torch.optim.AdamW(model.parameters())
+    withheld = NonFiniteGuard(max_skipped=1).before_update(torch.tensor(float("nan")), optimizer, 0, on_device=True)
+    model.step_statistics(lambda t: t, report=False, applied=~withheld)
+    assert all(not m.router.expert_bias.any() for m in model.mixtures())
+
+
 def test_only_forwards_that_train_are_counted_and_a_stage_of_dense_blocks_still_joins_the_sum():
     """A pipeline finds its stages' shapes by a forward without gradients (project.parallel.strategies.pipeline),
     which trains nothing; a stage whose blocks are all dense gives zeros to the sum over ranks, which every rank must
@@ -266,7 +277,9 @@ def test_a_mixture_of_experts_trains_in_every_layout_it_takes_like_one_device(ru
         assert_validates_like(runs[layout], runs["single"])
 
 
-EXPERT_STATS = [f"numerics/block{b}/expert{e}/{s}" for b in (0, 1) for e in range(4) for s in ("param_norm", "grad_norm")]
+EXPERT_STATS = [
+    f"numerics/block{b}/expert{e}/{stat}" for b in (0, 1) for e in range(4) for stat in ("param_norm", "grad_norm")
+]
 
 
 @pytest.mark.slow

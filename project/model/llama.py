@@ -376,10 +376,13 @@ class Llama(nn.Module):
         the others' lists are empty). None in a dense Llama; a mixture's experts (project.model.moe)."""
         return {}
 
-    def step_statistics(self, sum_over_ranks, report: bool) -> dict[str, torch.Tensor]:
+    def step_statistics(
+        self, sum_over_ranks, report: bool, applied: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         """What the model gathered over an optimizer step's forward passes, after their backward: summed over every
-        rank with `sum_over_ranks`, acted on, and with `report` as metrics to log. A dense Llama gathers nothing; a
-        mixture of experts its experts' loads (project.model.moe)."""
+        rank with `sum_over_ranks`, acted on where the step's update is `applied` (a flag on the device; None:
+        applied), and with `report` as metrics to log. A dense Llama gathers nothing; a mixture of experts its
+        experts' loads (project.model.moe)."""
         return {}
 
     def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -256,7 +256,9 @@ class MoELlama(Llama):
         return h if aux is None else WithAuxiliaryGradient.apply(h, aux, self.config.aux_loss_coef, False)
 
     @torch.no_grad()
-    def step_statistics(self, sum_over_ranks, report: bool) -> dict[str, torch.Tensor]:
+    def step_statistics(
+        self, sum_over_ranks, report: bool, applied: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         """After the backward passes of an optimizer step: every rank's expert loads and auxiliary losses since the
         last step, summed by `sum_over_ranks` (the strategy's), move the routing biases (bias_update_rate > 0), and
         with `report` give the step's metrics: moe/aux_loss (the mean of each mixture's mean over batches and
@@ -273,7 +275,8 @@ class MoELlama(Llama):
             for position, mixture in self.held_mixtures().items():
                 bias = mixture.router.expert_bias
                 assert bias is not None  # every router has one where bias_update_rate > 0
-                bias += self.config.bias_update_rate * torch.sign(mean[position] - loads[position])
+                move = self.config.bias_update_rate * torch.sign(mean[position] - loads[position])
+                bias += move if applied is None else move * applied  # not on a step whose update is withheld
         if not report:
             return {}
         tokens = loads.sum(dim=1) / self.config.top_k

@@ -279,9 +279,6 @@ class LlamaLitModule(LightningModule):
             self.log("train/lr", optimizer.param_groups[0]["lr"])
         self._step_loss = torch.as_tensor(self._loss_sum / self._loss_count)
         self._loss_sum, self._loss_count = 0.0, 0
-        # What the model gathered over the step (a mixture of experts' loads: its routing biases move on them).
-        if statistics := self.model.step_statistics(self.strategy().sum_over_ranks, report=self._logs_now()):
-            self.log_dict(statistics)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         # Lightning calls this every step after gradients are reduced (and unscaled), clipping or not.
@@ -301,7 +298,12 @@ class LlamaLitModule(LightningModule):
         on_device = takes_the_flag_on_the_device(optimizer, scaled=scaler is not None)
         # A spike's update is withheld on the device under rollback too, until the host reads the flag and rolls back.
         withhold = spike if self.stability.action in ("skip", "rollback") else None
-        self._guard.before_update(norm, optimizer, step, on_device, withhold)
+        withheld = self._guard.before_update(norm, optimizer, step, on_device, withhold)
+        # What the model gathered over the step (a mixture of experts' loads: its routing biases move on them, unless
+        # the step's update is withheld).
+        sums = self.strategy().sum_over_ranks
+        if statistics := self.model.step_statistics(sums, report=self._logs_now(), applied=~withheld):
+            self.log_dict(statistics)
         if self._logs_now():
             self._read_on_the_host()  # the step's values are read now anyway: roll back, warn of skipped steps, or stop
             self.log("train/grad_norm", norm)

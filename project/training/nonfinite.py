@@ -54,11 +54,12 @@ class NonFiniteGuard:
         step: int,
         on_device: bool,
         withhold: torch.Tensor | None = None,
-    ) -> None:
+    ) -> torch.Tensor:
         """After the step's global gradient norm is known, before its update: withhold the update when the norm
         is not finite or the budget is spent, or `withhold` (a flag on the device: a loss spike) says so.
         `on_device`: the optimizer takes the flag (takes_the_flag_on_the_device); otherwise the flag is read here,
-        and the run stops or the gradients are dropped at once."""
+        and the run stops or the gradients are dropped at once. Returns the flag (on the device: true where the
+        update is withheld)."""
         s = self._device_state(norm, step)
         bad = ~torch.isfinite(norm)
         s["count"] += bad
@@ -70,12 +71,13 @@ class NonFiniteGuard:
         withheld = bad | past_budget if withhold is None else bad | past_budget | withhold
         if on_device:
             optimizer.found_inf = withheld.float()  # type: ignore[attr-defined]  # read by torch's fused step
-            return
+            return withheld
         if withheld:  # the host waits for the device here, every step
             self.check()
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     p.grad = None  # AdamW leaves a parameter without a gradient untouched: no update, no moments
+        return withheld
 
     def check(self) -> None:
         """On the host: warn of the steps skipped since the last check; stop the run if one was past the budget.
