@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from project.runtime.settings import above, check_fields, or_null, setting, whole
 
@@ -17,6 +18,16 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 WHOLE = "a whole number above 0"
 # The most float32 logits the loss holds at once by default (512 MiB): the budget LlamaConfig.chunk_tokens keeps to.
 LOSS_CHUNK_LOGITS = 2**27
+
+
+class Mixture(NamedTuple):
+    """A block's mixture of experts as plain numbers (project.model.moe builds it; project.planning sizes it)."""
+
+    experts: int
+    top_k: int  # experts each token goes through
+    width: int  # each expert's SwiGLU width
+    shared: bool  # a shared expert every token goes through beside its routed ones
+    balancing_loss: bool  # whether a balancing loss joins the objective (its gradient flows back through the router)
 
 
 @dataclass
@@ -92,6 +103,11 @@ class LlamaConfig:
         """Parameters of block `index`'s feed-forward (`active`: those one token's products use; all, for a dense
         one). A family whose feed-forward differs says so here (project.model.moe_config)."""
         return 3 * self.dim * self.ffn_hidden_dim
+
+    def mixture(self, index: int) -> Mixture | None:
+        """Block `index`'s mixture of experts, for the planner's tensors and traffic; None: a dense SwiGLU of
+        `ffn_hidden_dim` (every block of a dense Llama)."""
+        return None
 
     def values_summed_each_step(self) -> int:
         """How many float32 values the model sums over every rank after each optimizer step (its step_statistics,

@@ -17,6 +17,8 @@ Balancing the experts' load, two ways (MoEConfig):
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,7 +44,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, dim] -> (scores [N, n_experts] float32, chosen [N, top_k] expert indices, weights [N, top_k])."""
         # Autocast (bf16-mixed) would run the product in 16 bits whatever its inputs are: off for the scores.
-        with torch.autocast(x.device.type, enabled=False):
+        autocast = torch.is_autocast_enabled(x.device.type)
+        with torch.autocast(x.device.type, enabled=False) if autocast else contextlib.nullcontext():
             logits = F.linear(x.float(), self.gate.weight.float())
         scores = logits.softmax(dim=-1) if self.score_func == "softmax" else logits.sigmoid()
         choice = scores if self.expert_bias is None else scores + self.expert_bias

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from project.model.config import WHOLE, LlamaConfig
+from project.model.config import WHOLE, LlamaConfig, Mixture
 from project.runtime.settings import at_least, or_null, setting, switch, whole
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -79,6 +79,11 @@ class MoEConfig(LlamaConfig):
         expert = 3 * self.dim * self.expert_hidden_dim
         routed = (self.top_k if active else self.n_experts) * expert
         return self.n_experts * self.dim + routed + (expert if self.shared_expert else 0)  # the router's matrix first
+
+    def mixture(self, index: int) -> Mixture | None:
+        if not self.is_moe_layer(index):
+            return None
+        return Mixture(self.n_experts, self.top_k, self.expert_hidden_dim, self.shared_expert, self.aux_loss_coef > 0)
 
     def values_summed_each_step(self) -> int:
         # The expert loads and balancing losses of every mixture (MoELlama.step_statistics), summed after each step

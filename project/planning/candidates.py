@@ -181,10 +181,10 @@ def expert_parallel_degrees(config: LlamaConfig, candidate: Candidate, tried: Se
     """The expert-parallel degrees a candidate can take: 1, and for a mixture of experts under a strategy that splits
     experts, every degree (of `tried`, where given) the run's settings check accepts (dividing the data x context
     ranks and the experts)."""
-    if candidate.strategy not in HAS_EXPERT_PARALLEL:
+    if candidate.strategy not in HAS_EXPERT_PARALLEL or all(config.mixture(i) is None for i in range(config.n_layers)):
         return [1]
     degrees = []
-    for ep in _divisors(candidate.shard_ranks) if tried is None else sorted(set(tried) | {1}):
+    for ep in _divisors(candidate.shard_ranks) if tried is None else sorted(set(tried)):
         try:
             check_expert_parallel(config, ep, candidate.shape)
         except ConfigError:

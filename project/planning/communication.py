@@ -285,10 +285,13 @@ def context_parallel(
     gathers = 2 if c.recompute == "full" or c.regather_kv else 1
     part, context = "context_parallel", ("context",)
     # A mixture's balancing loss sums each sequence's routed tokens and scores per expert, and its tokens, over the
-    # sequence's parts (ContextParallelSequenceSums): in the forward (again under full recompute) and the backward.
-    mixtures = [m for m in (mixture_of(config, i) for i in held_blocks(config, c, rank)) if m is not None]
-    sums = (3 if c.recompute == "full" else 2) * len(mixtures)
-    summed = sums // max(1, len(mixtures)) * sum(c.micro_batch_size * (2 * m.experts + 1) * FLOAT for m in mixtures)
+    # sequence's parts (ContextParallelSequenceSums): in the forward (again under full recompute), and in the backward
+    # where the loss joins the objective (aux_loss_coef > 0; otherwise its graph is dropped).
+    sums, summed = 0, 0.0
+    for m in (mixture_of(config, i) for i in held_blocks(config, c, rank)):
+        if m is not None:
+            calls = (2 if c.recompute == "full" else 1) + m.balancing_loss
+            sums, summed = sums + calls, summed + calls * c.micro_batch_size * (2 * m.experts + 1) * FLOAT
     return _kept(
         [
             groups.collective("all_gather", context, 2 * gathers * layers, gathers * layers * kv, part),

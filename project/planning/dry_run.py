@@ -484,7 +484,7 @@ def render(
                 f" + allowance {estimate.overhead / GIB:.1f}"
                 f" = {total / GIB:.1f} GiB"
                 if estimate
-                else " GiB (no estimate of the rest for this strategy or model family)"
+                else " GiB (no estimate of the rest for this strategy)"
             )
             verdict = (
                 f"fits, {left / GIB:.1f} GiB to spare" if left > 0 else f"does not fit: {-left / GIB:.1f} GiB over"

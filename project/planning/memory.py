@@ -26,10 +26,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from project.model.config import LlamaConfig
+from project.model.config import LlamaConfig, Mixture
 from project.planning.candidates import HAS_COMPILE, Candidate
 from project.planning.parameters import (
-    Mixture,
     held_blocks,
     holds_first_and_last,
     mixture_of,
@@ -224,9 +223,12 @@ def estimate_memory(
         else:
             per_layer += rest
     activations = in_flight(candidate, pipeline_rank, layers) * per_layer + regathered
-    if candidate.recompute == "full":  # one block's activations exist again while it is recomputed
-        activations += layer_activation_bytes(
-            config, own, candidate.micro_batch_size, _selective(candidate), compute, compiled, mixed
+    if candidate.recompute == "full":  # one block's activations exist again while it is recomputed: the largest's
+        activations += max(
+            layer_activation_bytes(
+                config, own, candidate.micro_batch_size, _selective(candidate), compute, compiled, mixed, index
+            )
+            for index in held
         )
     _, last = holds_first_and_last(candidate, pipeline_rank)
     if last:  # logits in the compute dtype and their float32 log-probabilities, one chunk of tokens at a time

@@ -7,8 +7,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from project.model.config import LlamaConfig
-from project.model.moe_config import MoEConfig
+from project.model.config import LlamaConfig, Mixture
 from project.parallel.float8_rules import takes_shape
 from project.parallel.pipeline_layout import chunk_ranks, stage_layer_counts
 from project.planning.candidates import Candidate
@@ -67,50 +66,27 @@ def _swiglu(h: int, f: int) -> list[Weight]:
     return [Weight(f, h, "rows"), Weight(f, h, "rows"), Weight(h, f, "cols")]  # w1, w3, w2
 
 
-def _dense_feed_forward(config: LlamaConfig, index: int) -> list[Weight]:
-    return _swiglu(config.dim, config.ffn_hidden_dim)
-
-
-def _mixture_feed_forward(config: LlamaConfig, index: int) -> list[Weight]:
-    """A mixture block's (project.model.moe): the router's gate, the stacked experts' w1, w3 and w2, the shared
-    expert's; tensor parallelism leaves the whole mixture on every rank (tensor_parallel.mixture_plan)."""
-    assert isinstance(config, MoEConfig)
-    if not config.is_moe_layer(index):
-        return _dense_feed_forward(config, index)
-    h, f, n = config.dim, config.expert_hidden_dim, config.n_experts
-    used = config.top_k / n
+def _feed_forward(config: LlamaConfig, index: int) -> list[Weight]:
+    """Block `index`'s feed-forward: a dense SwiGLU, or a mixture of experts (the config's `mixture`, as
+    project.model.moe builds it): the router's gate, the stacked experts' w1, w3 and w2, the shared expert's; tensor
+    parallelism leaves the whole mixture on every rank (tensor_parallel.mixture_plan)."""
+    mixture = config.mixture(index)
+    if mixture is None:
+        return _swiglu(config.dim, config.ffn_hidden_dim)
+    h, f, n, used = config.dim, mixture.width, mixture.experts, mixture.top_k / mixture.experts
     experts = [Weight(f, h, None, n, used, True), Weight(f, h, None, n, used, True), Weight(h, f, None, n, used, True)]
-    shared = [w._replace(tensor_split=None, mixture=True) for w in _swiglu(h, f)] if config.shared_expert else []
+    shared = [w._replace(tensor_split=None, mixture=True) for w in _swiglu(h, f)] if mixture.shared else []
     return [Weight(n, h, None, mixture=True), *experts, *shared]
 
 
-# Each model family's feed-forward tensors in block `index` (project.model.families names the families): a new family
-# gives its own here, and the planner's memory, time and traffic follow from them.
-FEED_FORWARD = {"llama": _dense_feed_forward, "moe": _mixture_feed_forward}
-
-
 def block_weights(config: LlamaConfig, index: int = 0) -> list[Weight]:
-    """Block `index`'s tensors, whole: attention and norms, then the family's feed-forward."""
-    return _attention(config) + FEED_FORWARD[config.family](config, index)
-
-
-class Mixture(NamedTuple):
-    """A block's mixture of experts, as its tensors tell it."""
-
-    experts: int
-    top_k: int
-    width: int  # each expert's SwiGLU width
-    shared: bool  # a shared expert beside the routed ones
+    """Block `index`'s tensors, whole: attention and norms, then its feed-forward."""
+    return _attention(config) + _feed_forward(config, index)
 
 
 def mixture_of(config: LlamaConfig, index: int) -> Mixture | None:
     """Block `index`'s mixture of experts, None for a dense feed-forward."""
-    weights = block_weights(config, index)
-    stacked = next((w for w in weights if w.experts is not None), None)
-    if stacked is None or stacked.experts is None:
-        return None
-    matrices = [w for w in weights if w.mixture and w.experts is None and w.cols > 1]  # the gate, a shared expert's
-    return Mixture(stacked.experts, round(stacked.used * stacked.experts), stacked.rows, len(matrices) > 1)
+    return config.mixture(index)
 
 
 def float8_weights(config: LlamaConfig, candidate: Candidate, index: int = 0) -> list[bool]:

@@ -82,6 +82,8 @@ class NumericsMonitor(Callback):
 
     def _watch(self, name: str):
         def hook(module: Any, args: Any, output: torch.Tensor) -> None:
+            if not torch.is_grad_enabled():  # a forward that trains nothing (a pipeline's probe of its shapes)
+                return
             local = (output.to_local() if isinstance(output, DTensor) else output).detach()
             # Under activation checkpointing the backward runs the forward again: the same values twice, the same RMS.
             self._squares[name] += local.double().square().sum()
