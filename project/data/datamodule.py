@@ -8,11 +8,13 @@ from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from project.data.blocks import MixedBlocks, TokenBlocks, collate_blocks
+from project.data.heldout import HeldOutSet, check_prepared, check_same_tokenizer, check_split, held_out_sets
 from project.data.loader_workers import loader_options
 from project.data.mixture import MixtureOrder
 from project.data.sampler import DEFAULT_WINDOW_CHUNKS, BlockOrder, GlobalBatchSampler, ValidationSampler
@@ -106,9 +108,11 @@ class TokenShardDataModule(LightningDataModule):
         cache_size: str | None = None,
         storage_options: Mapping[str, Any] | None = None,
         continue_from_sample: int | None = None,
+        eval_sets: Mapping[str, Any] | None = None,
     ):
         """`continue_from_sample`: the data position to read on from, whatever a checkpoint says (a run rolled
-        back past a loss spike's batches: project.training.stability); None: the checkpoint's, or the start."""
+        back past a loss spike's batches: project.training.stability); None: the checkpoint's, or the start.
+        `eval_sets`: held-out sets evaluated inside training (project.data.heldout; `eval_loaders`)."""
         super().__init__()
         # Lightning logs the hyperparameters to every logger and keeps them in checkpoints: they hold no credential
         # given in storage_options (nor in an entry of mix), while reading still uses the options as given.
@@ -143,6 +147,55 @@ class TokenShardDataModule(LightningDataModule):
         self._continue_from = continue_from_sample
         self._start_sample = continue_from_sample or 0  # sequences consumed before this run (resume)
         self._start_step = 0
+        self.held_out = self._check_held_out(held_out_sets(eval_sets), seq_len, cache_dir, storage_options)
+
+    def _check_held_out(
+        self, sets: list[HeldOutSet], seq_len: int, cache_dir: str | None, storage_options: Mapping[str, Any] | None
+    ) -> dict[str, tuple[HeldOutSet, Path, int]]:
+        """Each held-out set with the local folder of its manifest and its split's blocks, checked before anything
+        trains: prepared for blocks of this seq_len, with the training data's tokenizer, holding the split."""
+        checked = {}
+        ours = self.tokenizer_identity if sets else {}
+        for held_out in sets:
+            check_prepared(held_out)
+            try:
+                view, manifest = check_prepared_shards(held_out.dir, seq_len, cache_dir, storage_options)
+            except ConfigError as error:  # its words are data.dir's: say which setting names the folder
+                raise ConfigError(f"eval.sets.{held_out.name}.dir: {error}") from None
+            check_same_tokenizer(held_out, tokenizer_identity(view), ours)
+            checked[held_out.name] = (held_out, view, check_split(held_out, manifest))
+        return checked
+
+    def eval_loaders(self) -> dict[str, DataLoader]:
+        """This replica's share of each held-out set, in micro batches (a short last one padded, as validation's),
+        read in the main process: an evaluation draws nothing from the random state training goes on with."""
+        loaders = {}
+        hp = self.hparams
+        for name, (held_out, _, blocks) in self.held_out.items():
+            split_dir = join(held_out.dir, held_out.split)
+            data = TokenBlocks(split_dir, hp.seq_len + 1, blocks, hp.cache_dir, hp.cache_size, self.storage_options)
+            count = min(blocks, held_out.sequences or blocks)
+            if count < self.dp_size:
+                raise ConfigError(
+                    f"eval.sets.{name}.sequences={count} ({held_out.split} split of {held_out.dir}: {blocks} blocks) "
+                    f"is fewer than the {self.dp_size} data-parallel replicas: raise it, or evaluate a larger split."
+                )
+            sampler = ValidationSampler(blocks, count, hp.micro_batch_size, self.dp_rank, self.dp_size)
+            collate = partial(collate_blocks, rows=hp.micro_batch_size)
+            # Its own generator: a loader's iterator draws a seed for its workers even where it has none, from
+            # torch's global one otherwise.
+            loaders[name] = DataLoader(
+                data, batch_sampler=sampler, collate_fn=collate, num_workers=0, generator=torch.Generator()
+            )
+        return loaders
+
+    @cached_property
+    def token_bytes(self) -> list[int] | None:
+        """The bytes of text each token id stands for (bits per byte: project.data.tokenizer); None where the shards
+        keep no tokenizer file."""
+        info = self.manifest["tokenizer"]
+        path = self.views[self.corpora[0].dir] / str(info.get("file", ""))
+        return load_tokenizer(path).token_bytes() if info.get("file") and path.is_file() else None
 
     def _check_one_tokenizer(self) -> None:
         first = self.corpora[0]

@@ -51,6 +51,11 @@ class Tokenizer(ABC):
     def tokens(self) -> list[str]:
         """The token of each id, in id order ("" for an id no token has)."""
 
+    @abstractmethod
+    def token_bytes(self) -> list[int]:
+        """The bytes of UTF-8 text each id stands for, in id order (0 for special tokens): what bits per byte
+        divides by, so that models with other tokenizers compare."""
+
     def vocabulary_digest(self) -> str:
         """A hash of which token each id stands for: equal for tokenizers whose ids mean the same tokens,
         whatever the file's formatting or the library version that wrote it."""
@@ -101,6 +106,14 @@ class _HFTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
+    def token_bytes(self) -> list[int]:
+        special = {token.content for token in self._tokenizer.get_added_tokens_decoder().values()}
+        byte_level = isinstance(self._tokenizer.decoder, decoders.ByteLevel)
+        return [
+            0 if token in special or not token else len(token) if byte_level else _piece_bytes(token)
+            for token in self.tokens()
+        ]  # a byte-level token's characters stand for one byte each (GPT-2's byte alphabet)
+
 
 class _SentencePieceTokenizer(Tokenizer):
     kind = "sentencepiece"
@@ -127,6 +140,19 @@ class _SentencePieceTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._processor.decode(list(ids))
+
+    def token_bytes(self) -> list[int]:
+        p = self._processor
+        return [
+            0 if p.is_control(i) or p.is_unknown(i) else _piece_bytes(p.id_to_piece(i)) for i in range(self.vocab_size)
+        ]
+
+
+def _piece_bytes(piece: str) -> int:
+    """A sentencepiece-style piece's bytes: "▁" a space, a byte-fallback piece ("<0x0A>") one byte."""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return 1
+    return len(piece.replace("\u2581", " ").encode("utf-8"))
 
 
 _KINDS_BY_SUFFIX: dict[str, type[_HFTokenizer] | type[_SentencePieceTokenizer]] = {

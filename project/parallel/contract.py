@@ -12,6 +12,7 @@ module, the run and the callbacks call these methods and never look for others.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -96,6 +97,11 @@ class LlamaStrategy:
     ) -> torch.Tensor:
         """The mean loss of a training (`train`) or validation batch, as the module computes it."""
         return module.loss(inputs, targets)
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """What `step_loss` must run inside, where Lightning's own steps do not put it (an evaluation between steps:
+        project.training.callbacks.evaluation). Nothing here."""
+        return contextlib.nullcontext()
 
     def blocks_run_alone(self) -> bool:
         """Whether a transformer block's forward runs no collective on this strategy, so that its time is the rank's

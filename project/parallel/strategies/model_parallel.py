@@ -247,24 +247,24 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         # The modules FSDP2 shards as a whole (each with its blocks); the pipeline shards each stage.
         return [model]
 
-    def _loss_context(self) -> contextlib.AbstractContextManager:
-        # Vocabulary-split logits need torch's loss_parallel around the loss and its backward.
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Vocabulary-split logits need torch's loss_parallel around the loss and its backward."""
         return loss_parallel() if self._sharded_logits else contextlib.nullcontext()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_context():
+        with self.loss_context():
             return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_context():
+        with self.loss_context():
             return super().validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_context():
+        with self.loss_context():
             return super().test_step(*args, **kwargs)
 
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        with self._loss_context():
+        with self.loss_context():
             return super().backward(closure_loss, *args, **kwargs)
 
     def _sum_over_stages(self, value: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
 from project.training.callbacks.checkpoint import BestCheckpoint, StepCheckpoint
+from project.training.callbacks.evaluation import HeldOutEvaluation
 from project.training.callbacks.hangs import HangWatch
 from project.training.callbacks.layout import LayoutFacts
 from project.training.callbacks.memory import MemoryMonitor
@@ -11,6 +12,7 @@ from project.training.callbacks.throughput import TokenThroughput
 __all__ = [
     "BestCheckpoint",
     "HangWatch",
+    "HeldOutEvaluation",
     "LayoutFacts",
     "LlamaModelSummary",
     "MemoryMonitor",

@@ -1,0 +1,185 @@
+"""Evaluation inside training (conf/eval, project.training.callbacks.evaluation): held-out sets' loss and bits per
+byte every N steps, equal to a plain forward of the step's checkpoint, the same in every layout, and leaving the
+training as it would be without it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import sentencepiece
+import torch
+import torch.nn.functional as F
+from conftest import PARITY_RUN, read_metrics, train_overrides
+from in_process import train_in_process
+
+from project.data.blocks import TokenBlocks
+from project.data.datamodule import TokenShardDataModule
+from project.data.heldout import held_out_sets
+from project.data.sampler import ValidationSampler
+from project.data.shards import read_manifest
+from project.data.tokenizer import load_tokenizer, train_bpe
+from project.model.families import build_model, model_config
+from project.runtime.errors import ConfigError
+
+TEXT = "Now is the winter of our discontent — café, naïve, 日本語; ∑ 42!\n  Made glorious summer."
+
+
+def test_token_bytes_add_up_to_the_texts_utf8_bytes(tmp_path):
+    """Bits per byte divide by the text's bytes: a byte-level BPE's tokens and a sentencepiece model's pieces (with
+    byte fallback for characters it has no piece for) stand for exactly the bytes of the text they encode."""
+    corpus = [TEXT * 3, "To be, or not to be: that is the question.\n" * 20]
+    bpe = train_bpe(corpus, 300, tmp_path / "bpe")
+    (tmp_path / "corpus.txt").write_text("\n".join(corpus * 20))
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "sp"), vocab_size=400, model_type="bpe",
+        byte_fallback=True, add_dummy_prefix=False, remove_extra_whitespaces=False, normalization_rule_name="identity",
+        minloglevel=2,
+    )  # fmt: skip
+    for tokenizer in (bpe, load_tokenizer(tmp_path / "sp.model")):
+        table = tokenizer.token_bytes()
+        assert len(table) == tokenizer.vocab_size and table[tokenizer.eos_id] == 0
+        assert sum(table[i] for i in tokenizer.encode(TEXT)) == len(TEXT.encode("utf-8")), tokenizer
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        ({"wiki": {"split": "val"}}, "eval.sets.wiki={'split': 'val'} needs a `dir`"),
+        ({"wiki": {"dir": "x", "sequence": 8}}, "eval.sets.wiki has no setting sequence: it takes dir, split"),
+        ({"wiki": {"dir": "x", "sequences": 0}}, "eval.sets.wiki.sequences=0: give a whole number"),
+    ],
+)
+def test_malformed_held_out_sets_are_named(sets, message):
+    with pytest.raises(ConfigError, match=message):
+        held_out_sets(sets)
+
+
+def test_reading_the_sets_draws_nothing_from_torchs_random_state(tiny_shards):
+    data = TokenShardDataModule(
+        str(tiny_shards), 32, 8, 4, dp_rank=0, dp_size=1, eval_sets={"heldout": {"dir": str(tiny_shards)}}
+    )
+    data.setup()
+    state = torch.get_rng_state()
+    batches = [batch for loader in data.eval_loaders().values() for batch in loader]
+    assert batches and torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_set_prepared_with_another_tokenizer_or_without_shards_is_refused(
+    tiny_shards, short_document_shards, tmp_path
+):
+    def start(sets):
+        return TokenShardDataModule(str(tiny_shards), 32, 8, 4, dp_rank=0, dp_size=1, eval_sets=sets)
+
+    with pytest.raises(ConfigError, match=r"eval.sets.other: the shards in .* were prepared with another tokenizer"):
+        start({"other": {"dir": str(short_document_shards)}})
+    with pytest.raises(ConfigError, match=r"eval.sets.none.dir=.* holds no prepared shards \(no manifest.json\)"):
+        start({"none": {"dir": str(tmp_path)}})
+    with pytest.raises(ConfigError, match=r"eval.sets.held.split=test: the shards in .* have the splits train, val"):
+        start({"held": {"dir": str(tiny_shards), "split": "test"}})
+
+
+# -- in training ---------------------------------------------------------------------------------------------------
+
+EVERY = 4
+SETS = ["eval.every_n_steps=4", "+eval.sets.train_part.split=train", "+eval.sets.train_part.sequences=6"]
+LAYOUTS = {
+    "ddp": ["strategy=ddp", "trainer.devices=2"],
+    "fsdp2": ["strategy=fsdp2", "trainer.devices=2"],
+    "tp": ["strategy=tp", "trainer.devices=2"],
+    "pipeline": ["strategy=pipeline", "trainer.devices=2"],
+    "fsdp2-documents": ["strategy=fsdp2", "trainer.devices=2", "document_mask=true"],
+}
+SINGLE = {  # the one-device runs each layout is held to
+    "ddp": "single", "fsdp2": "single", "tp": "single", "pipeline": "single", "fsdp2-documents": "documents",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_shards, short_document_shards, tmp_path_factory) -> dict:
+    names = ["single", "without", "documents", "resumed", *LAYOUTS]
+    folders = {name: tmp_path_factory.mktemp(name) for name in names}
+
+    def case(name: str, *overrides: str, evaluated: bool = True):
+        # Document masking on documents shorter than a sequence: else it masks nothing.
+        shards = short_document_shards if "documents" in name else tiny_shards
+        held_out = [f"+eval.sets.train_part.dir={shards}", "eval=heldout", "eval.sets.heldout.sequences=6", *SETS]
+        return folders[name], train_overrides(shards, folders[name], *PARITY_RUN, "ckpt_every_n_steps=4",
+                                              *(held_out if evaluated else []), *overrides)  # fmt: skip
+
+    checkpoint = folders["single"] / "checkpoints" / "last.ckpt"
+    train_in_process(
+        1,
+        [case("single", "ckpt_keep_last=3"), case("without", evaluated=False), case("documents", "document_mask=true")],
+    )  # fmt: skip
+    resumed = case("resumed", f"ckpt_path={checkpoint.parent / 'step-000008.ckpt'}")
+    train_in_process(2, [case(name, *overrides) for name, overrides in LAYOUTS.items()])
+    train_in_process(1, [resumed])
+    return folders
+
+
+def plain_losses(run_dir, shards, split: str, sequences: int, step: int) -> tuple[float, float]:
+    """The mean next-token loss and bits per byte of a run's weights after `step` optimizer steps (its checkpoint)
+    on the blocks a held-out set evaluates, by a plain forward and torch's cross entropy; the bytes decoded from the
+    targets by the tokenizer."""
+    name = "last.ckpt" if step == 12 else f"step-{step:06d}.ckpt"
+    state = torch.load(run_dir / "checkpoints" / name, map_location="cpu", weights_only=False)
+    model = build_model(model_config(state["hyper_parameters"]["model"]))
+    model.load_state_dict({k.removeprefix("model."): v for k, v in state["state_dict"].items()})
+    blocks_total = int(read_manifest(shards)["splits"][split]["blocks"])
+    blocks = TokenBlocks(str(shards / split), 33, blocks_total)
+    chosen = [i for batch in ValidationSampler(blocks_total, sequences, 4, 0, 1) for i in batch]
+    tokens = torch.stack([torch.as_tensor(blocks[i]) for i in chosen]).long()
+    with torch.no_grad():
+        logits = model(tokens[:, :-1])
+    nats = F.cross_entropy(logits.flatten(0, 1).double(), tokens[:, 1:].flatten(), reduction="sum").item()
+    tokenizer = load_tokenizer(shards / "tokenizer.json")
+    text = [[t for t in row.tolist() if t != tokenizer.eos_id] for row in tokens[:, 1:]]  # the separators: no text
+    text_bytes = sum(len(tokenizer.decode(row).encode("utf-8")) for row in text)
+    return nats / tokens[:, 1:].numel(), nats / math.log(2) / text_bytes
+
+
+@pytest.mark.slow
+def test_held_out_losses_are_a_plain_forward_of_the_steps_weights(runs, tiny_shards):
+    single = runs["single"]
+    for metric, split in (("heldout", "val"), ("train_part", "train")):
+        losses = read_metrics(single, f"eval/{metric}/loss")
+        assert sorted(losses) == [3, 7, 11]  # after steps 4, 8 and 12, in the row of the step just ended
+        for step in (8, 12):
+            loss, bits = plain_losses(single, tiny_shards, split, 6, step)
+            assert losses[step - 1] == pytest.approx(loss, rel=1e-5)
+            assert read_metrics(single, f"eval/{metric}/bits_per_byte")[step - 1] == pytest.approx(bits, rel=1e-5)
+    assert all(seconds > 0 for seconds in read_metrics(single, "eval/seconds").values())
+
+
+@pytest.mark.slow
+def test_a_run_with_evaluation_trains_exactly_as_one_without(runs):
+    evaluated, without = runs["single"], runs["without"]
+    assert read_metrics(evaluated, "train/loss") == read_metrics(without, "train/loss")
+    assert read_metrics(evaluated, "val/loss") == read_metrics(without, "val/loss")
+    assert not read_metrics(without, "eval/heldout/loss")
+    ours = torch.load(evaluated / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    theirs = torch.load(without / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_evaluates_the_sets_as_one_device(runs, layout):
+    reference = runs[SINGLE[layout]]
+    for metric in ("eval/heldout/loss", "eval/heldout/bits_per_byte", "eval/train_part/loss"):
+        ours, theirs = read_metrics(runs[layout], metric), read_metrics(reference, metric)
+        assert sorted(ours) == sorted(theirs) == [3, 7, 11]
+        for step, value in theirs.items():
+            assert ours[step] == pytest.approx(value, rel=1e-5), (metric, step)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_evaluates_on_as_the_uninterrupted_one(runs):
+    """Resumed from the checkpoint of step 8 (written after that step's evaluation): the evaluation of step 12 equals
+    the uninterrupted run's, and step 8's is not run again."""
+    resumed, single = (
+        read_metrics(runs["resumed"], "eval/heldout/loss"),
+        read_metrics(runs["single"], "eval/heldout/loss"),
+    )
+    assert sorted(resumed) == [11] and resumed[11] == pytest.approx(single[11], rel=1e-6)
