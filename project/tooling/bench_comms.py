@@ -124,13 +124,14 @@ LAYOUTS = {
     "pipeline-cp": _pipeline("1f1b", devices=4, context_parallel=2),
     "pipeline-tp-sp": _pipeline("1f1b", devices=4, sequence_parallel=True, tensor_parallel=2),
     "3d": _pipeline("1f1b", devices=8, sequence_parallel=True, data_parallel=2, tensor_parallel=2),
-    # A mixture of experts (routing biases moved each step on two ranks): its experts' all-to-alls and groups.
+    # A mixture of experts: its experts' all-to-alls and groups (and, with routing biases, their loads summed each
+    # step).
     "fsdp2-moe-ep2": Layout(
-        2, ("strategy=fsdp2", *MOE, "model.bias_update_rate=0.01", f"{EP}=2"), "fsdp2", data_parallel=2,
-        model="moe_debug", expert_parallel=2,
+        2, ("strategy=fsdp2", *MOE, f"{EP}=2"), "fsdp2", data_parallel=2, model="moe_debug", expert_parallel=2,
     ),
     "fsdp2-moe-dp4-ep2": Layout(
-        4, ("strategy=fsdp2", *MOE, f"{EP}=2"), "fsdp2", data_parallel=4, model="moe_debug", expert_parallel=2
+        4, ("strategy=fsdp2", *MOE, "model.bias_update_rate=0.01", f"{EP}=2"), "fsdp2", data_parallel=4,
+        model="moe_debug", expert_parallel=2,
     ),
     "fsdp2-moe-cp2-ep2": Layout(
         4, ("strategy=fsdp2", *MOE, "strategy.context_parallel_size=2", f"{EP}=2"), "fsdp2", data_parallel=2,
