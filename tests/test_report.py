@@ -240,6 +240,29 @@ def test_a_run_with_per_layer_numerics_gets_a_heat_map_per_statistic(tmp_path):
     assert not (folder / "numerics-0-output_rms.svg").exists()  # not logged
 
 
+def test_every_eval_metric_is_plotted_against_the_tokens_trained_on(tmp_path):
+    run = write_run(tmp_path / "run", "single")
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    (run / "config.yaml").write_text(yaml.safe_dump({**config, "global_batch_size": 8, "data": {"seq_len": 32}}))
+    with open(run / "metrics.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    names = ["eval/heldout/loss", "eval/heldout/bits_per_byte", "eval/seconds"]
+    rows += [{"step": step, **dict.fromkeys(names, 2.0 - step / 10)} for step in (1, 3)]
+    with open(run / "metrics.csv", "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=[*rows[0].keys(), *names])
+        writer.writeheader()
+        writer.writerows(rows)
+    summary = report.collect([str(run)])[0]
+    # After steps 2 and 4 (0-based rows 1 and 3) of 8 sequences of 32 tokens; the evaluation's seconds are no curve.
+    assert summary.evals == {name: [(512, 1.9), (1024, 1.7)] for name in names[:2]}
+    make_report(tmp_path, run, name="evals")
+    folder = tmp_path / "reports" / "evals"
+    text = (folder / "report.md").read_text()
+    for index in (0, 1):
+        assert f"](eval-{index}.svg)" in text and (folder / f"eval-{index}.svg").stat().st_size > 1000
+    assert not (folder / "eval-2.svg").exists()
+
+
 def test_the_report_links_its_plots_and_writes_them(tmp_path):
     run = write_run(tmp_path / "run", "single")
     make_report(tmp_path, run, name="plots")

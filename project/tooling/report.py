@@ -81,6 +81,8 @@ class RunSummary:
     # Per-layer numerics (stability.numerics_every_n_steps): {stat: {(layer, step): value}}, layers in model order.
     numerics: dict[str, dict[tuple[str, int], float]] = field(default_factory=dict)
     layers: list[str] = field(default_factory=list)
+    # Evaluation inside training (conf/eval): {metric: [(tokens trained on, value)]}, eval/<set>/<stat> but seconds.
+    evals: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
     @property
     def title(self) -> str:
@@ -285,8 +287,19 @@ def summarize_metrics(
     summary.train_loss = summary.train_losses[-1][1] if summary.train_losses else None
     summary.val_loss = last(rows, "val/loss")
     summary.layers, summary.numerics = numerics_of(rows)
+    summary.evals = evals_of(rows, config)
     summary.status = completion(rows, memory, config)
     return summary
+
+
+def evals_of(rows: Rows, config: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
+    """Each logged eval/<set>/<stat> (project.training.callbacks.evaluation) against the tokens trained on when it
+    was taken: the steps so far times the global batch's tokens (the optimizer steps where the config says
+    neither)."""
+    batch, seq_len = config.get("global_batch_size"), (config.get("data") or {}).get("seq_len")
+    per_step = batch * seq_len if isinstance(batch, int) and isinstance(seq_len, int) else 1
+    names = sorted({key for row in rows for key in row if key.startswith("eval/") and key != "eval/seconds"})
+    return {name: [((step + 1) * per_step, value) for step, value in series(rows, name)] for name in names}
 
 
 def numerics_of(rows: Rows) -> tuple[list[str], dict[str, dict[tuple[str, int], float]]]:
@@ -498,6 +511,19 @@ NUMERICS = {
 }
 
 
+def write_evals(summaries: list[RunSummary], folder: Path) -> list[tuple[str, str]]:
+    """(title, file name) of a line chart per eval metric, every run that logged it a line against tokens."""
+    for stale in folder.glob("eval-*.svg"):  # of the report this one replaces
+        stale.unlink()
+    labels, charts = plot_labels(summaries), []
+    for index, name in enumerate(sorted({name for s in summaries for name in s.evals})):
+        curves = [(labels[id(s)], s.evals[name]) for s in summaries if s.evals.get(name)]
+        file = f"eval-{index}.svg"
+        (folder / file).write_text(line_chart(name, curves, "tokens trained on", name), encoding="utf-8")
+        charts.append((name, file))
+    return charts
+
+
 def write_numerics(summaries: list[RunSummary], folder: Path) -> list[tuple[str, str]]:
     """(title, file name) of a heat map (layer x step) per statistic of each run that logged per-layer numerics."""
     for stale in folder.glob("numerics-*.svg"):  # of the report this one replaces
@@ -546,6 +572,9 @@ def write_report(summaries: list[RunSummary], folder: Path, title: str, command:
     parts += [f"![{PLOTS[key]}]({name})" for key, name in plots.items()]
     if missing:
         parts.append(f"No plot of {', '.join(missing)}: no run logged it.")
+    if evals := write_evals(summaries, folder):
+        parts.append("Evaluation inside training (`eval`, docs/evaluation.md): each metric against the tokens trained.")
+        parts += [f"![{title}]({name})" for title, name in evals]
     if numerics := write_numerics(summaries, folder):
         parts.append(
             "Per-layer numerics (`stability.numerics_every_n_steps`): each cell a layer at a step, coloured by the "
