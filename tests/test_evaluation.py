@@ -88,10 +88,13 @@ LAYOUTS = {
     "fsdp2": ["strategy=fsdp2", "trainer.devices=2"],
     "tp": ["strategy=tp", "trainer.devices=2"],
     "pipeline": ["strategy=pipeline", "trainer.devices=2"],
+    # Each sequence split over 2 ranks: each holds the loss of its part, equally many tokens.
+    "cp2": ["strategy=fsdp2", "trainer.devices=2", "strategy.context_parallel_size=2"],
     "fsdp2-documents": ["strategy=fsdp2", "trainer.devices=2", "document_mask=true"],
 }
 SINGLE = {  # the one-device runs each layout is held to
-    "ddp": "single", "fsdp2": "single", "tp": "single", "pipeline": "single", "fsdp2-documents": "documents",
+    "ddp": "single", "fsdp2": "single", "tp": "single", "pipeline": "single", "cp2": "single",
+    "fsdp2-documents": "documents",
 }  # fmt: skip
 
 
