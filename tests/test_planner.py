@@ -210,16 +210,28 @@ def test_activation_count_of_an_eager_block_is_what_it_saves_for_its_backward(au
     from project.model.llama import Llama
 
     config = LlamaConfig(vocab_size=256, dim=96, n_layers=1, n_heads=6, n_kv_heads=2, ffn_dim=160, max_seq_len=64)
-    model = Llama(config)
-    block, (batch, seq) = model.layers["0"], (3, 50)
-    x = torch.randn(batch, seq, config.dim, requires_grad=True)
+    measured = eager_saved_bytes(Llama(config), 3, 50, autocast)
+    counted = layer_activation_bytes(
+        config, 50, 3, Candidate("fsdp2", 1, 1, 1, 3, 1), 2 if autocast else 4, False, autocast
+    )
+    assert counted == measured
+
+
+def eager_saved_bytes(model, batch: int, seq: int, autocast: bool) -> int:
+    """The bytes the first block of `model` saves for its backward on a random [batch, seq] input, without
+    torch.compile, under bf16 autocast or not, read with saved-tensor hooks: its parameters and input left out, and
+    autocast's 16-bit copies of the weights (of an expert's slice of a stacked weight too), the working copies
+    counted apart, by their shapes (at a shape no activation has)."""
+    block = model.layers["0"]
+    x = torch.randn(batch, seq, model.config.dim, requires_grad=True)
     cos, sin = model.rope(seq, x.device, x.dtype)
-    weights = {tuple(p.shape) for p in block.parameters()} | {tuple(p.shape)[::-1] for p in block.parameters()}
+    shapes = [tuple(p.shape[-2:]) for p in block.parameters()]
+    weights = set(shapes) | {s[::-1] for s in shapes}
     inputs = {t.untyped_storage().data_ptr() for t in (*block.parameters(), x, cos, sin)}
     saved = {}
 
     def keep(t):
-        if tuple(t.shape) not in weights:  # a 16-bit copy of a weight (autocast's), of the weight's shape
+        if tuple(t.shape) not in weights:
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
@@ -227,10 +239,7 @@ def test_activation_count_of_an_eager_block_is_what_it_saves_for_its_backward(au
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             out = block(x, cos, sin, None)
     out.float().sum().backward()
-    measured = sum(n for ptr, n in saved.items() if ptr not in inputs)
-    candidate = Candidate("fsdp2", 1, 1, 1, batch, 1, "selective")
-    counted = layer_activation_bytes(config, seq, batch, candidate, 2 if autocast else 4, False, autocast)
-    assert counted == measured
+    return sum(n for ptr, n in saved.items() if ptr not in inputs)
 
 
 def test_the_eager_count_meets_the_gpus_eager_peaks():

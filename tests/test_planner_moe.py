@@ -8,6 +8,7 @@ import torch
 import yaml
 from conftest import ROOT
 from hydra import compose, initialize_config_dir
+from test_planner import eager_saved_bytes
 
 from project.config.command_line import CONF
 from project.config.layout import plan_layout
@@ -77,26 +78,10 @@ def test_activation_count_of_an_eager_mixture_block_is_what_it_saves_for_its_bac
     )  # fmt: skip
     model = MoELlama(config)
     model.init_weights()
-    block, (batch, seq) = model.layers["0"], (3, 50)
-    x = torch.randn(batch, seq, config.dim, requires_grad=True)
-    cos, sin = model.rope(seq, x.device, x.dtype)
-    shapes = [tuple(p.shape[-2:]) for p in block.parameters()]
-    weights = set(shapes) | {s[::-1] for s in shapes}
-    inputs = {t.untyped_storage().data_ptr() for t in (*block.parameters(), x, cos, sin)}
-    saved = {}
-
-    def keep(t):
-        if tuple(t.shape) not in weights:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            out = block(x, cos, sin, None)
-    out.float().sum().backward()
-    measured = sum(n for ptr, n in saved.items() if ptr not in inputs)
-    candidate = Candidate("fsdp2", 1, 1, 1, batch, 1, "selective")
-    counted = layer_activation_bytes(config, seq, batch, candidate, 2 if autocast else 4, False, autocast)
+    measured = eager_saved_bytes(model, 3, 50, autocast)
+    counted = layer_activation_bytes(
+        config, 50, 3, Candidate("fsdp2", 1, 1, 1, 3, 1), 2 if autocast else 4, False, autocast
+    )
     assert counted == measured
 
 
