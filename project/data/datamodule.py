@@ -168,26 +168,23 @@ class TokenShardDataModule(LightningDataModule):
 
     def eval_loaders(self) -> dict[str, DataLoader]:
         """This replica's share of each held-out set, in micro batches (a short last one padded, as validation's),
-        read in the main process: an evaluation draws nothing from the random state training goes on with."""
-        loaders = {}
+        made at setup."""
+        return self._eval_loaders
+
+    def _held_out_loader(self, name: str, held_out: HeldOutSet, blocks: int) -> DataLoader:
         hp = self.hparams
-        for name, (held_out, _, blocks) in self.held_out.items():
-            split_dir = join(held_out.dir, held_out.split)
-            data = TokenBlocks(split_dir, hp.seq_len + 1, blocks, hp.cache_dir, hp.cache_size, self.storage_options)
-            count = min(blocks, held_out.sequences or blocks)
-            if count < self.dp_size:
-                raise ConfigError(
-                    f"eval.sets.{name}.sequences={count} ({held_out.split} split of {held_out.dir}: {blocks} blocks) "
-                    f"is fewer than the {self.dp_size} data-parallel replicas: raise it, or evaluate a larger split."
-                )
-            sampler = ValidationSampler(blocks, count, hp.micro_batch_size, self.dp_rank, self.dp_size)
-            collate = partial(collate_blocks, rows=hp.micro_batch_size)
-            # Its own generator: a loader's iterator draws a seed for its workers even where it has none, from
-            # torch's global one otherwise.
-            loaders[name] = DataLoader(
-                data, batch_sampler=sampler, collate_fn=collate, num_workers=0, generator=torch.Generator()
+        split_dir = join(held_out.dir, held_out.split)
+        data = TokenBlocks(split_dir, hp.seq_len + 1, blocks, hp.cache_dir, hp.cache_size, self.storage_options)
+        count = min(blocks, held_out.sequences or blocks)
+        if count < self.dp_size:
+            raise ConfigError(
+                f"eval.sets.{name}.sequences={count} ({held_out.split} split of {held_out.dir}: {blocks} blocks) "
+                f"is fewer than the {self.dp_size} data-parallel replicas: raise it, or evaluate a larger split."
             )
-        return loaders
+        sampler = ValidationSampler(blocks, count, hp.micro_batch_size, self.dp_rank, self.dp_size)
+        # Read in the main process, with a generator of its own (a loader's iterator draws a seed for its workers even
+        # where it has none): an evaluation draws nothing from the random state training goes on with.
+        return self._loader(data, sampler, rows=hp.micro_batch_size, main_process=True)
 
     @cached_property
     def token_bytes(self) -> list[int] | None:
@@ -248,6 +245,9 @@ class TokenShardDataModule(LightningDataModule):
             self.dp_rank, self.dp_size = 0, 1
         train = [self._split(i, "train") for i in range(len(self.corpora))]
         self.val_sets = [self._split(i, "val") for i in range(len(self.corpora))]
+        self._eval_loaders = {
+            name: self._held_out_loader(name, held_out, blocks) for name, (held_out, _, blocks) in self.held_out.items()
+        }
         orders = [
             BlockOrder(part.chunk_blocks, self.hparams.seed, self.hparams.shuffle_window, stream=i)
             for i, part in enumerate(train)
@@ -260,11 +260,13 @@ class TokenShardDataModule(LightningDataModule):
             self.train_set = MixedBlocks(train)
             self.train_order = MixtureOrder(orders, [c.weight for c in self.corpora])
 
-    def _loader(self, dataset: Dataset, batch_sampler: Any, rows: int = 0) -> DataLoader:
+    def _loader(self, dataset: Dataset, batch_sampler: Any, rows: int = 0, main_process: bool = False) -> DataLoader:
         collate = partial(collate_blocks, rows=rows) if rows else collate_blocks
-        return DataLoader(
-            dataset, batch_sampler=batch_sampler, collate_fn=collate, **loader_options(self.hparams.num_workers)
-        )
+        if main_process:
+            options: dict[str, Any] = {**loader_options(0), "generator": torch.Generator()}
+        else:
+            options = loader_options(self.hparams.num_workers)
+        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate, **options)
 
     def train_dataloader(self) -> DataLoader:
         # Lightning restores global_step before it asks for loaders, so this is the resumed step.
