@@ -20,7 +20,9 @@ from project.data.mixture import MixtureOrder
 from project.data.sampler import DEFAULT_WINDOW_CHUNKS, BlockOrder, GlobalBatchSampler, ValidationSampler
 from project.data.shards import read_manifest
 from project.data.storage import check_prepared_shards, join
-from project.data.tokenizer import load_tokenizer
+from project.data.tasks import Task, load_task, request_rows
+from project.data.tokenizer import Tokenizer, load_tokenizer
+from project.model.loss import IGNORED
 from project.parallel.contract import contract_of
 from project.runtime.errors import ConfigError
 from project.runtime.secrets import without_secrets
@@ -109,10 +111,14 @@ class TokenShardDataModule(LightningDataModule):
         storage_options: Mapping[str, Any] | None = None,
         continue_from_sample: int | None = None,
         eval_sets: Mapping[str, Any] | None = None,
+        eval_tasks: Sequence[str] | None = None,
+        eval_task_limit: int | None = None,
     ):
         """`continue_from_sample`: the data position to read on from, whatever a checkpoint says (a run rolled
         back past a loss spike's batches: project.training.stability); None: the checkpoint's, or the start.
-        `eval_sets`: held-out sets evaluated inside training (project.data.heldout; `eval_loaders`)."""
+        `eval_sets`: held-out sets evaluated inside training (project.data.heldout; `eval_loaders`); `eval_tasks`:
+        downstream tasks' YAML files (project.data.tasks; `task_batches`), the first `eval_task_limit` documents of
+        each."""
         super().__init__()
         # Lightning logs the hyperparameters to every logger and keeps them in checkpoints: they hold no credential
         # given in storage_options (nor in an entry of mix), while reading still uses the options as given.
@@ -148,6 +154,51 @@ class TokenShardDataModule(LightningDataModule):
         self._start_sample = continue_from_sample or 0  # sequences consumed before this run (resume)
         self._start_step = 0
         self.held_out = self._check_held_out(held_out_sets(eval_sets), seq_len, cache_dir, storage_options)
+        self.tasks = self._load_tasks(eval_tasks or [], eval_task_limit)
+
+    def _load_tasks(self, paths: Sequence[str], limit: int | None) -> list[tuple[Task, torch.Tensor, torch.Tensor]]:
+        """Each downstream task with its requests' (inputs, targets) rows, read and encoded before anything trains."""
+        if isinstance(paths, str):
+            paths = [paths]
+        if paths and self.tokenizer is None:
+            raise ConfigError(
+                f"eval.tasks: the shards of {self.corpora[0].dir} keep no tokenizer file to encode the tasks' text "
+                "with: prepare them again (project.prepare keeps it)."
+            )
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ConfigError(f"eval.task_limit={limit!r} must be a positive number of documents, or null for all.")
+        loaded = []
+        for i, path in enumerate(paths):
+            task = load_task(path, f"eval.tasks[{i}]", limit)
+            assert self.tokenizer is not None
+            loaded.append((task, *request_rows(task, self.tokenizer.encode, self.eos_id, self.hparams.seq_len)))
+        names = [task.name for task, _, _ in loaded]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"eval.tasks: two tasks are named alike ({names}); their metrics would mix.")
+        return loaded
+
+    def task_batches(self) -> list[tuple[Task, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]]:
+        """Each downstream task and this replica's share of its requests, in micro batches of (the requests'
+        indices, -1 for a padding row; inputs; targets): every replica gets as many rows, the ranks of a replica the
+        same ones."""
+        batches = []
+        rows = self.hparams.micro_batch_size
+        for task, inputs, targets in self.tasks:
+            count = -(-inputs.shape[0] // self.dp_size)
+            own = torch.arange(self.dp_rank, count * self.dp_size, self.dp_size)
+            own[own >= inputs.shape[0]] = -1
+            padded = own.clamp(min=0)
+            own_inputs, own_targets = inputs[padded], targets[padded].masked_fill((own < 0)[:, None], IGNORED)
+            batches.append(
+                (
+                    task,
+                    [
+                        (own[i : i + rows], own_inputs[i : i + rows], own_targets[i : i + rows])
+                        for i in range(0, count, rows)
+                    ],
+                )
+            )
+        return batches
 
     def _check_held_out(
         self, sets: list[HeldOutSet], seq_len: int, cache_dir: str | None, storage_options: Mapping[str, Any] | None
@@ -187,12 +238,17 @@ class TokenShardDataModule(LightningDataModule):
         return self._loader(data, sampler, rows=hp.micro_batch_size, main_process=True)
 
     @cached_property
+    def tokenizer(self) -> Tokenizer | None:
+        """The tokenizer the shards were prepared with; None where they keep no tokenizer file."""
+        info = self.manifest["tokenizer"]
+        path = self.views[self.corpora[0].dir] / str(info.get("file", ""))
+        return load_tokenizer(path) if info.get("file") and path.is_file() else None
+
+    @cached_property
     def token_bytes(self) -> list[int] | None:
         """The bytes of text each token id stands for (bits per byte: project.data.tokenizer); None where the shards
         keep no tokenizer file."""
-        info = self.manifest["tokenizer"]
-        path = self.views[self.corpora[0].dir] / str(info.get("file", ""))
-        return load_tokenizer(path).token_bytes() if info.get("file") and path.is_file() else None
+        return self.tokenizer.token_bytes() if self.tokenizer is not None else None
 
     def _check_one_tokenizer(self) -> None:
         first = self.corpora[0]

@@ -16,7 +16,7 @@ from torch import nn
 from project.model.config import LlamaConfig
 from project.model.document_mask import BlockMask, document_mask, flex_attend
 from project.model.initial_values import matrix_shape, normal_values
-from project.model.loss import chunked_cross_entropy
+from project.model.loss import chunked_cross_entropy, chunked_target_log_probs
 
 
 def rope_frequencies(config: LlamaConfig, device: torch.device | None = None) -> torch.Tensor:
@@ -343,11 +343,13 @@ class Llama(nn.Module):
         document_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
         targets: torch.Tensor | None = None,
+        score_targets: bool = False,
     ) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, vocab_size]; document_ids as in `run_layers`. With `cache`
         (see KVCache) the tokens continue the cached ones, and their keys and values are added to it.
         With `targets` [B, T] (the next tokens), the mean next-token loss instead of the logits, which then
-        never exist whole (`head_loss`): inside forward, so that a strategy's hooks on the model hold."""
+        never exist whole (`head_loss`): inside forward, so that a strategy's hooks on the model hold; with
+        `score_targets` too, each target's log-probability and its position's highest (`head_log_probs`)."""
         T = tokens.shape[1]
         end = T + (cache.length if cache is not None else 0)
         if end > self.config.max_seq_len:
@@ -356,7 +358,7 @@ class Llama(nn.Module):
             raise ValueError(f"sequence length {end} exceeds the KV cache's max_len={cache.max_len}.")
         h = self.run_layers(self.tok_embeddings(tokens), self.layers.values(), T, document_ids, cache)
         if targets is not None:
-            return self.head_loss(self.norm(h), targets)
+            return (self.head_log_probs if score_targets else self.head_loss)(self.norm(h), targets)
         return self.output(self.norm(h))
 
     def with_auxiliary_losses(self, loss: torch.Tensor) -> torch.Tensor:
@@ -389,3 +391,8 @@ class Llama(nn.Module):
         """The mean cross-entropy of the output head's logits of `hidden` [B, T, dim] (the final norm's output)
         against `targets` [B, T], `config.chunk_tokens` tokens at a time (project.model.loss)."""
         return chunked_cross_entropy(hidden, self.output, targets, self.config.chunk_tokens)
+
+    def head_log_probs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """[2, B, T]: each target's log-probability under the output head's logits of `hidden` (as `head_loss`
+        takes it), and the highest at its position, chunked as the loss (project.model.loss)."""
+        return chunked_target_log_probs(hidden, self.output, targets, self.config.chunk_tokens)

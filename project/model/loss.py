@@ -45,3 +45,38 @@ def _summed_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -
     logits = head(hidden)
     # Summed, not averaged: chunks of unequal size then add up to the mean over every token.
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum", ignore_index=IGNORED)
+
+
+def chunked_target_log_probs(
+    hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
+    """[2, B, T] float32 for targets [B, T]: each target's log-probability under `head(hidden)` (0 where IGNORED),
+    and the highest log-probability of any token at that position. Chunked as the loss; no gradient.
+
+    Both are taken of one log-softmax, so that "the target is ranked first" is an exact comparison; with
+    vocabulary-split logits (loss parallel) each is an op the split supports, and the result is split as the
+    loss is (the caller makes it whole: `target_scores` wants plain tensors)."""
+    rows, length = targets.shape
+    span = max(1, chunk_tokens // rows)
+    parts = []
+    with torch.no_grad():
+        for start in range(0, length, span):
+            part = targets[:, start : start + span]
+            log_probs = head(hidden[:, start : start + span]).float().log_softmax(dim=-1)
+            picked = -F.nll_loss(log_probs.flatten(0, 1), part.flatten(), reduction="none", ignore_index=IGNORED)
+            parts.append(torch.stack([picked.view(part.shape), log_probs.amax(dim=-1)]))
+    return torch.cat(parts, dim=2)
+
+
+# The columns of `target_scores`' rows.
+SCORE_COLUMNS = ("log_probability", "targets", "ranked_first")
+
+
+def target_scores(log_probs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[B, 3] float64 from `chunked_target_log_probs`' [2, B, T] (plain tensors): for each row, the sum of its
+    targets' log-probabilities, how many targets it has, and how many of them no other token outranks (a row whose
+    last two counts are equal is the model's greedy continuation)."""
+    picked, best = log_probs.double()
+    real = targets != IGNORED
+    first = (picked >= best) & real
+    return torch.stack([picked.sum(dim=1), real.sum(dim=1).double(), first.sum(dim=1).double()], dim=1)

@@ -50,6 +50,18 @@ class TrainingModule(Protocol):
         the output head, never holding whole logits (a pipeline's last stage computes it)."""
         ...
 
+    def target_scores(
+        self, inputs: torch.Tensor, targets: torch.Tensor, model_kwargs: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """[B, 3] float64 without gradients, the model run whole: each row's sum of its targets' log-probabilities,
+        its targets, and those of them the model ranks first (project.model.loss.target_scores); `model_kwargs` as
+        for `loss`."""
+        ...
+
+    def head_scores(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """`target_scores` of the final hidden states [B, T, dim], as `criterion` takes them."""
+        ...
+
     def zero_grad(self, set_to_none: bool = True) -> None: ...
 
     def optimizer_order(self) -> list[str]:
@@ -98,9 +110,15 @@ class LlamaStrategy:
         """The mean loss of a training (`train`) or validation batch, as the module computes it."""
         return module.loss(inputs, targets)
 
+    def step_scores(self, module: TrainingModule, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """[B, 3] float64: each row's sum of its targets' log-probabilities, its targets, and those the model ranks
+        first (downstream tasks: project.training.callbacks.evaluation), by the strategy's own forward without
+        gradients, the same on every rank of a replica. Run inside `loss_context`."""
+        return module.target_scores(inputs, targets)
+
     def loss_context(self) -> contextlib.AbstractContextManager:
-        """What `step_loss` must run inside, where Lightning's own steps do not put it (an evaluation between steps:
-        project.training.callbacks.evaluation). Nothing here."""
+        """What `step_loss` and `step_scores` must run inside, where Lightning's own steps do not put it (an
+        evaluation between steps: project.training.callbacks.evaluation). Nothing here."""
         return contextlib.nullcontext()
 
     def blocks_run_alone(self) -> bool:

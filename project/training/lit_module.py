@@ -24,7 +24,7 @@ from project.data.datamodule import TokenShardDataModule
 from project.hf.published import load_published_weights
 from project.model.config import LlamaConfig
 from project.model.families import build_model, model_config
-from project.model.loss import IGNORED
+from project.model.loss import IGNORED, target_scores
 from project.parallel.contract import LlamaStrategy, contract_of
 from project.runtime.errors import ConfigError
 from project.training.callbacks.steps import logs_at
@@ -242,6 +242,20 @@ class LlamaLitModule(LightningModule):
         """Mean next-token cross-entropy of the output head's logits of `hidden` [B, T, dim] (the final norm's
         output: a pipeline's last stage) against targets [B, T], computed without whole logits (Llama.head_loss)."""
         return _plain(self.model.head_loss(hidden, targets))
+
+    @torch.no_grad()
+    def target_scores(
+        self, inputs: torch.Tensor, targets: torch.Tensor, model_kwargs: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Each row's sum of its targets' log-probabilities, its targets and those ranked first ([B, 3]), the model
+        run whole as for `loss`."""
+        kwargs = self.model_kwargs(inputs) if model_kwargs is None else model_kwargs
+        return target_scores(_plain(self.model(inputs, targets=targets, score_targets=True, **kwargs)), targets)
+
+    @torch.no_grad()
+    def head_scores(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """`target_scores` of the final hidden states (a pipeline's last stage), as `criterion` takes them."""
+        return target_scores(_plain(self.model.head_log_probs(hidden, targets)), targets)
 
     def loss(
         self, inputs: torch.Tensor, targets: torch.Tensor, model_kwargs: dict[str, torch.Tensor] | None = None

@@ -235,6 +235,18 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         inputs, targets = self._own_parts(inputs, targets)
         return module.loss(inputs, targets, whole)
 
+    def step_scores(self, module: TrainingModule, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Each row's target scores; under context parallelism, those of this rank's parts summed over the context
+        group (a row's targets may all lie in one part)."""
+        whole = module.model_kwargs(inputs)
+        parts, part_targets = self._own_parts(inputs, targets)
+        return self._sum_over_context(module.target_scores(parts, part_targets, whole))
+
+    def _sum_over_context(self, scores: torch.Tensor) -> torch.Tensor:
+        if self._context_group is not None:
+            dist.all_reduce(scores, group=self._context_group)
+        return scores
+
     def _own_parts(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of every sequence of the inputs and targets [B, T] under context parallelism (all of
         them otherwise)."""

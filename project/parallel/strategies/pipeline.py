@@ -236,6 +236,20 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
                 total += module.criterion(out, targets[part]).float() * x.shape[0]
         return total / inputs.shape[0]
 
+    def step_scores(self, module: TrainingModule, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Each row's target scores, computed by the last stage (forward only, as `_evaluate`) and sent to every
+        stage; summed over the context group under context parallelism."""
+        whole = module.model_kwargs(inputs)
+        inputs, targets = self._own_parts(inputs, targets)
+        last = self.pipeline_size * self.virtual_stages - 1
+        scores = torch.zeros(inputs.shape[0], 3, device=self.root_device, dtype=torch.float64)
+        with torch.no_grad():
+            for stage, part, _, out in self._forward(inputs, whole):
+                if stage == last:
+                    scores[part] = module.head_scores(out, targets[part])
+        dist.broadcast(scores, src=self._last_stage_rank, group=self._pipeline_group)
+        return self._sum_over_context(scores)
+
     def _forward(
         self, inputs: torch.Tensor, kwargs: dict[str, torch.Tensor], rows: int | None = None
     ) -> Iterator[tuple[int, slice, torch.Tensor, torch.Tensor]]:

@@ -1,10 +1,13 @@
 """Evaluation inside training (conf/eval): every `eval.every_n_steps` optimizer steps, and after the last, the loss
 of each held-out set (`eval.sets`, project.data.heldout) on the model as it trains, logged as `eval/<name>/loss` and
-`eval/<name>/bits_per_byte`, with `eval/seconds` (the whole evaluation's wall time).
+`eval/<name>/bits_per_byte`, each downstream task's metrics (`eval.tasks`, project.data.tasks) as
+`eval/<task>/<metric>`, with `eval/seconds` (the whole evaluation's wall time).
 
 The model is evaluated as it is sharded, by the strategy's own forward (`step_loss` without training, as validation
 runs it): the data-parallel replicas split each set's sequences, the ranks of a replica (tensor, context, pipeline)
-read the same ones, and the sums of every rank make the figures, so they are the same in every layout. Bits per
+read the same ones, and the sums of every rank make the figures, so they are the same in every layout. A task's
+requests are scored one row each (`step_scores`: the sum of the continuation's log-probabilities, and whether the
+model would have written it), each row by the ranks of one replica. Bits per
 byte divide the summed loss (nats) by ln 2 and by the bytes of text the predicted tokens stand for (the tokenizer's
 `token_bytes`), so that models with other tokenizers compare.
 
@@ -63,8 +66,8 @@ class HeldOutEvaluation(Callback):
     def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
         """Every held-out set's figures on the model as it is now, logged in the row of the step just ended."""
         data: Any = trainer.datamodule  # type: ignore[attr-defined]  # set by Trainer.fit, untyped
-        loaders = data.eval_loaders()
-        if not loaders:
+        loaders, tasks = data.eval_loaders(), data.task_batches()
+        if not loaders and not tasks:
             return {}
         start = time.perf_counter()
         contract = contract_of(trainer.strategy)
@@ -74,20 +77,38 @@ class HeldOutEvaluation(Callback):
         pl_module.eval()
         with contract.loss_context():
             sums = [self._sums(contract, pl_module, loader, byte_table) for loader in loaders.values()]
+            scores = [self._scores(contract, pl_module, task, batches) for task, batches in tasks]
         pl_module.train(was_training)
-        # Every rank of a replica holds the same sums: over every rank, numerator and denominator alike.
-        summed = contract.sum_over_ranks(torch.stack(sums)).tolist()
         metrics: dict[str, float] = {}
-        for name, (nats, tokens, text_bytes) in zip(loaders, summed):
-            metrics[f"eval/{name}/loss"] = nats / tokens
-            if byte_table is not None and text_bytes > 0:
-                metrics[f"eval/{name}/bits_per_byte"] = nats / math.log(2) / text_bytes
+        if sums:  # every rank of a replica holds the same sums: over every rank, numerator and denominator alike
+            summed = contract.sum_over_ranks(torch.stack(sums)).tolist()
+            for name, (nats, tokens, text_bytes) in zip(loaders, summed):
+                metrics[f"eval/{name}/loss"] = nats / tokens
+                if byte_table is not None and text_bytes > 0:
+                    metrics[f"eval/{name}/bits_per_byte"] = nats / math.log(2) / text_bytes
+        for (task, _), rows in zip(tasks, scores):
+            # Each request's row was filled by every rank of one replica, which the last column counts.
+            whole = contract.sum_over_ranks(rows)
+            task_scores = task.scores((whole[:, :3] / whole[:, 3:]).tolist())
+            metrics.update({f"eval/{task.name}/{metric}": value for metric, value in task_scores.items()})
         metrics["eval/seconds"] = time.perf_counter() - start
         if trainer.is_global_zero:  # at once, in the step's own row: the step need not be a logging step
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step - 1)
         self.evaluated_step = trainer.global_step
         return metrics
+
+    @staticmethod
+    def _scores(contract: Any, pl_module: LightningModule, task: Any, batches: list) -> torch.Tensor:
+        """[requests, 4] of one task on this rank: its rows' scores (log-likelihood, targets, targets ranked first)
+        where they are this replica's, and 1 in the last column there."""
+        rows = torch.zeros(len(task.requests), 4, device=pl_module.device, dtype=torch.float64)
+        for indices, inputs, targets in batches:
+            scores = contract.step_scores(pl_module, inputs.to(pl_module.device), targets.to(pl_module.device))
+            own = indices >= 0
+            rows[indices[own], :3] = scores[own.to(scores.device)].to(rows.dtype)
+            rows[indices[own], 3] = 1
+        return rows
 
     @staticmethod
     def _sums(contract: Any, pl_module: LightningModule, loader: Any, byte_table: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,85 @@
+"""Downstream tasks' files (project.data.tasks): what the loop cannot honour is refused before training, naming the
+setting; the scoring against lm-evaluation-harness itself is in tests/test_evaluation.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from downstream_tasks import CHOICE, write_tasks
+
+from project.data.tasks import encode_request, load_task
+from project.runtime.errors import ConfigError
+
+
+def test_the_test_tasks_read_as_the_harness_builds_their_requests(tmp_path):
+    write_tasks(tmp_path)
+    task = load_task(tmp_path / f"{CHOICE}.yaml", "eval.tasks[0]")
+    first = json.loads((tmp_path / f"{CHOICE}.jsonl").read_text().splitlines()[0])
+    context = f"Question: {first['question']}\nAnswer:"
+    assert task.documents[0].requests == tuple((context, " " + choice) for choice in first["choices"])
+    assert task.documents[0].gold == (first["answer"],)
+    assert task.documents[0].choice_lengths == tuple(len(choice) for choice in first["choices"])
+
+
+def test_a_contexts_trailing_spaces_move_to_the_continuation():
+    def encode(text):
+        return [ord(c) for c in text]
+
+    assert encode_request(encode, 0, "to  ", "be") == ([0, *encode("to  be")], 1 + len("to"))
+    assert encode_request(encode, 0, "", " be") == ([0, *encode(" be")], 1)
+
+
+def base_task(data) -> dict:
+    return {
+        "task": "t", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+        "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{q}}", "doc_to_choice": "{{c}}",
+        "doc_to_target": "a",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"dataset_path": "allenai/ai2_arc"}, "reads dataset_path='allenai/ai2_arc'; the loop reads local files only"),
+        ({"output_type": "generate_until"}, "output_type=generate_until; the loop scores multiple_choice"),
+        ({"num_fewshot": 5}, "sets num_fewshot=5: the loop is zero-shot"),
+        ({"process_docs": "x"}, "sets process_docs, which the loop cannot run"),
+        (
+            {"metric_list": [{"metric": "f1"}]},
+            r"asks for metric\(s\) \['f1'\]; the loop computes \['acc', 'acc_norm'\]",
+        ),
+        ({"test_split": "validation"}, "names no data file for its split 'validation'"),
+        ({"doc_to_target": "{{wrong}}"}, "document 0: 'wrong' is undefined"),
+        ({"doc_to_target": "3"}, r"document 0: the answer 3 is not one of the 2 choices"),
+        ({"dataset_kwargs": {"data_files": {"test": "/nowhere.jsonl"}}}, "data file /nowhere.jsonl does not exist"),
+    ],
+)
+def test_what_the_loop_cannot_honour_is_refused_naming_the_setting(tmp_path, change, message):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"q": "Is it?", "c": ["yes", "no"], "a": 0}) + "\n")
+    path = tmp_path / "t.yaml"
+    path.write_text(json.dumps({**base_task(data), **change}))  # JSON is YAML
+    with pytest.raises(ConfigError, match=r"eval.tasks\[2\].*" + message):
+        load_task(path, "eval.tasks[2]")
+
+
+def test_python_code_in_a_task_and_a_missing_file_are_refused(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text("task: t\nprocess_docs: !function utils.process_docs\n")
+    refused = r"eval.tasks\[0\]=.*, line 2: Python code in a task \(!function\) cannot run"
+    with pytest.raises(ConfigError, match=refused):
+        load_task(path, "eval.tasks[0]")
+    with pytest.raises(ConfigError, match=r"eval.tasks\[0\]=.*missing.yaml: no such task file"):
+        load_task(tmp_path / "missing.yaml", "eval.tasks[0]")
+
+
+def test_an_included_file_gives_the_defaults(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"q": "Is it?", "c": ["yes", "no"], "a": 1}) + "\n")
+    shared = {k: v for k, v in base_task(data).items() if k != "task"}
+    (tmp_path / "_default.yaml").write_text(json.dumps(shared))
+    (tmp_path / "t.yaml").write_text("include: _default.yaml\ntask: mine\ntarget_delimiter: ': '\n")
+    task = load_task(tmp_path / "t.yaml", "eval.tasks[0]")
+    assert task.name == "mine" and task.requests == [("Is it?", ": yes"), ("Is it?", ": no")]
+    assert task.documents[0].gold == (1,)
