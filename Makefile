@@ -8,6 +8,15 @@ TORCHAO ?= torchao==0.18.0
 TRANSFORMERS ?= transformers>=4.45
 # lm-evaluation-harness, which tests/test_export_clients.py scores an export with (its HFLM needs accelerate too).
 LM_EVAL ?= lm_eval==0.4.13
+# What the harness's command line (`python -m lm_eval run`, tests/harness.py) imports beyond lm_eval itself, for
+# loglikelihood and multiple_choice tasks: datasets (its tasks' data), sacrebleu (lm_eval.api.metrics imports it),
+# pytablewriter (the table it prints); their own lower bounds in lm_eval's requirements. Not evaluate, sqlitedict,
+# word2number, more_itertools, rouge-score or scikit-learn: no module of them is imported by such a run (checked
+# in sys.modules at its end). Installed with their dependencies into $(VENV)/lm-eval-deps, which the harness's
+# process alone appends to sys.path after site-packages: the environment's numpy, huggingface_hub, fsspec, ...
+# win, and pip's copies of them there go unused. No torch among them. Measured on a 2-core machine: 14 to 16 s
+# (with or without pip's cache), 425 MB (pyarrow 170, pandas 84, the unused numpy 73).
+LM_EVAL_DEPS ?= "datasets>=2.16.0" "sacrebleu>=1.5.0" pytablewriter
 # litgpt, timed beside project.train by `make bench` (and its test): never imported by a run.
 LITGPT ?= litgpt==0.5.13
 # Horovod for strategy=horovod and its tests: built from source against the pinned torch, once per machine
@@ -52,6 +61,10 @@ $(STAMP): pyproject.toml Makefile
 	# transformers wherever it is installed, which costs every process of every run about 1.3 s at start.
 	$(PIP) install -q --no-deps --upgrade --target $(VENV)/hf-reference "$(TRANSFORMERS)"
 	$(PIP) install -q --no-deps --upgrade --target $(VENV)/hf-reference "$(LM_EVAL)" "accelerate>=0.26"
+	# With their dependencies (resolved on their own, whatever the environment holds), beside hf-reference; pip's
+	# conflict check is of the environment, which this install does not touch (litdata's missing torchvision).
+	$(PIP) install -q --upgrade --no-warn-conflicts --target $(VENV)/lm-eval-deps $(LM_EVAL_DEPS)
+	test ! -e $(VENV)/lm-eval-deps/torch || { echo "torch was installed into $(VENV)/lm-eval-deps"; exit 1; }
 	$(PY) -c "import torch, lightning, litdata, hydra, wandb; print('installed torch', torch.__version__, 'lightning', lightning.__version__)"
 	touch $(STAMP)
 

@@ -5,12 +5,15 @@ training as it would be without it."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import sentencepiece
 import torch
 import torch.nn.functional as F
 from conftest import PARITY_RUN, read_metrics, train_overrides
+from downstream_tasks import CHOICE, NEXT_WORD, write_tasks
+from harness import harness_samples
 from in_process import train_in_process
 
 from project.data.blocks import TokenBlocks
@@ -18,7 +21,9 @@ from project.data.datamodule import TokenShardDataModule
 from project.data.heldout import held_out_sets
 from project.data.sampler import ValidationSampler
 from project.data.shards import read_manifest
+from project.data.tasks import load_task, request_rows
 from project.data.tokenizer import load_tokenizer, train_bpe
+from project.hf.export import main as export_main
 from project.model.families import build_model, model_config
 from project.runtime.errors import ConfigError
 
@@ -99,14 +104,28 @@ SINGLE = {  # the one-device runs each layout is held to
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_shards, short_document_shards, tmp_path_factory) -> dict:
+def task_files(tmp_path_factory) -> tuple[Path, list[Path]]:
+    """The two downstream tasks of tests/downstream_tasks.py: their folder, and their YAML files."""
+    folder = tmp_path_factory.mktemp("tasks")
+    return folder, [folder / f"{name}.yaml" for name in write_tasks(folder)]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_shards, short_document_shards, task_files, tmp_path_factory) -> dict:
     names = ["single", "without", "documents", "resumed", *LAYOUTS]
     folders = {name: tmp_path_factory.mktemp(name) for name in names}
+    tasks = f"eval.tasks=[{','.join(str(path) for path in task_files[1])}]"
 
     def case(name: str, *overrides: str, evaluated: bool = True):
         # Document masking on documents shorter than a sequence: else it masks nothing.
         shards = short_document_shards if "documents" in name else tiny_shards
-        held_out = [f"+eval.sets.train_part.dir={shards}", "eval=heldout", "eval.sets.heldout.sequences=6", *SETS]
+        held_out = [
+            f"+eval.sets.train_part.dir={shards}",
+            "eval=heldout",
+            "eval.sets.heldout.sequences=6",
+            *SETS,
+            tasks,
+        ]
         return folders[name], train_overrides(shards, folders[name], *PARITY_RUN, "ckpt_every_n_steps=4",
                                               *(held_out if evaluated else []), *overrides)  # fmt: skip
 
@@ -170,11 +189,63 @@ def test_a_run_with_evaluation_trains_exactly_as_one_without(runs):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_layout_evaluates_the_sets_as_one_device(runs, layout):
     reference = runs[SINGLE[layout]]
-    for metric in ("eval/heldout/loss", "eval/heldout/bits_per_byte", "eval/train_part/loss"):
+    for metric in (*HELD_OUT_METRICS, *TASK_METRICS):
         ours, theirs = read_metrics(runs[layout], metric), read_metrics(reference, metric)
         assert sorted(ours) == sorted(theirs) == [3, 7, 11]
         for step, value in theirs.items():
+            # accuracies are counts of requests: equal log-likelihoods (to 1e-5) rank the choices alike
             assert ours[step] == pytest.approx(value, rel=1e-5), (metric, step)
+
+
+HELD_OUT_METRICS = ("eval/heldout/loss", "eval/heldout/bits_per_byte", "eval/train_part/loss")
+TASK_METRICS = (
+    f"eval/{CHOICE}/acc", f"eval/{CHOICE}/acc_norm", f"eval/{NEXT_WORD}/acc", f"eval/{NEXT_WORD}/perplexity"
+)  # fmt: skip
+
+
+def plain_scores(run_dir, step: int, task, seq_len: int = 32) -> torch.Tensor:
+    """[requests, 3] of a task's requests by a plain forward of the step's checkpoint: each continuation's summed
+    log-probability (torch's log_softmax of the whole logits), its tokens, and those that are the logits' argmax."""
+    state = torch.load(run_dir / "checkpoints" / f"step-{step:06d}.ckpt", map_location="cpu", weights_only=False)
+    model = build_model(model_config(state["hyper_parameters"]["model"]))
+    model.load_state_dict({k.removeprefix("model."): v for k, v in state["state_dict"].items()})
+    data = state["datamodule_hyper_parameters"]["data_dir"]
+    tokenizer = load_tokenizer(Path(data) / "tokenizer.json")
+    inputs, targets = request_rows(task, tokenizer.encode, tokenizer.eos_id, seq_len)
+    with torch.no_grad():
+        log_probs = model(inputs).double().log_softmax(dim=-1)
+    rows = []
+    for row, target in zip(log_probs, targets):
+        scored = target != -100
+        picked = row[scored].gather(1, target[scored][:, None])[:, 0]
+        greedy = row[scored].argmax(dim=1) == target[scored]
+        rows.append([picked.sum().item(), float(scored.sum()), float(greedy.sum())])
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+@pytest.mark.slow
+def test_task_scores_equal_lm_evaluation_harness_on_the_steps_export(runs, task_files, tmp_path):
+    """lm-evaluation-harness, run as its own process on the export of step 8's checkpoint with the same task files:
+    each request's log-likelihood and greediness equal a plain forward of that checkpoint on the rows the loop builds
+    (so the loop's encoding is the harness's), and the loop's metrics at step 8 equal the harness's."""
+    folder, paths = task_files
+    checkpoint = runs["single"] / "checkpoints" / "step-000008.ckpt"
+    export_main([f"ckpt_path={checkpoint}", f"output_dir={tmp_path / 'hf'}"])
+    samples = harness_samples(tmp_path / "hf", folder, [CHOICE, NEXT_WORD], tmp_path / "harness", max_length=32)
+    for path in paths:
+        task = load_task(path, "eval.tasks")
+        theirs = samples[task.name]
+        ours = plain_scores(runs["single"], 8, task)
+        lls = [ll for sample in theirs for ll in sample["loglikelihoods"]]
+        greedy = [flag for sample in theirs for flag in sample["is_greedy"]]
+        torch.testing.assert_close(torch.tensor(lls, dtype=torch.float64), ours[:, 0], atol=1e-4, rtol=1e-5)
+        assert greedy == (ours[:, 2] == ours[:, 1]).tolist()
+        logged = {metric: read_metrics(runs["single"], f"eval/{task.name}/{metric}")[7] for metric in task.metrics}
+        for metric, value in logged.items():
+            expected = sum(sample["metrics"][metric] for sample in theirs) / len(theirs)
+            if metric == "perplexity":  # the harness aggregates the samples' log-likelihoods as exp(-mean)
+                expected = math.exp(-expected)
+            assert value == pytest.approx(expected, rel=1e-4), (task.name, metric)
 
 
 @pytest.mark.slow

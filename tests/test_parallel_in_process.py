@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from project.model.config import LlamaConfig
 from project.model.llama import Llama
+from project.model.loss import IGNORED, target_scores
 from project.parallel.fsdp2 import apply_fsdp2
 from project.parallel.init import materialize
 from project.parallel.tensor_parallel import apply_tensor_parallel
@@ -96,6 +97,27 @@ def check_chunked_loss(sequence_parallel: bool, vocabulary_split: bool) -> None:
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         torch.testing.assert_close(grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    check_target_scores(model, reference, tokens, vocabulary_split)
+
+
+def check_target_scores(model, reference, tokens: torch.Tensor, vocabulary_split: bool) -> None:
+    """Downstream tasks' row scores (project.model.loss.target_scores) from the model's chunks equal whole logits':
+    row 0's targets are the reference's own first choices in its second half (each ranked first), row 1's the
+    next tokens in its last 5 positions (the rest IGNORED)."""
+    with torch.no_grad():
+        log_probs = reference(tokens).double().log_softmax(dim=-1)
+    targets = torch.full_like(tokens, IGNORED)
+    targets[0, 8:] = log_probs[0, 8:].argmax(dim=-1)
+    targets[1, 11:] = tokens.roll(-1, dims=1)[1, 11:]
+    with loss_parallel() if vocabulary_split else contextlib.nullcontext():
+        out = model(tokens, targets=targets, score_targets=True)
+    scores = target_scores(out.full_tensor() if isinstance(out, DTensor) else out, targets)
+    real = targets != IGNORED
+    picked = log_probs.gather(2, targets.clamp(min=0)[..., None])[..., 0] * real
+    first = (log_probs.argmax(dim=-1) == targets) & real
+    expected = torch.stack([picked.sum(1), real.sum(1).double(), first.sum(1).double()], dim=1)
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5)
+    assert scores[0, 2] == 8 and scores[1, 1] == 5  # row 0 greedy throughout
 
 
 def check_chunked_loss_in_every_tensor_parallel_plan() -> None:

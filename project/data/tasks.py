@@ -144,7 +144,7 @@ def _read_yaml(path: Path, where: str) -> dict[str, Any]:
 
 
 def _metrics(config: Mapping[str, Any], kind: str, name: str, where: str) -> tuple[str, ...]:
-    listed = [m.get("metric") if isinstance(m, Mapping) else m for m in config.get("metric_list") or []]
+    listed = [str(m.get("metric") if isinstance(m, Mapping) else m) for m in config.get("metric_list") or []]
     unknown = [m for m in listed if m not in KINDS[kind]]
     if unknown:
         raise ConfigError(
