@@ -4,6 +4,8 @@ setting; the scoring against lm-evaluation-harness itself is in tests/test_evalu
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 from downstream_tasks import CHOICE, write_tasks
@@ -83,3 +85,30 @@ def test_an_included_file_gives_the_defaults(tmp_path):
     task = load_task(tmp_path / "t.yaml", "eval.tasks[0]")
     assert task.name == "mine" and task.requests == [("Is it?", ": yes"), ("Is it?", ": no")]
     assert task.documents[0].gold == (1,)
+
+
+HARNESS_TASKS = Path(sys.prefix) / "hf-reference" / "lm_eval" / "tasks"  # lm_eval beside the environment (Makefile)
+
+
+def test_the_harnesss_own_definitions_read_once_their_data_are_local(tmp_path):
+    """ARC-Challenge (which includes ARC-Easy's file: nested fields, the answer's index by a template) and PIQA (a
+    list built by a template, the validation split), their YAML files as the harness ships them, pointed at local
+    JSON lines."""
+    if not HARNESS_TASKS.is_dir():
+        pytest.skip("lm_eval is not installed beside the environment (make install puts it there)")
+    arc = {"question": "Which is a gas?", "choices": {"text": ["ice", "steam", "rock"], "label": ["A", "B", "C"]},
+           "answerKey": "B"}  # fmt: skip
+    piqa = {"goal": "To dry a towel,", "sol1": "hang it in the sun.", "sol2": "put it in the sea.", "label": 0}
+    cases = {"arc_challenge": ("arc/arc_challenge.yaml", "test", arc), "piqa": ("piqa/piqa.yaml", "validation", piqa)}
+    for name, (definition, split, doc) in cases.items():
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(doc) + "\n")
+        local = {"include": str(HARNESS_TASKS / definition), "dataset_path": "json",
+                 "dataset_kwargs": {"data_files": {split: str(tmp_path / f"{name}.jsonl")}}}  # fmt: skip
+        (tmp_path / f"{name}.yaml").write_text(json.dumps(local))
+    arc_task = load_task(tmp_path / "arc_challenge.yaml", "eval.tasks[0]")
+    assert arc_task.name == "arc_challenge" and arc_task.metrics == ("acc", "acc_norm")
+    assert arc_task.requests == [("Question: Which is a gas?\nAnswer:", f" {c}") for c in arc["choices"]["text"]]
+    assert arc_task.documents[0].gold == (1,)
+    piqa_task = load_task(tmp_path / "piqa.yaml", "eval.tasks[1]")
+    assert piqa_task.requests == [("Question: To dry a towel,\nAnswer:", f" {piqa[s]}") for s in ("sol1", "sol2")]
+    assert piqa_task.documents[0].gold == (0,)
