@@ -160,23 +160,8 @@ def published_stand_in(folder: Path, texts: list[str]) -> None:
     transformers.LlamaForCausalLM(hf_config).to(torch.bfloat16).save_pretrained(folder, max_shard_size="100KB")
 
 
-def test_the_readme_gives_the_set_up_commands_first_and_stays_short():
-    readme = (ROOT / "README.md").read_text()
-    assert readme_commands(ROOT / "README.md")[:2] == [["make", "train"], ["make", "test"]]
-    assert len(readme.splitlines()) <= 250
-
-
-def test_the_pages_list_the_commands_this_test_runs():
-    commands = [c for page in documented_pages(ROOT) for c in readme_commands(page)]
-    runs = [python_part(c) for c in commands if skip_reason(c) is None]
-    assert ["make", "train"] in commands and ["make", "test"] in commands
-    unaccounted = [shlex.join(c) for c in commands if not runnable(c) and skip_reason(c) is None]
-    assert unaccounted == []  # each command runs, or is skipped for a reason named above
-    for entry in ("project.train", "project.prepare", "project.export", "project.generate", "project.plan"):
-        assert any(c[2] == entry for c in runs if c[1] == "-m"), entry
-    assert any(c[1] == "-c" and "transformers" in c[2] for c in runs)  # the export loads in transformers
-
-
+# First in the file: pytest-xdist hands a worker its next group once two or fewer of its tests are left, and a group
+# whose long test came last would have the next group wait behind it on a busy worker while another worker idles.
 def test_every_documented_command_runs_as_written_on_a_fresh_copy(tmp_path, request):
     repo = fresh_copy(tmp_path / "repo")
     # What `make train` leaves behind, in small: the corpus it fetches (generated here, under the names the
@@ -208,6 +193,9 @@ def test_every_documented_command_runs_as_written_on_a_fresh_copy(tmp_path, requ
         command_env = command_environment(argv, env)
         argv = python_part(argv)
         command = [*launcher, sys.executable, *argv[1:]]
+        if launcher:  # horovodrun's processes start warm too, from the copy's server (as tests/test_horovod.py's)
+            python, warm = server.python()
+            command, command_env = [*launcher, python, *argv[1:]], {**command_env, **warm}
         run = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")), None)
         tour = argv[2] == "project.train" and (argv == TOUR_FIRST or run == TOUR_DIR)
         if tour:
@@ -231,7 +219,7 @@ def test_every_documented_command_runs_as_written_on_a_fresh_copy(tmp_path, requ
             # A dry run shards the model as written (on the meta device: no memory, no training).
             tiny = [] if any(a.startswith(("init_from=", "dry_run=")) for a in argv) else TINY_MODEL
             command += [*tiny, f"trainer.max_steps={max_steps}", "trainer.enable_progress_bar=false"]
-        if launcher or argv[1] != "-m":  # horovodrun's processes, and `python -c`, start as written
+        if launcher or argv[1] != "-m":  # horovodrun, and `python -c`, start as written
             result = subprocess.run(command, cwd=repo, env=command_env, capture_output=True, text=True, timeout=600)
         else:  # warm, from a server that imported the copy's own code (tests/warm_start.py)
             started = server.start(argv[2], command[3:], repo, command_env)
@@ -253,3 +241,20 @@ def test_every_documented_command_runs_as_written_on_a_fresh_copy(tmp_path, requ
     # What the commands write lands in outputs/ and data/, never among the user's sources (Python's own caches aside).
     written = {p.relative_to(repo) for p in set(repo.rglob("*")) - before if "__pycache__" not in p.parts}
     assert {p for p in written if p.parts[0] not in ("outputs", "data")} == set()
+
+
+def test_the_readme_gives_the_set_up_commands_first_and_stays_short():
+    readme = (ROOT / "README.md").read_text()
+    assert readme_commands(ROOT / "README.md")[:2] == [["make", "train"], ["make", "test"]]
+    assert len(readme.splitlines()) <= 250
+
+
+def test_the_pages_list_the_commands_this_test_runs():
+    commands = [c for page in documented_pages(ROOT) for c in readme_commands(page)]
+    runs = [python_part(c) for c in commands if skip_reason(c) is None]
+    assert ["make", "train"] in commands and ["make", "test"] in commands
+    unaccounted = [shlex.join(c) for c in commands if not runnable(c) and skip_reason(c) is None]
+    assert unaccounted == []  # each command runs, or is skipped for a reason named above
+    for entry in ("project.train", "project.prepare", "project.export", "project.generate", "project.plan"):
+        assert any(c[2] == entry for c in runs if c[1] == "-m"), entry
+    assert any(c[1] == "-c" and "transformers" in c[2] for c in runs)  # the export loads in transformers

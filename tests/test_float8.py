@@ -172,9 +172,13 @@ slow = pytest.mark.slow
 FLOAT8_TRACKING = 3e-3
 # A float8 layout's losses against one device's in float8 over 12 steps (relative): measured 2026-11-27, at most
 # 4.4e-4 (context parallelism; tensor parallelism with sequence parallelism 3.8e-4), as one device taking the step's
-# batch at once against two micro batches (5.8e-4): float8's rounding.
+# batch at once against two micro batches (5.8e-4): float8's rounding. The runs below take STEPS steps, fewer.
 FLOAT8_DRIFT = 1e-3
 
+# STEPS steps, validated and saved at step AT (0-based: best-step00000{AT}.ckpt, which the resumed runs go on from).
+STEPS, AT = 6, 4
+BEST = f"best-step{AT:06d}.ckpt"
+RUN = [*PARITY_RUN, f"trainer.max_steps={STEPS}", f"val_every_n_steps={AT}", f"ckpt_every_n_steps={AT}"]
 TENSORWISE, ROWWISE = "strategy.float8=tensorwise", "strategy.float8=rowwise"
 ACCUMULATED = "micro_batch_size=4"  # one device taking the 8 sequences of a step as two micro batches of 4
 PARALLEL = {
@@ -198,7 +202,7 @@ ONE_DEVICE = {
 # 30 steps of the debug model (its experiment's own length), float8 against float32.
 LONG = {"float32-30": ["trainer.max_steps=30"], "float8-30": ["trainer.max_steps=30", TENSORWISE]}
 CONTEXT_PARALLEL = ["strategy=fsdp2", "trainer.devices=2", "strategy.context_parallel_size=2", TENSORWISE]
-# Resumed at step 10 (best-step000010.ckpt) to step 12, in the other precision and layout.
+# Resumed at step AT (BEST) to the end, in the other precision and layout.
 RESUMED = {
     "float8-fsdp2-to-float32-ddp": ("fsdp2", ["strategy=ddp", "trainer.devices=2"]),
     "float32-single-to-float8-tp": ("float32", ["strategy=tp", "trainer.devices=2", TENSORWISE]),
@@ -217,17 +221,17 @@ def runs(tiny_shards, tmp_path_factory) -> dict:
 
     def resumed(name: str) -> list[str]:
         source, overrides = RESUMED[name]
-        return [*PARITY_RUN, *overrides, f"ckpt_path={folders[source] / 'checkpoints' / 'best-step000010.ckpt'}"]
+        return [*RUN, *overrides, f"ckpt_path={folders[source] / 'checkpoints' / BEST}"]
 
-    one_device = {name: [*PARITY_RUN, *o] for name, o in ONE_DEVICE.items()} | LONG
+    one_device = {name: [*RUN, *o] for name, o in ONE_DEVICE.items()} | LONG
     train_in_process(1, cases(one_device))
-    two = {name: [*PARITY_RUN, *o] for name, (o, _) in PARALLEL.items() if "trainer.devices=2" in o}
-    two["context-parallel"] = [*PARITY_RUN, *CONTEXT_PARALLEL]
+    two = {name: [*RUN, *o] for name, (o, _) in PARALLEL.items() if "trainer.devices=2" in o}
+    two["context-parallel"] = [*RUN, *CONTEXT_PARALLEL]
     two["float32-single-to-float8-tp"] = resumed("float32-single-to-float8-tp")
     two["float32-single-to-float8-fsdp2"] = resumed("float32-single-to-float8-fsdp2")
     two["float8-fsdp2-to-float32-ddp"] = resumed("float8-fsdp2-to-float32-ddp")  # after fsdp2, in the same group
     train_in_process(2, cases(two))
-    four = {name: [*PARITY_RUN, *o] for name, (o, _) in PARALLEL.items() if "trainer.devices=4" in o}
+    four = {name: [*RUN, *o] for name, (o, _) in PARALLEL.items() if "trainer.devices=4" in o}
     train_in_process(4, cases(four))
     return folders
 
@@ -237,7 +241,7 @@ def assert_float8_reproduces(run_dir, reference_dir, first_loss=1e-6, first_norm
     every step's loss within float8's drift of it."""
     for column, first in (("train/loss", first_loss), ("train/grad_norm", first_norm)):
         reference, run = read_metrics(reference_dir, column), read_metrics(run_dir, column)
-        assert sorted(run) == sorted(reference) and len(run) >= 10
+        assert sorted(run) == sorted(reference) and len(run) == STEPS
         assert run[0] == pytest.approx(reference[0], rel=first), column
     reference, run = read_metrics(reference_dir, "train/loss"), read_metrics(run_dir, "train/loss")
     for step in reference:
@@ -257,7 +261,7 @@ def test_float8_trains_in_every_layout_like_one_device(runs, layout):
 @slow
 def test_data_parallel_float8_is_one_device_accumulating_its_micro_batches_exactly(runs):
     """Two ranks' gradients summed in one order: no float32 difference for float8 to round apart."""
-    assert_reproduces(runs["ddp"], runs["accumulated"])
+    assert_reproduces(runs["ddp"], runs["accumulated"], steps=STEPS)
 
 
 @slow
@@ -282,7 +286,7 @@ def test_context_parallel_float8_is_within_float8_rounding_of_one_device(runs):
 def test_a_checkpoint_resumes_in_the_other_precision_under_another_layout(runs, resume):
     source = runs[RESUMED[resume][0]]
     before, after = read_metrics(source, "train/loss"), read_metrics(runs[resume], "train/loss")
-    assert sorted(after) == [10, 11]  # went on from step 10
+    assert sorted(after) == list(range(AT, STEPS))  # went on from step AT
     for step in after:  # the source's weights, one precision or the other: within float8's rounding of it
         assert after[step] == pytest.approx(before[step], rel=FLOAT8_TRACKING), step
         assert after[step] != pytest.approx(before[step], rel=1e-6), step

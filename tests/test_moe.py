@@ -195,8 +195,19 @@ def test_every_family_builds_from_its_presets_and_an_unknown_family_is_named():
 
 # -- training: every layout the family takes equals one device ---------------------------------------------------
 
-# Numerics at step 10 (0-based), whose weights before the update best-step000010.ckpt holds.
-MOE = ["model=moe_debug", "model.expert_ffn_dim=48", "stability.numerics_every_n_steps=11"]
+# STEPS steps, validated and saved at step AT (0-based; best-step00000{AT}.ckpt holds the weights before its update),
+# where the numerics are logged too; the resumed runs go on from there, STEPS - AT steps.
+STEPS, AT = 6, 4
+BEST = f"best-step{AT:06d}.ckpt"
+MOE = [
+    *PARITY_RUN,
+    f"trainer.max_steps={STEPS}",
+    f"val_every_n_steps={AT}",
+    f"ckpt_every_n_steps={AT}",
+    "model=moe_debug",
+    "model.expert_ffn_dim=48",
+    f"stability.numerics_every_n_steps={AT + 1}",
+]
 EP = "strategy.expert_parallel_size"
 LAYOUTS = {
     "ddp": ["strategy=ddp", "trainer.devices=2"],
@@ -226,7 +237,7 @@ BIASED = {
     "bias-pp2-dp2-ep2": ["strategy=pipeline", "trainer.devices=4", "strategy.data_parallel_size=2", f"{EP}=2"],
 }
 PIPELINES = ["pp2", "bias-pp2-dp2-ep2"]  # whose validation runs through the stages (their own forward)
-# Resumed at step 10 (best-step000010.ckpt) to step 12 under other expert-parallel degrees.
+# Resumed at step AT (BEST) to the end under other expert-parallel degrees.
 RESUMED = {
     "ep4-to-ep2": ("ep4", LAYOUTS["ep2"]),
     "ep4-to-single": ("ep4", []),
@@ -240,11 +251,11 @@ def runs(tiny_shards, tmp_path_factory) -> dict:
     folders = {name: tmp_path_factory.mktemp(name) for name in names}
 
     def case(name: str, *overrides: str):
-        return folders[name], train_overrides(tiny_shards, folders[name], *PARITY_RUN, *MOE, *overrides)
+        return folders[name], train_overrides(tiny_shards, folders[name], *MOE, *overrides)
 
     def resumed(name: str):
         source, overrides = RESUMED[name]
-        return case(name, *overrides, f"ckpt_path={folders[source] / 'checkpoints' / 'best-step000010.ckpt'}")
+        return case(name, *overrides, f"ckpt_path={folders[source] / 'checkpoints' / BEST}")
 
     def on(devices: int) -> list:
         return [case(name, *o) for name, o in LAYOUTS.items() if f"trainer.devices={devices}" in o]
@@ -269,7 +280,7 @@ def runs(tiny_shards, tmp_path_factory) -> dict:
 def test_a_mixture_of_experts_trains_in_every_layout_it_takes_like_one_device(runs, layout):
     """Dropless routing and a per-sequence balancing loss: a batch split over ranks or micro batches routes each
     token as one device does and sums the same loss."""
-    assert_reproduces(runs[layout], runs["single"])
+    assert_reproduces(runs[layout], runs["single"], steps=STEPS)
     if layout in PIPELINES:
         assert_validates_like(runs[layout], runs["single"])
 
@@ -286,18 +297,18 @@ def test_each_experts_numerics_are_its_checkpointed_weights_and_one_devices_in_e
     ratios, its expert-parallel, sharded, replicated and pipelined rows summed where they lie; strategy=fsdp, whose
     ranks hold flat pieces, gives none."""
     single = runs["single"]
-    state = torch.load(single / "checkpoints" / "best-step000010.ckpt", map_location="cpu", weights_only=False)
+    state = torch.load(single / "checkpoints" / BEST, map_location="cpu", weights_only=False)
     weights = state["state_dict"]
     for block, expert in ((0, 0), (1, 3)):
         rows = [weights[f"model.layers.{block}.feed_forward.experts.{w}"][expert] for w in ("w1", "w3", "w2")]
         by_hand = sum(float(r.double().square().sum()) for r in rows) ** 0.5
         logged = read_metrics(single, f"numerics/block{block}/expert{expert}/param_norm")
-        assert logged == {10: pytest.approx(by_hand, rel=1e-6)}
+        assert logged == {AT: pytest.approx(by_hand, rel=1e-6)}
     ratio = "numerics/block1/expert2/update_ratio"
     references = {**{name: "single" for name in LAYOUTS if name != "fsdp"}, **dict.fromkeys(BIASED, "bias-single")}
     for layout, reference in references.items():
         for stat in [*EXPERT_STATS, ratio]:
-            ours, theirs = read_metrics(runs[layout], stat)[10], read_metrics(runs[reference], stat)[10]
+            ours, theirs = read_metrics(runs[layout], stat)[AT], read_metrics(runs[reference], stat)[AT]
             assert ours == pytest.approx(theirs, rel=1e-3 if stat == ratio else 2e-4), (layout, stat)
     assert not read_metrics(runs["fsdp"], EXPERT_STATS[0]) and read_metrics(runs["fsdp"], "numerics/block0/grad_norm")
 
@@ -307,7 +318,7 @@ def test_each_experts_numerics_are_its_checkpointed_weights_and_one_devices_in_e
 def test_routing_biases_moved_by_every_ranks_loads_train_like_one_device(runs, layout):
     """Under context or pipeline and expert parallelism at once, with a balancing loss 100 times the presets'
     weight (a pipeline's stages join it to their outputs, whose gradient the schedule does not scale)."""
-    assert_reproduces(runs[layout], runs["bias-single"])
+    assert_reproduces(runs[layout], runs["bias-single"], steps=STEPS)
     if layout in PIPELINES:
         assert_validates_like(runs[layout], runs["bias-single"])
     for metric in ("moe/aux_loss", "moe/layer1/load_max"):
@@ -320,7 +331,7 @@ def test_routing_biases_moved_by_every_ranks_loads_train_like_one_device(runs, l
 def test_a_mixture_resumes_under_another_expert_parallel_degree_as_if_never_stopped(runs, resume):
     source = "bias-single" if resume.startswith("bias") else "single"
     resumed, single = read_metrics(runs[resume], "train/loss"), read_metrics(runs[source], "train/loss")
-    assert sorted(resumed) == [10, 11]
+    assert sorted(resumed) == list(range(AT, STEPS))
     for step, loss in resumed.items():
         assert loss == pytest.approx(single[step], rel=1e-5)
 
@@ -328,7 +339,7 @@ def test_a_mixture_resumes_under_another_expert_parallel_degree_as_if_never_stop
 @pytest.mark.slow
 def test_the_balancing_loss_and_each_blocks_expert_load_are_logged_every_step(runs):
     aux = read_metrics(runs["single"], "moe/aux_loss")
-    assert len(aux) == 12 and all(1 <= value < 4 for value in aux.values())  # 1 balanced, n_experts at worst
+    assert len(aux) == STEPS and all(1 <= value < 4 for value in aux.values())  # 1 balanced, n_experts at worst
     for layer in (0, 1):
         most, least = (
             read_metrics(runs["single"], f"moe/layer{layer}/load_max"),
