@@ -67,6 +67,7 @@ LONGEST_FIRST = (
     "tests/test_float8.py",
     "tests/test_moe.py",
     "tests/test_comms.py",
+    "tests/test_evaluation.py",
     "tests/test_object_storage.py",
     "tests/test_parallel_in_process.py",
     "tests/test_resharded_loading.py",
