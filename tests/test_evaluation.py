@@ -91,6 +91,8 @@ SETS = ["eval.every_n_steps=4", "+eval.sets.train_part.split=train", "+eval.sets
 LAYOUTS = {
     "ddp": ["strategy=ddp", "trainer.devices=2"],
     "fsdp2": ["strategy=fsdp2", "trainer.devices=2"],
+    # FSDP1's root unit (embedding, final norm, head) is gathered only inside its wrapper's forward
+    "fsdp": ["strategy=fsdp", "trainer.devices=2"],
     "tp": ["strategy=tp", "trainer.devices=2"],
     "pipeline": ["strategy=pipeline", "trainer.devices=2"],
     # Each sequence split over 2 ranks: each holds the loss of its part, equally many tokens.
@@ -98,7 +100,7 @@ LAYOUTS = {
     "fsdp2-documents": ["strategy=fsdp2", "trainer.devices=2", "document_mask=true"],
 }
 SINGLE = {  # the one-device runs each layout is held to
-    "ddp": "single", "fsdp2": "single", "tp": "single", "pipeline": "single", "cp2": "single",
+    "ddp": "single", "fsdp2": "single", "fsdp": "single", "tp": "single", "pipeline": "single", "cp2": "single",
     "fsdp2-documents": "documents",
 }  # fmt: skip
 

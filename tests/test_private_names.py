@@ -124,6 +124,13 @@ INSTANCE_ATTRIBUTES = [
     ),
     (
         lambda: FSDPStrategy(),
+        "_forward_redirection",
+        "parallel/strategies/fsdp.py",
+        "runs an evaluation between steps through the FSDP1 wrapper's forward, as Lightning runs its steps: the root "
+        "unit's parameters are gathered only there (between_steps)",
+    ),
+    (
+        lambda: FSDPStrategy(),
         "_activation_checkpointing_kwargs",
         "parallel/strategies/fsdp.py",
         "what Lightning would pass to its activation checkpointing, applied by our CPU wrap",

@@ -13,9 +13,9 @@ module, the run and the callbacks call these methods and never look for others.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
     from project.model.llama import Llama
     from project.parallel.batch import BatchPlan
+
+
+T = TypeVar("T")
 
 
 class TrainingModule(Protocol):
@@ -60,6 +63,11 @@ class TrainingModule(Protocol):
 
     def head_scores(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """`target_scores` of the final hidden states [B, T, dim], as `criterion` takes them."""
+        ...
+
+    def run_inside_forward(self, work: Callable[[], T]) -> T:
+        """`work()`, called where a strategy whose wrapper holds parameters sharded outside its forward (FSDP1's root
+        unit) routes a call through that forward (`between_steps`)."""
         ...
 
     def zero_grad(self, set_to_none: bool = True) -> None: ...
@@ -117,9 +125,16 @@ class LlamaStrategy:
         return module.target_scores(inputs, targets)
 
     def loss_context(self) -> contextlib.AbstractContextManager:
-        """What `step_loss` and `step_scores` must run inside, where Lightning's own steps do not put it (an
-        evaluation between steps: project.training.callbacks.evaluation). Nothing here."""
+        """What `step_loss` and `step_scores` must run inside, where Lightning's own steps do not put it. Nothing
+        here."""
         return contextlib.nullcontext()
+
+    def between_steps(self, module: TrainingModule, evaluation: Callable[[], T]) -> T:
+        """`evaluation()`: forwards of the model without gradients between two training steps, outside Lightning's
+        own steps (project.training.callbacks.evaluation), run where `step_loss` and `step_scores` work as in a step:
+        here, inside `loss_context`."""
+        with self.loss_context():
+            return evaluation()
 
     def blocks_run_alone(self) -> bool:
         """Whether a transformer block's forward runs no collective on this strategy, so that its time is the rank's

@@ -7,7 +7,7 @@ import functools
 import io
 from dataclasses import asdict
 from pathlib import Path
-from typing import IO, Any, Callable, Mapping, cast
+from typing import IO, Any, Callable, Mapping, TypeVar, cast
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -33,6 +33,9 @@ from project.training.schedule import lr_at, recorded_schedule, schedule_change,
 from project.training.stability import Rollback, RollbackRequested, SpikeDetector
 
 __all__ = ["LlamaLitModule", "OptimConfig", "document_ids", "lr_at"]  # lr_at: the schedule, where tests look
+
+
+T = TypeVar("T")
 
 
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -242,6 +245,10 @@ class LlamaLitModule(LightningModule):
         """Mean next-token cross-entropy of the output head's logits of `hidden` [B, T, dim] (the final norm's
         output: a pipeline's last stage) against targets [B, T], computed without whole logits (Llama.head_loss)."""
         return _plain(self.model.head_loss(hidden, targets))
+
+    def run_inside_forward(self, work: Callable[[], T]) -> T:
+        """`work()`: what a strategy runs through its wrapper's forward (project.parallel.contract.between_steps)."""
+        return work()
 
     @torch.no_grad()
     def target_scores(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal, cast, get_args
 
 import torch
@@ -14,7 +14,7 @@ from torch import nn
 
 from project.model.llama import Block, Llama
 from project.parallel.compiled import compile_blocks
-from project.parallel.contract import LlamaStrategy
+from project.parallel.contract import LlamaStrategy, T, TrainingModule
 from project.parallel.groups import shared_mesh
 from project.parallel.strategies.loading import ShardedLoading
 from project.parallel.strategies.timeout import collective_timeout
@@ -62,6 +62,14 @@ class CPUCapableFSDPStrategy(ShardedLoading, LlamaStrategy, FSDPStrategy):
                 )
             shape = (self.world_size // size, size)
             self.kwargs["device_mesh"] = shared_mesh(self.root_device.type, shape, ("replicate", "shard"))
+
+    def between_steps(self, module: TrainingModule, evaluation: Callable[[], T]) -> T:
+        # FSDP1 gathers its root unit's parameters (the embedding, the final norm, the head) only inside the wrapper's
+        # forward: the evaluation runs there, as Lightning runs its own steps (its forward redirection).
+        if self.model is None or self.lightning_module is None or self.model is self.lightning_module:
+            return super().between_steps(module, evaluation)
+        redirected = self._forward_redirection(self.model, self.lightning_module, "run_inside_forward", evaluation)
+        return cast(T, redirected)
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         if self.compile:  # in place, before FSDP wraps each block

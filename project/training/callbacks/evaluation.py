@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from project.model.loss import IGNORED
-from project.parallel.contract import contract_of
+from project.parallel.contract import TrainingModule, contract_of
 from project.training.callbacks.steps import OptimizerSteps
 
 
@@ -75,9 +75,12 @@ class HeldOutEvaluation(Callback):
         byte_table = torch.tensor(token_bytes, device=pl_module.device) if token_bytes is not None else None
         was_training = pl_module.training
         pl_module.eval()
-        with contract.loss_context():
+
+        def evaluation() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
             sums = [self._sums(contract, pl_module, loader, byte_table) for loader in loaders.values()]
-            scores = [self._scores(contract, pl_module, task, batches) for task, batches in tasks]
+            return sums, [self._scores(contract, pl_module, task, batches) for task, batches in tasks]
+
+        sums, scores = contract.between_steps(cast(TrainingModule, pl_module), evaluation)
         pl_module.train(was_training)
         metrics: dict[str, float] = {}
         if sums:  # every rank of a replica holds the same sums: over every rank, numerator and denominator alike
