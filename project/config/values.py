@@ -12,7 +12,6 @@ from project.config.optim import OptimConfig
 from project.config.stability import StabilityConfig
 from project.model import families
 from project.model.config import DTYPE_NAMES, LlamaConfig
-from project.model.moe_config import MoEConfig
 from project.parallel.float8_rules import RECIPES
 from project.parallel.pipeline_layout import SCHEDULE_NAMES
 from project.runtime.errors import ConfigError
@@ -181,21 +180,8 @@ def check_values(cfg: DictConfig) -> None:
         StabilityConfig(**OmegaConf.to_container(cfg.stability, resolve=True))
     except (ValueError, TypeError) as error:
         raise ConfigError(str(error)) from None
-    model = model_config(cfg)
-    precision = str(cfg.trainer.get("precision", "32-true"))
-    if (
-        isinstance(model, MoEConfig)
-        and model.bias_update_rate > 0
-        and precision.endswith("-true")
-        and precision != "32-true"
-    ):
-        raise ConfigError(
-            f"model.bias_update_rate={model.bias_update_rate} with trainer.precision={precision}: the routing biases "
-            f"would be stored in {'bfloat16' if precision.startswith('bf') else 'float16'}, whose steps are coarser "
-            "than the updates past a bias of 0.125 and swallow them past 0.5 (bfloat16). Use "
-            "trainer.precision=bf16-mixed (float32 weights and biases, bfloat16 compute), or "
-            "model.bias_update_rate=0 with an auxiliary loss."
-        )
+    if refused := model_config(cfg).refuses_precision(str(cfg.trainer.get("precision", "32-true"))):
+        raise ConfigError(refused)
 
 
 def model_config(cfg: DictConfig) -> LlamaConfig:

@@ -109,6 +109,11 @@ class LlamaConfig:
         `ffn_hidden_dim` (every block of a dense Llama)."""
         return None
 
+    def refuses_precision(self, precision: str) -> str | None:
+        """Why this model cannot train under `trainer.precision` (an `error:` paragraph naming the fix), or None: a
+        dense Llama trains under every precision Lightning offers."""
+        return None
+
     def values_summed_each_step(self) -> int:
         """How many float32 values the model sums over every rank after each optimizer step (its step_statistics,
         where they change training: a mixture's routing biases), for the planner's traffic; 0 for a dense one."""

@@ -85,6 +85,17 @@ class MoEConfig(LlamaConfig):
             return None
         return Mixture(self.n_experts, self.top_k, self.expert_hidden_dim, self.shared_expert, self.aux_loss_coef > 0)
 
+    def refuses_precision(self, precision: str) -> str | None:
+        if self.bias_update_rate > 0 and precision.endswith("-true") and precision != "32-true":
+            return (
+                f"model.bias_update_rate={self.bias_update_rate} with trainer.precision={precision}: the routing "
+                f"biases would be stored in {'bfloat16' if precision.startswith('bf') else 'float16'}, whose steps "
+                "are coarser than the updates past a bias of 0.125 and swallow them past 0.5 (bfloat16). Use "
+                "trainer.precision=bf16-mixed (float32 weights and biases, bfloat16 compute), or "
+                "model.bias_update_rate=0 with an auxiliary loss."
+            )
+        return None
+
     def values_summed_each_step(self) -> int:
         # The expert loads and balancing losses of every mixture (MoELlama.step_statistics), summed after each step
         # where the routing biases move; only on logging steps otherwise.
