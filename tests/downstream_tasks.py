@@ -51,6 +51,7 @@ TEXTS = [
     "They planted trees in the garden behind the house",
     "The teacher asked the class to open their books",
     "When the music started everyone in the room began to dance",
+    "The old dog slept by the fire all through the winter night",  # 13: an odd count leaves two replicas a padding row
 ]
 
 

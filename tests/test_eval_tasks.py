@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from downstream_tasks import CHOICE, write_tasks
 
-from project.data.tasks import encode_request, load_task
+from project.data.tasks import encode_request, encode_requests, load_task
 from project.runtime.errors import ConfigError
 
 
@@ -46,7 +46,7 @@ def base_task(data) -> dict:
         ({"dataset_path": "allenai/ai2_arc"}, "reads dataset_path='allenai/ai2_arc'; the loop reads local files only"),
         ({"output_type": "generate_until"}, "output_type=generate_until; the loop scores multiple_choice"),
         ({"num_fewshot": 5}, "sets num_fewshot=5: the loop is zero-shot"),
-        ({"process_docs": "x"}, "sets process_docs, which the loop cannot run"),
+        ({"process_docs": "x"}, "sets process_docs, which the loop does not do"),
         (
             {"metric_list": [{"metric": "f1"}]},
             r"asks for metric\(s\) \['f1'\]; the loop computes \['acc', 'acc_norm'\]",
@@ -55,6 +55,14 @@ def base_task(data) -> dict:
         ({"doc_to_target": "{{wrong}}"}, "document 0: 'wrong' is undefined"),
         ({"doc_to_target": "3"}, r"document 0: the answer 3 is not one of the 2 choices"),
         ({"dataset_kwargs": {"data_files": {"test": "/nowhere.jsonl"}}}, "data file /nowhere.jsonl does not exist"),
+        ({"output_type": None}, "output_type=generate_until"),  # the harness's default
+        ({"gen_prefix": "Answer:"}, "sets gen_prefix, which the loop does not do"),
+        ({"doc_to_choice": ["yes", ""]}, r"document 0: doc_to_choice gives \['yes', ''\], not a list of texts"),
+        ({"dataset_kwargs": ["x"]}, "dataset_kwargs must be a mapping"),
+        ({"dataset_kwargs": {"data_files": {"test": [1]}}}, "data files for split 'test' must be a path or a list"),
+        ({"num_fewshot": "five"}, "has a setting of a shape the harness does not take"),
+        ({"metric_list": "acc"}, "metric_list must be a list"),
+        ({"doc_to_text": "{{a}}"}, r"document 0: doc_to_text gives '0': several contexts"),
     ],
 )
 def test_what_the_loop_cannot_honour_is_refused_naming_the_setting(tmp_path, change, message):
@@ -66,6 +74,23 @@ def test_what_the_loop_cannot_honour_is_refused_naming_the_setting(tmp_path, cha
         load_task(path, "eval.tasks[2]")
 
 
+def test_a_continuation_a_row_cannot_score_is_refused(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"q": "Is it?", "c": ["yes", "no " * 20], "a": 0}) + "\n")
+    path = tmp_path / "t.yaml"
+    path.write_text(json.dumps(base_task(data)))
+    task = load_task(path, "eval.tasks[0]")
+
+    def encode(text):
+        return [ord(c) for c in text]
+
+    with pytest.raises(ConfigError, match=r"eval.tasks\[0\]: task 't', request 1 .* its continuation is 61 tokens"):
+        encode_requests(task, encode, 0, 32, "eval.tasks[0]")
+    # a long context is cut from the left, the continuation whole
+    [(tokens, scored_from), _] = encode_requests(task, encode, 0, 61, "eval.tasks[0]")
+    assert tokens == [0, *encode("Is it? yes")] and scored_from == 7
+
+
 def test_python_code_in_a_task_and_a_missing_file_are_refused(tmp_path):
     path = tmp_path / "t.yaml"
     path.write_text("task: t\nprocess_docs: !function utils.process_docs\n")
@@ -74,6 +99,9 @@ def test_python_code_in_a_task_and_a_missing_file_are_refused(tmp_path):
         load_task(path, "eval.tasks[0]")
     with pytest.raises(ConfigError, match=r"eval.tasks\[0\]=.*missing.yaml: no such task file"):
         load_task(tmp_path / "missing.yaml", "eval.tasks[0]")
+    path.write_text("include: t.yaml\n")
+    with pytest.raises(ConfigError, match=r"eval.tasks\[0\]: .*t.yaml includes itself"):
+        load_task(path, "eval.tasks[0]")
 
 
 def test_an_included_file_gives_the_defaults(tmp_path):

@@ -21,7 +21,7 @@ from project.data.datamodule import TokenShardDataModule
 from project.data.heldout import held_out_sets
 from project.data.sampler import ValidationSampler
 from project.data.shards import read_manifest
-from project.data.tasks import load_task, request_rows
+from project.data.tasks import encode_requests, load_task, request_rows
 from project.data.tokenizer import load_tokenizer, train_bpe
 from project.hf.export import main as export_main
 from project.model.families import build_model, model_config
@@ -213,7 +213,8 @@ def plain_scores(run_dir, step: int, task, seq_len: int = 32) -> torch.Tensor:
     model.load_state_dict({k.removeprefix("model."): v for k, v in state["state_dict"].items()})
     data = state["datamodule_hyper_parameters"]["data_dir"]
     tokenizer = load_tokenizer(Path(data) / "tokenizer.json")
-    inputs, targets = request_rows(task, tokenizer.encode, tokenizer.eos_id, seq_len)
+    encoded = encode_requests(task, tokenizer.encode, tokenizer.eos_id, seq_len, "eval.tasks")
+    inputs, targets = request_rows(encoded, seq_len, tokenizer.eos_id)
     with torch.no_grad():
         log_probs = model(inputs).double().log_softmax(dim=-1)
     rows = []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property, partial
 from pathlib import Path
@@ -20,9 +20,8 @@ from project.data.mixture import MixtureOrder
 from project.data.sampler import DEFAULT_WINDOW_CHUNKS, BlockOrder, GlobalBatchSampler, ValidationSampler
 from project.data.shards import read_manifest
 from project.data.storage import check_prepared_shards, join
-from project.data.tasks import Task, load_task, request_rows
+from project.data.tasks import Task, encode_requests, load_task, request_rows
 from project.data.tokenizer import Tokenizer, load_tokenizer
-from project.model.loss import IGNORED
 from project.parallel.contract import contract_of
 from project.runtime.errors import ConfigError
 from project.runtime.secrets import without_secrets
@@ -156,10 +155,12 @@ class TokenShardDataModule(LightningDataModule):
         self.held_out = self._check_held_out(held_out_sets(eval_sets), seq_len, cache_dir, storage_options)
         self.tasks = self._load_tasks(eval_tasks or [], eval_task_limit)
 
-    def _load_tasks(self, paths: Sequence[str], limit: int | None) -> list[tuple[Task, torch.Tensor, torch.Tensor]]:
-        """Each downstream task with its requests' (inputs, targets) rows, read and encoded before anything trains."""
+    def _load_tasks(self, paths: Sequence[str], limit: int | None) -> list[tuple[Task, list[tuple[list[int], int]]]]:
+        """Each downstream task with its requests' tokens, read and encoded before anything trains."""
         if isinstance(paths, str):
             paths = [paths]
+        if not isinstance(paths, Sequence) or not all(isinstance(path, str) for path in paths):
+            raise ConfigError(f"eval.tasks={paths!r} must be a list of task files: eval.tasks=[path/to/task.yaml].")
         if paths and self.tokenizer is None:
             raise ConfigError(
                 f"eval.tasks: the shards of {self.corpora[0].dir} keep no tokenizer file to encode the tasks' text "
@@ -171,34 +172,30 @@ class TokenShardDataModule(LightningDataModule):
         for i, path in enumerate(paths):
             task = load_task(path, f"eval.tasks[{i}]", limit)
             assert self.tokenizer is not None
-            loaded.append((task, *request_rows(task, self.tokenizer.encode, self.eos_id, self.hparams.seq_len)))
-        names = [task.name for task, _, _ in loaded]
+            encoded = encode_requests(
+                task, self.tokenizer.encode, self.eos_id, self.hparams.seq_len, f"eval.tasks[{i}]"
+            )
+            loaded.append((task, encoded))
+        names = [task.name for task, _ in loaded]
         if len(set(names)) != len(names):
             raise ConfigError(f"eval.tasks: two tasks are named alike ({names}); their metrics would mix.")
         return loaded
 
-    def task_batches(self) -> list[tuple[Task, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]]:
+    def task_batches(self) -> list[tuple[Task, Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]]:
         """Each downstream task and this replica's share of its requests, in micro batches of (the requests'
-        indices, -1 for a padding row; inputs; targets): every replica gets as many rows, the ranks of a replica the
-        same ones."""
-        batches = []
-        rows = self.hparams.micro_batch_size
-        for task, inputs, targets in self.tasks:
-            count = -(-inputs.shape[0] // self.dp_size)
-            own = torch.arange(self.dp_rank, count * self.dp_size, self.dp_size)
-            own[own >= inputs.shape[0]] = -1
-            padded = own.clamp(min=0)
-            own_inputs, own_targets = inputs[padded], targets[padded].masked_fill((own < 0)[:, None], IGNORED)
-            batches.append(
-                (
-                    task,
-                    [
-                        (own[i : i + rows], own_inputs[i : i + rows], own_targets[i : i + rows])
-                        for i in range(0, count, rows)
-                    ],
-                )
-            )
-        return batches
+        indices, -1 for a padding row; inputs; targets), made as they are read: every replica gets as many rows, the
+        ranks of a replica the same ones."""
+        return [(task, self._task_rows(encoded)) for task, encoded in self.tasks]
+
+    def _task_rows(
+        self, encoded: list[tuple[list[int], int]]
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        rows, count = self.hparams.micro_batch_size, -(-len(encoded) // self.dp_size)
+        own = [i if i < len(encoded) else -1 for i in range(self.dp_rank, count * self.dp_size, self.dp_size)]
+        for start in range(0, count, rows):
+            indices = own[start : start + rows]
+            requests = [encoded[i] if i >= 0 else ([], 1) for i in indices]
+            yield (torch.tensor(indices), *request_rows(requests, self.hparams.seq_len, self.eos_id))
 
     def _check_held_out(
         self, sets: list[HeldOutSet], seq_len: int, cache_dir: str | None, storage_options: Mapping[str, Any] | None

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import yaml
+from lightning.pytorch.utilities import rank_zero_warn
 
 from project.model.loss import IGNORED
 from project.runtime.errors import ConfigError
@@ -99,18 +100,28 @@ def encode_request(
 def load_task(path: str | Path, where: str, limit: int | None = None) -> Task:
     """The task a harness YAML describes (with the files it `include`s), its documents read and rendered: any
     setting the loop cannot honour is refused naming `where` (the config key) and the fix."""
-    config = _read_yaml(Path(path), where)
+    config = _read_yaml(Path(path), where, set())
     name = str(config.get("task") or Path(path).stem)
-    kind = config.get("output_type", "loglikelihood")
-    if kind not in KINDS:
+    try:
+        return _task(config, name, where, limit)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, AttributeError) as error:  # a setting of the wrong shape: name it, not a traceback
+        raise ConfigError(f"{where}: task {name!r} ({path}) has a setting of a shape the harness does not take: "
+                          f"{error}") from None  # fmt: skip
+
+
+def _task(config: Mapping[str, Any], name: str, where: str, limit: int | None) -> Task:
+    kind = config.get("output_type") or "generate_until"  # the harness's default
+    if not isinstance(kind, str) or kind not in KINDS:
         raise ConfigError(
             f"{where}: task {name!r} has output_type={kind}; the loop scores multiple_choice and loglikelihood "
             "tasks (generation is left to lm-evaluation-harness on an export; a text's perplexity is eval.sets)."
         )
-    for key in ("process_docs", "process_results", "doc_to_image", "doc_to_audio"):
+    for key in ("process_docs", "process_results", "doc_to_image", "doc_to_audio", "gen_prefix", "use_prompt"):
         if config.get(key) is not None:
             raise ConfigError(
-                f"{where}: task {name!r} sets {key}, which the loop cannot run: write the documents' fields as the "
+                f"{where}: task {name!r} sets {key}, which the loop does not do: write the documents' fields as the "
                 "task needs them into its JSON file, and the prompt as Jinja templates over them."
             )
     if int(config.get("num_fewshot") or 0) > 0:
@@ -123,7 +134,10 @@ def load_task(path: str | Path, where: str, limit: int | None = None) -> Task:
     return Task(name, kind, metrics, documents)
 
 
-def _read_yaml(path: Path, where: str) -> dict[str, Any]:
+def _read_yaml(path: Path, where: str, read: set[Path]) -> dict[str, Any]:
+    if path.resolve() in read:
+        raise ConfigError(f"{where}: {path} includes itself (through `include`).")
+    read.add(path.resolve())
     if not path.is_file():
         raise ConfigError(f"{where}={path}: no such task file (a task YAML of lm-evaluation-harness's format).")
     try:
@@ -139,12 +153,15 @@ def _read_yaml(path: Path, where: str) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ConfigError(f"{where}={path} is not a task (a YAML mapping with task, dataset_path, output_type, ...).")
     if "include" in config:  # the harness's shared defaults: the including file's own keys win
-        return {**_read_yaml(path.parent / str(config.pop("include")), where), **config}
+        return {**_read_yaml(path.parent / str(config.pop("include")), where, read), **config}
     return config
 
 
 def _metrics(config: Mapping[str, Any], kind: str, name: str, where: str) -> tuple[str, ...]:
-    listed = [str(m.get("metric") if isinstance(m, Mapping) else m) for m in config.get("metric_list") or []]
+    entries = config.get("metric_list") or []
+    if not isinstance(entries, list):
+        raise ConfigError(f"{where}: task {name!r}'s metric_list must be a list of {{metric: NAME}} entries.")
+    listed = [str(m.get("metric") if isinstance(m, Mapping) else m) for m in entries]
     unknown = [m for m in listed if m not in KINDS[kind]]
     if unknown:
         raise ConfigError(
@@ -161,7 +178,10 @@ def _read_documents(config: Mapping[str, Any], name: str, where: str) -> list[di
             "only (nothing is downloaded): save the split as JSON lines and set dataset_path: json and "
             "dataset_kwargs: {data_files: {test: path/to/file.jsonl}} with test_split: test."
         )
-    files = (config.get("dataset_kwargs") or {}).get("data_files") or config.get("data_files")
+    kwargs = config.get("dataset_kwargs") or {}
+    if not isinstance(kwargs, Mapping):
+        raise ConfigError(f"{where}: task {name!r}'s dataset_kwargs must be a mapping (data_files: {{test: FILE}}).")
+    files = kwargs.get("data_files") or config.get("data_files")
     split = config.get("test_split") or config.get("validation_split")
     if isinstance(files, Mapping):
         files = files.get(split) if split else None
@@ -172,8 +192,11 @@ def _read_documents(config: Mapping[str, Any], name: str, where: str) -> list[di
             f"{where}: task {name!r} names no data file for its split {split!r}: set dataset_kwargs.data_files."
             f"{split or 'test'} to a JSON lines file (and test_split: {split or 'test'})."
         )
+    files = [files] if isinstance(files, str) else files
+    if not isinstance(files, list) or not all(isinstance(file, str) for file in files):
+        raise ConfigError(f"{where}: task {name!r}'s data files for split {split!r} must be a path or a list of them.")
     docs: list[dict[str, Any]] = []
-    for file in [files] if isinstance(files, str) else list(files):
+    for file in files:
         docs.extend(_json_documents(Path(file), name, where))
     return docs
 
@@ -181,10 +204,10 @@ def _read_documents(config: Mapping[str, Any], name: str, where: str) -> list[di
 def _json_documents(path: Path, name: str, where: str) -> list[dict[str, Any]]:
     if not path.is_file():
         raise ConfigError(f"{where}: task {name!r}'s data file {path} does not exist (relative paths: to the cwd).")
-    text = path.read_text()
     try:
+        text = path.read_text(encoding="utf-8")
         docs = json.loads(text) if text.lstrip().startswith("[") else [json.loads(s) for s in text.splitlines() if s]
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ConfigError(f"{where}: task {name!r}'s data file {path} is not JSON lines: {error}") from None
     if not all(isinstance(doc, dict) for doc in docs):
         raise ConfigError(f"{where}: task {name!r}'s data file {path} must hold one JSON object per document.")
@@ -193,10 +216,12 @@ def _json_documents(path: Path, name: str, where: str) -> list[dict[str, Any]]:
 
 def _document(config: Mapping[str, Any], kind: str, doc: dict, name: str, where: str, index: int) -> Document:
     try:
-        context = _render(config.get("description") or "", doc) + _text(config.get("doc_to_text"), doc)
+        context = _render(config.get("description") or "", doc) + _text(
+            config.get("doc_to_text"), doc, kind == "multiple_choice"
+        )
         target = _target(config.get("doc_to_target"), doc, kind)
         if kind == "loglikelihood":
-            if not isinstance(target, str):
+            if not isinstance(target, str) or not target:
                 raise ValueError(f"doc_to_target gives {target!r}, not the continuation's text")
             return Document(((context, target),))
         choices = _choices(config.get("doc_to_choice"), doc)
@@ -218,11 +243,12 @@ def _render(template: str, doc: Mapping[str, Any]) -> str:
     return environment.from_string(template).render(**doc)
 
 
-def _text(field: Any, doc: Mapping[str, Any]) -> str:
+def _text(field: Any, doc: Mapping[str, Any], choices: bool) -> str:
     if not isinstance(field, str):
         raise ValueError(f"doc_to_text={field!r} must be a template or a field's name")
     text = doc[field] if field in doc else _render(field, doc)
-    if not isinstance(text, str):
+    # With choices, the harness reads a template's digits as the index of one of several contexts.
+    if not isinstance(text, str) or (choices and text.isdigit() and field not in doc):
         raise ValueError(f"doc_to_text gives {text!r}: several contexts for one answer are not supported")
     return text
 
@@ -254,23 +280,46 @@ def _choices(field: Any, doc: Mapping[str, Any]) -> list[str]:
         choices = doc[field] if field in doc else ast.literal_eval(_render(field, doc))
     else:
         raise ValueError(f"doc_to_choice={field!r} must be a template, a field's name or a list")
-    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
-        raise ValueError(f"doc_to_choice gives {choices!r}, not a list of texts")
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise ValueError(f"doc_to_choice gives {choices!r}, not a list of texts (none empty)")
     return choices
 
 
-def request_rows(
-    task: Task, encode: Callable[[str], list[int]], eos_id: int, seq_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) [requests, seq_len] of a task's requests, one row each: the tokens as `encode_request`
-    makes them (cut from the left where longer than seq_len + 1, as the harness cuts at the model's length), the
-    targets IGNORED but the continuation's."""
-    inputs = torch.full((len(task.requests), seq_len), eos_id, dtype=torch.long)
-    targets = torch.full((len(task.requests), seq_len), IGNORED, dtype=torch.long)
+def encode_requests(
+    task: Task, encode: Callable[[str], list[int]], eos_id: int, seq_len: int, where: str
+) -> list[tuple[list[int], int]]:
+    """Each request's tokens (`encode_request`), cut from the left to seq_len + 1 as the harness cuts at its model's
+    length (`max_length`), and the index of its first continuation token. A continuation of no token, or of more
+    than seq_len, cannot be scored (the harness asserts both)."""
+    encoded, cut = [], 0
     for i, (context, continuation) in enumerate(task.requests):
         tokens, scored_from = encode_request(encode, eos_id, context, continuation)
-        cut = max(0, len(tokens) - (seq_len + 1))
-        tokens, scored_from = tokens[cut:], max(1, scored_from - cut)
-        inputs[i, : len(tokens) - 1] = torch.tensor(tokens[:-1])
-        targets[i, scored_from - 1 : len(tokens) - 1] = torch.tensor(tokens[scored_from:])
+        if not 0 < len(tokens) - scored_from <= seq_len:
+            raise ConfigError(
+                f"{where}: task {task.name!r}, request {i} ({continuation[:40]!r}): its continuation is "
+                f"{len(tokens) - scored_from} tokens, which a row of data.seq_len={seq_len} cannot score."
+            )
+        excess = max(0, len(tokens) - (seq_len + 1))
+        cut += excess > 0
+        encoded.append((tokens[excess:], max(1, scored_from - excess)))
+    if cut:
+        rank_zero_warn(
+            f"{where}: {cut} of task {task.name!r}'s {len(encoded)} requests are longer than data.seq_len + 1 = "
+            f"{seq_len + 1} tokens: their contexts are cut from the left (lm-evaluation-harness does the same with "
+            f"max_length={seq_len})."
+        )
+    return encoded
+
+
+def request_rows(
+    requests: Sequence[tuple[list[int], int]], seq_len: int, eos_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) [len(requests), seq_len] of encoded requests, one row each: the targets IGNORED but the
+    continuation's; a request of no tokens ([], 1) is a padding row, IGNORED throughout."""
+    inputs = torch.full((len(requests), seq_len), eos_id, dtype=torch.long)
+    targets = torch.full((len(requests), seq_len), IGNORED, dtype=torch.long)
+    for i, (tokens, scored_from) in enumerate(requests):
+        if tokens:
+            inputs[i, : len(tokens) - 1] = torch.tensor(tokens[:-1])
+            targets[i, scored_from - 1 : len(tokens) - 1] = torch.tensor(tokens[scored_from:])
     return inputs, targets

@@ -78,5 +78,5 @@ def target_scores(log_probs: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     last two counts are equal is the model's greedy continuation)."""
     picked, best = log_probs.double()
     real = targets != IGNORED
-    first = (picked >= best) & real
+    first = (picked >= best) & real  # a tie with another token counts as first (the harness's argmax: the lower id)
     return torch.stack([picked.sum(dim=1), real.sum(dim=1).double(), first.sum(dim=1).double()], dim=1)

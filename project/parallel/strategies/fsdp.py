@@ -66,10 +66,12 @@ class CPUCapableFSDPStrategy(ShardedLoading, LlamaStrategy, FSDPStrategy):
     def between_steps(self, module: TrainingModule, evaluation: Callable[[], T]) -> T:
         # FSDP1 gathers its root unit's parameters (the embedding, the final norm, the head) only inside the wrapper's
         # forward: the evaluation runs there, as Lightning runs its own steps (its forward redirection).
+        def inside() -> T:
+            return super(CPUCapableFSDPStrategy, self).between_steps(module, evaluation)
+
         if self.model is None or self.lightning_module is None or self.model is self.lightning_module:
-            return super().between_steps(module, evaluation)
-        redirected = self._forward_redirection(self.model, self.lightning_module, "run_inside_forward", evaluation)
-        return cast(T, redirected)
+            return inside()
+        return cast(T, self._forward_redirection(self.model, self.lightning_module, "run_inside_forward", inside))
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         if self.compile:  # in place, before FSDP wraps each block

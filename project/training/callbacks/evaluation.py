@@ -7,9 +7,9 @@ The model is evaluated as it is sharded, by the strategy's own forward (`step_lo
 runs it): the data-parallel replicas split each set's sequences, the ranks of a replica (tensor, context, pipeline)
 read the same ones, and the sums of every rank make the figures, so they are the same in every layout. A task's
 requests are scored one row each (`step_scores`: the sum of the continuation's log-probabilities, and whether the
-model would have written it), each row by the ranks of one replica. Bits per
-byte divide the summed loss (nats) by ln 2 and by the bytes of text the predicted tokens stand for (the tokenizer's
-`token_bytes`), so that models with other tokenizers compare.
+model would have written it), each row by the ranks of one replica. Bits per byte divide the summed loss (nats) by
+ln 2 and by the bytes of text the predicted tokens stand for (the tokenizer's `token_bytes`), so that models with
+other tokenizers compare.
 
 What training goes on with is untouched: the sets are read in the main process (no random draw for workers), under
 no_grad (nothing is counted by the model's statistics or the numerics monitor), between two steps (not in the step's
@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from typing import Any, cast
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from project.data.tasks import Task
 from project.model.loss import IGNORED
-from project.parallel.contract import TrainingModule, contract_of
+from project.parallel.contract import LlamaStrategy, TrainingModule, contract_of
 from project.training.callbacks.steps import OptimizerSteps
 
 
@@ -102,12 +104,18 @@ class HeldOutEvaluation(Callback):
         return metrics
 
     @staticmethod
-    def _scores(contract: Any, pl_module: LightningModule, task: Any, batches: list) -> torch.Tensor:
+    def _scores(
+        contract: LlamaStrategy,
+        pl_module: LightningModule,
+        task: Task,
+        batches: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
         """[requests, 4] of one task on this rank: its rows' scores (log-likelihood, targets, targets ranked first)
         where they are this replica's, and 1 in the last column there."""
         rows = torch.zeros(len(task.requests), 4, device=pl_module.device, dtype=torch.float64)
         for indices, inputs, targets in batches:
-            scores = contract.step_scores(pl_module, inputs.to(pl_module.device), targets.to(pl_module.device))
+            module = cast(TrainingModule, pl_module)
+            scores = contract.step_scores(module, inputs.to(pl_module.device), targets.to(pl_module.device))
             own = indices >= 0
             rows[indices[own], :3] = scores[own.to(scores.device)].to(rows.dtype)
             rows[indices[own], 3] = 1
