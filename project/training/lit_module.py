@@ -7,7 +7,7 @@ import functools
 import io
 from dataclasses import asdict
 from pathlib import Path
-from typing import IO, Any, Callable, Mapping, TypeVar, cast
+from typing import IO, Any, Callable, Mapping, cast
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -25,7 +25,7 @@ from project.hf.published import load_published_weights
 from project.model.config import LlamaConfig
 from project.model.families import build_model, model_config
 from project.model.loss import IGNORED, target_scores
-from project.parallel.contract import LlamaStrategy, contract_of
+from project.parallel.contract import LlamaStrategy, T, contract_of
 from project.runtime.errors import ConfigError
 from project.training.callbacks.steps import logs_at
 from project.training.nonfinite import NonFiniteGuard, takes_the_flag_on_the_device
@@ -33,9 +33,6 @@ from project.training.schedule import lr_at, recorded_schedule, schedule_change,
 from project.training.stability import Rollback, RollbackRequested, SpikeDetector
 
 __all__ = ["LlamaLitModule", "OptimConfig", "document_ids", "lr_at"]  # lr_at: the schedule, where tests look
-
-
-T = TypeVar("T")
 
 
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
