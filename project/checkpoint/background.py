@@ -1,9 +1,9 @@
 """Checkpoints written in the background (`ckpt_async=true`).
 
-The step that saves copies the training state to host memory, into staging buffers kept from one save to the next
-(torch's distributed-checkpoint stager, which reuses a buffer for each tensor it staged before), and training goes on
-while a thread writes the copy: a folder of shards through torch's distributed checkpoint `async_save`, or one file
-through the strategy's checkpoint IO. One write at a time: `wait` returns when the one in flight has ended.
+The step that saves copies the training state to host memory, into the host tensors of the save before it
+(project.checkpoint.staging), and training goes on while a thread writes the copy: a folder of shards through
+torch's distributed checkpoint `async_save`, or one file through the strategy's checkpoint IO. One write at a time:
+`wait` returns when the one in flight has ended.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from project.checkpoint.locations import Location, storage_errors, storage_writer
+from project.checkpoint.staging import ReusedHostCopies
 
 
 class BackgroundWriter:
@@ -25,10 +25,7 @@ class BackgroundWriter:
     def __init__(self, pinned: bool):
         # Staged while the caller waits (the state must not change while it is copied); pinned on a GPU, where
         # the copy from the device is then faster.
-        options = StagingOptions(
-            use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
-        )
-        self._stager = DefaultStager(options)
+        self._stager = ReusedHostCopies(pinned)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self.in_flight: Future | None = None
         self.path: Location | None = None  # where the write in flight goes

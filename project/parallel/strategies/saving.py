@@ -18,7 +18,9 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities import rank_zero_warn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from project.checkpoint.background import BackgroundWriter, cause_of
 from project.checkpoint.files import LIGHTNING_EXTRA, write_checkpoint_file
@@ -105,6 +107,19 @@ class ShardedBackgroundSaving(BackgroundSaving):
 
     _host_group: dist.ProcessGroup | None = None
     writer_timeout: timedelta | None = None  # the strategy's collective timeout, for the writers' group too
+
+    # The shards where they are, on the device: torch's writer and the background stager copy them to host memory
+    # piece by piece. ModelParallelStrategy's own state dicts (cpu_offload=True) first copy the rank's whole share
+    # into new host memory at every save, a second host copy beside the stager's and an allocation of the share.
+    SHARDS_IN_PLACE = StateDictOptions(full_state_dict=False, cpu_offload=False)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(cast(Any, self).model, options=self.SHARDS_IN_PLACE)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        return get_optimizer_state_dict(cast(Any, self).model, optimizer, options=self.SHARDS_IN_PLACE)
 
     def _write_in_foreground(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
         """As Lightning's ModelParallelStrategy writes its folder (which takes local paths only), anywhere."""
