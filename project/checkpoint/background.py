@@ -2,8 +2,8 @@
 
 The step that saves copies the training state to host memory, into the host tensors of the save before it
 (project.checkpoint.staging), and training goes on while a thread writes the copy: a folder of shards through
-torch's distributed checkpoint `async_save`, or one file through the strategy's checkpoint IO. One write at a time:
-`wait` returns when the one in flight has ended.
+torch's distributed checkpoint `async_save`, or one file streamed by torch.save (write_checkpoint_file). One write
+at a time: `wait` returns when the one in flight has ended.
 """
 
 from __future__ import annotations
