@@ -311,13 +311,16 @@ def test_a_float8_runs_export_holds_its_trained_weights(runs, tmp_path):
     from safetensors.torch import load_file
 
     from project.checkpoint.reshard import read_whole
-    from project.hf.conversion import hf_name
+    from project.hf.conversion import hf_pieces
     from project.hf.export import export
+    from project.model.families import model_config
 
     checkpoint = runs["fsdp2"] / "checkpoints" / "last.ckpt"
     export(str(checkpoint), str(tmp_path / "hf"))
     exported = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
-    trained = read_whole(checkpoint)["state_dict"]
+    whole = read_whole(checkpoint)
+    trained, config = whole["state_dict"], model_config(whole["hyper_parameters"]["model"])
     assert len(exported) == len(trained)
     for name, weight in trained.items():
-        torch.testing.assert_close(exported[hf_name(name.removeprefix("model."))], weight, rtol=0, atol=0, msg=name)
+        [(hf, _)] = hf_pieces(name.removeprefix("model."), config)
+        torch.testing.assert_close(exported[hf], weight, rtol=0, atol=0, msg=name)

@@ -4,6 +4,8 @@ to one device (in process, over gloo)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +14,9 @@ from conftest import PARITY_RUN, assert_reproduces, assert_validates_like, read_
 from in_process import CONF, train_in_process
 
 from project.hf.export import export
-from project.model.families import FAMILIES, build_model, family_of, model_config
+from project.hf.formats import LlamaFormat
+from project.model.config import LlamaConfig
+from project.model.families import FAMILIES, ModelFamily, build_model, family_of, model_config
 from project.model.flops import count_parameters, training_flops_per_token
 from project.model.moe import MoEFeedForward, WithAuxiliaryGradient
 from project.model.moe_config import MoEConfig
@@ -191,6 +195,49 @@ def test_every_family_builds_from_its_presets_and_an_unknown_family_is_named():
     with pytest.raises(ValueError, match="model.family=gpt is not a model family: it is one of llama, moe"):
         family_of({"family": "gpt"})
     assert family_of({}).name == "llama"  # checkpoints from before families
+
+
+@dataclass
+class ToyConfig(LlamaConfig):
+    family: str = "toy"
+
+
+class ToyFormat(LlamaFormat):
+    """A family's format as a new family would write one: one square matrix as its feed-forward."""
+
+    architecture = "ToyForCausalLM"
+
+    def config_dict(self, config: LlamaConfig, llama: dict) -> dict:
+        return {**llama, "architectures": [self.architecture], "model_type": "toy"}
+
+    def feed_forward_shapes(self, config: LlamaConfig) -> dict:
+        return {"feed_forward.w.weight": (config.dim, config.dim)}
+
+    def feed_forward_pieces(self, layer: str, name: str, config: LlamaConfig) -> list:
+        return [(f"model.layers.{layer}.mlp.w.weight", None)]
+
+
+TOY_FORMAT = ToyFormat()
+
+
+def test_a_family_converts_to_hugging_face_by_the_format_its_entry_names(monkeypatch):
+    from project.hf.conversion import hf_config_dict, hf_weight_shapes, to_hf_state_dict, weight_names
+
+    for family in FAMILIES.values():
+        assert family.format().architecture == family.hf_architecture, family.name
+    toy = ModelFamily(
+        "toy", ToyConfig, "project.model.llama:Llama", "a toy", "Toy", "ToyForCausalLM", f"{__name__}:TOY_FORMAT"
+    )
+    monkeypatch.setitem(FAMILIES, "toy", toy)  # one entry: nothing else names the family
+    config = model_config({"family": "toy", "dim": 16, "n_layers": 2, "n_heads": 2, "vocab_size": 32})
+    assert hf_config_dict(config)["architectures"] == ["ToyForCausalLM"]
+    assert hf_config_dict(config)["hidden_size"] == 16  # the rest a Llama's
+    assert hf_weight_shapes(config)["model.layers.1.mlp.w.weight"] == (16, 16)
+    assert "model.layers.1.self_attn.q_proj.weight" in hf_weight_shapes(config)
+    state = {name: torch.zeros(1) for name in weight_names(config)}
+    assert "layers.0.feed_forward.w.weight" in state and "model.layers.0.mlp.w.weight" in to_hf_state_dict(
+        state, config
+    )
 
 
 # -- training: every layout the family takes equals one device ---------------------------------------------------

@@ -1,5 +1,7 @@
 """Conversion between our models and Hugging Face's formats: a dense Llama and LlamaForCausalLM, a mixture of
-experts and MixtralForCausalLM (as Mistral published it: each expert's matrices under names of their own).
+experts and MixtralForCausalLM (as Mistral published it: each expert's matrices under names of their own). What a
+Llama's format has is here; what a family's format adds (its config.json, its feed-forward) is the family's
+(project.hf.formats, named by its registry entry).
 
 Pure functions over dicts and tensors, with no transformers import, so a checkpoint can be exported on a
 machine without transformers. Our rotary layout is HF's rotate-half, so weights map by name; nothing is
@@ -13,13 +15,15 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from project.hf.formats import LlamaFormat
 from project.model.config import LlamaConfig
-from project.model.moe_config import MoEConfig
+from project.model.families import family_of
 
 if TYPE_CHECKING:  # no torch at import: project.hf.folder reads folders before the heavy imports
     import torch
 
-# Per-block names: ours -> HF's (under model.layers.{i}.). w1 gates, w3 is the up projection, w2 projects down.
+# Per-block names of every family but the feed-forward's (the family's format): ours -> HF's (under
+# model.layers.{i}.).
 _BLOCK_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -27,9 +31,6 @@ _BLOCK_NAMES = {
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
 }
 _TOP_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -37,6 +38,11 @@ _TOP_NAMES = {
     "output.weight": "lm_head.weight",
 }
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def hf_format(config: LlamaConfig) -> LlamaFormat:
+    """The Hugging Face format of `config`'s family (ValueError where it has none)."""
+    return family_of(config).format()
 
 
 def hf_config_dict(
@@ -94,33 +100,11 @@ def hf_config_dict(
         "torch_dtype": torch_dtype,
         "dtype": torch_dtype,
     }
-    if not isinstance(config, MoEConfig):
-        return llama
-    del llama["mlp_bias"], llama["attention_bias"]
-    return {
-        **llama,
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
-        "intermediate_size": config.expert_hidden_dim,
-        "num_local_experts": config.n_experts,
-        "num_experts_per_tok": config.top_k,
-        "router_aux_loss_coef": config.aux_loss_coef,
-        "router_jitter_noise": 0.0,
-        "output_router_logits": False,
-        "sliding_window": None,
-    }
-
-
-# A Mixtral block's feed-forward (under model.layers.{i}.block_sparse_moe.): the router, and expert j's matrices.
-_MIXTURE_NAMES = {"feed_forward.router.gate.weight": "gate.weight"}
-_EXPERT_NAMES = {"feed_forward.experts.w1": "w1", "feed_forward.experts.w3": "w3", "feed_forward.experts.w2": "w2"}
+    return hf_format(config).config_dict(config, llama)
 
 
 def _block_names(config: LlamaConfig) -> list[str]:
-    names = [n for n in _BLOCK_NAMES if not n.startswith("feed_forward.")]
-    if isinstance(config, MoEConfig):
-        return names + [*_MIXTURE_NAMES, *_EXPERT_NAMES]
-    return names + [n for n in _BLOCK_NAMES if n.startswith("feed_forward.")]
+    return [*_BLOCK_NAMES, *hf_format(config).feed_forward_shapes(config)]
 
 
 def weight_names(config: LlamaConfig) -> list[str]:
@@ -134,12 +118,7 @@ def weight_names(config: LlamaConfig) -> list[str]:
 
 def _shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Our weights' shapes, by their names within a block or the model."""
-    d, q, kv, ffn = (
-        config.dim,
-        config.n_heads * config.head_dim,
-        config.kv_heads * config.head_dim,
-        config.ffn_hidden_dim,
-    )
+    d, q, kv = config.dim, config.n_heads * config.head_dim, config.kv_heads * config.head_dim
     shapes = {
         "attention_norm.weight": (d,),
         "attention.wq.weight": (q, d),
@@ -147,22 +126,11 @@ def _shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         "attention.wv.weight": (kv, d),
         "attention.wo.weight": (d, q),
         "ffn_norm.weight": (d,),
-        "feed_forward.w1.weight": (ffn, d),
-        "feed_forward.w3.weight": (ffn, d),
-        "feed_forward.w2.weight": (d, ffn),
         "tok_embeddings.weight": (config.vocab_size, d),
         "norm.weight": (d,),
         "output.weight": (config.vocab_size, d),
     }
-    if isinstance(config, MoEConfig):
-        n, f = config.n_experts, config.expert_hidden_dim
-        shapes |= {
-            "feed_forward.router.gate.weight": (n, d),
-            "feed_forward.experts.w1": (n, f, d),
-            "feed_forward.experts.w3": (n, f, d),
-            "feed_forward.experts.w2": (n, d, f),
-        }
-    return shapes
+    return shapes | hf_format(config).feed_forward_shapes(config)
 
 
 def weight_shape(name: str, config: LlamaConfig) -> tuple[int, ...]:
@@ -184,17 +152,14 @@ def hf_pieces(name: str, config: LlamaConfig) -> list[tuple[str, int | None]]:
     """The HF tensors our weight `name` is: [(its HF name, None)], or for a mixture's stacked experts one
     (`model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight`, j) per expert j, its slice [j]."""
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if m and m[2] in _EXPERT_NAMES and isinstance(config, MoEConfig):
-        prefix = f"model.layers.{m[1]}.block_sparse_moe.experts"
-        return [(f"{prefix}.{j}.{_EXPERT_NAMES[m[2]]}.weight", j) for j in range(config.n_experts)]
-    if m and m[2] in _MIXTURE_NAMES:
-        return [(f"model.layers.{m[1]}.block_sparse_moe.{_MIXTURE_NAMES[m[2]]}", None)]
+    if m and m[2].startswith("feed_forward."):
+        return hf_format(config).feed_forward_pieces(m[1], m[2], config)
     return [(hf_name(name), None)]
 
 
 def hf_name(name: str) -> str:
-    """The HF name of one of our parameters that is one HF tensor (`layers.0.attention.wq.weight` ->
-    `model.layers.0.self_attn.q_proj.weight`)."""
+    """The HF name of one of our parameters outside the feed-forward, which are alike in every family
+    (`layers.0.attention.wq.weight` -> `model.layers.0.self_attn.q_proj.weight`)."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)

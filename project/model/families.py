@@ -5,7 +5,7 @@ shape). Everything that builds or sizes a model asks here (`model_config`, `buil
 Torch-free: the settings check reads it before torch is imported; the model classes are imported on first build.
 A new family is a config class (with its own `feed_forward_parameters` and `mixture` for the planner's counts), a
 model class with the dense Llama's interface (`run_layers`, `head_loss`, `initial_value`, `init_weights`,
-`to_empty`), and an entry below.
+`to_empty`), a Hugging Face format (project.hf.formats) where it has one, and an entry below.
 """
 
 from __future__ import annotations
@@ -29,15 +29,27 @@ class ModelFamily:
     model: str  # "module:Class", imported when a model is built
     summary: str  # what the family is, in the words of an error or the docs
     label: str  # its name in a run's summary line ("model: LABEL, 4.0 M parameters, ...")
-    # The Hugging Face architecture project.export writes and init_from reads (project.hf); None: not yet.
+    # The Hugging Face architecture project.export writes and init_from reads, and its format, "module:NAME"
+    # (project.hf.formats: config.json, the feed-forward's names and shapes), imported when converting; None: not yet.
     hf_architecture: str | None = None
+    hf_format: str | None = None
     # The dimensions this family's model cannot be split over yet ("tensor", "context", "pipeline"; none today):
     # the settings check refuses them by name (project.config.layout.check_family_layout).
     refuses: tuple[str, ...] = ()
 
     def model_class(self) -> type[Llama]:
-        module, name = self.model.split(":")
-        return getattr(importlib.import_module(module), name)
+        return _imported(self.model)
+
+    def format(self) -> Any:
+        """Its Hugging Face format (a project.hf.formats.LlamaFormat); ValueError where it has none."""
+        if self.hf_format is None:
+            raise ValueError(f"model.family={self.name} ({self.summary}) has no Hugging Face format here.")
+        return _imported(self.hf_format)
+
+
+def _imported(target: str) -> Any:
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -49,7 +61,8 @@ FAMILIES: dict[str, ModelFamily] = {
             "project.model.llama:Llama",
             "dense Llama (Llama 2, Llama 3)",
             "Llama",
-            "LlamaForCausalLM",
+            hf_architecture="LlamaForCausalLM",
+            hf_format="project.hf.formats:LLAMA",
         ),
         ModelFamily(
             "moe",
@@ -58,6 +71,7 @@ FAMILIES: dict[str, ModelFamily] = {
             "Llama with a mixture of experts as feed-forward (Mixtral, Llama 4)",
             "Llama mixture of experts",
             hf_architecture="MixtralForCausalLM",
+            hf_format="project.hf.formats:MIXTRAL",
         ),
     )
 }
