@@ -240,6 +240,22 @@ def test_a_family_converts_to_hugging_face_by_the_format_its_entry_names(monkeyp
     )
 
 
+def test_each_family_splits_its_blocks_by_the_tensor_parallel_plan_its_entry_names():
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    sizes = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2}
+    dense = model_config({"family": "llama", **sizes})
+    mixed = model_config({"family": "moe", **sizes, "n_experts": 4, "top_k": 2, "moe_every": 2})  # block 1 a mixture
+    llama_plan, moe_plan = FAMILIES["llama"].tensor_parallel_plan(), FAMILIES["moe"].tensor_parallel_plan()
+    whole = set(llama_plan(dense, 0, False, None, 2))
+    assert {"attention.wq", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward"} <= whole
+    assert set(moe_plan(mixed, 0, False, None, 2)) == whole  # a dense block of the mixture family: a Llama's
+    mixture = moe_plan(mixed, 1, True, None, 2)
+    assert {"attention.wq", "attention_norm", "ffn_norm"} <= set(mixture)
+    assert not any(k.startswith("feed_forward.") for k in mixture)  # the experts whole on every rank of the group
+    assert isinstance(mixture["feed_forward"], PrepareModuleInputOutput)  # the sequence gathered before it
+
+
 # -- training: every layout the family takes equals one device ---------------------------------------------------
 
 # STEPS steps, validated and saved at step AT (0-based; best-step00000{AT}.ckpt holds the weights before its update),

@@ -5,7 +5,8 @@ shape). Everything that builds or sizes a model asks here (`model_config`, `buil
 Torch-free: the settings check reads it before torch is imported; the model classes are imported on first build.
 A new family is a config class (with its own `feed_forward_parameters` and `mixture` for the planner's counts), a
 model class with the dense Llama's interface (`run_layers`, `head_loss`, `initial_value`, `init_weights`,
-`to_empty`), a Hugging Face format (project.hf.formats) where it has one, and an entry below.
+`to_empty`), a Hugging Face format (project.hf.formats) where it has one, its blocks' tensor-parallel plan where a
+Llama block's is not theirs (project.parallel.tensor_parallel), and an entry below.
 """
 
 from __future__ import annotations
@@ -33,12 +34,18 @@ class ModelFamily:
     # (project.hf.formats: config.json, the feed-forward's names and shapes), imported when converting; None: not yet.
     hf_architecture: str | None = None
     hf_format: str | None = None
+    # Its blocks' tensor-parallel plan, "module:function" (project.parallel.tensor_parallel: (config, block index,
+    # sequence_parallel, float8, tp) -> the block's plan), imported when a model is split.
+    tensor_parallel: str = "project.parallel.tensor_parallel:llama_block_plan"
     # The dimensions this family's model cannot be split over yet ("tensor", "context", "pipeline"; none today):
     # the settings check refuses them by name (project.config.layout.check_family_layout).
     refuses: tuple[str, ...] = ()
 
     def model_class(self) -> type[Llama]:
         return _imported(self.model)
+
+    def tensor_parallel_plan(self) -> Any:
+        return _imported(self.tensor_parallel)
 
     def format(self) -> Any:
         """Its Hugging Face format (a project.hf.formats.LlamaFormat); ValueError where it has none."""
@@ -72,6 +79,7 @@ FAMILIES: dict[str, ModelFamily] = {
             "Llama mixture of experts",
             hf_architecture="MixtralForCausalLM",
             hf_format="project.hf.formats:MIXTRAL",
+            tensor_parallel="project.parallel.tensor_parallel:mixture_block_plan",
         ),
     )
 }

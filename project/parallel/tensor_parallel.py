@@ -13,8 +13,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from project.model.config import LlamaConfig
+from project.model.families import family_of
 from project.model.llama import Llama
-from project.model.moe import MoEFeedForward
 from project.parallel.float8 import tensor_parallel_styles
 from project.parallel.float8_rules import SUB_LAYERS, sub_layer_in_float8
 from project.parallel.mesh import check_tensor_parallel_degree
@@ -61,24 +62,49 @@ def apply_tensor_parallel(
         # their gradients are then reduced once, not span by span.
         whole = PrepareModuleOutput(output_layouts=residual, desired_output_layouts=Replicate(), use_local_output=False)
         parallelize_module(model.norm, mesh, whole)
-    for block in model.layers.values():
-        plan: dict = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()} if sequence_parallel else {}
-        for name, projections in SUB_LAYERS.items():
-            if isinstance(getattr(block, name), MoEFeedForward):
-                plan |= mixture_plan(sequence_parallel)
-                continue
-            float8_styles = float8 == "tensorwise" and sub_layer_in_float8(model.config, name, mesh.size())
-            colwise, rowwise, prepare = tensor_parallel_styles(float8_styles)
-            *split, joined = projections
-            plan |= {f"{name}.{p}": colwise() for p in split}
-            plan[f"{name}.{joined}"] = rowwise(output_layouts=residual)
-            # With sequence parallelism the sequence is gathered before the projections; otherwise the input is made
-            # a DTensor once for q, k and v (once for w1 and w3), not by each projection: its gradient is then
-            # all-reduced once per sub-layer, not once per projection (measured: tests/test_comms.py). Attention's
-            # other inputs (rotary tables, mask) pass through.
-            others = (None, None, None) if name == "attention" else ()
-            plan[name] = prepare(input_layouts=(residual, *others), desired_input_layouts=(Replicate(), *others))
-        parallelize_module(block, mesh, plan)
+    block_plan = family_of(model.config).tensor_parallel_plan()
+    for index, block in model.layers.items():  # a pipeline stage's blocks keep their indices in the whole model
+        parallelize_module(block, mesh, block_plan(model.config, int(index), sequence_parallel, float8, mesh.size()))
+
+
+def llama_block_plan(config: LlamaConfig, index: int, sequence_parallel: bool, float8: str | None, tp: int) -> dict:
+    """A Llama block's plan (the dense family's, named by its registry entry): attention and the feed-forward split
+    as `apply_tensor_parallel` says, the norms over the sequence with sequence parallelism."""
+    return (
+        _norms(sequence_parallel)
+        | _projections(config, "attention", sequence_parallel, float8, tp)
+        | _projections(config, "feed_forward", sequence_parallel, float8, tp)
+    )
+
+
+def mixture_block_plan(config: LlamaConfig, index: int, sequence_parallel: bool, float8: str | None, tp: int) -> dict:
+    """A block of the mixture-of-experts family: a Llama block's plan where the config says the block is dense,
+    else the mixture replicated over the group (`mixture_plan`)."""
+    if config.mixture(index) is None:
+        return llama_block_plan(config, index, sequence_parallel, float8, tp)
+    attention = _projections(config, "attention", sequence_parallel, float8, tp)
+    return _norms(sequence_parallel) | attention | mixture_plan(sequence_parallel)
+
+
+def _norms(sequence_parallel: bool) -> dict:
+    return {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()} if sequence_parallel else {}
+
+
+def _projections(config: LlamaConfig, name: str, sequence_parallel: bool, float8: str | None, tp: int) -> dict:
+    """The sub-layer `name`'s projections (SUB_LAYERS) split column-wise, then row-wise into the residual stream."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    float8_styles = float8 == "tensorwise" and sub_layer_in_float8(config, name, tp)
+    colwise, rowwise, prepare = tensor_parallel_styles(float8_styles)
+    *split, joined = SUB_LAYERS[name]
+    plan = {f"{name}.{p}": colwise() for p in split}
+    plan[f"{name}.{joined}"] = rowwise(output_layouts=residual)
+    # With sequence parallelism the sequence is gathered before the projections; otherwise the input is made a
+    # DTensor once for q, k and v (once for w1 and w3), not by each projection: its gradient is then all-reduced once
+    # per sub-layer, not once per projection (measured: tests/test_comms.py). Attention's other inputs (rotary
+    # tables, mask) pass through.
+    others = (None, None, None) if name == "attention" else ()
+    plan[name] = prepare(input_layouts=(residual, *others), desired_input_layouts=(Replicate(), *others))
+    return plan
 
 
 def mixture_plan(sequence_parallel: bool) -> dict:
