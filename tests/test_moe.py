@@ -299,7 +299,6 @@ BIASED = {
     # Each stage's two data-parallel ranks split its mixture's experts; every rank's loads move the biases.
     "bias-pp2-dp2-ep2": ["strategy=pipeline", "trainer.devices=4", "strategy.data_parallel_size=2", f"{EP}=2"],
 }
-PIPELINES = ["pp2", "bias-pp2-dp2-ep2"]  # whose validation runs through the stages (their own forward)
 # Resumed at step AT (BEST) to the end under other expert-parallel degrees.
 RESUMED = {
     "ep4-to-ep2": ("ep4", LAYOUTS["ep2"]),
@@ -344,8 +343,7 @@ def test_a_mixture_of_experts_trains_in_every_layout_it_takes_like_one_device(ru
     """Dropless routing and a per-sequence balancing loss: a batch split over ranks or micro batches routes each
     token as one device does and sums the same loss."""
     assert_reproduces(runs[layout], runs["single"], steps=STEPS)
-    if layout in PIPELINES:
-        assert_validates_like(runs[layout], runs["single"])
+    assert_validates_like(runs[layout], runs["single"])  # validation through each layout's own forward
 
 
 EXPERT_STATS = [
@@ -382,8 +380,7 @@ def test_routing_biases_moved_by_every_ranks_loads_train_like_one_device(runs, l
     """Under context or pipeline and expert parallelism at once, with a balancing loss 100 times the presets'
     weight (a pipeline's stages join it to their outputs, whose gradient the schedule does not scale)."""
     assert_reproduces(runs[layout], runs["bias-single"], steps=STEPS)
-    if layout in PIPELINES:
-        assert_validates_like(runs[layout], runs["bias-single"])
+    assert_validates_like(runs[layout], runs["bias-single"])
     for metric in ("moe/aux_loss", "moe/layer1/load_max"):
         assert read_metrics(runs[layout], metric) == pytest.approx(read_metrics(runs["bias-single"], metric), rel=1e-5)
     assert read_metrics(runs["bias-single"], "train/loss") != read_metrics(runs["single"], "train/loss")
