@@ -21,6 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from project.config.command_line import check_command_line
 from project.config.values import model_config
+from project.model.config import LlamaConfig
+from project.model.flops import count_parameters
 from project.planning.candidates import SearchSpace
 from project.planning.cluster import GIB, Cluster
 from project.planning.memory import STORAGE_BYTES, Allowance
@@ -85,6 +87,8 @@ def run(cfg: DictConfig) -> dict:
         "global_batch_size": work.global_batch_size,
         "train_tokens": work.train_tokens,
         "precision": work.precision,
+        "parameters": count_parameters(work.model),
+        "active_parameters": count_parameters(work.model, active=True),
         "achievable_fraction": fraction,
         "calibrated_on": calibration,
         "layouts": records,
@@ -155,6 +159,13 @@ def dry_run_table(checked: list) -> str:
     return "\n".join(lines)
 
 
+def parameter_counts(config: LlamaConfig) -> str:
+    """`8.03B parameters`, or for a mixture of experts `46.7B parameters, 12.9B active` (what its MFU counts)."""
+    total, active = count_parameters(config), count_parameters(config, active=True)
+    said = f"{total / 1e9:.3g}B parameters"
+    return said if active == total else f"{said}, {active / 1e9:.3g}B active"
+
+
 def report(
     outcomes,
     cluster: Cluster,
@@ -166,7 +177,8 @@ def report(
 ) -> str:
     fitting = sum(o.prediction.fits for o in outcomes)
     head = (
-        f"{name or 'model'} on {cluster.nodes} x {cluster.gpus_per_node} {cluster.name} ({cluster.devices} devices), "
+        f"{name or 'model'} ({parameter_counts(work.model)}) on {cluster.nodes} x {cluster.gpus_per_node} "
+        f"{cluster.name} ({cluster.devices} devices), "
         f"{work.global_batch_size} x {work.seq_len} tokens per step, {work.precision}: "
         f"{len(outcomes)} layouts, {fitting} fit"
     )

@@ -119,3 +119,13 @@ def test_a_mixtral_plan_lists_expert_parallel_layouts_that_project_train_accepts
     # gathers each block's 8 experts at once without expert parallelism, one with it.
     whole = by_name["fsdp2_dp64-tp1-pp1_mb2_selective"].memory
     assert mb2.memory.params == whole.params and mb2.memory.working < whole.working / 4
+
+
+def test_a_plan_says_a_mixtures_parameters_all_and_active():
+    """The plan's first line names the model's size; a mixture's MFU counts its active parameters (Mistral's
+    published 46.7B and 12.9B for Mixtral 8x7B; Meta's 8.03B for Llama 3 8B)."""
+    from project.plan import parameter_counts
+
+    dense = yaml.safe_load((ROOT / "conf" / "model" / "llama3_8b.yaml").read_text())
+    assert parameter_counts(preset("mixtral_8x7b")) == "46.7B parameters, 12.9B active"
+    assert parameter_counts(model_config(dense)) == "8.03B parameters"
