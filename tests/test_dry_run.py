@@ -123,6 +123,32 @@ def test_mixtral_with_eight_way_expert_parallelism_shards_on_64_fake_ranks_into_
     assert planned == rank_share(cfg, layout, 0).parameters
 
 
+def test_a_mixtures_dry_run_says_its_parameters_and_its_all_to_all_bytes_a_step():
+    """Mixtral 8x7B with ep=8 on 64 fake ranks: 46.7B parameters, 12.9B active (Mistral's figures), and the tokens
+    each rank sends to its experts' ranks a step, counted here by hand: per mixture block and microbatch, each of the
+    rank's tokens goes to top_k experts and comes back, in the forward and again as gradients in the backward (4
+    copies of dim values), besides each rank's int64 count per expert."""
+    from project.planning.dry_run import model_lines
+
+    cfg = compose_job(
+        "model=mixtral_8x7b", "trainer=gpu", "trainer.num_nodes=8", "trainer.devices=8", "global_batch_size=512",
+        "micro_batch_size=2", "strategy=fsdp2", "strategy.expert_parallel_size=8", "cluster=h100_80gb",
+    )  # fmt: skip
+    layout = preflight(cfg, dry_run=True)
+    config = model_config(cfg)
+    lines, record = model_lines(cfg, layout, "fsdp2")
+    assert lines[0].startswith("model: 46.7B parameters, 12.9B active")
+    microbatches = 512 // (2 * 64)
+    tokens = int(cfg.data.seq_len) * 2
+    per_block = 4 * tokens * config.top_k * config.dim * {"bf16-mixed": 2, "32-true": 4}[cfg.trainer.precision]
+    per_block += config.n_experts * 8
+    assert record["all_to_all_bytes_per_step"] == per_block * config.n_layers * microbatches
+    assert record["expert_parallel"] == 8 and record["all_to_all_seconds_per_step"] > 0
+    assert "each mixture's 8 split over the 8 ranks of an expert group (1 each)" in lines[1]
+    dense, _ = model_lines(compose_job("model=llama3_8b"), preflight(compose_job("model=llama3_8b")), "single")
+    assert dense == ["model: 8.03B parameters"]
+
+
 @pytest.mark.parametrize("devices", [3, 5])
 def test_experts_whose_widths_the_ranks_do_not_divide_are_sharded_along_another_dimension(devices):
     """moe_debug's experts are 96 wide and 64 deep: 3 ranks split w1 and w3 along 96 and w2 along its 96 inputs

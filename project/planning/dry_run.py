@@ -18,7 +18,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -27,6 +27,7 @@ from project.config.layout import Layout
 from project.config.trainer import check_trainer_arguments
 from project.config.values import model_config
 from project.data.shards import MANIFEST_NAME
+from project.model.moe_config import MoEConfig
 from project.parallel.mesh import MeshShape
 from project.parallel.pipeline_layout import chunk_ranks, default_virtual_stages
 from project.planning.parameters import INIT_VALUES_PER_SECOND
@@ -323,7 +324,8 @@ def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir:
     shares = [rank_share(cfg, layout, rank) for rank in ranks]
     memory = _cluster_memory(cfg)
     planned = {s.pipeline: planned_memory(cfg, layout, strategy_name, s.pipeline) for s in shares} if memory else {}
-    print(render(cfg, layout, strategy_name, how, shares, memory, planned))
+    about_model, model_record = model_lines(cfg, layout, strategy_name)
+    print(render(cfg, layout, strategy_name, how, shares, memory, planned, about_model))
     record = {
         "strategy": strategy_name,
         "how": how,
@@ -341,6 +343,7 @@ def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir:
             "pipeline_microbatches": layout.plan.pipeline_microbatches,
         },
         "model_parameters": sum(p.numel() for p in build_meta_model(cfg).parameters()),
+        "model": model_record,
         "device_memory_bytes": memory[1] if memory else None,
         "ranks": [
             {
@@ -364,8 +367,31 @@ def planned_memory(
     """The planner's estimate of the whole memory of a rank of this layout (project.planning.memory:
     activations, working copies and an allowance besides the model states), where it models the strategy;
     `allowance`: the planner's default where None."""
+    from project.planning.memory import Allowance, estimate_memory
+
+    candidate = planned_candidate(cfg, layout, strategy_name)
+    if candidate is None:
+        return None
+    precision = str(cfg.trainer.get("precision", "32-true"))
+    accelerator = "gpu" if cfg.strategy.get("compile") else "cpu"  # the planner counts compiled (fused) blocks on GPUs
+    estimate = estimate_memory(
+        model_config(cfg),
+        candidate,
+        int(cfg.data.seq_len),
+        precision,
+        accelerator,
+        allowance or Allowance(),
+        pipeline_rank,
+    )
+    if strategy_name == "single":  # planned as DDP, whose gradient buckets (a copy of the parameters) it has not
+        estimate = replace(estimate, working=estimate.working - estimate.params, working_note="")
+    return estimate
+
+
+def planned_candidate(cfg: DictConfig, layout: Layout, strategy_name: str) -> Any | None:
+    """This job as the planner's candidate layout (project.planning.candidates), where the planner models it."""
     from project.planning.candidates import STRATEGIES, Candidate
-    from project.planning.memory import STORAGE_BYTES, Allowance, estimate_memory
+    from project.planning.memory import STORAGE_BYTES
 
     s, plan = cfg.strategy, layout.plan
     pp, dp, tp = layout.shape.pipeline_parallel, layout.shape.data_parallel, layout.shape.tensor_parallel
@@ -375,7 +401,7 @@ def planned_memory(
     if name not in STRATEGIES or precision not in STORAGE_BYTES or not zero2:
         return None
     schedule = s.get("schedule") if pp > 1 else None
-    candidate = Candidate(
+    return Candidate(
         name,
         dp,
         tp,
@@ -391,19 +417,45 @@ def planned_memory(
         float8=s.get("float8"),
         expert_parallel=int(s.get("expert_parallel_size") or 1),
     )
-    accelerator = "gpu" if s.get("compile") else "cpu"  # the planner counts compiled (fused) blocks on GPUs
-    estimate = estimate_memory(
-        model_config(cfg),
-        candidate,
-        int(cfg.data.seq_len),
-        precision,
-        accelerator,
-        allowance or Allowance(),
-        pipeline_rank,
+
+
+def model_lines(cfg: DictConfig, layout: Layout, strategy_name: str) -> tuple[list[str], dict[str, Any]]:
+    """The model's size and, for a mixture of experts split over ranks, how: what each rank holds of each mixture and
+    the all-to-alls' bytes a step (the planner's count, project.planning.communication; held to measured runs in
+    tests/test_comms.py), and their seconds on the cluster where one is given. The lines and their record."""
+    from project.model.flops import count_parameters
+
+    config = model_config(cfg)
+    total, active = count_parameters(config), count_parameters(config, active=True)
+    said = f"model: {total / 1e9:.3g}B parameters"
+    if active < total:
+        said += f", {active / 1e9:.3g}B active (a token's forward uses these: FLOPs and MFU count them)"
+    lines, record = [said], {"parameters": total, "active_parameters": active}
+    candidate = planned_candidate(cfg, layout, strategy_name)
+    ep = int(cfg.strategy.get("expert_parallel_size") or 1)
+    if ep == 1 or candidate is None:
+        return lines, record
+    from project.planning.communication import expert_parallel
+    from project.planning.step_time import seconds
+
+    precision = str(cfg.trainer.get("precision", "32-true"))
+    microbatches = candidate.microbatches
+    sent = expert_parallel(config, candidate, int(cfg.data.seq_len), precision)
+    step_bytes = sum(c.bytes for c in sent) * microbatches
+    calls = sum(c.calls for c in sent) * microbatches
+    experts = cast(MoEConfig, config).n_experts  # expert parallelism is refused for a family without experts
+    said = (
+        f"experts: each mixture's {experts} split over the {ep} ranks of an expert group ({experts // ep} each); "
+        f"all-to-alls of {step_bytes / GIB:.2f} GiB per rank a step in {calls:.0f} calls (the planner's count, "
+        "routing spread evenly)"
     )
-    if strategy_name == "single":  # planned as DDP, whose gradient buckets (a copy of the parameters) it has not
-        estimate = replace(estimate, working=estimate.working - estimate.params, working_note="")
-    return estimate
+    record |= {"expert_parallel": ep, "all_to_all_bytes_per_step": step_bytes, "all_to_all_calls_per_step": calls}
+    cluster = _cluster(cfg)
+    if cluster is not None:
+        taken = seconds(sent, cluster) * microbatches
+        said += f", about {taken:.2f} s of each step on {cluster.name}'s links"
+        record["all_to_all_seconds_per_step"] = taken
+    return [*lines, said], record
 
 
 def _planned_record(estimate: Any | None, share: RankShare) -> dict[str, float] | None:
@@ -414,13 +466,17 @@ def _planned_record(estimate: Any | None, share: RankShare) -> dict[str, float] 
     return {**parts, "total_bytes": share.state_bytes + sum(parts.values())}
 
 
-def _cluster_memory(cfg: DictConfig) -> tuple[str, float] | None:
+def _cluster(cfg: DictConfig) -> Any | None:
     if cfg.get("cluster") is None:
         return None
     from project.planning.cluster import Cluster
 
-    cluster = Cluster.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
-    return cluster.name, cluster.memory_bytes
+    return Cluster.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
+
+
+def _cluster_memory(cfg: DictConfig) -> tuple[str, float] | None:
+    cluster = _cluster(cfg)
+    return None if cluster is None else (cluster.name, cluster.memory_bytes)
 
 
 def render(
@@ -431,6 +487,7 @@ def render(
     shares: list[RankShare],
     memory: tuple[str, float] | None,
     planned: dict[int, Any],
+    about_model: Sequence[str] = (),
 ) -> str:
     pp, dp, tp = layout.shape.pipeline_parallel, layout.shape.data_parallel, layout.shape.tensor_parallel
     cp = layout.shape.context_parallel
@@ -445,6 +502,7 @@ def render(
         + ("." if data_on_this_machine(cfg) else f", but the shards': data.dir={cfg.data.dir} is not on this machine."),
         "Parameters are held as trained (float32 under -mixed precision, which casts copies for compute): "
         "no separate master weights.",
+        *about_model,
         "",
         *([f"Context parallelism: the states are sharded over data x context ({dp * cp} ranks)."] if cp > 1 else []),
         f"{'rank':>6} {'pp':>3} {'dp':>4}"
