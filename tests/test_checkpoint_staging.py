@@ -85,7 +85,7 @@ def test_each_stage_holds_the_state_as_it_was_when_staged_into_the_same_host_ten
     stager.close()
 
 
-def test_a_state_of_another_shape_is_staged_afresh():
+def test_a_tensor_new_to_the_state_or_of_another_shape_gets_a_copy_of_its_own_and_the_others_keep_theirs():
     stager = ReusedHostCopies(pinned=False)
     state = training_state(1)
     first = stager.stage(state)
@@ -95,8 +95,20 @@ def test_a_state_of_another_shape_is_staged_afresh():
     assert again["state_dict"]["w"] is not first["state_dict"]["w"]
     assert torch.equal(again["state_dict"]["w"], torch.full((5, 4), 7.0))
     assert torch.equal(again["state_dict"]["extra"], torch.zeros(2))
+    assert again["optimizer"]["state"][0]["exp_avg"] is first["optimizer"]["state"][0]["exp_avg"]
     state["state_dict"]["b"] = state["state_dict"]["b"].double()  # another dtype
     assert stager.stage(state)["state_dict"]["b"].dtype == torch.float64
+    stager.close()
+
+
+def test_a_modules_state_dict_keeps_its_version_records_at_every_stage():
+    """torch's module state dicts carry their modules' versions (read by load_state_dict) beside the tensors."""
+    stager = ReusedHostCopies(pinned=False)
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+    for _ in range(2):
+        staged = stager.stage({"state_dict": module.state_dict()})["state_dict"]
+        assert vars(staged) == vars(module.state_dict()) and vars(staged)
+        torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2)).load_state_dict(staged)
     stager.close()
 
 

@@ -7,7 +7,7 @@ the copy itself (measured on 2 CPU ranks of an 8.9M model, 300 tensors: 59 ms of
 a 136 ms stage) and grows with the tensor count, not the bytes (a 70B model's state is thousands of tensors).
 `ReusedHostCopies` lets torch's stager make the first copy (its host tensors, pinned on a GPU, and DTensors around
 them), keeps it, and at the next save copies each tensor's local values into the one staged at the same place of the
-state; a state of another shape (a tensor's size, dtype or placement changed) is staged afresh by torch.
+state; a tensor new to the state, or of another size, dtype or placement, is staged by torch's stager alone.
 
 The copies are overwritten by the next save: the caller must not save again while a write still reads them
 (BackgroundWriter writes one checkpoint at a time).
@@ -15,6 +15,7 @@ The copies are overwritten by the next save: the caller must not save again whil
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from typing import Any, Iterator
 
@@ -30,9 +31,8 @@ SEQUENCES = (list, tuple)
 
 class ReusedHostCopies(AsyncStager):
     """dcp.async_save's stager (and the single-file writer's): each save's state copied into the host tensors of the
-    save before it, where the state has the same shape."""
-
-    _synchronize_after_execute = False  # staged before `stage` returns: nothing to wait for after
+    save before it, place by place; a place new to the state, or whose tensor changed its shape, is staged by torch's
+    stager (the first save whole, which keeps tensors that share storage sharing it)."""
 
     def __init__(self, pinned: bool):
         self._pinned = pinned
@@ -44,17 +44,24 @@ class ReusedHostCopies(AsyncStager):
         self._copies: dict[Path, torch.Tensor] = {}  # the last stage's tensors, by their place in the state
         self._used: set[Path] = set()  # the places the stage under way has copied into
 
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False  # staged before `stage` returns: nothing to wait for after
+
     def stage(self, state_dict: Any) -> Any:
+        if not self._copies:
+            staged = self._by_torch(state_dict)
+            self._copies = dict(tensor_places(staged))
+            return staged
         self._used = set()
-        with torch.no_grad():
-            try:
+        try:
+            with torch.no_grad():
                 staged = self._again(state_dict, ())
-            except _OtherShape:
-                return self._afresh(state_dict)
+        finally:
+            if self._pinned:  # the copies from the device were queued without waiting (pinned host memory)
+                torch.accelerator.synchronize()
         if len(self._used) < len(self._copies):  # tensors the state no longer has: their copies go
             self._copies = {path: self._copies[path] for path in self._used}
-        if self._pinned:  # the copies from the device were queued without waiting (pinned host memory)
-            torch.accelerator.synchronize()
         return staged
 
     def synchronize_staging(self) -> None:
@@ -64,32 +71,32 @@ class ReusedHostCopies(AsyncStager):
         self._copies = {}
         self._torch.close()
 
-    def _afresh(self, state: Any) -> Any:
-        staged = self._torch.stage(state)
-        self._copies = dict(tensor_places(staged))
-        return staged
-
     def _again(self, value: Any, path: Path) -> Any:
         if isinstance(value, torch.Tensor):
             target = self._copies.get(path)
             if target is None or not _same_shape(value, target):
-                raise _OtherShape
-            _local(target).copy_(_local(value), non_blocking=self._pinned)
+                target = self._copies[path] = self._by_torch(value)  # new here, or another shape: a new copy
+            else:
+                _local(target).copy_(_local(value), non_blocking=self._pinned)
             self._used.add(path)
             return target
         if type(value) in MAPPINGS:
-            return type(value)((key, self._again(item, (*path, key))) for key, item in value.items())
+            staged = type(value)((key, self._again(item, (*path, key))) for key, item in value.items())
+            if type(value) is OrderedDict and vars(value):  # a module state dict's record of its modules' versions,
+                vars(staged).update(copy.deepcopy(vars(value)))  # kept as torch's stager keeps it
+            return staged
         if type(value) in SEQUENCES:
             return type(value)(self._again(item, (*path, index)) for index, item in enumerate(value))
         if type(value) in ATOMS:
             return value
         # Any other object (Lightning's records of loops and callbacks, hyperparameters): copied whole by torch's
         # stager, as at the first save, tensors inside it included.
-        return self._torch.stage(value)
+        return self._by_torch(value)
 
-
-class _OtherShape(Exception):
-    """The state no longer matches the copies kept (a tensor of another size, a new key): staged afresh."""
+    def _by_torch(self, value: Any) -> Any:
+        staged = self._torch.stage({"value": value})  # staged here, not asynchronously: the copy itself
+        assert isinstance(staged, dict)
+        return staged["value"]
 
 
 def tensor_places(value: Any, path: Path = ()) -> Iterator[tuple[Path, torch.Tensor]]:

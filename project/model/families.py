@@ -98,7 +98,7 @@ def without_hf_format(config: LlamaConfig, what: str) -> str | None:
     """Why `what` (project.export) cannot write a model of this config in its family's Hugging Face format, or
     None where it can."""
     family = family_of(config)
-    if family.hf_architecture is None:
+    if family.hf_format is None:
         return f"{what}: model.family={family.name} ({family.summary}) has no Hugging Face format here."
     if differences := config.hf_format_differences():
         return (

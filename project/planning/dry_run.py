@@ -432,7 +432,7 @@ def model_lines(cfg: DictConfig, layout: Layout, strategy_name: str) -> tuple[li
         said += f", {active / 1e9:.3g}B active (a token's forward uses these: FLOPs and MFU count them)"
     lines, record = [said], {"parameters": total, "active_parameters": active}
     candidate = planned_candidate(cfg, layout, strategy_name)
-    ep = int(cfg.strategy.get("expert_parallel_size") or 1)
+    ep, pp = int(cfg.strategy.get("expert_parallel_size") or 1), layout.shape.pipeline_parallel
     if ep == 1 or candidate is None:
         return lines, record
     from project.planning.communication import expert_parallel
@@ -440,14 +440,16 @@ def model_lines(cfg: DictConfig, layout: Layout, strategy_name: str) -> tuple[li
 
     precision = str(cfg.trainer.get("precision", "32-true"))
     microbatches = candidate.microbatches
-    sent = expert_parallel(config, candidate, int(cfg.data.seq_len), precision)
+    # The pipeline rank whose stage holds the most mixtures sends the most (every rank of a stage alike).
+    by_stage = [expert_parallel(config, candidate, int(cfg.data.seq_len), precision, rank) for rank in range(pp)]
+    sent = max(by_stage, key=lambda collectives: sum(c.bytes for c in collectives))
     step_bytes = sum(c.bytes for c in sent) * microbatches
     calls = sum(c.calls for c in sent) * microbatches
     experts = cast(MoEConfig, config).n_experts  # expert parallelism is refused for a family without experts
     said = (
         f"experts: each mixture's {experts} split over the {ep} ranks of an expert group ({experts // ep} each); "
-        f"all-to-alls of {step_bytes / GIB:.2f} GiB per rank a step in {calls:.0f} calls (the planner's count, "
-        "routing spread evenly)"
+        f"all-to-alls of {step_bytes / GIB:.2f} GiB per rank a step in {calls:.0f} calls"
+        f"{' on the busiest stage' if pp > 1 else ''} (the planner's count, routing spread evenly)"
     )
     record |= {"expert_parallel": ep, "all_to_all_bytes_per_step": step_bytes, "all_to_all_calls_per_step": calls}
     cluster = _cluster(cfg)
