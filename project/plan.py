@@ -21,8 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from project.config.command_line import check_command_line
 from project.config.values import model_config
-from project.model.config import LlamaConfig
-from project.model.flops import count_parameters
+from project.model.flops import count_parameters, parameter_counts
 from project.planning.candidates import SearchSpace
 from project.planning.cluster import GIB, Cluster
 from project.planning.memory import STORAGE_BYTES, Allowance
@@ -157,13 +156,6 @@ def dry_run_table(checked: list) -> str:
             f"{share.state_bytes / GIB:>12.2f} {predicted / share.state_bytes - 1:>+11.2%}"
         )
     return "\n".join(lines)
-
-
-def parameter_counts(config: LlamaConfig) -> str:
-    """`8.03B parameters`, or for a mixture of experts `46.7B parameters, 12.9B active` (what its MFU counts)."""
-    total, active = count_parameters(config), count_parameters(config, active=True)
-    said = f"{total / 1e9:.3g}B parameters"
-    return said if active == total else f"{said}, {active / 1e9:.3g}B active"
 
 
 def report(

@@ -124,7 +124,7 @@ def test_a_mixtral_plan_lists_expert_parallel_layouts_that_project_train_accepts
 def test_a_plan_says_a_mixtures_parameters_all_and_active():
     """The plan's first line names the model's size; a mixture's MFU counts its active parameters (Mistral's
     published 46.7B and 12.9B for Mixtral 8x7B; Meta's 8.03B for Llama 3 8B)."""
-    from project.plan import parameter_counts
+    from project.model.flops import parameter_counts
 
     dense = yaml.safe_load((ROOT / "conf" / "model" / "llama3_8b.yaml").read_text())
     assert parameter_counts(preset("mixtral_8x7b")) == "46.7B parameters, 12.9B active"

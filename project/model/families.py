@@ -30,9 +30,8 @@ class ModelFamily:
     model: str  # "module:Class", imported when a model is built
     summary: str  # what the family is, in the words of an error or the docs
     label: str  # its name in a run's summary line ("model: LABEL, 4.0 M parameters, ...")
-    # The Hugging Face architecture project.export writes and init_from reads, and its format, "module:NAME"
-    # (project.hf.formats: config.json, the feed-forward's names and shapes), imported when converting; None: not yet.
-    hf_architecture: str | None = None
+    # Its Hugging Face format, "module:NAME" (project.hf.formats: the architecture project.export writes and init_from
+    # reads, config.json, the feed-forward's names and shapes), imported when converting; None: not yet.
     hf_format: str | None = None
     # Its blocks' tensor-parallel plan, "module:function" (project.parallel.tensor_parallel: (config, block index,
     # sequence_parallel, float8, tp) -> the block's plan), imported when a model is split.
@@ -68,7 +67,6 @@ FAMILIES: dict[str, ModelFamily] = {
             "project.model.llama:Llama",
             "dense Llama (Llama 2, Llama 3)",
             "Llama",
-            hf_architecture="LlamaForCausalLM",
             hf_format="project.hf.formats:LLAMA",
         ),
         ModelFamily(
@@ -77,7 +75,6 @@ FAMILIES: dict[str, ModelFamily] = {
             "project.model.moe:MoELlama",
             "Llama with a mixture of experts as feed-forward (Mixtral, Llama 4)",
             "Llama mixture of experts",
-            hf_architecture="MixtralForCausalLM",
             hf_format="project.hf.formats:MIXTRAL",
             tensor_parallel="project.parallel.tensor_parallel:mixture_block_plan",
         ),
@@ -102,8 +99,8 @@ def without_hf_format(config: LlamaConfig, what: str) -> str | None:
         return f"{what}: model.family={family.name} ({family.summary}) has no Hugging Face format here."
     if differences := config.hf_format_differences():
         return (
-            f"{what} writes a model.family={family.name} checkpoint as {family.hf_architecture}, which cannot hold "
-            f"{', '.join(differences)} (docs/moe.md): the exported model would compute something else. Keep the "
+            f"{what} writes a model.family={family.name} checkpoint as {family.format().architecture}, which cannot "
+            f"hold {', '.join(differences)} (docs/moe.md): the exported model would compute something else. Keep the "
             "checkpoint (it resumes, and project.generate reads it)."
         )
     return None

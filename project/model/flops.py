@@ -31,3 +31,11 @@ def training_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
     if config.tie_embeddings:
         n_matmul += config.vocab_size * config.dim
     return 6 * n_matmul + 12 * config.n_layers * config.dim * seq_len
+
+
+def parameter_counts(config: LlamaConfig) -> str:
+    """`8.03B parameters`, or for a mixture of experts `46.7B parameters, 12.9B active` (what its FLOPs and MFU
+    count): as the planner and the dry run say a model's size."""
+    total, active = count_parameters(config), count_parameters(config, active=True)
+    said = f"{total / 1e9:.3g}B parameters"
+    return said if active == total else f"{said}, {active / 1e9:.3g}B active"

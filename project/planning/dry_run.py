@@ -423,13 +423,13 @@ def model_lines(cfg: DictConfig, layout: Layout, strategy_name: str) -> tuple[li
     """The model's size and, for a mixture of experts split over ranks, how: what each rank holds of each mixture and
     the all-to-alls' bytes a step (the planner's count, project.planning.communication; held to measured runs in
     tests/test_comms.py), and their seconds on the cluster where one is given. The lines and their record."""
-    from project.model.flops import count_parameters
+    from project.model.flops import count_parameters, parameter_counts
 
     config = model_config(cfg)
     total, active = count_parameters(config), count_parameters(config, active=True)
-    said = f"model: {total / 1e9:.3g}B parameters"
+    said = f"model: {parameter_counts(config)}"
     if active < total:
-        said += f", {active / 1e9:.3g}B active (a token's forward uses these: FLOPs and MFU count them)"
+        said += " (a token's forward uses the active: FLOPs and MFU count them)"
     lines, record = [said], {"parameters": total, "active_parameters": active}
     candidate = planned_candidate(cfg, layout, strategy_name)
     ep, pp = int(cfg.strategy.get("expert_parallel_size") or 1), layout.shape.pipeline_parallel
