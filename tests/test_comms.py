@@ -55,7 +55,7 @@ def check_layout(run_dir, name: str) -> None:
     for rank in range(layout.devices):
         record = read_record(run_dir, rank)
         assert sorted(record["steps"]) == list(range(STEPS)) and COMPARED not in record["logging_steps"], record
-        measured = by_group(record["steps"][COMPARED], shape, candidate.expert_parallel)
+        measured = by_group(record["steps"][COMPARED], shape)
         plan = collectives(config, candidate, SEQ_LEN, PRECISION, layout.pipeline_rank(rank))
         planned = by_kind_and_group(plan)
         where = f"{name}, rank {rank}: measured {measured}, planned {planned}"

@@ -19,7 +19,7 @@ from project.config.values import model_config
 from project.parallel.mesh import MeshShape
 from project.planning.candidates import Candidate
 from project.planning.cluster import Cluster
-from project.planning.dry_run import build_meta_model, coordinates, rank_share, representative_ranks
+from project.planning.dry_run import build_meta_model, model_lines, rank_share, representative_ranks
 from project.planning.memory import Allowance, estimate_memory
 from project.planning.parameters import sharded_parameters
 from project.planning.planner import Workload
@@ -37,7 +37,7 @@ def hand_share(config, shape, rank: int) -> int:
     head over their rows; wo and w2 over their columns; norms whole), the pipeline's even stage split (the
     embedding on the first stage, norm and head on the last), then FSDP2's dim-0 chunks of ceil(rows / dp)."""
     pp, dp, tp = shape.pipeline_parallel, shape.data_parallel, shape.tensor_parallel
-    p, d, _ = coordinates(rank, shape)
+    p, d = rank // (dp * tp), rank // tp % dp  # tensor parallelism innermost, stages outermost
     h, kv, f, v = config.dim, config.n_kv_heads * config.head_dim, config.ffn_hidden_dim, config.vocab_size
     block = [
         (h, 1),
@@ -81,7 +81,7 @@ def test_a_cluster_size_layout_shards_on_one_cpu_into_the_shares_computed_by_han
         *JOBS[job],
     )
     layout = preflight(cfg, dry_run=True)
-    world = math.prod(layout.shape)
+    world = layout.shape.world_size
     assert world == nodes * 8
     for rank in (0, world - 1):
         share = rank_share(cfg, layout, rank)
@@ -182,6 +182,33 @@ def test_a_float8_job_dry_runs_into_the_shares_of_the_same_job_in_bf16():
         assert share.param_bytes == share.grad_bytes == 4 * share.parameters
 
 
+def test_a_float8_dry_run_says_what_float8_converts_and_the_bytes_its_gathers_save():
+    """The dry run's float8 line: every block projection of llama3_8b under tp=8 is in float8, and FSDP2's float8
+    gathers of one micro batch a step (gathered for the forward and again for the backward) carry one byte less per
+    element of those matrices than bf16's, counted here by hand."""
+    job = ["model=llama3_8b", "trainer=gpu", "trainer.num_nodes=8", "trainer.devices=8", "global_batch_size=1024"]
+    cfg = compose_job(*job, *JOBS["tp_fsdp"], "strategy.float8=tensorwise", "micro_batch_size=128")
+    layout = preflight(cfg, dry_run=True)
+    lines, record = model_lines(cfg, layout, "tp_fsdp")
+    config = model_config(cfg)
+    heads, kv, ffn = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.ffn_hidden_dim
+    assert record["float8"]["float8_matrices"] == record["float8"]["block_matrices"] == 7 * config.n_layers
+    assert record["float8"]["kept"] == []
+    per_block = 2 * config.dim * heads + 2 * config.dim * kv + 3 * config.dim * ffn
+    saved = 2 * config.n_layers * per_block // 8  # two gathers a step of this tensor-parallel rank's matrices
+    float8 = record["float8"]
+    assert float8["all_gather_bytes_without_float8"] - float8["all_gather_bytes_per_step"] == saved
+    said = next(line for line in lines if line.startswith("float8:"))
+    assert "224 of the blocks' 224 weight matrices" in said and "FSDP2 gathers them as float8" in said, said
+    small = ["model=debug", "model.n_heads=8", "trainer=gpu", "trainer.devices=4", "global_batch_size=8"]
+    narrow = compose_job(*small, "strategy=tp_fsdp", "strategy.tensor_parallel_size=2", "strategy.float8=rowwise")
+    lines, record = model_lines(narrow, preflight(narrow, dry_run=True), "tp_fsdp")
+    # two key-value heads of 8: 8 wide on each of 2 ranks, which float8 kernels cannot take
+    assert record["float8"]["kept"] == ["attention.wk", "attention.wv"]
+    assert record["float8"]["float8_matrices"] == 5 * model_config(narrow).n_layers
+    assert "all_gather_bytes_per_step" not in record["float8"]  # rowwise gathers in the parameters' dtype
+
+
 def test_a_context_parallel_job_places_each_rank_on_the_4d_mesh_and_shards_over_data_x_context():
     """16 GPUs as 2 stages x 2 replicas x 2 context x 2 tensor: each rank's coordinates on the 4-D mesh (tensor
     innermost, then context, data, pipeline), its states those of a data-parallel degree of 4 (FSDP2 over data x
@@ -211,7 +238,8 @@ def test_representative_ranks_are_the_first_and_last_stage_and_the_last_tensor_a
 
     shape = MeshShape(4, 2, 8)  # 64 ranks, tensor parallelism innermost
     assert representative_ranks(shape, last_stage=3) == [0, 7, 8, 48, 63]
-    assert [coordinates(r, shape) for r in (7, 8, 48)] == [(0, 0, 7), (0, 1, 0), (3, 0, 0)]
+    where = [tuple(shape.coordinate(r, d) for d in ("pipeline", "data", "tensor")) for r in (7, 8, 48)]
+    assert where == [(0, 0, 7), (0, 1, 0), (3, 0, 0)]
 
 
 INVALID = {  # what a real start refuses, before any process starts
@@ -312,7 +340,7 @@ def test_a_dry_run_reports_exactly_the_bytes_memory_monitor_records_in_the_real_
     run_dir = trained(*MEASURED[layout])
     cfg = compose_job(*train_overrides(tiny_shards, tmp_path, *MEASURED[layout]))
     layout_ = preflight(cfg, dry_run=True)
-    for rank in range(math.prod(layout_.shape)):
+    for rank in range(layout_.shape.world_size):
         recorded = json.loads((run_dir / "memory" / f"rank{rank}.json").read_text())
         share = rank_share(cfg, layout_, rank)
         assert (share.param_bytes, share.grad_bytes, share.optimizer_bytes) == (
@@ -336,7 +364,7 @@ PLANNED = {  # six layouts of 64 H100s (tensor parallelism alone: of one node), 
 @pytest.mark.parametrize("name", PLANNED)
 def test_the_planners_model_states_per_rank_agree_with_the_dry_run_within_two_percent(model, name):
     candidate = PLANNED[name]
-    nodes = math.prod(candidate.shape) // 8
+    nodes = candidate.shape.world_size // 8
     h100 = Cluster.from_config(
         {**yaml.safe_load((ROOT / "conf" / "cluster" / "h100_80gb.yaml").read_text()), "nodes": nodes}
     )
@@ -344,7 +372,7 @@ def test_the_planners_model_states_per_rank_agree_with_the_dry_run_within_two_pe
         *planned_overrides(candidate, Workload(None, 8192, 64, 1e12, "bf16-mixed"), h100, model_arguments(model, {}))
     )
     layout = plan_layout(cfg, nodes, 8)
-    assert tuple(layout.shape) == tuple(candidate.shape)
+    assert layout.shape == candidate.shape
     config = model_config(cfg)
     for pipeline_rank in {0, candidate.pipeline_parallel - 1}:
         predicted = estimate_memory(config, candidate, 8192, "bf16-mixed", "gpu", Allowance(), pipeline_rank)

@@ -99,9 +99,10 @@ INSTANCE_ATTRIBUTES = [
     (
         lambda: ModelParallelStrategy(),
         "_device_mesh",
-        "parallel/strategies/model_parallel.py (for the pipeline's too), planning/dry_run.py",
+        "parallel/strategies/model_parallel.py (set_up_meshes, for the pipeline and the dry run too)",
         "the strategy's device_mesh property is read-only; the strategies set the process's shared mesh "
-        "(parallel/groups.py), the pipeline's 3-D, the dry run a mesh on a fake process group",
+        "(parallel/groups.py), a view of the run's MeshShape (the pipeline's 3-D), on a fake process group in a dry "
+        "run",
     ),
     (
         lambda: LightningModule(),
@@ -113,13 +114,13 @@ INSTANCE_ATTRIBUTES = [
     (
         lambda: ModelParallelStrategy(),
         "_data_parallel_size",
-        "parallel/strategies/model_parallel.py, parallel/strategies/pipeline.py",
+        "parallel/strategies/model_parallel.py",
         "the degrees, resolved once the world size is known",
     ),
     (
         lambda: ModelParallelStrategy(),
         "_tensor_parallel_size",
-        "parallel/strategies/model_parallel.py, parallel/strategies/pipeline.py",
+        "parallel/strategies/model_parallel.py",
         "the degrees, resolved once the world size is known",
     ),
     (

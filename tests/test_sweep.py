@@ -1,7 +1,6 @@
 """Sweep specs and the offline sweep runner (project.tooling.sweep); Hydra multirun with multi-process strategies."""
 
 import json
-import math
 import re
 import shlex
 from pathlib import Path
@@ -86,7 +85,7 @@ def test_every_point_of_every_spec_composes_and_passes_the_settings_check(path, 
             for name, value in point.items():  # each value arrived as the type it has in the spec (True, not "True")
                 assert (cfg.hydra.runtime.choices[name] if name == "strategy" else OmegaConf.select(cfg, name)) == value
             layout = preflight(cfg)
-            assert layout is not None and math.prod(layout.shape) == cfg.trainer.devices, point
+            assert layout is not None and layout.shape.world_size == cfg.trainer.devices, point
             assert cfg.hydra.run.dir.endswith("sweeps/sweep0/run0")  # one folder per agent run
 
 

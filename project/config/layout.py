@@ -4,7 +4,6 @@ what cannot be built."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
@@ -28,12 +27,12 @@ class Layout:
     plan: BatchPlan
 
     def name(self, model: str, strategy: str) -> str:
-        """`small10m_dp2-tp2-pp1_mb4_fsdp2`: the model preset, the degrees (`-cp2` where sequences are split), the
-        micro batch and the strategy."""
+        """`small10m_dp2-tp2-pp1_mb4_fsdp2`: the model preset, the degrees (`-cp2` where sequences are split, `-ep2`
+        where experts are), the micro batch and the strategy."""
         shape = self.shape
         degrees = f"dp{shape.data_parallel}-tp{shape.tensor_parallel}-pp{shape.pipeline_parallel}"
-        if shape.context_parallel > 1:
-            degrees += f"-cp{shape.context_parallel}"
+        for short, degree in (("cp", shape.context_parallel), ("ep", shape.expert_parallel)):
+            degrees += f"-{short}{degree}" if degree > 1 else ""
         return f"{model}_{degrees}_mb{self.plan.micro_batch_size}_{strategy}"
 
     def facts(self) -> dict[str, int]:
@@ -45,6 +44,7 @@ class Layout:
             "layout/context_parallel": shape.context_parallel,
             "layout/tensor_parallel": shape.tensor_parallel,
             "layout/pipeline_parallel": shape.pipeline_parallel,
+            "layout/expert_parallel": shape.expert_parallel,
             "layout/micro_batch_size": self.plan.micro_batch_size,
             "layout/accumulation": self.plan.accumulate_grad_batches,
             "layout/pipeline_microbatches": self.plan.pipeline_microbatches,
@@ -107,13 +107,8 @@ def check_family_layout(model: LlamaConfig, shape: MeshShape, pipeline: bool) ->
         )
 
 
-def check_expert_parallel(model: LlamaConfig, ep: Any, shape: MeshShape) -> None:
-    """Refuse an expert-parallel degree the model or the data-parallel ranks cannot be split by."""
-    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
-        raise ConfigError(
-            f"strategy.expert_parallel_size={ep}: give the number of data-parallel ranks that split each mixture's "
-            "experts between them (1: every rank holds every expert)."
-        )
+def check_expert_parallel(model: LlamaConfig, ep: int) -> None:
+    """Refuse an expert-parallel degree the model cannot be split by (the mesh checks the ranks: mesh_shape)."""
     if ep == 1:
         return
     if not isinstance(model, MoEConfig):
@@ -121,14 +116,6 @@ def check_expert_parallel(model: LlamaConfig, ep: Any, shape: MeshShape) -> None
             f"strategy.expert_parallel_size={ep} splits a mixture's experts, and model.family={model.family} has "
             "none: choose a mixture of experts (model=moe_debug, mixtral_8x7b, or model.family=moe) or set "
             "strategy.expert_parallel_size=1."
-        )
-    replicas = shape.data_parallel * shape.context_parallel
-    if replicas % ep:
-        # A pipeline's expert groups are made of each stage's data-parallel ranks (data x context).
-        stage = " of each pipeline stage" if shape.pipeline_parallel > 1 else ""
-        raise ConfigError(
-            f"strategy.expert_parallel_size={ep} does not divide the {replicas} data-parallel ranks{stage}: an "
-            f"expert group is made of data-parallel ranks. Choose a divisor of {replicas}, or more devices."
         )
     if model.n_experts % ep:
         raise ConfigError(
@@ -146,7 +133,7 @@ def plan_layout(cfg: DictConfig, num_nodes: int, devices_per_node: int) -> Layou
     shape = mesh_shape(strategy_cfg, num_nodes * devices_per_node, devices_per_node)
     kind = strategy_kind(strategy_cfg)
     check_family_layout(model, shape, kind.pipeline)
-    check_expert_parallel(model, strategy_cfg.get("expert_parallel_size", 1), shape)
+    check_expert_parallel(model, shape.expert_parallel)
     check_context_parallel_degree(shape.context_parallel, cfg.data.seq_len, strategy_name(cfg), kind.context_parallel)
     if shape.tensor_parallel > 1:
         sequence_parallel = strategy_cfg.get("sequence_parallel", False)

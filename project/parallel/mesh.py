@@ -3,26 +3,109 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
 
 from project.model.config import LlamaConfig
 from project.runtime.errors import ConfigError
 
+# The dense model's dimensions, outermost first: tensor parallelism innermost (neighbouring ranks, inside a node),
+# context parallelism next (inside a node where it fits, as Megatron-LM places it), then data, and pipeline stages
+# outermost (across nodes first).
+DENSE = ("pipeline", "data", "context", "tensor")
+# The dimensions that regroup data x context (the ranks of one stage's tensor-parallel rank): FSDP2 shards a dense
+# weight over all of them ("data_parallel"); expert parallelism splits them into groups of `expert` neighbours that
+# split a mixture's experts, and `expert_data`, the ranks holding the same experts.
+REGROUPED = ("data_parallel", "expert_data", "expert")
 
-class MeshShape(NamedTuple):
-    """Degrees of the (pipeline, data, context, tensor) mesh. Ranks are laid out with tensor parallelism
-    innermost (neighbouring ranks, inside a node), context parallelism next (inside a node where it fits, as
-    Megatron-LM places it), then data, and pipeline stages outermost (across nodes first). Context parallelism
-    comes last in the tuple only so that layouts written before it (three degrees) still read."""
+
+class Dimension(NamedTuple):
+    """A named dimension of the ranks: its degree, and how far apart (in global ranks) its neighbours are."""
+
+    size: int
+    stride: int
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """The run's ranks as one mesh of named dimensions (`dimensions`): the four of the dense model (DENSE) and those
+    that regroup data x context (REGROUPED). Global rank r sits at coordinate r // stride % size on each. Every
+    process mesh of a run (a strategy's, its context and expert groups', the dry run's) is a view of this one
+    (`sizes`), and the planner and the dry run read coordinates and groups from it: the same ranks everywhere.
+
+    The degrees keep their historical order (pipeline, data, tensor, context) so that layouts written with three
+    or four degrees still read."""
 
     pipeline_parallel: int
     data_parallel: int  # model replicas, each reading its own sequences
     tensor_parallel: int
     context_parallel: int = 1  # ranks that split each sequence of one replica between them
+    expert_parallel: int = 1  # data x context ranks that split each mixture's experts between them
+
+    def __post_init__(self) -> None:
+        if (self.data_parallel * self.context_parallel) % self.expert_parallel:
+            raise ValueError(f"expert_parallel={self.expert_parallel} does not divide data x context ({self})")
 
     @property
     def world_size(self) -> int:
         return self.pipeline_parallel * self.data_parallel * self.context_parallel * self.tensor_parallel
+
+    @property
+    def dimensions(self) -> dict[str, Dimension]:
+        """Every named dimension, outermost first within DENSE and within REGROUPED."""
+        pp, dp, tp, cp, ep = (getattr(self, f.name) for f in fields(self))
+        return {
+            "pipeline": Dimension(pp, dp * cp * tp),
+            "data": Dimension(dp, cp * tp),
+            "context": Dimension(cp, tp),
+            "tensor": Dimension(tp, 1),
+            "data_parallel": Dimension(dp * cp, tp),
+            "expert_data": Dimension(dp * cp // ep, ep * tp),
+            "expert": Dimension(ep, tp),
+        }
+
+    def describe(self) -> str:
+        """`pipeline 2 x data 4 x context 2 x tensor 8`, and the experts' regrouping where there is one."""
+        dims = self.dimensions
+        said = " x ".join(f"{name} {dims[name].size}" for name in DENSE if name != "context" or dims[name].size > 1)
+        if self.expert_parallel > 1:
+            said += f" (experts: expert_data {dims['expert_data'].size} x expert {self.expert_parallel})"
+        return said
+
+    def coordinate(self, rank: int, name: str) -> int:
+        """Global rank `rank`'s coordinate on dimension `name`."""
+        size, stride = self.dimensions[name]
+        return rank // stride % size
+
+    def rank_at(self, **coordinates: int) -> int:
+        """The global rank at these coordinates (dimensions of one view: sizes), 0 on every other dimension."""
+        return sum(value * self.dimensions[name].stride for name, value in coordinates.items())
+
+    def group(self, rank: int, names: Iterable[str]) -> list[int]:
+        """The global ranks of `rank`'s group along the dimensions `names` (those whose other coordinates are
+        `rank`'s), in the mesh's order."""
+        members = [rank]
+        for name in names:
+            size, stride = self.dimensions[name]
+            base = [r - self.coordinate(r, name) * stride for r in members]
+            members = [b + i * stride for b in base for i in range(size)]
+        return sorted(set(members))
+
+    def sizes(self, names: Iterable[str]) -> tuple[int, ...]:
+        """The sizes of a process mesh whose dimensions are `names` (outermost first): they must cover every rank,
+        each dimension's neighbours one whole step of the next inner one apart, as torch's init_device_mesh lays a
+        mesh over the ranks in order."""
+        names = tuple(names)
+        dims = [self.dimensions[n] for n in names]
+        stride = 1
+        for name, dim in reversed(list(zip(names, dims))):
+            if dim.stride != stride and dim.size > 1:
+                raise ValueError(f"the mesh dimensions {names} of {self} do not tile its ranks in order at {name!r}")
+            stride *= dim.size
+        if stride != self.world_size:
+            raise ValueError(f"the mesh dimensions {names} of {self} hold {stride} of its {self.world_size} ranks")
+        return tuple(dim.size for dim in dims)
 
 
 def mesh_shape(strategy_cfg: Mapping[str, Any], world_size: int, devices_per_node: int) -> MeshShape:
@@ -30,7 +113,8 @@ def mesh_shape(strategy_cfg: Mapping[str, Any], world_size: int, devices_per_nod
 
     `tensor_parallel_size: auto` takes what the other degrees leave, or a whole node;
     `pipeline_parallel_size: auto` takes what tensor (and a fixed data) parallelism leave;
-    `data_parallel_size: auto` fills the rest. `context_parallel_size` is a number (default 1). Strategies
+    `data_parallel_size: auto` fills the rest. `context_parallel_size` and `expert_parallel_size` are numbers
+    (default 1). Strategies
     without a setting have degree 1 there (data parallelism: auto).
     """
     pp = strategy_cfg.get("pipeline_parallel_size", 1)
@@ -72,7 +156,25 @@ def mesh_shape(strategy_cfg: Mapping[str, Any], world_size: int, devices_per_nod
             f"strategy.{named} must equal the {world_size} devices "
             "(trainer.devices x trainer.num_nodes); set data_parallel_size=auto to fill the mesh."
         )
-    return MeshShape(int(pp), replicas, int(tp), cp)
+    ep = strategy_cfg.get("expert_parallel_size", 1)
+    check_expert_degree(ep, replicas * cp, int(pp))
+    return MeshShape(int(pp), replicas, int(tp), cp, ep)
+
+
+def check_expert_degree(ep: Any, shards: int, pp: int) -> None:
+    """Refuse an expert-parallel degree that is no whole number of the `shards` data x context ranks."""
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ConfigError(
+            f"strategy.expert_parallel_size={ep}: give the number of data-parallel ranks that split each mixture's "
+            "experts between them (1: every rank holds every expert)."
+        )
+    if shards % ep:
+        # A pipeline's expert groups are made of each stage's data-parallel ranks (data x context).
+        stage = " of each pipeline stage" if pp > 1 else ""
+        raise ConfigError(
+            f"strategy.expert_parallel_size={ep} does not divide the {shards} data-parallel ranks{stage}: an "
+            f"expert group is made of data-parallel ranks. Choose a divisor of {shards}, or more devices."
+        )
 
 
 def check_context_parallel_degree(cp: int, seq_len: int, strategy: str, supported: bool) -> None:

@@ -16,7 +16,7 @@ from typing import Iterator, Sequence
 from project.config.layout import check_expert_parallel, check_family_layout
 from project.model.config import LlamaConfig
 from project.parallel.batch import plan_batches, plan_pipeline_batches
-from project.parallel.mesh import MeshShape, check_tensor_parallel_degree
+from project.parallel.mesh import MeshShape, check_expert_degree, check_tensor_parallel_degree
 from project.parallel.pipeline_layout import SINGLE_STAGE, check_pipeline
 from project.runtime.errors import ConfigError
 
@@ -57,7 +57,14 @@ class Candidate:
 
     @property
     def shape(self) -> MeshShape:
-        return MeshShape(self.pipeline_parallel, self.data_parallel, self.tensor_parallel, self.context_parallel)
+        pp, dp, tp, cp, ep = (
+            self.pipeline_parallel,
+            self.data_parallel,
+            self.tensor_parallel,
+            self.context_parallel,
+            self.expert_parallel,
+        )
+        return MeshShape(pp, dp, tp, cp, ep)
 
     @property
     def shard_ranks(self) -> int:
@@ -186,7 +193,8 @@ def expert_parallel_degrees(config: LlamaConfig, candidate: Candidate, tried: Se
     degrees = []
     for ep in _divisors(candidate.shard_ranks) if tried is None else sorted(set(tried)):
         try:
-            check_expert_parallel(config, ep, candidate.shape)
+            check_expert_degree(ep, candidate.shard_ranks, candidate.pipeline_parallel)
+            check_expert_parallel(config, ep)
         except ConfigError:
             continue
         degrees.append(ep)

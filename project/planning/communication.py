@@ -57,7 +57,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from project.model.config import LlamaConfig
-from project.parallel.mesh import MeshShape
+from project.parallel.mesh import DENSE, MeshShape
 from project.parallel.pipeline_layout import SPLIT_BACKWARD, chunk_ranks
 from project.planning.candidates import Candidate
 from project.planning.memory import COMPUTE_BYTES, GRAD_REDUCE_BYTES, STORAGE_BYTES
@@ -87,8 +87,7 @@ RING = {
     "send": lambda n: 1.0,
     "recv": lambda n: 1.0,
 }
-# The mesh's dimensions, outermost first (MeshShape: tensor innermost, then context, data, pipeline).
-DIMENSIONS = ("pipeline", "data", "context", "tensor")
+DIMENSIONS = DENSE  # the dense model's mesh dimensions, outermost first (MeshShape)
 FLOAT = 4  # norms and losses: float32
 FLOAT8 = 1  # a float8 value
 INT64 = 8  # a mixture's token counts per expert
@@ -118,46 +117,28 @@ class Collective:
 
 def group_name(shape: MeshShape, dims: Iterable[str]) -> str:
     """The dimensions of `dims` that have more than one rank, outermost first: "data x context"; "" for none."""
-    degrees = dict(zip(DIMENSIONS, _degrees(shape)))
-    return " x ".join(d for d in DIMENSIONS if d in set(dims) and degrees[d] > 1)
+    return " x ".join(d for d in DIMENSIONS if d in set(dims) and shape.dimensions[d].size > 1)
 
 
-def dimension_of(ranks: Iterable[int], shape: MeshShape, expert_parallel: int = 1) -> str:
+def dimension_of(ranks: Iterable[int], shape: MeshShape) -> str:
     """The mesh dimensions along which a process group's global ranks differ (group_name's form), for a group a run
-    reports by its ranks: "" for a group of one rank. Under expert parallelism a group of data x context ranks that
-    is not the whole of those dimensions is "expert" (neighbours that split a mixture's experts) or "expert_data"
-    (the ranks that hold the same experts)."""
+    reports by its ranks: "" for a group of one rank. Under expert parallelism a group that is part of the data x
+    context ranks it spans is one of the groups that regroup them (MeshShape): "expert" (neighbours that split a
+    mixture's experts) or "expert_data" (the ranks that hold the same experts)."""
     ranks = sorted(set(ranks))
-    coordinates = [_coordinates(rank, shape) for rank in ranks]
-    varying = [d for i, d in enumerate(DIMENSIONS) if len({c[i] for c in coordinates}) > 1]
-    degrees = dict(zip(DIMENSIONS, _degrees(shape)))
-    if expert_parallel > 1 and set(varying) <= {"data", "context"}:
-        if len(ranks) < math.prod(degrees[d] for d in varying):  # a part of those dimensions' groups
-            shards = {c[1] * shape.context_parallel + c[2] for c in coordinates}  # data x context, context inner
-            if len({s // expert_parallel for s in shards}) == 1:
-                return "expert"
-            if len({s % expert_parallel for s in shards}) == 1:
-                return "expert_data"
+    varying = [d for d in DIMENSIONS if len({shape.coordinate(r, d) for r in ranks}) > 1]
+    if shape.expert_parallel > 1 and ranks != shape.group(ranks[0], varying):
+        for name in EXPERTS:
+            if ranks == shape.group(ranks[0], (name,)):
+                return name
     return " x ".join(varying)
-
-
-def _degrees(shape: MeshShape) -> tuple[int, int, int, int]:
-    return shape.pipeline_parallel, shape.data_parallel, shape.context_parallel, shape.tensor_parallel
-
-
-def _coordinates(rank: int, shape: MeshShape) -> tuple[int, ...]:
-    coordinates = []
-    for degree in reversed(_degrees(shape)):  # tensor innermost
-        coordinates.append(rank % degree)
-        rank //= degree
-    return tuple(reversed(coordinates))
 
 
 class _Groups:
     """The process groups of a layout: ranks and span of each, by the dimensions it spans."""
 
     def __init__(self, c: Candidate):
-        self.shape, self.expert_parallel = c.shape, c.expert_parallel
+        self.shape = c.shape
         tp, cp, dp = c.tensor_parallel, c.context_parallel, c.data_parallel
         self._spans = {"tensor": tp, "context": tp * cp, "data": tp * cp * dp, "pipeline": tp * cp * dp * 2}
         self._spans["world"] = c.shape.world_size
@@ -166,8 +147,7 @@ class _Groups:
         dims = tuple(dims)
         if dims in (("expert",), ("expert_data",)):
             return self._expert_collective(kind, dims[0], calls, bytes_, part)
-        degrees = dict(zip(DIMENSIONS, _degrees(self.shape)))
-        ranks = math.prod(degrees[d] for d in dims)
+        ranks = math.prod(self.shape.dimensions[d].size for d in dims)
         if ranks == 1 or calls == 0:  # a group of one rank communicates nothing (FSDP2 and DTensor call nothing)
             return None
         if set(dims) == set(DIMENSIONS):
@@ -177,16 +157,12 @@ class _Groups:
         return Collective(kind, group_name(self.shape, dims), ranks, span, calls, bytes_, part)
 
     def _expert_collective(self, kind: str, group: str, calls: float, bytes_: float, part: str) -> Collective | None:
-        """On the expert-parallel group of the first ranks ("expert": ep neighbours of data x context), or on the ranks
-        holding the same experts as the first ("expert_data"), named as a run's groups are (dimension_of)."""
-        shape, ep = self.shape, self.expert_parallel
-        shards = shape.data_parallel * shape.context_parallel
-        members = range(ep) if group == "expert" else range(0, shards, ep)
-        ranks = [shard * shape.tensor_parallel for shard in members]  # data x context with context inner; tensor 0
+        """On the expert group ("expert") or the ranks holding the same experts ("expert_data") of the first rank,
+        named as a run's groups are (dimension_of)."""
+        ranks = self.shape.group(0, (group,))
         if len(ranks) == 1 or calls == 0:
             return None
-        name = dimension_of(ranks, shape, ep)
-        return Collective(kind, name, len(ranks), max(ranks) + 1, calls, bytes_, part)
+        return Collective(kind, dimension_of(ranks, self.shape), len(ranks), max(ranks) + 1, calls, bytes_, part)
 
 
 def _kept(collectives: Iterable[Collective | None]) -> list[Collective]:

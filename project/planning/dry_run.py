@@ -77,27 +77,17 @@ def init_seconds(share: RankShare) -> float:
     return share.parameters / INIT_VALUES_PER_SECOND
 
 
-def coordinates(rank: int, shape: MeshShape) -> tuple[int, int, int]:
-    """(pipeline, data_parallel, tensor_parallel) of a global rank: tensor parallelism innermost."""
-    dp, tp = shape.data_parallel, shape.tensor_parallel
-    return rank // (dp * tp), rank // tp % dp, rank % tp
-
-
-def global_rank(shape: MeshShape, pipeline: int, data_parallel: int, tensor_parallel: int) -> int:
-    dp, tp = shape.data_parallel, shape.tensor_parallel
-    return (pipeline * dp + data_parallel) * tp + tensor_parallel
-
-
 def representative_ranks(shape: MeshShape, last_stage: int) -> list[int]:
     """The first rank; the first rank of the stage holding the last chunk (output head); the last
-    tensor-parallel and data-parallel ranks of the first stage (an uneven shard is the last one's); the last rank."""
-    pp, dp, tp = shape.pipeline_parallel, shape.data_parallel, shape.tensor_parallel
-    picks = [(0, 0, 0), (last_stage, 0, 0), (0, 0, tp - 1), (0, dp - 1, 0), (pp - 1, dp - 1, tp - 1)]
-    return sorted({global_rank(shape, *p) for p in picks})
+    tensor-parallel and data-parallel (data x context: FSDP2's) ranks of the first stage (an uneven shard is the
+    last one's); the last rank."""
+    pp, shards, tp = shape.pipeline_parallel, shape.data_parallel * shape.context_parallel, shape.tensor_parallel
+    picks = [(0, 0, 0), (last_stage, 0, 0), (0, 0, tp - 1), (0, shards - 1, 0), (pp - 1, shards - 1, tp - 1)]
+    return sorted({shape.rank_at(pipeline=p, data_parallel=d, tensor=t) for p, d, t in picks})
 
 
 def selected_ranks(setting: Any, shape: MeshShape, last_stage: int) -> list[int]:
-    world = math.prod(shape)
+    world = shape.world_size
     if setting == "representative":
         return representative_ranks(shape, last_stage)
     if setting == "all":
@@ -141,7 +131,7 @@ def share_of(model: Any, rank: int, shape: MeshShape, stages: list[str]) -> Rank
     nbytes = largest.numel() * largest.element_size()
     return RankShare(
         rank,
-        *coordinates(rank, shape),
+        *_coordinates(rank, shape),
         stages,
         parameters=sum(t.numel() for _, t in local),
         param_bytes=param_bytes,
@@ -149,7 +139,13 @@ def share_of(model: Any, rank: int, shape: MeshShape, stages: list[str]) -> Rank
         optimizer_bytes=2 * param_bytes + ADAM_STEP_BYTES * len(params),
         largest_tensor=_tensor_line(name, largest.shape, nbytes),
         largest_bytes=nbytes,
+        context_parallel=shape.coordinate(rank, "context"),
     )
+
+
+def _coordinates(rank: int, shape: MeshShape) -> tuple[int, int, int]:
+    """RankShare's (pipeline, data_parallel, tensor_parallel) of a global rank."""
+    return shape.coordinate(rank, "pipeline"), shape.coordinate(rank, "data"), shape.coordinate(rank, "tensor")
 
 
 def build_meta_model(cfg: DictConfig) -> Any:
@@ -167,26 +163,15 @@ def shard_rank(cfg: DictConfig, shape: MeshShape, rank: int) -> RankShare:
     """Rank `rank`'s share, from the strategy's own `shard` on a fake process group of the full world."""
     import torch.distributed as dist
     from hydra.utils import instantiate
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's: collectives that do nothing
 
-    from project.parallel.strategies.pipeline import MESH_DIMS, LlamaPipelineStrategy
+    from project.parallel.strategies.pipeline import LlamaPipelineStrategy
 
     strategy = instantiate(cfg.strategy, _convert_="all")
     pipeline = isinstance(strategy, LlamaPipelineStrategy)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(shape))
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=shape.world_size)
     try:
-        if pipeline:
-            mesh = init_device_mesh(
-                "cpu",
-                (shape.pipeline_parallel, shape.data_parallel, shape.tensor_parallel),
-                mesh_dim_names=MESH_DIMS,
-            )
-        else:  # Lightning's ModelParallelStrategy's mesh
-            mesh = init_device_mesh(
-                "cpu", (shape.data_parallel, shape.tensor_parallel), mesh_dim_names=("data_parallel", "tensor_parallel")
-            )
-        strategy._device_mesh = mesh  # what the strategy's setup_environment sets in a run
+        strategy.set_up_meshes(shape, "cpu")  # the meshes a run's setup_environment makes
         model = build_meta_model(cfg)
         strategy.shard(model)
         n_chunks = shape.pipeline_parallel * strategy.virtual_stages if pipeline else 1
@@ -205,7 +190,7 @@ def fsdp1_share(cfg: DictConfig, shape: MeshShape, rank: int, devices_per_node: 
     padded to a multiple of the shard group and split evenly (every rank the same)."""
     model = build_meta_model(cfg)
     sharding = cfg.strategy.get("sharding_strategy", "FULL_SHARD")
-    world = math.prod(shape)
+    world = shape.world_size
     group = {"NO_SHARD": 1, "HYBRID_SHARD": cfg.strategy.get("hybrid_shard_size") or devices_per_node}.get(
         sharding, world
     )
@@ -219,7 +204,7 @@ def fsdp1_share(cfg: DictConfig, shape: MeshShape, rank: int, devices_per_node: 
     largest = max(shards)
     return RankShare(
         rank,
-        *coordinates(rank, shape),
+        *_coordinates(rank, shape),
         [],
         parameters=parameters,
         param_bytes=parameters * itemsize,
@@ -227,6 +212,7 @@ def fsdp1_share(cfg: DictConfig, shape: MeshShape, rank: int, devices_per_node: 
         optimizer_bytes=2 * parameters * itemsize + ADAM_STEP_BYTES * len(units),
         largest_tensor=_tensor_line("a flat unit's shard", [largest], largest * itemsize),
         largest_bytes=largest * itemsize,
+        context_parallel=shape.coordinate(rank, "context"),
     )
 
 
@@ -251,27 +237,16 @@ def how_shared(cfg: DictConfig) -> str:
     }[_kind(strategy)]
 
 
-def sharding_shape(shape: MeshShape) -> MeshShape:
-    """The mesh as the model's states are sharded on it: FSDP2 shards over data x context together, so a
-    context-parallel group's ranks count as data-parallel ranks here (their coordinate is data x cp + context)."""
-    return MeshShape(shape.pipeline_parallel, shape.data_parallel * shape.context_parallel, shape.tensor_parallel)
-
-
 def rank_share(cfg: DictConfig, layout: Layout, rank: int) -> RankShare:
     """What global rank `rank` of the run `cfg` describes holds, by the strategy's kind."""
     from hydra.utils import instantiate
 
     kind = _kind(instantiate(cfg.strategy, _convert_="all"))
-    shape = sharding_shape(layout.shape)
     if kind == "sharded":
-        share = shard_rank(cfg, shape, rank)
-    elif kind == "fsdp1":
-        share = fsdp1_share(cfg, shape, rank, int(cfg.trainer.devices))
-    else:
-        share = replica_share(cfg, shape, rank)
-    # Sharded over data x context (context inner), the rank sits on the 4-D mesh at:
-    cp = layout.shape.context_parallel
-    return replace(share, data_parallel=share.data_parallel // cp, context_parallel=share.data_parallel % cp)
+        return shard_rank(cfg, layout.shape, rank)
+    if kind == "fsdp1":
+        return fsdp1_share(cfg, layout.shape, rank, int(cfg.trainer.devices))
+    return replica_share(cfg, layout.shape, rank)
 
 
 def check_precision(cfg: DictConfig) -> None:
@@ -311,7 +286,7 @@ def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir:
     check_precision(cfg)
     check_trainer_arguments(cfg)
     check_checkpoint_resumable(cfg, run_dir)
-    shape = sharding_shape(layout.shape)
+    shape = layout.shape
     schedule = cfg.strategy.get("schedule", "1f1b")
     virtual = cfg.strategy.get("virtual_stages") or default_virtual_stages(schedule)
     last_stage = (
@@ -415,7 +390,7 @@ def planned_candidate(cfg: DictConfig, layout: Layout, strategy_name: str) -> An
         context_parallel=layout.shape.context_parallel,
         regather_kv=bool(s.get("regather_kv")) and layout.shape.context_parallel > 1,
         float8=s.get("float8"),
-        expert_parallel=int(s.get("expert_parallel_size") or 1),
+        expert_parallel=layout.shape.expert_parallel,
     )
 
 
@@ -432,13 +407,16 @@ def model_lines(cfg: DictConfig, layout: Layout, strategy_name: str) -> tuple[li
         said += " (a token's forward uses the active: FLOPs and MFU count them)"
     lines, record = [said], {"parameters": total, "active_parameters": active}
     candidate = planned_candidate(cfg, layout, strategy_name)
-    ep, pp = int(cfg.strategy.get("expert_parallel_size") or 1), layout.shape.pipeline_parallel
+    precision = str(cfg.trainer.get("precision", "32-true"))
+    if candidate is not None and candidate.float8:
+        said, record["float8"] = float8_line(config, candidate, precision)
+        lines.append(said)
+    ep, pp = layout.shape.expert_parallel, layout.shape.pipeline_parallel
     if ep == 1 or candidate is None:
         return lines, record
     from project.planning.communication import expert_parallel
     from project.planning.step_time import seconds
 
-    precision = str(cfg.trainer.get("precision", "32-true"))
     microbatches = candidate.microbatches
     # The pipeline rank whose stage holds the most mixtures sends the most (every rank of a stage alike).
     by_stage = [expert_parallel(config, candidate, int(cfg.data.seq_len), precision, rank) for rank in range(pp)]
@@ -458,6 +436,40 @@ def model_lines(cfg: DictConfig, layout: Layout, strategy_name: str) -> tuple[li
         said += f", about {taken:.2f} s of each step on {cluster.name}'s links"
         record["all_to_all_seconds_per_step"] = taken
     return [*lines, said], record
+
+
+def float8_line(config: Any, candidate: Any, precision: str) -> tuple[str, dict[str, Any]]:
+    """What strategy.float8 converts (the planner's rule, project.planning.parameters.float8_weights, which
+    project.parallel.float8 applies) and, where FSDP2 gathers the float8 weights as float8, the all-gathers' bytes
+    a step with and without it (rank 0's, the planner's count). The line and its record."""
+    from project.parallel.float8_rules import block_projections, in_float8
+    from project.planning.communication import data_parallel, float8_gathers
+    from project.planning.parameters import block_weights, float8_weights
+
+    blocks, tp = range(config.n_layers), candidate.tensor_parallel
+    taken = sum(sum(float8_weights(config, candidate, i)) for i in blocks)
+    matrices = sum(sum(w.cols > 1 for w in block_weights(config, i)) for i in blocks)
+    kept = [name for name in block_projections(config, tp) if name not in in_float8(config, tp)]
+    said = f"float8: {candidate.float8} on {taken} of the blocks' {matrices} weight matrices; kept in {precision}: "
+    if kept:
+        said += f"{', '.join(kept)} (a side not a multiple of 16 on a rank), "
+    if any(config.mixture(i) is not None for i in blocks):
+        said += "a mixture's router and experts, "
+    said += "the embedding and the output head"
+    record: dict[str, Any] = {"recipe": candidate.float8, "float8_matrices": taken, "block_matrices": matrices}
+    record["kept"] = kept
+    if float8_gathers(candidate):
+
+        def gathered(c: Any) -> float:
+            return sum(x.bytes for x in data_parallel(config, c, precision) if x.kind == "all_gather")
+
+        with_float8, without = gathered(candidate), gathered(replace(candidate, float8=None))
+        said += (
+            f"; FSDP2 gathers them as float8: {with_float8 / GIB:.2f} GiB of all-gathers per rank a step, "
+            f"{without / GIB:.2f} GiB without float8 (the planner's count)"
+        )
+        record |= {"all_gather_bytes_per_step": with_float8, "all_gather_bytes_without_float8": without}
+    return said, record
 
 
 def _planned_record(estimate: Any | None, share: RankShare) -> dict[str, float] | None:
@@ -496,7 +508,7 @@ def render(
     plan = layout.plan
     lines = [
         f"dry run: strategy={strategy_name} on {pp * dp * cp * tp} devices ({cfg.trainer.num_nodes} node(s) x "
-        f"{cfg.trainer.devices}), mesh pipeline {pp} x data {dp}{f' x context {cp}' if cp > 1 else ''} x tensor {tp}; "
+        f"{cfg.trainer.devices}), mesh {layout.shape.describe()}; "
         f"batch: global {plan.global_batch_size} "
         f"= micro {plan.micro_batch_size} x {max(plan.accumulate_grad_batches, plan.pipeline_microbatches)} x {dp} "
         f"replicas; precision {cfg.trainer.get('precision', '32-true')}",

@@ -63,7 +63,7 @@ class Layout:
         )  # fmt: skip
 
     def pipeline_rank(self, rank: int) -> int:
-        return rank // (self.data_parallel * self.context_parallel * self.tensor_parallel)
+        return self.candidate().shape.coordinate(rank, "pipeline")
 
 
 def _pipeline(
@@ -182,14 +182,14 @@ def model_config(layout: Layout, vocab_size: int):
     return family_config({**fields, "vocab_size": vocab_size, "n_layers": layout.layers})
 
 
-def by_group(rows: list[list], shape, expert_parallel: int = 1) -> dict[tuple[str, str], tuple[int, int]]:
+def by_group(rows: list[list], shape) -> dict[tuple[str, str], tuple[int, int]]:
     """A rank's measured rows ([kind, ranks, calls, bytes], project.tooling.comms) as {(kind, mesh dimensions):
     (calls, bytes)}, each group named by the dimensions its ranks span (project.planning.communication)."""
     from project.planning.communication import dimension_of
 
     table: dict[tuple[str, str], tuple[int, int]] = {}
     for kind, ranks, calls, size in rows:
-        group = dimension_of(map(int, ranks.split(",")), shape, expert_parallel) if ranks[0].isdigit() else ranks
+        group = dimension_of(map(int, ranks.split(",")), shape) if ranks[0].isdigit() else ranks
         before = table.get((kind, group), (0, 0))
         table[(kind, group)] = (before[0] + calls, before[1] + size)
     return table
@@ -252,7 +252,7 @@ def measure(name: str, steps: int, step: int, data: Path, scratch: Path) -> dict
         record = read_record(run_dir, rank)
         if step in record["logging_steps"]:
             raise RuntimeError(f"{name}: step {step} logs (logging steps {record['logging_steps']})")
-        measured = by_group(record["steps"][step], shape, c.expert_parallel)
+        measured = by_group(record["steps"][step], shape)
         rows = compare(measured, planned(layout, config, SEQ_LEN, rank))
         ranks.append({"rank": rank, "pipeline_rank": layout.pipeline_rank(rank), "rows": rows})
     return {

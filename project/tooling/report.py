@@ -158,12 +158,15 @@ def logged_layouts(rows: Rows, choices: dict[str, str]) -> list[str]:
     wandb run: from the layout facts each start logged. Hydra's record names the last start's strategy; an earlier
     start's, which the metrics do not hold, is `?` where its facts differ from the last's."""
     facts = {name: dict(series(rows, f"layout/{name}")) for name in LAYOUT_FACTS}
+    # Logged since their dimensions were added; a run from before had degree 1 there.
+    extra = {name: dict(series(rows, f"layout/{name}")) for name in ("context_parallel", "expert_parallel")}
     starts = sorted(set.intersection(*(set(values) for values in facts.values())))
     names = []
     for step in starts:
         f = {name: int(values[step]) for name, values in facts.items()}
         plan = BatchPlan(f["global_batch_size"], f["micro_batch_size"], f["data_parallel"], f["pipeline_microbatches"])
-        layout = Layout(MeshShape(f["pipeline_parallel"], f["data_parallel"], f["tensor_parallel"]), plan)
+        cp, ep = (int(extra[name].get(step, 1)) for name in ("context_parallel", "expert_parallel"))
+        layout = Layout(MeshShape(f["pipeline_parallel"], f["data_parallel"], f["tensor_parallel"], cp, ep), plan)
         last = all(values[step] == values[starts[-1]] for values in facts.values())
         names.append(layout.name(choices.get("model", "model"), choices.get("strategy", "strategy") if last else "?"))
     return without_repeats(names)

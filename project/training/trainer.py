@@ -4,7 +4,6 @@ of each process, whether this process is the first."""
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 from pathlib import Path
@@ -94,7 +93,7 @@ def build_loggers(cfg: DictConfig, run_dir: Path, layout: Layout) -> list[Logger
         dir=run_dir,
         name=layout_name(layout),
         group=os.environ.get("WANDB_SWEEP_ID") or choices.get("experiment") or None,
-        tags=[strategy_name, model_name, f"{math.prod(layout.shape)}-devices"],
+        tags=[strategy_name, model_name, f"{layout.shape.world_size}-devices"],
         config=redacted_container(cfg),
         has_secrets=bool(secret_values(cfg)),
     )

@@ -44,7 +44,8 @@ def checkpoint_activations(block: nn.Module) -> None:
 
 
 class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrategy, ModelParallelStrategy):
-    """The mesh is (data_parallel, tensor_parallel); `parallelize` runs in configure_model.
+    """Lightning's mesh is (data_parallel, tensor_parallel), a view of the run's MeshShape (`set_up_meshes`);
+    `parallelize` runs in configure_model.
 
     Order, as in torchtitan: float8 layers (`float8`, project.parallel.float8), the tensor-parallel plan on the
     `tensor_parallel` dimension, activation
@@ -53,16 +54,21 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
     `loss_parallel` (the default) the training and validation steps and the backward pass run
     inside torch's loss_parallel context, so the loss works on vocabulary-split logits.
 
-    With `context_parallel_size` = cp > 1 the mesh is (data, context, tensor): the ranks of a context group
-    read the same sequences and each computes its part of every sequence (project.parallel.context_parallel).
-    Lightning's 2-D mesh then has data x context ranks on its `data_parallel` dimension: FSDP2 shards the model
-    over both, as torchtitan does, and averages the gradients of every part of every sequence. A 3-D mesh of
-    the same ranks gives the context groups and the data-parallel coordinates (which ranks read which batch).
+    With `context_parallel_size` = cp > 1 the ranks of a context group read the same sequences and each computes
+    its part of every sequence (project.parallel.context_parallel). Lightning's mesh then has data x context ranks
+    on its `data_parallel` dimension: FSDP2 shards the model over both, as torchtitan does, and averages the
+    gradients of every part of every sequence. The view (data, context, tensor) of the same ranks gives the context
+    groups and the data-parallel coordinates (which ranks read which batch). With `expert_parallel_size` = ep > 1
+    the view (expert_data, expert, tensor) gives the groups a mixture's experts are split over and those FSDP2
+    shards them over (project.parallel.expert_parallel).
     `regather_kv`: each block keeps only its rank's part of the keys and values for the backward, which gathers
     them again (long sequences, where every block's gathered keys and values would not fit).
     """
 
     model_on_meta = True  # no rank ever holds the whole model
+    # The mesh dimensions outside data parallelism, outermost first: a pipeline's stages. The groups that split the
+    # data-parallel ranks (context, experts) keep them outermost too, so that a group's ranks hold one stage.
+    outer_dims: tuple[str, ...] = ()
     # FSDP2 frees each block's gathered parameters after its forward (and gathers them again for the backward);
     # a pipeline stage keeps them through the step's microbatches.
     reshard_after_forward = True
@@ -107,51 +113,49 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         self._context_group: dist.ProcessGroup | None = None
         self._context_coords = (0, 1)
         self._replica_coords: tuple[int, int] | None = None
+        self._experts_mesh: DeviceMesh | None = None
+        self.shape: MeshShape | None = None  # the run's mesh, once set up
+
+    def asked_degrees(self) -> dict[str, Any]:
+        """The degrees the strategy config asks for (mesh_shape's settings)."""
+        return {
+            "data_parallel_size": self._asked_data_parallel_size,
+            "tensor_parallel_size": self._tensor_parallel_size,
+            "context_parallel_size": self.context_parallel_size,
+            "expert_parallel_size": self.expert_parallel_size,
+        }
 
     def setup_environment(self) -> None:
         # "auto" fills the mesh: Lightning's own default (data_parallel = number of nodes) would
         # not, with several devices per node and a fixed tensor-parallel size.
-        degrees = {
-            "data_parallel_size": self._asked_data_parallel_size,
-            "tensor_parallel_size": self._tensor_parallel_size,
-            "context_parallel_size": self.context_parallel_size,
-        }
-        shape = mesh_shape(degrees, self.num_nodes * self.num_processes, self.num_processes)
-        self._data_parallel_size = shape.data_parallel * shape.context_parallel
-        self._tensor_parallel_size = shape.tensor_parallel
-        sizes = (self._data_parallel_size, self._tensor_parallel_size)
-        self._set_up_processes(sizes, ("data_parallel", "tensor_parallel"))
-        if shape.context_parallel > 1:
-            self._split_sequences(shape)
-
-    def _set_up_processes(self, sizes: tuple[int, ...], names: tuple[str, ...]) -> None:
-        """ModelParallelStrategy.setup_environment (the device, the process group, the module's mesh), but with the
-        process's shared mesh of `sizes` named `names` (parallel/groups.py), not one made anew for every fit."""
+        shape = mesh_shape(self.asked_degrees(), self.num_nodes * self.num_processes, self.num_processes)
         ParallelStrategy.setup_environment(self)  # the device
         self._setup_distributed()
-        self._device_mesh = shared_mesh(self.root_device.type, sizes, names)
+        self.set_up_meshes(shape, self.root_device.type)
         assert self.lightning_module is not None  # connected before the trainer sets the strategy up
         self.lightning_module._device_mesh = self._device_mesh  # what configure_model reads, as Lightning sets it
 
-    def _outer_dims(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
-        """The sizes and names of the mesh's dimensions outside data parallelism (a pipeline's stages): the meshes
-        that split the data-parallel ranks into groups (context, experts) keep them outermost, as the mesh does, so
-        that each group's ranks hold the same part of the model."""
-        names = self.device_mesh.mesh_dim_names
-        assert names is not None  # every mesh of ours names its dimensions
-        outer = names[: names.index("data_parallel")]
-        return tuple(self.device_mesh.shape[: len(outer)]), outer
-
-    def _split_sequences(self, shape: MeshShape) -> None:
-        """The context groups and the replicas' coordinates, from a mesh of the run's ranks with the context
-        dimension apart."""
-        outer, names = self._outer_dims()
-        sizes = (*outer, shape.data_parallel, shape.context_parallel, shape.tensor_parallel)
-        mesh = shared_mesh(self.root_device.type, sizes, (*names, "data", "context", "tensor"))
-        # Kept: slicing the mesh later would read its rank tensor on the host each time.
-        self._context_group = mesh["context"].get_group()
-        self._context_coords = (mesh["context"].get_local_rank(), shape.context_parallel)
-        self._replica_coords = (mesh["data"].get_local_rank(), shape.data_parallel)
+    def set_up_meshes(self, shape: MeshShape, device_type: str) -> None:
+        """The process meshes of the run, each a view of `shape` and shared by every fit of the process
+        (parallel/groups.py): Lightning's (data x context as its `data_parallel`, FSDP2's ranks), the context
+        groups' and the expert groups'. Needs the default process group (a dry run's is fake)."""
+        self.shape = shape
+        self._data_parallel_size = shape.data_parallel * shape.context_parallel
+        self._tensor_parallel_size = shape.tensor_parallel
+        outer = self.outer_dims
+        # Lightning's ModelParallelStrategy names its dimensions data_parallel and tensor_parallel.
+        sizes = shape.sizes((*outer, "data_parallel", "tensor"))
+        self._device_mesh = shared_mesh(device_type, sizes, (*outer, "data_parallel", "tensor_parallel"))
+        if shape.context_parallel > 1:  # the ranks of a context group read the same sequences
+            names = (*outer, "data", "context", "tensor")
+            mesh = shared_mesh(device_type, shape.sizes(names), names)
+            # Kept: slicing the mesh later would read its rank tensor on the host each time.
+            self._context_group = mesh["context"].get_group()
+            self._context_coords = (mesh["context"].get_local_rank(), shape.context_parallel)
+            self._replica_coords = (mesh["data"].get_local_rank(), shape.data_parallel)
+        if shape.expert_parallel > 1:  # neighbours of data x context split the experts; FSDP2 shards over the rest
+            names = (*outer, "expert_data", "expert", "tensor")
+            self._experts_mesh = shared_mesh(device_type, shape.sizes(names), names)
 
     def parallelize(self, model: Llama, initialize: bool = True) -> None:
         """Shard `model` in place; one built on the meta device then gets memory, and, unless a
@@ -184,27 +188,16 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
                 checkpoint_activations(block)
         if self._context_group is not None:  # hooks on attention, inside any compiled block
             apply_context_parallel(model, self._context_group, self.regather_kv)
-        experts_mesh = self._split_experts(model)
+        experts_mesh = None
+        if self._experts_mesh is not None:
+            apply_expert_parallel(model, self._experts_mesh["expert"])
+            experts_mesh = self._experts_mesh["expert_data"]
         if self.compile:
             compile_blocks(model)
         for root in roots:
             apply_fsdp2(root, dp_mesh, self.gather_dtype(), self.reduce_dtype, self.reshard_after_forward, experts_mesh)
             if float8_gathers:
                 scales_before_each_forward(root)
-
-    def _split_experts(self, model: Llama) -> DeviceMesh | None:
-        """With expert_parallel_size = ep > 1: the mixtures' experts split over groups of ep data-parallel ranks
-        (neighbours; of one pipeline stage), and the mesh of the ranks that hold the same experts, for FSDP2; else
-        None."""
-        ep = self.expert_parallel_size
-        if ep == 1:
-            return None
-        dp, tp = self.device_mesh["data_parallel"].size(), self.device_mesh["tensor_parallel"].size()
-        outer, names = self._outer_dims()
-        sizes, names = (*outer, dp // ep, ep, tp), (*names, "expert_data", "expert", "tensor")
-        mesh = shared_mesh(self.device_mesh.device_type, sizes, names)
-        apply_expert_parallel(model, mesh["expert"])
-        return mesh["expert_data"]
 
     def gather_dtype(self) -> str | None:
         """The dtype FSDP2 gathers parameters in and computes with: `strategy.param_dtype` where set, else the

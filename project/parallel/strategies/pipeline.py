@@ -24,12 +24,11 @@ from torch.distributed.fsdp import FSDPModule
 from project.model.llama import Llama
 from project.parallel.batch import BatchPlan
 from project.parallel.contract import TrainingModule
-from project.parallel.mesh import MeshShape, mesh_shape
+from project.parallel.mesh import MeshShape
 from project.parallel.pipeline import LlamaStage, PipelineSchedule, build_schedule, split_into_stages
 from project.parallel.pipeline_layout import SPLIT_BACKWARD, chunk_ranks, default_virtual_stages
 from project.parallel.strategies.model_parallel import LlamaParallelStrategy
 
-MESH_DIMS = ("pipeline", "data_parallel", "tensor_parallel")
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _HEADER = 8  # rank of the tensor, its shape, and its dtype's index in _DTYPES
 
@@ -64,6 +63,7 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
     schedule cuts into `n_microbatches` microbatches of `micro_batch_size` sequences.
     """
 
+    outer_dims = ("pipeline",)  # the stages, outermost: each stage's ranks form the meshes of LlamaParallelStrategy
     gradients_in_step = True  # the schedule runs every microbatch's backward inside the training step
     reshard_after_forward = False  # gathered once per step, not per microbatch (torchtitan: not pp_enabled)
 
@@ -99,23 +99,12 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         assert module is not None  # connected before the trainer sets the strategy up
         return module
 
-    @property
-    def shape(self) -> MeshShape:
-        degrees = {
-            "pipeline_parallel_size": self._pipeline_parallel_size,
-            "data_parallel_size": self._asked_data_parallel_size,
-            "tensor_parallel_size": self._tensor_parallel_size,
-            "context_parallel_size": self.context_parallel_size,
-        }
-        return mesh_shape(degrees, self.num_nodes * self.num_processes, self.num_processes)
+    def asked_degrees(self) -> dict[str, Any]:
+        return {**super().asked_degrees(), "pipeline_parallel_size": self._pipeline_parallel_size}
 
-    def setup_environment(self) -> None:
-        shape = self.shape
-        self._pipeline_parallel_size, self._tensor_parallel_size = shape.pipeline_parallel, shape.tensor_parallel
-        self._data_parallel_size = shape.data_parallel * shape.context_parallel  # FSDP2's ranks in each stage
-        self._set_up_processes((shape.pipeline_parallel, self._data_parallel_size, shape.tensor_parallel), MESH_DIMS)
-        if shape.context_parallel > 1:
-            self._split_sequences(shape)
+    def set_up_meshes(self, shape: MeshShape, device_type: str) -> None:
+        self._pipeline_parallel_size = shape.pipeline_parallel
+        super().set_up_meshes(shape, device_type)
 
     # -- building the stages ------------------------------------------------------------------------
 

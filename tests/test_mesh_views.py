@@ -1,0 +1,104 @@
+"""The run's one mesh of named dimensions (project.parallel.mesh.MeshShape): its coordinates, groups and views are
+those torch's own device meshes give the same ranks, and every process mesh a strategy builds is one of its views."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from project.model.moe_config import MoEConfig
+from project.parallel.mesh import DENSE, MeshShape
+from project.parallel.strategies.model_parallel import LlamaParallelStrategy
+from project.parallel.strategies.pipeline import LlamaPipelineStrategy
+
+# (pipeline, data, tensor, context, expert): every dimension split, expert groups inside and across data x context.
+SHAPES = [MeshShape(2, 2, 2, 2, 2), MeshShape(1, 2, 1, 2, 4), MeshShape(2, 3, 1, 1, 3), MeshShape(1, 4, 2, 1, 2)]
+# The views the strategies build (LlamaParallelStrategy.set_up_meshes), a pipeline's stages outermost.
+VIEWS = [
+    ("pipeline", "data_parallel", "tensor"),
+    ("pipeline", "data", "context", "tensor"),
+    ("pipeline", "expert_data", "expert", "tensor"),
+]
+
+
+@pytest.fixture
+def fake_rank():
+    """Join torch's fake process group (collectives do nothing) as one rank of a world, left at the end."""
+
+    def join(rank: int, world_size: int) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+    yield join
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_coordinates_and_groups_are_those_of_torchs_device_mesh_on_the_same_ranks(shape, fake_rank):
+    world = shape.world_size
+    for rank in {0, 1, world // 2 + 1, world - 1}:
+        fake_rank(rank, world)
+        for names in VIEWS:
+            mesh = init_device_mesh("cpu", shape.sizes(names), mesh_dim_names=names)
+            for name in names:
+                assert shape.coordinate(rank, name) == mesh[name].get_local_rank(), (rank, name)
+                assert shape.group(rank, (name,)) == mesh[name].mesh.tolist(), (rank, name)
+            inner = names[1:]  # a group along two dimensions: torch's sub-mesh of both
+            assert shape.group(rank, inner[:2]) == sorted(mesh[inner[:2]].mesh.flatten().tolist()), (rank, names)
+            assert shape.rank_at(**{n: shape.coordinate(rank, n) for n in names}) == rank
+
+
+def test_a_view_must_cover_every_rank_in_the_meshs_order():
+    shape = MeshShape(2, 2, 2, 2, 2)
+    assert shape.sizes(DENSE) == (2, 2, 2, 2) and shape.sizes(("pipeline", "data_parallel", "tensor")) == (2, 4, 2)
+    assert MeshShape(1, 2, 2, 2).sizes(("data_parallel", "tensor")) == (4, 2)  # a stage of one: left out
+    with pytest.raises(ValueError, match="do not tile"):
+        shape.sizes(("pipeline", "tensor", "data_parallel"))  # tensor is innermost
+    with pytest.raises(ValueError, match="hold 8 of its 16 ranks"):
+        shape.sizes(("data_parallel", "tensor"))  # the stages left out
+    with pytest.raises(ValueError, match="does not divide"):
+        MeshShape(1, 3, 1, 1, 2)
+
+
+def test_the_strategies_meshes_are_the_shapes_views(fake_rank):
+    """The process meshes a strategy sets up (Lightning's, and the groups its experts are split over) hold the ranks
+    of the shape's groups: the experts' DTensors of a sharded mixture lie on `expert`, FSDP2's on `expert_data`."""
+    config = MoEConfig(
+        dim=16, n_layers=2, n_heads=2, vocab_size=32, max_seq_len=16, n_experts=4, top_k=2, expert_ffn_dim=8
+    )
+    for strategy, shape in [
+        (LlamaParallelStrategy(tensor_parallel_size=1, expert_parallel_size=2), MeshShape(1, 4, 1, 1, 2)),
+        (
+            LlamaPipelineStrategy(pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2),
+            MeshShape(2, 2, 1, 1, 2),
+        ),
+    ]:
+        for rank in range(shape.world_size):
+            fake_rank(rank, shape.world_size)
+            strategy.set_up_meshes(shape, "cpu")
+            mesh = strategy.device_mesh
+            assert mesh["data_parallel"].mesh.tolist() == shape.group(rank, ("data_parallel",))
+            if shape.pipeline_parallel > 1:
+                assert mesh["pipeline"].mesh.tolist() == shape.group(rank, ("pipeline",))
+            model = build_meta_mixture(config)
+            if isinstance(strategy, LlamaPipelineStrategy):
+                strategy.n_microbatches, strategy.micro_batch_size = 2, 1
+            strategy.shard(model)
+            experts = [p for n, p in model.named_parameters() if ".experts." in n]
+            assert experts, "no mixture kept on this rank"
+            for weight in experts:  # sharded by FSDP2 over expert_data, split by expert parallelism over expert
+                groups = [weight.device_mesh[n].mesh.tolist() for n in weight.device_mesh.mesh_dim_names]
+                assert groups == [shape.group(rank, ("expert_data",)), shape.group(rank, ("expert",))], rank
+
+
+def build_meta_mixture(config: MoEConfig):
+    import torch
+
+    from project.model.families import build_model
+
+    with torch.device("meta"):
+        return build_model(config)
