@@ -89,6 +89,40 @@ def test_no_token_is_dropped_and_none_depends_on_the_others_in_its_batch():
     torch.testing.assert_close(together.view(-1, config.dim), alone, rtol=1e-5, atol=1e-6)
 
 
+def test_bfloat16_experts_run_as_grouped_products_equal_to_each_experts_own_product(monkeypatch):
+    """The GPU's path, run here: in bfloat16 the experts take one grouped product per projection (torch's
+    grouped_mm, which the CPU has too); its outputs and gradients are each expert's SwiGLU on its own tokens (an
+    expert with none included), within bfloat16's tolerance (equal here). Float32 and unaligned widths keep the
+    loop."""
+    from project.model.moe import Experts, takes_grouped_products
+
+    experts = Experts(4, 32, 24)  # rows of 64 and 48 bytes in bfloat16: multiples of 16
+    with torch.no_grad():
+        for w in experts.parameters():
+            w.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(w.numel())) * 0.2)
+    experts = experts.to(torch.bfloat16)
+    counts = torch.tensor([3, 0, 6, 1])
+    x = torch.randn(10, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).requires_grad_()
+    calls = []
+    grouped_mm = F.grouped_mm
+    monkeypatch.setattr(F, "grouped_mm", lambda *args, **kwargs: calls.append(1) or grouped_mm(*args, **kwargs))
+    out = experts(x, counts)
+    assert len(calls) == 3  # w1, w3 and w2, each once for all experts
+    (out.float().square().sum()).backward()
+    grads = [x.grad, *(w.grad for w in experts.parameters())]
+    # Each expert alone on its own tokens, in bfloat16 as the grouped product computes.
+    xs = x.detach().clone().requires_grad_()
+    w1, w3, w2 = ws = [w.detach().clone().requires_grad_() for w in experts.parameters()]
+    parts = xs.split(counts.tolist())
+    reference = torch.cat([(F.silu(p @ w1[e].T) * (p @ w3[e].T)) @ w2[e].T for e, p in enumerate(parts)])
+    reference.float().square().sum().backward()
+    torch.testing.assert_close(out, reference)  # bfloat16's tolerance
+    for got, want in zip(grads, [xs.grad, *(w.grad for w in ws)], strict=True):
+        torch.testing.assert_close(got, want)
+    assert not takes_grouped_products(x.float(), experts.w1.float())  # float32: the loop
+    assert not takes_grouped_products(x[:, :12], experts.w1[:, :, :12])  # rows of 24 bytes: the loop
+
+
 def test_the_balancing_loss_is_the_per_sequence_formula_and_one_when_balanced():
     config = tiny()
     mixture = seeded_mixture(config)

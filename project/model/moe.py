@@ -56,15 +56,23 @@ class Router(nn.Module):
         return scores, chosen, weights
 
 
+def takes_grouped_products(x: torch.Tensor, w1: torch.Tensor) -> bool:
+    """Whether torch's grouped matrix product takes these tokens and experts (w1 [n, hidden, dim]): both bfloat16
+    (its kernel's dtype on GPUs from sm80, and torch.compile's on every device; the CPU's too), every row a multiple
+    of 16 bytes (the kernel's alignment)."""
+    rows = (x.shape[-1] * x.element_size(), w1.shape[1] * x.element_size())
+    return x.dtype == w1.dtype == torch.bfloat16 and all(size % 16 == 0 for size in rows)
+
+
 def expert_products(
     x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
     """x [M, dim]: tokens sorted by expert, counts[e] of them for expert e of the stacked weights (w1, w3:
     [n, hidden, dim]; w2: [n, dim, hidden]) -> each token through its expert's SwiGLU, [M, dim]."""
-    if x.device.type == "cuda" and x.dtype == torch.bfloat16:
-        # One grouped product per projection for all experts (torch's kernel takes bf16 on sm80 and later). The
-        # input is bf16 under bf16-true and under FSDP2's bf16 gathers; under autocast (single, ddp with bf16-mixed)
-        # it is float32 and the experts run one after another, with a wait for the counts on the host.
+    if takes_grouped_products(x, w1):
+        # One grouped product per projection for all experts. The input is bf16 under bf16-true and under FSDP2's
+        # bf16 gathers; under autocast (single, ddp with bf16-mixed) and in float32 the experts run one after
+        # another, with a wait for the counts on the host.
         ends = counts.cumsum(0).to(torch.int32)
         hidden = F.silu(F.grouped_mm(x, w1.transpose(-2, -1), offs=ends))
         hidden = hidden * F.grouped_mm(x, w3.transpose(-2, -1), offs=ends)
