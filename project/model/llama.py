@@ -372,6 +372,12 @@ class Llama(nn.Module):
         its blocks computed (a mixture of experts' balancing loss) where there are any; `h` itself here."""
         return h
 
+    def mixtures(self) -> list[nn.Module]:
+        """The mixture-of-experts feed-forwards of the blocks this model holds, in order: none in a dense Llama.
+        Strategies replace two parts of each: `experts` ((tokens sorted by expert, counts per expert) -> outputs;
+        project.parallel.expert_parallel) and `sequence_sums` (per-sequence sums; project.parallel.context_parallel)."""
+        return []
+
     def stacked_parameters(self) -> dict[str, tuple[int, list[nn.Parameter]]]:
         """Parameters that stack several of a layer's parts along dim 0, for numerics per part: {name: (parts,
         the tensors this model holds)}, one entry per such layer of the whole model (a pipeline stage holds some:

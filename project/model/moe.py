@@ -192,8 +192,7 @@ class MoELlama(Llama):
     def block(self, config: MoEConfig, index: int) -> Block:  # type: ignore[override]
         return Block(config, MoEFeedForward(config) if config.is_moe_layer(index) else None)
 
-    def mixtures(self) -> list[MoEFeedForward]:
-        """The mixture-of-experts feed-forwards of the blocks this model holds, in order."""
+    def mixtures(self) -> list[nn.Module]:
         return list(self.held_mixtures().values())
 
     def held_mixtures(self) -> dict[int, MoEFeedForward]:

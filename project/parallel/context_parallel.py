@@ -33,7 +33,6 @@ from torch.utils.checkpoint import checkpoint
 
 from project.model.document_mask import BlockMask, document_mask
 from project.model.llama import DocumentMasking, Llama
-from project.model.moe import MoEFeedForward
 
 
 @functools.lru_cache(maxsize=64)  # the same few sequence lengths every step, every layer
@@ -249,9 +248,8 @@ class ContextParallel:
             attention.attend = ContextParallelAttention(
                 attention.attend, self.group, self.rank, self.size, self._masks, self.regather
             )
-            for module in block.modules():
-                if isinstance(module, MoEFeedForward):
-                    module.sequence_sums = ContextParallelSequenceSums(self.group)
+        for mixture in self.model.mixtures():  # a mixture's balancing loss sums over whole sequences
+            mixture.sequence_sums = ContextParallelSequenceSums(self.group)
 
     def _own_positions(self, module: nn.Module, args: tuple) -> tuple:
         x, cos, sin, mask = args

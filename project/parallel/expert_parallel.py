@@ -25,7 +25,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from project.model.moe import MoEFeedForward, expert_products
+from project.model.llama import Llama
+from project.model.moe import expert_products
 
 
 class AllToAll(torch.autograd.Function):
@@ -87,9 +88,8 @@ class ExpertParallelExperts(nn.Module):
         return AllToAll.apply(by_source, received_splits, sent_splits, self.group, 1.0 / ep)
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Split every mixture's experts over `ep_mesh` (a 1-D mesh of the group's ranks), in place: parameter names
-    stay the model's, their values each rank's shard."""
-    for module in model.modules():
-        if isinstance(module, MoEFeedForward):
-            module.experts = ExpertParallelExperts(module.experts, ep_mesh)
+def apply_expert_parallel(model: Llama, ep_mesh: DeviceMesh) -> None:
+    """Split the experts of every mixture the model holds (Llama.mixtures) over `ep_mesh` (a 1-D mesh of the group's
+    ranks), in place: parameter names stay the model's, their values each rank's shard."""
+    for mixture in model.mixtures():
+        mixture.experts = ExpertParallelExperts(mixture.experts, ep_mesh)
