@@ -76,14 +76,23 @@ def test_the_strategies_meshes_are_the_shapes_views(fake_rank):
             LlamaPipelineStrategy(pipeline_parallel_size=2, data_parallel_size=2, expert_parallel_size=2),
             MeshShape(2, 2, 1, 1, 2),
         ),
+        (
+            LlamaParallelStrategy(tensor_parallel_size=2, context_parallel_size=2, expert_parallel_size=2),
+            MeshShape(1, 2, 2, context_parallel=2, expert_parallel=2),
+        ),
     ]:
         for rank in range(shape.world_size):
             fake_rank(rank, shape.world_size)
             strategy.set_up_meshes(shape, "cpu")
             mesh = strategy.device_mesh
             assert mesh["data_parallel"].mesh.tolist() == shape.group(rank, ("data_parallel",))
+            assert mesh["tensor_parallel"].mesh.tolist() == shape.group(rank, ("tensor",))
             if shape.pipeline_parallel > 1:
                 assert mesh["pipeline"].mesh.tolist() == shape.group(rank, ("pipeline",))
+            if shape.context_parallel > 1:  # the ranks that split a sequence, and which replica reads it
+                context = dist.get_process_group_ranks(strategy._context_group)
+                assert context == shape.group(rank, ("context",))
+                assert strategy.data_parallel_coords(None) == (shape.coordinate(rank, "data"), shape.data_parallel)
             model = build_meta_mixture(config)
             if isinstance(strategy, LlamaPipelineStrategy):
                 strategy.n_microbatches, strategy.micro_batch_size = 2, 1

@@ -92,8 +92,7 @@ def test_no_token_is_dropped_and_none_depends_on_the_others_in_its_batch():
 def test_bfloat16_experts_run_as_grouped_products_equal_to_each_experts_own_product(monkeypatch):
     """The GPU's path, run here: in bfloat16 the experts take one grouped product per projection (torch's
     grouped_mm, which the CPU has too); its outputs and gradients are each expert's SwiGLU on its own tokens (an
-    expert with none included), within bfloat16's tolerance (equal here). Float32 and unaligned widths keep the
-    loop."""
+    expert with none included), within bfloat16's tolerance. Float32 and unaligned widths keep the loop."""
     from project.model.moe import Experts, takes_grouped_products
 
     experts = Experts(4, 32, 24)  # rows of 64 and 48 bytes in bfloat16: multiples of 16

@@ -524,3 +524,17 @@ run.finish()
     assert len(folders) == 2
     rows = report_wandb.read_folders(folders, "resumed").rows
     assert [(row["step"], row["train/loss"]) for row in rows] == [(0, 10.0), (1, 9.0), (2, 18.0), (3, 17.0), (4, 16.0)]
+
+
+def test_a_layout_that_splits_sequences_and_experts_is_named_with_both_degrees():
+    """The report names a start by its logged layout as training named its run: context and expert degrees
+    included where logged (a run from before they were logged has neither)."""
+    facts = {"pipeline_parallel": 1, "data_parallel": 2, "tensor_parallel": 1, "micro_batch_size": 2}
+    facts |= {"global_batch_size": 8, "pipeline_microbatches": 1, "context_parallel": 2, "expert_parallel": 4}
+    rows = [{"step": 0, **{f"layout/{k}": v for k, v in facts.items()}}]
+    assert report.logged_layouts(rows, {"model": "moe_debug", "strategy": "fsdp2"}) == [
+        "moe_debug_dp2-tp1-pp1-cp2-ep4_mb2_fsdp2"
+    ]
+    before = {k: v for k, v in facts.items() if k not in ("context_parallel", "expert_parallel")}
+    older = [{"step": 0, **{f"layout/{k}": v for k, v in before.items()}}]
+    assert report.logged_layouts(older, {"model": "debug", "strategy": "ddp"}) == ["debug_dp2-tp1-pp1_mb2_ddp"]

@@ -4,6 +4,7 @@ what cannot be built."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
@@ -107,9 +108,10 @@ def check_family_layout(model: LlamaConfig, shape: MeshShape, pipeline: bool) ->
         )
 
 
-def check_expert_parallel(model: LlamaConfig, ep: int) -> None:
-    """Refuse an expert-parallel degree the model cannot be split by (the mesh checks the ranks: mesh_shape)."""
-    if ep == 1:
+def check_expert_parallel(model: LlamaConfig, ep: Any) -> None:
+    """Refuse an expert-parallel degree the model cannot be split by (the mesh refuses what is no degree or does not
+    divide the ranks: mesh_shape)."""
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep <= 1:
         return
     if not isinstance(model, MoEConfig):
         raise ConfigError(
@@ -130,10 +132,10 @@ def plan_layout(cfg: DictConfig, num_nodes: int, devices_per_node: int) -> Layou
     pipelines that cannot be scheduled."""
     strategy_cfg = OmegaConf.to_container(cfg.strategy, resolve=True)
     model = model_config(cfg)
+    check_expert_parallel(model, strategy_cfg.get("expert_parallel_size", 1))  # a model without experts first
     shape = mesh_shape(strategy_cfg, num_nodes * devices_per_node, devices_per_node)
     kind = strategy_kind(strategy_cfg)
     check_family_layout(model, shape, kind.pipeline)
-    check_expert_parallel(model, shape.expert_parallel)
     check_context_parallel_degree(shape.context_parallel, cfg.data.seq_len, strategy_name(cfg), kind.context_parallel)
     if shape.tensor_parallel > 1:
         sequence_parallel = strategy_cfg.get("sequence_parallel", False)

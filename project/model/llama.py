@@ -8,6 +8,8 @@ match Hugging Face's LlamaForCausalLM, so export is a rename and no permutation.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -205,6 +207,15 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+class Mixture(Protocol):
+    """A mixture-of-experts feed-forward as strategies see it (Llama.mixtures): two parts they may replace.
+    `experts`: (tokens sorted by expert [M, dim], counts per expert) -> outputs [M, dim] (expert parallelism);
+    `sequence_sums`: per-sequence sums of the balancing loss (context parallelism sums them over the group)."""
+
+    experts: nn.Module
+    sequence_sums: nn.Module
+
+
 class Llama(nn.Module):
     def __init__(self, config: LlamaConfig, init_seed: int = 0):
         super().__init__()
@@ -372,10 +383,8 @@ class Llama(nn.Module):
         its blocks computed (a mixture of experts' balancing loss) where there are any; `h` itself here."""
         return h
 
-    def mixtures(self) -> list[nn.Module]:
-        """The mixture-of-experts feed-forwards of the blocks this model holds, in order: none in a dense Llama.
-        Strategies replace two parts of each: `experts` ((tokens sorted by expert, counts per expert) -> outputs;
-        project.parallel.expert_parallel) and `sequence_sums` (per-sequence sums; project.parallel.context_parallel)."""
+    def mixtures(self) -> Sequence[Mixture]:
+        """The mixture-of-experts feed-forwards of the blocks this model holds, in order: none in a dense Llama."""
         return []
 
     def stacked_parameters(self) -> dict[str, tuple[int, list[nn.Parameter]]]:

@@ -192,7 +192,7 @@ class MoELlama(Llama):
     def block(self, config: MoEConfig, index: int) -> Block:  # type: ignore[override]
         return Block(config, MoEFeedForward(config) if config.is_moe_layer(index) else None)
 
-    def mixtures(self) -> list[nn.Module]:
+    def mixtures(self) -> list[MoEFeedForward]:
         return list(self.held_mixtures().values())
 
     def held_mixtures(self) -> dict[int, MoEFeedForward]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, NamedTuple
 
 from project.model.config import LlamaConfig
@@ -51,19 +52,14 @@ class MeshShape:
     def world_size(self) -> int:
         return self.pipeline_parallel * self.data_parallel * self.context_parallel * self.tensor_parallel
 
-    @property
+    @cached_property
     def dimensions(self) -> dict[str, Dimension]:
-        """Every named dimension, outermost first within DENSE and within REGROUPED."""
-        pp, dp, tp, cp, ep = (getattr(self, f.name) for f in fields(self))
-        return {
-            "pipeline": Dimension(pp, dp * cp * tp),
-            "data": Dimension(dp, cp * tp),
-            "context": Dimension(cp, tp),
-            "tensor": Dimension(tp, 1),
-            "data_parallel": Dimension(dp * cp, tp),
-            "expert_data": Dimension(dp * cp // ep, ep * tp),
-            "expert": Dimension(ep, tp),
-        }
+        """Every named dimension (DENSE, then REGROUPED), each outermost first."""
+        pp, dp, cp, tp = self.pipeline_parallel, self.data_parallel, self.context_parallel, self.tensor_parallel
+        ep = self.expert_parallel
+        dense = [Dimension(pp, dp * cp * tp), Dimension(dp, cp * tp), Dimension(cp, tp), Dimension(tp, 1)]
+        regrouped = [Dimension(dp * cp, tp), Dimension(dp * cp // ep, ep * tp), Dimension(ep, tp)]
+        return dict(zip(DENSE + REGROUPED, dense + regrouped, strict=True))
 
     def describe(self) -> str:
         """`pipeline 2 x data 4 x context 2 x tensor 8`, and the experts' regrouping where there is one."""
@@ -114,8 +110,7 @@ def mesh_shape(strategy_cfg: Mapping[str, Any], world_size: int, devices_per_nod
     `tensor_parallel_size: auto` takes what the other degrees leave, or a whole node;
     `pipeline_parallel_size: auto` takes what tensor (and a fixed data) parallelism leave;
     `data_parallel_size: auto` fills the rest. `context_parallel_size` and `expert_parallel_size` are numbers
-    (default 1). Strategies
-    without a setting have degree 1 there (data parallelism: auto).
+    (default 1). Strategies without a setting have degree 1 there (data parallelism: auto).
     """
     pp = strategy_cfg.get("pipeline_parallel_size", 1)
     dp = strategy_cfg.get("data_parallel_size", "auto")
@@ -158,7 +153,7 @@ def mesh_shape(strategy_cfg: Mapping[str, Any], world_size: int, devices_per_nod
         )
     ep = strategy_cfg.get("expert_parallel_size", 1)
     check_expert_degree(ep, replicas * cp, int(pp))
-    return MeshShape(int(pp), replicas, int(tp), cp, ep)
+    return MeshShape(int(pp), replicas, int(tp), context_parallel=cp, expert_parallel=ep)
 
 
 def check_expert_degree(ep: Any, shards: int, pp: int) -> None:

@@ -139,9 +139,11 @@ class _Groups:
 
     def __init__(self, c: Candidate):
         self.shape = c.shape
-        tp, cp, dp = c.tensor_parallel, c.context_parallel, c.data_parallel
-        self._spans = {"tensor": tp, "context": tp * cp, "data": tp * cp * dp, "pipeline": tp * cp * dp * 2}
-        self._spans["world"] = c.shape.world_size
+        # The consecutive ranks a group along a dimension reaches over: the dimension and all inside it; a pipeline's
+        # sends reach the next stage only.
+        dims = self.shape.dimensions
+        self._spans = {d: dims[d].size * dims[d].stride for d in ("tensor", "context", "data")}
+        self._spans |= {"pipeline": 2 * dims["pipeline"].stride, "world": self.shape.world_size}
 
     def collective(self, kind: str, dims: Iterable[str], calls: float, bytes_: float, part: str) -> Collective | None:
         dims = tuple(dims)

@@ -310,6 +310,7 @@ def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir:
             "data_parallel": layout.shape.data_parallel,
             "context_parallel": layout.shape.context_parallel,
             "tensor_parallel": layout.shape.tensor_parallel,
+            "expert_parallel": layout.shape.expert_parallel,
         },
         "batch": {
             "global": layout.plan.global_batch_size,
@@ -395,9 +396,10 @@ def planned_candidate(cfg: DictConfig, layout: Layout, strategy_name: str) -> An
 
 
 def model_lines(cfg: DictConfig, layout: Layout, strategy_name: str) -> tuple[list[str], dict[str, Any]]:
-    """The model's size and, for a mixture of experts split over ranks, how: what each rank holds of each mixture and
-    the all-to-alls' bytes a step (the planner's count, project.planning.communication; held to measured runs in
-    tests/test_comms.py), and their seconds on the cluster where one is given. The lines and their record."""
+    """The model's size; with strategy.float8, what trains in float8 (float8_line); for a mixture of experts split
+    over ranks, how: what each rank holds of each mixture and the all-to-alls' bytes a step (the planner's count,
+    project.planning.communication; held to measured runs in tests/test_comms.py), and their seconds on the cluster
+    where one is given. The lines and their record."""
     from project.model.flops import count_parameters, parameter_counts
 
     config = model_config(cfg)

@@ -114,7 +114,6 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         self._context_coords = (0, 1)
         self._replica_coords: tuple[int, int] | None = None
         self._experts_mesh: DeviceMesh | None = None
-        self.shape: MeshShape | None = None  # the run's mesh, once set up
 
     def asked_degrees(self) -> dict[str, Any]:
         """The degrees the strategy config asks for (mesh_shape's settings)."""
@@ -139,13 +138,13 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         """The process meshes of the run, each a view of `shape` and shared by every fit of the process
         (parallel/groups.py): Lightning's (data x context as its `data_parallel`, FSDP2's ranks), the context
         groups' and the expert groups'. Needs the default process group (a dry run's is fake)."""
-        self.shape = shape
         self._data_parallel_size = shape.data_parallel * shape.context_parallel
         self._tensor_parallel_size = shape.tensor_parallel
         outer = self.outer_dims
         # Lightning's ModelParallelStrategy names its dimensions data_parallel and tensor_parallel.
         sizes = shape.sizes((*outer, "data_parallel", "tensor"))
         self._device_mesh = shared_mesh(device_type, sizes, (*outer, "data_parallel", "tensor_parallel"))
+        self._context_group, self._replica_coords, self._experts_mesh = None, None, None
         if shape.context_parallel > 1:  # the ranks of a context group read the same sequences
             names = (*outer, "data", "context", "tensor")
             mesh = shared_mesh(device_type, shape.sizes(names), names)

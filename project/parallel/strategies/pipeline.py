@@ -1,5 +1,6 @@
-"""Pipeline parallelism as a Lightning strategy, on a (pipeline, data_parallel, tensor_parallel) mesh (with
-context parallelism, data_parallel spans data x context, and a 4-D mesh of the same ranks gives the context groups).
+"""Pipeline parallelism as a Lightning strategy, on a (pipeline, data_parallel, tensor_parallel) mesh: a view of the
+run's MeshShape with the stages outermost (data_parallel spans data x context; the views (pipeline, data, context,
+tensor) and (pipeline, expert_data, expert, tensor) give the context and expert groups: LlamaParallelStrategy).
 
 Lightning's loop stays as it is: one `training_step` per optimizer step, then backward, clipping
 and the optimizer. A pipeline schedule runs forward and backward of all microbatches at once, so
