@@ -293,6 +293,7 @@ def test_a_64_gpu_dry_run_prints_and_writes_each_ranks_share_against_the_cluster
         "data_parallel": 8,
         "context_parallel": 1,
         "tensor_parallel": 8,
+        "expert_parallel": 1,
     }
     assert [r["rank"] for r in report["ranks"]] == [0, 7, 56, 63]
     config = model_config(compose_job(*job[:1]))
