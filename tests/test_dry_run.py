@@ -25,6 +25,7 @@ from project.planning.parameters import sharded_parameters
 from project.planning.planner import Workload
 from project.planning.render import model_arguments
 from project.planning.render import train_overrides as planned_overrides
+from project.runtime.errors import ConfigError
 
 
 def compose_job(*overrides: str):
@@ -180,6 +181,20 @@ def test_a_float8_job_dry_runs_into_the_shares_of_the_same_job_in_bf16():
         share = rank_share(cfg, layout, rank)
         assert share.parameters == hand_share(model_config(cfg), layout.shape, rank), rank
         assert share.param_bytes == share.grad_bytes == 4 * share.parameters
+
+
+def test_a_float8_job_is_refused_on_a_cluster_whose_gpus_have_no_float8_products():
+    """An A100 or V100 cluster preset has no float8 peak: its float8 job is refused before the dry run shards it,
+    and the same job on H100s passes."""
+    job = ["model=llama3_8b", "trainer=gpu", "trainer.num_nodes=8", "trainer.devices=8", "global_batch_size=1024"]
+    for cluster in ("a100_80gb", "v100_32gb"):
+        cfg = compose_job(*job, *JOBS["fsdp2"], "strategy.float8=tensorwise", f"cluster={cluster}")
+        with pytest.raises(ConfigError, match=rf"cluster={cluster}.*no float8 matrix products.*strategy.float8=null"):
+            preflight(cfg, dry_run=True)
+    cfg = compose_job(*job, *JOBS["fsdp2"], "strategy.float8=tensorwise", "cluster=h100_80gb")
+    assert preflight(cfg, dry_run=True).shape.data_parallel == 64
+    cfg = compose_job(*job, *JOBS["fsdp2"], "cluster=a100_80gb")  # bf16 on A100s goes on
+    assert preflight(cfg, dry_run=True).shape.data_parallel == 64
 
 
 def test_a_float8_dry_run_says_what_float8_converts_and_the_bytes_its_gathers_save():

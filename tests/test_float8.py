@@ -141,6 +141,29 @@ def test_a_gpu_without_float8_products_is_refused_and_an_uncompiled_one_warned(m
     assert check_float8_device("rowwise", torch.device("cpu"), compiled=False) is True  # emulated
 
 
+def test_a_gpu_without_float8_products_is_refused_as_soon_as_the_trainer_knows_its_device(monkeypatch):
+    """Before the data is prepared and the model built: the first place the run sees the node's GPU."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from project.training.trainer import check_devices
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    cfg = OmegaConf.create({"trainer": {"devices": 1}, "strategy": {"float8": "tensorwise"}})
+    on = {kind: SimpleNamespace(num_devices=1, strategy=SimpleNamespace(root_device=torch.device(kind, 0)))
+          for kind in ("cuda", "cpu")}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"V100.*compute capability 7.0.*strategy.float8=null"):
+        check_devices(cfg, on["cuda"])
+    check_devices(cfg, on["cpu"])  # emulated
+    cfg.strategy.float8 = None
+    check_devices(cfg, on["cuda"])  # bf16 on the same GPU goes on
+    cfg.strategy.float8 = "blockwise"
+    with pytest.raises(ConfigError, match=r"'blockwise'.*tensorwise, rowwise"):
+        check_devices(cfg, on["cpu"])
+
+
 def test_float8_without_torchao_says_how_to_install_it_before_training(monkeypatch):
     import importlib.util
 

@@ -21,6 +21,7 @@ def check_float8(cfg: DictConfig, shape: MeshShape | None = None) -> None:
             f"strategy.float8={recipe} needs torchao, which this environment lacks: {INSTALL_HINT}; or set "
             "strategy.float8=null."
         )
+    check_cluster_has_float8(cfg, recipe)
     model = model_config(cfg)
     tp, cp = (shape.tensor_parallel, shape.context_parallel) if shape else (1, 1)
     if not in_float8(model, tp):
@@ -41,3 +42,17 @@ def check_float8(cfg: DictConfig, shape: MeshShape | None = None) -> None:
             f"float8 products take multiples of {FLOAT8_MULTIPLE}. Choose data.seq_len accordingly, or "
             "strategy.float8=null."
         )
+
+
+def check_cluster_has_float8(cfg: DictConfig, recipe: str) -> None:
+    """A dry run checks the job against a cluster preset (`cluster=NAME`): its GPUs must have float8 products, which
+    the preset says by its float8 peak. A run on the node itself is checked once the Trainer sees its GPU
+    (project.training.trainer.check_devices)."""
+    cluster = cfg.get("cluster")
+    if cluster is None or cluster.get("accelerator") != "gpu" or (cluster.get("peak_tflops") or {}).get("fp8"):
+        return
+    raise ConfigError(
+        f"strategy.float8={recipe} on cluster={cluster.get('name')}: its GPUs have no float8 matrix products (the "
+        "preset gives no peak_tflops.fp8); they start at compute capability 8.9 (L4, L40S, H100, H200, B200). Set "
+        "strategy.float8=null, or check the job against the cluster it will run on (cluster=h100_80gb, cluster=h200)."
+    )

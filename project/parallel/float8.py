@@ -82,13 +82,13 @@ def torchao_float8() -> Any:
     return float8
 
 
-def check_float8_device(recipe: str, device: torch.device, compiled: bool) -> bool:
-    """Whether `device` emulates float8 (a CPU: yes), refusing a GPU without float8 matrix products and saying
-    once that an uncompiled float8 run on a GPU is slower than it need be."""
+def refuse_device_without_float8(recipe: str, device: torch.device) -> None:
+    """Refuse an unknown recipe, and a GPU without float8 matrix products. project.training.trainer calls this as
+    soon as the Trainer knows the run's device, before the data is prepared and the model built."""
     if recipe not in RECIPES:
         raise ConfigError(f"strategy.float8={recipe!r}: choose one of {', '.join(RECIPES)} or null.")
     if device.type != "cuda":
-        return True
+        return
     capability = torch.cuda.get_device_capability(device)
     if capability < FLOAT8_CAPABILITY:
         raise ConfigError(
@@ -96,6 +96,14 @@ def check_float8_device(recipe: str, device: torch.device, compiled: bool) -> bo
             f"{capability[0]}.{capability[1]}) has no float8 matrix products; they start at 8.9 (L4, L40S, H100, "
             "H200, B200). Set strategy.float8=null (bf16-mixed is this GPU's fastest precision)."
         )
+
+
+def check_float8_device(recipe: str, device: torch.device, compiled: bool) -> bool:
+    """Whether `device` emulates float8 (a CPU: yes), refusing a GPU without float8 matrix products and saying
+    once that an uncompiled float8 run on a GPU is slower than it need be."""
+    refuse_device_without_float8(recipe, device)
+    if device.type != "cuda":
+        return True
     if not compiled:
         from lightning.pytorch.utilities import rank_zero_warn
 

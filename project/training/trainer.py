@@ -132,7 +132,14 @@ def build_trainer(cfg: DictConfig, run_dir: Path, strategy: Strategy, layout: La
 
 
 def check_devices(cfg: DictConfig, trainer: L.Trainer) -> None:
-    """A single-device strategy takes one device whatever trainer.devices asks: refuse the difference."""
+    """A single-device strategy takes one device whatever trainer.devices asks: refuse the difference. And
+    strategy.float8 on a GPU without float8 products, refused here, before the data is prepared and the model built
+    (the checks before the imports cannot see the node's GPUs)."""
+    recipe = cfg.strategy.get("float8")
+    if recipe is not None:
+        from project.parallel.float8 import refuse_device_without_float8
+
+        refuse_device_without_float8(recipe, trainer.strategy.root_device)
     requested = cfg.trainer.devices
     if str(requested).isdigit() and int(requested) != trainer.num_devices:
         strategy_name = HydraConfig.get().runtime.choices.get("strategy")
