@@ -101,6 +101,23 @@ def test_a_tensor_new_to_the_state_or_of_another_shape_gets_a_copy_of_its_own_an
     stager.close()
 
 
+def test_tied_tensors_that_stop_sharing_their_memory_each_keep_their_own_values():
+    """Tied at the first save (one host copy for both, as torch stages them), apart at the next: the second is
+    given a copy of its own instead of overwriting the first's."""
+    stager = ReusedHostCopies(pinned=False)
+    tied = torch.ones(3, 4)
+    first = stager.stage({"embedding": tied, "head": tied})
+    assert first["embedding"].data_ptr() == first["head"].data_ptr()  # shared, as at the source
+    again = stager.stage({"embedding": torch.full((3, 4), 2.0), "head": torch.full((3, 4), 3.0)})
+    assert torch.equal(again["embedding"], torch.full((3, 4), 2.0)) and again["embedding"] is first["embedding"]
+    assert torch.equal(again["head"], torch.full((3, 4), 3.0))
+    tied.fill_(4.0)  # tied again: each place copies into its own copy from now on, with the values of the source
+    last = stager.stage({"embedding": tied, "head": tied})
+    assert torch.equal(last["embedding"], tied) and torch.equal(last["head"], tied)
+    assert last["head"] is again["head"]
+    stager.close()
+
+
 def test_a_modules_state_dict_keeps_its_version_records_at_every_stage():
     """torch's module state dicts carry their modules' versions (read by load_state_dict) beside the tensors."""
     stager = ReusedHostCopies(pinned=False)

@@ -43,6 +43,10 @@ class ReusedHostCopies(AsyncStager):
         )
         self._copies: dict[Path, torch.Tensor] = {}  # the last stage's tensors, by their place in the state
         self._used: set[Path] = set()  # the places the stage under way has copied into
+        # The stage under way's copies so far: each host copy's address -> the address of the tensor copied into it.
+        # Tensors that shared their memory at the first save (tied weights) share a copy; should they stop sharing
+        # it, the second is given a copy of its own rather than overwriting the first's.
+        self._copied_from: dict[int, int] = {}
 
     @property
     def should_synchronize_after_execute(self) -> bool:
@@ -53,7 +57,7 @@ class ReusedHostCopies(AsyncStager):
             staged = self._by_torch(state_dict)
             self._copies = dict(tensor_places(staged))
             return staged
-        self._used = set()
+        self._used, self._copied_from = set(), {}
         try:
             with torch.no_grad():
                 staged = self._again(state_dict, ())
@@ -74,10 +78,14 @@ class ReusedHostCopies(AsyncStager):
     def _again(self, value: Any, path: Path) -> Any:
         if isinstance(value, torch.Tensor):
             target = self._copies.get(path)
-            if target is None or not _same_shape(value, target):
-                target = self._copies[path] = self._by_torch(value)  # new here, or another shape: a new copy
-            else:
-                _local(target).copy_(_local(value), non_blocking=self._pinned)
+            if target is not None and _same_shape(value, target):
+                host, source = _local(target), _local(value)
+                # Copied again where tied (a view of another place's copy may be only part of it)
+                if self._copied_from.setdefault(host.data_ptr(), source.data_ptr()) == source.data_ptr():
+                    host.copy_(source, non_blocking=self._pinned)
+                    self._used.add(path)
+                    return target
+            target = self._copies[path] = self._by_torch(value)  # new here, another shape, or untied: a new copy
             self._used.add(path)
             return target
         if type(value) in MAPPINGS:
