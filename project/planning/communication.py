@@ -87,7 +87,6 @@ RING = {
     "send": lambda n: 1.0,
     "recv": lambda n: 1.0,
 }
-DIMENSIONS = DENSE  # the dense model's mesh dimensions, outermost first (MeshShape)
 FLOAT = 4  # norms and losses: float32
 FLOAT8 = 1  # a float8 value
 INT64 = 8  # a mixture's token counts per expert
@@ -117,7 +116,7 @@ class Collective:
 
 def group_name(shape: MeshShape, dims: Iterable[str]) -> str:
     """The dimensions of `dims` that have more than one rank, outermost first: "data x context"; "" for none."""
-    return " x ".join(d for d in DIMENSIONS if d in set(dims) and shape.dimensions[d].size > 1)
+    return " x ".join(d for d in DENSE if d in set(dims) and shape.dimensions[d].size > 1)
 
 
 def dimension_of(ranks: Iterable[int], shape: MeshShape) -> str:
@@ -126,7 +125,7 @@ def dimension_of(ranks: Iterable[int], shape: MeshShape) -> str:
     context ranks it spans is one of the groups that regroup them (MeshShape): "expert" (neighbours that split a
     mixture's experts) or "expert_data" (the ranks that hold the same experts)."""
     ranks = sorted(set(ranks))
-    varying = [d for d in DIMENSIONS if len({shape.coordinate(r, d) for r in ranks}) > 1]
+    varying = [d for d in DENSE if len({shape.coordinate(r, d) for r in ranks}) > 1]
     if shape.expert_parallel > 1 and ranks != shape.group(ranks[0], varying):
         for name in EXPERTS:
             if ranks == shape.group(ranks[0], (name,)):
@@ -152,7 +151,7 @@ class _Groups:
         ranks = math.prod(self.shape.dimensions[d].size for d in dims)
         if ranks == 1 or calls == 0:  # a group of one rank communicates nothing (FSDP2 and DTensor call nothing)
             return None
-        if set(dims) == set(DIMENSIONS):
+        if set(dims) == set(DENSE):
             span = self._spans["world"]
         else:
             span = max(self._spans[d] for d in dims)
@@ -432,7 +431,7 @@ def step_reductions(config: LlamaConfig, c: Candidate, rank: int = 0) -> list[Co
     """The step's own reductions on pipeline rank `rank`: the loss's mean over every rank, the gradient norm's, and a
     pipeline's sum of the norm over its stages and broadcast of the loss (module docstring)."""
     groups, part = _Groups(c), "step"
-    found = [groups.collective("all_reduce", DIMENSIONS, 1, FLOAT, part)]
+    found = [groups.collective("all_reduce", DENSE, 1, FLOAT, part)]
     if c.strategy == "fsdp":
         found.append(groups.collective("all_reduce", ("data", "context"), 1, FLOAT, part))
     elif c.strategy != "ddp":
@@ -456,7 +455,7 @@ def step_reductions(config: LlamaConfig, c: Candidate, rank: int = 0) -> list[Co
             *(groups.collective("all_reduce", (g,), 1 if experts else 0, len(experts) * FLOAT, part) for g in EXPERTS),
         ]
     if summed := config.values_summed_each_step():  # the model's own statistics (a mixture's routing biases move)
-        found.append(groups.collective("all_reduce", DIMENSIONS, 1, summed * FLOAT, part))
+        found.append(groups.collective("all_reduce", DENSE, 1, summed * FLOAT, part))
     if c.pipeline_parallel > 1:
         found += [
             groups.collective("all_reduce", ("pipeline",), 1, FLOAT, part),

@@ -505,11 +505,9 @@ def render(
     planned: dict[int, Any],
     about_model: Sequence[str] = (),
 ) -> str:
-    pp, dp, tp = layout.shape.pipeline_parallel, layout.shape.data_parallel, layout.shape.tensor_parallel
-    cp = layout.shape.context_parallel
-    plan = layout.plan
+    dp, cp, plan = layout.shape.data_parallel, layout.shape.context_parallel, layout.plan
     lines = [
-        f"dry run: strategy={strategy_name} on {pp * dp * cp * tp} devices ({cfg.trainer.num_nodes} node(s) x "
+        f"dry run: strategy={strategy_name} on {layout.shape.world_size} devices ({cfg.trainer.num_nodes} node(s) x "
         f"{cfg.trainer.devices}), mesh {layout.shape.describe()}; "
         f"batch: global {plan.global_batch_size} "
         f"= micro {plan.micro_batch_size} x {max(plan.accumulate_grad_batches, plan.pipeline_microbatches)} x {dp} "
