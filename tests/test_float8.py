@@ -191,7 +191,8 @@ def test_torchao_is_imported_without_messages_about_cuda_libraries():
 
 slow = pytest.mark.slow
 # The debug model's losses in float8 against float32, step by step over 30 steps (relative): measured 2026-11-27, at
-# most 1.4e-3; a resume's in the other precision against the run it resumes, at most 8.8e-5 over its 2 steps.
+# most 1.4e-3; a resume's in the other precision against the run it resumes, at most 8.8e-5 over its 2 steps (into or
+# out of bf16-mixed: 7.3e-5).
 FLOAT8_TRACKING = 3e-3
 # A float8 layout's losses against one device's in float8 over 12 steps (relative): measured 2026-11-27, at most
 # 4.4e-4 (context parallelism; tensor parallelism with sequence parallelism 3.8e-4), as one device taking the step's
@@ -203,6 +204,7 @@ STEPS, AT = 6, 4
 BEST = f"best-step{AT:06d}.ckpt"
 RUN = [*PARITY_RUN, f"trainer.max_steps={STEPS}", f"val_every_n_steps={AT}", f"ckpt_every_n_steps={AT}"]
 TENSORWISE, ROWWISE = "strategy.float8=tensorwise", "strategy.float8=rowwise"
+BF16 = "trainer.precision=bf16-mixed"  # a GPU run's precision (on this CPU, bf16 products of a tiny model)
 ACCUMULATED = "micro_batch_size=4"  # one device taking the 8 sequences of a step as two micro batches of 4
 PARALLEL = {
     # name: (overrides, the one-device run it equals)
@@ -221,6 +223,7 @@ ONE_DEVICE = {
     "accumulated": [ACCUMULATED, TENSORWISE],
     "rowwise": [ROWWISE],
     "float32": [],
+    "bf16": [BF16],
 }
 # 30 steps of the debug model (its experiment's own length), float8 against float32.
 LONG = {"float32-30": ["trainer.max_steps=30"], "float8-30": ["trainer.max_steps=30", TENSORWISE]}
@@ -231,6 +234,8 @@ RESUMED = {
     "float32-single-to-float8-tp": ("float32", ["strategy=tp", "trainer.devices=2", TENSORWISE]),
     # into FSDP2's float8 gathers, whose weights are torchao's wrappers
     "float32-single-to-float8-fsdp2": ("float32", ["strategy=fsdp2", "trainer.devices=2", TENSORWISE]),
+    "float8-fsdp2-to-bf16-ddp": ("fsdp2", ["strategy=ddp", "trainer.devices=2", BF16]),
+    "bf16-single-to-float8-tp": ("bf16", ["strategy=tp", "trainer.devices=2", TENSORWISE, BF16]),
 }
 
 
@@ -252,7 +257,8 @@ def runs(tiny_shards, tmp_path_factory) -> dict:
     two["context-parallel"] = [*RUN, *CONTEXT_PARALLEL]
     two["float32-single-to-float8-tp"] = resumed("float32-single-to-float8-tp")
     two["float32-single-to-float8-fsdp2"] = resumed("float32-single-to-float8-fsdp2")
-    two["float8-fsdp2-to-float32-ddp"] = resumed("float8-fsdp2-to-float32-ddp")  # after fsdp2, in the same group
+    for name in ("float8-fsdp2-to-float32-ddp", "float8-fsdp2-to-bf16-ddp", "bf16-single-to-float8-tp"):
+        two[name] = resumed(name)  # those from fsdp2 after it, in the same group
     train_in_process(2, cases(two))
     four = {name: [*RUN, *o] for name, (o, _) in PARALLEL.items() if "trainer.devices=4" in o}
     train_in_process(4, cases(four))

@@ -6,8 +6,10 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT, run_module
 
 from project.gpu_check import parse
@@ -15,7 +17,7 @@ from project.model.flops import training_flops_per_token
 from project.runtime.errors import ConfigError
 from project.tooling.bench import load_preset
 from project.tooling.gpu_check import correctness
-from project.tooling.gpu_check.check import section_ends
+from project.tooling.gpu_check.check import prepare, section_ends
 from project.tooling.gpu_check.report import failures
 from project.tooling.gpu_check.wheels import closure
 
@@ -102,6 +104,21 @@ def test_without_a_gpu_the_check_says_so_in_one_line_and_writes_nothing(tmp_path
     assert asked.returncode == 2 and asked.stderr.strip().startswith("error: device=cuda: torch sees no GPU")
 
 
+def test_float8_on_a_gpu_without_float8_products_is_refused_before_anything_runs(monkeypatch, capsys, tmp_path):
+    from project import gpu_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(sys, "argv", ["gpu_check", "float8=tensorwise,rowwise", f"out={tmp_path}"])
+    with pytest.raises(SystemExit) as exited:
+        gpu_check.main()
+    assert exited.value.code == 2 and list(tmp_path.iterdir()) == []
+    said = capsys.readouterr().err
+    assert said.startswith("error: float8=tensorwise,rowwise: NVIDIA A100") and "capability 8.0" in said
+
+
 @pytest.mark.parametrize(
     "argument, message",
     [
@@ -125,6 +142,33 @@ def test_sections_left_out_give_their_time_to_the_others_in_proportion():
     assert section_ends(0.0, 100.0, ("correctness", "data")) == pytest.approx({"correctness": 45 / 0.55, "data": 100.0})
     assert section_ends(10.0, 60.0, ("speed",)) == pytest.approx({"speed": 70.0})
     assert parse(["sections=data,correctness"])["sections"] == ("correctness", "data")  # run in the check's order
+
+
+def test_float8_cases_run_bf16s_settings_with_each_recipe_over_200_compiled_steps_on_a_gpu():
+    assert not [case for case in correctness.cases("cuda", 1) if "float8" in case.proves]  # only when asked
+    found = correctness.cases("cuda", 1, ("tensorwise", "rowwise"))
+    reference, tensorwise, rowwise = found[-3:]
+    assert reference.reference is None and reference.steps == 200
+    assert {"trainer.precision=bf16-mixed", "strategy.compile=true"} <= set(reference.settings)
+    for case, recipe in ((tensorwise, "tensorwise"), (rowwise, "rowwise")):
+        assert case.settings == [*reference.settings, f"strategy.float8={recipe}"]
+        assert (case.reference, case.steps, case.tolerance) == (reference.name, 200, correctness.TOLERANCE["float8"])
+    argv = correctness.command(tensorwise, "cuda", {"dir": "d", "sources": "s"}, 1, Path("r"), None)
+    assert "trainer.max_steps=200" in argv and "optim.decay_steps=200" in argv  # the schedule ends with the run
+
+
+@pytest.mark.slow
+def test_a_float8_run_tracks_bf16_through_project_train_within_the_checks_tolerance(tmp_path):
+    """The float8 cases as the check runs them, here emulated on the CPU over 20 steps."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    data = prepare(tmp_path, 0.2, correctness.SEQ_LEN, env)
+    done: dict[str, correctness.Result] = {}
+    for case in correctness.float8_cases("cpu", ("tensorwise",)):
+        done[case.name] = correctness.run_case(case, "cpu", 1, data, tmp_path / "runs", env, done, timeout=300)
+        assert done[case.name].status == "pass", done[case.name].detail
+    result = done["float8 tensorwise"]
+    assert "strategy.float8=tensorwise" in result.command and len(result.losses) == correctness.FLOAT8_STEPS["cpu"]
+    assert 0 < result.max_rel_diff <= correctness.TOLERANCE["float8"]  # float8's rounding, not bf16's run again
 
 
 def test_a_run_outside_its_tolerance_fails_its_case():

@@ -100,7 +100,7 @@ def prepare(work: Path, megabytes: float, seq_len: int, env: dict, tokenizer: Pa
 
 
 def run_correctness(options: Options, data: dict, work: Path, env: dict, deadline: float) -> list[dict]:
-    found = correctness.cases(options.device, options.devices)
+    found = correctness.cases(options.device, options.devices, options.float8)
     done: dict[str, correctness.Result] = {}
     for i, case in enumerate(found, 1):
         result = correctness.run_case(

@@ -13,7 +13,9 @@ relative difference from its reference's loss at the same step is within its tol
   on CPU on 2026-11-25: 1e-4);
 - bf16-true (weights and AdamW's moments in bf16 too) against fp32: 3e-2 (measured on CPU: 0.9%);
 - document masking on a GPU (FlexAttention's fused kernel under a block mask) against the same run on the CPU
-  (the dense mask), both fp32: 1e-3, two devices' kernels apart; on a CPU both are the dense path (1e-5).
+  (the dense mask), both fp32: 1e-3, two devices' kernels apart; on a CPU both are the dense path (1e-5);
+- with `float8=` (gpu_check's option), each float8 recipe (`strategy.float8`, compiled on a GPU) against the same
+  bf16-mixed run over FLOAT8_STEPS steps (200 on a GPU): FLOAT8_TOLERANCE (see there).
 """
 
 from __future__ import annotations
@@ -42,7 +44,15 @@ TOLERANCE = {
     "bf16": 1e-2,
     "bf16_true": 3e-2,
     "device_against_cpu": 1e-3,
+    # float8's products against bf16's over FLOAT8_STEPS steps. Measured emulated on the CPU (the values a GPU
+    # rounds to, float32 products) against bf16-mixed, 2026-11-29, 200 steps: at most 7.1e-3 (tensorwise) and
+    # 5.7e-3 (rowwise), largest in the first 20 steps and where the loss falls fastest, not growing with the steps.
+    # float8 rounds each product's inputs to 3 bits of mantissa (bf16: 8); a GPU's kernels add their own order.
+    "float8": 2e-2,
 }
+# A float8 case's steps: torchtitan's and torchao's loss curves are compared over hundreds; a CPU emulates float8
+# products at float32's cost and runs the cases to check the plumbing (make test), in fewer.
+FLOAT8_STEPS = {"cuda": 200, "cpu": 20}
 
 
 @dataclass
@@ -73,8 +83,9 @@ class Result:
     losses: dict[int, float] = field(default_factory=dict)
 
 
-def cases(device_type: str, devices: int) -> list[Case]:
-    """The cases for `devices` devices of `device_type`, in the order they run (references first)."""
+def cases(device_type: str, devices: int, float8: tuple[str, ...] = ()) -> list[Case]:
+    """The cases for `devices` devices of `device_type`, in the order they run (references first); `float8`: the
+    float8 recipes whose runs are compared with bf16's."""
     parity = TOLERANCE[f"parity_{device_type}"]
     fp32, bf16 = ["trainer.precision=32-true"], ["trainer.precision=bf16-mixed"]
     pair = "2 or more devices"
@@ -179,6 +190,32 @@ def cases(device_type: str, devices: int) -> list[Case]:
             tolerance=against_cpu,
             needs=pair,
         ),
+        *float8_cases(device_type, float8),
+    ]
+
+
+def float8_cases(device_type: str, recipes: tuple[str, ...]) -> list[Case]:
+    """bf16-mixed over FLOAT8_STEPS steps, then each recipe's run of the same settings with its blocks' linear
+    layers in float8, compiled on a GPU as float8 is run there (on a CPU, compiling costs more than the check
+    takes: eager)."""
+    if not recipes:
+        return []
+    steps = FLOAT8_STEPS[device_type]
+    bf16 = ["trainer.precision=bf16-mixed", *(["strategy.compile=true"] if device_type == "cuda" else [])]
+    reference = f"bf16-mixed, {steps} steps"
+    return [
+        Case(reference, "float8's reference", bf16, steps=steps),
+        *(
+            Case(
+                f"float8 {recipe}",
+                f"the blocks' linear layers in float8 ({recipe} scales) track bf16 over {steps} steps",
+                [*bf16, f"strategy.float8={recipe}"],
+                reference=reference,
+                tolerance=TOLERANCE["float8"],
+                steps=steps,
+            )
+            for recipe in recipes
+        ),
     ]
 
 
@@ -205,7 +242,7 @@ def command(case: Case, device_type: str, data: dict, devices: int, run_dir: Pat
         f"trainer.devices={case.devices}",
         f"global_batch_size={global_batch(devices)}",
         f"trainer.max_steps={case.steps}",
-        f"optim.decay_steps={STEPS}",  # the resumed leg's schedule is the whole run's
+        f"optim.decay_steps={max(STEPS, case.steps)}",  # the resumed leg's schedule is the whole run's
         "trainer.log_every_n_steps=1",
         "val_every_n_steps=1000000",
         "ckpt_every_n_steps=1000000",
