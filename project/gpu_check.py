@@ -99,14 +99,14 @@ def main() -> None:
     if device == "cuda" and devices > gpus:
         raise ConfigError(f"devices={devices}: torch sees {gpus} GPU(s) here; give at most {gpus}.")
     if args["float8"] and device == "cuda":  # refused now, not after minutes of runs that would each be refused
-        from project.parallel.float8_rules import FLOAT8_CAPABILITY
+        from project.parallel.float8_rules import FLOAT8_CAPABILITY, FLOAT8_GPUS
 
         capability = torch.cuda.get_device_capability(0)
         if capability < FLOAT8_CAPABILITY:
             raise ConfigError(
                 f"float8={','.join(args['float8'])}: {torch.cuda.get_device_name(0)} (compute capability "
-                f"{capability[0]}.{capability[1]}) has no float8 matrix products; they start at 8.9 (L4, L40S, H100, "
-                "H200, B200). Leave float8= out on this node."
+                f"{capability[0]}.{capability[1]}) has no float8 matrix products; {FLOAT8_GPUS}. Leave float8= out "
+                "on this node."
             )
 
     from project.tooling.gpu_check import report

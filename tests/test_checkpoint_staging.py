@@ -118,6 +118,21 @@ def test_tied_tensors_that_stop_sharing_their_memory_each_keep_their_own_values(
     stager.close()
 
 
+def test_a_view_that_stops_being_one_keeps_its_own_values_and_the_whole_its_own():
+    """A row staged as a view into its matrix's copy: once the row is a tensor of its own, writing it into that view
+    would change the matrix's copy."""
+    stager = ReusedHostCopies(pinned=False)
+    matrix = torch.zeros(3, 4)
+    first = stager.stage({"matrix": matrix, "row": matrix[1]})
+    assert first["row"].untyped_storage().data_ptr() == first["matrix"].untyped_storage().data_ptr()
+    again = stager.stage({"matrix": torch.ones(3, 4), "row": torch.full((4,), 5.0)})
+    assert torch.equal(again["matrix"], torch.ones(3, 4)) and torch.equal(again["row"], torch.full((4,), 5.0))
+    matrix.fill_(2.0)  # a view again, at the same place: copied as such
+    last = stager.stage({"matrix": matrix, "row": matrix[1]})
+    assert torch.equal(last["matrix"], matrix) and torch.equal(last["row"], matrix[1])
+    stager.close()
+
+
 def test_a_modules_state_dict_keeps_its_version_records_at_every_stage():
     """torch's module state dicts carry their modules' versions (read by load_state_dict) beside the tensors."""
     stager = ReusedHostCopies(pinned=False)

@@ -14,6 +14,7 @@ from test_sharded_parity import LAYOUTS as SHARDED
 
 from project.config.checks import preflight
 from project.config.command_line import CONF
+from project.config.float8 import check_float8
 from project.config.layout import plan_layout
 from project.config.values import model_config
 from project.parallel.mesh import MeshShape
@@ -185,12 +186,13 @@ def test_a_float8_job_dry_runs_into_the_shares_of_the_same_job_in_bf16():
 
 def test_a_float8_job_is_refused_on_a_cluster_whose_gpus_have_no_float8_products():
     """An A100 or V100 cluster preset has no float8 peak: its float8 job is refused before the dry run shards it,
-    and the same job on H100s passes."""
+    and the same job on H100s passes. A real run ignores cluster= (its node's GPU is checked once seen)."""
     job = ["model=llama3_8b", "trainer=gpu", "trainer.num_nodes=8", "trainer.devices=8", "global_batch_size=1024"]
     for cluster in ("a100_80gb", "v100_32gb"):
         cfg = compose_job(*job, *JOBS["fsdp2"], "strategy.float8=tensorwise", f"cluster={cluster}")
         with pytest.raises(ConfigError, match=rf"cluster={cluster}.*no float8 matrix products.*strategy.float8=null"):
             preflight(cfg, dry_run=True)
+        check_float8(cfg)  # a real run's: its node's GPU is checked once the Trainer sees it
     cfg = compose_job(*job, *JOBS["fsdp2"], "strategy.float8=tensorwise", "cluster=h100_80gb")
     assert preflight(cfg, dry_run=True).shape.data_parallel == 64
     cfg = compose_job(*job, *JOBS["fsdp2"], "cluster=a100_80gb")  # bf16 on A100s goes on

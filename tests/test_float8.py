@@ -129,7 +129,7 @@ def test_a_gpu_without_float8_products_is_refused_and_an_uncompiled_one_warned(m
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    with pytest.raises(ConfigError, match=r"A100.*compute capability 8.0.*start at 8.9.*strategy.float8=null"):
+    with pytest.raises(ConfigError, match=r"A100.*capability 8.0.*start at compute capability 8.9.*float8=null"):
         check_float8_device("tensorwise", torch.device("cuda", 0), compiled=True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     with warnings.catch_warnings(record=True) as caught:
@@ -141,8 +141,9 @@ def test_a_gpu_without_float8_products_is_refused_and_an_uncompiled_one_warned(m
     assert check_float8_device("rowwise", torch.device("cpu"), compiled=False) is True  # emulated
 
 
-def test_a_gpu_without_float8_products_is_refused_as_soon_as_the_trainer_knows_its_device(monkeypatch):
-    """Before the data is prepared and the model built: the first place the run sees the node's GPU."""
+def test_the_trainers_device_check_refuses_float8_on_a_gpu_without_float8_products(monkeypatch):
+    """check_devices runs as soon as the Trainer is built (project.training.run.fit_once), before the data is
+    prepared and the model built: the first place a run sees its node's GPU."""
     from types import SimpleNamespace
 
     from omegaconf import OmegaConf
@@ -257,8 +258,9 @@ def runs(tiny_shards, tmp_path_factory) -> dict:
     two["context-parallel"] = [*RUN, *CONTEXT_PARALLEL]
     two["float32-single-to-float8-tp"] = resumed("float32-single-to-float8-tp")
     two["float32-single-to-float8-fsdp2"] = resumed("float32-single-to-float8-fsdp2")
-    for name in ("float8-fsdp2-to-float32-ddp", "float8-fsdp2-to-bf16-ddp", "bf16-single-to-float8-tp"):
-        two[name] = resumed(name)  # those from fsdp2 after it, in the same group
+    two["bf16-single-to-float8-tp"] = resumed("bf16-single-to-float8-tp")
+    for name in ("float8-fsdp2-to-float32-ddp", "float8-fsdp2-to-bf16-ddp"):
+        two[name] = resumed(name)  # after fsdp2, in the same group
     train_in_process(2, cases(two))
     four = {name: [*RUN, *o] for name, (o, _) in PARALLEL.items() if "trainer.devices=4" in o}
     train_in_process(4, cases(four))

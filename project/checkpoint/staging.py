@@ -7,7 +7,8 @@ the copy itself (cProfile on 2 CPU ranks of an 8.9M model, 300 tensors: 59 ms of
 a 136 ms stage) and grows with the tensor count, not the bytes (a 70B model's state is thousands of tensors).
 `ReusedHostCopies` lets torch's stager make the first copy (its host tensors, pinned on a GPU, and DTensors around
 them), keeps it, and at the next save copies each tensor's local values into the one staged at the same place of the
-state; a tensor new to the state, or of another size, dtype or placement, is staged by torch's stager alone.
+state; a tensor new to the state, of another size, dtype or placement, or no longer sharing memory with the tensors
+it shared it with at the first save, is staged by torch's stager alone.
 
 The copies are overwritten by the next save: the caller must not save again while a write still reads them
 (BackgroundWriter writes one checkpoint at a time).
@@ -31,8 +32,9 @@ SEQUENCES = (list, tuple)
 
 class ReusedHostCopies(AsyncStager):
     """dcp.async_save's stager (and the single-file writer's): each save's state copied into the host tensors of the
-    save before it, place by place; a place new to the state, or whose tensor changed its shape, is staged by torch's
-    stager (the first save whole, which keeps tensors that share storage sharing it)."""
+    save before it, place by place; a place new to the state, whose tensor changed its shape, or that no longer
+    shares memory as it did, is staged by torch's stager (the first save whole, which keeps tensors that share storage
+    sharing it)."""
 
     def __init__(self, pinned: bool):
         self._pinned = pinned
@@ -43,10 +45,11 @@ class ReusedHostCopies(AsyncStager):
         )
         self._copies: dict[Path, torch.Tensor] = {}  # the last stage's tensors, by their place in the state
         self._used: set[Path] = set()  # the places the stage under way has copied into
-        # The stage under way's copies so far: each host copy's address -> the address of the tensor copied into it.
-        # Tensors that shared their memory at the first save (tied weights) share a copy; should they stop sharing
-        # it, the second is given a copy of its own rather than overwriting the first's.
-        self._copied_from: dict[int, int] = {}
+        # The stage under way's copies so far: each host storage -> the storage copied into it, and where in it (the
+        # offset of the source's elements from the copy's). Tensors that shared memory at the first save (tied
+        # weights, views) share a storage of copies; should one stop sharing it, it is given a copy of its own
+        # rather than overwriting the others'.
+        self._copied_from: dict[int, tuple[int, int]] = {}
 
     @property
     def should_synchronize_after_execute(self) -> bool:
@@ -80,9 +83,8 @@ class ReusedHostCopies(AsyncStager):
             target = self._copies.get(path)
             if target is not None and _same_shape(value, target):
                 host, source = _local(target), _local(value)
-                # Copied again where tied (a view of another place's copy may be only part of it)
-                if self._copied_from.setdefault(host.data_ptr(), source.data_ptr()) == source.data_ptr():
-                    host.copy_(source, non_blocking=self._pinned)
+                if host.numel() == 0 or self._still_shares(host, source):
+                    host.copy_(source, non_blocking=self._pinned)  # again where tied: a view may be only a part
                     self._used.add(path)
                     return target
             target = self._copies[path] = self._by_torch(value)  # new here, another shape, or untied: a new copy
@@ -100,6 +102,12 @@ class ReusedHostCopies(AsyncStager):
         # Any other object (Lightning's records of loops and callbacks, hyperparameters): copied whole by torch's
         # stager, as at the first save, tensors inside it included.
         return self._by_torch(value)
+
+    def _still_shares(self, host: torch.Tensor, source: torch.Tensor) -> bool:
+        """Whether `source` shares memory with the sources copied into `host`'s storage before it in this stage, as
+        at the first save (trivially, if it is the first)."""
+        where = (source.untyped_storage().data_ptr(), int(source.storage_offset() - host.storage_offset()))
+        return self._copied_from.setdefault(host.untyped_storage().data_ptr(), where) == where
 
     def _by_torch(self, value: Any) -> Any:
         staged = self._torch.stage({"value": value})  # staged here, not asynchronously: the copy itself

@@ -38,10 +38,10 @@ def preflight(cfg: DictConfig, dry_run: bool = False, run_dir: str | os.PathLike
     if kind.single_device:
         check_one_device(cfg, nodes, devices)
     if not (isinstance(nodes, int) and isinstance(devices, int)):
-        check_float8(cfg)
+        check_float8(cfg, dry_run=dry_run)
         return None
     layout = plan_layout(cfg, nodes, devices)
-    check_float8(cfg, layout.shape)
+    check_float8(cfg, layout.shape, dry_run)
     return layout
 
 

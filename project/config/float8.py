@@ -3,16 +3,18 @@ holds them, and each rank's micro batch has tokens float8's products can take.""
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from project.config.values import model_config
-from project.parallel.float8_rules import FLOAT8_MULTIPLE, INSTALL_HINT, in_float8, torchao_installed
+from project.parallel.float8_rules import FLOAT8_GPUS, FLOAT8_MULTIPLE, INSTALL_HINT, in_float8, torchao_installed
 from project.parallel.mesh import MeshShape
+from project.planning.cluster import Cluster
 from project.runtime.errors import ConfigError
 
 
-def check_float8(cfg: DictConfig, shape: MeshShape | None = None) -> None:
-    """`shape`: the run's mesh where the device count is known (its tensor- and context-parallel degrees)."""
+def check_float8(cfg: DictConfig, shape: MeshShape | None = None, dry_run: bool = False) -> None:
+    """`shape`: the run's mesh where the device count is known (its tensor- and context-parallel degrees);
+    `dry_run`: the job is checked against the cluster preset it names (cluster=), not this machine."""
     recipe = cfg.strategy.get("float8")
     if recipe is None:
         return
@@ -21,7 +23,8 @@ def check_float8(cfg: DictConfig, shape: MeshShape | None = None) -> None:
             f"strategy.float8={recipe} needs torchao, which this environment lacks: {INSTALL_HINT}; or set "
             "strategy.float8=null."
         )
-    check_cluster_has_float8(cfg, recipe)
+    if dry_run:
+        check_cluster_has_float8(cfg, recipe)
     model = model_config(cfg)
     tp, cp = (shape.tensor_parallel, shape.context_parallel) if shape else (1, 1)
     if not in_float8(model, tp):
@@ -45,14 +48,15 @@ def check_float8(cfg: DictConfig, shape: MeshShape | None = None) -> None:
 
 
 def check_cluster_has_float8(cfg: DictConfig, recipe: str) -> None:
-    """A dry run checks the job against a cluster preset (`cluster=NAME`): its GPUs must have float8 products, which
-    the preset says by its float8 peak. A run on the node itself is checked once the Trainer sees its GPU
-    (project.training.trainer.check_devices)."""
-    cluster = cfg.get("cluster")
-    if cluster is None or cluster.get("accelerator") != "gpu" or (cluster.get("peak_tflops") or {}).get("fp8"):
+    """A dry run checks the job against a cluster preset (`cluster=NAME`): its GPUs must have float8 products. A real
+    run is checked once the Trainer sees the node's GPU (project.training.trainer.check_devices)."""
+    if cfg.get("cluster") is None:
+        return
+    cluster = Cluster.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
+    if cluster.accelerator != "gpu" or cluster.has_float8:
         return
     raise ConfigError(
-        f"strategy.float8={recipe} on cluster={cluster.get('name')}: its GPUs have no float8 matrix products (the "
-        "preset gives no peak_tflops.fp8); they start at compute capability 8.9 (L4, L40S, H100, H200, B200). Set "
-        "strategy.float8=null, or check the job against the cluster it will run on (cluster=h100_80gb, cluster=h200)."
+        f"strategy.float8={recipe} on cluster={cluster.name}: its GPUs have no float8 matrix products (the preset "
+        f"gives no peak_tflops.fp8); {FLOAT8_GPUS}. Set strategy.float8=null, or check the job against the cluster it "
+        "will run on (cluster=h100_80gb, cluster=h200)."
     )

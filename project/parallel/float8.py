@@ -38,6 +38,7 @@ from torch import nn
 
 from project.parallel.float8_rules import (
     FLOAT8_CAPABILITY,
+    FLOAT8_GPUS,
     FLOAT8_MULTIPLE,
     INSTALL_HINT,
     RECIPES,
@@ -93,8 +94,8 @@ def refuse_device_without_float8(recipe: str, device: torch.device) -> None:
     if capability < FLOAT8_CAPABILITY:
         raise ConfigError(
             f"strategy.float8={recipe}: {torch.cuda.get_device_name(device)} (compute capability "
-            f"{capability[0]}.{capability[1]}) has no float8 matrix products; they start at 8.9 (L4, L40S, H100, "
-            "H200, B200). Set strategy.float8=null (bf16-mixed is this GPU's fastest precision)."
+            f"{capability[0]}.{capability[1]}) has no float8 matrix products; {FLOAT8_GPUS}. Set "
+            "strategy.float8=null (bf16-mixed is this GPU's fastest precision)."
         )
 
 

@@ -11,6 +11,7 @@ RECIPES = ("tensorwise", "rowwise")
 INSTALL_HINT = "`make install` brings it (or pip install torchao==0.18.0)"
 #: float8 matrix products on a GPU: NVIDIA compute capability 8.9 (Ada: L4, L40S) and later (Hopper, Blackwell).
 FLOAT8_CAPABILITY = (8, 9)
+FLOAT8_GPUS = "they start at compute capability 8.9 (L4, L40S, H100, H200, B200)"  # what a refusal says
 #: Both sides of a float8 matrix product must be multiples of this (torch's scaled_mm on NVIDIA GPUs), and so must
 #: the tokens of a micro batch on a rank (the inner side of the weight gradient's product).
 FLOAT8_MULTIPLE = 16

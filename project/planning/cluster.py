@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from project.parallel.float8_rules import FLOAT8_GPUS
 from project.runtime.errors import ConfigError
 
 GIB = 2**30
@@ -46,13 +47,18 @@ class Cluster:
     def peak_flops(self, compute_dtype: str) -> float:
         return self.peak_tflops[compute_dtype] * 1e12
 
+    @property
+    def has_float8(self) -> bool:
+        """Whether its devices have float8 matrix products: the preset gives their float8 peak."""
+        return self.peak_tflops.get("fp8", 0) > 0
+
     def check_float8(self) -> None:
         """Planning float8 needs the device's float8 peak and its memory bandwidth (the casts)."""
-        if not self.peak_tflops.get("fp8", 0) > 0 or not (self.memory_gbps or 0) > 0:
+        if not self.has_float8 or not (self.memory_gbps or 0) > 0:
             raise ConfigError(
                 f"float8 on cluster={self.name}: its preset gives no float8 peak (peak_tflops.fp8) or memory bandwidth "
-                "(memory_gbps): float8 products start at compute capability 8.9 (H100, H200: conf/cluster/h100_80gb "
-                "and h200). Plan with float8=null, or add both figures to the preset."
+                f"(memory_gbps); of float8 matrix products, {FLOAT8_GPUS} (conf/cluster/h100_80gb and h200). "
+                "Plan with float8=null, or add both figures to the preset."
             )
 
     def bandwidth(self, group_span: int) -> float:
