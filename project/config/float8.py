@@ -3,12 +3,18 @@ holds them, and each rank's micro batch has tokens float8's products can take.""
 
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from project.config.values import model_config
-from project.parallel.float8_rules import FLOAT8_GPUS, FLOAT8_MULTIPLE, INSTALL_HINT, in_float8, torchao_installed
+from project.parallel.float8_rules import (
+    FLOAT8_GPUS,
+    FLOAT8_MULTIPLE,
+    INSTALL_HINT,
+    has_float8_products,
+    in_float8,
+    torchao_installed,
+)
 from project.parallel.mesh import MeshShape
-from project.planning.cluster import Cluster
 from project.runtime.errors import ConfigError
 
 
@@ -50,13 +56,11 @@ def check_float8(cfg: DictConfig, shape: MeshShape | None = None, dry_run: bool 
 def check_cluster_has_float8(cfg: DictConfig, recipe: str) -> None:
     """A dry run checks the job against a cluster preset (`cluster=NAME`): its GPUs must have float8 products. A real
     run is checked once the Trainer sees the node's GPU (project.training.trainer.check_devices)."""
-    if cfg.get("cluster") is None:
-        return
-    cluster = Cluster.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
-    if cluster.accelerator != "gpu" or cluster.has_float8:
+    cluster = cfg.get("cluster")
+    if cluster is None or cluster.get("accelerator") != "gpu" or has_float8_products(cluster.get("peak_tflops") or {}):
         return
     raise ConfigError(
-        f"strategy.float8={recipe} on cluster={cluster.name}: its GPUs have no float8 matrix products (the preset "
-        f"gives no peak_tflops.fp8); {FLOAT8_GPUS}. Set strategy.float8=null, or check the job against the cluster it "
-        "will run on (cluster=h100_80gb, cluster=h200)."
+        f"strategy.float8={recipe} on cluster={cluster.get('name')}: its GPUs have no float8 matrix products (the "
+        f"preset gives no peak_tflops.fp8); {FLOAT8_GPUS}. Set strategy.float8=null, or check the job against the "
+        "cluster it will run on (cluster=h100_80gb, cluster=h200)."
     )

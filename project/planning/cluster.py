@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from project.parallel.float8_rules import FLOAT8_GPUS
+from project.parallel.float8_rules import FLOAT8_GPUS, has_float8_products
 from project.runtime.errors import ConfigError
 
 GIB = 2**30
@@ -49,8 +49,8 @@ class Cluster:
 
     @property
     def has_float8(self) -> bool:
-        """Whether its devices have float8 matrix products: the preset gives their float8 peak."""
-        return self.peak_tflops.get("fp8", 0) > 0
+        """Whether its devices have float8 matrix products."""
+        return has_float8_products(self.peak_tflops)
 
     def check_float8(self) -> None:
         """Planning float8 needs the device's float8 peak and its memory bandwidth (the casts)."""
