@@ -99,15 +99,10 @@ def main() -> None:
     if device == "cuda" and devices > gpus:
         raise ConfigError(f"devices={devices}: torch sees {gpus} GPU(s) here; give at most {gpus}.")
     if args["float8"] and device == "cuda":  # refused now, not after minutes of runs that would each be refused
-        from project.parallel.float8_rules import FLOAT8_CAPABILITY, FLOAT8_GPUS
+        from project.parallel.float8 import without_float8
 
-        capability = torch.cuda.get_device_capability(0)
-        if capability < FLOAT8_CAPABILITY:
-            raise ConfigError(
-                f"float8={','.join(args['float8'])}: {torch.cuda.get_device_name(0)} (compute capability "
-                f"{capability[0]}.{capability[1]}) has no float8 matrix products; {FLOAT8_GPUS}. Leave float8= out "
-                "on this node."
-            )
+        if reason := without_float8(torch.device("cuda", 0)):
+            raise ConfigError(f"float8={','.join(args['float8'])}: {reason}. Leave float8= out on this node.")
 
     from project.tooling.gpu_check import report
     from project.tooling.gpu_check.check import Options, run

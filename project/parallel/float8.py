@@ -88,15 +88,25 @@ def refuse_device_without_float8(recipe: str, device: torch.device) -> None:
     soon as the Trainer knows the run's device, before the data is prepared and the model built."""
     if recipe not in RECIPES:
         raise ConfigError(f"strategy.float8={recipe!r}: choose one of {', '.join(RECIPES)} or null.")
-    if device.type != "cuda":
-        return
-    capability = torch.cuda.get_device_capability(device)
-    if capability < FLOAT8_CAPABILITY:
+    if reason := without_float8(device):
         raise ConfigError(
-            f"strategy.float8={recipe}: {torch.cuda.get_device_name(device)} (compute capability "
-            f"{capability[0]}.{capability[1]}) has no float8 matrix products; {FLOAT8_GPUS}. Set "
-            "strategy.float8=null (bf16-mixed is this GPU's fastest precision)."
+            f"strategy.float8={recipe}: {reason}. Set strategy.float8=null (bf16-mixed is this GPU's fastest "
+            "precision)."
         )
+
+
+def without_float8(device: torch.device) -> str | None:
+    """Why `device` cannot train in float8 (a GPU before compute capability 8.9); None where it can or emulates it (a
+    CPU). Also make gpu-check's, before it runs anything."""
+    if device.type != "cuda":
+        return None
+    capability = torch.cuda.get_device_capability(device)
+    if capability >= FLOAT8_CAPABILITY:
+        return None
+    return (
+        f"{torch.cuda.get_device_name(device)} (compute capability {capability[0]}.{capability[1]}) has no float8 "
+        f"matrix products; {FLOAT8_GPUS}"
+    )
 
 
 def check_float8_device(recipe: str, device: torch.device, compiled: bool) -> bool:

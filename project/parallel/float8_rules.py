@@ -13,19 +13,17 @@ INSTALL_HINT = "`make install` brings it (or pip install torchao==0.18.0)"
 #: float8 matrix products on a GPU: NVIDIA compute capability 8.9 (Ada: L4, L40S) and later (Hopper, Blackwell).
 FLOAT8_CAPABILITY = (8, 9)
 FLOAT8_GPUS = "they start at compute capability 8.9 (L4, L40S, H100, H200, B200)"  # what a refusal says
-
-
-def has_float8_products(peak_tflops: Mapping[str, float]) -> bool:
-    """Whether a cluster preset's devices have float8 matrix products (conf/cluster): it gives their float8 peak."""
-    return (peak_tflops.get("fp8") or 0) > 0
-
-
 #: Both sides of a float8 matrix product must be multiples of this (torch's scaled_mm on NVIDIA GPUs), and so must
 #: the tokens of a micro batch on a rank (the inner side of the weight gradient's product).
 FLOAT8_MULTIPLE = 16
 #: The sub-layers of a block and their projections; the last of each is row-parallel under tensor parallelism (its
 #: input split), the others column-parallel (their output split), as project.parallel.tensor_parallel lays them out.
 SUB_LAYERS = {"attention": ("wq", "wk", "wv", "wo"), "feed_forward": ("w1", "w3", "w2")}
+
+
+def has_float8_products(peak_tflops: Mapping[str, float]) -> bool:
+    """Whether a cluster preset's devices have float8 matrix products (conf/cluster): it gives their float8 peak."""
+    return (peak_tflops.get("fp8") or 0) > 0
 
 
 def block_projections(config: LlamaConfig, tensor_parallel: int = 1) -> dict[str, tuple[int, int]]:

@@ -15,7 +15,7 @@ relative difference from its reference's loss at the same step is within its tol
 - document masking on a GPU (FlexAttention's fused kernel under a block mask) against the same run on the CPU
   (the dense mask), both fp32: 1e-3, two devices' kernels apart; on a CPU both are the dense path (1e-5);
 - with `float8=` (gpu_check's option), each float8 recipe (`strategy.float8`, compiled on a GPU) against the same
-  bf16-mixed run over FLOAT8_STEPS steps (200 on a GPU): FLOAT8_TOLERANCE (see there).
+  bf16-mixed run over FLOAT8_STEPS steps (200 on a GPU): TOLERANCE["float8"] (see there).
 """
 
 from __future__ import annotations
