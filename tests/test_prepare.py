@@ -339,11 +339,54 @@ def test_resolve_sources_takes_files_folders_and_globs_sorted_and_once(tmp_path)
     nested = tmp_path / "y" / "deep" / "c.md"
     nested.parent.mkdir(parents=True)
     nested.write_text("markdown")
-    (tmp_path / "y" / "ignored.csv").write_text("a,b")
+    table = tmp_path / "y" / "table.csv"
+    table.write_text("a,b")
+    (tmp_path / "y" / ".git").mkdir()
+    (tmp_path / "y" / ".git" / "HEAD").write_text("ref: refs/heads/main")
+    (tmp_path / "y" / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
     found = corpus.resolve_sources([str(b), str(tmp_path / "x" / "*.txt"), tmp_path / "y"])
-    assert found == [a.resolve(), b.resolve(), nested.resolve()]
-    with pytest.raises(ConfigError, match="must end in one of"):
-        corpus.resolve_sources([str(tmp_path / "y" / "ignored.csv")])
+    assert found == [a.resolve(), b.resolve(), nested.resolve(), table.resolve()]
+    with pytest.raises(ConfigError, match="logo.png, which is not UTF-8 text"):
+        corpus.resolve_sources([str(tmp_path / "y" / "logo.png")])
+
+
+def python_package(directory: Path) -> list[Path]:
+    """Eight small .py modules, each its own, plus one in a sub-package."""
+    paths = []
+    for i in range(8):
+        path = directory / ("sub" if i == 7 else "") / f"module{i}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        body = "\n".join(f"    total += {j} * {i}  # step {WORDS[(i + j) % len(WORDS)]}" for j in range(30))
+        path.write_text(f"def f{i}(total=0):\n{body}\n    return total\n")
+        paths.append(path)
+    return paths
+
+
+def test_a_folder_of_code_is_text_and_its_binary_files_are_skipped_and_counted(tmp_path, caplog):
+    code = python_package(tmp_path / "code")
+    notes = tmp_path / "code" / "NOTES.txt"
+    notes.write_text("Notes on the package.\n" + " ".join(WORDS) + "\n")
+    # Bytecode beside its source, as Python leaves it: a NUL in the first bytes.
+    (tmp_path / "code" / "__pycache__").mkdir()
+    (tmp_path / "code" / "__pycache__" / "module0.cpython-312.pyc").write_bytes(b"\xcb\r\r\n\x00\x00\x00\x00" * 40)
+    (tmp_path / "code" / "latin1.py").write_bytes("# caf\xe9\n".encode("latin-1"))  # not UTF-8: binary to us
+    texts = sorted([*code, notes])
+    with caplog.at_level("WARNING", logger="project.data.prepare"):
+        manifest = prepare_shards(tmp_path / "code", tmp_path / "shards", vocab_size=300, seq_len=8, num_workers=1)
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert skipped == [
+        "data.sources: skipped 2 binary files, e.g. "
+        + str((tmp_path / "code" / "__pycache__").resolve() / "module0.cpython-312.pyc")
+    ]
+    assert [s["path"] for s in manifest["sources"]] == [str(p.resolve()) for p in texts]
+    tok = load_tokenizer(tmp_path / "shards" / "tokenizer.json")
+    streams = [read_stream(tmp_path / "shards" / split) for split in ("train", "val")]
+    decoded = [tok.decode(ids.tolist()) for stream in streams for ids in split_documents(stream, tok.eos_id)]
+    assert sorted(decoded) == sorted(p.read_text() for p in texts), "each text file one document, as written"
+    own_tokens = sum(len(tok.encode(p.read_text())) + 1 for p in texts)
+    assert sum(len(stream) for stream in streams) == own_tokens, "the text files' own tokens, nothing else"
+    # A glob of the .py files is taken the same way.
+    assert corpus.resolve_sources(str(tmp_path / "code" / "**" / "*.py")) == sorted(p.resolve() for p in code)
 
 
 def run_prepare(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:

@@ -1,12 +1,14 @@
 """Raw text in: which files the `data.sources` patterns name, the documents inside them, and the
 built-in download of the default corpus.
 
-A document is the unit the train/validation split and the end-of-text token work on: a whole
-.txt/.md file, or one line of a .jsonl file. Each document is located by a `DocumentRef` (file and
-byte range) so that worker processes can re-read exactly their share without the parent shipping
-the text to them.
+A source file is any UTF-8 text file, judged by its first bytes rather than its name (code is text);
+binary files found in folders or globs are skipped. A document is the unit the train/validation split
+and the end-of-text token work on: a whole text file, or one line of a .jsonl file. Each document is
+located by a `DocumentRef` (file and byte range) so that worker processes can re-read exactly their
+share without the parent shipping the text to them.
 """
 
+import codecs
 import fnmatch
 import glob
 import json
@@ -23,7 +25,11 @@ from project.runtime.errors import ConfigError
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIX = ".jsonl"
-SOURCE_SUFFIXES = (*TEXT_SUFFIXES, JSONL_SUFFIX)
+# Taken as text without a look at their bytes (a corpus of many files is then only listed, as before;
+# decoding still refuses one that is not UTF-8). Files of any other name are looked at.
+KNOWN_SUFFIXES = (*TEXT_SUFFIXES, JSONL_SUFFIX)
+# How much of a file decides whether it is text: enough for a binary format's header and first records.
+SNIFF_BYTES = 8192
 
 
 class NoSourcesError(ConfigError):
@@ -40,35 +46,85 @@ class DocumentRef:
     line: int | None = None
 
 
+@dataclass(frozen=True)
+class Sources:
+    """The text files `data.sources` names, and the binary ones its folders and globs matched and skipped."""
+
+    files: list[Path]
+    binary: list[Path]
+
+    def skipped_note(self) -> str | None:
+        """`skipped 3 binary files, e.g. a/logo.png`: said once, by whoever prepares the shards."""
+        if not self.binary:
+            return None
+        count = len(self.binary)
+        return f"data.sources: skipped {count} binary file{'s' if count != 1 else ''}, e.g. {self.binary[0]}"
+
+
 def resolve_sources(patterns: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
-    """The files named by `patterns` (files, folders searched recursively, globs), sorted and unique.
+    """The text files named by `patterns` (files, folders searched recursively, globs), sorted and unique."""
+    return find_sources(patterns).files
+
+
+def find_sources(patterns: str | os.PathLike | Sequence[str | os.PathLike]) -> Sources:
+    """The text files named by `patterns`, sorted and unique, and the binary files skipped on the way.
 
     Sorting makes the document order, and so the trained tokenizer and the shards, independent of
-    the order the file system lists files in.
+    the order the file system lists files in. Below a folder, hidden files and folders (`.git`) are
+    left out, as a glob leaves them out. A file named outright must be text.
     """
     if isinstance(patterns, (str, os.PathLike)):
         patterns = [patterns]
     found: set[Path] = set()
+    binary: set[Path] = set()
     for pattern in patterns:
         text = os.path.expanduser(os.fspath(pattern))
-        matches = glob.glob(text, recursive=True) if glob.has_magic(text) else [text]
-        for match in map(Path, matches):
+        named = not glob.has_magic(text)
+        for match in map(Path, glob.glob(text, recursive=True) if not named else [text]):
             if match.is_dir():
-                found.update(p for p in match.rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file())
+                candidates = [p for p in match.rglob("*") if p.is_file() and not _hidden_below(p, match)]
             elif match.is_file():
-                if match.suffix not in SOURCE_SUFFIXES:
+                candidates = [match]
+            else:
+                continue
+            for path in candidates:
+                if is_text_file(path):
+                    found.add(path)
+                elif named and path == match:
                     raise ConfigError(
-                        f"data.sources names {match}, which is neither plain text nor JSON lines: "
-                        f"source files must end in one of {', '.join(SOURCE_SUFFIXES)}."
+                        f"data.sources names {match}, which is not UTF-8 text (it holds a NUL byte or bytes that "
+                        "are not UTF-8 in its first 8 KB): drop it from data.sources or convert it to UTF-8."
                     )
-                found.add(match)
+                else:
+                    binary.add(path)
     if not found:
         raise NoSourcesError(
-            f"data.sources={[os.fspath(p) for p in patterns]} matched no files. Point data.sources at "
-            f"{'/'.join(SOURCE_SUFFIXES)} files, folders or globs (relative paths resolve against the "
+            f"data.sources={[os.fspath(p) for p in patterns]} matched "
+            f"{f'no text files, only {len(binary)} binary ones' if binary else 'no files'}. Point data.sources at UTF-8 text files "
+            f"(.jsonl ones are read as JSON lines), folders or globs (relative paths resolve against the "
             f"directory you launch from), or set data.fetch=shakespeare to download the default corpus."
         )
-    return sorted({p.resolve() for p in found})
+    return Sources(sorted({p.resolve() for p in found}), sorted({p.resolve() for p in binary}))
+
+
+def is_text_file(path: Path) -> bool:
+    """Whether `path` reads as UTF-8 text: known text suffixes by name, others by their first bytes."""
+    if path.suffix in KNOWN_SUFFIXES:
+        return True
+    with path.open("rb") as f:
+        head = f.read(SNIFF_BYTES)
+    if b"\0" in head:  # UTF-8 text has no NUL; nearly every binary format has one early
+        return False
+    try:
+        # Not final: the cut at SNIFF_BYTES may split a character in two.
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _hidden_below(path: Path, folder: Path) -> bool:
+    return any(part.startswith(".") for part in path.relative_to(folder).parts)
 
 
 def iter_document_refs(path: str | os.PathLike, text_field: str = "text") -> Iterator[tuple[DocumentRef, str]]:
@@ -92,7 +148,7 @@ def iter_document_refs(path: str | os.PathLike, text_field: str = "text") -> Ite
 
 
 def iter_documents(path: str | os.PathLike, text_field: str = "text") -> Iterator[str]:
-    """The non-blank documents of one source file: the whole .txt/.md file, or each .jsonl line's field."""
+    """The non-blank documents of one source file: the whole text file, or each .jsonl line's field."""
     for _, text in iter_document_refs(path, text_field):
         yield text
 

@@ -30,13 +30,13 @@ import numpy as np
 from filelock import FileLock
 
 from project.data.corpus import (
-    SOURCE_SUFFIXES,
+    KNOWN_SUFFIXES,
     DocumentRef,
     NoSourcesError,
     fetch_corpus,
+    find_sources,
     iter_document_refs,
     read_document,
-    resolve_sources,
 )
 from project.data.parts import assigned_parts, build_parts, is_done, merge_parts, node_of, plan_parts
 from project.data.shards import MANIFEST_NAME, SPLITS
@@ -270,15 +270,19 @@ def _check(settings: _Settings, part_mb: float = 1, chunk_mb: float = 1) -> None
 
 
 def _resolve_or_fetch(patterns: list, fetch: str | None) -> list[Path]:
+    """The source files, fetching the built-in corpus if there are none yet; binary files skipped are said once."""
     try:
-        return resolve_sources(patterns)
+        sources = find_sources(patterns)
     except NoSourcesError:
         if not fetch:
             raise
-    destination = _fetch_destination(os.fspath(patterns[0]))
-    log.info("data.sources match nothing yet: fetching corpus %r into %s", fetch, destination)
-    fetch_corpus(fetch, destination)
-    return resolve_sources(patterns)
+        destination = _fetch_destination(os.fspath(patterns[0]))
+        log.info("data.sources match nothing yet: fetching corpus %r into %s", fetch, destination)
+        fetch_corpus(fetch, destination)
+        sources = find_sources(patterns)
+    if note := sources.skipped_note():
+        log.warning(note)
+    return sources.files
 
 
 def _fetch_destination(pattern: str) -> Path:
@@ -288,7 +292,7 @@ def _fetch_destination(pattern: str) -> Path:
     if plain is not None:
         return Path(*parts[:plain])
     path = Path(pattern)
-    return path.parent if path.suffix in SOURCE_SUFFIXES else path
+    return path.parent if path.suffix in KNOWN_SUFFIXES else path
 
 
 def _fingerprint(files: list[Path], tokenizer: Tokenizer | None, settings: _Settings) -> str:
@@ -561,7 +565,7 @@ def _split_documents(
     if len(scored) < 2:
         raise ConfigError(
             f"data.sources hold {len(scored)} non-empty document(s), but a train and a validation split need at "
-            f"least two: a .txt/.md file is one document, so add more files, or use a .jsonl file with one "
+            f"least two: a text file is one document, so add more files, or use a .jsonl file with one "
             f"document per line."
         )
     in_val = [score < val_fraction for score, _ in scored]
