@@ -26,6 +26,9 @@ COMMAND_LINE = [
         r"experiment=shakespere: there is no conf/experiment/shakespere.yaml. Did you mean shakespeare\?",
     ),
     (["model=small3m"], r"model=small3m: there is no conf/model/small3m.yaml"),
+    # Names near in size and family, not in spelling alone (llama3_70b is ten times larger; h200 another GPU).
+    (["model=llama3_7b"], r"model=llama3_7b: .* Did you mean llama3_8b or llama2_7b\?"),
+    (["cluster=h100"], r"cluster=h100: .* Did you mean h100_80gb\?"),
     (["data=shakespear"], r"data=shakespear: .* Did you mean shakespeare\?"),
     (["strategy=fsdp3"], r"strategy=fsdp3: .* Did you mean fsdp"),
     (["logger=wandbb"], r"logger=wandbb: .* Did you mean wandb\?"),

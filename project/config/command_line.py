@@ -4,6 +4,7 @@ a setting or a flag is answered with the names it meant, in one paragraph."""
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,62 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 def close_match(word: str, choices: list[str]) -> str:
-    match = difflib.get_close_matches(word, choices, n=1)
-    return f" Did you mean {match[0]}?" if match else ""
+    """` Did you mean llama3_8b or llama2_7b?`: the names `word` most likely meant, or "" when none is close."""
+    names = closest_names(word, choices)
+    return f" Did you mean {' or '.join(names)}?" if names else ""
+
+
+# The size at the end of a part of a preset's name: `7b`, `80gb`, `small10m`, `8x7b` (eight experts of 7b: 56b).
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)(?:x(\d+(?:\.\d+)?))?([a-z]+)$")
+
+
+def closest_names(word: str, choices: list[str]) -> list[str]:
+    """The one or two of `choices` that `word` most likely meant.
+
+    Spelling alone (difflib) takes `llama3_7b` for `llama3_70b`, ten times larger, and `h100` for `h200`: the
+    names also score for sharing the typed name's family (its first part, or the whole typed name as their
+    start: `h100` -> `h100_80gb`) and lose for a size far from the typed one (7b is near 7b and 8b, far from
+    70b). Two names are given when both are within half as large again of a typed size (`llama3_8b or
+    llama2_7b`).
+    """
+    pool = set(difflib.get_close_matches(word, choices, n=len(choices), cutoff=0.6))
+    pool.update(c for c in choices if len(word) >= 2 and _family(word, c))
+    if not pool:
+        return []
+    size = _size_of(word)
+
+    def distance(choice: str) -> float | None:
+        """How many times larger or smaller the choice's size is, on a log scale; None without sizes of one unit."""
+        other = _size_of(choice)
+        if size is None or other is None or other[1] != size[1]:
+            return None
+        return abs(math.log(other[0] / size[0]))
+
+    def score(choice: str) -> float:
+        spelling = difflib.SequenceMatcher(None, word, choice).ratio()
+        family = _family(word, choice)
+        apart = distance(choice)
+        return spelling + 0.5 * family - 0.5 * (apart if apart is not None else 1.0 if size else 0.0)
+
+    ranked = sorted(pool, key=lambda c: (-score(c), c))
+    near = [c for c in ranked[:2] if (d := distance(c)) is not None and d <= math.log(1.5)]
+    return near if len(near) == 2 else ranked[:1]
+
+
+def _family(word: str, choice: str) -> bool:
+    """`choice` starts with the typed name, or shares its first part (`h100` and `h100_80gb`, `llama3_7b` and
+    `llama3_8b`)."""
+    return choice.startswith(word) or choice.split("_")[0] == word.split("_")[0]
+
+
+def _size_of(name: str) -> tuple[float, str] | None:
+    """The last size token of a name and its unit (`llama3_70b` -> (70, "b")), or None."""
+    for token in reversed(name.lower().split("_")):
+        if match := _SIZE.search(token):
+            count, each, unit = match.groups()
+            value = float(count) * (float(each) if each else 1.0)
+            return (value, unit) if value > 0 else None
+    return None
 
 
 def check_command_line(argv: list[str], config_name: str = "train") -> None:
