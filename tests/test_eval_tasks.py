@@ -74,6 +74,26 @@ def test_what_the_loop_cannot_honour_is_refused_naming_the_setting(tmp_path, cha
         load_task(path, "eval.tasks[2]")
 
 
+@pytest.mark.parametrize("layout", ["lines", "array"])
+def test_a_broken_json_line_in_a_task_file_is_named_by_its_line_and_column(tmp_path, layout):
+    good = json.dumps({"q": "Is it?", "c": ["yes", "no"], "a": 0})
+    broken = '{"q": "Is it?", "c": ["yes" "no"], "a": 0}'
+    column = broken.index('"no"') + 1  # where the missing comma was due
+    data = tmp_path / "d.jsonl"
+    if layout == "lines":
+        data.write_text(f"{good}\n\n{good}\n{broken}\n{good}\n")  # a blank line is no document, still counted
+        line = 4
+    else:
+        data.write_text(f"[\n{good},\n{broken}\n]\n")
+        line = 3
+    path = tmp_path / "t.yaml"
+    path.write_text(json.dumps(base_task(data)))
+    with pytest.raises(
+        ConfigError, match=rf"d\.jsonl:{line}:{column} is not .*line {line}, column {column}: Expecting"
+    ):
+        load_task(path, "eval.tasks[0]")
+
+
 def test_a_continuation_a_row_cannot_score_is_refused(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"q": "Is it?", "c": ["yes", "no " * 20], "a": 0}) + "\n")

@@ -206,12 +206,36 @@ def _json_documents(path: Path, name: str, where: str) -> list[dict[str, Any]]:
         raise ConfigError(f"{where}: task {name!r}'s data file {path} does not exist (relative paths: to the cwd).")
     try:
         text = path.read_text(encoding="utf-8")
-        docs = json.loads(text) if text.lstrip().startswith("[") else [json.loads(s) for s in text.splitlines() if s]
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{where}: task {name!r}'s data file {path} is not JSON lines: {error}") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{where}: task {name!r}'s data file {path} is not UTF-8 text: {error}") from None
+    if text.lstrip().startswith("["):  # one JSON array: json's own line and column are the file's
+        try:
+            docs = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigError(
+                f"{where}: task {name!r}'s data file {path}:{error.lineno}:{error.colno} is not valid JSON "
+                f"(line {error.lineno}, column {error.colno}: {error.msg})."
+            ) from None
+    else:
+        docs = [_json_line(line, path, number, name, where) for number, line in enumerate(text.splitlines(), 1)]
+        docs = [doc for doc in docs if doc is not None]
     if not all(isinstance(doc, dict) for doc in docs):
         raise ConfigError(f"{where}: task {name!r}'s data file {path} must hold one JSON object per document.")
     return docs
+
+
+def _json_line(line: str, path: Path, number: int, name: str, where: str) -> Any:
+    """One line of a JSON lines file (None for a blank one); a broken line is named by the file's line and column,
+    where json alone would count them within the line."""
+    if not line.strip():
+        return None
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ConfigError(
+            f"{where}: task {name!r}'s data file {path}:{number}:{error.colno} is not JSON lines: line {number}, "
+            f"column {error.colno}: {error.msg}. Each line holds one JSON object."
+        ) from None
 
 
 def _document(config: Mapping[str, Any], kind: str, doc: dict, name: str, where: str, index: int) -> Document:
