@@ -112,10 +112,19 @@ VALUES = [
     (["data.seq_len=1"], r"data.seq_len=1 is out of range"),
     (["data.seq_len=4096"], r"data.seq_len=4096 exceeds model.max_seq_len=1024"),
     (["model.dim=90"], r"model.dim=90 must be divisible by model.n_heads=4"),
-    (["strategy.float8=tensorwise", "model.dim=72"], r"strategy.float8=tensorwise: no linear layer of the blocks has"),
+    # Only the widths that fail are listed: at dim 72 (4 heads of 18, 2 of them for keys and values) the
+    # feed-forward's 192 (multiple_of 32) is a multiple of 16.
+    (
+        ["strategy.float8=tensorwise", "model.dim=72"],
+        r"strategy.float8=tensorwise: no linear layer of the blocks has sides that are multiples of 16: model.dim=72 "
+        r"and the key/value heads' width 36 \(2 heads of 18\) are not, so none can train in float8: choose model.dim "
+        r"and model.n_kv_heads so that these widths are multiples of 16,",
+    ),
     (
         ["strategy=tp", "trainer.devices=8", "strategy.float8=rowwise", "model.n_heads=8", "model.n_kv_heads=8"],
-        r"strategy.float8=rowwise: no linear layer .* multiples of 16, split over 8 tensor-parallel ranks",
+        r"strategy.float8=rowwise: no linear layer .* multiples of 16, split over 8 tensor-parallel ranks: the query "
+        r"heads' width on a rank 8, the key/value heads' width on a rank 8 \(8 heads of 8\) and the feed-forward width "
+        r"on a rank 24 are not",
     ),
     (["strategy.float8=tensorwise", "data.seq_len=40"], r"data.seq_len=40 gives each rank 40 tokens of a sequence"),
     (["model.n_kv_heads=3"], r"model.n_heads=4 must be a multiple of model.n_kv_heads=3"),
@@ -289,3 +298,141 @@ def test_the_commands_print_one_paragraph_and_exit_2(module, bad, tmp_path):
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+# A callback's mistake, as typed (issue 69): (overrides, the paragraph's text, where it is answered: "preflight" before
+# the imports, "build" where the Trainer's callbacks are built, before the data is prepared and anything trains).
+CALLBACK_MISTAKES = [
+    (
+        ["callbacks=early_stopping", "callbacks.early_stopping.patience=abc"],
+        "callbacks.early_stopping.patience=abc is not a whole number, which lightning.pytorch.callbacks.EarlyStopping's "
+        "patience takes: give a whole number, e.g. callbacks.early_stopping.patience=3 (its default).",
+        "build",
+    ),
+    (
+        ["callbacks=early_stopping", "callbacks.early_stopping.monitor=val/los"],
+        "callbacks.early_stopping.monitor=val/los: the run logs no metric of that name. A callback's monitor reads "
+        "what the run logs through the module, here: train/loss, ",
+        "preflight",
+    ),
+    (
+        ["callbacks=early_stopping", "callbacks.early_stopping.monitor=val/los"],
+        "Did you mean val/loss? Set callbacks.early_stopping.monitor=val/loss.",
+        "preflight",
+    ),
+    (
+        ["+callbacks.foo._target_=lightning.pytorch.callbacks.NoSuchThing"],
+        "callbacks.foo._target_=lightning.pytorch.callbacks.NoSuchThing: lightning.pytorch.callbacks has no "
+        "NoSuchThing. Its callbacks: BackboneFinetuning, ",
+        "build",
+    ),
+    (
+        ["callbacks=early_stopping", "+callbacks.early_stopping.patiense=5"],
+        "callbacks.early_stopping.patiense is not an argument of lightning.pytorch.callbacks.EarlyStopping. Did you "
+        "mean patience? It takes: monitor, min_delta, patience, ",
+        "build",
+    ),
+    # And their neighbours.
+    (
+        ["+callbacks.foo._target_=lightning.pytorch.callbacks.EarlyStoping"],
+        "lightning.pytorch.callbacks has no EarlyStoping. Did you mean EarlyStopping?",
+        "build",
+    ),
+    (
+        ["+callbacks.foo._target_=lightnin.pytorch.callbacks.EarlyStopping"],
+        "callbacks.foo._target_=lightnin.pytorch.callbacks.EarlyStopping: there is no package 'lightnin' here",
+        "preflight",
+    ),
+    (["+callbacks.foo.patience=3"], "callbacks.foo has no _target_: a callback is a class with its", "preflight"),
+    (
+        ["+callbacks.es._target_=lightning.pytorch.callbacks.EarlyStopping"],
+        "callbacks.es: lightning.pytorch.callbacks.EarlyStopping needs monitor: add +callbacks.es.monitor=VALUE.",
+        "build",
+    ),
+    (
+        ["callbacks=lr_monitor", "callbacks.lr_monitor.logging_interval=stp"],
+        "callbacks.lr_monitor.logging_interval=stp is not step or epoch or null",
+        "build",
+    ),
+    (  # refused by Lightning's own constructor
+        ["callbacks=early_stopping", "callbacks.early_stopping.mode=mx"],
+        "callbacks.early_stopping (lightning.pytorch.callbacks.EarlyStopping) refused its arguments: `mode` can be "
+        "min, max, got mx. Fix the value in callbacks.early_stopping.",
+        "build",
+    ),
+    (
+        ["+callbacks.foo._target_=collections.OrderedDict"],
+        "callbacks.foo._target_=collections.OrderedDict is not a Lightning callback",
+        "build",
+    ),
+    (
+        ["callbacks=early_stopping", "callbacks.early_stopping.monitor=eval/heldout/loss"],
+        "callbacks.evaluation (HeldOutEvaluation) writes it to the loggers (metrics.csv) only",
+        "preflight",
+    ),
+    (
+        ["callbacks=early_stopping", "~callbacks.memory", "callbacks.best_checkpoint.monitor=memory/peak_bytes"],
+        "callbacks.best_checkpoint.monitor=memory/peak_bytes: it is logged by callbacks.memory, which this run leaves "
+        "out",
+        "preflight",
+    ),
+]
+
+
+def built_callbacks(overrides: list[str], run_dir):
+    """The callbacks of `project.train experiment=debug OVERRIDES`, through the checks before the imports and the
+    build of the Trainer's callbacks, as a start goes (nothing trains)."""
+    from project.training.trainer import build_callbacks
+
+    check_command_line(["experiment=debug", *overrides])
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=debug", *overrides])
+    layout = preflight(cfg)
+    cfg.paths.run_dir = cfg.ckpt_dir = str(run_dir)  # as project.training.run sets them
+    return build_callbacks(cfg, layout)
+
+
+@pytest.mark.parametrize(
+    "overrides, message, where", CALLBACK_MISTAKES, ids=[f"{' '.join(o)}:{w}" for o, _, w in CALLBACK_MISTAKES]
+)
+def test_a_callback_mistake_is_one_paragraph_naming_the_setting_before_training(overrides, message, where, tmp_path):
+    if where == "build":
+        with initialize_config_dir(str(CONF), version_base="1.3"):
+            preflight(compose("train", overrides=["experiment=debug", *overrides]))  # passes the torch-free checks
+    with pytest.raises(ConfigError) as refused:
+        built_callbacks(overrides, tmp_path)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+    assert where == "build" or refused.traceback[-1].name.startswith("check_")  # ... or is answered by them
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["callbacks=[early_stopping,lr_monitor,rich_progress,layer_summary]"],
+        ["+callbacks.timer._target_=lightning.pytorch.callbacks.Timer", "+callbacks.timer.duration=00:12:00:00"],
+        ["callbacks=early_stopping", "callbacks.early_stopping.monitor=train/loss", "model=moe_debug"],
+        ["callbacks=early_stopping", "callbacks.early_stopping.monitor=moe/layer1/load_max", "model=moe_debug"],
+        ["+callbacks.by_step._target_=lightning.pytorch.callbacks.ModelCheckpoint", "+callbacks.by_step.monitor=step"],
+    ],
+    ids=["every-option", "timer", "train-loss", "moe-layer", "step"],
+)
+def test_the_documented_callbacks_pass_the_checks_and_build(overrides, tmp_path):
+    from lightning.pytorch.callbacks import Callback
+
+    assert all(isinstance(c, Callback) for c in built_callbacks(overrides, tmp_path))
+
+
+def test_a_callback_refused_where_the_trainer_is_built_prints_one_paragraph_and_exits_2(tmp_path, capsys):
+    # What project.train's main does with what build_trainer raises (run.py builds the Trainer before the data).
+    from project.training.trainer import build_trainer
+
+    overrides = ["experiment=debug", "callbacks=early_stopping", "callbacks.early_stopping.patience=abc"]
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    layout = preflight(cfg)
+    cfg.paths.run_dir = cfg.ckpt_dir = str(tmp_path)
+    with pytest.raises(SystemExit) as stopped, exit_on_config_error():
+        build_trainer(cfg, tmp_path, instantiate(cfg.strategy, _convert_="all"), layout)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.startswith("error: callbacks.early_stopping.patience=abc is not a whole")
+    assert err.count("\n") == 1 and "Traceback" not in err

@@ -6,6 +6,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from project.config.values import model_config
+from project.model.config import LlamaConfig
 from project.parallel.float8_rules import (
     FLOAT8_GPUS,
     FLOAT8_MULTIPLE,
@@ -13,6 +14,7 @@ from project.parallel.float8_rules import (
     has_float8_products,
     in_float8,
     torchao_installed,
+    widths_not_taken,
 )
 from project.parallel.mesh import MeshShape
 from project.runtime.errors import ConfigError
@@ -37,10 +39,7 @@ def check_float8(cfg: DictConfig, shape: MeshShape | None = None, dry_run: bool 
         split = f", split over {tp} tensor-parallel ranks" if tp > 1 else ""
         raise ConfigError(
             f"strategy.float8={recipe}: no linear layer of the blocks has sides that are multiples of "
-            f"{FLOAT8_MULTIPLE}{split} (model.dim={model.dim}, heads of {model.head_dim}, feed-forward "
-            f"{model.ffn_hidden_dim}), so none can train in float8: choose model.dim, model.n_heads and the "
-            f"feed-forward width (model.multiple_of or model.ffn_dim) as multiples of {FLOAT8_MULTIPLE} times the "
-            "tensor-parallel degree, or set strategy.float8=null."
+            f"{FLOAT8_MULTIPLE}{split}: {_widths_not_taken_said(model, tp)}, or set strategy.float8=null."
         )
     tokens = cfg.data.seq_len // cp  # of each sequence, on a rank
     if tokens % FLOAT8_MULTIPLE:
@@ -51,6 +50,38 @@ def check_float8(cfg: DictConfig, shape: MeshShape | None = None, dry_run: bool 
             f"float8 products take multiples of {FLOAT8_MULTIPLE}. Choose data.seq_len accordingly, or "
             "strategy.float8=null."
         )
+
+
+def _widths_not_taken_said(model: LlamaConfig, tp: int) -> str:
+    """`model.dim=72 and the key/value heads' width 36 (2 heads of 18) are not, so ...: choose model.dim and
+    model.n_kv_heads so that these widths are multiples of 16`: the failing widths only, and what sets each."""
+    failing = widths_not_taken(model, tp)
+    on_a_rank = " on a rank" if tp > 1 else ""
+    said = {
+        "model": (f"model.dim={model.dim}", "model.dim"),
+        "query": (f"the query heads' width{on_a_rank} {failing.get('query')}", "model.n_heads"),
+        "key_value": (
+            f"the key/value heads' width{on_a_rank} {failing.get('key_value')} ({model.kv_heads} heads of "
+            f"{model.head_dim})",
+            "model.n_kv_heads",
+        ),
+        "feed_forward": (
+            f"the feed-forward width{on_a_rank} {failing.get('feed_forward')}",
+            "the feed-forward width (model.multiple_of or model.ffn_dim)",
+        ),
+    }
+    widths, settings = zip(*(said[name] for name in failing))
+    one = len(widths) == 1
+    return (
+        f"{_listed(widths)} {'is' if one else 'are'} not, so none can train in float8: choose {_listed(settings)} so "
+        f"that {'this width is a multiple' if one else 'these widths are multiples'} of {FLOAT8_MULTIPLE}"
+        f"{' times the tensor-parallel degree' if tp > 1 else ''}"
+    )
+
+
+def _listed(items: tuple[str, ...]) -> str:
+    """`a`, `a and b`, `a, b and c`."""
+    return " and ".join(items) if len(items) < 3 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
 def check_cluster_has_float8(cfg: DictConfig, recipe: str) -> None:

@@ -41,6 +41,22 @@ def block_projections(config: LlamaConfig, tensor_parallel: int = 1) -> dict[str
     }
 
 
+def widths_not_taken(config: LlamaConfig, tensor_parallel: int = 1) -> dict[str, int]:
+    """The widths of the blocks' projections, as one rank holds them, that are no multiples of FLOAT8_MULTIPLE, by
+    what they are: "model" (model.dim, a side of every projection), "query" (the heads' width on a rank, the
+    model's unless split), "key_value" and "feed_forward"."""
+    tp = tensor_parallel
+    widths = {
+        "model": config.dim,
+        "query": config.n_heads * config.head_dim // tp,
+        "key_value": config.kv_heads * config.head_dim // tp,
+        "feed_forward": config.ffn_hidden_dim // tp,
+    }
+    if tp == 1:
+        del widths["query"]  # the model's own width
+    return {name: width for name, width in widths.items() if width % FLOAT8_MULTIPLE}
+
+
 def takes_shape(shape: tuple[int, ...]) -> bool:
     """Whether float8 kernels take a weight of this shape (both sides multiples of 16)."""
     return all(side % FLOAT8_MULTIPLE == 0 for side in shape)
