@@ -110,7 +110,11 @@ VALUES = [
         r"strategy.collective_timeout_minutes=0 is out of range",
     ),
     (["data.seq_len=1"], r"data.seq_len=1 is out of range"),
-    (["data.seq_len=4096"], r"data.seq_len=4096 exceeds model.max_seq_len=1024"),
+    (
+        ["data.seq_len=4096"],
+        r"data.seq_len=4096 exceeds model.max_seq_len=1024, .*: raise model.max_seq_len=4096 \(or more\), or lower "
+        r"data.seq_len to 1024 or less.",
+    ),
     (["model.dim=90"], r"model.dim=90 must be divisible by model.n_heads=4"),
     # Only the widths that fail are listed: at dim 72 (4 heads of 18, 2 of them for keys and values) the
     # feed-forward's 192 (multiple_of 32) is a multiple of 16.

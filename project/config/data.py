@@ -27,7 +27,11 @@ def check_data(cfg: DictConfig, shards: bool = True, prepared: bool = False) -> 
     prepared by the run). `shards=False`: the sequence length against the model only. `prepared`: the run has
     just prepared them, so their settings must now be the run's, data.overwrite or not."""
     if cfg.data.seq_len > cfg.model.max_seq_len:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}.")
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}, the longest sequence "
+            f"the model's positions are built for: raise model.max_seq_len={cfg.data.seq_len} (or more), or lower "
+            f"data.seq_len to {cfg.model.max_seq_len} or less."
+        )
     if not shards:
         return
     options = (cfg.data.get("cache_dir"), cfg.data.get("storage_options"))
