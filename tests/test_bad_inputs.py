@@ -35,6 +35,14 @@ COMMAND_LINE = [
     (["trainer=gpx"], r"trainer=gpx: .* Choose one of: cpu, gpu"),
     (["trainer.max_step=10"], r"trainer.max_step: no such setting in trainer. Did you mean max_steps\?"),
     (["optim.learning_rate=1e-3"], r"optim.learning_rate: no such setting in optim"),
+    # A guessed group (an optimizer by name) where the config has a mapping of settings: the keys it takes.
+    (
+        ["optim=muon"],
+        r"optim=muon: optim is a mapping of settings in conf/train.yaml, not a config group with options to choose by "
+        r"name \(there is no conf/optim/ group yet\): set its keys instead, e.g. optim.lr=\.\.\., of: "
+        + ", ".join(yaml.safe_load((CONF / "train.yaml").read_text())["optim"])
+        + r"\.$",
+    ),
     (["globl_batch_size=8"], r"globl_batch_size: no such setting at the top level. Did you mean global_batch_size\?"),
     (["optim.lr=="], r"Error parsing override 'optim.lr=='"),
     (

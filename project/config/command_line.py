@@ -87,6 +87,7 @@ def check_command_line(argv: list[str], config_name: str = "train") -> None:
     _check_flags(argv, config_name)
     if any(arg.startswith("-") for arg in argv):
         return
+    _check_mappings_kept(argv, config_name)
     # Hydra's own settings are Hydra's to check, but for its search path: it adds config files (a planned sweep's
     # layouts).
     overrides = [
@@ -134,6 +135,27 @@ def _check_flags(argv: list[str], config_name: str) -> None:
         raise ConfigError(
             f"{arg}: settings are Hydra overrides, key=value without dashes: write {override} "
             f"(e.g. `python -m project.{config_name} {override}`)."
+        )
+
+
+def _check_mappings_kept(argv: list[str], config_name: str) -> None:
+    """`optim=muon` reads as choosing an option of a group, but `optim` is a mapping of settings in the primary
+    config: Hydra would put the word in its place and the run fail later, far from the cause. Say which keys it
+    takes. (A mapping given as a whole, `{...}`, or null is left to Hydra.)"""
+    primary = OmegaConf.load(CONF / f"{config_name}.yaml")
+    for arg in argv:
+        key, equals, value = arg.partition("=")
+        if not equals or key.startswith(("+", "~", "hydra.")) or (CONF / key.replace(".", "/")).is_dir():
+            continue
+        node = OmegaConf.select(primary, key, default=None)
+        if not isinstance(node, DictConfig) or value.strip().startswith("{") or value.strip() == "null":
+            continue
+        keys = [str(k) for k in node.keys()]
+        example = next((k for k in keys if not k.startswith("_")), keys[0] if keys else "KEY")
+        no_group = "" if "." in key else f" (there is no conf/{key}/ group yet)"
+        raise ConfigError(
+            f"{arg}: {key} is a mapping of settings in conf/{config_name}.yaml, not a config group with options to "
+            f"choose by name{no_group}: set its keys instead, e.g. {key}.{example}=..., of: {', '.join(keys)}."
         )
 
 
