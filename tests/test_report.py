@@ -327,6 +327,22 @@ def test_bad_arguments_are_one_error_paragraph_and_exit_status_2(tmp_path, capsy
     assert not (tmp_path / "reports").exists()
 
 
+def test_a_dry_runs_folder_among_the_runs_is_skipped_with_a_note(tmp_path, capsys):
+    runs = tmp_path / "outputs" / "runs"
+    write_run(runs / "a", "single")
+    write_run(runs / "b", "ddp", dp=2, micro=4)
+    (runs / "plan-check").mkdir()
+    (runs / "plan-check" / "dry_run.json").write_text('{"ranks": []}\n')  # all a dry run leaves (test_dry_run.py)
+    capsys.readouterr()
+    rows = make_report(tmp_path, *sorted(runs.iterdir()))  # outputs/runs/*
+    assert sorted(row["run"] for row in rows) == ["a", "b"]
+    notes = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert notes == [f"note: skipped {runs / 'plan-check'}: a dry run's folder (dry_run.json), nothing trained there."]
+    with pytest.raises(SystemExit) as exit_:
+        report.main([str(runs / "plan-check"), f"out={tmp_path / 'only'}"])
+    assert exit_.value.code == 2 and "only dry runs' folders" in capsys.readouterr().err
+
+
 def test_the_command_line_refuses_a_path_that_is_no_run_with_exit_status_2(tmp_path):
     result = run_module("project.report", [str(tmp_path), f"out={tmp_path / 'reports'}"], timeout=60)
     assert result.returncode == 2

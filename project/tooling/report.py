@@ -328,6 +328,10 @@ def model_order(layer: str) -> tuple[int, int]:
 # ---------------------------------------------------------------- what the arguments stand for
 
 
+# What a dry run (dry_run=true) leaves in its folder, and nothing else (project.planning.dry_run).
+DRY_RUN_RECORD = "dry_run.json"
+
+
 def is_run_dir(path: Path) -> bool:
     """What project.train writes into every run directory, from its first second (metrics.csv may be missing)."""
     return any((path / name).exists() for name in ("metrics.csv", "config.yaml", ".hydra", "train.log"))
@@ -402,7 +406,7 @@ def collect(sources: list[str]) -> list[RunSummary]:
     """Every run the arguments stand for: sweep folders and wandb projects expand to their runs, in the order given."""
     if not sources:
         raise ConfigError(f"give one or more run directories or sweep folders.\n{USAGE}")
-    summaries = []
+    summaries, dry_runs = [], []
     for source in sources:
         path = Path(source)
         if source.startswith("wandb:"):
@@ -413,6 +417,12 @@ def collect(sources: list[str]) -> list[RunSummary]:
             summaries.append(summarize_run(path))
         elif is_run_folder(path):
             summaries.append(summarize_wandb_folder(path))
+        elif (path / DRY_RUN_RECORD).is_file():
+            # `outputs/runs/*` takes in the folders of the docs' dry runs, which trained nothing: not the user's error.
+            print(
+                f"note: skipped {path}: a dry run's folder ({DRY_RUN_RECORD}), nothing trained there.", file=sys.stderr
+            )
+            dry_runs.append(path)
         else:
             what = "does not exist" if not path.exists() else "is neither a run directory nor a sweep folder"
             raise ConfigError(
@@ -421,6 +431,11 @@ def collect(sources: list[str]) -> list[RunSummary]:
                 "outputs/sweeps/layouts-<date>_<time>, wandb run folders (holding run-*.wandb), or "
                 "wandb:ENTITY/PROJECT[/SWEEP_ID]."
             )
+    if not summaries and dry_runs:
+        raise ConfigError(
+            f"{', '.join(map(str, dry_runs))}: only dry runs' folders, which trained nothing; give the run directories "
+            "of project.train (holding metrics.csv or config.yaml) or sweep folders."
+        )
     return summaries
 
 
