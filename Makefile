@@ -31,15 +31,10 @@ PIP := $(PY) -m pip
 # One stamp per torch requirement: `make install TORCH=...` re-installs when it changes.
 STAMP := $(VENV)/.installed-$(shell echo '$(TORCH)' | tr -c 'A-Za-z0-9.=\n' '_')
 EXPERIMENT ?= shakespeare
-# `make train` names its run directory (train-EXPERIMENT- and Hydra's own timestamp format) so that the sample after
-# training finds its checkpoint; the date is taken once, when make starts. Its latest run, if it stopped before the
-# end (a checkpoint, and no closing `done:` line in its train.log), is resumed instead, so that the sample is
-# reached; RUN_DIR=outputs/runs/NAME starts a run there. SAMPLE_PROMPT= is what the trained model continues.
-RUN_STAMP := $(shell date +%Y-%m-%d_%H-%M-%S)
-UNFINISHED := $(shell for d in $$(ls -d outputs/runs/train-$(EXPERIMENT)-* 2>/dev/null | sort -r); do \
-	[ -e $$d/checkpoints/last.ckpt ] && ! grep -qs '^done: ' $$d/train.log && echo $$d; break; done)
-RUN_DIR ?= $(or $(UNFINISHED),outputs/runs/train-$(EXPERIMENT)-$(RUN_STAMP))
-RESUME := $(if $(and $(UNFINISHED),$(filter $(UNFINISHED),$(RUN_DIR))),ckpt_path=last)
+# `make train` trains in one run directory per experiment with ckpt_path=auto: a run stopped before the end (Ctrl-C,
+# a kill, a crash) resumes from its last checkpoint, a finished one says so and goes on to the sample, and a first one
+# starts. RUN_DIR=outputs/runs/NAME trains in another folder; SAMPLE_PROMPT= is what the trained model continues.
+RUN_DIR ?= outputs/runs/train-$(EXPERIMENT)
 SAMPLE_PROMPT ?= To be, or not to be
 
 .PHONY: install install-horovod train prepare test test-fast lint typecheck format bench gpu-check gpu-wheels docs clean slurm
@@ -79,8 +74,7 @@ prepare: install
 	$(PY) -m project.prepare experiment=$(EXPERIMENT)
 
 train: prepare
-	$(if $(RESUME),@echo "make train: resuming the unfinished run in $(RUN_DIR) (RUN_DIR=outputs/runs/NAME starts anew)")
-	$(PY) -m project.train experiment=$(EXPERIMENT) hydra.run.dir=$(RUN_DIR) $(RESUME)
+	$(PY) -m project.train experiment=$(EXPERIMENT) hydra.run.dir=$(RUN_DIR) ckpt_path=auto
 	$(PY) -m project.generate ckpt_path=$(RUN_DIR)/checkpoints/last.ckpt prompt="$(SAMPLE_PROMPT)" max_new_tokens=100
 
 # The docs build too (make docs, --strict): a broken link or a page missing from the nav fails the tests. The 25

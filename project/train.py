@@ -76,6 +76,9 @@ def main(cfg: DictConfig) -> float | None:
             raise
         except TrainingStopped:
             raise
+        except KeyboardInterrupt:  # Ctrl-C before the fit began (inside it, StopOnSignal saves at a step and stops)
+            print("stopped by Ctrl-C before training began: nothing was trained or saved", file=sys.stderr)
+            raise SystemExit(130) from None
         except Exception as error:  # a bug, or a collective that failed because another rank did
             if (cause := config_error_behind(error)) is not None:  # a setting refused inside Hydra's instantiate
                 forget_refused_run(Path(HydraConfig.get().runtime.output_dir))

@@ -114,7 +114,7 @@ def task_files(tmp_path_factory) -> tuple[Path, list[Path]]:
 
 @pytest.fixture(scope="module")
 def runs(tiny_shards, short_document_shards, task_files, tmp_path_factory) -> dict:
-    names = ["single", "without", "documents", "resumed", "fsdp-without", *LAYOUTS]
+    names = ["single", "without", "documents", "resumed", "fsdp-without", "tasks-at-end", *LAYOUTS]
     folders = {name: tmp_path_factory.mktemp(name) for name in names}
     tasks = f"eval.tasks=[{','.join(str(path) for path in task_files[1])}]"
 
@@ -134,7 +134,12 @@ def runs(tiny_shards, short_document_shards, task_files, tmp_path_factory) -> di
     checkpoint = folders["single"] / "checkpoints" / "last.ckpt"
     train_in_process(
         1,
-        [case("single", "ckpt_keep_last=3"), case("without", evaluated=False), case("documents", "document_mask=true")],
+        [
+            case("single", "ckpt_keep_last=3"),
+            case("without", evaluated=False),
+            case("documents", "document_mask=true"),
+            case("tasks-at-end", tasks, evaluated=False),  # eval=none's every_n_steps=0, tasks given
+        ],
     )  # fmt: skip
     resumed = case("resumed", f"ckpt_path={checkpoint.parent / 'step-000008.ckpt'}")
     without_fsdp = case("fsdp-without", *LAYOUTS["fsdp"], evaluated=False)
@@ -262,3 +267,17 @@ def test_a_resumed_run_evaluates_on_as_the_uninterrupted_one(runs):
         read_metrics(runs["single"], "eval/heldout/loss"),
     )
     assert sorted(resumed) == [11] and resumed[11] == pytest.approx(single[11], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_tasks_given_without_an_interval_are_scored_after_the_last_step_and_closing_line_says_so(runs):
+    """eval.tasks with eval.every_n_steps=0 (eval=none's): one evaluation, after the last step, equal to the run that
+    evaluates every 4 steps (the same weights: evaluating does not change training); its figures close train.log."""
+    at_end, single = runs["tasks-at-end"], runs["single"]
+    for metric in TASK_METRICS:
+        ours = read_metrics(at_end, metric)
+        assert sorted(ours) == [11], metric
+        assert ours[11] == pytest.approx(read_metrics(single, metric)[11], rel=1e-6), metric
+    done = [line for line in (at_end / "train.log").read_text().splitlines() if line.startswith("done: ")]
+    acc = read_metrics(at_end, f"eval/{CHOICE}/acc")[11]
+    assert len(done) == 1 and f"eval/{CHOICE}/acc={acc:.4f}" in done[0] and "eval/seconds" not in done[0], done

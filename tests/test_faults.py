@@ -1,6 +1,6 @@
 """Faults: a NaN loss stops the run before the update, with the step, and leaves the checkpoints as they
-were, or, if asked, that step is skipped and counted (tests/faults.py injects it); SIGTERM saves at the
-next step and stops, and the resumed run continues exactly."""
+were, or, if asked, that step is skipped and counted (tests/faults.py injects it); SIGTERM or Ctrl-C, to rank 0 or to
+the whole process group, saves at the next step and stops, and the resumed run continues exactly."""
 
 from __future__ import annotations
 
@@ -60,36 +60,72 @@ def test_with_max_skipped_steps_a_nan_step_is_skipped_counted_and_training_goes_
     )
 
 
-@pytest.mark.parametrize("layout", [[], ["strategy=ddp", "trainer.devices=2"]], ids=["single", "ddp"])
-def test_sigterm_saves_at_the_next_step_and_the_resumed_run_continues_exactly(tiny_shards, tmp_path, layout):
-    steps = ["trainer.max_steps=40", "ckpt_every_n_steps=1000", "val_every_n_steps=1000", "global_batch_size=8"]
-    reference = tmp_path / "reference"
-    run_train(tiny_shards, reference, *layout, *steps)
+SIGNAL_STEPS = ["trainer.max_steps=40", "ckpt_every_n_steps=1000", "val_every_n_steps=1000", "global_batch_size=8"]
+SIGNAL_LAYOUTS = {"single": [], "ddp": ["strategy=ddp", "trainer.devices=2"]}
 
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_shards, tmp_path_factory):
+    """{layout: the run dir of its 40 steps without a signal}, trained when a test first asks for one."""
+    runs: dict[str, object] = {}
+
+    def reference(layout: str):
+        if layout not in runs:
+            runs[layout] = tmp_path_factory.mktemp(f"uninterrupted-{layout}")
+            run_train(tiny_shards, runs[layout], *SIGNAL_LAYOUTS[layout], *SIGNAL_STEPS)
+        return runs[layout]
+
+    return reference
+
+
+# How the signal comes: to rank 0 alone (a scheduler's TERM, `kill PID`), or to the whole process group, loader
+# workers and the other ranks too (a terminal's Ctrl-C; `timeout`, `kill -TERM -PGID`, scancel without --signal).
+STOPS = {
+    "single-term": ("single", signal.SIGTERM, False),
+    "ddp-term": ("ddp", signal.SIGTERM, False),
+    "single-ctrl-c-group": ("single", signal.SIGINT, True),
+    "ddp-term-group": ("ddp", signal.SIGTERM, True),
+}
+
+
+@pytest.mark.parametrize("layout, sig, to_group", STOPS.values(), ids=list(STOPS))
+def test_a_stop_signal_saves_at_a_step_and_the_resumed_run_continues_exactly(
+    tiny_shards, tmp_path, uninterrupted, layout, sig, to_group
+):
     run_dir = tmp_path / "run"
+    workers = ["data.loader_workers=1"] if to_group else []  # the group's signal reaches them too: they read on
+    args = train_overrides(tiny_shards, run_dir, *SIGNAL_LAYOUTS[layout], *SIGNAL_STEPS, *workers)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "project.train", *train_overrides(tiny_shards, run_dir, *layout, *steps)],
+        [sys.executable, "-m", "project.train", *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,  # a process group of its own, as a terminal's job or a batch job has
     )
     deadline = time.monotonic() + 300
     while not (run_dir / "metrics.csv").is_file() or len(read_metrics(run_dir, "train/loss")) < 3:
         assert process.poll() is None and time.monotonic() < deadline, "training did not start"
         time.sleep(0.2)
-    process.send_signal(signal.SIGTERM)  # to rank 0 only: a scheduler's TERM, or `kill`
+    if to_group:
+        os.killpg(process.pid, sig)
+    else:
+        process.send_signal(sig)
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == 3, stderr[-3000:]
     stopped = checkpoint_step(run_dir / "checkpoints" / "last.ckpt")
     assert 3 <= stopped < 40 and f"stopped at step {stopped}: resume with ckpt_path=last" in stderr
-    # The signal first wrote where the rank was, in case it never reached the next step (project.runtime.stacks).
-    assert "(most recent call first)" in (run_dir / "train.log").read_text()
+    assert f"{sig.name} received: the run saves and stops" in stderr
+    for broken in ("Traceback", "EOFError", "DataLoader worker", "KeyboardInterrupt"):
+        assert broken not in stderr, stderr[-3000:]
+    if sig == signal.SIGTERM:  # it first wrote where the rank was, in case it never reached the next step
+        assert "(most recent call first)" in (run_dir / "train.log").read_text()  # (project.runtime.stacks)
 
-    run_train(tiny_shards, run_dir, *layout, *steps, "ckpt_path=last")
-    assert read_metrics(run_dir, "train/loss") == pytest.approx(read_metrics(reference, "train/loss"), abs=1e-6)
+    run_train(tiny_shards, run_dir, *SIGNAL_LAYOUTS[layout], *SIGNAL_STEPS, "ckpt_path=last")
+    reference = read_metrics(uninterrupted(layout), "train/loss")
+    assert read_metrics(run_dir, "train/loss") == pytest.approx(reference, abs=1e-6)
 
 
 def test_checkpoints_by_wall_time_come_between_the_step_checkpoints(tiny_shards, tmp_path):

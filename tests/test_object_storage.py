@@ -186,9 +186,8 @@ def test_a_run_killed_while_it_saves_to_object_storage_resumes_every_time(tiny_s
     moments = [changes // 2]
     assert changes >= 4, f"a save makes only {changes} changes"
     run, ckpts = tmp_path / "run", f"{bucket}/killed"
-    for kill in moments:
-        resume = ["ckpt_path=last"] if objects("killed/") else []
-        ended = launch(f"kill-in-save@2:{kill}", tiny_shards, run, *layout, f"ckpt_dir={ckpts}", *resume)
+    for kill in moments:  # ckpt_path=auto: the first start trains anew, the others resume from `latest`
+        ended = launch(f"kill-in-save@2:{kill}", tiny_shards, run, *layout, f"ckpt_dir={ckpts}", "ckpt_path=auto")
         assert ended.returncode == -signal.SIGKILL and not ended.survivors, (
             f"killed before {kill}: {ended.stderr[-3000:]}"
         )

@@ -102,9 +102,14 @@ def test_pipeline_checkpoints_resume_under_other_layouts_and_back(tiny_shards, u
         ],  # ... pipeline x tensor from a file ...
         ["strategy=fsdp2", "trainer.devices=2"],  # ... and FSDP2 from the pipeline x tensor folder.
     ]
-    for hop, layout in enumerate(chain):
-        resume = ["ckpt_path=last"] if hop else []
-        run_train(tiny_shards, tmp_path, *RESUME_RUN, f"trainer.max_steps={4 * (hop + 1)}", *resume, *layout)
+    for hop, layout in enumerate(chain):  # ckpt_path=auto: the first hop starts the run, the others resume it
+        ran = run_train(
+            tiny_shards, tmp_path, *RESUME_RUN, f"trainer.max_steps={4 * (hop + 1)}", "ckpt_path=auto", *layout
+        )
+        said = (
+            "ckpt_path=auto: resuming the run from its last checkpoint" if hop else "ckpt_path=auto: no checkpoint in"
+        )
+        assert said in ran.stderr, ran.stderr[-3000:]
     assert_continues(tmp_path, uninterrupted_reference, 20)
 
 

@@ -86,3 +86,26 @@ def test_a_signal_an_earlier_run_of_the_process_handed_on_does_not_stop_the_next
     monkeypatch.setattr(StopOnSignal, "_handed_on", signal.SIGTERM)  # what the earlier run left
     run.fit(None, tmp_path, None)  # type: ignore[arg-type]
     assert seen == [None]
+
+
+def test_a_first_ctrl_c_asks_for_the_stop_and_a_second_stops_at_once():
+    """SIGINT is a stop signal like SIGTERM (saved at the next decision step); the second SIGINT raises
+    KeyboardInterrupt, which Lightning turns into an immediate stop. A repeated SIGTERM only asks again."""
+    import signal
+
+    from project.training.callbacks.preemption import StopOnSignal
+
+    before = signal.getsignal(signal.SIGINT)
+    stop = StopOnSignal(checkpoint=None, signums=(signal.SIGTERM, signal.SIGINT))  # type: ignore[arg-type]
+    stop.setup(None, None, "fit")  # type: ignore[arg-type]  # the handlers only: no trainer needed
+    try:
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)
+        assert stop._signalled == signal.SIGTERM
+        signal.raise_signal(signal.SIGINT)
+        assert stop._signalled == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        stop.teardown(None, None, "fit")  # type: ignore[arg-type]
+    assert signal.getsignal(signal.SIGINT) is before  # put back as it was

@@ -13,6 +13,9 @@ from project.checkpoint.urls import check_url, is_remote
 from project.parallel.kinds import strategy_kind
 from project.runtime.errors import ConfigError
 
+# ckpt_path=auto: resume from the run's last checkpoint where there is one, start the run otherwise.
+AUTO = "auto"
+
 
 def checkpoint_dir(cfg: DictConfig, run_dir: str | os.PathLike) -> str:
     """Where the run's checkpoints go: `ckpt_dir`, a local folder or an s3:// URL; by default the run directory's
@@ -34,16 +37,68 @@ def check_ckpt_dir(cfg: DictConfig) -> None:
         )
 
 
-def check_ckpt_path(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> None:
-    """A checkpoint named by path exists; `last`, that of the run directory `run_dir` (Hydra's, by default), or of
-    `ckpt_dir`. One in object storage is looked for when the run starts (this check reads no network)."""
-    check_ckpt_dir(cfg)
+def saves_in(folder: str | os.PathLike) -> list[Path]:
+    """The checkpoints a local checkpoint folder holds: last.ckpt (or the previous one kept aside while it is
+    replaced, last.ckpt.old), best-step*.ckpt, step-*.ckpt; files or sharded folders."""
+    path = Path(folder)
+    return sorted(p for p in path.iterdir() if p.name.endswith((".ckpt", ".ckpt.old"))) if path.is_dir() else []
+
+
+def resume_point(cfg: DictConfig, run_dir: str | os.PathLike) -> str | None:
+    """What `ckpt_path` resumes from, with `auto` decided: `last` where the run's checkpoint folder holds last.ckpt
+    (or the one kept aside while it was replaced), else None, a new run; any other value as it is. In object
+    storage, where `latest` names the last complete save (project.checkpoint.latest)."""
     ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path is None or is_remote(ckpt_path):
+    if ckpt_path is None or str(ckpt_path) != AUTO:
+        return ckpt_path
+    folder = checkpoint_dir(cfg, run_dir)
+    if is_remote(folder):
+        from project.checkpoint.latest import latest  # reads the storage: only as the run starts
+
+        return "last" if latest(folder) is not None else None
+    last = Path(folder) / "last.ckpt"
+    return "last" if last.exists() or last.with_name(f"{last.name}.old").exists() else None
+
+
+def hydra_run_dir(run_dir: str | os.PathLike | None) -> str | os.PathLike | None:
+    """`run_dir`, or Hydra's run directory where Hydra runs."""
+    if run_dir is None and HydraConfig.initialized():
+        return HydraConfig.get().runtime.output_dir
+    return run_dir
+
+
+def refuse_new_run_over_saves(cfg: DictConfig, run_dir: str | os.PathLike | None) -> None:
+    """A new run (no ckpt_path) into a local checkpoint folder that holds saves would replace them (last.ckpt, the
+    best checkpoint) and, in its run directory, cut metrics.csv and config.yaml: refused, naming both ways on."""
+    run_dir = hydra_run_dir(run_dir)
+    if cfg.get("ckpt_path") is not None or run_dir is None and not cfg.get("ckpt_dir"):
+        return
+    folder = checkpoint_dir(cfg, run_dir or ".")
+    if is_remote(folder) or not (found := saves_in(folder)):
+        return  # object storage: project.checkpoint.latest.refuse_another_runs, once the run can reach it
+    where = f"ckpt_dir={folder}" if cfg.get("ckpt_dir") else f"hydra.run.dir={run_dir}"
+    raise ConfigError(
+        f"{where} holds the checkpoints of an earlier run ({', '.join(p.name for p in found[:3])}"
+        f"{', ...' if len(found) > 3 else ''} in {folder}): a new run there would replace them and its records. "
+        "Resume that run with ckpt_path=last (or ckpt_path=auto, which resumes where there is a checkpoint and "
+        "starts otherwise), or give this run a folder of its own (hydra.run.dir=outputs/runs/NAME"
+        f"{', ckpt_dir=DIR' if cfg.get('ckpt_dir') else ''})."
+    )
+
+
+def check_ckpt_path(cfg: DictConfig, run_dir: str | os.PathLike | None = None, new_runs_checked: bool = True) -> None:
+    """A checkpoint named by path exists; `last`, that of the run directory `run_dir` (Hydra's, by default), or of
+    `ckpt_dir`; `auto`, either or none. One in object storage is looked for when the run starts (this check reads no
+    network). With `new_runs_checked` (not for a dry run, which writes none of a run's files), a new run into a
+    folder of saves is refused."""
+    check_ckpt_dir(cfg)
+    if new_runs_checked:
+        refuse_new_run_over_saves(cfg, run_dir)
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path is None or is_remote(ckpt_path) or str(ckpt_path) == AUTO:
         return
     if str(ckpt_path) == "last":
-        if run_dir is None and HydraConfig.initialized():
-            run_dir = HydraConfig.get().runtime.output_dir
+        run_dir = hydra_run_dir(run_dir)
         if run_dir is None and not cfg.get("ckpt_dir"):
             return
         folder = checkpoint_dir(cfg, run_dir or ".")
@@ -78,13 +133,13 @@ def check_init_from(cfg: DictConfig) -> None:
     if cfg.get("init_from") is None:
         return
     ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path is not None and str(ckpt_path) != "last":
+    if ckpt_path is not None and str(ckpt_path) not in ("last", AUTO):
         raise ConfigError(
             f"init_from={cfg.init_from} and ckpt_path={ckpt_path} both given: init_from starts a new run from a "
             "published model's weights (step 0, a fresh optimizer and schedule); ckpt_path resumes a run from its "
-            "checkpoint. Drop ckpt_path to start from the folder, or init_from to resume. (ckpt_path=last beside "
-            "init_from resumes the run in hydra.run.dir, the folder giving only the model's shape, so that a requeued "
-            "job's command line still works.)"
+            "checkpoint. Drop ckpt_path to start from the folder, or init_from to resume. (ckpt_path=last or auto "
+            "beside init_from resumes the run in hydra.run.dir, the folder giving only the model's shape, so that a "
+            "requeued job's command line still works.)"
         )
     from project.hf.folder import apply_init_from
 

@@ -23,6 +23,9 @@ from typing import Any
 # The first ends the server with the training process; the second is what a worker runs.
 WORKER_IMPORTS = ["project.data.loader_server", "project.data.blocks"]
 JOB_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+# Ctrl-C and `kill -TERM -PGID` (`timeout`, scancel) reach every process of the group; the training process saves at
+# its next step and stops (project.training.callbacks.preemption), and its workers must go on reading until then.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def start_method() -> str | None:
@@ -43,10 +46,12 @@ def start_worker_server() -> None:
     # keeps an ignored signal ignored), and so do the workers the server forks. A launcher sends them to
     # every process of a job for the training process to act on (SLURM's SIGUSR1 ahead of a preemption or
     # its time limit); their default would end these processes at once, and the training process, which
-    # saves at its next step, would find its loader broken. SIGTERM ends them as it ended forked
-    # workers (torch's worker ends on a SIGTERM anyway). Handlers can be set from the main thread only.
+    # saves at its next step, would find its loader broken. So would Ctrl-C's and a group's SIGTERM (torch's
+    # workers set their own SIGTERM handler: `ignore_stop_signals` sets it back). Workers end as the loader ends
+    # them (its queues), or with their parent. Handlers can be set from the main thread only.
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in JOB_SIGNALS} if main_thread else {}
+    ignored = (*JOB_SIGNALS, *STOP_SIGNALS)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignored} if main_thread else {}
     try:
         forkserver.ensure_running()
     finally:
@@ -68,9 +73,21 @@ def imports_of_main() -> list[str]:
     return sorted(name for name in list(sys.modules) if name != main and name.partition(".")[0] in roots)
 
 
+def ignore_stop_signals(worker_id: int) -> None:
+    """A worker's start (DataLoader's worker_init_fn, which runs after torch has set the worker's own handlers): the
+    stop signals are the training process's to act on."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def loader_options(workers: int) -> dict[str, Any]:
     """DataLoader arguments for `workers` worker processes (0: batches are read in the training process)."""
     if workers == 0:
         return {"num_workers": 0}
     start_worker_server()
-    return {"num_workers": workers, "persistent_workers": True, "multiprocessing_context": start_method()}
+    return {
+        "num_workers": workers,
+        "persistent_workers": True,
+        "multiprocessing_context": start_method(),
+        "worker_init_fn": ignore_stop_signals,
+    }

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from project.checkpoint.files import checkpoint_metadata, checkpoint_step, resolve_ckpt_path
 from project.checkpoint.latest import latest, refuse_another_runs
 from project.checkpoint.locations import check_reachable, exists, join, use_object_storage
-from project.config.checkpoints import checkpoint_dir
+from project.config.checkpoints import AUTO, checkpoint_dir, resume_point
 from project.config.data import check_data, data_settings_differ
 from project.config.layout import Layout, plan_layout
 from project.data.datamodule import TokenShardDataModule
@@ -36,6 +36,7 @@ from project.parallel.contract import contract_of
 from project.runtime.console import keep_console, launch_rank, silence_known_noise
 from project.runtime.processes import watch_children
 from project.runtime.secrets import redact_text, redacted_container, secret_values
+from project.training.callbacks.evaluation import HeldOutEvaluation
 from project.training.callbacks.preemption import REQUEUE_EXIT_STATUS, StopOnSignal
 from project.training.lit_module import check_resumable
 from project.training.stability import Rollback, RollbackRequested, describe, escalate
@@ -96,9 +97,18 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
         for setting in ("ckpt_dir", "ckpt_path"):
             if is_remote(cfg[setting]):
                 check_reachable(cfg[setting], setting)
-        if is_remote(cfg.ckpt_dir):
-            refuse_another_runs(cfg.ckpt_dir, cfg.ckpt_path)
+    auto = str(cfg.ckpt_path) == AUTO
+    if auto:  # decided once, here: the rest of the run sees `last` or None, and its record says which
+        cfg.ckpt_path = resume_point(cfg, run_dir)
+    if is_remote(cfg.ckpt_dir):
+        refuse_another_runs(cfg.ckpt_dir, cfg.ckpt_path)
     restore_console = record_console(cfg, run_dir)
+    if auto:
+        rank_zero_info(
+            f"ckpt_path=auto: resuming the run from its last checkpoint in {cfg.ckpt_dir}"
+            if cfg.ckpt_path is not None
+            else f"ckpt_path=auto: no checkpoint in {cfg.ckpt_dir} yet: starting the run"
+        )
     metrics = fit(cfg, run_dir, layout)
     # Not after an error: what the entry point then prints (the error, a failed rank's report) belongs in the log.
     restore_console()
@@ -296,6 +306,9 @@ def finish(trainer: L.Trainer, ckpt_dir: str) -> dict[str, float]:
         raise SystemExit(REQUEUE_EXIT_STATUS)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     said = ", ".join(f"{k}={metrics[k]:.4f}" for k in ("train/loss", "val/loss") if k in metrics)
+    evaluated = next((c.last_metrics for c in callbacks if isinstance(c, HeldOutEvaluation)), {})
+    if evaluated:  # the last in-loop evaluation's figures (conf/eval), its time left out
+        said += "".join(f", {k}={v:.4f}" for k, v in evaluated.items() if k != "eval/seconds")
     if trainer.global_step < trainer.max_steps:  # trainer.should_stop, set by a callback (a signal's stop is above)
         # Still a line that starts with `done: `: the run ended as asked, and `make train` starts a new one after it.
         reasons = [

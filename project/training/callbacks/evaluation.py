@@ -1,4 +1,5 @@
-"""Evaluation inside training (conf/eval): every `eval.every_n_steps` optimizer steps, and after the last, the loss
+"""Evaluation inside training (conf/eval): every `eval.every_n_steps` optimizer steps (0: none before the last), and
+after the last, the loss
 of each held-out set (`eval.sets`, project.data.heldout) on the model as it trains, logged as `eval/<name>/loss` and
 `eval/<name>/bits_per_byte`, each downstream task's metrics (`eval.tasks`, project.data.tasks) as
 `eval/<task>/<metric>`, with `eval/seconds` (the whole evaluation's wall time).
@@ -37,6 +38,7 @@ class HeldOutEvaluation(Callback):
     def __init__(self, every_n_steps: int = 0):
         self.every_n_steps = every_n_steps
         self.evaluated_step = -1  # the optimizer step after which the last evaluation ended
+        self.last_metrics: dict[str, float] = {}  # its figures, for the run's closing line
         self._steps = OptimizerSteps()
 
     def _due(self, step: int) -> bool:
@@ -55,7 +57,8 @@ class HeldOutEvaluation(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         finished = trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps  # not stopped by a signal
-        if self.every_n_steps > 0 and finished and self.evaluated_step != trainer.global_step:
+        if finished and self.evaluated_step != trainer.global_step:  # with every_n_steps=0 too: sets or tasks given
+            # are scored at least once
             self.evaluate(trainer, pl_module)
 
     def state_dict(self) -> dict[str, Any]:
@@ -101,6 +104,7 @@ class HeldOutEvaluation(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step - 1)
         self.evaluated_step = trainer.global_step
+        self.last_metrics = metrics
         return metrics
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""Stop signals (SIGTERM from a scheduler or a user, SLURM's warning of a preemption or time limit):
+"""Stop signals (SIGTERM from a scheduler or a user, Ctrl-C's SIGINT, SLURM's warning of a preemption or time limit):
 checkpoint at the next step at which the ranks decide whether to save, and stop, to be resumed."""
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ REQUEUE_EXIT_STATUS = 3
 
 
 class StopOnSignal(Callback):
-    """On SIGTERM (what schedulers and `kill` send), or the signal SLURM sends ahead of a time limit or a
-    preemption (`#SBATCH --signal=USR1@120`), finish the optimizer step at which the ranks agree on it (below),
+    """On SIGTERM (what schedulers, `kill` and `timeout` send), SIGINT (Ctrl-C), or the signal SLURM sends ahead of a
+    time limit or a preemption (`#SBATCH --signal=USR1@120`), finish the optimizer step at which the ranks agree on it
+    (below),
     save last.ckpt as the periodic saves do, and stop; project.train then exits with REQUEUE_EXIT_STATUS, on which
     experiments/slurm/train.sbatch requeues the job, and `ckpt_path=last` resumes exactly.
 
@@ -36,6 +37,11 @@ class StopOnSignal(Callback):
     every step at hundreds of ranks. They agree over a group of their own on the CPU (gloo), so that the flag they
     read never waits for a device (Horovod: its allreduce). Decided before the step's update, so that the step's own
     metrics are logged: Lightning writes the row of a step at which the run stops.
+
+    A second Ctrl-C stops at once, as Python's own handler would have the first time (Lightning's handling of a
+    KeyboardInterrupt then ends the run, saving nothing more). A terminal's Ctrl-C, and `kill -TERM -PGID`, reach every
+    process of the group: loader workers ignore both (project.data.loader_workers), so that the loader still reads
+    the batches up to the stop.
     """
 
     _handed_on: signal.Signals | None = None  # a signal the fit a rollback ended had received, for the next fit
@@ -52,11 +58,16 @@ class StopOnSignal(Callback):
         self._previous_handlers: dict[signal.Signals, Any] = {}
         self.stopped_for_requeue = False
         self._stopping = False
+        self._said = False  # whether the signal's wait for the next decision step was said
         self._group: dist.ProcessGroup | None = None
         self._steps = OptimizerSteps()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self._signalled = signal.Signals(signum)  # only a flag: the state is saved between steps
+        received = signal.Signals(signum)
+        if received == signal.SIGINT and self._signalled == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: at once, without saving
+        self._signalled = received  # only a flag: the state is saved between steps (nothing printed here: a
+        # handler that writes while the interrupted code writes to the same stream breaks it)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # Early, so that data-loader workers forked later inherit the handler: SLURM signals every process
@@ -87,6 +98,13 @@ class StopOnSignal(Callback):
     ) -> None:
         if self._stopping or trainer.global_step + 1 >= trainer.max_steps:  # the last step: nothing to requeue
             return
+        if self._signalled is not None and not self._said:  # on this rank, and not yet agreed on
+            self._said = True
+            again = "; Ctrl-C again stops at once, without saving" if self._signalled == signal.SIGINT else ""
+            rank_zero_info(
+                f"{self._signalled.name} received: the run saves and stops within ckpt_check_every_n_steps="
+                f"{self.checkpoint.check_every_n_steps} steps{again}"
+            )
         if not self.checkpoint.decides_at(trainer, trainer.global_step):
             return
         seen = self._signalled is not None
@@ -110,6 +128,11 @@ class StopOnSignal(Callback):
         self.stopped_for_requeue = True
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, KeyboardInterrupt) and self._signalled == signal.SIGINT:
+            rank_zero_info(
+                f"stopped at once by a second Ctrl-C in step {trainer.global_step + 1}: nothing saved since the last "
+                "checkpoint; resume from it with ckpt_path=last (or ckpt_path=auto)"
+            )
         # Lightning calls no teardown after an exception; the run may go on (a rollback builds it again), and a
         # signal then must reach the new instance, not this one: one received already is handed on to it.
         if self._signalled is not None and not self.stopped_for_requeue:

@@ -1,0 +1,124 @@
+"""The run's settings, kept in each checkpoint, and what a resume changes of them, said once as the resume starts.
+
+A resume may change the layout and the bookkeeping freely (every layout continues every other's checkpoint
+exactly); a setting that changes what the run computes (the batch, the model, the data, the precision, float8)
+is the user's to mean, so it is named in one warning with the values that continue the checkpoint's run as it was.
+The learning-rate schedule's settings are left to the schedule's own warning (project.training.schedule), which also
+says the learning rate at the resumed step.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from project.training.schedule import SCHEDULE_SETTINGS
+
+RECORD = "run_settings"  # the checkpoint's entry: {dotted setting: its value as JSON}
+
+# Not settings of their own: what conf/train.yaml builds from the others, and where this start runs.
+NOT_SETTINGS = ("datamodule.", "module.", "paths.", "dry_run.", "ckpt_path")
+# What a resume may change without changing what the run computes (docs/runs.md): the layout and its devices, the
+# run's length, how often it validates, saves, logs and reports, and how the data is read (not which data). A
+# strategy's float8 changes the arithmetic, and is not among them.
+LAYOUT_AND_BOOKKEEPING = (
+    "strategy.",
+    "trainer.devices",
+    "trainer.num_nodes",
+    "trainer.accelerator",
+    "trainer.max_steps",
+    "trainer.enable_progress_bar",
+    "trainer.enable_model_summary",
+    "trainer.log_every_n_steps",
+    "micro_batch_size",
+    "threads_per_process",
+    "ckpt_",
+    "val_every_n_steps",
+    "val_sequences",
+    "logger.",
+    "callbacks.",
+    "eval.",
+    "cluster",
+    "memory_check",
+    "peak_flops_per_device",
+    "init_from",
+    "data.loader_workers",
+    "data.auto_prepare",
+    "data.overwrite",
+    "data.fetch",
+    "data.cache_dir",
+    "data.cache_size",
+    "data.storage_options",
+)
+COMPUTING_EVEN_IF_LAYOUT = ("strategy.float8",)
+
+
+def flat_settings(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """{dotted setting: its value as JSON} of a resolved config's leaves (a list is one value)."""
+    flat: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flat_settings(value, f"{name}."))
+        elif not name.startswith(NOT_SETTINGS):
+            flat[name] = json.dumps(value, sort_keys=True, default=str)
+    return flat
+
+
+def computes_the_same(setting: str) -> bool:
+    """Whether `setting` may change on a resume without changing what the run computes."""
+    return setting.startswith(LAYOUT_AND_BOOKKEEPING) and not setting.startswith(COMPUTING_EVEN_IF_LAYOUT)
+
+
+def value_of(settings: Mapping[str, str], setting: str) -> str:
+    """A setting's value as JSON; one a run does not have is null (a strategy without float8 has no such key)."""
+    return settings.get(setting, "null")
+
+
+def as_override(value: str) -> str:
+    """A JSON value as a command line sets it: a string bare, anything else as JSON writes it."""
+    decoded = json.loads(value)
+    return decoded if isinstance(decoded, str) else value
+
+
+def settings_changed(saved: Mapping[str, str], now: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    """The settings whose values differ between the checkpoint's run and this one: those that change what the run
+    computes, and the layout's and bookkeeping's; the schedule's are left out."""
+    names = saved.keys() | now.keys()
+    differ = sorted(k for k in names if value_of(saved, k) != value_of(now, k) and k not in SCHEDULE_SETTINGS)
+    return [k for k in differ if not computes_the_same(k)], [k for k in differ if computes_the_same(k)]
+
+
+def resume_warning(saved: Mapping[str, str], now: Mapping[str, str], computing: list[str]) -> str:
+    said = "; ".join(f"{k}: {value_of(saved, k)} there, {value_of(now, k)} here" for k in computing)
+    keep = " ".join(f"{k}={as_override(value_of(saved, k))}" for k in computing)
+    return (
+        f"resuming with settings that change what the run computes, against the checkpoint's run: {said}. To "
+        f"continue the checkpoint's run as it was, set {keep}; a resume may change the layout and the bookkeeping "
+        "freely (docs/runs.md, Resuming)."
+    )
+
+
+class RunSettings(Callback):
+    """Keeps `settings` (flat_settings of the run's resolved config, secrets redacted) in every checkpoint, and warns
+    once, as a resume loads its checkpoint, of the settings that change what the run computes (a checkpoint written
+    before the record says nothing)."""
+
+    def __init__(self, settings: dict[str, str]):
+        self.settings = settings
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        checkpoint[RECORD] = dict(self.settings)
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get(RECORD)
+        if not isinstance(saved, Mapping):
+            return
+        computing, bookkeeping = settings_changed(saved, self.settings)
+        if computing:
+            rank_zero_warn(resume_warning(saved, self.settings, computing))
+        if bookkeeping:
+            rank_zero_info(f"resuming with other settings of the layout or bookkeeping: {', '.join(bookkeeping)}")

@@ -1,0 +1,118 @@
+"""A run folder is never overwritten by a slip: a new run into a folder that holds checkpoints is refused, and
+`ckpt_path=auto` resumes where there is a checkpoint and starts otherwise; a resume says which of the checkpoint's
+settings it changes (project.config.checkpoints, project.training.callbacks.run_settings)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PARITY_RUN, run_module, train_overrides
+from omegaconf import OmegaConf
+
+from project.config.checkpoints import check_ckpt_path, resume_point
+from project.runtime.errors import ConfigError
+from project.training.callbacks.run_settings import RECORD, RunSettings, settings_changed
+
+
+def settings(**values) -> OmegaConf:
+    return OmegaConf.create({"ckpt_path": None, "ckpt_dir": None, "strategy": {}, **values})
+
+
+def saved_run(run_dir: Path, *names: str) -> Path:
+    (run_dir / "checkpoints").mkdir(parents=True)
+    for name in names:
+        (run_dir / "checkpoints" / name).write_bytes(b"")
+    (run_dir / "metrics.csv").write_text("step\n")
+    return run_dir
+
+
+def test_a_new_run_into_a_folder_that_holds_checkpoints_is_refused_naming_both_ways_on(tmp_path):
+    run = saved_run(tmp_path / "run", "last.ckpt", "best-step000010.ckpt")
+    with pytest.raises(ConfigError) as refused:
+        check_ckpt_path(settings(), run)
+    said = str(refused.value)
+    assert f"hydra.run.dir={run} holds the checkpoints of an earlier run" in said
+    assert "best-step000010.ckpt, last.ckpt" in said
+    assert "ckpt_path=last" in said and "ckpt_path=auto" in said and "hydra.run.dir=outputs/runs/NAME" in said
+    # A checkpoint folder of one's own choosing is named as that setting.
+    with pytest.raises(ConfigError, match=r"ckpt_dir=.*checkpoints holds the checkpoints"):
+        check_ckpt_path(settings(ckpt_dir=str(run / "checkpoints")), tmp_path / "elsewhere")
+
+
+def test_a_folder_without_checkpoints_a_resume_and_a_dry_run_are_not_refused(tmp_path):
+    check_ckpt_path(settings(), saved_run(tmp_path / "no-saves"))  # a run that stopped before its first save
+    run = saved_run(tmp_path / "run", "last.ckpt")
+    check_ckpt_path(settings(ckpt_path="last"), run)
+    check_ckpt_path(settings(ckpt_path="auto"), run)
+    check_ckpt_path(settings(), run, new_runs_checked=False)  # a dry run writes none of the run's files
+
+
+@pytest.mark.parametrize(
+    "saves, resumes",
+    [([], None), (["last.ckpt"], "last"), (["last.ckpt.old"], "last"), (["best-step000010.ckpt"], None)],
+    ids=["empty", "last", "mid-swap", "best-only"],
+)
+def test_ckpt_path_auto_resumes_from_last_where_there_is_one_and_starts_otherwise(tmp_path, saves, resumes):
+    assert resume_point(settings(ckpt_path="auto"), saved_run(tmp_path / "run", *saves)) == resumes
+    assert resume_point(settings(ckpt_path="last"), tmp_path / "run") == "last"  # other values as they are
+    assert resume_point(settings(), tmp_path / "run") is None
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()
+    }
+
+
+def test_a_rerun_in_a_trained_run_directory_is_refused_and_changes_none_of_its_files(
+    single_reference, tiny_shards, tmp_path
+):
+    run = Path(shutil.copytree(single_reference, tmp_path / "run"))
+    assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "metrics.csv").is_file()
+    before = digests(run)
+    result = run_module("project.train", train_overrides(tiny_shards, run, *PARITY_RUN, "trainer.max_steps=5"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("error: ") == 1 and "holds the checkpoints of an earlier run" in result.stderr
+    assert digests(run) == before
+
+
+def flat(**values) -> dict[str, str]:
+    return {k: json.dumps(v) for k, v in values.items()}
+
+
+def test_a_resume_warns_once_of_the_settings_that_change_what_the_run_computes(single_reference):
+    """The checkpoint a run wrote keeps its settings; a resume with another batch and without float8 names those two
+    with the values that continue the checkpoint's run, and the layout's changes only as information."""
+    checkpoint = torch.load(single_reference / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    saved = checkpoint[RECORD]
+    assert json.loads(saved["global_batch_size"]) == 8 and json.loads(saved["model.dim"]) > 0
+    now = {
+        **saved,
+        "global_batch_size": "16",
+        "strategy.float8": '"tensorwise"',
+        "trainer.devices": "2",
+        "optim.lr": "0.5",  # the schedule's own warning says this one
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        RunSettings(now).on_load_checkpoint(None, None, checkpoint)  # type: ignore[arg-type]
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1, said
+    assert 'global_batch_size: 8 there, 16 here; strategy.float8: null there, "tensorwise" here' in said[0]
+    assert "set global_batch_size=8 strategy.float8=null" in said[0]
+    assert "trainer.devices" not in said[0] and "optim.lr" not in said[0]
+
+
+def test_settings_a_resume_may_change_freely_are_told_apart_from_those_that_change_the_run():
+    saved = flat(**{"global_batch_size": 8, "strategy.tensor_parallel_size": 1, "data.loader_workers": 0})
+    now = flat(**{"global_batch_size": 8, "strategy.tensor_parallel_size": 2, "data.loader_workers": 1})
+    assert settings_changed(saved, now) == ([], ["data.loader_workers", "strategy.tensor_parallel_size"])
+    # A key one run lacks is null there: a strategy without float8 against one with it.
+    assert settings_changed(flat(**{"strategy.float8": "rowwise"}), {}) == (["strategy.float8"], [])
+    assert settings_changed({"strategy.float8": "null"}, {}) == ([], [])
