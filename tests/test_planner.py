@@ -301,6 +301,29 @@ def test_every_layout_it_lists_is_one_project_train_accepts_as_planned():
             assert max(layout.plan.pipeline_microbatches, layout.plan.accumulate_grad_batches) == c.microbatches
 
 
+def test_a_planned_sweep_runs_from_the_root_of_another_copy_of_the_project(tmp_path, monkeypatch):
+    from project.planning import render
+
+    work, h100, outcomes = small_plan()
+    laptop, cluster_copy = tmp_path / "laptop", tmp_path / "cluster"
+    monkeypatch.setattr(render, "PROJECT_ROOT", laptop)
+    folder = laptop / "outputs" / "plans" / "p"
+    fits = [o for o in outcomes if o.prediction.fits][:2]
+    spec = render.sweep_spec("plan-p", fits, work, h100, ["model=llama3_8b"], folder)
+    (folder / "sweep.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    assert str(laptop) not in (folder / "sweep.yaml").read_text(), "nothing of the planning machine's paths"
+    (cluster_copy / "outputs" / "plans").mkdir(parents=True)
+    (folder).rename(cluster_copy / "outputs" / "plans" / "p")
+    monkeypatch.chdir(cluster_copy)  # where the cluster's agents start
+    searchpath = next(arg for arg in spec["command"] if arg.startswith("hydra.searchpath="))
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for outcome, name in zip(fits, spec["parameters"]["experiment"]["values"]):
+            cfg = compose("train", overrides=[searchpath, f"experiment={name}"])
+            layout = plan_layout(cfg, cfg.trainer.num_nodes, cfg.trainer.devices)
+            c = outcome.prediction.candidate
+            assert layout.shape == MeshShape(c.pipeline_parallel, c.data_parallel, c.tensor_parallel), name
+
+
 def test_context_parallel_layouts_it_lists_are_ones_project_train_accepts_as_planned():
     work = Workload(preset("llama3_8b"), 65536, 16, 1e12)
     h100 = cluster("h100_80gb", 2)

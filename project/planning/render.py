@@ -141,12 +141,23 @@ def sweep_spec(
             "${interpreter}",
             "-m",
             "project.train",
-            f"hydra.searchpath=[file://{folder.resolve()}]",
+            f"hydra.searchpath=[file://{search_path(folder)}]",
             "logger=wandb",
             "hydra.run.dir=${paths.log_dir}/sweeps/${oc.env:WANDB_SWEEP_ID}/${oc.env:WANDB_RUN_ID}",
             "${args_no_hyphens}",
         ],
     }
+
+
+# The project's root: where `python -m project.train` runs from, a sweep's agents included.
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def search_path(folder: Path) -> str:
+    """The plan's folder as the sweep's command finds it from the project's root (`outputs/plans/NAME`), so that a
+    plan made on a laptop runs in the cluster's copy of the project; absolute only for a folder outside it."""
+    folder = folder.resolve()
+    return folder.relative_to(PROJECT_ROOT).as_posix() if folder.is_relative_to(PROJECT_ROOT) else folder.as_posix()
 
 
 def experiment_file(overrides: list[str]) -> str:
