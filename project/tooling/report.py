@@ -406,7 +406,8 @@ def collect(sources: list[str]) -> list[RunSummary]:
     """Every run the arguments stand for: sweep folders and wandb projects expand to their runs, in the order given."""
     if not sources:
         raise ConfigError(f"give one or more run directories or sweep folders.\n{USAGE}")
-    summaries, dry_runs = [], []
+    summaries: list[RunSummary] = []
+    dry_runs: list[Path] = []
     for source in sources:
         path = Path(source)
         if source.startswith("wandb:"):
