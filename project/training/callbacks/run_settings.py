@@ -98,7 +98,7 @@ def resume_warning(saved: Mapping[str, str], now: Mapping[str, str], computing: 
     return (
         f"resuming with settings that change what the run computes, against the checkpoint's run: {said}. To "
         f"continue the checkpoint's run as it was, set {keep}; a resume may change the layout and the bookkeeping "
-        "freely (docs/runs.md, "What a resume may change")."
+        "freely (docs/runs.md, 'What a resume may change')."
     )
 
 
