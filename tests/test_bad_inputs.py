@@ -317,19 +317,18 @@ def test_the_commands_print_one_paragraph_and_exit_2(module, bad, tmp_path):
 CALLBACK_MISTAKES = [
     (
         ["callbacks=early_stopping", "callbacks.early_stopping.patience=abc"],
-        "callbacks.early_stopping.patience=abc is not a whole number, which lightning.pytorch.callbacks.EarlyStopping's "
-        "patience takes: give a whole number, e.g. callbacks.early_stopping.patience=3 (its default).",
+        "callbacks.early_stopping.patience=abc is not a whole number, which lightning.pytorch.callbacks."
+        "EarlyStopping's patience takes: give a whole number, e.g. callbacks.early_stopping.patience=3 (its default).",
         "build",
     ),
     (
         ["callbacks=early_stopping", "callbacks.early_stopping.monitor=val/los"],
-        "callbacks.early_stopping.monitor=val/los: the run logs no metric of that name. A callback's monitor reads "
-        "what the run logs through the module, here: train/loss, ",
-        "preflight",
-    ),
-    (
-        ["callbacks=early_stopping", "callbacks.early_stopping.monitor=val/los"],
-        "Did you mean val/loss? Set callbacks.early_stopping.monitor=val/loss.",
+        (
+            "callbacks.early_stopping.monitor=val/los: the run logs no metric of that name. A callback's monitor "
+            "reads what the run logs through the module, here: train/loss, ",
+            "val/loss, val/ppl, ",
+            ". Did you mean val/loss? Set callbacks.early_stopping.monitor=val/loss.",
+        ),
         "preflight",
     ),
     (
@@ -391,14 +390,15 @@ CALLBACK_MISTAKES = [
 ]
 
 
-def built_callbacks(overrides: list[str], run_dir):
-    """The callbacks of `project.train experiment=debug OVERRIDES`, through the checks before the imports and the
-    build of the Trainer's callbacks, as a start goes (nothing trains)."""
+def composed(overrides: list[str]):
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return compose("train", overrides=["experiment=debug", *overrides])
+
+
+def built_callbacks(cfg, run_dir):
+    """The callbacks of a run, built as the Trainer's are (nothing trains) once the checks before the imports passed."""
     from project.training.trainer import build_callbacks
 
-    check_command_line(["experiment=debug", *overrides])
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=["experiment=debug", *overrides])
     layout = preflight(cfg)
     cfg.paths.run_dir = cfg.ckpt_dir = str(run_dir)  # as project.training.run sets them
     return build_callbacks(cfg, layout)
@@ -408,13 +408,19 @@ def built_callbacks(overrides: list[str], run_dir):
     "overrides, message, where", CALLBACK_MISTAKES, ids=[f"{' '.join(o)}:{w}" for o, _, w in CALLBACK_MISTAKES]
 )
 def test_a_callback_mistake_is_one_paragraph_naming_the_setting_before_training(overrides, message, where, tmp_path):
-    if where == "build":
-        with initialize_config_dir(str(CONF), version_base="1.3"):
-            preflight(compose("train", overrides=["experiment=debug", *overrides]))  # passes the torch-free checks
+    from project.training.trainer import build_callbacks
+
+    cfg = composed(overrides)
     with pytest.raises(ConfigError) as refused:
-        built_callbacks(overrides, tmp_path)
-    assert message in str(refused.value) and "\n" not in str(refused.value)
-    assert where == "build" or refused.traceback[-1].name.startswith("check_")  # ... or is answered by them
+        if where == "preflight":
+            preflight(cfg)  # before torch and Lightning are imported
+        else:
+            layout = preflight(cfg)  # passes the checks before the imports, then refused where the callbacks are built
+            cfg.paths.run_dir = cfg.ckpt_dir = str(tmp_path)
+            build_callbacks(cfg, layout)
+    said = str(refused.value)
+    assert all(part in said for part in ((message,) if isinstance(message, str) else message)), said
+    assert "\n" not in said
 
 
 @pytest.mark.parametrize(
@@ -422,25 +428,33 @@ def test_a_callback_mistake_is_one_paragraph_naming_the_setting_before_training(
     [
         ["callbacks=[early_stopping,lr_monitor,rich_progress,layer_summary]"],
         ["+callbacks.timer._target_=lightning.pytorch.callbacks.Timer", "+callbacks.timer.duration=00:12:00:00"],
-        ["callbacks=early_stopping", "callbacks.early_stopping.monitor=train/loss", "model=moe_debug"],
         ["callbacks=early_stopping", "callbacks.early_stopping.monitor=moe/layer1/load_max", "model=moe_debug"],
         ["+callbacks.by_step._target_=lightning.pytorch.callbacks.ModelCheckpoint", "+callbacks.by_step.monitor=step"],
     ],
-    ids=["every-option", "timer", "train-loss", "moe-layer", "step"],
+    ids=["every-option", "timer", "moe-layer", "step"],
 )
 def test_the_documented_callbacks_pass_the_checks_and_build(overrides, tmp_path):
     from lightning.pytorch.callbacks import Callback
 
-    assert all(isinstance(c, Callback) for c in built_callbacks(overrides, tmp_path))
+    assert all(isinstance(c, Callback) for c in built_callbacks(composed(overrides), tmp_path))
+
+
+def test_a_monitor_may_name_what_a_callback_of_the_users_own_logs_but_not_a_near_miss_of_a_known_name():
+    from project.config.callbacks import check_monitor
+
+    cfg = composed(["callbacks=early_stopping"])
+    check_monitor(cfg, "callbacks.early_stopping.monitor", "mine/score", may_be_own=True)
+    with pytest.raises(ConfigError, match="the run logs no metric of that name"):
+        check_monitor(cfg, "callbacks.early_stopping.monitor", "mine/score")
+    with pytest.raises(ConfigError, match="Did you mean val/loss"):
+        check_monitor(cfg, "callbacks.early_stopping.monitor", "val/los", may_be_own=True)
 
 
 def test_a_callback_refused_where_the_trainer_is_built_prints_one_paragraph_and_exits_2(tmp_path, capsys):
     # What project.train's main does with what build_trainer raises (run.py builds the Trainer before the data).
     from project.training.trainer import build_trainer
 
-    overrides = ["experiment=debug", "callbacks=early_stopping", "callbacks.early_stopping.patience=abc"]
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
+    cfg = composed(["callbacks=early_stopping", "callbacks.early_stopping.patience=abc"])
     layout = preflight(cfg)
     cfg.paths.run_dir = cfg.ckpt_dir = str(tmp_path)
     with pytest.raises(SystemExit) as stopped, exit_on_config_error():

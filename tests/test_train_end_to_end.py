@@ -73,6 +73,19 @@ def test_mfu_is_model_flops_over_the_device_peak(debug_run):
         assert mfu[step] == pytest.approx(training_flops_per_token(config, 32) * tps[step] / PEAK, rel=1e-5)
 
 
+def test_every_metric_the_run_logs_is_one_the_callbacks_settings_check_knows(debug_run):
+    # project.config.callbacks.LOGGED_METRICS is what a callback's `monitor` is checked against before training.
+    from project.config.callbacks import logged_by
+
+    run_dir, _ = debug_run
+    header = (run_dir / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert "val/loss" in header and "memory/peak_bytes" in header and "checkpoint/seconds" in header
+    assert [name for name in header if logged_by(name) is None] == []
+    # What the module logs through self.log is what a monitor reads; what callbacks write to the loggers is not.
+    assert logged_by("val/loss").monitorable and logged_by("train/mfu").monitorable
+    assert not logged_by("layout/world_size").monitorable and not logged_by("checkpoint/seconds").monitorable
+
+
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_runs_two_steps(tiny_shards, tmp_path, experiment):
     args = train_overrides(tiny_shards, tmp_path, "trainer.max_steps=2", "val_every_n_steps=1", "global_batch_size=4")

@@ -12,6 +12,7 @@ import os
 
 from omegaconf import DictConfig
 
+from project.config.callbacks import check_callbacks
 from project.config.checkpoints import check_ckpt_path, check_init_from
 from project.config.data import check_data, data_on_this_machine
 from project.config.float8 import check_float8
@@ -29,6 +30,7 @@ def preflight(cfg: DictConfig, dry_run: bool = False, run_dir: str | os.PathLike
     check_init_from(cfg)
     check_trainer(cfg, here=not dry_run)
     check_values(cfg)
+    check_callbacks(cfg)
     check_data(cfg, shards=not dry_run or data_on_this_machine(cfg))
     check_ckpt_path(cfg, run_dir)
     nodes, devices = cfg.trainer.get("num_nodes", 1), cfg.trainer.get("devices", "auto")

@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import ParallelStrategy, Strategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig
 
+from project.config.callbacks import build_callback, callbacks_of
 from project.config.layout import Layout
 from project.config.trainer import check_trainer_arguments
 from project.parallel.contract import contract_of
@@ -64,8 +65,9 @@ def devices_per_node(cfg: DictConfig) -> int:
 
 
 def build_callbacks(cfg: DictConfig, layout: Layout) -> list[Callback]:
-    """conf/callbacks' (those the trainer settings leave on), the layout's facts, and the stop on a signal."""
-    callbacks = [instantiate(node) for node in cfg.callbacks.values() if node is not None]
+    """conf/callbacks' (those the trainer settings leave on), each checked as it is built (project.config.callbacks),
+    the layout's facts, and the stop on a signal."""
+    callbacks = [build_callback(name, node) for name, node in callbacks_of(cfg)]
     if sum(isinstance(c, ProgressBar) for c in callbacks) > 1:  # callbacks=rich_progress, or one added by name:
         callbacks = [c for c in callbacks if type(c) is not StepProgressBar]  # Lightning takes one bar only
     if not cfg.trainer.get("enable_progress_bar", True):
