@@ -142,3 +142,76 @@ def test_the_rich_bar_in_a_terminal_keeps_its_figures_on_its_line_so_the_log_kee
     assert len(drawn[False]) > 1  # what Lightning's bar draws in a terminal of 80 columns
     [line] = drawn[True]
     assert re.fullmatch(r"Epoch 0 \S+ 3/6 0:00:00 • -:--:-- 0.00it/s val/loss: 4.956 tra…", line.rstrip())
+
+
+def test_the_projects_own_warnings_print_as_one_warning_line_above_the_progress_bar(tiny_shards, capsys):
+    """A rank_zero_warn of the project's own code: `warning: <message>`, without Python's source path and its
+    `rank_zero_warn(` line, with the bar (tqdm's on stdout, as Lightning's) taken down for it and drawn again under it;
+    a library's warnings go where they went before."""
+    import json
+    import sys
+    import warnings
+
+    from tqdm import tqdm
+
+    from project.data.datamodule import TokenShardDataModule
+    from project.runtime.console import silence_known_noise
+
+    blocks = json.loads((tiny_shards / "manifest.json").read_text())["splits"]["train"]["blocks"]
+    elsewhere = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, category, filename, *_: elsewhere.append((str(message), filename))
+        silence_known_noise()
+        bar = tqdm(total=4, desc="Epoch 0", file=sys.stdout, mininterval=0)
+        bar.update(1)
+        capsys.readouterr()
+        TokenShardDataModule(
+            str(tiny_shards), seq_len=32, global_batch_size=2 * blocks, micro_batch_size=2, allow_repeats=True
+        )  # more sequences a step than the split holds: warned
+        warnings.warn_explicit("a library's own", UserWarning, "/elsewhere/library.py", 7)
+        said = capsys.readouterr()
+        bar.close()
+    assert said.err == (
+        f"warning: each step reads {2 * blocks} sequences from {blocks} training blocks (data.allow_repeats=true): "
+        "every block is read about 2.0 times per step.\n"
+    )
+    taken_down, drawn_again = said.out.split("\r" + " " * 40)[0], said.out.rsplit("\r", 1)[-1]
+    assert taken_down == "" and drawn_again.startswith("Epoch 0:  25%")
+    assert elsewhere == [("a library's own", "/elsewhere/library.py")]
+
+
+def test_what_torchao_logs_as_transformers_imports_it_is_filtered_and_nothing_else():
+    """torchao's import (which transformers makes wherever torchao is installed) logs its optional CUDA kernels it
+    could not load and torch's deprecation of its enums' registration: filtered (also in a process of the user's own
+    with .venv/hf-reference on its path, whose sitecustomize is project/runtime/hf_reference_site.py); other lines of
+    the same loggers are not."""
+    import logging
+
+    from project.runtime.console import silence_import_noise
+
+    class Kept(logging.Handler):  # torch's loggers print with a handler of their own and do not propagate
+        def emit(self, record: logging.LogRecord) -> None:
+            kept.append(record.getMessage())
+
+    kept: list[str] = []
+    kernel = "/venv/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so"
+    torchao, pytree = logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")
+    silence_import_noise()
+    silence_import_noise()  # once per run of a process that trains more than once: the same filters
+    for logger in (torchao, pytree):
+        logger.addHandler(Kept())
+    try:
+        torchao.warning(f"Failed to load {kernel}: Could not load this library: {kernel}")
+        pytree.warning(
+            "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile as an "
+            "opaque value type. Calling register_constant() on Enum subclasses is deprecated and will be an error in "
+            "a future release."
+        )
+        torchao.warning("a kernel failed to run")
+        pytree.warning("another tree")
+    finally:
+        for logger in (torchao, pytree):
+            logger.handlers = [h for h in logger.handlers if not isinstance(h, Kept)]
+    assert kept == ["a kernel failed to run", "another tree"]
+    assert len(torchao.filters) == 1

@@ -2,7 +2,10 @@
 
 `silence_known_noise` filters warnings that libraries print on every run and that a user cannot act
 on; each filter says why it is harmless. A test (tests/test_quiet_runs.py) fails on any other
-warning, so a new one is either fixed at its source or argued for here.
+warning, so a new one is either fixed at its source or argued for here. `silence_import_noise` does the same for
+what libraries log as they are imported, also in a process of the user's own that imports transformers (which
+imports torchao wherever it is installed). The project's own warnings print as one `warning: ...` line each,
+above a progress bar (`show_own_warnings_as_lines`).
 
 `keep_console` copies what rank 0 prints (stdout and stderr, progress bars reduced to their last
 state) into `train.log`, and what every other rank writes to stderr (its warnings and errors) into
@@ -52,8 +55,26 @@ _DTENSOR_TWO_STEP_REDUCE = "While redistributing from (_NormPartial"
 _LIGHTNING_CHATTER = ("💡", "Trainer already configured with model summary callbacks")
 
 
+# What libraries log while they are imported, by logger: (the message's start, why it can be ignored).
+IMPORT_NOISE = {
+    "torchao": (
+        "Failed to load ",
+        "torchao's optional CUDA kernels (_C_mxfp8.so, _C_cutlass_90a.so), which a machine without CUDA's libraries, "
+        "or with another CUDA, cannot load; float8 training does not use them",
+    ),
+    "torch.utils._pytree": (
+        "<enum ",
+        "torchao registers its enums with register_constant, which torch deprecated for Enum subclasses",
+    ),
+}
+PROJECT_PACKAGE = Path(__file__).resolve().parents[1]
+
+
 def silence_known_noise() -> None:
-    """Filters for warnings and log lines that every run would print and no user can act on."""
+    """Filters for warnings and log lines that every run would print and no user can act on; the project's own
+    warnings shown as one line each."""
+    show_own_warnings_as_lines()
+    silence_import_noise()
     for pattern, _why in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
     logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
@@ -69,6 +90,61 @@ def silence_known_noise() -> None:
     lightning.propagate = False
     for handler in lightning.handlers:
         handler.setFormatter(logging.Formatter("%(message)s"))
+
+
+def silence_import_noise() -> None:
+    """Filters for what libraries log as they are imported (IMPORT_NOISE), set before they are: torchao logs its
+    kernels at its import, which transformers makes wherever torchao is installed."""
+    for name, (start, _why) in IMPORT_NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _MessageStart) and f.start == start for f in logger.filters):
+            logger.addFilter(_MessageStart(start))
+
+
+class _MessageStart(logging.Filter):
+    """Drops the log records whose message starts with `start`."""
+
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.start)
+
+
+def show_own_warnings_as_lines() -> None:
+    """From now on, a warning raised in the project's own code (rank_zero_warn, warnings.warn under project/) prints
+    as `warning: <message>`, one line without Python's source path and code line, written as tqdm writes above its
+    progress bars (a bar being drawn is taken down and drawn again under the line); every other warning as before."""
+    if warnings.showwarning is not _show_warning:
+        global _shown_before
+        _shown_before = warnings.showwarning
+        warnings.showwarning = _show_warning
+
+
+_shown_before = warnings.showwarning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # warnings.showwarning's
+    if not _is_ours(filename):
+        _shown_before(message, category, filename, lineno, file, line)
+        return
+    from tqdm import tqdm
+
+    stream = file if file is not None else sys.stderr
+    if stream is None:  # pythonw: no console to write to
+        return
+    try:
+        tqdm.write(f"warning: {message}", file=stream)
+    except OSError:  # as Python's own: a warning about a closed console is lost
+        pass
+
+
+def _is_ours(filename: str) -> bool:
+    try:
+        return Path(filename).resolve().is_relative_to(PROJECT_PACKAGE)
+    except (OSError, ValueError):
+        return False
 
 
 _ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
