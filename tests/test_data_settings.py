@@ -41,11 +41,61 @@ def test_a_run_whose_data_settings_differ_from_the_shards_is_refused_naming_both
         with pytest.raises(
             ConfigError,
             match=rf"data.dir={re.escape(str(tiny_shards))} holds shards prepared from other data settings than this "
-            rf"run's: {differs}\. Point data.dir at a new folder .*, "
-            r"set data.overwrite=true .*, or give the settings the shards "
-            r"were prepared from to train on them as they are\.$",
+            rf"run's: {differs}\. Point data.dir at a folder of your own .*, or give the settings the shards "
+            r"were prepared from to train on them as they are\. Only if those shards are yours to lose: "
+            r"data.overwrite=true prepares them again in place .*, replacing the shards \(8 files in .*\)\.$",
         ):
             preflight(compose_run(tiny_shards, tmp_path, override), dry_run=dry_run)
+
+
+@pytest.fixture
+def as_run():
+    """Compose as `project.train` does, Hydra's runtime choices and command line included (where data.dir came from)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    def compose_as_run(*overrides: str):
+        with initialize_config_dir(str(CONF), version_base="1.3"):
+            cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return cfg
+
+    yield compose_as_run
+    HydraConfig.instance().cfg = None
+
+
+def test_shards_the_experiment_pins_are_refused_naming_it_and_a_folder_of_your_own_before_overwrite(
+    tiny_shards, tmp_path, as_run
+):
+    data = tmp_path / "data"
+    shutil.copytree(tiny_shards, data / "shakespeare-debug")  # the folder experiment=debug sets, prepared
+    mine = write_corpus(tmp_path / "my_code", documents=2, lines=20, seed=5)
+    own_text = ["experiment=debug", f"paths.data_dir={data}", "data.name=mycode", f"data.sources=[{mine}/]"]
+    settings = [*own_text, "data.fetch=null", "data.seq_len=32", "data.vocab_size=300", "trainer.devices=1"]
+    pinned = re.escape(str(data / "shakespeare-debug"))
+    with pytest.raises(ConfigError) as refused:
+        preflight(as_run(*settings))
+    assert re.fullmatch(
+        rf"data.dir={pinned}, which experiment=debug sets, holds shards prepared from other data settings than this "
+        rf"run's: data.sources: 8 files in \S+ \(.*\) there, 2 files in {re.escape(str(mine))} \(doc0.txt, doc1.txt\) "
+        r"here\. "
+        rf"Point data.dir at a folder of your own to prepare yours there and keep both, e.g. "
+        rf"data.dir={re.escape(str(data / 'mycode'))}, or give the settings .* as they are\. Only if those shards are "
+        r"yours to lose: data.overwrite=true prepares them again in place \(.*\), replacing the shards "
+        rf"experiment=debug trains on \(8 files in {re.escape(str(tiny_shards.parent / 'raw'))} "
+        r"\(doc0.txt, doc1.txt, ...\), a BPE of 300 tokens, data.seq_len=32\)\.",
+        str(refused.value),
+    )
+    (data / "mycode").mkdir()
+    (data / "mycode" / "notes.txt").write_text("not shards")  # a folder of that name, taken: the next name is offered
+    with pytest.raises(ConfigError, match=rf"e.g. data.dir={re.escape(str(data / 'mycode-seq32'))}, or give"):
+        preflight(as_run(*settings))
+    # data.dir given on the command line is the user's choice: no experiment is named.
+    with pytest.raises(ConfigError) as chosen:
+        preflight(as_run(*settings, f"data.dir={data / 'shakespeare-debug'}"))
+    assert "experiment=debug" not in str(chosen.value) and "e.g. data.dir=" in str(chosen.value)
 
 
 def test_a_source_file_changed_since_preparing_is_named(tiny_shards, tmp_path):

@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -244,18 +245,26 @@ def test_a_second_run_with_the_same_settings_does_no_work(prepared, monkeypatch)
     assert again == manifest and file_states(shards) == before
 
 
-def test_changed_settings_are_refused_without_overwrite_and_leave_the_shards_intact(tmp_path):
+def test_changed_settings_are_refused_without_overwrite_and_leave_the_shards_intact(tmp_path, caplog):
     write_documents(tmp_path / "raw", count=4)
     sources, shards = str(tmp_path / "raw" / "*.txt"), tmp_path / "shards"
-    prepare_shards(sources, shards, vocab_size=300, seq_len=8, num_workers=1)
+    prepare_shards(sources, shards, vocab_size=300, seq_len=8, num_workers=1, name="plays")
     before = file_states(shards)
 
-    # Each change named as training names it (project.config.data): the setting, its value there and here.
-    with pytest.raises(ConfigError, match=r"other settings: data.seq_len: 8 there, 12 here. Set data.overwrite=true"):
+    # Each change named as training names it (project.config.data): the setting, its value there and here; a folder
+    # of your own offered first, then data.overwrite=true, saying whose shards it would replace.
+    raw = re.escape(str(tmp_path / "raw"))
+    whose = rf"data.name=plays: 4 files in {raw} \(doc00.txt, doc01.txt, ...\), a BPE of \d+ tokens, "
+    with pytest.raises(
+        ConfigError,
+        match=r"other settings: data.seq_len: 8 there, 12 here. Point data.dir at a folder of your own to keep both, "
+        rf"or, only if those shards are yours to lose, set data.overwrite=true to replace them \({whose}"
+        r"data.seq_len=8\)\.$",
+    ):
         prepare_shards(sources, shards, vocab_size=300, seq_len=12, num_workers=1)
-    with pytest.raises(ConfigError, match=r"other settings: data.vocab_size: 300 there, 320 here. Set"):
+    with pytest.raises(ConfigError, match=r"other settings: data.vocab_size: 300 there, 320 here. Point"):
         prepare_shards(sources, shards, vocab_size=320, seq_len=8, num_workers=1)
-    with pytest.raises(ConfigError, match=r"other settings: data.text_field: text there, body here. Set"):
+    with pytest.raises(ConfigError, match=r"other settings: data.text_field: text there, body here. Point"):
         prepare_shards(sources, shards, vocab_size=300, seq_len=8, num_workers=1, text_field="body")
     edited = tmp_path / "raw" / "doc00.txt"
     os.utime(edited, ns=(edited.stat().st_atime_ns, edited.stat().st_mtime_ns + 10**9))
@@ -265,9 +274,17 @@ def test_changed_settings_are_refused_without_overwrite_and_leave_the_shards_int
     with pytest.raises(ConfigError, match=rf"data.sources: {edited} held \d+ bytes when prepared, 1000 now"):
         prepare_shards(sources, shards, vocab_size=300, seq_len=8, num_workers=1)
     assert file_states(shards) == before
+    assert "replacing" not in caplog.text
 
-    manifest = prepare_shards(sources, shards, vocab_size=300, seq_len=12, num_workers=1, overwrite=True)
+    with caplog.at_level("WARNING", logger=prepare_module.__name__):
+        manifest = prepare_shards(sources, shards, vocab_size=300, seq_len=12, num_workers=1, overwrite=True)
     assert manifest["block_size"] == 13 and json.loads((shards / "manifest.json").read_text()) == manifest
+    # Said once, before the shards were replaced: whose they were.
+    replaced = [r.getMessage() for r in caplog.records if "replacing" in r.getMessage()]
+    assert len(replaced) == 1 and re.fullmatch(
+        rf"data.overwrite=true: replacing the shards in {re.escape(str(shards))}, prepared from {whose}data.seq_len=8",
+        replaced[0],
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == [".shards.lock", "raw", "shards"], "no staging left behind"
 
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from project.checkpoint.urls import is_remote
 from project.data.corpus import NoSourcesError, resolve_sources
+from project.data.provenance import files_said, shards_origin
 from project.data.shards import MANIFEST_NAME, read_manifest
 from project.data.storage import check_prepared_shards
 from project.runtime.console import launch_rank
@@ -59,19 +59,71 @@ def check_data(cfg: DictConfig, shards: bool = True, prepared: bool = False) -> 
             )
         return
     # A mixture's corpora are prepared one by one with settings of their own, which data.* does not describe.
-    differences = [] if cfg.data.get("mix") else data_settings_differ(cfg, read_manifest(data_dir))
+    manifest = {} if cfg.data.get("mix") else read_manifest(data_dir)
+    differences = data_settings_differ(cfg, manifest) if manifest else []
     if differences:
         if cfg.data.get("overwrite") and cfg.data.get("auto_prepare") and not prepared:
             return  # training prepares them again from this run's settings, then checks again (prepared=True)
-        again = (
-            "data.overwrite=true to prepare them again in place (with data.auto_prepare=true, training does it first)"
-        )
-        raise ConfigError(
-            f"data.dir={data_dir} holds shards prepared from other data settings than this run's: "
-            f"{'; '.join(differences)}. Point data.dir at a new folder to prepare them there and keep both, set "
-            f"{again}, or give the settings the shards were prepared from to train on them as they are."
-        )
+        raise ConfigError(_other_settings_refusal(cfg, manifest, differences))
     _check_vocabulary(cfg, check_prepared_shards(data_dir, cfg.data.seq_len)[1])
+
+
+def _other_settings_refusal(cfg: DictConfig, manifest: Mapping[str, Any], differences: list[str]) -> str:
+    """The paragraph for shards of other settings in data.dir: a folder of the user's own first, since data.dir may be
+    shared (an experiment's, another corpus's); data.overwrite=true last, saying whose shards it would replace."""
+    experiment = _experiment_setting_data_dir()
+    set_by = f", which experiment={experiment} sets," if experiment else ""
+    trained_on = f" experiment={experiment} trains on" if experiment else ""
+    first = "" if cfg.data.get("auto_prepare") else " (python -m project.prepare with the same settings)"
+    return (
+        f"data.dir={cfg.data.dir}{set_by} holds shards prepared from other data settings than this run's: "
+        f"{'; '.join(differences)}. Point data.dir at a folder of your own to prepare yours there{first} and keep "
+        f"both, e.g. data.dir={_folder_of_your_own(cfg)}, or give the settings the shards were prepared from to train "
+        f"on them as they are. Only if those shards are yours to lose: data.overwrite=true prepares them again in "
+        f"place (with data.auto_prepare=true, training does it first), replacing the shards"
+        f"{trained_on} ({shards_origin(manifest)})."
+    )
+
+
+def _experiment_setting_data_dir() -> str | None:
+    """The chosen experiment (experiment=NAME) whose config sets this run's data.dir, where Hydra says which was
+    chosen and data.dir is not on the command line; None otherwise."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from project.config.command_line import CONF
+
+    if not HydraConfig.initialized():
+        return None
+    hydra = HydraConfig.get()
+    if any(str(override).lstrip("+~").split("=", 1)[0] == "data.dir" for override in hydra.overrides.task):
+        return None
+    name = hydra.runtime.choices.get("experiment")
+    path = CONF / "experiment" / f"{name}.yaml"
+    if not name or not path.is_file():
+        return None
+    data = OmegaConf.select(OmegaConf.load(path), "data")
+    return str(name) if isinstance(data, Mapping) and "dir" in data else None
+
+
+def _folder_of_your_own(cfg: DictConfig) -> Path:
+    """A folder under paths.data_dir named for data.name (with the sequence length, or a number, where that is
+    data.dir itself or holds other shards): new or empty, or holding shards of this run's settings."""
+    data = cfg.data
+    data_root = OmegaConf.select(cfg, "paths.data_dir")
+    root = Path(str(data_root)) if data_root else Path(str(data.dir)).parent
+    name = str(data.get("name") or Path(str(data.dir)).name)
+    names = [name, f"{name}-seq{data.seq_len}", *(f"{name}-{n}" for n in range(2, 10))]
+    for folder in (root / n for n in names):
+        if folder.absolute() == Path(str(data.dir)).absolute():
+            continue
+        if not folder.exists() or folder.is_dir() and not any(folder.iterdir()):
+            return folder
+        try:
+            if (folder / MANIFEST_NAME).is_file() and not data_settings_differ(cfg, read_manifest(folder)):
+                return folder
+        except ConfigError:  # a damaged manifest: not a folder to send anyone to
+            continue
+    return root / names[-1]
 
 
 def data_settings_differ(cfg: DictConfig, manifest: Mapping[str, Any]) -> list[str]:
@@ -94,7 +146,7 @@ def data_settings_differ(cfg: DictConfig, manifest: Mapping[str, Any]) -> list[s
         except NoSourcesError:
             here = {}
         if here.keys() != there.keys():
-            differences.append(f"data.sources: {_files(there)} there, {_files(here)} here")
+            differences.append(f"data.sources: {files_said(there)} there, {files_said(here)} here")
         elif changed := sorted(path for path in here if here[path] != there[path]):
             differences.append(
                 f"data.sources: {changed[0]} held {there[changed[0]]} bytes when prepared, {here[changed[0]]} now"
@@ -128,16 +180,6 @@ def _same_tokenizer(given: str, sha256: str | None) -> bool:
 
 def _tokenizer_said(tokenizer: str | None) -> str:
     return f"data.tokenizer={tokenizer}" if tokenizer else "a BPE trained on the sources (data.tokenizer=null)"
-
-
-def _files(sizes: Mapping[str, Any]) -> str:
-    """`12 files in /data/raw/shakespeare (a_gut.txt, ...)`: what a list of source files is, said briefly."""
-    paths = sorted(sizes)
-    if not paths:
-        return "no files"
-    folder = os.path.commonpath([os.path.dirname(p) for p in paths])
-    names = ", ".join(os.path.relpath(p, folder) for p in paths[:2]) + (", ..." if len(paths) > 2 else "")
-    return f"{len(paths)} file{'s' if len(paths) != 1 else ''} in {folder} ({names})"
 
 
 def _check_vocabulary(cfg: DictConfig, manifest: Mapping[str, Any]) -> None:

@@ -39,6 +39,7 @@ from project.data.corpus import (
     read_document,
 )
 from project.data.parts import assigned_parts, build_parts, is_done, merge_parts, node_of, plan_parts
+from project.data.provenance import shards_origin
 from project.data.shards import MANIFEST_NAME, SPLITS
 from project.data.storage import holds_objects, is_remote, read_remote_manifest, upload_dataset
 from project.data.tokenizer import Tokenizer, file_sha256, load_tokenizer, train_bpe
@@ -76,6 +77,7 @@ class _Settings:
     part_bytes: int = 4 << 20
     chunk_bytes: int = 1 << 20
     tokenizer: str | None = None  # the tokenizer given (a file or folder, made absolute); None: a BPE trained here
+    name: str | None = None  # data.name: recorded, to say whose shards these are (project.data.provenance)
 
 
 def prepare_from_config(data: Mapping[str, Any]) -> dict:
@@ -98,6 +100,7 @@ def prepare_from_config(data: Mapping[str, Any]) -> dict:
         chunk_mb=data.get("chunk_mb", CHUNK_BYTES / (1 << 20)),
         num_nodes=data.get("prepare_nodes"),
         node_rank=data.get("prepare_node_rank"),
+        name=data.get("name"),
     )
 
 
@@ -119,6 +122,7 @@ def prepare_shards(
     chunk_mb: float = 1,
     num_nodes: int | None = None,
     node_rank: int | None = None,
+    name: str | None = None,
 ) -> dict:
     """Tokenize the documents of `sources` into train/val token shards in `output_dir`; return the manifest.
 
@@ -130,7 +134,7 @@ def prepare_shards(
         "seq_len", "block_size": seq_len + 1, "dtype": "uint16"|"int32",
         "splits": {"train"|"val": {"documents", "tokens", "blocks"}},
         "sources": [{"path", "bytes"}, ...], "val_fraction", "seed",
-        "settings": {"tokenizer", "tokenizer_sha256", "vocab_size", "text_field"}}
+        "settings": {"tokenizer", "tokenizer_sha256", "vocab_size", "text_field", "name"}}
     where `blocks` is what `StreamingDataset(split dir, item_loader=TokensLoader(block_size))` holds.
 
     `output_dir` may be an s3:// URL (`storage_options` go to boto3): the shards are built in a local
@@ -138,7 +142,8 @@ def prepare_shards(
 
     The work is done in parts of `part_mb` MB of source files (project.data.parts): machine `node_rank`
     of `num_nodes` (None: from SLURM or torchrun variables, else one machine) prepares its share of
-    them, and the last machine to finish merges them into `output_dir`; the others return {}.
+    them, and the last machine to finish merges them into `output_dir`; the others return {}. `name` (data.name)
+    is recorded in the manifest only, to say whose shards these are.
     """
     patterns = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
     settings = _Settings(
@@ -151,6 +156,7 @@ def prepare_shards(
         int(part_mb * (1 << 20)),
         int(chunk_mb * (1 << 20)),
         str(Path(tokenizer).absolute()) if tokenizer else None,
+        name,
     )
     _check(settings, part_mb, chunk_mb)
     rank, nodes = node_of(node_rank, num_nodes)
@@ -236,9 +242,12 @@ def _prepare_to_remote(
     if existing is not None and not overwrite:
         raise ConfigError(
             f"data.dir={url} holds shards prepared from other settings: "
-            f"{_settings_changed(existing, files, settings, given)}. Set data.overwrite=true to replace them, or point "
-            "data.dir at another prefix to keep both."
+            f"{_settings_changed(existing, files, settings, given)}. Point data.dir at a prefix of your own to keep "
+            f"both, or, only if those shards are yours to lose, set data.overwrite=true to replace them "
+            f"({shards_origin(existing)})."
         )
+    if existing is not None:
+        _say_replaced(url, existing)
     with tempfile.TemporaryDirectory(prefix="prepare-") as staging:
         local = Path(staging) / "shards"
         manifest = _build(
@@ -357,12 +366,23 @@ def _refuse_to_clobber(
                 f"prepared dataset and will not be replaced; point data.dir at a new or empty folder."
             )
         return
-    if overwrite or not _shards_present(output_dir):
-        return  # asked to, or the remains of a dataset whose shards were deleted: nothing valid to lose
+    if not _shards_present(output_dir):
+        return  # the remains of a dataset whose shards were deleted: nothing valid to lose
+    if overwrite:
+        _say_replaced(output_dir, existing)
+        return
     raise ConfigError(
         f"data.dir={output_dir} holds shards prepared from other settings: "
-        f"{_settings_changed(existing, files, settings, tokenizer)}. Set data.overwrite=true to replace them, or "
-        f"point data.dir at another folder to keep both."
+        f"{_settings_changed(existing, files, settings, tokenizer)}. Point data.dir at a folder of your own to keep "
+        f"both, or, only if those shards are yours to lose, set data.overwrite=true to replace them "
+        f"({shards_origin(existing)})."
+    )
+
+
+def _say_replaced(output_dir: Path | str, existing: Mapping[str, Any]) -> None:
+    """One line before data.overwrite=true replaces shards: whose they were, which another run may have trained on."""
+    log.warning(
+        "data.overwrite=true: replacing the shards in %s, prepared from %s", output_dir, shards_origin(existing)
     )
 
 
@@ -494,6 +514,7 @@ def _build(
                     "tokenizer_sha256": file_sha256(given_file) if given_file else None,
                     "vocab_size": settings.vocab_size,
                     "text_field": text_field,
+                    "name": settings.name,
                 },
                 "val_fraction": settings.val_fraction,
                 "seed": settings.seed,
