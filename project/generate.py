@@ -4,8 +4,9 @@
                                [seed=1234] [stop_at_eos=true] [tokenizer=PATH]
 
 Loads any checkpoint the platform writes (a .ckpt file, or the sharded folder of fsdp, fsdp2, tp, tp_fsdp or
-pipeline) whole, on the CPU; finds the tokenizer as project.hf.export does (`tokenizer=`, else the manifest.json in
-the data directory the checkpoint names); prints the prompt followed by its continuation. temperature=0 is
+pipeline) whole, on the CPU; takes the tokenizer as project.hf.export does (the one the checkpoint carries, or
+`tokenizer=`; for an older checkpoint, the one in the manifest.json of the data directory it names, refused where
+its vocabulary is not the checkpoint's); prints the prompt followed by its continuation. temperature=0 is
 greedy decoding; otherwise each token is drawn from the `top_k` most likely (top_k=0: from all) by a generator
 seeded with `seed`, so the same command prints the same text. Generation stops after max_new_tokens, when prompt
 and continuation fill model.max_seq_len, or (stop_at_eos=true) when the model ends the document; a note on
@@ -126,18 +127,18 @@ def load(ckpt_path: str, tokenizer: str | None):
     """(the plain Llama in eval mode, its tokenizer, whether it was trained with document_mask)."""
     # Imported here, after the arguments are checked: project.hf.export imports Lightning, which takes seconds.
     from project.data.tokenizer import load_tokenizer
-    from project.hf.export import load_checkpoint, resolve_tokenizer
+    from project.hf.export import checkpoint_tokenizer, load_checkpoint
 
     config, weights, ckpt = load_checkpoint(ckpt_path)
     state_dict = weights.read(list(weights.shapes))  # the whole model: generation runs it on this process
-    tokenizer_path, _, _ = resolve_tokenizer(ckpt, tokenizer)
+    with checkpoint_tokenizer(ckpt, tokenizer, f"ckpt_path={ckpt_path}") as (tokenizer_path, _, _):
+        if tokenizer_path.suffix not in (".json", ".model"):
+            raise ConfigError(
+                f"tokenizer {tokenizer_path} is neither a HF tokenizer.json (.json) nor a sentencepiece .model."
+            )
+        tok = load_tokenizer(tokenizer_path)  # read whole: the file may be a temporary copy of the checkpoint's
     document_mask = bool(ckpt["hyper_parameters"].get("document_mask"))
     del ckpt  # optimizer state can be twice the weights
-    if tokenizer_path.suffix not in (".json", ".model"):
-        raise ConfigError(
-            f"tokenizer {tokenizer_path} is neither a HF tokenizer.json (.json) nor a sentencepiece .model."
-        )
-    tok = load_tokenizer(tokenizer_path)
     if tok.vocab_size > config.vocab_size:
         raise ConfigError(
             f"tokenizer {tokenizer_path} has {tok.vocab_size} tokens but the model only {config.vocab_size} "

@@ -7,6 +7,7 @@ The checkpoint and tokenizer are built here in the documented contract: a Lightn
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict
@@ -284,3 +285,82 @@ def test_an_export_into_a_folder_that_holds_files_is_refused_before_torch_is_imp
     assert f"error: output_dir {taken} exists and is not empty; choose another or pass overwrite=true" in result.stderr
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
     assert "torch" not in imported and (taken / "notes.txt").read_text() == "mine"
+
+
+# A trained run's checkpoint carries its tokenizer: what an export or a generation from it takes, whatever was prepared
+# into its data.dir since.
+
+
+@pytest.fixture
+def prepared_again(single_reference, tiny_shards, tmp_path):
+    """(single_reference's checkpoint, its data.dir): a copy of the shards it trained on, whose tokenizer has since
+    been replaced by another of as many tokens, as data.overwrite=true with other text would leave it."""
+    shards = Path(shutil.copytree(tiny_shards, tmp_path / "shards"))
+    ckpt = torch.load(single_reference / "checkpoints" / "last.ckpt", weights_only=True)
+    ckpt["datamodule_hyper_parameters"]["data_dir"] = str(shards)
+    path = tmp_path / "last.ckpt"
+    torch.save(ckpt, path)
+    train_byte_level_bpe(shards / "tokenizer.json")
+    return path, shards
+
+
+def test_export_and_generate_take_the_tokenizer_the_checkpoint_carries_after_data_dir_was_prepared_again(
+    prepared_again, tiny_shards, tmp_path, capsys
+):
+    from tokenizers import Tokenizer
+
+    from project.generate import main as generate_main
+
+    ckpt_path, shards = prepared_again
+    trained_with = tiny_shards / "tokenizer.json"
+    assert torch.load(ckpt_path, weights_only=True)["tokenizer_file"]["content"] == trained_with.read_bytes()
+    assert (
+        Tokenizer.from_file(str(shards / "tokenizer.json")).get_vocab()
+        != Tokenizer.from_file(str(trained_with)).get_vocab()
+    )
+
+    main([f"ckpt_path={ckpt_path}", f"output_dir={tmp_path / 'hf'}"])
+    exported = Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
+    assert exported.get_vocab() == Tokenizer.from_file(str(trained_with)).get_vocab()
+    eos_id = json.loads((tiny_shards / "manifest.json").read_text())["tokenizer"]["eos_id"]
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert hf_tokenizer(SAMPLE)["input_ids"] == [eos_id, *Tokenizer.from_file(str(trained_with)).encode(SAMPLE).ids]
+
+    capsys.readouterr()
+    prompt = ["prompt=The king", "max_new_tokens=8", "temperature=0"]
+    generate_main([f"ckpt_path={ckpt_path}", *prompt])
+    carried = capsys.readouterr().out
+    generate_main([f"ckpt_path={ckpt_path}", *prompt, f"tokenizer={trained_with}"])
+    assert carried == capsys.readouterr().out and carried.startswith("The king")
+
+
+def _older_checkpoint(ckpt_path: Path, shards: Path) -> list[str]:
+    """A checkpoint from before checkpoints carried their tokenizer: data.dir's is looked up, and checked."""
+    ckpt = torch.load(ckpt_path, weights_only=True)
+    del ckpt["tokenizer_file"]
+    torch.save(ckpt, ckpt_path)
+    return [f"ckpt_path={ckpt_path}"]
+
+
+def _another_tokenizer_given(ckpt_path: Path, shards: Path) -> list[str]:
+    return [f"ckpt_path={ckpt_path}", f"tokenizer={shards / 'tokenizer.json'}"]
+
+
+@pytest.mark.parametrize("command", ["export", "generate"])
+@pytest.mark.parametrize("case", [_older_checkpoint, _another_tokenizer_given], ids=["older-checkpoint", "given"])
+def test_a_tokenizer_whose_vocabulary_is_not_the_checkpoints_is_refused(
+    prepared_again, tmp_path, capsys, command, case
+):
+    from project.generate import main as generate_main
+
+    ckpt_path, shards = prepared_again
+    args = case(ckpt_path, shards)
+    with pytest.raises(SystemExit) as exit_:
+        if command == "export":
+            main([*args, f"output_dir={tmp_path / 'hf'}"])
+        else:
+            generate_main([*args, "max_new_tokens=4"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1
+    assert f"{shards / 'tokenizer.json'} is not the tokenizer ckpt_path={ckpt_path} was trained with" in err
+    assert "its vocabulary's digest" in err and not (tmp_path / "hf").exists()

@@ -206,6 +206,10 @@ def test_cli_continues_a_prompt_from_a_trained_checkpoint(tiny_shards, tmp_path,
     run_train(tiny_shards, tmp_path, *layout, "trainer.max_steps=3", "val_every_n_steps=3")
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
     assert ckpt.is_dir() == bool(layout)  # the sharded strategies write a folder
+    from project.checkpoint.files import checkpoint_metadata
+
+    # The tokenizer it trained with, in the file or the folder's meta.pt: what generate reads.
+    assert checkpoint_metadata(ckpt)["tokenizer_file"]["content"] == (tiny_shards / "tokenizer.json").read_bytes()
     result = run_generate(f"ckpt_path={ckpt}", f"prompt={PROMPT}", "max_new_tokens=20")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(PROMPT) and len(result.stdout.strip()) > len(PROMPT)

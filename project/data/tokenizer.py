@@ -9,8 +9,9 @@ import hashlib
 import os
 import shutil
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import sentencepiece
 import tokenizers
@@ -194,6 +195,36 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
             f".model file, or set data.tokenizer=null to train a byte-level BPE of data.vocab_size tokens."
         )
     return kind(path)
+
+
+# Where a checkpoint keeps the tokenizer it was trained with (project.training.lit_module), so that an export or a
+# generation from it, copied anywhere, needs no data.dir, and no later preparation there can change its tokens.
+CHECKPOINT_TOKENIZER = "tokenizer_file"
+
+
+def tokenizer_record(tokenizer: Tokenizer) -> dict[str, Any]:
+    """The tokenizer as a checkpoint carries it: its file's conventional name and bytes (KB to a few MB), its
+    end-of-text and beginning-of-text ids."""
+    return {
+        "name": tokenizer.file_name,
+        "content": tokenizer.path.read_bytes(),
+        "eos_id": tokenizer.eos_id,
+        "bos_id": tokenizer.bos_id,
+    }
+
+
+def write_tokenizer_record(record: Mapping[str, Any], directory: str | os.PathLike) -> Path:
+    """The file of a `tokenizer_record`, written into `directory`; returns its path."""
+    name = str(record.get("name"))
+    if name not in {kind.file_name for kind in _KINDS_BY_SUFFIX.values()} or not isinstance(
+        record.get("content"), bytes
+    ):
+        raise ConfigError(
+            f"the checkpoint's {CHECKPOINT_TOKENIZER!r} record is damaged (a file named {name!r}); pass tokenizer=PATH."
+        )
+    path = Path(directory) / name  # one of the two conventional names: never a path out of `directory`
+    path.write_bytes(record["content"])
+    return path
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, directory: str | os.PathLike) -> Tokenizer:

@@ -11,8 +11,10 @@ Writes config.json, model.safetensors (past max_shard_size: model-0000N-of-0000M
 model.safetensors.index.json, as transformers does), generation_config.json and the tokenizer files, so that
 `LlamaForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` load offline. Needs no
 transformers. The weights are read one output file at a time (project.hf.checkpoint_weights), so exporting
-never holds more of the model than max_shard_size, from a file or a sharded folder. The tokenizer comes from
-`tokenizer=` or else from the manifest.json in the checkpoint's data directory. A sentencepiece model is exported
+never holds more of the model than max_shard_size, from a file or a sharded folder. The tokenizer is the one the
+checkpoint carries (the run's, whatever was prepared into its data directory since), or `tokenizer=`; a checkpoint
+from before checkpoints carried it takes the one in the manifest.json of its data directory. Either is refused
+where its vocabulary is not the one the checkpoint records. A sentencepiece model is exported
 for transformers' LlamaTokenizer, which reads it as a Llama-style BPE with byte fallback and needs `protobuf`
 installed to load it.
 
@@ -31,6 +33,7 @@ you trust.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -38,7 +41,7 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -56,6 +59,7 @@ from project.checkpoint.locations import (
     parent_of,
 )
 from project.data.shards import MANIFEST_NAME
+from project.data.tokenizer import CHECKPOINT_TOKENIZER, load_tokenizer, write_tokenizer_record
 from project.hf.checkpoint_weights import CheckpointWeights, checkpoint_weights, write_safetensors
 from project.hf.conversion import hf_config_dict
 from project.hf.export_settings import DEFAULTS, USAGE, check_output_dir, default_output_dir, parse_args
@@ -105,6 +109,49 @@ def load_checkpoint(path: Location) -> tuple[LlamaConfig, CheckpointWeights, Map
     return config, weights, ckpt
 
 
+@contextlib.contextmanager
+def checkpoint_tokenizer(
+    ckpt: Mapping, override: str | None, source: object = "the checkpoint"
+) -> Iterator[tuple[Path, int | None, int | None]]:
+    """(tokenizer file, bos id, eos id) of the tokenizer checkpoint `ckpt` (read from `source`) was trained with, for
+    the length of the block: `override` if given, else the one the checkpoint carries (written into a temporary
+    folder), else, for a checkpoint from before they carried one, the tokenizer in its data directory's manifest.json.
+    One whose vocabulary is not the one the checkpoint records is refused: its ids would stand for other tokens."""
+    record = ckpt.get(CHECKPOINT_TOKENIZER)
+    if override or not isinstance(record, Mapping):
+        path, bos_id, eos_id = resolve_tokenizer(ckpt, override)
+        check_trained_with(path, ckpt, source, bool(override))
+        yield path, bos_id, eos_id
+        return
+    with tempfile.TemporaryDirectory(prefix="checkpoint-tokenizer-") as folder:
+        yield write_tokenizer_record(record, folder), record.get("bos_id"), record.get("eos_id")
+
+
+def check_trained_with(path: Path, ckpt: Mapping, source: object, override: bool) -> None:
+    """Refuse the tokenizer at `path` (`override`: given as tokenizer=) where the checkpoint records the digest of
+    another vocabulary (checkpoints from before the digest was recorded are taken on trust)."""
+    given = f"tokenizer={path}" if override else f"the tokenizer file {path}"
+    recorded = (ckpt.get("tokenizer") or {}).get("vocabulary_sha256")
+    if not recorded or path.suffix not in (".json", ".model"):
+        return  # the suffix is said by write_tokenizer
+    try:
+        digest = load_tokenizer(path).vocabulary_digest()
+    except ConfigError:  # no end-of-text token, say: no tokenizer the platform trains with
+        digest = "unreadable"
+    if digest != recorded:
+        data_dir = (ckpt.get("datamodule_hyper_parameters") or {}).get("data_dir")
+        since = f" (the shards in {data_dir} were prepared again since?)" if data_dir and not override else ""
+        fix = (
+            "Leave out tokenizer= to use the one the checkpoint carries"
+            if isinstance(ckpt.get(CHECKPOINT_TOKENIZER), Mapping)
+            else "Pass tokenizer=PATH, the tokenizer.json or .model the run trained with"
+        )
+        raise ConfigError(
+            f"{given} is not the tokenizer {source} was trained with: its vocabulary's digest {digest[:12]} differs "
+            f"from the {recorded[:12]} the checkpoint records{since}, so its ids would stand for other tokens. {fix}."
+        )
+
+
 def resolve_tokenizer(ckpt: Mapping, override: str | None) -> tuple[Path, int | None, int | None]:
     """(tokenizer file, bos id, eos id): `override` if given, else the data directory's manifest.json."""
     data = ckpt.get("datamodule_hyper_parameters") or {}
@@ -144,8 +191,6 @@ def write_tokenizer(
     what the model saw before each document in training."""
     if path.suffix == ".json":
         from tokenizers import Tokenizer, processors
-
-        from project.data.tokenizer import load_tokenizer
 
         tok = Tokenizer.from_file(str(path))
         # Ids may have gaps (added tokens placed far out): sized by the largest, as project.data.tokenizer does.
@@ -251,9 +296,23 @@ def export(
     config, weights, ckpt = load_checkpoint(location(ckpt_path))
     if refusal := without_hf_format(config, "project.export"):
         raise ConfigError(refusal)
-    tokenizer_path, bos_id, eos_id = resolve_tokenizer(ckpt, tokenizer)
     document_mask = bool((ckpt.get("hyper_parameters") or {}).get("document_mask"))
+    with checkpoint_tokenizer(ckpt, tokenizer, f"ckpt_path={ckpt_path}") as (tokenizer_path, bos_id, eos_id):
+        return _write_export(out, config, weights, dtype, max_bytes, tokenizer_path, bos_id, eos_id, document_mask)
 
+
+def _write_export(
+    out: Path,
+    config: LlamaConfig,
+    weights: CheckpointWeights,
+    dtype: str,
+    max_bytes: int,
+    tokenizer_path: Path,
+    bos_id: int | None,
+    eos_id: int | None,
+    document_mask: bool,
+) -> list[Path]:
+    """Write the export into `out`, its tokenizer from `tokenizer_path`; returns the files written."""
     # Build everything in a sibling temp folder (same filesystem), so a failed export leaves no half-written model.
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

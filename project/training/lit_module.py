@@ -21,6 +21,7 @@ from project.checkpoint.reshard import read_whole
 from project.config.optim import OptimConfig
 from project.config.stability import StabilityConfig
 from project.data.datamodule import TokenShardDataModule
+from project.data.tokenizer import CHECKPOINT_TOKENIZER, tokenizer_record
 from project.hf.published import load_published_weights
 from project.model.config import LlamaConfig
 from project.model.families import build_model, model_config
@@ -178,6 +179,7 @@ class LlamaLitModule(LightningModule):
         self._checkpoint_steps: set[int] = set()  # of the checkpoints this fit loaded or wrote (a rollback's choice)
         self._parallelized = False
         self._weights_from_checkpoint = weights_from_checkpoint
+        self._tokenizer_file: dict[str, Any] | None = None  # the training tokenizer, for checkpoints (setup)
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: str | Path | IO, *args: Any, **kwargs: Any) -> "LlamaLitModule":
@@ -397,6 +399,15 @@ class LlamaLitModule(LightningModule):
         self._checkpoint_steps.add(int(checkpoint.get("global_step", 0)))
         if (data := self._training_data()) is not None:  # what the embedding rows mean, checked on resume
             checkpoint["tokenizer"] = data.tokenizer_identity
+            if (record := self._tokenizer_record(data)) is not None:  # the tokenizer itself: export and generate's
+                checkpoint[CHECKPOINT_TOKENIZER] = record
+
+    def _tokenizer_record(self, data: TokenShardDataModule) -> dict[str, Any] | None:
+        """The training tokenizer's file as checkpoints carry it (project.data.tokenizer.tokenizer_record), read once,
+        at setup: shards prepared into data.dir again while this run trains do not change what its checkpoints say."""
+        if self._tokenizer_file is None and data.tokenizer is not None:
+            self._tokenizer_file = tokenizer_record(data.tokenizer)
+        return self._tokenizer_file
 
     def _validation_corpora(self) -> list[tuple[str, float]]:
         """(name, weight) per validation loader: the corpora of a mixture, else one unnamed."""
@@ -406,6 +417,9 @@ class LlamaLitModule(LightningModule):
     def setup(self, stage: str) -> None:
         while len(self.val_losses) < len(self._validation_corpora()):
             self.val_losses.append(MeanMetric())
+        if (data := self._training_data()) is not None:  # the tokenizer the run starts with, as its checkpoints say
+            data.tokenizer_identity  # noqa: B018  # a cached property, computed now
+            self._tokenizer_record(data)
         trainer = self.attached_trainer()
         if trainer is not None and trainer.is_global_zero:  # the record of spikes, beside metrics.csv
             self._spikes.record_dir = Path(trainer.default_root_dir)
