@@ -7,7 +7,7 @@ import zipfile
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from project.checkpoint.urls import check_url, is_remote
 from project.parallel.kinds import strategy_kind
@@ -61,9 +61,10 @@ def resume_point(cfg: DictConfig, run_dir: str | os.PathLike) -> str | None:
 
 
 def hydra_run_dir(run_dir: str | os.PathLike | None) -> str | os.PathLike | None:
-    """`run_dir`, or Hydra's run directory where Hydra runs."""
+    """`run_dir`, or Hydra's run directory where Hydra runs (not a config composed by Hydra's compose API, which
+    has none)."""
     if run_dir is None and HydraConfig.initialized():
-        return HydraConfig.get().runtime.output_dir
+        return OmegaConf.select(HydraConfig.get(), "runtime.output_dir", default=None)
     return run_dir
 
 
