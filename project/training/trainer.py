@@ -28,6 +28,7 @@ from project.runtime.errors import ConfigError
 from project.runtime.secrets import redacted_container, secret_values
 from project.training.callbacks import LayoutFacts, StepCheckpoint, StepProgressBar
 from project.training.callbacks.preemption import StopOnSignal
+from project.training.callbacks.run_settings import RunSettings, flat_settings
 from project.training.loggers import RunIdentity
 
 
@@ -74,11 +75,12 @@ def build_callbacks(cfg: DictConfig, layout: Layout) -> list[Callback]:
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     if not cfg.trainer.get("enable_model_summary", True):
         callbacks = [c for c in callbacks if not isinstance(c, ModelSummary)]
-    stop_signals = (signal.SIGTERM, signal.SIGUSR1) if SLURMEnvironment.detect() else (signal.SIGTERM,)
+    stop_signals = (signal.SIGTERM, signal.SIGINT, *((signal.SIGUSR1,) if SLURMEnvironment.detect() else ()))
     step_checkpoints = [c for c in callbacks if isinstance(c, StepCheckpoint)]
     if step_checkpoints:  # without one (~callbacks.last_checkpoint), a signal stops the run as Lightning does
         callbacks.append(StopOnSignal(step_checkpoints[0], stop_signals))
-    return [*callbacks, LayoutFacts(layout.facts(), layout_name(layout))]
+    settings = RunSettings(flat_settings(redacted_container(cfg)))
+    return [*callbacks, LayoutFacts(layout.facts(), layout_name(layout)), settings]
 
 
 def layout_name(layout: Layout) -> str:
