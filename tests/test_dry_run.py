@@ -400,17 +400,28 @@ def test_the_planners_model_states_per_rank_agree_with_the_dry_run_within_two_pe
         assert share.optimizer_bytes == pytest.approx(predicted.optimizer, rel=0.02), pipeline_rank
 
 
-def test_a_dry_run_checks_the_shards_it_finds_and_says_when_they_are_elsewhere(tiny_shards, tmp_path):
+def test_a_dry_run_checks_the_shards_of_its_settings_and_says_which_it_did_not_check(tiny_shards, tmp_path, capsys):
+    from project.planning.dry_run import dry_run, unchecked_shards
     from project.runtime.errors import ConfigError
 
-    mismatched = compose_job(
-        *train_overrides(tiny_shards, tmp_path, "data.seq_len=64")
-    )  # the shards hold 33-token blocks
-    with pytest.raises(ConfigError, match="data.seq_len: 32 there, 64 here") as real:
-        preflight(mismatched)
+    # Shards of the job's settings are checked as a real start checks them (here: a vocabulary too small for them).
+    too_small = compose_job(*train_overrides(tiny_shards, tmp_path, "model.vocab_size=100"))
+    with pytest.raises(ConfigError, match="model.vocab_size=100 is smaller") as real:
+        preflight(too_small)
     with pytest.raises(ConfigError) as dry:
-        preflight(mismatched, dry_run=True)
+        preflight(too_small, dry_run=True)
     assert str(dry.value) == str(real.value)
+    # Shards of other settings (`make train`'s, for a job of longer sequences) are not the job's: a real start here
+    # refuses them, a dry run of the job says so in its report and goes on.
+    longer = compose_job(*train_overrides(tiny_shards, tmp_path / "run", "data.seq_len=64", "trainer.devices=1"))
+    with pytest.raises(ConfigError, match="data.seq_len: 32 there, 64 here"):
+        preflight(longer)
+    dry_run(longer, preflight(longer, dry_run=True), "single", tmp_path / "run")
+    said = capsys.readouterr().out
+    assert (
+        f"Every check of a real start passed, but the shards': data.dir={tiny_shards} here holds shards prepared from "
+        "other data settings (data.seq_len: 32 there, 64 here), not the job's" in said
+    )
     elsewhere = compose_job(
         *train_overrides(
             tmp_path / "on-the-cluster", tmp_path, "data.auto_prepare=false", "trainer.devices=2", "strategy=ddp"
@@ -419,6 +430,8 @@ def test_a_dry_run_checks_the_shards_it_finds_and_says_when_they_are_elsewhere(t
     with pytest.raises(ConfigError, match="on-the-cluster"):
         preflight(elsewhere)  # a real start here has no shards
     assert preflight(elsewhere, dry_run=True).shape == MeshShape(1, 2, 1)
+    assert unchecked_shards(elsewhere) == f"data.dir={tmp_path / 'on-the-cluster'} is not on this machine"
+    assert unchecked_shards(compose_job(*train_overrides(tiny_shards, tmp_path))) is None
 
 
 def test_every_file_check_of_a_real_start_refuses_the_dry_run_too(single_reference, tiny_shards, tmp_path):

@@ -9,16 +9,19 @@ torch: keep it so (tests/test_checks.py watches it).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from omegaconf import DictConfig
 
+from project.checkpoint.urls import is_remote
 from project.config.callbacks import check_callbacks
 from project.config.checkpoints import check_ckpt_path, check_init_from
-from project.config.data import check_data, data_on_this_machine
+from project.config.data import check_data, data_on_this_machine, data_settings_differ
 from project.config.float8 import check_float8
 from project.config.layout import Layout, horovod_devices, plan_layout
 from project.config.trainer import check_trainer
 from project.config.values import check_values
+from project.data.shards import MANIFEST_NAME, read_manifest
 from project.parallel.kinds import strategy_kind
 from project.runtime.errors import ConfigError
 
@@ -31,7 +34,7 @@ def preflight(cfg: DictConfig, dry_run: bool = False, run_dir: str | os.PathLike
     check_trainer(cfg, here=not dry_run)
     check_values(cfg)
     check_callbacks(cfg)
-    check_data(cfg, shards=not dry_run or data_on_this_machine(cfg))
+    check_data(cfg, shards=not dry_run or dry_run_reads_shards_here(cfg))
     check_ckpt_path(cfg, run_dir)
     nodes, devices = cfg.trainer.get("num_nodes", 1), cfg.trainer.get("devices", "auto")
     kind = strategy_kind(cfg.strategy)
@@ -45,6 +48,23 @@ def preflight(cfg: DictConfig, dry_run: bool = False, run_dir: str | os.PathLike
     layout = plan_layout(cfg, nodes, devices)
     check_float8(cfg, layout.shape, dry_run)
     return layout
+
+
+def dry_run_reads_shards_here(cfg: DictConfig) -> bool:
+    """Whether the shards data.dir names here are those the dry run's job would read, and so checked as a real start
+    checks them: not where data.dir is not on this machine, nor where it holds shards prepared from other data
+    settings (`make train`'s 256-token shards, for a job of 8,192-token sequences); the dry run says which
+    (project.planning.dry_run.unchecked_shards) instead of refusing a job for shards that are not its own."""
+    return data_on_this_machine(cfg) and not local_shards_differ(cfg)
+
+
+def local_shards_differ(cfg: DictConfig) -> list[str]:
+    """What of the run's data settings differs from the shards a local data.dir holds (data_settings_differ); [] where
+    it holds none, or the data is a mixture or in object storage (the run's own settings are not theirs to compare)."""
+    data_dir = Path(str(cfg.data.dir))
+    if cfg.data.get("mix") or is_remote(str(cfg.data.dir)) or not (data_dir / MANIFEST_NAME).is_file():
+        return []
+    return data_settings_differ(cfg, read_manifest(data_dir))
 
 
 def check_one_device(cfg: DictConfig, nodes: object, devices: object) -> None:

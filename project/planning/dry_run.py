@@ -22,6 +22,7 @@ from typing import Any, Sequence, cast
 
 from omegaconf import DictConfig, OmegaConf
 
+from project.config.checks import local_shards_differ
 from project.config.data import data_on_this_machine
 from project.config.layout import Layout
 from project.config.trainer import check_trainer_arguments
@@ -269,11 +270,27 @@ def check_checkpoint_resumable(cfg: DictConfig, run_dir: Path) -> None:
     from project.training.lit_module import check_resumable
 
     path = resolve_ckpt_path(str(cfg.ckpt_path), checkpoint_dir(cfg, run_dir))  # as a real start finds it
-    local_shards = not cfg.data.get("mix") and (Path(str(cfg.data.dir)) / MANIFEST_NAME).is_file()
+    local_shards = (
+        not cfg.data.get("mix") and (Path(str(cfg.data.dir)) / MANIFEST_NAME).is_file() and not unchecked_shards(cfg)
+    )
     tokenizer = tokenizer_identity(str(cfg.data.dir)) if local_shards else None  # shards elsewhere: a real start checks
     check_resumable(
         checkpoint_metadata(path), OmegaConf.to_container(cfg.model, resolve=True), tokenizer, path, cfg.data.dir
     )
+
+
+def unchecked_shards(cfg: DictConfig) -> str | None:
+    """Why the dry run has not checked the shards data.dir names, said as the job's machine would need to know it;
+    None where it has, as a real start would (project.config.checks.dry_run_reads_shards_here)."""
+    if not data_on_this_machine(cfg):
+        return f"data.dir={cfg.data.dir} is not on this machine"
+    if differences := local_shards_differ(cfg):
+        return (
+            f"data.dir={cfg.data.dir} here holds shards prepared from other data settings ({'; '.join(differences)}), "
+            "not the job's, which it must find prepared from its own where it runs (a start on this machine would "
+            "refuse these)"
+        )
+    return None
 
 
 def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir: Path) -> list[RankShare]:
@@ -319,6 +336,8 @@ def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir:
             "pipeline_microbatches": layout.plan.pipeline_microbatches,
         },
         "model_parameters": sum(p.numel() for p in build_meta_model(cfg).parameters()),
+        # Whether the shards data.dir names were checked here, and why not where they were not.
+        "data": {"dir": str(cfg.data.dir), "unchecked": unchecked_shards(cfg)},
         "model": model_record,
         "device_memory_bytes": memory[1] if memory else None,
         "ranks": [
@@ -513,7 +532,7 @@ def render(
         f"= micro {plan.micro_batch_size} x {max(plan.accumulate_grad_batches, plan.pipeline_microbatches)} x {dp} "
         f"replicas; precision {cfg.trainer.get('precision', '32-true')}",
         f"shares: {how}. Every check of a real start passed"
-        + ("." if data_on_this_machine(cfg) else f", but the shards': data.dir={cfg.data.dir} is not on this machine."),
+        + (f", but the shards': {unchecked}." if (unchecked := unchecked_shards(cfg)) else "."),
         "Parameters are held as trained (float32 under -mixed precision, which casts copies for compute): "
         "no separate master weights.",
         *about_model,
