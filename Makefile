@@ -39,7 +39,12 @@ SAMPLE_PROMPT ?= To be, or not to be
 
 .PHONY: install install-horovod train prepare test test-fast lint typecheck format bench gpu-check gpu-wheels docs clean slurm
 
-install: $(STAMP)
+install: $(STAMP) $(VENV)/hf-reference/sitecustomize.py
+
+# transformers beside the environment imports torchao wherever it is installed, and torchao's import logs lines no
+# user can act on: a process with hf-reference on its path (the docs' transformers commands) filters them first.
+$(VENV)/hf-reference/sitecustomize.py: project/runtime/hf_reference_site.py $(STAMP)
+	cp $< $@
 
 # torch first and pinned, so later installs find it satisfied and never swap in a CUDA build;
 # litdata last and without its declared deps (torchvision is not needed for tokens, and a torchvision

@@ -458,6 +458,10 @@ def test_every_file_check_of_a_real_start_refuses_the_dry_run_too(single_referen
             "trainer.max_stepz is not an argument of lightning.Trainer",
         ),
         "another model's checkpoint": ([f"ckpt_path={checkpoint}", "model.dim=32"], "holds a model of another shape"),
+        "a callback's argument": (
+            ["callbacks=early_stopping", "callbacks.early_stopping.patience=abc"],
+            "callbacks.early_stopping.patience=abc is not a whole number",
+        ),
     }
     for case, (overrides, message) in after_imports.items():
         cfg = compose_job(*train_overrides(tiny_shards, tmp_path / "run", *overrides, "trainer.devices=1"))

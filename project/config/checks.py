@@ -35,7 +35,7 @@ def preflight(cfg: DictConfig, dry_run: bool = False, run_dir: str | os.PathLike
     check_values(cfg)
     check_callbacks(cfg)
     check_data(cfg, shards=not dry_run or dry_run_reads_shards_here(cfg))
-    check_ckpt_path(cfg, run_dir)
+    check_ckpt_path(cfg, run_dir, new_runs_checked=not dry_run)
     nodes, devices = cfg.trainer.get("num_nodes", 1), cfg.trainer.get("devices", "auto")
     kind = strategy_kind(cfg.strategy)
     if kind.own_launcher:

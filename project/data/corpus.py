@@ -98,10 +98,10 @@ def find_sources(patterns: str | os.PathLike | Sequence[str | os.PathLike]) -> S
                 else:
                     binary.add(path)
     if not found:
+        matched = f"no text files, only {len(binary)} binary ones" if binary else "no files"
         raise NoSourcesError(
-            f"data.sources={[os.fspath(p) for p in patterns]} matched "
-            f"{f'no text files, only {len(binary)} binary ones' if binary else 'no files'}. Point data.sources at UTF-8 text files "
-            f"(.jsonl ones are read as JSON lines), folders or globs (relative paths resolve against the "
+            f"data.sources={[os.fspath(p) for p in patterns]} matched {matched}. Point data.sources at UTF-8 text "
+            f"files (.jsonl ones are read as JSON lines), folders or globs (relative paths resolve against the "
             f"directory you launch from), or set data.fetch=shakespeare to download the default corpus."
         )
     return Sources(sorted({p.resolve() for p in found}), sorted({p.resolve() for p in binary}))

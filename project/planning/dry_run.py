@@ -22,6 +22,7 @@ from typing import Any, Sequence, cast
 
 from omegaconf import DictConfig, OmegaConf
 
+from project.config.callbacks import check_callback_arguments
 from project.config.checks import local_shards_differ
 from project.config.data import data_on_this_machine
 from project.config.layout import Layout
@@ -262,14 +263,15 @@ def check_precision(cfg: DictConfig) -> None:
 
 def check_checkpoint_resumable(cfg: DictConfig, run_dir: Path) -> None:
     """The checkpoint to resume from holds a model of this run's shape, as a real start checks before it loads."""
-    if cfg.get("ckpt_path") is None:
+    from project.config.checkpoints import checkpoint_dir, resume_point
+
+    if (ckpt_path := resume_point(cfg, run_dir)) is None:  # ckpt_path=auto decided as a real start decides it
         return
     from project.checkpoint.files import checkpoint_metadata, resolve_ckpt_path
-    from project.config.checkpoints import checkpoint_dir
     from project.data.datamodule import tokenizer_identity
     from project.training.lit_module import check_resumable
 
-    path = resolve_ckpt_path(str(cfg.ckpt_path), checkpoint_dir(cfg, run_dir))  # as a real start finds it
+    path = resolve_ckpt_path(str(ckpt_path), checkpoint_dir(cfg, run_dir))  # as a real start finds it
     local_shards = (
         not cfg.data.get("mix") and (Path(str(cfg.data.dir)) / MANIFEST_NAME).is_file() and not unchecked_shards(cfg)
     )
@@ -302,6 +304,7 @@ def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir:
         )
     check_precision(cfg)
     check_trainer_arguments(cfg)
+    check_callback_arguments(cfg)  # as a real start's Trainer checks them, building none
     check_checkpoint_resumable(cfg, run_dir)
     shape = layout.shape
     schedule = cfg.strategy.get("schedule", "1f1b")
