@@ -22,6 +22,7 @@ from project.config.command_line import check_command_line
 from project.data.loader_workers import start_worker_server
 from project.planning.dry_run import dry_run_argv
 from project.planning.fits import check_gpu_memory, check_host_memory, trains_on_gpus
+from project.runtime.console import launch_rank
 from project.runtime.errors import ConfigError, TrainingStopped, config_error_behind, exit_on_config_error
 from project.runtime.processes import die_with_launcher, report_failed_rank
 from project.runtime.startup import collector_paused_for_imports
@@ -76,8 +77,9 @@ def main(cfg: DictConfig) -> float | None:
             raise
         except TrainingStopped:
             raise
-        except KeyboardInterrupt:  # Ctrl-C before the fit began (inside it, StopOnSignal saves at a step and stops)
-            print("stopped by Ctrl-C before training began: nothing was trained or saved", file=sys.stderr)
+        except KeyboardInterrupt:  # Ctrl-C outside the fit's steps (inside them, StopOnSignal saves and stops)
+            if launch_rank(cfg.trainer.get("num_nodes", 1)) == 0:
+                print("stopped by Ctrl-C outside training's steps: nothing more was saved", file=sys.stderr)
             raise SystemExit(130) from None
         except Exception as error:  # a bug, or a collective that failed because another rank did
             if (cause := config_error_behind(error)) is not None:  # a setting refused inside Hydra's instantiate

@@ -345,6 +345,12 @@ CALLBACK_MISTAKES = [
     ),
     # And their neighbours.
     (
+        ["callbacks=early_stopping", "callbacks.early_stopping.monitor=train/mfu"],  # the CPU's peak is not known
+        "callbacks.early_stopping.monitor=train/mfu: it is logged by callbacks.throughput where the device's peak "
+        "FLOP/s is known: on a CPU, set peak_flops_per_device=....",
+        "preflight",
+    ),
+    (
         ["+callbacks.foo._target_=lightning.pytorch.callbacks.EarlyStoping"],
         "lightning.pytorch.callbacks has no EarlyStoping. Did you mean EarlyStopping?",
         "build",

@@ -332,6 +332,11 @@ def test_export_and_generate_take_the_tokenizer_the_checkpoint_carries_after_dat
     carried = capsys.readouterr().out
     generate_main([f"ckpt_path={ckpt_path}", *prompt, f"tokenizer={trained_with}"])
     assert carried == capsys.readouterr().out and carried.startswith("The king")
+    # The Python API's tokenizer (project.generate.load) outlives the temporary file it was loaded from.
+    from project.generate import load
+
+    _, tokenizer, _ = load(str(ckpt_path), None)
+    assert tokenizer.save(tmp_path / "saved").read_bytes() == trained_with.read_bytes()
 
 
 def _older_checkpoint(ckpt_path: Path, shards: Path) -> list[str]:

@@ -83,8 +83,8 @@ def uninterrupted(tiny_shards, tmp_path_factory):
 STOPS = {
     "single-term": ("single", signal.SIGTERM, False),
     "ddp-term": ("ddp", signal.SIGTERM, False),
-    "single-ctrl-c-group": ("single", signal.SIGINT, True),
-    "ddp-term-group": ("ddp", signal.SIGTERM, True),
+    "single-term-group": ("single", signal.SIGTERM, True),
+    "ddp-ctrl-c-group": ("ddp", signal.SIGINT, True),
 }
 
 

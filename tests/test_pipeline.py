@@ -110,6 +110,9 @@ def test_pipeline_checkpoints_resume_under_other_layouts_and_back(tiny_shards, u
             "ckpt_path=auto: resuming the run from its last checkpoint" if hop else "ckpt_path=auto: no checkpoint in"
         )
         assert said in ran.stderr, ran.stderr[-3000:]
+        # Each checkpoint (files and sharded folders) keeps its run's settings: a change of layout is only told.
+        assert "resuming with settings that change what the run computes" not in ran.stderr, ran.stderr[-3000:]
+        assert not hop or "resuming with other settings of the layout or bookkeeping: " in ran.stderr
     assert_continues(tmp_path, uninterrupted_reference, 20)
 
 

@@ -10,8 +10,9 @@ import pytest
 from tests.conftest import run_module, train_overrides
 
 # A warning in every form it takes: Python's (file.py:NN: or <frozen runpy>:NN: before it, or a bare
-# `SomethingWarning:`), torch's C++/logging ([rank0]:W1123 ...) and wandb's.
-WARNING = re.compile(r"(\.py|<frozen [\w.]+>):\d+: |\w+Warning: |\[rank\d+\]:W\d{4} |^W\d{4} |WARNING")
+# `SomethingWarning:`), the project's own (`warning: ...`, project.runtime.console), torch's C++/logging
+# ([rank0]:W1123 ...) and wandb's.
+WARNING = re.compile(r"(\.py|<frozen [\w.]+>):\d+: |\w+Warning: |^warning: |\[rank\d+\]:W\d{4} |^W\d{4} |WARNING")
 # Warnings that mean something and stay; each with the reason. project.runtime.console lists those silenced.
 ALLOWED = [
     # The debug experiment on the tiny test corpus: 8 training sequences per step from 300-token data.

@@ -55,13 +55,28 @@ def test_a_folder_without_checkpoints_a_resume_and_a_dry_run_are_not_refused(tmp
 
 @pytest.mark.parametrize(
     "saves, resumes",
-    [([], None), (["last.ckpt"], "last"), (["last.ckpt.old"], "last"), (["best-step000010.ckpt"], None)],
-    ids=["empty", "last", "mid-swap", "best-only"],
+    [([], None), (["last.ckpt"], "last"), (["last.ckpt.old"], "last")],
+    ids=["empty", "last", "mid-swap"],
 )
 def test_ckpt_path_auto_resumes_from_last_where_there_is_one_and_starts_otherwise(tmp_path, saves, resumes):
     assert resume_point(settings(ckpt_path="auto"), saved_run(tmp_path / "run", *saves)) == resumes
     assert resume_point(settings(ckpt_path="last"), tmp_path / "run") == "last"  # other values as they are
     assert resume_point(settings(), tmp_path / "run") is None
+
+
+def test_ckpt_path_auto_refuses_a_folder_of_saves_without_last(tmp_path):
+    """Saves, but no last.ckpt (~callbacks.last_checkpoint, or removed by hand): starting anew would replace them."""
+    run = saved_run(tmp_path / "run", "best-step000010.ckpt")
+    for check in (
+        lambda: resume_point(settings(ckpt_path="auto"), run),
+        lambda: check_ckpt_path(settings(ckpt_path="auto"), run),
+    ):
+        with pytest.raises(
+            ConfigError,
+            match=r"ckpt_path=auto: .* holds checkpoints \(best-step000010.ckpt\) but no "
+            r"last.ckpt .*ckpt_path=.*best-step000010.ckpt, or give this run a folder of its own",
+        ):
+            check()
 
 
 def digests(folder: Path) -> dict[str, str]:
@@ -107,6 +122,24 @@ def test_a_resume_warns_once_of_the_settings_that_change_what_the_run_computes(s
     assert 'global_batch_size: 8 there, 16 here; strategy.float8: null there, "tensorwise" here' in said[0]
     assert "set global_batch_size=8 strategy.float8=null" in said[0]
     assert "trainer.devices" not in said[0] and "optim.lr" not in said[0]
+
+
+def test_the_same_settings_written_apart_compare_equal_and_a_setting_is_given_back_as_typed():
+    """A checkout moved (paths under the project's root), `1` against `1.0`; the fix is one shell word a setting,
+    with `+` where this run has no such key."""
+    from project.training.callbacks.run_settings import as_override, flat_settings
+
+    here = flat_settings({"paths": {"root_dir": "/a/repo"}, "data": {"dir": "/a/repo/data/x"}, "optim": {"clip": 1}})
+    there = flat_settings({"paths": {"root_dir": "/b/repo"}, "data": {"dir": "/b/repo/data/x"}, "optim": {"clip": 1.0}})
+    assert settings_changed(there, here) == ([], []) and here["data.dir"] == '"data/x"'
+    elsewhere = flat_settings(
+        {"paths": {"root_dir": "/b/repo"}, "data": {"dir": "/b/repo/data/y"}, "optim": {"clip": 1}}
+    )
+    assert settings_changed(elsewhere, here)[0] == ["data.dir"]
+    assert as_override("optim.betas", flat_settings({"b": [0.9, 0.95]})["b"], {"optim.betas": ""}) == (
+        "optim.betas=[0.9,0.95]"
+    )
+    assert as_override("strategy.float8", '"rowwise"', {}) == "+strategy.float8=rowwise"
 
 
 def test_settings_a_resume_may_change_freely_are_told_apart_from_those_that_change_the_run():

@@ -34,6 +34,12 @@ def with_callback(class_name: str) -> Callable[[DictConfig], bool]:
     return lambda cfg: any(str(node.get("_target_", "")).split(".")[-1] == class_name for _, node in callbacks_of(cfg))
 
 
+def knows_peak_flops(cfg: DictConfig) -> bool:
+    """Whether TokenThroughput can know the device's peak FLOP/s: given, or a GPU's (Lightning's table); `auto` may be
+    one, so only a CPU run without the setting is sure not to."""
+    return cfg.get("peak_flops_per_device") is not None or str(cfg.trainer.get("accelerator", "auto")) != "cpu"
+
+
 @dataclass(frozen=True)
 class LoggedMetrics:
     """Names one part of a run logs; a `*` in a name stands for any text (a layer's, a corpus', a set's name)."""
@@ -84,10 +90,17 @@ LOGGED_METRICS: tuple[LoggedMetrics, ...] = (
         unless="it is logged per corpus of a mixture only (data=mix)",
     ),
     LoggedMetrics(
-        ("train/tokens_per_sec", "train/tokens_seen", "train/mfu"),
+        ("train/tokens_per_sec", "train/tokens_seen"),
         "callbacks.throughput (TokenThroughput)",
         when=with_callback("TokenThroughput"),
         unless="it is logged by callbacks.throughput, which this run leaves out",
+    ),
+    LoggedMetrics(
+        ("train/mfu",),
+        "callbacks.throughput (TokenThroughput), where the device's peak FLOP/s is known",
+        when=lambda cfg: with_callback("TokenThroughput")(cfg) and knows_peak_flops(cfg),
+        unless="it is logged by callbacks.throughput where the device's peak FLOP/s is known: on a CPU, set "
+        "peak_flops_per_device=...",
     ),
     LoggedMetrics(
         ("memory/param_bytes", "memory/grad_bytes", "memory/optimizer_bytes", "memory/activation_bytes"),
@@ -229,7 +242,11 @@ def build_callback(name: str, node: DictConfig) -> Any:
         if (config_error := config_error_behind(error)) is not None:
             raise config_error from None
         cause = error.__cause__ or error
-        if not isinstance(cause, (ValueError, TypeError, MisconfigurationException)):
+        # A user's value refused by a library's constructor; the project's own callbacks check their settings
+        # before, so what theirs raise is a bug, kept with its traceback.
+        if not isinstance(cause, (ValueError, TypeError, MisconfigurationException)) or node._target_.startswith(
+            "project."
+        ):
             raise
         raise ConfigError(
             f"callbacks.{name} ({node._target_}) refused its arguments: {str(cause).rstrip('.')}. Fix the value in "

@@ -57,7 +57,15 @@ def resume_point(cfg: DictConfig, run_dir: str | os.PathLike) -> str | None:
 
         return "last" if latest(folder) is not None else None
     last = Path(folder) / "last.ckpt"
-    return "last" if last.exists() or last.with_name(f"{last.name}.old").exists() else None
+    if last.exists() or last.with_name(f"{last.name}.old").exists():
+        return "last"
+    if found := saves_in(folder):  # saves, but none to resume from as a whole (~callbacks.last_checkpoint, or removed)
+        raise ConfigError(
+            f"ckpt_path=auto: {folder} holds checkpoints ({', '.join(p.name for p in found[:3])}) but no last.ckpt "
+            "to resume from, and a new run there would replace them: resume from one of them with "
+            f"ckpt_path={found[-1]}, or give this run a folder of its own (hydra.run.dir=outputs/runs/NAME)."
+        )
+    return None
 
 
 def hydra_run_dir(run_dir: str | os.PathLike | None) -> str | os.PathLike | None:
@@ -96,6 +104,10 @@ def check_ckpt_path(cfg: DictConfig, run_dir: str | os.PathLike | None = None, n
     if new_runs_checked:
         refuse_new_run_over_saves(cfg, run_dir)
     ckpt_path = cfg.get("ckpt_path")
+    if str(ckpt_path) == AUTO and (run_dir := hydra_run_dir(run_dir)) is not None:
+        if not is_remote(checkpoint_dir(cfg, run_dir)):  # object storage is looked at when the run starts
+            resume_point(cfg, run_dir)  # refuses saves it cannot resume from
+        return
     if ckpt_path is None or is_remote(ckpt_path) or str(ckpt_path) == AUTO:
         return
     if str(ckpt_path) == "last":

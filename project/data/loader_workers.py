@@ -15,6 +15,7 @@ imports, so that the two import side by side and the first batch does not wait.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import sys
 import threading
@@ -23,8 +24,8 @@ from typing import Any
 # The first ends the server with the training process; the second is what a worker runs.
 WORKER_IMPORTS = ["project.data.loader_server", "project.data.blocks"]
 JOB_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
-# Ctrl-C and `kill -TERM -PGID` (`timeout`, scancel) reach every process of the group; the training process saves at
-# its next step and stops (project.training.callbacks.preemption), and its workers must go on reading until then.
+# Ctrl-C and `kill -TERM -PGID` reach every process of the job's group; the training process saves at its next step
+# and stops (project.training.callbacks.preemption), and what it reads from must go on until then.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -46,9 +47,9 @@ def start_worker_server() -> None:
     # keeps an ignored signal ignored), and so do the workers the server forks. A launcher sends them to
     # every process of a job for the training process to act on (SLURM's SIGUSR1 ahead of a preemption or
     # its time limit); their default would end these processes at once, and the training process, which
-    # saves at its next step, would find its loader broken. So would Ctrl-C's and a group's SIGTERM (torch's
-    # workers set their own SIGTERM handler: `ignore_stop_signals` sets it back). Workers end as the loader ends
-    # them (its queues), or with their parent. Handlers can be set from the main thread only.
+    # saves at its next step, would find its loader broken. So would it if Ctrl-C or a group's SIGTERM ended the
+    # server (it ends with the training process: project.data.loader_server); workers leave the group instead
+    # (`leave_the_jobs_group`). Handlers can be set from the main thread only.
     main_thread = threading.current_thread() is threading.main_thread()
     ignored = (*JOB_SIGNALS, *STOP_SIGNALS)
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignored} if main_thread else {}
@@ -73,11 +74,13 @@ def imports_of_main() -> list[str]:
     return sorted(name for name in list(sys.modules) if name != main and name.partition(".")[0] in roots)
 
 
-def ignore_stop_signals(worker_id: int) -> None:
-    """A worker's start (DataLoader's worker_init_fn, which runs after torch has set the worker's own handlers): the
-    stop signals are the training process's to act on."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+def leave_the_jobs_group(worker_id: int) -> None:
+    """A worker's start (DataLoader's worker_init_fn): a process group of its own, so that a signal to the job's group
+    (a terminal's Ctrl-C, `kill -TERM -PGID`) reaches the training process, which acts on it at a step, and not its
+    workers, which read on; the loader still ends them as it does (its queues, then SIGTERM). Outside the terminal's
+    foreground group, a write to the terminal must not stop the worker (SIGTTOU)."""
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
 
 
 def loader_options(workers: int) -> dict[str, Any]:
@@ -89,5 +92,5 @@ def loader_options(workers: int) -> dict[str, Any]:
         "num_workers": workers,
         "persistent_workers": True,
         "multiprocessing_context": start_method(),
-        "worker_init_fn": ignore_stop_signals,
+        "worker_init_fn": leave_the_jobs_group,
     }

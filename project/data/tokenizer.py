@@ -7,7 +7,6 @@ Special tokens are never added by `encode`: where documents begin and end is the
 
 import hashlib
 import os
-import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -36,6 +35,9 @@ class Tokenizer(ABC):
 
     def __init__(self, path: Path, vocab_size: int, eos_id: int, bos_id: int | None) -> None:
         self.path = path
+        # Its file as loaded: the tokenizer saves and records it even where the file is gone (a checkpoint's
+        # tokenizer, written to a temporary folder to be loaded), or was replaced since.
+        self.content = Path(path).read_bytes()
         self.vocab_size = vocab_size
         self.eos_id = eos_id
         self.bos_id = bos_id
@@ -66,8 +68,8 @@ class Tokenizer(ABC):
         """Copy the tokenizer file into `directory` under its conventional name; return the new path."""
         target = Path(directory) / self.file_name
         target.parent.mkdir(parents=True, exist_ok=True)
-        if not (target.exists() and target.samefile(self.path)):
-            shutil.copyfile(self.path, target)
+        if not (target.exists() and self.path.exists() and target.samefile(self.path)):
+            target.write_bytes(self.content)
         return target
 
     def __repr__(self) -> str:
@@ -207,7 +209,7 @@ def tokenizer_record(tokenizer: Tokenizer) -> dict[str, Any]:
     end-of-text and beginning-of-text ids."""
     return {
         "name": tokenizer.file_name,
-        "content": tokenizer.path.read_bytes(),
+        "content": tokenizer.content,
         "eos_id": tokenizer.eos_id,
         "bos_id": tokenizer.bos_id,
     }

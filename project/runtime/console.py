@@ -55,15 +55,15 @@ _DTENSOR_TWO_STEP_REDUCE = "While redistributing from (_NormPartial"
 _LIGHTNING_CHATTER = ("💡", "Trainer already configured with model summary callbacks")
 
 
-# What libraries log while they are imported, by logger: (the message's start, why it can be ignored).
+# What libraries log while they are imported, by logger: (a pattern the message starts with, why it can be ignored).
 IMPORT_NOISE = {
     "torchao": (
-        "Failed to load ",
+        r"Failed to load \S*_C_(mxfp8|cutlass)\w*\.",
         "torchao's optional CUDA kernels (_C_mxfp8.so, _C_cutlass_90a.so), which a machine without CUDA's libraries, "
         "or with another CUDA, cannot load; float8 training does not use them",
     ),
     "torch.utils._pytree": (
-        "<enum ",
+        r"<enum ",
         "torchao registers its enums with register_constant, which torch deprecated for Enum subclasses",
     ),
 }
@@ -97,19 +97,19 @@ def silence_import_noise() -> None:
     kernels at its import, which transformers makes wherever torchao is installed."""
     for name, (start, _why) in IMPORT_NOISE.items():
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _MessageStart) and f.start == start for f in logger.filters):
+        if not any(isinstance(f, _MessageStart) and f.start.pattern == start for f in logger.filters):
             logger.addFilter(_MessageStart(start))
 
 
 class _MessageStart(logging.Filter):
-    """Drops the log records whose message starts with `start`."""
+    """Drops the log records whose message starts with a match of `start` (a regular expression)."""
 
     def __init__(self, start: str):
         super().__init__()
-        self.start = start
+        self.start = re.compile(start)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.start)
+        return not self.start.match(record.getMessage())
 
 
 def show_own_warnings_as_lines() -> None:
@@ -126,7 +126,9 @@ _shown_before = warnings.showwarning
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # warnings.showwarning's
-    if not _is_ours(filename):
+    # Ours: a UserWarning (rank_zero_warn's) raised in the project; a library's deprecation attributed to a project
+    # line by its stacklevel keeps Python's form, category and place.
+    if not (_is_ours(filename) and issubclass(category, UserWarning)):
         _shown_before(message, category, filename, lineno, file, line)
         return
     from tqdm import tqdm

@@ -180,7 +180,12 @@ def fit_once(cfg: DictConfig, run_dir: Path, layout: Layout | None, restart: Res
     if restart is None:  # the launcher that started this node's other ranks: the first fit's (Lightning's launcher
         # set LOCAL_RANK on this rank when it did, so that a later fit in the process launches nothing)
         watch_children(trainer.strategy.launcher)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    finally:  # after Lightning's teardown, which puts back the handlers it found as the fit started: this fit's
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning, undeclared
+            if isinstance(callback, StopOnSignal):
+                callback.restore()
     return finish(trainer, checkpoint_dir(cfg, run_dir))
 
 
@@ -310,7 +315,7 @@ def finish(trainer: L.Trainer, ckpt_dir: str) -> dict[str, float]:
     if evaluated:  # the last in-loop evaluation's figures (conf/eval), its time left out
         said += "".join(f", {k}={v:.4f}" for k, v in evaluated.items() if k != "eval/seconds")
     if trainer.global_step < trainer.max_steps:  # trainer.should_stop, set by a callback (a signal's stop is above)
-        # Still a line that starts with `done: `: the run ended as asked, and `make train` starts a new one after it.
+        # Still a line that starts with `done: `: the run ended as asked (a resume of it has nothing to do).
         reasons = [
             f"by EarlyStopping ({callback.stopping_reason_message.removesuffix(' Signaling Trainer to stop.')})"
             for callback in callbacks

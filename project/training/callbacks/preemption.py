@@ -3,6 +3,7 @@ checkpoint at the next step at which the ranks decide whether to save, and stop,
 
 from __future__ import annotations
 
+import os
 import signal
 from typing import Any
 
@@ -22,9 +23,8 @@ REQUEUE_EXIT_STATUS = 3
 class StopOnSignal(Callback):
     """On SIGTERM (what schedulers, `kill` and `timeout` send), SIGINT (Ctrl-C), or the signal SLURM sends ahead of a
     time limit or a preemption (`#SBATCH --signal=USR1@120`), finish the optimizer step at which the ranks agree on it
-    (below),
-    save last.ckpt as the periodic saves do, and stop; project.train then exits with REQUEUE_EXIT_STATUS, on which
-    experiments/slurm/train.sbatch requeues the job, and `ckpt_path=last` resumes exactly.
+    (below), save last.ckpt as the periodic saves do, and stop; project.train then exits with REQUEUE_EXIT_STATUS, on
+    which experiments/slurm/train.sbatch requeues the job, and `ckpt_path=last` resumes exactly.
 
     Lightning's own handlers save nothing on SIGTERM (they end the other ranks at once), and on SLURM's
     signal save from inside the handler, in the middle of a step or an accumulation window, a state that a
@@ -40,8 +40,12 @@ class StopOnSignal(Callback):
 
     A second Ctrl-C stops at once, as Python's own handler would have the first time (Lightning's handling of a
     KeyboardInterrupt then ends the run, saving nothing more). A terminal's Ctrl-C, and `kill -TERM -PGID`, reach every
-    process of the group: loader workers ignore both (project.data.loader_workers), so that the loader still reads
-    the batches up to the stop.
+    process of the group: loader workers are in groups of their own (project.data.loader_workers), so that the loader
+    still reads the batches up to the stop.
+
+    The handlers are this fit's: Lightning's teardown after an exception puts back the handlers it found as the fit
+    started (these), so project.training.run calls `restore` once `fit` has returned or raised; a signal that comes
+    after the fit ended is handed on to the next fit of the process, if a rollback starts one.
     """
 
     _handed_on: signal.Signals | None = None  # a signal the fit a rollback ended had received, for the next fit
@@ -58,20 +62,31 @@ class StopOnSignal(Callback):
         self._previous_handlers: dict[signal.Signals, Any] = {}
         self.stopped_for_requeue = False
         self._stopping = False
-        self._said = False  # whether the signal's wait for the next decision step was said
+        self._ended = False  # the fit ended in an exception: a signal now is the next fit's
+        self._speaks = False  # rank 0 says at once that a signal came
         self._group: dist.ProcessGroup | None = None
         self._steps = OptimizerSteps()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         received = signal.Signals(signum)
+        if self._ended:
+            StopOnSignal._handed_on = received
+            return
         if received == signal.SIGINT and self._signalled == signal.SIGINT:
             raise KeyboardInterrupt  # the second Ctrl-C: at once, without saving
-        self._signalled = received  # only a flag: the state is saved between steps (nothing printed here: a
-        # handler that writes while the interrupted code writes to the same stream breaks it)
+        first = self._signalled is None
+        self._signalled = received  # only a flag: the state is saved between steps
+        if first and self._speaks:  # os.write, not print: the interrupted code may be writing to sys.stderr's buffer
+            again = "; Ctrl-C again stops at once, without saving" if received == signal.SIGINT else ""
+            said = f"\n{received.name} received: the run saves and stops within ckpt_check_every_n_steps=" + (
+                f"{self.checkpoint.check_every_n_steps} steps{again}\n"
+            )
+            os.write(2, said.encode())
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # Early, so that data-loader workers forked later inherit the handler: SLURM signals every process
         # of the job, and a worker left with the default action would die of it.
+        self._speaks = trainer.is_global_zero if trainer is not None else False
         self._install()
         if StopOnSignal._handed_on is not None:  # received by the fit a rollback ended (on_exception)
             self._signalled, StopOnSignal._handed_on = StopOnSignal._handed_on, None
@@ -98,13 +113,6 @@ class StopOnSignal(Callback):
     ) -> None:
         if self._stopping or trainer.global_step + 1 >= trainer.max_steps:  # the last step: nothing to requeue
             return
-        if self._signalled is not None and not self._said:  # on this rank, and not yet agreed on
-            self._said = True
-            again = "; Ctrl-C again stops at once, without saving" if self._signalled == signal.SIGINT else ""
-            rank_zero_info(
-                f"{self._signalled.name} received: the run saves and stops within ckpt_check_every_n_steps="
-                f"{self.checkpoint.check_every_n_steps} steps{again}"
-            )
         if not self.checkpoint.decides_at(trainer, trainer.global_step):
             return
         seen = self._signalled is not None
@@ -137,11 +145,16 @@ class StopOnSignal(Callback):
         # signal then must reach the new instance, not this one: one received already is handed on to it.
         if self._signalled is not None and not self.stopped_for_requeue:
             StopOnSignal._handed_on = self._signalled
+        self._ended = True
         self.teardown(trainer, pl_module, "fit")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        for signum, handler in self._previous_handlers.items():
-            signal.signal(signum, handler)
-        self._previous_handlers = {}
+        self.restore()
         release_group(self._group)  # its sockets and threads: a rollback's fit makes a group of its own
         self._group = None
+
+    def restore(self) -> None:
+        """The signal handlers as they were before this fit; again where Lightning's teardown after an exception put
+        this fit's back (project.training.run, once `fit` returned or raised)."""
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)

@@ -10,6 +10,7 @@ says the learning rate at the resumed step.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Mapping
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -52,19 +53,47 @@ LAYOUT_AND_BOOKKEEPING = (
     "data.cache_dir",
     "data.cache_size",
     "data.storage_options",
+    "data.name",
+    "data.prepare_",
+    "data.chunk_mb",
+    "trainer.num_sanity_val_steps",
+    "stability.numerics_every_n_steps",
+    "stability.straggler_factor",
+    # The initial weights' seed: a resume's weights are the checkpoint's (the data's order has data.seed).
+    "seed",
 )
 COMPUTING_EVEN_IF_LAYOUT = ("strategy.float8",)
 
 
-def flat_settings(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """{dotted setting: its value as JSON} of a resolved config's leaves (a list is one value)."""
+def as_json(value: Any, root: str) -> str:
+    """A setting's value as JSON, as two runs of the same settings write it alike: a path under the project's root
+    relative to it (a checkout moved, or another machine's), a whole number as the float it may also be written as
+    (`optim.grad_clip=1` and `1.0`)."""
+
+    def plain(item: Any) -> Any:
+        if isinstance(item, str) and root and item.startswith(root):
+            return item[len(root) :].lstrip("/") or "."
+        if isinstance(item, int) and not isinstance(item, bool):
+            return float(item)
+        if isinstance(item, list):
+            return [plain(i) for i in item]
+        return item
+
+    return json.dumps(plain(value), sort_keys=True, default=str, separators=(",", ":"))
+
+
+def flat_settings(config: Mapping[str, Any], prefix: str = "", root: str | None = None) -> dict[str, str]:
+    """{dotted setting: its value as JSON (as_json)} of a resolved config's leaves (a list is one value); `root`, the
+    project's root, by default the config's paths.root_dir."""
+    if root is None:
+        root = str(Path(str((config.get("paths") or {}).get("root_dir") or ".")).resolve())
     flat: dict[str, str] = {}
     for key, value in config.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping) and value:
-            flat.update(flat_settings(value, f"{name}."))
+            flat.update(flat_settings(value, f"{name}.", root))
         elif not name.startswith(NOT_SETTINGS):
-            flat[name] = json.dumps(value, sort_keys=True, default=str)
+            flat[name] = as_json(value, root)
     return flat
 
 
@@ -78,10 +107,17 @@ def value_of(settings: Mapping[str, str], setting: str) -> str:
     return settings.get(setting, "null")
 
 
-def as_override(value: str) -> str:
-    """A JSON value as a command line sets it: a string bare, anything else as JSON writes it."""
+def shown(value: str) -> str:
+    """A setting's JSON value as the warning says it: a whole number without its `.0`."""
     decoded = json.loads(value)
-    return decoded if isinstance(decoded, str) else value
+    return str(int(decoded)) if isinstance(decoded, float) and decoded.is_integer() else value
+
+
+def as_override(setting: str, value: str, now: Mapping[str, str]) -> str:
+    """`setting=value` as a command line sets it back: a string bare, anything else as JSON writes it (without
+    spaces, one shell word), a whole number without its `.0`; `+setting` where this run's config has no such key."""
+    decoded = json.loads(value)
+    return f"{'' if setting in now else '+'}{setting}={decoded if isinstance(decoded, str) else shown(value)}"
 
 
 def settings_changed(saved: Mapping[str, str], now: Mapping[str, str]) -> tuple[list[str], list[str]]:
@@ -93,8 +129,8 @@ def settings_changed(saved: Mapping[str, str], now: Mapping[str, str]) -> tuple[
 
 
 def resume_warning(saved: Mapping[str, str], now: Mapping[str, str], computing: list[str]) -> str:
-    said = "; ".join(f"{k}: {value_of(saved, k)} there, {value_of(now, k)} here" for k in computing)
-    keep = " ".join(f"{k}={as_override(value_of(saved, k))}" for k in computing)
+    said = "; ".join(f"{k}: {shown(value_of(saved, k))} there, {shown(value_of(now, k))} here" for k in computing)
+    keep = " ".join(as_override(k, value_of(saved, k), now) for k in computing)
     return (
         f"resuming with settings that change what the run computes, against the checkpoint's run: {said}. To "
         f"continue the checkpoint's run as it was, set {keep}; a resume may change the layout and the bookkeeping "
