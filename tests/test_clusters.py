@@ -190,6 +190,7 @@ def test_a_slurm_job_array_prepares_the_corpus_as_one_machine_does(slurm, tiny_s
         part_mb=0.01,
         num_workers=1,
         val_fraction=0.3,
+        name="shakespeare",  # data.name, which the job's config gives and the manifest records
     )
     assert one["parts"] >= 3, "each task had parts of its own"
     files = {p.relative_to(tmp_path / "one"): p.read_bytes() for p in (tmp_path / "one").rglob("*") if p.is_file()}

@@ -21,7 +21,8 @@ def make_train(repo, *args: str) -> list[str]:
 def repo(tmp_path):
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
-    for name in ("Makefile", "pyproject.toml"):
+    for name in ("Makefile", "pyproject.toml", "project/runtime/hf_reference_site.py"):  # what make's rules name
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, tmp_path / name)
     return tmp_path
 
