@@ -445,6 +445,21 @@ def test_a_rank_slowed_on_purpose_is_named_with_its_host_and_time(runs):
     assert "a straggler" in log
 
 
+def test_a_rank_is_named_only_when_slow_in_two_logging_windows_in_a_row():
+    """One window of jitter (a busy host tripling a tiny model's block time once) names no one; a rank slow in two
+    windows in a row is named with the median of the others, and one that recovers is no longer named."""
+    from project.training.callbacks.stragglers import SlowRanks
+
+    judge, ms = SlowRanks(factor=2.0), 1e-3
+    assert judge.named([1 * ms, 3.07 * ms]) == []  # the CI host's jitter of 2026-12-02, once
+    assert judge.named([1 * ms, 1.1 * ms]) == []
+    assert judge.named([1 * ms, 21 * ms]) == []
+    assert judge.named([1 * ms, 21 * ms]) == [(1, 1 * ms)]
+    assert judge.named([2 * ms, 21 * ms, 2 * ms]) == [(1, 2 * ms)]  # the median of the two others
+    assert judge.named([2 * ms, 2 * ms, 2 * ms]) == []
+    assert judge.named([0.1 * ms, 0.9 * ms]) == [] and judge.named([0.1 * ms, 0.9 * ms]) == []  # under 1 ms more
+
+
 def test_a_stack_dump_names_the_innermost_call_of_the_main_thread(tmp_path):
     """faulthandler's own dump, taken from another thread while the main one loops in a known function."""
     from project.runtime.stacks import innermost_call

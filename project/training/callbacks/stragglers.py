@@ -1,7 +1,7 @@
 """Slow ranks named: each rank's mean time per transformer block forward pass (a pipeline's stages may hold unequal
 numbers of blocks), gathered from every rank at logging steps; `train/step_time_max_over_min` is the slowest rank's
 over the fastest's, and a rank slower than `stability.straggler_factor` times the median of the others (and by 1 ms
-or more) is named in a warning (its rank, host and time).
+or more) in two logging windows in a row is named in a warning (its rank, host and time).
 
 Why the blocks' forward: with collectives every rank's step takes the slowest rank's time (the others wait for it
 inside them), so a step's wall time names no one. A block's forward runs no collective under data parallelism and
@@ -10,7 +10,8 @@ and context parallelism blocks hold collectives, which make every rank wait for 
 judged (the strategy's `blocks_run_alone`). On a GPU the time is taken with CUDA events, read
 only at logging steps; on a CPU it is the process's CPU time, so that ranks sharing too few cores (waiting for one
 is not computing) are not taken for slow. The first logging window after a start, which holds the first step's
-one-time work, is not judged.
+one-time work, is not judged. One slow window is not enough: a busy host's jitter (a page fault, a core shared
+with another process) can triple a tiny model's block time once, where a slow device is slow in every window.
 """
 
 from __future__ import annotations
@@ -31,6 +32,28 @@ from project.training.callbacks.steps import OptimizerSteps, logs_at
 # Below this, a rank's excess over the median per block forward is jitter (a tiny model, a busy host), not a slow
 # device.
 MIN_EXCESS_SECONDS = 0.001
+# Logging windows in a row in which a rank must be slow before it is named.
+SLOW_WINDOWS = 2
+
+
+class SlowRanks:
+    """Which ranks to name, window after window: slower than `factor` times the median of the others, by
+    MIN_EXCESS_SECONDS or more, in SLOW_WINDOWS logging windows in a row."""
+
+    def __init__(self, factor: float):
+        self.factor = factor
+        self._in_a_row: dict[int, int] = {}
+
+    def named(self, times: list[float]) -> list[tuple[int, float]]:
+        """(rank, the median of the others' times) of each rank to name after this window's `times` (seconds)."""
+        names = []
+        for rank, seconds in enumerate(times):
+            median = statistics.median(times[:rank] + times[rank + 1 :])  # the others': two ranks have one each
+            slow = median > 0 and seconds > self.factor * median and seconds - median > MIN_EXCESS_SECONDS
+            self._in_a_row[rank] = self._in_a_row.get(rank, 0) + 1 if slow else 0
+            if self._in_a_row[rank] >= SLOW_WINDOWS:
+                names.append((rank, median))
+        return names
 
 
 class StragglerWatch(Callback):
@@ -44,10 +67,12 @@ class StragglerWatch(Callback):
         self._forwards = 0  # block forwards timed since the last logging step
         self._hosts: list[str] = []
         self._first_window = True
+        self._judge = SlowRanks(factor)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._steps.start(trainer)
         self._first_window = True
+        self._judge = SlowRanks(self.factor)
         if trainer.world_size <= 1 or not contract_of(trainer.strategy).blocks_run_alone():
             return
         cuda = pl_module.device.type == "cuda"
@@ -101,15 +126,13 @@ class StragglerWatch(Callback):
         times = contract_of(trainer.strategy).sum_over_ranks(mine).tolist()
         slowest, fastest = max(times), min(times)
         pl_module.log("train/step_time_max_over_min", slowest / fastest if fastest > 0 else 1.0)
-        for rank, seconds in enumerate(times):
-            median = statistics.median(times[:rank] + times[rank + 1 :])  # the others': two ranks have one each
-            if median > 0 and seconds > self.factor * median and seconds - median > MIN_EXCESS_SECONDS:
-                rank_zero_warn(
-                    f"step {trainer.global_step - 1}: rank {rank} on {self._hosts[rank]} takes {seconds * 1e3:.2f} ms "
-                    f"per block forward, {seconds / median:.1f}x the median of the other "
-                    f"{len(times) - 1} rank(s) ({median * 1e3:.1f} ms; stability.straggler_factor={self.factor}): a "
-                    "straggler."
-                )
+        for rank, median in self._judge.named(times):
+            rank_zero_warn(
+                f"step {trainer.global_step - 1}: rank {rank} on {self._hosts[rank]} takes {times[rank] * 1e3:.2f} ms "
+                f"per block forward, {times[rank] / median:.1f}x the median of the other "
+                f"{len(times) - 1} rank(s) ({median * 1e3:.1f} ms; stability.straggler_factor={self.factor}): a "
+                "straggler."
+            )
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         for handle in self._hooks:
