@@ -8,6 +8,7 @@ import hashlib
 import json
 import shutil
 import warnings
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -64,8 +65,28 @@ def test_ckpt_path_auto_resumes_from_last_where_there_is_one_and_starts_otherwis
     assert resume_point(settings(), tmp_path / "run") is None
 
 
-def test_ckpt_path_auto_refuses_a_folder_of_saves_without_last(tmp_path):
-    """Saves, but no last.ckpt (~callbacks.last_checkpoint, or removed by hand): starting anew would replace them."""
+def whole_file(path: Path) -> None:
+    """A save whose writing ended, as the check reads one: a whole zip archive (torch.save's format)."""
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("data.pkl", b"")
+
+
+def test_ckpt_path_auto_without_last_resumes_from_the_newest_whole_save(tmp_path):
+    """Saves, but no last.ckpt (~callbacks.last_checkpoint, or removed by hand): the newest whole one by its step,
+    a file or a sharded folder; one cut short (no zip directory, no .metadata) is passed over."""
+    run = saved_run(tmp_path / "run", "step-000012.ckpt", "step-000020.ckpt")
+    folder = run / "checkpoints"
+    whole_file(folder / "best-step000008.ckpt")
+    whole_file(folder / "step-000012.ckpt")  # step-000020.ckpt stays an empty file: its save was cut short
+    (folder / "step-000016.ckpt").mkdir()  # a sharded save without its .metadata
+    assert resume_point(settings(ckpt_path="auto"), run) == str(folder / "step-000012.ckpt")
+    (folder / "step-000016.ckpt" / ".metadata").write_bytes(b"")
+    assert resume_point(settings(ckpt_path="auto"), run) == str(folder / "step-000016.ckpt")
+    check_ckpt_path(settings(ckpt_path="auto"), run)
+    check_ckpt_path(settings(ckpt_path=str(folder / "step-000016.ckpt")), run)  # a save of this run's own
+
+
+def test_ckpt_path_auto_refuses_a_folder_of_saves_none_of_them_whole(tmp_path):
     run = saved_run(tmp_path / "run", "best-step000010.ckpt")
     for check in (
         lambda: resume_point(settings(ckpt_path="auto"), run),
@@ -73,10 +94,18 @@ def test_ckpt_path_auto_refuses_a_folder_of_saves_without_last(tmp_path):
     ):
         with pytest.raises(
             ConfigError,
-            match=r"ckpt_path=auto: .* holds checkpoints \(best-step000010.ckpt\) but no "
-            r"last.ckpt .*ckpt_path=.*best-step000010.ckpt, or give this run a folder of its own",
+            match=r"ckpt_path=auto: .* holds checkpoints \(best-step000010.ckpt\) but none that is whole "
+            r".*ckpt_path=.*best-step000010.ckpt, or give this run a folder of its own",
         ):
             check()
+
+
+def test_a_run_resumed_from_another_runs_checkpoint_into_a_folder_of_saves_is_refused(tmp_path):
+    run, other = saved_run(tmp_path / "run", "last.ckpt"), saved_run(tmp_path / "other")
+    whole_file(other / "checkpoints" / "last.ckpt")
+    with pytest.raises(ConfigError, match=r"holds the checkpoints of an earlier run .*ckpt_path=.*other.*another run"):
+        check_ckpt_path(settings(ckpt_path=str(other / "checkpoints" / "last.ckpt")), run)
+    check_ckpt_path(settings(ckpt_path=str(other / "checkpoints" / "last.ckpt")), tmp_path / "new")  # a new folder
 
 
 def digests(folder: Path) -> dict[str, str]:
@@ -102,26 +131,31 @@ def flat(**values) -> dict[str, str]:
 
 
 def test_a_resume_warns_once_of_the_settings_that_change_what_the_run_computes(single_reference):
-    """The checkpoint a run wrote keeps its settings; a resume with another batch and without float8 names those two
-    with the values that continue the checkpoint's run, and the layout's changes only as information."""
+    """The checkpoint a run wrote keeps its settings; a resume with another batch, without float8 and on another
+    learning rate names the three in one warning, with the values that continue the checkpoint's run (the schedule's
+    in its own words, with the resumed step's learning rate), and the layout's changes only as information."""
     checkpoint = torch.load(single_reference / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     saved = checkpoint[RECORD]
     assert json.loads(saved["global_batch_size"]) == 8 and json.loads(saved["model.dim"]) > 0
-    now = {
-        **saved,
-        "global_batch_size": "16",
-        "strategy.float8": '"tensorwise"',
-        "trainer.devices": "2",
-        "optim.lr": "0.5",  # the schedule's own warning says this one
-    }
+    schedule = {**checkpoint["schedule"], "optim.lr": 0.5}
+    now = {**saved, "global_batch_size": "16", "strategy.float8": '"tensorwise"', "trainer.devices": "2"}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        RunSettings(now).on_load_checkpoint(None, None, checkpoint)  # type: ignore[arg-type]
+        RunSettings({**now, "optim.lr": "0.5"}, schedule).on_load_checkpoint(None, None, checkpoint)  # type: ignore[arg-type]
     said = [str(w.message) for w in caught]
     assert len(said) == 1, said
     assert 'global_batch_size: 8 there, 16 here; strategy.float8: null there, "tensorwise" here' in said[0]
     assert "set global_batch_size=8 strategy.float8=null" in said[0]
-    assert "trainer.devices" not in said[0] and "optim.lr" not in said[0]
+    lr = checkpoint["schedule"]["optim.lr"]
+    assert f"Resuming on another learning-rate schedule than the checkpoint's: optim.lr: {lr:g} there" in said[0]
+    assert "0.5 here" in said[0] and "trainer.devices" not in said[0]
+    # The schedule alone, from a checkpoint without the settings' record, is said as it was.
+    del checkpoint[RECORD]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        RunSettings(now, schedule).on_load_checkpoint(None, None, checkpoint)  # type: ignore[arg-type]
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and said[0].startswith("resuming on another learning-rate schedule"), said
 
 
 def test_the_same_settings_written_apart_compare_equal_and_a_setting_is_given_back_as_typed():

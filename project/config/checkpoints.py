@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import zipfile
 from pathlib import Path
 
@@ -15,6 +16,11 @@ from project.runtime.errors import ConfigError
 
 # ckpt_path=auto: resume from the run's last checkpoint where there is one, start the run otherwise.
 AUTO = "auto"
+# The step in a save's name: step-000012.ckpt (kept by ckpt_keep_last), best-step000012.ckpt (the best checkpoint).
+STEP_IN_NAME = re.compile(r"step[=-]?(\d+)\.ckpt$")
+# torch.distributed.checkpoint's index of a sharded folder, written after every rank's shards (as
+# project.checkpoint.locations names it; that module imports torch, which these checks run before).
+SHARDED_METADATA = ".metadata"
 
 
 def checkpoint_dir(cfg: DictConfig, run_dir: str | os.PathLike) -> str:
@@ -44,10 +50,29 @@ def saves_in(folder: str | os.PathLike) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.name.endswith((".ckpt", ".ckpt.old"))) if path.is_dir() else []
 
 
+def step_in_name(path: Path) -> int | None:
+    """The step a save's name carries (step-000012.ckpt, best-step000012.ckpt), or None for another name."""
+    match = STEP_IN_NAME.search(path.name)
+    return int(match[1]) if match else None
+
+
+def complete_save(path: Path) -> bool:
+    """A save whose writing ended: a file that is a whole zip archive (torch.save's, whose directory is written
+    last), or a sharded folder with its `.metadata` (written after every rank's shards)."""
+    return zipfile.is_zipfile(path) if path.is_file() else (path / SHARDED_METADATA).is_file()
+
+
+def newest_complete_save(folder: str | os.PathLike) -> Path | None:
+    """Of a checkpoint folder's step-<N> and best-step<N> saves, the complete one of the highest step."""
+    stepped = [(step, path) for path in saves_in(folder) if (step := step_in_name(path)) is not None]
+    return next((path for _, path in sorted(stepped, reverse=True) if complete_save(path)), None)
+
+
 def resume_point(cfg: DictConfig, run_dir: str | os.PathLike) -> str | None:
     """What `ckpt_path` resumes from, with `auto` decided: `last` where the run's checkpoint folder holds last.ckpt
-    (or the one kept aside while it was replaced), else None, a new run; any other value as it is. In object
-    storage, where `latest` names the last complete save (project.checkpoint.latest)."""
+    (or the one kept aside while it was replaced); else the newest complete save there (step-<N>.ckpt,
+    best-step<N>.ckpt: last.ckpt left out or removed), as a path; else None, a new run. Any other value as it is.
+    In object storage, where `latest` names the last complete save (project.checkpoint.latest)."""
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path is None or str(ckpt_path) != AUTO:
         return ckpt_path
@@ -59,10 +84,12 @@ def resume_point(cfg: DictConfig, run_dir: str | os.PathLike) -> str | None:
     last = Path(folder) / "last.ckpt"
     if last.exists() or last.with_name(f"{last.name}.old").exists():
         return "last"
-    if found := saves_in(folder):  # saves, but none to resume from as a whole (~callbacks.last_checkpoint, or removed)
+    if newest := newest_complete_save(folder):
+        return str(newest)
+    if found := saves_in(folder):  # saves, but none whole: each cut short, or of names that carry no step
         raise ConfigError(
-            f"ckpt_path=auto: {folder} holds checkpoints ({', '.join(p.name for p in found[:3])}) but no last.ckpt "
-            "to resume from, and a new run there would replace them: resume from one of them with "
+            f"ckpt_path=auto: {folder} holds checkpoints ({', '.join(p.name for p in found[:3])}) but none that is "
+            "whole and names its step, and a new run there would replace them: resume from one of them with "
             f"ckpt_path={found[-1]}, or give this run a folder of its own (hydra.run.dir=outputs/runs/NAME)."
         )
     return None
@@ -76,19 +103,33 @@ def hydra_run_dir(run_dir: str | os.PathLike | None) -> str | os.PathLike | None
     return run_dir
 
 
+def resumes_from_inside(ckpt_path: object, folder: str) -> bool:
+    """Whether `ckpt_path` resumes the run whose checkpoints are in `folder`: last, auto, or a save in it."""
+    if str(ckpt_path) in ("last", AUTO):
+        return True
+    if is_remote(str(ckpt_path)):
+        return False
+    return Path(folder).resolve() in Path(str(ckpt_path)).resolve().parents
+
+
 def refuse_new_run_over_saves(cfg: DictConfig, run_dir: str | os.PathLike | None) -> None:
-    """A new run (no ckpt_path) into a local checkpoint folder that holds saves would replace them (last.ckpt, the
-    best checkpoint) and, in its run directory, cut metrics.csv and config.yaml: refused, naming both ways on."""
+    """A new run (no ckpt_path, or another run's checkpoint) into a local checkpoint folder that holds saves would
+    replace them (last.ckpt, the best checkpoint) and, in its run directory, cut metrics.csv and config.yaml:
+    refused, naming both ways on."""
     run_dir = hydra_run_dir(run_dir)
-    if cfg.get("ckpt_path") is not None or run_dir is None and not cfg.get("ckpt_dir"):
+    ckpt_path = cfg.get("ckpt_path")
+    if run_dir is None and not cfg.get("ckpt_dir"):
         return
     folder = checkpoint_dir(cfg, run_dir or ".")
+    if ckpt_path is not None and resumes_from_inside(ckpt_path, folder):
+        return
     if is_remote(folder) or not (found := saves_in(folder)):
         return  # object storage: project.checkpoint.latest.refuse_another_runs, once the run can reach it
     where = f"ckpt_dir={folder}" if cfg.get("ckpt_dir") else f"hydra.run.dir={run_dir}"
+    what = "a new run" if ckpt_path is None else f"a run resumed from ckpt_path={ckpt_path}, another run's checkpoint,"
     raise ConfigError(
         f"{where} holds the checkpoints of an earlier run ({', '.join(p.name for p in found[:3])}"
-        f"{', ...' if len(found) > 3 else ''} in {folder}): a new run there would replace them and its records. "
+        f"{', ...' if len(found) > 3 else ''} in {folder}): {what} there would replace them and its records. "
         "Resume that run with ckpt_path=last (or ckpt_path=auto, which resumes where there is a checkpoint and "
         "starts otherwise), or give this run a folder of its own (hydra.run.dir=outputs/runs/NAME"
         f"{', ckpt_dir=DIR' if cfg.get('ckpt_dir') else ''})."

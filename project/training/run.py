@@ -98,17 +98,22 @@ def train(cfg: DictConfig, layout: Layout | None = None) -> dict[str, float]:
             if is_remote(cfg[setting]):
                 check_reachable(cfg[setting], setting)
     auto = str(cfg.ckpt_path) == AUTO
-    if auto:  # decided once, here: the rest of the run sees `last` or None, and its record says which
+    if (
+        auto
+    ):  # decided once, here: the rest of the run sees `last`, a save of its own or None, and its record says which
         cfg.ckpt_path = resume_point(cfg, run_dir)
     if is_remote(cfg.ckpt_dir):
         refuse_another_runs(cfg.ckpt_dir, cfg.ckpt_path)
     restore_console = record_console(cfg, run_dir)
     if auto:
-        rank_zero_info(
-            f"ckpt_path=auto: resuming the run from its last checkpoint in {cfg.ckpt_dir}"
-            if cfg.ckpt_path is not None
-            else f"ckpt_path=auto: no checkpoint in {cfg.ckpt_dir} yet: starting the run"
-        )
+        if cfg.ckpt_path is None:
+            rank_zero_info(f"ckpt_path=auto: no checkpoint in {cfg.ckpt_dir} yet: starting the run")
+        elif cfg.ckpt_path == "last":
+            rank_zero_info(f"ckpt_path=auto: resuming the run from its last checkpoint in {cfg.ckpt_dir}")
+        else:
+            rank_zero_info(
+                f"ckpt_path=auto: resuming the run from {cfg.ckpt_path}, its newest whole save (no last.ckpt)"
+            )
     metrics = fit(cfg, run_dir, layout)
     # Not after an error: what the entry point then prints (the error, a failed rank's report) belongs in the log.
     restore_console()
