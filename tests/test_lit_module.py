@@ -218,9 +218,11 @@ def test_a_resume_that_changes_the_schedule_says_which_setting_and_the_steps_rat
 
 
 def test_a_resume_of_a_run_that_rolled_back_still_says_a_changed_schedule():
-    """The checkpoint of a run with rollbacks behind it is resumed like any other: a changed length is said."""
+    """The checkpoint of a run with rollbacks behind it is resumed like any other: its rollbacks are restored, and a
+    changed length is said (project.training.callbacks.run_settings)."""
     import lightning
 
+    from project.training.callbacks.run_settings import RunSettings
     from project.training.schedule import schedule_record
 
     module = LlamaLitModule(MODEL, OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=5))
@@ -230,9 +232,11 @@ def test_a_resume_of_a_run_that_rolled_back_still_says_a_changed_schedule():
         "schedule": schedule_record(module.optim, max_steps=20),
         "stability": {"rollbacks": [{"spike_step": 12, "restart_step": 10, "resume_sample": 200}]},
     }
-    with pytest.warns(UserWarning, match=r"optim.decay_steps: 20 there, 30 here"):
-        module.on_load_checkpoint(checkpoint)
+    module.on_load_checkpoint(checkpoint)
     assert [r.spike_step for r in module._spikes.rollbacks] == [12]
+    resumed = RunSettings({}, schedule_record(module.optim, max_steps=30))
+    with pytest.warns(UserWarning, match=r"optim.decay_steps: 20 there, 30 here"):
+        resumed.on_load_checkpoint(module.trainer, module, checkpoint)
 
 
 def test_a_short_last_validation_batch_is_padded_so_nothing_compiles_again_and_the_loss_is_every_sequences_mean(

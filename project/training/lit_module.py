@@ -11,7 +11,6 @@ from typing import IO, Any, Callable, Mapping, cast
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
@@ -30,7 +29,7 @@ from project.parallel.contract import LlamaStrategy, T, contract_of
 from project.runtime.errors import ConfigError
 from project.training.callbacks.steps import logs_at
 from project.training.nonfinite import NonFiniteGuard, takes_the_flag_on_the_device
-from project.training.schedule import lr_at, recorded_schedule, schedule_change, schedule_record
+from project.training.schedule import lr_at, schedule_record
 from project.training.stability import Rollback, RollbackRequested, SpikeDetector
 
 __all__ = ["LlamaLitModule", "OptimConfig", "document_ids", "lr_at"]  # lr_at: the schedule, where tests look
@@ -225,10 +224,6 @@ class LlamaLitModule(LightningModule):
         self._checkpoint_steps.add(int(checkpoint.get("global_step", 0)))
         if (trainer := self.attached_trainer()) is not None:  # resuming a fit, not load_from_checkpoint
             rebase_batch_progress(checkpoint, trainer.accumulate_grad_batches)
-            # A rollback's restart keeps the schedule (its cooldown is apart): only a user's resume can change it.
-            now = schedule_record(self.optim, trainer.max_steps)
-            if change := schedule_change(recorded_schedule(checkpoint), now, int(checkpoint.get("global_step", 0))):
-                rank_zero_warn(change)
 
     def _training_data(self) -> TokenShardDataModule | None:
         """The TokenShardDataModule this module trains on, where it is one (it knows the tokenizer)."""

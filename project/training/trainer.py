@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from typing import Any, cast
 
 import lightning as L
 import torch
@@ -18,10 +19,11 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import ParallelStrategy, Strategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from project.config.callbacks import build_callback, callbacks_of
 from project.config.layout import Layout
+from project.config.optim import OptimConfig
 from project.config.trainer import check_trainer_arguments
 from project.parallel.contract import contract_of
 from project.runtime.errors import ConfigError
@@ -30,6 +32,7 @@ from project.training.callbacks import LayoutFacts, StepCheckpoint, StepProgress
 from project.training.callbacks.preemption import StopOnSignal
 from project.training.callbacks.run_settings import RunSettings, flat_settings
 from project.training.loggers import RunIdentity
+from project.training.schedule import schedule_record
 
 
 def limit_cpu_threads(trainer: L.Trainer, threads_per_process: int | None) -> None:
@@ -79,7 +82,9 @@ def build_callbacks(cfg: DictConfig, layout: Layout) -> list[Callback]:
     step_checkpoints = [c for c in callbacks if isinstance(c, StepCheckpoint)]
     if step_checkpoints:  # without one (~callbacks.last_checkpoint), a signal stops the run as Lightning does
         callbacks.append(StopOnSignal(step_checkpoints[0], stop_signals))
-    settings = RunSettings(flat_settings(redacted_container(cfg)))
+    optim = cast(dict[str, Any], OmegaConf.to_container(cfg.optim, resolve=True))
+    schedule = schedule_record(OptimConfig(**optim), cfg.trainer.max_steps)
+    settings = RunSettings(flat_settings(redacted_container(cfg)), schedule)
     return [*callbacks, LayoutFacts(layout.facts(), layout_name(layout)), settings]
 
 

@@ -3,8 +3,8 @@
 A resume may change the layout and the bookkeeping freely (every layout continues every other's checkpoint
 exactly); a setting that changes what the run computes (the batch, the model, the data, the precision, float8)
 is the user's to mean, so it is named in one warning with the values that continue the checkpoint's run as it was.
-The learning-rate schedule's settings are left to the schedule's own warning (project.training.schedule), which also
-says the learning rate at the resumed step.
+A change of the learning-rate schedule is said in the same warning, in the schedule's own words
+(project.training.schedule), which also give the learning rate at the resumed step.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from project.training.schedule import SCHEDULE_SETTINGS
+from project.training.schedule import SCHEDULE_SETTINGS, recorded_schedule, schedule_change
 
 RECORD = "run_settings"  # the checkpoint's entry: {dotted setting: its value as JSON}
 
@@ -140,21 +140,28 @@ def resume_warning(saved: Mapping[str, str], now: Mapping[str, str], computing: 
 
 class RunSettings(Callback):
     """Keeps `settings` (flat_settings of the run's resolved config, secrets redacted) in every checkpoint, and warns
-    once, as a resume loads its checkpoint, of the settings that change what the run computes (a checkpoint written
-    before the record says nothing)."""
+    once, as a resume loads its checkpoint, of the settings that change what the run computes and of a change of the
+    learning-rate `schedule` (schedule_record of this run), in one warning. A checkpoint written before the settings'
+    record says only its schedule's change. A rollback's restart keeps both (its cooldown is apart): only a user's
+    resume can change them."""
 
-    def __init__(self, settings: dict[str, str]):
+    def __init__(self, settings: dict[str, str], schedule: Mapping[str, float]):
         self.settings = settings
+        self.schedule = dict(schedule)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint[RECORD] = dict(self.settings)
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        said = []
         saved = checkpoint.get(RECORD)
-        if not isinstance(saved, Mapping):
-            return
-        computing, bookkeeping = settings_changed(saved, self.settings)
+        computing, bookkeeping = settings_changed(saved, self.settings) if isinstance(saved, Mapping) else ([], [])
         if computing:
-            rank_zero_warn(resume_warning(saved, self.settings, computing))
+            said.append(resume_warning(saved, self.settings, computing))  # type: ignore[arg-type]
+        step = int(checkpoint.get("global_step", 0))
+        if schedule := schedule_change(recorded_schedule(checkpoint), self.schedule, step):
+            said.append(schedule[0].upper() + schedule[1:] if said else schedule)
+        if said:
+            rank_zero_warn(" ".join(said))
         if bookkeeping:
             rank_zero_info(f"resuming with other settings of the layout or bookkeeping: {', '.join(bookkeeping)}")
