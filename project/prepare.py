@@ -10,6 +10,7 @@ import hydra
 from omegaconf import DictConfig
 
 from project.config.command_line import check_command_line
+from project.config.data import refuse_shards_of_other_settings
 from project.data.prepare import prepare_from_config
 from project.runtime.errors import exit_on_config_error
 
@@ -17,6 +18,7 @@ from project.runtime.errors import exit_on_config_error
 @hydra.main(version_base="1.3", config_path="../conf", config_name="prepare")
 @exit_on_config_error()
 def main(cfg: DictConfig) -> dict:
+    refuse_shards_of_other_settings(cfg)  # before the sources are fetched or read, as training's check words it
     return prepare_from_config(cfg.data)
 
 

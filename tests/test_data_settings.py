@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 
 from project.config.checks import preflight
 from project.config.command_line import CONF
+from project.config.data import refuse_shards_of_other_settings
 from project.runtime.errors import ConfigError
 
 
@@ -89,6 +90,13 @@ def test_shards_the_experiment_pins_are_refused_naming_it_and_a_folder_of_your_o
         r"\(doc0.txt, doc1.txt, ...\), a BPE of 300 tokens, data.seq_len=32\)\.",
         str(refused.value),
     )
+    # python -m project.prepare with the same settings is refused in the same words, before it reads the sources.
+    with pytest.raises(ConfigError) as preparing:
+        refuse_shards_of_other_settings(as_run(*settings))
+    said = str(preparing.value)
+    assert said.startswith(f"data.dir={data / 'shakespeare-debug'}, which experiment=debug sets, holds shards "), said
+    assert f"e.g. data.dir={data / 'mycode'}," in said and "replacing the shards experiment=debug trains on" in said
+    refuse_shards_of_other_settings(as_run(*settings, "data.overwrite=true"))  # which says whose, as it replaces
     (data / "mycode").mkdir()
     (data / "mycode" / "notes.txt").write_text("not shards")  # a folder of that name, taken: the next name is offered
     with pytest.raises(ConfigError, match=rf"e.g. data.dir={re.escape(str(data / 'mycode-seq32'))}, or give"):

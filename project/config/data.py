@@ -68,20 +68,38 @@ def check_data(cfg: DictConfig, shards: bool = True, prepared: bool = False) -> 
     _check_vocabulary(cfg, check_prepared_shards(data_dir, cfg.data.seq_len)[1])
 
 
-def _other_settings_refusal(cfg: DictConfig, manifest: Mapping[str, Any], differences: list[str]) -> str:
+def refuse_shards_of_other_settings(cfg: DictConfig) -> None:
+    """`python -m project.prepare`'s check, before it reads or fetches its sources: shards in data.dir prepared from
+    other settings are refused as training refuses them, naming the experiment that sets data.dir and a folder of
+    the user's own (data.overwrite=true replaces them, saying whose they were)."""
+    data_dir = Path(str(cfg.data.dir))
+    if cfg.data.get("overwrite") or cfg.data.get("mix") or is_remote(cfg.data.dir):
+        return
+    if (data_dir / MANIFEST_NAME).is_file() and (
+        differences := data_settings_differ(cfg, manifest := read_manifest(data_dir))
+    ):
+        raise ConfigError(_other_settings_refusal(cfg, manifest, differences, preparing=True))
+
+
+def _other_settings_refusal(
+    cfg: DictConfig, manifest: Mapping[str, Any], differences: list[str], preparing: bool = False
+) -> str:
     """The paragraph for shards of other settings in data.dir: a folder of the user's own first, since data.dir may be
-    shared (an experiment's, another corpus's); data.overwrite=true last, saying whose shards it would replace."""
+    shared (an experiment's, another corpus's); data.overwrite=true last, saying whose shards it would replace.
+    `preparing`: said to python -m project.prepare, not to a run."""
     experiment = _experiment_setting_data_dir()
     set_by = f", which experiment={experiment} sets," if experiment else ""
     trained_on = f" experiment={experiment} trains on" if experiment else ""
-    first = "" if cfg.data.get("auto_prepare") else " (python -m project.prepare with the same settings)"
+    first = "" if preparing or cfg.data.get("auto_prepare") else " (python -m project.prepare with the same settings)"
+    than = "these settings" if preparing else "this run's"
+    on_them = "use them as they are" if preparing else "train on them as they are"
+    when = "" if preparing else " (with data.auto_prepare=true, training does it first)"
     return (
-        f"data.dir={cfg.data.dir}{set_by} holds shards prepared from other data settings than this run's: "
+        f"data.dir={cfg.data.dir}{set_by} holds shards prepared from other data settings than {than}: "
         f"{'; '.join(differences)}. Point data.dir at a folder of your own to prepare yours there{first} and keep "
-        f"both, e.g. data.dir={_folder_of_your_own(cfg)}, or give the settings the shards were prepared from to train "
-        f"on them as they are. Only if those shards are yours to lose: data.overwrite=true prepares them again in "
-        f"place (with data.auto_prepare=true, training does it first), replacing the shards"
-        f"{trained_on} ({shards_origin(manifest)})."
+        f"both, e.g. data.dir={_folder_of_your_own(cfg)}, or give the settings the shards were prepared from to "
+        f"{on_them}. Only if those shards are yours to lose: data.overwrite=true prepares them again in place{when}, "
+        f"replacing the shards{trained_on} ({shards_origin(manifest)})."
     )
 
 
