@@ -77,11 +77,13 @@ def test_what_the_loop_cannot_honour_is_refused_naming_the_setting(tmp_path, cha
 @pytest.mark.parametrize("layout", ["lines", "array"])
 def test_a_broken_json_line_in_a_task_file_is_named_by_its_line_and_column(tmp_path, layout):
     good = json.dumps({"q": "Is it?", "c": ["yes", "no"], "a": 0})
+    # A line separator (U+2028) inside a string is text, not a line's end: JSON lines end at a newline only.
+    separated = json.dumps({"q": "Is\u2028it?", "c": ["yes", "no"], "a": 0}, ensure_ascii=False)
     broken = '{"q": "Is it?", "c": ["yes" "no"], "a": 0}'
     column = broken.index('"no"') + 1  # where the missing comma was due
     data = tmp_path / "d.jsonl"
     if layout == "lines":
-        data.write_text(f"{good}\n\n{good}\n{broken}\n{good}\n")  # a blank line is no document, still counted
+        data.write_text(f"{good}\n\n{separated}\n{broken}\n{good}\n")  # a blank line is no document, still counted
         line = 4
     else:
         data.write_text(f"[\n{good},\n{broken}\n]\n")

@@ -217,7 +217,7 @@ def _json_documents(path: Path, name: str, where: str) -> list[dict[str, Any]]:
                 f"(line {error.lineno}, column {error.colno}: {error.msg})."
             ) from None
     else:
-        docs = [_json_line(line, path, number, name, where) for number, line in enumerate(text.splitlines(), 1)]
+        docs = [_json_line(line, path, number, name, where) for number, line in enumerate(text.split("\n"), 1)]
         docs = [doc for doc in docs if doc is not None]
     if not all(isinstance(doc, dict) for doc in docs):
         raise ConfigError(f"{where}: task {name!r}'s data file {path} must hold one JSON object per document.")
