@@ -147,12 +147,6 @@ def iter_document_refs(path: str | os.PathLike, text_field: str = "text") -> Ite
                     yield ref, text
 
 
-def iter_documents(path: str | os.PathLike, text_field: str = "text") -> Iterator[str]:
-    """The non-blank documents of one source file: the whole text file, or each .jsonl line's field."""
-    for _, text in iter_document_refs(path, text_field):
-        yield text
-
-
 def read_document(ref: DocumentRef, text_field: str = "text") -> str:
     """Read back the document `ref` points at (in a worker process, long after `iter_document_refs`)."""
     with open(ref.path, "rb") as f:

@@ -61,11 +61,3 @@ def local_indices(param: DTensor) -> tuple[torch.Tensor, torch.Tensor]:
     for d in range(1, param.ndim):  # row-major flattening of the dimensions after the first
         cols = (cols[:, None] * shape[d] + held[d][None, :]).reshape(-1)
     return held[0], cols
-
-
-def laid_out_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A whole tensor that every rank holds, laid out as `like`: for a DTensor, a DTensor of the same
-    mesh and placements whose local part is cut from `value` here, with no communication."""
-    if isinstance(like, DTensor):
-        return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
-    return value.to(like.device)

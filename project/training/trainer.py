@@ -17,7 +17,7 @@ from lightning.pytorch.accelerators import AcceleratorRegistry, CPUAccelerator
 from lightning.pytorch.callbacks import Callback, ModelSummary, ProgressBar
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
-from lightning.pytorch.strategies import ParallelStrategy, Strategy
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
@@ -44,15 +44,6 @@ def limit_cpu_threads(trainer: L.Trainer, threads_per_process: int | None) -> No
         threads = threads_per_process or 1
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
-
-
-def is_first_process(trainer: L.Trainer) -> bool:
-    """Global rank 0, known before the process group exists: from torchrun's or SLURM's variables,
-    or, under Lightning's own launcher, from being the process that launches the others."""
-    if not isinstance(trainer.strategy, ParallelStrategy):  # one process
-        return True
-    env = trainer.strategy.cluster_environment
-    return env is None or (env.global_rank() == 0 and env.local_rank() == 0 and env.node_rank() == 0)
 
 
 def devices_per_node(cfg: DictConfig) -> int:
