@@ -5,7 +5,9 @@ TORCH ?= torch==2.13.0
 LITDATA ?= litdata==0.2.76
 # torchao for strategy.float8 (its float8 linears; emulated on CPU): pure Python and one optional CUDA library.
 TORCHAO ?= torchao==0.18.0
-TRANSFORMERS ?= transformers>=4.45
+# Pinned: transformers 5.25.0's from_pretrained turns Hub kernels on by default and fails without the `kernels`
+# package (which would fetch kernels from the Hub at run time); 5.24.0 leaves them off.
+TRANSFORMERS ?= transformers==5.24.0
 # lm-evaluation-harness, which tests/test_export_clients.py scores an export with (its HFLM needs accelerate too).
 LM_EVAL ?= lm_eval==0.4.13
 # What the harness's command line (`python -m lm_eval run`, tests/harness.py) imports beyond lm_eval itself, for
