@@ -1,6 +1,7 @@
 """Sweep specs and the offline sweep runner (project.tooling.sweep); Hydra multirun with multi-process strategies."""
 
 import json
+import math
 import re
 import shlex
 from pathlib import Path
@@ -13,7 +14,8 @@ from omegaconf import OmegaConf
 from test_quiet_runs import unexpected_warnings
 
 from project.config.checks import preflight
-from project.tooling import sweep
+from project.runtime.errors import ConfigError
+from project.tooling import sweep, sweep_search
 
 SPECS = sorted((ROOT / "experiments" / "sweeps").glob("*.yaml"))
 SOURCES = "\n".join(p.read_text() for p in (ROOT / "project").rglob("*.py") if p.name != "sweep.py")
@@ -99,22 +101,89 @@ def test_grid_points_come_in_wandbs_order_and_count_takes_the_first():
     assert sweep.sweep_points(spec, count=3) == sweep.sweep_points(spec)[:3]
 
 
-def test_random_and_bayes_points_are_seeded_draws_within_the_distributions(tmp_path):
+def test_random_draws_and_bayes_start_up_points_are_seeded_draws_within_the_distributions(tmp_path):
     parameters = {
         "optim.lr": {"distribution": "log_uniform_values", "min": 1e-4, "max": 1e-2},
         "micro_batch_size": {"min": 1, "max": 4},
         "strategy": {"values": ["ddp", "fsdp2"]},
     }
-    for method in ("random", "bayes"):
+    for method, drawn in (("random", 50), ("bayes", 10)):  # bayes: its 10 random start-up points of 50
         spec = sweep.load_spec(
             write_spec(tmp_path, parameters, method=method, metric={"name": "val/loss", "goal": "minimize"})
         )
         points = sweep.sweep_points(spec, count=50, seed=1)
+        assert len(points) == drawn
         assert points == sweep.sweep_points(spec, count=50, seed=1) != sweep.sweep_points(spec, count=50, seed=2)
         assert all(1e-4 <= p["optim.lr"] <= 1e-2 and p["micro_batch_size"] in (1, 2, 3, 4) for p in points)
         lrs = sorted(p["optim.lr"] for p in points)
         assert lrs[0] < 1e-3 < lrs[-1]  # spread over the decades, as a log-uniform draw is
         assert {p["strategy"] for p in points} == {"ddp", "fsdp2"}
+
+
+# A point's program standing in for project.train: its val/loss is least at optim.lr=10**-2.5, and it fails (exit
+# status 1, no metrics) above 0.05.
+LOSS_OF_LR = """
+import math, pathlib, sys
+args = dict(arg.split("=", 1) for arg in sys.argv[1:])
+lr, run = float(args["optim.lr"]), pathlib.Path(args["hydra.run.dir"])
+run.mkdir(parents=True, exist_ok=True)
+if lr > 0.05:
+    sys.exit("error: optim.lr too high")
+(run / "metrics.csv").write_text(f"step,val/loss\\n0,{(math.log10(lr) + 2.5) ** 2}\\n")
+"""
+
+
+POINTS = 30
+
+
+def learning_rate_sweep(tmp_path: Path, method: str, name: str, *options: str) -> list[dict]:
+    program = tmp_path / "loss_of_lr.py"
+    program.write_text(LOSS_OF_LR)
+    (tmp_path / method).mkdir(exist_ok=True)
+    spec = write_spec(
+        tmp_path / method,
+        {"optim.lr": {"distribution": "log_uniform_values", "min": 1e-4, "max": 1e-1}},
+        method=method,
+        command=["${interpreter}", "${program}", "${args_no_hyphens}"],
+        program=str(program),
+        metric={"name": "val/loss", "goal": "minimize"},
+    )
+    assert sweep.main([f"spec={spec}", f"count={POINTS}", f"sweep_dir={tmp_path / name}", *options]) == 0
+    return [json.loads(line) for line in (tmp_path / name / "points.jsonl").read_text().splitlines()]
+
+
+def test_bayes_chooses_its_later_points_from_the_results_before_them_with_optunas_tpe(tmp_path, capsys):
+    """After its 10 random start-up points, more of TPE's points fall near the best learning rate than random draws
+    of the same spec do; a failed point counts as the worst so far and the sweep goes on; the dry run prints the
+    start-up points the sweep then runs first; the same seed gives the same points."""
+
+    def near(points: list[dict]) -> float:  # the share within half a decade of the best learning rate
+        return sum(abs(math.log10(p["parameters"]["optim.lr"]) + 2.5) < 0.5 for p in points) / len(points)
+
+    bayes = learning_rate_sweep(tmp_path, "bayes", "bayes")
+    drawn = learning_rate_sweep(tmp_path, "random", "random")
+    startup = sweep_search.startup_points(POINTS)
+    assert startup == 10 and len(bayes) == len(drawn) == POINTS
+    assert near(bayes[startup:]) > 1.5 * near(drawn[startup:]), (near(bayes[startup:]), near(drawn[startup:]))
+    failed = [p for p in bayes + drawn if p["status"] != 0]
+    assert failed and all(p["parameters"]["optim.lr"] > 0.05 and not p["metrics"] for p in failed)
+    assert "Optuna's TPE search: the first 10 of 30 points are random draws" in capsys.readouterr().out
+
+    spec = tmp_path / "bayes" / "spec.yaml"
+    assert sweep.main([f"spec={spec}", f"count={POINTS}", "dry_run=true"]) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if "optim.lr=" in line]
+    assert [float(line.split("optim.lr=")[1].split()[0]) for line in printed] == [
+        p["parameters"]["optim.lr"] for p in bayes[:startup]
+    ]
+    again = learning_rate_sweep(tmp_path, "bayes", "bayes-again")
+    assert [p["parameters"] for p in again] == [p["parameters"] for p in bayes]
+
+
+def test_bayes_refuses_a_distribution_tpe_cannot_search_and_offers_random(tmp_path):
+    path = write_spec(tmp_path, {"optim.lr": {"distribution": "normal", "mu": 0.001, "sigma": 1e-4}}, method="bayes",
+                      metric={"name": "val/loss", "goal": "minimize"}, run_cap=4)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"parameter optim.lr: method bayes .* not normal: .* or use method: random"):
+        sweep.load_spec(path)
 
 
 def wandb_agent_commands(raw: dict, points: list[dict], tmp_path: Path, monkeypatch) -> list[list[str]]:
@@ -168,16 +237,17 @@ def test_dry_run_prints_the_command_lines_wandbs_agent_runs(tmp_path, monkeypatc
                           "trainer.devices=2"]  # fmt: skip
 
 
-def test_dry_run_of_a_bayes_spec_says_it_draws_at_random(tmp_path):
+def test_dry_run_of_a_bayes_spec_prints_its_random_start_up_points_and_says_the_rest_follow_from_results(tmp_path):
     path = write_spec(tmp_path, {"optim.lr": {"distribution": "log_uniform_values", "min": 1e-4, "max": 1e-2}},
-                      method="bayes", metric={"name": "val/loss", "goal": "minimize"}, run_cap=3)  # fmt: skip
+                      method="bayes", metric={"name": "val/loss", "goal": "minimize"}, run_cap=12)  # fmt: skip
     result = run_module(
         "project.sweep", [f"spec={path}", "dry_run=true", "experiment=shakespeare", "trainer.max_steps=5"]
     )
     assert result.returncode == 0, result.stderr
-    assert "bayes runs here as random draws" in result.stdout
+    assert "Optuna's TPE search: the first 4 of 12 points are random draws" in result.stdout
+    assert "4 bayes point(s) (the first 4 of 12: the others follow from their results)" in result.stdout
     lines = [shlex.split(line) for line in result.stdout.splitlines() if line.startswith("/usr/bin/env")]
-    assert len(lines) == 3  # run_cap points
+    assert len(lines) == 4  # a third of run_cap
     for line in lines:  # the experiment the command names replaced, the other override appended
         assert "experiment=shakespeare" in line and "experiment=debug" not in line and line[-1] == "trainer.max_steps=5"
 

@@ -30,11 +30,12 @@ are parsed here with Hydra's own parser, and what they set is checked by each po
 Methods. `grid`: every combination, in the order of wandb's sweep engine (parameters sorted by name, the
 last varying fastest); `count=N` runs the first N, as `wandb agent --count N` would. `random`: `count`
 points (default: the spec's `run_cap`), drawn from the parameters' distributions with a seeded generator.
-`bayes` runs here as `random` over the same distributions, and says so. wandb's Bayesian search lives in
-its `sweeps` package (the engine behind wandb's controller); that works offline, but pins numpy<2 and
-pulls in scipy and scikit-learn, none of which may enter the training environment, and a Gaussian
-process fitted to the few points one machine runs in a row would add little over random draws. Use
-`wandb sweep` and `wandb agent` for the real Bayesian search.
+`bayes`: `count` points (default: `run_cap`) from Optuna's TPE sampler, seeded by `sweep_seed`: a third of
+them (3 to 10) drawn at random, each later one chosen from the metrics of the points before it
+(project.tooling.sweep_search). wandb's controller fits a Gaussian process instead (its `sweeps` package,
+which pins numpy<2 and pulls in scipy and scikit-learn, none of which may enter the training environment): the
+same spec, another model of the results, so other points. What this runner does that `wandb agent` does not:
+it needs no wandb server or account, and a sweep's points are the same on every run of the same command.
 
 A point that fails (exit status != 0) is reported and the next one runs: an invalid layout is refused by
 project.train's settings check within a second, so a grid may map where layouts fail. At the end a table
@@ -65,13 +66,20 @@ import yaml
 
 from project.runtime.arguments import parse_options
 from project.runtime.errors import ConfigError, exit_on_config_error
+from project.tooling.sweep_search import FixedPoints, Search, TreeParzenSearch, asked, startup_points
 
 ARGS_MACRO = "${args_no_hyphens}"
 METHODS = ("grid", "random", "bayes")
-BAYES_NOTE = (
-    "note: method bayes runs here as random draws from the same distributions (no model of earlier results); "
-    "`wandb sweep` + `wandb agent` run wandb's Bayesian search."
-)
+
+
+def bayes_note(count: int) -> str:
+    return (
+        f"note: method bayes runs here as Optuna's TPE search: the first {startup_points(count)} of {count} points "
+        "are random draws, each later one is chosen from the results of the points before it (`wandb sweep` + "
+        "`wandb agent` run wandb's own Bayesian search, a Gaussian process)."
+    )
+
+
 # wandb's create_sweep_command: `${envvar:NAME}` anywhere in an element, replaced by the variable's value.
 ENVVAR = re.compile(r"\$\{envvar\:([A-Z0-9_]*)\}")
 TAIL_BYTES = 20_000  # of each point's stderr, kept for the error it ends with
@@ -86,6 +94,7 @@ class Spec:
     parameters: dict[str, dict]  # sorted by name, as wandb's sweep engine orders them
     run_cap: int | None = None
     metric: str | None = None  # the spec's metric name: what wandb ranks runs by
+    goal: str = "minimize"  # the metric's goal: minimize or maximize
 
     @property
     def reported(self) -> list[str]:
@@ -248,29 +257,62 @@ def load_spec(path: str | Path) -> Spec:
     metric = raw.get("metric") or {}
     if method == "bayes" and not metric.get("name"):
         raise ConfigError(f"spec={path}: method bayes needs metric: {{name: val/loss, goal: minimize}}.")
+    goal = metric.get("goal", "minimize")
+    if goal not in ("minimize", "maximize"):
+        raise ConfigError(f"spec={path}: metric goal={goal!r}; choose minimize or maximize.")
+    if method == "bayes":
+        for name, config in parameters.items():
+            if distribution(name, config) != "constant" and len(config.get("values", ())) != 1:
+                asked(name, config, distribution(name, config))  # refuses what TPE cannot search
     return Spec(
-        path, method, [str(c) for c in command], str(raw["program"]), parameters, raw.get("run_cap"), metric.get("name")
+        path,
+        method,
+        [str(c) for c in command],
+        str(raw["program"]),
+        parameters,
+        raw.get("run_cap"),
+        metric.get("name"),
+        goal,
     )
 
 
-def sweep_points(spec: Spec, count: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
-    """The parameter values of each point to run: a grid's combinations, or `count` seeded random draws."""
-    if spec.method == "grid":
-        names = list(spec.parameters)
-        grid = [
-            dict(zip(names, values))
-            for values in itertools.product(*(grid_values(n, c) for n, c in spec.parameters.items()))
-        ]
-        return grid[:count] if count is not None else grid
+def point_count(spec: Spec, count: int | None) -> int:
+    """How many points a random or bayes spec runs: `count`, else its run_cap."""
     count = count if count is not None else spec.run_cap
     if count is None:
         raise ConfigError(
             f"spec={spec.path}: method {spec.method} draws points until it is stopped; give count=N (or run_cap in the "
             "spec)."
         )
+    return count
+
+
+def sweep_search(spec: Spec, count: int | None = None, seed: int = 0) -> Search:
+    """The points to run, one at a time: a grid's combinations (the first `count`), `count` seeded random draws, or
+    `count` points of Optuna's TPE, each chosen as the one before it ends (project.tooling.sweep_search)."""
+    if spec.method == "grid":
+        names = list(spec.parameters)
+        grid = [
+            dict(zip(names, values))
+            for values in itertools.product(*(grid_values(n, c) for n, c in spec.parameters.items()))
+        ]
+        return FixedPoints(grid[:count] if count is not None else grid)
+    count = point_count(spec, count)
+    if spec.method == "bayes":
+        kinds = {name: (config, distribution(name, config)) for name, config in spec.parameters.items()}
+        return TreeParzenSearch(kinds, spec.goal == "maximize", count, seed)
     rng = random.Random(seed)
     draws = {name: sampler(name, config) for name, config in spec.parameters.items()}
-    return [{name: draw(rng) for name, draw in draws.items()} for _ in range(count)]
+    return FixedPoints([{name: draw(rng) for name, draw in draws.items()} for _ in range(count)])
+
+
+def sweep_points(spec: Spec, count: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
+    """The points known before any runs: a grid's or random draws' every point; of a bayes spec, its random
+    start-up points (the later ones depend on their results)."""
+    search = sweep_search(spec, count, seed)
+    if isinstance(search, FixedPoints):
+        return search.chosen
+    return list(itertools.islice(search.points(), startup_points(search.count)))
 
 
 # ---------------------------------------------------------------- command lines, as wandb's agent writes them
@@ -482,18 +524,19 @@ def end_line(result: PointResult) -> str:
     return f"point {result.index} failed ({result.status}) after {result.seconds:.1f} s: {result.error}{where}"
 
 
-def run_sweep(spec: Spec, points: list[dict[str, Any]], overrides: list[str], sweep_dir: Path) -> list[PointResult]:
-    """Run every point in turn, each in `sweep_dir/<index>/`; a failure is recorded and the sweep goes on."""
+def run_sweep(spec: Spec, search: Search, overrides: list[str], sweep_dir: Path) -> list[PointResult]:
+    """Run every point in turn, each in `sweep_dir/<index>/`, and tell the search its metric; a failure is recorded
+    and the sweep goes on."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     (sweep_dir / "spec.yaml").write_text(spec.path.read_text())
     values = override_values(overrides)
     results: list[PointResult] = []
-    for index, point in enumerate(points):
+    for index, point in enumerate(search.points()):
         run_dir = (sweep_dir / str(index)).absolute()
         argv = agent_command(spec.command, point, spec.program, interpreter=sys.executable)
         argv = with_overrides(argv, [*overrides, f"hydra.run.dir={run_dir}"])
         result = PointResult(index, ran_with(point, values), argv, run_dir)
-        print(start_line(result, len(points), spec.varied), flush=True)
+        print(start_line(result, search.count, spec.varied), flush=True)
         start = time.monotonic()
         result.status, tail = run_point(argv)
         result.seconds = time.monotonic() - start
@@ -501,6 +544,7 @@ def run_sweep(spec: Spec, points: list[dict[str, Any]], overrides: list[str], sw
         if result.status != 0:
             result.error = error_of(tail)
         print(end_line(result), flush=True)
+        search.tell(result.metrics.get(spec.metric) if result.status == 0 and spec.metric else None)
         results.append(result)
         record = {
             "point": index,
@@ -544,13 +588,18 @@ def main(argv: list[str] | None = None) -> int:
     spec = load_spec(options["spec"])
     check_overrides(spec, overrides)
     count = int(options["count"]) if options["count"] else None
-    points = sweep_points(spec, count, int(options["sweep_seed"]))
+    search = sweep_search(spec, count, int(options["sweep_seed"]))
     if spec.method == "bayes":
-        print(BAYES_NOTE, flush=True)
+        print(bayes_note(search.count), flush=True)
     if options["dry_run"] == "true":
         extra = f", with {' '.join(overrides)}" if overrides else ""
+        points = sweep_points(spec, count, int(options["sweep_seed"]))
+        later = f" (the first {len(points)} of {search.count}: the others follow from their results)"
         try:
-            print(f"# {spec.path}: {len(points)} {spec.method} point(s), as wandb's agent runs them{extra}")
+            print(
+                f"# {spec.path}: {len(points)} {spec.method} point(s){later if spec.method == 'bayes' else ''}, as "
+                f"wandb's agent runs them{extra}"
+            )
             for point in points:
                 print(
                     shlex.join(with_overrides(agent_command(spec.command, point, spec.program), overrides)), flush=True
@@ -562,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     if (sweep_dir / "points.jsonl").exists():  # its run directories would be continued, not replaced
         raise ConfigError(f"sweep_dir={sweep_dir} holds a sweep already (points.jsonl): choose a new folder.")
     try:
-        results = run_sweep(spec, points, overrides, sweep_dir)
+        results = run_sweep(spec, search, overrides, sweep_dir)
     except KeyboardInterrupt:
         print(f"\ninterrupted: the finished points are in {sweep_dir / 'points.jsonl'}", file=sys.stderr)
         return 130
@@ -574,5 +623,5 @@ def main(argv: list[str] | None = None) -> int:
             where = f" (console: {log})" if log.is_file() else ""
             print(f"point {result.index} failed: {result.error}{where}")
     if spec.method == "bayes":
-        print(BAYES_NOTE)
+        print(bayes_note(search.count))
     return 1 if all(result.status != 0 for result in results) else 0
