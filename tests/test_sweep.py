@@ -49,7 +49,7 @@ def write_spec(directory: Path, parameters: dict, method: str = "grid", command:
 
 
 def points_of(spec: sweep.Spec) -> list[dict]:
-    """A grid's every point; four draws of a random or bayes spec."""
+    """A grid's every point; four draws of a random spec, a bayes spec's random start-up points of four."""
     return sweep.sweep_points(spec, count=None if spec.method == "grid" else 4)
 
 
@@ -179,10 +179,14 @@ def test_bayes_chooses_its_later_points_from_the_results_before_them_with_optuna
     assert [p["parameters"] for p in again] == [p["parameters"] for p in bayes]
 
 
-def test_bayes_refuses_a_distribution_tpe_cannot_search_and_offers_random(tmp_path):
+def test_bayes_refuses_a_distribution_or_bounds_tpe_cannot_search_in_one_paragraph(tmp_path):
     path = write_spec(tmp_path, {"optim.lr": {"distribution": "normal", "mu": 0.001, "sigma": 1e-4}}, method="bayes",
                       metric={"name": "val/loss", "goal": "minimize"}, run_cap=4)  # fmt: skip
     with pytest.raises(ConfigError, match=r"parameter optim.lr: method bayes .* not normal: .* or use method: random"):
+        sweep.load_spec(path)
+    path = write_spec(tmp_path, {"optim.lr": {"distribution": "log_uniform_values", "min": 0, "max": 1e-2}},
+                      method="bayes", metric={"name": "val/loss", "goal": "minimize"}, run_cap=4)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"parameter optim.lr: method bayes cannot search .*'min': 0"):
         sweep.load_spec(path)
 
 

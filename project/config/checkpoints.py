@@ -89,8 +89,9 @@ def resume_point(cfg: DictConfig, run_dir: str | os.PathLike) -> str | None:
     if found := saves_in(folder):  # saves, but none whole: each cut short, or of names that carry no step
         raise ConfigError(
             f"ckpt_path=auto: {folder} holds checkpoints ({', '.join(p.name for p in found[:3])}) but none that is "
-            "whole and names its step, and a new run there would replace them: resume from one of them with "
-            f"ckpt_path={found[-1]}, or give this run a folder of its own (hydra.run.dir=outputs/runs/NAME)."
+            "whole and names its step (each save was cut short, or is named otherwise), and a new run there would "
+            "replace them: give this run a folder of its own (hydra.run.dir=outputs/runs/NAME), or, for a save of "
+            "another name, pass it as ckpt_path=PATH."
         )
     return None
 

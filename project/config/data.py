@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from project.checkpoint.urls import is_remote
 from project.data.corpus import NoSourcesError, resolve_sources
 from project.data.provenance import files_said, shards_origin
-from project.data.shards import MANIFEST_NAME, read_manifest
+from project.data.shards import MANIFEST_NAME, read_manifest, shards_present
 from project.data.storage import check_prepared_shards
 from project.runtime.console import launch_rank
 from project.runtime.errors import ConfigError
@@ -75,8 +75,10 @@ def refuse_shards_of_other_settings(cfg: DictConfig) -> None:
     data_dir = Path(str(cfg.data.dir))
     if cfg.data.get("overwrite") or cfg.data.get("mix") or is_remote(cfg.data.dir):
         return
-    if (data_dir / MANIFEST_NAME).is_file() and (
-        differences := data_settings_differ(cfg, manifest := read_manifest(data_dir))
+    if (
+        (data_dir / MANIFEST_NAME).is_file()
+        and shards_present(data_dir)
+        and (differences := data_settings_differ(cfg, manifest := read_manifest(data_dir)))
     ):
         raise ConfigError(_other_settings_refusal(cfg, manifest, differences, preparing=True))
 
@@ -91,7 +93,7 @@ def _other_settings_refusal(
     set_by = f", which experiment={experiment} sets," if experiment else ""
     trained_on = f" experiment={experiment} trains on" if experiment else ""
     first = "" if preparing or cfg.data.get("auto_prepare") else " (python -m project.prepare with the same settings)"
-    than = "these settings" if preparing else "this run's"
+    than = "these" if preparing else "this run's"
     on_them = "use them as they are" if preparing else "train on them as they are"
     when = "" if preparing else " (with data.auto_prepare=true, training does it first)"
     return (

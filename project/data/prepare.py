@@ -40,7 +40,7 @@ from project.data.corpus import (
 )
 from project.data.parts import assigned_parts, build_parts, is_done, merge_parts, node_of, plan_parts
 from project.data.provenance import shards_origin
-from project.data.shards import MANIFEST_NAME, SPLITS
+from project.data.shards import MANIFEST_NAME, SPLITS, shards_present
 from project.data.storage import holds_objects, is_remote, read_remote_manifest, upload_dataset
 from project.data.tokenizer import Tokenizer, file_sha256, load_tokenizer, train_bpe
 from project.runtime.errors import ConfigError
@@ -192,7 +192,7 @@ def prepare_shards(
         given = load_tokenizer(tokenizer) if tokenizer else None
         fingerprint = _fingerprint(files, given, settings)
         existing = _read_manifest(output_dir, overwrite)
-        if existing is not None and existing.get("fingerprint") == fingerprint and _shards_present(output_dir):
+        if existing is not None and existing.get("fingerprint") == fingerprint and shards_present(output_dir):
             log.info("Shards in %s are up to date (fingerprint %s); nothing to do.", output_dir, fingerprint)
             return existing
         _refuse_to_clobber(output_dir, existing, overwrite, files, settings, given)
@@ -346,10 +346,6 @@ def _read_manifest(output_dir: Path, overwrite: bool) -> dict | None:
     )
 
 
-def _shards_present(output_dir: Path) -> bool:
-    return all((output_dir / split / "index.json").is_file() for split in SPLITS)
-
-
 def _refuse_to_clobber(
     output_dir: Path,
     existing: dict | None,
@@ -366,7 +362,7 @@ def _refuse_to_clobber(
                 f"prepared dataset and will not be replaced; point data.dir at a new or empty folder."
             )
         return
-    if not _shards_present(output_dir):
+    if not shards_present(output_dir):
         return  # the remains of a dataset whose shards were deleted: nothing valid to lose
     if overwrite:
         _say_replaced(output_dir, existing)
@@ -473,7 +469,7 @@ def _build(
             build_parts(work, todo[start : start + settings.num_workers], refs, optimize, SPLITS)
     with lock:
         existing = _read_manifest(output_dir, True)
-        if existing and existing.get("fingerprint") == fingerprint and _shards_present(output_dir):
+        if existing and existing.get("fingerprint") == fingerprint and shards_present(output_dir):
             return existing  # another machine merged meanwhile
         waiting = [p for p in range(len(parts)) if not is_done(work, p)]
         if waiting:

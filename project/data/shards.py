@@ -114,3 +114,8 @@ def _chunk_problem(path: Path, size: int, items: int) -> str | None:
     if count != items or offsets[0] != len(header) or offsets[-1] != size or offsets != sorted(offsets):
         return "does not start with the header litdata wrote (its bytes were overwritten: the file is corrupt)"
     return None
+
+
+def shards_present(output_dir: Path) -> bool:
+    """Whether every split's shards are in `output_dir` (a manifest without them has nothing left to lose)."""
+    return all((output_dir / split / "index.json").is_file() for split in SPLITS)

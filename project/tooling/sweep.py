@@ -35,7 +35,8 @@ them (3 to 10) drawn at random, each later one chosen from the metrics of the po
 (project.tooling.sweep_search). wandb's controller fits a Gaussian process instead (its `sweeps` package,
 which pins numpy<2 and pulls in scipy and scikit-learn, none of which may enter the training environment): the
 same spec, another model of the results, so other points. What this runner does that `wandb agent` does not:
-it needs no wandb server or account, and a sweep's points are the same on every run of the same command.
+it needs no wandb server or account, and the same seed gives the same start-up points (and the same later
+points for the same results).
 
 A point that fails (exit status != 0) is reported and the next one runs: an invalid layout is refused by
 project.train's settings check within a second, so a grid may map where layouts fail. At the end a table

@@ -67,7 +67,15 @@ class Asked:
 
 
 def asked(name: str, config: dict, kind: str) -> Asked:
-    """The Optuna distribution of a parameter with wandb's `kind`, or a refusal naming what bayes takes here."""
+    """The Optuna distribution of a parameter with wandb's `kind`, or a refusal naming what bayes takes here (bounds
+    Optuna cannot take, min above max or a log scale from 0, among them)."""
+    try:
+        return _asked(name, config, kind)
+    except ValueError as error:
+        raise ConfigError(f"parameter {name}: method bayes cannot search {config} ({error}).") from None
+
+
+def _asked(name: str, config: dict, kind: str) -> Asked:
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
     lo, hi = config.get("min"), config.get("max")

@@ -142,8 +142,8 @@ class RunSettings(Callback):
     """Keeps `settings` (flat_settings of the run's resolved config, secrets redacted) in every checkpoint, and warns
     once, as a resume loads its checkpoint, of the settings that change what the run computes and of a change of the
     learning-rate `schedule` (schedule_record of this run), in one warning. A checkpoint written before the settings'
-    record says only its schedule's change. A rollback's restart keeps both (its cooldown is apart): only a user's
-    resume can change them."""
+    record says only its schedule's change. A rollback that restarts from the checkpoint the run resumed from says it
+    again."""
 
     def __init__(self, settings: dict[str, str], schedule: Mapping[str, float]):
         self.settings = settings
