@@ -92,16 +92,16 @@ test: install slurm install-horovod $(VENV)/litgpt-reference/.installed lint typ
 # ruff's formatter (code wrapped at 120 characters) and linter (pyproject.toml): a second, before the tests.
 # `make format` applies both where they can.
 lint: install
-	$(PY) -m ruff format --check project tests
-	$(PY) -m ruff check project tests
+	$(PY) -m ruff format --check project tools benchmarks tests
+	$(PY) -m ruff check project tools benchmarks tests
 
 # mypy on the core packages (model, parallel, training, checkpoint, data), as pyproject.toml sets it.
 typecheck: install
 	$(PY) -m mypy
 
 format: install
-	$(PY) -m ruff format project tests
-	$(PY) -m ruff check --fix project tests
+	$(PY) -m ruff format project tools benchmarks tests
+	$(PY) -m ruff check --fix project tools benchmarks tests
 
 # A SLURM for tests/test_clusters.py, which starts a two-node cluster on this host: Debian's slurm-wlm,
 # installed where make runs as root with apt. Elsewhere those tests skip and say why.
@@ -122,32 +122,32 @@ test-fast: install $(VENV)/litgpt-reference/.installed lint
 # project.train against a hand-written loop and litgpt, eager and compiled, with MFU, data-parallel scaling and
 # start-up (experiments/benchmarks/<date>-<host>-platform.*). No tracked file is edited.
 bench: install $(VENV)/litgpt-reference/.installed
-	$(PY) -m project.tooling.bench presets=debug  # small10m's bare step: the hand loop of bench_platform below
-	$(PY) -m project.tooling.bench_platform presets=debug,small10m  # small50m too: 5 more minutes here
-	$(PY) -m project.tooling.bench_pipeline pp=2 microbatches=1,2,4,8 layers=4  # the defaults (m up to 16, 8 layers): 7 more minutes
-	$(PY) -m project.tooling.bench_data
-	$(PY) -m project.tooling.bench_init  # each rank's initialization, before and after O(shard) draws (<date>-<host>-init.*)
-	$(PY) -m project.tooling.bench_loss  # the loss's peak memory, whole logits against chunks of tokens (<date>-<host>-loss.*)
-	$(PY) -m project.tooling.bench_host_sync  # the host's waits for the device per step, by layout (<date>-<host>-host-sync.*)
-	$(PY) -m project.tooling.bench_document_mask  # building the document mask: dense, torch's block mask, ours (-document-mask.*)
-	$(PY) -m project.tooling.bench_context_parallel  # cp=1 against 2 on 2 processes, 1,024 to 8,192 tokens, beside the planner (-context-parallel.*)
-	$(PY) -m project.tooling.bench_comms  # collectives per step and rank of every layout, measured beside the planner's (-comms.*)
-	$(PY) -m project.tooling.bench_checkpoint  # training time lost per save, foreground against background, fsdp2 on 2 (-checkpoint.*)
-	$(PY) -m project.tooling.bench_stability  # loss-spike actions on make train's run, prose and poisoned prose (-stability.*), ~20 minutes
+	$(PY) -m benchmarks.model_step presets=debug  # small10m's bare step: the hand loop of bench_platform below
+	$(PY) -m benchmarks.train_step presets=debug,small10m  # small50m too: 5 more minutes here
+	$(PY) -m benchmarks.pipeline pp=2 microbatches=1,2,4,8 layers=4  # the defaults (m up to 16, 8 layers): 7 more minutes
+	$(PY) -m benchmarks.data
+	$(PY) -m benchmarks.init  # each rank's initialization, before and after O(shard) draws (<date>-<host>-init.*)
+	$(PY) -m benchmarks.loss  # the loss's peak memory, whole logits against chunks of tokens (<date>-<host>-loss.*)
+	$(PY) -m benchmarks.host_sync  # the host's waits for the device per step, by layout (<date>-<host>-host-sync.*)
+	$(PY) -m benchmarks.document_mask  # building the document mask: dense, torch's block mask, ours (-document-mask.*)
+	$(PY) -m benchmarks.context_parallel  # cp=1 against 2 on 2 processes, 1,024 to 8,192 tokens, beside the planner (-context-parallel.*)
+	$(PY) -m benchmarks.comms  # collectives per step and rank of every layout, measured beside the planner's (-comms.*)
+	$(PY) -m benchmarks.checkpoint  # training time lost per save, foreground against background, fsdp2 on 2 (-checkpoint.*)
+	$(PY) -m benchmarks.stability  # loss-spike actions on make train's run, prose and poisoned prose (-stability.*), ~20 minutes
 
 # On a machine with GPUs: ten minutes that prove they train (fp32, bf16, compile, FSDP2, and DDP, tensor parallel
 # and a pipeline over 2 or more) and measure a ~1B Llama's step (tokens/s, MFU, memory beside the planner's
 # prediction): new files experiments/benchmarks/<date>-<gpu>-gpu.{json,md} (docs/performance.md). Without a GPU it
 # says so and exits 0. GPU_CHECK= passes options, e.g. GPU_CHECK="minutes=5 devices=2" or GPU_CHECK=device=cpu.
 gpu-check: install
-	$(PY) -m project.gpu_check $(GPU_CHECK)
+	$(PY) -m tools.gpu_check $(GPU_CHECK)
 
 # For a GPU node without a package index: the wheels the check needs beyond torch, for the node's Python
 # (GPU_PYTHON), into GPU_WHEELS; there, scripts/gpu_check_offline.sh GPU_WHEELS runs the check.
 GPU_WHEELS ?= gpu-wheels
 GPU_PYTHON ?= 3.12
 gpu-wheels: install
-	$(PY) -m project.tooling.gpu_check.wheels out=$(GPU_WHEELS) python=$(GPU_PYTHON)
+	$(PY) -m tools.gpu_check.wheels out=$(GPU_WHEELS) python=$(GPU_PYTHON)
 
 # Beside the environment, like transformers: litgpt's package imports psutil, which nothing else here needs,
 # and it declares versions of litdata and huggingface_hub that its model does not use.

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `make gpu-check` on a GPU node that cannot reach a package index, from this repository and the wheels that
-# `make gpu-wheels` (project.tooling.gpu_check.wheels) fetched on a machine that can:
+# `make gpu-wheels` (tools.gpu_check.wheels) fetched on a machine that can:
 #
-#     scripts/gpu_check_offline.sh WHEELS_DIR [project.gpu_check options: minutes=10 devices=N out=DIR]
+#     scripts/gpu_check_offline.sh WHEELS_DIR [tools.gpu_check options: minutes=10 devices=N out=DIR]
 #
 # Run it in the repository's root. It uses the node's python3 (PYTHON=... for another), which must have torch;
 # each wheel whose package that Python lacks (or has at another version than the tests', for Lightning, Hydra and
@@ -82,4 +82,4 @@ for _ in range(len(list(wheels.glob("*.whl")))):
     install(provider)
 EOF
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-exec "$python" -m project.gpu_check "$@"
+exec "$python" -m tools.gpu_check "$@"

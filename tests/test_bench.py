@@ -1,4 +1,4 @@
-"""`python -m project.tooling.bench`, `project.tooling.bench_platform` and `project.tooling.bench_pipeline` write
+"""`python -m benchmarks.model_step`, `benchmarks.train_step` and `benchmarks.pipeline` write
 new result files and never edit one already there."""
 
 import json
@@ -12,7 +12,7 @@ TINY = ["presets=debug", "steps=2", "batch=2", "seq_len=16", "error_latency=fals
 
 
 def run_bench(out: Path, *extra: str):
-    result = run_module("project.tooling.bench", [*TINY, f"out={out}", *extra], timeout=120)
+    result = run_module("benchmarks.model_step", [*TINY, f"out={out}", *extra], timeout=120)
     assert result.returncode == 0, f"bench failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result
 
@@ -45,7 +45,7 @@ def test_bench_writes_new_files_and_never_overwrites(tmp_path):
 
 
 def test_unknown_preset_is_a_config_error(tmp_path):
-    result = run_module("project.tooling.bench", ["presets=debug,no_such_model", f"out={tmp_path}"], timeout=120)
+    result = run_module("benchmarks.model_step", ["presets=debug,no_such_model", f"out={tmp_path}"], timeout=120)
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and "no_such_model" in result.stderr and "Traceback" not in result.stderr
     assert not list(tmp_path.iterdir())
@@ -63,17 +63,17 @@ def test_pipeline_bench_writes_its_rows_table_and_plot_where_out_says(tmp_path):
         "steps=1",
         f"out={tmp_path}",
     ]
-    result = run_module("project.tooling.bench_pipeline", argv, timeout=300)
+    result = run_module("benchmarks.pipeline", argv, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     files = sorted(tmp_path.iterdir())
     assert [p.suffix for p in files] == [".jsonl", ".md", ".svg"] and files[0].stem.endswith("-pipeline-bubble-pp2")
     [row] = [json.loads(line) for line in files[0].read_text().splitlines()]
     assert (row["schedule"], row["microbatches"], row["pp"]) == ("1f1b", 2, 2) and row["pipeline_seconds"] > 0
-    assert "python -m project.tooling.bench_pipeline " + " ".join(argv) in files[1].read_text()
+    assert "python -m benchmarks.pipeline " + " ".join(argv) in files[1].read_text()
 
 
 def skip_without_litgpt():
-    from project.tooling.bench_litgpt import available, reference_path
+    from benchmarks.litgpt_loop import available, reference_path
 
     if not available():
         pytest.skip(f"litgpt is not installed in {reference_path()}: `make test` installs it there")
@@ -94,7 +94,7 @@ def test_platform_bench_times_project_train_beside_a_hand_loop_and_writes_both_c
         "repeats=1",
         "threads=1",
     ]
-    result = run_module("project.tooling.bench_platform", [*argv, f"out={tmp_path}"], timeout=900)
+    result = run_module("benchmarks.train_step", [*argv, f"out={tmp_path}"], timeout=900)
     assert result.returncode == 0, f"bench failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     [report_file] = tmp_path.glob("*-platform.json")
     report, table = json.loads(report_file.read_text()), report_file.with_suffix(".md").read_text()
@@ -146,7 +146,7 @@ def test_platform_bench_times_project_train_beside_a_hand_loop_and_writes_both_c
 def test_platform_bench_alternates_the_sides_and_compiles_all_three_for_compiled_presets(monkeypatch, tmp_path):
     """compare() without running anything: A B C, C B A and the matmul rate per alternation; compiled rows pass
     strategy.compile=true to project.train and "compiled" to both loops; medians per side."""
-    from project.tooling import bench_platform
+    from benchmarks import train_step as bench_platform
 
     calls, rates = [], iter(range(100, 10_000, 100))
 
@@ -203,7 +203,7 @@ def test_compile_effect_alternates_compiled_and_eager_runs_of_each_strategy_with
 ):
     """compile_effect() without running anything: per strategy, compiled then eager, eager then compiled, ...; the
     strategy's launcher, settings, micro batch and threads on both sides, strategy.compile=true on one; medians."""
-    from project.tooling import bench_platform
+    from benchmarks import train_step as bench_platform
 
     calls = []
     # Per run, in call order: compiled runs fast, eager slow, one outlier each that a median sets aside.
@@ -270,8 +270,8 @@ def test_compile_effect_alternates_compiled_and_eager_runs_of_each_strategy_with
 
 
 def test_the_platform_bench_times_only_the_strategies_when_presets_is_empty_and_refuses_nothing_to_time():
+    from benchmarks import train_step as bench_platform
     from project.runtime.errors import ConfigError
-    from project.tooling import bench_platform
 
     args = bench_platform.parse(["presets=", "scaling=", "compile_effect=ddp,pipeline"])
     assert (args["presets"], args["compiled"], args["scaling"], args["compile_effect"]) == (
@@ -298,15 +298,15 @@ def test_the_platform_bench_times_only_the_strategies_when_presets_is_empty_and_
     ],
 )
 def test_platform_bench_refuses_an_unknown_preset_or_strategy_before_running_anything(tmp_path, setting, named):
-    result = run_module("project.tooling.bench_platform", [setting, f"out={tmp_path}"], timeout=120)
+    result = run_module("benchmarks.train_step", [setting, f"out={tmp_path}"], timeout=120)
     assert result.returncode == 2 and result.stderr.startswith("error: ") and named in result.stderr, result.stderr
     assert not list(tmp_path.iterdir())
 
 
 def test_litgpt_twin_has_each_presets_parameter_count():
+    from benchmarks.litgpt_loop import litgpt_twin
+    from benchmarks.runner import load_preset
     from project.model.llama import Llama
-    from project.tooling.bench import load_preset
-    from project.tooling.bench_litgpt import litgpt_twin
 
     skip_without_litgpt()
     for preset in ("debug", "small10m", "small50m"):
@@ -319,13 +319,13 @@ def test_litgpt_twin_has_each_presets_parameter_count():
 
 
 def test_init_bench_times_both_materializations_per_layout_and_refuses_bad_layouts(tmp_path):
+    from benchmarks.init import parse
     from project.runtime.errors import ConfigError
-    from project.tooling.bench_init import parse
 
     for bad in ("layouts=fsdp3:2", "layouts=tp:0", "model=no_such_model"):
         with pytest.raises(ConfigError):
             parse([bad])
-    result = run_module("project.tooling.bench_init", ["model=debug", "layouts=fsdp2:1,tp:2", f"out={tmp_path}"])
+    result = run_module("benchmarks.init", ["model=debug", "layouts=fsdp2:1,tp:2", f"out={tmp_path}"])
     assert result.returncode == 0, result.stderr[-3000:]
     (record,) = tmp_path.glob("*-init.json")
     rows = json.loads(record.read_text())["rows"]
@@ -337,14 +337,14 @@ def test_init_bench_times_both_materializations_per_layout_and_refuses_bad_layou
 def test_loss_bench_finds_the_chunked_loss_equal_and_its_peak_under_40_percent_of_whole_logits(tmp_path):
     """The issue's goal as a stable quantity: at 2,048 tokens and vocabulary 32,000 the whole logits take
     262 MB each (logits, log-probabilities, gradient); chunks of 256 tokens take an eighth of that."""
+    from benchmarks.loss import parse
     from project.runtime.errors import ConfigError
-    from project.tooling.bench_loss import parse
 
     for bad in ("chunks=0", "vocab=x", "seq_len=0"):
         with pytest.raises(ConfigError):
             parse([bad])
     sizes = ["vocab=32000", "dim=64", "seq_len=512", "micro_batch=4", "chunks=256"]
-    result = run_module("project.tooling.bench_loss", [*sizes, f"out={tmp_path}"])
+    result = run_module("benchmarks.loss", [*sizes, f"out={tmp_path}"])
     assert result.returncode == 0, result.stderr[-3000:]
     (record,) = tmp_path.glob("*-loss.json")
     whole, chunked = json.loads(record.read_text())["rows"]
@@ -356,8 +356,8 @@ def test_loss_bench_finds_the_chunked_loss_equal_and_its_peak_under_40_percent_o
 
 
 def test_host_sync_bench_refuses_unknown_layouts_and_too_few_steps():
+    from benchmarks.host_sync import parse
     from project.runtime.errors import ConfigError
-    from project.tooling.bench_host_sync import parse
 
     for bad in ("layouts=zero3", "layouts=", "steps=1", "log_every=x"):
         with pytest.raises(ConfigError):
@@ -368,14 +368,14 @@ def test_host_sync_bench_refuses_unknown_layouts_and_too_few_steps():
 def test_document_mask_bench_builds_each_mask_and_the_tile_edges_one_holds_less_than_torchs(tmp_path):
     import torch
 
+    from benchmarks.document_mask import parse
     from project.runtime.errors import ConfigError
-    from project.tooling.bench_document_mask import parse
 
     bad_inputs = ["seq_lens=64", "seq_lens=", "batch=0", "document=x", "device=tpu"]
     for bad in bad_inputs + ([] if torch.cuda.is_available() else ["device=cuda"]):  # attention rows need CUDA
         with pytest.raises(ConfigError):
             parse([bad])
-    result = run_module("project.tooling.bench_document_mask", ["seq_lens=1024", f"out={tmp_path}"])
+    result = run_module("benchmarks.document_mask", ["seq_lens=1024", f"out={tmp_path}"])
     assert result.returncode == 0, result.stderr[-3000:]
     (record,) = tmp_path.glob("*-document-mask.json")
     rows = {r["method"]: r for r in json.loads(record.read_text())["rows"]}
@@ -385,8 +385,8 @@ def test_document_mask_bench_builds_each_mask_and_the_tile_edges_one_holds_less_
 
 
 def test_context_parallel_bench_refuses_bad_settings_and_halves_a_ranks_activations_beside_the_planner():
+    from benchmarks.context_parallel import parse, predicted
     from project.runtime.errors import ConfigError
-    from project.tooling.bench_context_parallel import parse, predicted
 
     for bad in ("seq_lens=30", "seq_lens=", "steps=3", "steps=x", "model=nope"):
         with pytest.raises(ConfigError):
@@ -400,8 +400,8 @@ def test_context_parallel_bench_refuses_bad_settings_and_halves_a_ranks_activati
 
 
 def test_stability_bench_refuses_unknown_corpora_and_poisons_about_five_percent_of_the_prose(tmp_path):
+    from benchmarks.stability import POISON_SHARE, parse, table, write_prose
     from project.runtime.errors import ConfigError
-    from project.tooling.bench_stability import POISON_SHARE, parse, table, write_prose
 
     for setting in ("corpora=wiki", "actions=rewind", "steps=1", "seeds=two"):
         with pytest.raises(ConfigError, match=setting.split("=")[0]):
@@ -424,8 +424,8 @@ def test_stability_bench_refuses_unknown_corpora_and_poisons_about_five_percent_
 def test_checkpoint_bench_charges_each_save_to_the_step_after_it_and_refuses_runs_without_one(monkeypatch, tmp_path):
     """bench_checkpoint's arithmetic: a save after step k (every `every` steps, the last step's left out) shows in
     step k + 1's time; the time lost per save is the extra time of the timed steps over the run that saves none."""
+    from benchmarks import checkpoint as bench_checkpoint
     from project.runtime.errors import ConfigError
-    from project.tooling import bench_checkpoint
 
     steps, every, stall = 14, 4, {"none": 0.0, "foreground": 0.5, "background": 0.1}
 

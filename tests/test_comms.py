@@ -1,5 +1,5 @@
 """The collectives a training step runs are the planner's: on every layout, each rank's calls of each kind on each
-process group (counted by project.tooling.comms while the run trains) are those project.planning.communication
+process group (counted by benchmarks.count_collectives while the run trains) are those project.planning.communication
 plans for the same layout, model and batch, and their bytes within 10%.
 
 One step is compared, the third of four: the first two add torch's pipeline shape exchange (the first) and DDP's
@@ -10,10 +10,10 @@ signal and saves; setup's collectives come before training starts and are not co
 import pytest
 from conftest import train_overrides
 
+from benchmarks.comms import GLOBAL_BATCH, LAYOUTS, MICRO_BATCH, PRECISION, by_group, model_config, parse
+from benchmarks.count_collectives import read_record
 from project.planning.communication import by_kind, by_kind_and_group, collectives
 from project.runtime.errors import ConfigError
-from project.tooling.bench_comms import GLOBAL_BATCH, LAYOUTS, MICRO_BATCH, PRECISION, by_group, model_config, parse
-from project.tooling.comms import read_record
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ def counted(tiny_shards, tmp_path_factory):
     for name in ON_TWO + ON_FOUR:
         layout = LAYOUTS[name]
         run_dir = tmp_path_factory.mktemp(f"comms-{name}")
-        counter = ["+callbacks.comms._target_=project.tooling.comms.CountCollectives",
+        counter = ["+callbacks.comms._target_=benchmarks.count_collectives.CountCollectives",
                    f"+callbacks.comms.output_dir={run_dir}"]  # fmt: skip
         overrides = [*layout.overrides, f"trainer.devices={layout.devices}", f"model.n_layers={layout.layers}"]
         runs[name] = (run_dir, train_overrides(tiny_shards, run_dir, *RUN, *overrides, *counter))

@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from project.runtime.errors import ConfigError
-from project.tooling import config_reference
+from tools import config_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -66,7 +66,7 @@ def test_the_committed_reference_is_what_conf_gives_now():
     committed = PAGE.read_text()
     assert committed == rendered, (
         f"docs/configuration-reference.md differs in {config_reference.differing_sections(committed, rendered)}: "
-        "regenerate it with `python -m project.tooling.config_reference`"
+        "regenerate it with `python -m tools.config_reference`"
     )
 
 

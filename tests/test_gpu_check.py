@@ -1,4 +1,4 @@
-"""`make gpu-check` (project.gpu_check): its plumbing on the CPU, its refusals, and what it needs on a node
+"""`make gpu-check` (tools.gpu_check): its plumbing on the CPU, its refusals, and what it needs on a node
 without a package index. The GPU itself is not here: docs/performance.md says what it checks there."""
 
 import json
@@ -12,21 +12,20 @@ import pytest
 import torch
 from conftest import ROOT, run_module
 
-from project.gpu_check import parse
+from benchmarks.runner import load_preset
 from project.model.flops import training_flops_per_token
 from project.runtime.errors import ConfigError
-from project.tooling.bench import load_preset
-from project.tooling.gpu_check import correctness
-from project.tooling.gpu_check.check import prepare, section_ends
-from project.tooling.gpu_check.report import failures
-from project.tooling.gpu_check.wheels import closure
+from tools.gpu_check import correctness, parse
+from tools.gpu_check.check import prepare, section_ends
+from tools.gpu_check.report import failures
+from tools.gpu_check.wheels import closure
 
 
 @pytest.fixture(scope="module")
 def cpu_check(tmp_path_factory):
-    """`python -m project.gpu_check device=cpu devices=2`: two processes stand in for two GPUs."""
+    """`python -m tools.gpu_check device=cpu devices=2`: two processes stand in for two GPUs."""
     out = tmp_path_factory.mktemp("gpu-check")
-    result = run_module("project.gpu_check", ["device=cpu", "devices=2", f"out={out}"], timeout=600)
+    result = run_module("tools.gpu_check", ["device=cpu", "devices=2", f"out={out}"], timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (record,) = out.glob("*-cpu-check.json")
     return json.loads(record.read_text()), record.with_suffix(".md").read_text(), result.stdout
@@ -84,7 +83,7 @@ def test_the_cpu_check_times_the_step_compiled_and_eager_with_mfu_against_the_me
 
 def test_a_float8_step_is_timed_with_its_blocks_converted_as_a_run_converts_them():
     """`float8=tensorwise`'s rows, here emulated on the CPU (on a GPU: make gpu-check GPU_CHECK=float8=...)."""
-    from project.tooling.gpu_check import speed
+    from tools.gpu_check import speed
 
     config = load_preset("debug", correctness.VOCAB_SIZE)
     setting = speed.Setting("debug", 64, 2, False, "32-true", "cpu", 2, 1, correctness.VOCAB_SIZE, float8="tensorwise")
@@ -96,16 +95,16 @@ def test_a_float8_step_is_timed_with_its_blocks_converted_as_a_run_converts_them
 
 
 def test_without_a_gpu_the_check_says_so_in_one_line_and_writes_nothing(tmp_path):
-    result = run_module("project.gpu_check", [f"out={tmp_path}"], env={"CUDA_VISIBLE_DEVICES": ""})
+    result = run_module("tools.gpu_check", [f"out={tmp_path}"], env={"CUDA_VISIBLE_DEVICES": ""})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().startswith("no GPU here") and len(result.stdout.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
-    asked = run_module("project.gpu_check", ["device=cuda", f"out={tmp_path}"], env={"CUDA_VISIBLE_DEVICES": ""})
+    asked = run_module("tools.gpu_check", ["device=cuda", f"out={tmp_path}"], env={"CUDA_VISIBLE_DEVICES": ""})
     assert asked.returncode == 2 and asked.stderr.strip().startswith("error: device=cuda: torch sees no GPU")
 
 
 def test_float8_on_a_gpu_without_float8_products_is_refused_before_anything_runs(monkeypatch, capsys, tmp_path):
-    from project import gpu_check
+    from tools import gpu_check
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -39,7 +39,7 @@ def counted(tiny_shards, tmp_path_factory):
     runs = {}
     for name, (devices, layout) in LAYOUTS.items():
         run_dir = tmp_path_factory.mktemp(f"conversions-{name}")
-        counter = ["+callbacks.conversions._target_=project.tooling.conversions.CountConversions",
+        counter = ["+callbacks.conversions._target_=benchmarks.count_conversions.CountConversions",
                    f"+callbacks.conversions.output_dir={run_dir}"]  # fmt: skip
         runs[name] = (devices, run_dir, train_overrides(tiny_shards, run_dir, *RUN, *layout, *counter))
     for devices in (1, 2):

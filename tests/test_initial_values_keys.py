@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.runner import load_preset
 from project.model.initial_values import TILE_COLS, TILE_ROWS, matrix_shape, normal_values, tile_generator, tile_key
 from project.model.llama import Llama
-from project.tooling.bench import load_preset
 
 TRAIN_SEED = 1234  # conf/train.yaml's seed, which module.init_seed follows
 

@@ -3,32 +3,38 @@
 import ast
 from pathlib import Path
 
-PROJECT = Path(__file__).resolve().parents[1] / "project"
-ENTRY_POINTS = {"train", "prepare", "export", "generate", "plan", "sweep", "report", "gpu_check"}
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = ROOT / "project"
+ENTRY_POINTS = {"train", "prepare", "export", "generate", "plan", "sweep", "report"}
 # Each package may import the packages after it, never one before it (and the entry points import any).
-LAYERS = ["tooling", "planning", "training", "config", "hf", "data", "parallel", "checkpoint", "model", "runtime"]
+LAYERS = ["planning", "training", "config", "hf", "data", "parallel", "checkpoint", "model", "runtime"]
+# Beside the product: tools may use benchmarks' scaffolding, both may use the product, the product uses neither
+# (but for the two entry points that run a tool: project.report and project.sweep).
+BESIDE = ["tools", "benchmarks"]
+RUNS_A_TOOL = {"project.report": "tools.report", "project.sweep": "tools.sweep"}
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(PROJECT.parent).with_suffix("").parts
+    parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def imports_of(path: Path, modules: set[str]) -> set[str]:
-    """Every project module `path` imports, at its top or inside a function alike."""
-    found = set()
+    """Every module of ours (the product, the tools, the benchmarks) `path` imports, at its top or inside a function
+    alike."""
+    ours, found = {"project", *BESIDE}, set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "project":
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ours:
             for alias in node.names:
                 full = f"{node.module}.{alias.name}"
                 found.add(full if full in modules else node.module)
         elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names if alias.name.split(".")[0] == "project")
+            found.update(alias.name for alias in node.names if alias.name.split(".")[0] in ours)
     return found & modules
 
 
 def import_graph() -> dict[str, set[str]]:
-    paths = {module_name(p): p for p in PROJECT.rglob("*.py")}
+    paths = {module_name(p): p for top in ("project", *BESIDE) for p in (ROOT / top).rglob("*.py")}
     return {name: imports_of(path, set(paths)) - {name} for name, path in paths.items()}
 
 
@@ -39,13 +45,29 @@ def test_the_top_level_holds_the_entry_points_and_packages_only():
     assert packages == set(LAYERS)
 
 
+def test_the_product_imports_no_tool_or_benchmark_and_benchmarks_no_tool():
+    wrong = []
+    for module, imported in import_graph().items():
+        top = module.split(".")[0]
+        for other in imported:
+            other_top = other.split(".")[0]
+            if top == "project" and other_top in BESIDE and RUNS_A_TOOL.get(module) != other:
+                wrong.append(f"{module} imports {other}")
+            if top == "benchmarks" and other_top == "tools":
+                wrong.append(f"{module} imports {other}")
+    assert wrong == []
+
+
 def test_packages_import_only_the_packages_below_them():
     wrong = []
     for module, imported in import_graph().items():
-        package = module.split(".")[1] if module.count(".") >= 1 and module.split(".")[1] in LAYERS else None
+        parts = module.split(".")
+        package = parts[1] if parts[0] == "project" and len(parts) > 1 and parts[1] in LAYERS else None
         if package is None:
-            continue  # an entry point, or the project package itself
+            continue  # an entry point, the project package itself, a tool or a benchmark
         for other in imported:
+            if other.split(".")[0] != "project" or other == "project":
+                continue  # the product imports no tool (the test above)
             below = other.split(".")[1]
             if below != package and LAYERS.index(below) < LAYERS.index(package):
                 wrong.append(f"{module} imports {other}")
@@ -75,3 +97,5 @@ def test_the_graph_sees_imports_inside_functions():
     graph = import_graph()
     assert "project.model.config" in graph["project.model.llama"]  # at the top
     assert "project.hf.folder" in graph["project.config.checkpoints"]  # inside a function
+    assert "benchmarks.runner" in graph["tools.gpu_check.check"]  # beside the product
+    assert "tools.report" in graph["project.report"]

@@ -263,7 +263,7 @@ def test_counting_the_causal_half_of_attention_meets_the_gpus_steps_at_every_len
     implies the fraction of the peak its kernels reached. Counting the causal half of attention's pairs, the
     2,048- and 8,192-token steps of llama3_2_1b imply the same fraction on each GPU (within 2%; counting every
     pair, as the planner did before, they part by 12%), and llama2_7b's the 1B's on the H200 (within 3%)."""
-    from project.tooling.gpu_check import speed
+    from tools.gpu_check import speed
 
     implied = {}
     for name in ("2026-11-26-nvidia-h200-gpu-2.json", "2026-11-27-nvidia-h100-gpu-2.json"):

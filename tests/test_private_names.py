@@ -166,7 +166,7 @@ FUNCTIONS = [
     (
         "torch.utils._python_dispatch",
         "TorchDispatchMode",
-        "tooling/comms.py",
+        "benchmarks/count_collectives.py (beside the product, not in it)",
         "counts every collective with its bytes as it is dispatched (c10d operators, DDP's reducer from C++ and "
         "DTensor's functional collectives alike); torch's public CommDebugMode, built on it, counts calls only and "
         "leaves sends and receives out",

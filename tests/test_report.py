@@ -1,4 +1,4 @@
-"""project.tooling.report: a table and plots from run directories, sweep folders and wandb's records of runs."""
+"""tools.report: a table and plots from run directories, sweep folders and wandb's records of runs."""
 
 import csv
 import json
@@ -12,7 +12,7 @@ import pytest
 import yaml
 from conftest import ROOT, read_metrics, run_module, run_train
 
-from project.tooling import report, report_wandb
+from tools import report, report_wandb
 
 LAYOUT_COLUMNS = [
     "pipeline_parallel",
@@ -83,7 +83,7 @@ def write_run(
 
 
 def write_sweep(sweep_dir: Path, points: list[tuple[dict, int, str]]) -> Path:
-    """points.jsonl as project.tooling.sweep writes it: (parameters, exit status, error) per point, in order; each
+    """points.jsonl as tools.sweep writes it: (parameters, exit status, error) per point, in order; each
     point of a spec for 4 devices, run with the override trainer.devices=2, which replaced the spec's constant
     in the command and in the recorded parameters."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -381,7 +381,7 @@ def test_a_report_of_a_single_device_and_a_ddp_run_reads_their_layouts_devices_a
 
 
 class StandInRun:
-    """A stand-in for wandb.apis.public.Run (there is no wandb server here): the attributes project.tooling.report
+    """A stand-in for wandb.apis.public.Run (there is no wandb server here): the attributes tools.report
     reads, with the same names and shapes: id, tags, config (the run's config, values unwrapped as
     Run.config gives them) and scan_history() (history rows, each a dict with Lightning's trainer/global_step)."""
 

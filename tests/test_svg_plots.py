@@ -1,11 +1,11 @@
-"""project.tooling.svg_plots: the report's bar and line charts, read back as XML and checked against their data."""
+"""benchmarks.svg_plots: the report's bar and line charts, read back as XML and checked against their data."""
 
 import math
 import xml.etree.ElementTree as ET
 
 import pytest
 
-from project.tooling.svg_plots import PALETTE, bar_chart, line_chart, nice_ticks
+from benchmarks.svg_plots import PALETTE, bar_chart, line_chart, nice_ticks
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -184,7 +184,7 @@ def test_the_same_data_give_the_same_bytes():
 
 
 def test_a_heat_map_draws_a_cell_per_positive_value_coloured_in_order_of_its_logarithm():
-    from project.tooling.svg_plots import HEAT, heat_map
+    from benchmarks.svg_plots import HEAT, heat_map
 
     rows, columns = ["embedding", "block0", "head"], [9, 19, 29]
     values = {(r, c): 10.0 ** (i + 3 * j - 4) for j, r in enumerate(rows) for i, c in enumerate(columns)}

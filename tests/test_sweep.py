@@ -1,4 +1,4 @@
-"""Sweep specs and the offline sweep runner (project.tooling.sweep); Hydra multirun with multi-process strategies."""
+"""Sweep specs and the offline sweep runner (tools.sweep); Hydra multirun with multi-process strategies."""
 
 import json
 import math
@@ -15,7 +15,7 @@ from test_quiet_runs import unexpected_warnings
 
 from project.config.checks import preflight
 from project.runtime.errors import ConfigError
-from project.tooling import sweep, sweep_search
+from tools import sweep, sweep_search
 
 SPECS = sorted((ROOT / "experiments" / "sweeps").glob("*.yaml"))
 SOURCES = "\n".join(p.read_text() for p in (ROOT / "project").rglob("*.py") if p.name != "sweep.py")

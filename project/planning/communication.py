@@ -1,5 +1,5 @@
 """The collectives of one optimizer step on one rank: kind, process group, calls and bytes, as our strategies issue
-them. project.planning.step_time turns them into seconds; project.tooling.comms counts them in a run, and
+them. project.planning.step_time turns them into seconds; benchmarks.count_collectives counts them in a run, and
 tests/test_comms.py holds the two together for every layout (the same calls, bytes within 10%).
 
 Bytes are those of the whole buffer each call works on: an all-reduce's or a broadcast's tensor, an all-gather's

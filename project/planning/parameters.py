@@ -13,7 +13,7 @@ from project.parallel.pipeline_layout import chunk_ranks, stage_layer_counts
 from project.planning.candidates import Candidate
 
 # Initial values one CPU core draws per second, a rank drawing its own shard's (project.model.initial_values):
-# `python -m project.tooling.bench_init` measured 95 to 130 million a second per rank (1 to 4 ranks of fsdp2, one
+# `python -m benchmarks.init` measured 95 to 130 million a second per rank (1 to 4 ranks of fsdp2, one
 # thread each) on this project's 2-core CPU machine on 2026-11-25 (experiments/benchmarks/2026-11-25-vm-init.md).
 # The dry run and the planner turn a rank's parameters into its seconds of initialization with it.
 INIT_VALUES_PER_SECOND = 1.0e8

@@ -8,7 +8,7 @@ from pathlib import Path
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 # Each start's layout name, one JSON object a line ({"step": N, "layout": NAME}), in the run directory: a run
-# resumed under another layout is reported under every layout it ran in (project.tooling.report), and the
+# resumed under another layout is reported under every layout it ran in (tools.report), and the
 # strategy is a name, which metrics cannot hold.
 LAYOUTS_FILE = "layouts.jsonl"
 

@@ -1,4 +1,4 @@
-"""What the loss-spike actions do to real runs: `python -m project.tooling.bench_stability
+"""What the loss-spike actions do to real runs: `python -m benchmarks.stability
 [corpora=shakespeare,prose,poisoned] [actions=log,skip,rollback] [steps=300] [seeds=2] [out=experiments/benchmarks]`
 
 Each corpus trains under each action of conf/stability with the group's own defaults and nothing else changed, and
@@ -28,9 +28,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.runner import ROOT, add_row, new_report, publish
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError, exit_on_config_error
-from project.tooling.bench import ROOT, add_row, new_report, publish
 
 DEFAULTS = {
     "corpora": "shakespeare,prose,poisoned",
@@ -218,7 +218,7 @@ def table(report: dict) -> str:
 @exit_on_config_error()
 def main() -> None:
     args = parse(sys.argv[1:])
-    report = new_report("project.tooling.bench_stability", sys.argv[1:], steps=args["steps"])
+    report = new_report("benchmarks.stability", sys.argv[1:], steps=args["steps"])
     with tempfile.TemporaryDirectory() as scratch:
         for corpus in args["corpora"]:
             for action in args["actions"]:

@@ -6,9 +6,9 @@ import datetime
 import re
 from pathlib import Path
 
-from project.tooling.bench import write_report
-from project.tooling.gpu_check.environment import lines as environment_lines
-from project.tooling.gpu_check.speed import PROFILED_STEPS
+from benchmarks.runner import write_report
+from tools.gpu_check.environment import lines as environment_lines
+from tools.gpu_check.speed import PROFILED_STEPS
 
 
 def stem(out: Path, facts: dict) -> Path:

@@ -24,7 +24,7 @@ others are appended; a point's recorded parameters are the values it ran with, o
 key the spec varies is refused, and so is `hydra.run.dir` (use `sweep_dir=`), an override Hydra's
 grammar refuses, and one listing several values (`a=1,2`: make it a parameter). The draw's seed is
 `sweep_seed=`, since `seed=` is project.train's own setting, passed on like any override. (Not a Hydra
-main, like project.tooling.bench: the runner's options and the overrides share one command line; the overrides
+main, like benchmarks.model_step: the runner's options and the overrides share one command line; the overrides
 are parsed here with Hydra's own parser, and what they set is checked by each point's own Hydra.)
 
 Methods. `grid`: every combination, in the order of wandb's sweep engine (parameters sorted by name, the
@@ -32,7 +32,7 @@ last varying fastest); `count=N` runs the first N, as `wandb agent --count N` wo
 points (default: the spec's `run_cap`), drawn from the parameters' distributions with a seeded generator.
 `bayes`: `count` points (default: `run_cap`) from Optuna's TPE sampler, seeded by `sweep_seed`: a third of
 them (3 to 10) drawn at random, each later one chosen from the metrics of the points before it
-(project.tooling.sweep_search). wandb's controller fits a Gaussian process instead (its `sweeps` package,
+(tools.sweep_search). wandb's controller fits a Gaussian process instead (its `sweeps` package,
 which pins numpy<2 and pulls in scipy and scikit-learn, none of which may enter the training environment): the
 same spec, another model of the results, so other points. What this runner does that `wandb agent` does not:
 it needs no wandb server or account, and the same seed gives the same start-up points (and the same later
@@ -67,7 +67,7 @@ import yaml
 
 from project.runtime.arguments import parse_options
 from project.runtime.errors import ConfigError, exit_on_config_error
-from project.tooling.sweep_search import FixedPoints, Search, TreeParzenSearch, asked, startup_points
+from tools.sweep_search import FixedPoints, Search, TreeParzenSearch, asked, startup_points
 
 ARGS_MACRO = "${args_no_hyphens}"
 METHODS = ("grid", "random", "bayes")
@@ -290,7 +290,7 @@ def point_count(spec: Spec, count: int | None) -> int:
 
 def sweep_search(spec: Spec, count: int | None = None, seed: int = 0) -> Search:
     """The points to run, one at a time: a grid's combinations (the first `count`), `count` seeded random draws, or
-    `count` points of Optuna's TPE, each chosen as the one before it ends (project.tooling.sweep_search)."""
+    `count` points of Optuna's TPE, each chosen as the one before it ends (tools.sweep_search)."""
     if spec.method == "grid":
         names = list(spec.parameters)
         grid = [

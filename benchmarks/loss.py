@@ -1,4 +1,4 @@
-"""Memory and time of one training step's loss, forward and backward: `python -m project.tooling.bench_loss
+"""Memory and time of one training step's loss, forward and backward: `python -m benchmarks.loss
 [vocab=128256] [dim=512] [seq_len=2048] [micro_batch=2] [chunks=512,1024,2048] [out=experiments/benchmarks]`
 
 The output head and the cross-entropy of `micro_batch x seq_len` tokens (float32, on the CPU), from the final
@@ -17,9 +17,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from benchmarks.runner import RESIDENT, ROOT, add_row, fresh_process, new_report, publish
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError, exit_on_config_error
-from project.tooling.bench import RESIDENT, ROOT, add_row, fresh_process, new_report, publish
 
 DEFAULTS = {
     "vocab": "128256",
@@ -116,7 +116,7 @@ def table(report: dict) -> str:
 def main() -> None:
     args = parse(sys.argv[1:])
     sizes = {key: args[key] for key in ("vocab", "dim", "seq_len", "micro_batch")}
-    report = new_report("project.tooling.bench_loss", sys.argv[1:], **sizes)
+    report = new_report("benchmarks.loss", sys.argv[1:], **sizes)
     for chunk in [None, *args["chunks"]]:
         add_row(report, measure(**sizes, chunk=chunk))
     publish(args["out"], "-loss", report, table(report))

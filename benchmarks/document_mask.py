@@ -1,4 +1,4 @@
-"""Building a step's document mask: `python -m project.tooling.bench_document_mask [seq_lens=2048,8192]
+"""Building a step's document mask: `python -m benchmarks.document_mask [seq_lens=2048,8192]
 [batch=2] [document=512] [device=cpu|cuda] [out=experiments/benchmarks]`
 
 For each sequence length, documents of random lengths (mean `document` tokens) packed into `batch` sequences,
@@ -21,9 +21,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from benchmarks.runner import RESIDENT, ROOT, add_row, fresh_process, new_report, publish
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError, exit_on_config_error
-from project.tooling.bench import RESIDENT, ROOT, add_row, fresh_process, new_report, publish
 
 DEFAULTS = {
     "seq_lens": "2048,8192",
@@ -168,9 +168,7 @@ def main() -> None:
         import torch
 
         gpu = {"gpu": torch.cuda.get_device_name()}
-    report = new_report(
-        "project.tooling.bench_document_mask", sys.argv[1:], batch=args["batch"], document=args["document"], **gpu
-    )
+    report = new_report("benchmarks.document_mask", sys.argv[1:], batch=args["batch"], document=args["document"], **gpu)
     methods = METHODS + (ATTENTION if args["device"] == "cuda" else ())
     for seq_len in args["seq_lens"]:
         for method in methods:

@@ -1,4 +1,4 @@
-"""Initialization of a model built on the meta device, per rank: `python -m project.tooling.bench_init
+"""Initialization of a model built on the meta device, per rank: `python -m benchmarks.init
 [model=llama3_2_1b] [layouts=fsdp2:1,fsdp2:2,fsdp2:4,tp:2] [out=experiments/benchmarks]`
 
 For each layout, N gloo processes on this machine build the model on the meta device (its embedding and head
@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from benchmarks.runner import ROOT, add_row, load_preset, new_report, preset_path, publish
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError, exit_on_config_error
-from project.tooling.bench import ROOT, add_row, load_preset, new_report, preset_path, publish
 
 DEFAULTS = {"model": "llama3_2_1b", "layouts": "fsdp2:1,fsdp2:2,fsdp2:4,tp:2", "out": "experiments/benchmarks"}
 PLANS = ("fsdp2", "tp")
@@ -152,7 +152,7 @@ def main() -> None:
     from project.model.flops import count_parameters
 
     parameters = count_parameters(replace(load_preset(args["model"], 4096), tie_embeddings=False))
-    report = new_report("project.tooling.bench_init", sys.argv[1:], model=args["model"], parameters=parameters)
+    report = new_report("benchmarks.init", sys.argv[1:], model=args["model"], parameters=parameters)
     for plan, world in args["layouts"]:
         add_row(report, measure(plan, world, args["model"]))
     publish(args["out"], "-init", report, table(report))

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from project.tooling.bench import ROOT
+from benchmarks.runner import ROOT
 
 STEPS, RESUME_AT = 20, 10
 SEQ_LEN, VOCAB_SIZE = 64, 512  # experiment=debug's

@@ -1,6 +1,6 @@
 """Prove that this machine's GPUs train, and measure them: `make gpu-check` or
 
-    python -m project.gpu_check [device=auto|cuda|cpu] [devices=N] [minutes=10] [out=experiments/benchmarks]
+    python -m tools.gpu_check [device=auto|cuda|cpu] [devices=N] [minutes=10] [out=experiments/benchmarks]
                                 [sections=correctness,speed,data] [float8=tensorwise,rowwise]
 
 In at most `minutes` (progress on the console):
@@ -9,7 +9,7 @@ In at most `minutes` (progress on the console):
 2. correctness: the debug model trained 20 steps through `python -m project.train` in fp32, bf16-mixed, bf16-true,
    compiled, FSDP2 with param_dtype=bfloat16 over every device, and with 2 or more devices DDP, tensor parallel
    and a 2-stage pipeline, and a one-device checkpoint resumed under FSDP2: each run's per-step losses against
-   the fp32 run's, within stated tolerances (project.tooling.gpu_check.correctness); with `float8=`, 200 steps
+   the fp32 run's, within stated tolerances (tools.gpu_check.correctness); with `float8=`, 200 steps
    in each float8 recipe against the same run in bf16;
 3. speed: the training step of a ~1B Llama (llama3_2_1b) at 2,048 and 8,192 tokens, bf16-mixed, micro batch filling
    the memory, compiled and eager side by side: tokens/s, MFU and peak memory beside the planner's prediction;
@@ -43,7 +43,7 @@ DEFAULTS = {
     "float8": "",
 }
 SECTIONS = ("correctness", "speed", "data")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse(argv: list[str]) -> dict:
@@ -88,7 +88,7 @@ def main() -> None:
     if args["device"] == "auto" and gpus == 0:
         print(
             "no GPU here (torch sees none): nothing checked, nothing written; "
-            "`python -m project.gpu_check device=cpu` runs the same checks on the CPU with a tiny model"
+            "`python -m tools.gpu_check device=cpu` runs the same checks on the CPU with a tiny model"
         )
         return
     device = "cuda" if args["device"] == "auto" else args["device"]
@@ -104,18 +104,14 @@ def main() -> None:
         if reason := without_float8(torch.device("cuda", 0)):
             raise ConfigError(f"float8={','.join(args['float8'])}: {reason}. Leave float8= out on this node.")
 
-    from project.tooling.gpu_check import report
-    from project.tooling.gpu_check.check import Options, run
+    from tools.gpu_check import report
+    from tools.gpu_check.check import Options, run
 
     result = run(Options(device, devices, args["minutes"], args["out"], args["sections"], args["float8"]))
-    result["command"] = shlex.join(["python", "-m", "project.gpu_check", *sys.argv[1:]])
+    result["command"] = shlex.join(["python", "-m", "tools.gpu_check", *sys.argv[1:]])
     result["date"] = datetime.date.today().isoformat()
     target = report.write(result, args["out"])
     print("\n" + report.markdown(result))
     print(f"wrote {target}.json and .md")
     if report.failures(result):
         raise SystemExit(1)
-
-
-if __name__ == "__main__":
-    main()

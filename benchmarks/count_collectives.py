@@ -1,10 +1,10 @@
 """The collectives a process runs, counted by kind and process group: calls and bytes, per optimizer step.
 
-    python -m project.train ... +callbacks.comms._target_=project.tooling.comms.CountCollectives \\
+    python -m project.train ... +callbacks.comms._target_=benchmarks.count_collectives.CountCollectives \\
         +callbacks.comms.output_dir=DIR
 
 writes per rank `<output_dir>/comms/rank<R>.json`: for each optimizer step (from its first micro batch's start to
-the next step's, as project.tooling.conversions counts), the calls and bytes of each kind of collective on each
+the next step's, as benchmarks.count_conversions counts), the calls and bytes of each kind of collective on each
 process group (named by its global ranks), with the groups' backends and the metrics' logging steps beside them.
 In a test or a script, `with CollectiveCounter() as counter:` counts what runs inside it (`counter.rows()`).
 

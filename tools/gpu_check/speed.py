@@ -2,7 +2,7 @@
 clipping, AdamW, as project.train runs it), compiled block by block and eager, side by side, beside what the
 planner predicts for the same model, micro batch and device.
 
-Each measurement runs in a process of its own (`python -m project.tooling.gpu_check.speed SETTINGS_JSON`): a
+Each measurement runs in a process of its own (`python -m tools.gpu_check.speed SETTINGS_JSON`): a
 compiled model's caches and an out-of-memory error stay there. The micro batch starts at the largest the
 planner's memory model fits into 90% of the device, and halves after an out-of-memory error. Random tokens, no
 data loader (the data path is measured on its own): this is the step's speed, not a run's.
@@ -18,13 +18,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
+from benchmarks.runner import ROOT
 from project.model.config import LlamaConfig
 from project.model.flops import count_parameters, training_flops_per_token
 from project.planning.candidates import Candidate
 from project.planning.cluster import Cluster
 from project.planning.memory import Allowance, peak_memory
 from project.planning.planner import Workload, evaluate
-from project.tooling.bench import ROOT
 
 MEMORY_SHARE = 0.9  # of the device's memory, for the planner's first micro batch
 ACHIEVABLE_FRACTION = 0.5  # conf/plan.yaml's default
@@ -111,7 +111,7 @@ def prediction(
 
 def measure(setting: Setting, env: dict, timeout: float) -> dict:
     """Run `setting` in a child process: {"ok": True, ...figures} or {"ok": False, "oom": bool, "error": str}."""
-    argv = [sys.executable, "-m", "project.tooling.gpu_check.speed", json.dumps(asdict(setting))]
+    argv = [sys.executable, "-m", "tools.gpu_check.speed", json.dumps(asdict(setting))]
     try:
         finished = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -139,9 +139,9 @@ def step_in_this_process(setting: Setting) -> dict:
     `profile`) profile two more."""
     import torch
 
+    from benchmarks.runner import load_preset
     from project.model.llama import Llama
     from project.parallel.compiled import compile_blocks
-    from project.tooling.bench import load_preset
 
     device = torch.device(setting.device)
     config = load_preset(setting.preset, setting.vocab_size)

@@ -1,11 +1,11 @@
-"""The host's waits, counted per training step: `python -m project.tooling.bench_host_sync
+"""The host's waits, counted per training step: `python -m benchmarks.host_sync
 [layouts=single,ddp,fsdp2,tp,pipeline] [steps=9] [log_every=3] [out=experiments/benchmarks]`
 
 Each layout trains the debug model for `steps` steps with `python -m project.train` (2 processes but for single),
 saves by time on (`ckpt_every_minutes`, never due), the ranks deciding on them and on a stop signal at logging steps
 (`ckpt_check_every_n_steps` = `log_every`, as the defaults have both 10), and spikes rolled back
 (`stability=rollback`, a threshold never reached), with a callback that counts, per step and rank
-(project.tooling.conversions), the conversions of tensors to Python values (`item`, `tolist`, `bool`, `float`,
+(benchmarks.count_conversions), the conversions of tensors to Python values (`item`, `tolist`, `bool`, `float`,
 `int`), each of which on a GPU makes the host wait for every kernel launched before it, and the collectives called
 from the host (torch.distributed's functions, the training's own traffic aside), each of which makes every rank wait
 for the slowest. Steps are split into the logging steps (`trainer.log_every_n_steps`, and the last), the first step,
@@ -21,9 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.runner import ROOT, add_row, new_report, publish
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError, exit_on_config_error
-from project.tooling.bench import ROOT, add_row, new_report, publish
 
 DEFAULTS = {"layouts": "single,ddp,fsdp2,tp,pipeline", "steps": "9", "log_every": "3", "out": "experiments/benchmarks"}
 LAYOUTS = {
@@ -55,7 +55,7 @@ def parse(argv: list[str]) -> dict:
 
 def count(layout: str, steps: int, log_every: int, data: Path, scratch: Path) -> dict:
     """Train `layout` with the counting callback; conversions and host collectives per step, the most of any rank."""
-    from project.tooling.bench_platform import data_settings
+    from benchmarks.train_step import data_settings
 
     run_dir = scratch / layout
     command = [
@@ -64,7 +64,7 @@ def count(layout: str, steps: int, log_every: int, data: Path, scratch: Path) ->
         "global_batch_size=8", "ckpt_every_n_steps=1000", "val_every_n_steps=1000", "trainer.enable_progress_bar=true",
         "ckpt_every_minutes=1000", f"ckpt_check_every_n_steps={log_every}", "stability=rollback",
         "stability.threshold=1000",
-        "+callbacks.conversions._target_=project.tooling.conversions.CountConversions",
+        "+callbacks.conversions._target_=benchmarks.count_conversions.CountConversions",
         f"+callbacks.conversions.output_dir={run_dir}",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
@@ -122,11 +122,9 @@ def table(report: dict) -> str:
 @exit_on_config_error()
 def main() -> None:
     args = parse(sys.argv[1:])
-    from project.tooling.bench_platform import shards
+    from benchmarks.train_step import shards
 
-    report = new_report(
-        "project.tooling.bench_host_sync", sys.argv[1:], steps=args["steps"], log_every=args["log_every"]
-    )
+    report = new_report("benchmarks.host_sync", sys.argv[1:], steps=args["steps"], log_every=args["log_every"])
     with tempfile.TemporaryDirectory() as scratch:
         data = shards(Path(scratch))
         for layout in args["layouts"]:

@@ -3,7 +3,7 @@
     python -m project.report RUN_DIR|SWEEP_DIR|WANDB_RUN_DIR|wandb:ENTITY/PROJECT[/SWEEP_ID]... [name=NAME] [out=DIR]
 
 Each argument is a run directory (the `hydra.run.dir` of `project.train`: `metrics.csv`, `config.yaml`,
-`memory/rank<N>.json`); a sweep folder of `project.tooling.sweep` (`points.jsonl`), which stands for all its
+`memory/rank<N>.json`); a sweep folder of `tools.sweep` (`points.jsonl`), which stands for all its
 points, failed ones included, with the error each printed as their status; a wandb run folder
 (`offline-run-*`, holding `run-<id>.wandb`); or `wandb:ENTITY/PROJECT[/SWEEP_ID]`, the runs of a wandb
 project or sweep on wandb's server. Writes `report.md`, with one row per run, best throughput first, and
@@ -20,9 +20,9 @@ wandb keeps beside a `logger=wandb` run. A wandb run folder given alone, and a r
 read alike, but with no Hydra record beside them their model and strategy names come from the tags
 training gave the wandb run, and their peak memory from the logged `memory/max_peak_bytes`. Reading wandb
 (its own reader of its binary format; its public API, where this machine is logged in) is in
-project/tooling/report_wandb.py.
+tools/report_wandb.py.
 
-Arguments are `key=value` options and the runs' sources, parsed without Hydra as in project.tooling.sweep and
+Arguments are `key=value` options and the runs' sources, parsed without Hydra as in tools.sweep and
 project.hf.export: there is nothing to compose.
 """
 
@@ -42,13 +42,13 @@ from typing import Any
 
 import yaml
 
+from benchmarks.svg_plots import bar_chart, heat_map, line_chart
 from project.config.layout import Layout
 from project.parallel.batch import BatchPlan
 from project.parallel.mesh import MeshShape
 from project.runtime.arguments import parse_options
 from project.runtime.errors import ConfigError, exit_on_config_error
-from project.tooling.report_wandb import UnreadableLog, WandbRun, api_runs, is_run_folder, read_folders, run_folders
-from project.tooling.svg_plots import bar_chart, heat_map, line_chart
+from tools.report_wandb import UnreadableLog, WandbRun, api_runs, is_run_folder, read_folders, run_folders
 
 OPTIONS = {"name": None, "out": None}
 USAGE = (
@@ -346,7 +346,7 @@ def command_devices(command: list[str]) -> int | None:
 
 
 def point_settings(record: dict[str, Any], varied: list[str]) -> str:
-    """What sets a point apart from the others: its parameters as it ran them (project.tooling.sweep records them
+    """What sets a point apart from the others: its parameters as it ran them (tools.sweep records them
     after the runner's overrides, trainer.devices=2 for the spec's 4)."""
     parameters = record.get("parameters") or {}
     return " ".join(f"{key}={parameters[key]}" for key in varied if key in parameters)
@@ -365,7 +365,7 @@ def read_points(sweep_dir: Path) -> list[dict[str, Any]]:
         if not isinstance(record, dict):
             raise ConfigError(
                 f"{sweep_dir / 'points.jsonl'} line {number} is not a point's JSON record: is this a "
-                "project.tooling.sweep folder?"
+                "tools.sweep folder?"
             )
         records.append(record)
     return records
@@ -428,7 +428,7 @@ def collect(sources: list[str]) -> list[RunSummary]:
             what = "does not exist" if not path.exists() else "is neither a run directory nor a sweep folder"
             raise ConfigError(
                 f"{path} {what}: give the run directories of project.train (holding metrics.csv or config.yaml), "
-                "sweep folders of project.tooling.sweep (holding points.jsonl), e.g. "
+                "sweep folders of tools.sweep (holding points.jsonl), e.g. "
                 "outputs/sweeps/layouts-<date>_<time>, wandb run folders (holding run-*.wandb), or "
                 "wandb:ENTITY/PROJECT[/SWEEP_ID]."
             )

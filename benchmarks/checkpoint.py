@@ -1,5 +1,5 @@
 """Training time a checkpoint costs, written in the foreground and in the background: `python -m
-project.tooling.bench_checkpoint [sizes=small,large] [steps=25] [every=6] [out=experiments/benchmarks]`
+benchmarks.checkpoint [sizes=small,large] [steps=25] [every=6] [out=experiments/benchmarks]`
 
 Each model size trains under fsdp2 on 2 gloo processes (32-true, global batch 8 in micro batches of 2, 256-token
 sequences) three times: saving no checkpoint, saving last.ckpt every `every` steps as training waits
@@ -25,9 +25,9 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from benchmarks.runner import ROOT, add_row, new_report, publish
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError, exit_on_config_error
-from project.tooling.bench import ROOT, add_row, new_report, publish
 
 DEFAULTS = {"sizes": "small,large", "steps": "25", "every": "6", "out": "experiments/benchmarks"}
 # The debug preset, widened: (dim, layers, heads, FFN width).
@@ -72,7 +72,7 @@ def parameters(dim: int, layers: int, ffn: int, vocab: int) -> int:
 
 def run(size: str, mode: str, steps: int, every: int, data: Path, scratch: Path) -> tuple[dict[int, float], float]:
     """(seconds of each timed step, the mean stall per save)"""
-    from project.tooling.bench_platform import data_settings
+    from benchmarks.train_step import data_settings
 
     dim, layers, heads, ffn = SIZES[size]
     run_dir = scratch / f"{size}-{mode}"
@@ -83,7 +83,7 @@ def run(size: str, mode: str, steps: int, every: int, data: Path, scratch: Path)
         "trainer.devices=2", f"model.dim={dim}", f"model.n_layers={layers}", f"model.n_heads={heads}",
         f"model.n_kv_heads={heads}", f"model.ffn_dim={ffn}", f"hydra.run.dir={run_dir}", f"trainer.max_steps={steps}",
         "global_batch_size=8", "micro_batch_size=2", "trainer.precision=32-true", "val_every_n_steps=100000",
-        *saves, *MODES[mode], "+callbacks.clock._target_=project.tooling.bench_checkpoint.StepClock",
+        *saves, *MODES[mode], "+callbacks.clock._target_=benchmarks.checkpoint.StepClock",
         f"+callbacks.clock.output_dir={run_dir}",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
@@ -103,7 +103,7 @@ def run(size: str, mode: str, steps: int, every: int, data: Path, scratch: Path)
 
 
 def measure(size: str, steps: int, every: int, data: Path, scratch: Path) -> dict:
-    from project.tooling.bench_platform import VOCAB_SIZE
+    from benchmarks.train_step import VOCAB_SIZE
 
     runs = {mode: run(size, mode, steps, every, data, scratch) for mode in MODES}
     times = {mode: timed for mode, (timed, _) in runs.items()}
@@ -156,9 +156,9 @@ def table(report: dict) -> str:
 @exit_on_config_error()
 def main() -> None:
     args = parse(sys.argv[1:])
-    from project.tooling.bench_platform import shards
+    from benchmarks.train_step import shards
 
-    report = new_report("project.tooling.bench_checkpoint", sys.argv[1:], steps=args["steps"], every=args["every"])
+    report = new_report("benchmarks.checkpoint", sys.argv[1:], steps=args["steps"], every=args["every"])
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-") as scratch:
         data = shards(Path(scratch) / "data")
         for size in args["sizes"]:

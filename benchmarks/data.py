@@ -1,6 +1,6 @@
 """The data path at scale, measured: `make bench` or
 
-    python -m project.tooling.bench_data [blocks=1e6,1e8,1e10] [chunk_blocks=8192] [before_up_to=1e8]
+    python -m benchmarks.data [blocks=1e6,1e8,1e10] [chunk_blocks=8192] [before_up_to=1e8]
                                  [corpus_mb=16] [loader_batches=200] [out=experiments/benchmarks]
 
 1. The order's start-up: seconds and memory (growth of the peak RSS of a fresh process) to the first global
@@ -11,7 +11,7 @@
 3. project.prepare: MB of source text per second per worker, with 1 and 2 workers, on `corpus_mb` MB of text.
 4. The training loader: tokens/s of TokenShardDataModule's train loader from the prepared folder and from the
    same shards on an S3-compatible server on loopback (moto), against the tokens/s that training the small10m
-   preset consumes on this machine (project.tooling.bench's step, random tokens).
+   preset consumes on this machine (benchmarks.model_step's step, random tokens).
 Writes new files <date>-<host>-data.json and .md into `out`; no file there is edited.
 """
 
@@ -30,9 +30,9 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
+from benchmarks.runner import ROOT, result_stem, write_report
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import exit_on_config_error
-from project.tooling.bench import ROOT, result_stem, write_report
 
 DEFAULTS = {
     "blocks": "1e6,1e8,1e10",
@@ -231,7 +231,7 @@ def loader_rates(shards: Path, batches: int, root: Path) -> dict:
 
 
 def training_rate() -> dict:
-    from project.tooling.bench import bench, parse
+    from benchmarks.model_step import bench, parse
 
     settings = parse(["presets=small10m", "steps=3"])["presets"][0]
     result = bench(settings)

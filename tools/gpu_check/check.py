@@ -1,5 +1,5 @@
 """The check's four sections in order, each within its share of the time, with progress on the console; then the
-report (project.tooling.gpu_check.report)."""
+report (tools.gpu_check.report)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from project.tooling.bench import ROOT, load_preset
-from project.tooling.bench_data import loader_rate, write_text
-from project.tooling.gpu_check import correctness, speed
-from project.tooling.gpu_check.environment import describe
+from benchmarks.data import loader_rate, write_text
+from benchmarks.runner import ROOT, load_preset
+from tools.gpu_check import correctness, speed
+from tools.gpu_check.environment import describe
 
 # Each section's share of the time budget (what one leaves, the next may use); `sections=` that leaves some out
 # shares the budget among the others in the same proportions.
@@ -250,7 +250,7 @@ def section_ends(start: float, budget: float, sections: tuple[str, ...]) -> dict
 
 
 def run(options: Options) -> dict:
-    """Every section; the report as a dict (project.tooling.gpu_check.report writes and prints it)."""
+    """Every section; the report as a dict (tools.gpu_check.report writes and prints it)."""
     start = time.monotonic()
     budget = options.minutes * 60
     ends = section_ends(start, budget, options.sections)

@@ -1,6 +1,6 @@
 """Pipeline bubble: step time against the number of microbatches, for torch's schedules on this machine.
 
-    python -m project.tooling.bench_pipeline [pp=2] [schedules=gpipe,1f1b,interleaved_1f1b] [microbatches=1,2,4,8,16]
+    python -m benchmarks.pipeline [pp=2] [schedules=gpipe,1f1b,interleaved_1f1b] [microbatches=1,2,4,8,16]
                                      [dim=512] [layers=8] [seq_len=256] [steps=3] [out=experiments/benchmarks]
 
 Each pipeline rank is a gloo process with one thread, running our stage chunks under torch's schedule
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.runner import free_stem, result_stem
 from project.model.config import LlamaConfig
 from project.model.llama import Llama
 from project.parallel.mesh import MeshShape
@@ -35,9 +36,8 @@ from project.parallel.pipeline import SCHEDULES, build_schedule, split_into_stag
 from project.parallel.pipeline_layout import check_pipeline, default_virtual_stages
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError, exit_on_config_error
-from project.tooling.bench import free_stem, result_stem
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = {
     "pp": "2",
     "schedules": "gpipe,1f1b,interleaved_1f1b",
@@ -248,7 +248,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     rows.sort(key=lambda r: (r["schedule"], r["microbatches"]))
-    write_table(rows, stem.with_suffix(".md"), "python -m project.tooling.bench_pipeline " + " ".join(sys.argv[1:]))
+    write_table(rows, stem.with_suffix(".md"), "python -m benchmarks.pipeline " + " ".join(sys.argv[1:]))
     write_plot(rows, stem.with_suffix(".svg"))
     print(f"wrote {stem}.jsonl, .md and .svg")
 

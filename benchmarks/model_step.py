@@ -1,6 +1,6 @@
 """Training-step throughput of model presets on this machine, and how fast a bad setting is answered: `make bench` or
 
-    python -m project.tooling.bench [presets=debug,small10m] [vocab_size=V] [batch=B] [seq_len=T] [steps=S]
+    python -m benchmarks.model_step [presets=debug,small10m] [vocab_size=V] [batch=B] [seq_len=T] [steps=S]
                             [precision=32|bf16] [compile=false] [error_latency=true] [out=experiments/benchmarks]
 
 For each preset, times forward + backward + AdamW steps of the plain model (no Lightning, no data
@@ -25,12 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
+from benchmarks.runner import ROOT, load_preset, preset_path, result_stem, write_report
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError, exit_on_config_error
 
-ROOT = Path(__file__).resolve().parents[2]
 DEFAULTS = {
     "presets": "debug,small10m",
     "vocab_size": "",
@@ -51,88 +49,6 @@ PRESET_DEFAULTS = {
 DTYPES = {"32": "float32", "bf16": "bfloat16"}
 ERROR_COMMAND = ["-m", "project.train", "experiment=debug", "trainer.max_steps=null"]
 ERROR_RUNS = 3
-
-
-def result_stem(out: Path, suffix: str = "") -> Path:
-    """`out/<YYYY-MM-DD>-<short hostname><suffix>`: where a benchmark run on this machine today writes its files."""
-    host = platform.node().split(".")[0] or "host"
-    return out / f"{datetime.date.today().isoformat()}-{host}{suffix}"
-
-
-def free_stem(stem: Path, extensions: list[str]) -> Path:
-    """`stem`, else `stem-2`, `stem-3`, ...: the first for which no file with any of `extensions` exists."""
-    candidate, n = stem, 1
-    while any(candidate.with_name(candidate.name + ext).exists() for ext in extensions):
-        n += 1
-        candidate = stem.with_name(f"{stem.name}-{n}")
-    return candidate
-
-
-def write_report(stem: Path, report: dict, markdown: str) -> Path:
-    """`<stem>.json` (the report) and `<stem>.md` (its table) at the first stem no file takes (free_stem), its
-    folder made; returns that stem. Never overwrites a result, even one written since the stem was chosen."""
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem = free_stem(stem, [".json", ".md"])
-    for ext, text in ((".json", json.dumps(report, indent=2) + "\n"), (".md", markdown)):
-        with stem.with_name(stem.name + ext).open("x") as f:
-            f.write(text)
-    return stem
-
-
-def new_report(module: str, argv: list[str], **fields: object) -> dict:
-    """A benchmark's record: when, where, the command that wrote it, its settings, and its rows to come."""
-    command = " ".join([f"python -m {module}", *argv])
-    return {
-        "date": datetime.date.today().isoformat(),
-        "host": platform.node(),
-        "command": command,
-        **fields,
-        "rows": [],
-    }
-
-
-def add_row(report: dict, row: dict) -> None:
-    """A measurement into the report, and onto the console as it comes."""
-    report["rows"].append(row)
-    print(json.dumps(row), flush=True)
-
-
-def fresh_process(script: str, argv: list[str], what: str) -> list[str]:
-    """Run `script` (python -c) with `argv` in a process of its own, 2 threads, and return the words it printed.
-    Large allocations are mapped apart (glibc's MALLOC_MMAP_THRESHOLD_), so that a freed tensor leaves the resident
-    set and the process's peak resident memory follows what lived at once."""
-    result = subprocess.run(
-        [sys.executable, "-c", script, *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "2", "MALLOC_MMAP_THRESHOLD_": "1048576"},
-    )
-    if result.returncode:
-        raise RuntimeError(f"{what} failed:\n{result.stderr.strip()[-3000:]}")
-    return result.stdout.split()
-
-
-# For the scripts fresh_process runs: the resident bytes now, and the peak so far.
-RESIDENT = """
-import resource
-def resident_bytes():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-def peak_resident_bytes():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-"""
-
-
-def publish(out: Path, suffix: str, report: dict, markdown: str) -> None:
-    """Write the report's new files (`<date>-<host><suffix>.{json,md}` in `out`) and show its table."""
-    stem = write_report(result_stem(out, suffix), report, markdown)
-    print(markdown)
-    print(f"wrote {stem}.json and .md")
-
-
-def preset_path(name: str) -> Path:
-    return ROOT / "conf" / "model" / f"{name}.yaml"
 
 
 def parse(argv: list[str]) -> dict:
@@ -163,15 +79,6 @@ def parse(argv: list[str]) -> dict:
         "error_latency": args["error_latency"] == "true",
         "out": out if out.is_absolute() else ROOT / out,
     }
-
-
-def load_preset(name: str, vocab_size: int):
-    from project.model.config import LlamaConfig
-
-    fields = yaml.safe_load(preset_path(name).read_text())
-    if not isinstance(fields["vocab_size"], int):  # the small presets follow data.vocab_size
-        fields["vocab_size"] = vocab_size
-    return LlamaConfig(**fields)
 
 
 def device_name(device) -> str:

@@ -14,10 +14,10 @@ step's), what makes the host wait:
 Written per rank to `<output_dir>/conversions/rank<R>.json` as {step: count} for each, with the metrics' logging
 steps beside them.
 
-    python -m project.train ... +callbacks.conversions._target_=project.tooling.conversions.CountConversions \\
+    python -m project.train ... +callbacks.conversions._target_=benchmarks.count_conversions.CountConversions \\
         +callbacks.conversions.output_dir=DIR
 
-Measurement only (tests/test_host_sync.py, project.tooling.bench_host_sync): it replaces methods of torch.Tensor and
+Measurement only (tests/test_host_sync.py, benchmarks.host_sync): it replaces methods of torch.Tensor and
 functions of torch.distributed while training runs.
 """
 

@@ -1,16 +1,17 @@
-"""Collectives measured per optimizer step and rank, beside the planner's: `python -m project.tooling.bench_comms
+"""Collectives measured per optimizer step and rank, beside the planner's: `python -m benchmarks.comms
 [layouts=ddp,fsdp,...|all] [steps=4] [step=2] [out=experiments/benchmarks]`
 
-Each layout trains the debug model (dim 64, 4 layers under a pipeline, else 2; vocabulary 4,096, 256-token sequences,
-batches of 8 in micro batches of 2, 32-true) for `steps` steps with `python -m project.train` on its processes (2; 4
-for tp_fsdp and the 2-D pipelines; 8 for 3-D) over gloo, counting on every rank the calls and bytes of each kind
-of collective on each process group (project.tooling.comms.CountCollectives). The table sets step `step` (0-based)
-beside project.planning.communication's collectives for the same layout, model and batch: a step after the first two
-(torch's pipeline exchanges shapes in the first, DDP rebuilds its buckets in the second) and before the last, the one
-logging step (logging steps reduce the metrics, agree on a stop signal and save). Calls, and bytes (each call's whole
-buffer: an all-gather's output, a reduce-scatter's input, an all-to-all's input). A mixture of experts' all-to-alls
-carry what its router sends each rank: the planner counts an even spread, which their sum over the ranks is
-(tests/test_comms.py holds that), not each rank's. Writes new files <date>-<host>-comms.{json,md}.
+Each layout trains the debug model (dim 64, 4 layers under a pipeline, else 2; vocabulary 4,096, 256-token
+sequences, batches of 8 in micro batches of 2, 32-true) for `steps` steps with `python -m project.train` on its
+processes (2; 4 for tp_fsdp and the 2-D pipelines; 8 for 3-D) over gloo, counting on every rank the calls and bytes
+of each kind of collective on each process group (benchmarks.count_collectives.CountCollectives). The table sets
+step `step` (0-based) beside project.planning.communication's collectives for the same layout, model and batch: a
+step after the first two (torch's pipeline exchanges shapes in the first, DDP rebuilds its buckets in the second)
+and before the last, the one logging step (logging steps reduce the metrics, agree on a stop signal and save).
+Calls, and bytes (each call's whole buffer: an all-gather's output, a reduce-scatter's input, an all-to-all's
+input). A mixture of experts' all-to-alls carry what its router sends each rank: the planner counts an even spread,
+which their sum over the ranks is (tests/test_comms.py holds that), not each rank's. Writes new files
+<date>-<host>-comms.{json,md}.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.runner import ROOT, add_row, new_report, publish
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError, exit_on_config_error
-from project.tooling.bench import ROOT, add_row, new_report, publish
 
 DEFAULTS = {"layouts": "all", "steps": "4", "step": "2", "out": "experiments/benchmarks"}
 GLOBAL_BATCH, MICRO_BATCH, PRECISION = 8, 2, "32-true"
@@ -183,7 +184,7 @@ def model_config(layout: Layout, vocab_size: int):
 
 
 def by_group(rows: list[list], shape) -> dict[tuple[str, str], tuple[int, int]]:
-    """A rank's measured rows ([kind, ranks, calls, bytes], project.tooling.comms) as {(kind, mesh dimensions):
+    """A rank's measured rows ([kind, ranks, calls, bytes], benchmarks.count_collectives) as {(kind, mesh dimensions):
     (calls, bytes)}, each group named by the dimensions its ranks span (project.planning.communication)."""
     from project.planning.communication import dimension_of
 
@@ -227,8 +228,8 @@ def compare(measured: dict, plan: dict) -> list[dict]:
 
 def measure(name: str, steps: int, step: int, data: Path, scratch: Path) -> dict:
     """Train `name` with the counter; its table against the planner's on every rank."""
-    from project.tooling.bench_platform import SEQ_LEN, VOCAB_SIZE, data_settings
-    from project.tooling.comms import read_record
+    from benchmarks.count_collectives import read_record
+    from benchmarks.train_step import SEQ_LEN, VOCAB_SIZE, data_settings
 
     layout = LAYOUTS[name]
     run_dir = scratch / name
@@ -237,7 +238,7 @@ def measure(name: str, steps: int, step: int, data: Path, scratch: Path) -> dict
         f"trainer.devices={layout.devices}", f"model.n_layers={layout.layers}", f"hydra.run.dir={run_dir}",
         f"trainer.max_steps={steps}", f"trainer.log_every_n_steps={steps}", f"global_batch_size={GLOBAL_BATCH}",
         f"micro_batch_size={MICRO_BATCH}", f"trainer.precision={PRECISION}", "ckpt_every_n_steps=1000",
-        "val_every_n_steps=1000", "+callbacks.comms._target_=project.tooling.comms.CountCollectives",
+        "val_every_n_steps=1000", "+callbacks.comms._target_=benchmarks.count_collectives.CountCollectives",
         f"+callbacks.comms.output_dir={run_dir}",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
@@ -276,7 +277,8 @@ def table(report: dict) -> str:
         f"{report['seq_len']}-token sequences), global batch {GLOBAL_BATCH} in micro batches of {MICRO_BATCH}, "
         f"{PRECISION}, gloo; step {report['step']} (0-based) of {report['steps']}, after the first two and before the "
         "last, which logs. "
-        "Measured: project.tooling.comms on every rank; planned: project.planning.communication. Bytes: each call's "
+        "Measured: benchmarks.count_collectives on every rank; planned: project.planning.communication. Bytes: each "
+        "call's "
         "whole buffer (an all-gather's output, a reduce-scatter's input). A group is named by the mesh dimensions "
         "its ranks span. Shown: the first rank of each pipeline stage; `agree` counts the ranks whose every row "
         "has the planned calls and bytes within 10%.",
@@ -302,10 +304,10 @@ def table(report: dict) -> str:
 @exit_on_config_error()
 def main() -> None:
     args = parse(sys.argv[1:])
-    from project.tooling.bench_platform import SEQ_LEN, VOCAB_SIZE, shards
+    from benchmarks.train_step import SEQ_LEN, VOCAB_SIZE, shards
 
     report = new_report(
-        "project.tooling.bench_comms", sys.argv[1:], steps=args["steps"], step=args["step"], seq_len=SEQ_LEN,
+        "benchmarks.comms", sys.argv[1:], steps=args["steps"], step=args["step"], seq_len=SEQ_LEN,
         vocab_size=VOCAB_SIZE,
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as scratch:

@@ -1,6 +1,6 @@
 """The platform against a hand-written loop, side by side: `make bench` or
 
-    python -m project.tooling.bench_platform [presets=debug,small10m,small50m] [compiled=small10m]
+    python -m benchmarks.train_step [presets=debug,small10m,small50m] [compiled=small10m]
                                      [scaling=ddp,fsdp2,tp] (or horovod) [scaling_preset=small10m] [steps=S] [warmup=W]
                                      [litgpt=auto] [repeats=3] [threads=T] [startup=true] [out=experiments/benchmarks]
                                      [compile_effect=single,ddp,fsdp2,tp,pipeline] (or horovod)
@@ -18,7 +18,7 @@ Alternations go A B C, then C B A: with an even `repeats`, drift that runs one w
 The default, 3, is the fewest whose median sets one slow run aside (the median of 2 is their mean); A then runs
 first in two alternations of three, so a steady drift is no longer cancelled in full.
 With litgpt installed (`make bench` puts it beside the environment; litgpt=auto uses it then), a third side C
-runs litgpt's GPT of the same architecture and parameter count in the same loop (project/tooling/bench_litgpt.py).
+runs litgpt's GPT of the same architecture and parameter count in the same loop (benchmarks/litgpt_loop.py).
 MFU is taken against the fp32 matrix-product rate measured in the same run, at the same thread count.
 
 Then data-parallel scaling: each strategy in `scaling` on 2 processes x 1 thread against one process x 2
@@ -30,7 +30,7 @@ of the first optimizer step of `experiment=debug`, split into `import lightning`
 process's peak resident memory.
 
 Writes new files <date>-<host>-platform.json, .md and .svg (the ratios as bars) into `out`; no file there is
-edited. `python -m project.tooling.bench_platform --redraw FILE.json` draws a written report's .md and .svg again.
+edited. `python -m benchmarks.train_step --redraw FILE.json` draws a written report's .md and .svg again.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from benchmarks.runner import ROOT, free_stem, load_preset, preset_path, result_stem
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError, exit_on_config_error
-from project.tooling.bench import ROOT, free_stem, load_preset, preset_path, result_stem
 
 DEFAULTS = {
     "presets": "debug,small10m,small50m",
@@ -131,7 +131,7 @@ def parse(argv: list[str]) -> dict:
             raise ConfigError(f"{key}={args[key]}: expected a positive integer.")
     if args["litgpt"] not in ("auto", "true", "false"):
         raise ConfigError(f"litgpt={args['litgpt']}: choose auto (when installed), true or false.")
-    from project.tooling.bench_litgpt import available, reference_path
+    from benchmarks.litgpt_loop import available, reference_path
 
     if args["litgpt"] == "true" and not available():
         raise ConfigError(
@@ -158,8 +158,8 @@ def parse(argv: list[str]) -> dict:
 
 def shards(root: Path) -> Path:
     """Shards of generated text at VOCAB_SIZE and SEQ_LEN, prepared once per benchmark run."""
+    from benchmarks.data import write_text
     from project.data.prepare import prepare_shards
-    from project.tooling.bench_data import write_text
 
     folder = root / "shards"
     write_text(root / "raw", megabytes=4)
@@ -239,7 +239,7 @@ def hand_loop(preset: str, batch: int, steps: int, warmup: int, compiled: bool, 
     torch.manual_seed(0)
     config = load_preset(preset, VOCAB_SIZE)
     if model_class == "litgpt":
-        from project.tooling.bench_litgpt import litgpt_twin, twin_blocks
+        from benchmarks.litgpt_loop import litgpt_twin, twin_blocks
 
         model = litgpt_twin(config, SEQ_LEN)
         if compiled:
@@ -294,7 +294,7 @@ def matmul_peak(size: int = 2048, runs: int = 10) -> dict:
 
 def in_own_process(argv: list[str], env: dict) -> dict:
     """One of this module's measurements (--hand-loop, --matmul-peak) in a fresh process with `env`'s threads."""
-    command = [sys.executable, "-m", "project.tooling.bench_platform", *argv]
+    command = [sys.executable, "-m", "benchmarks.train_step", *argv]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{shlex.join(command)} failed:\n{result.stderr[-3000:]}")
@@ -663,7 +663,7 @@ def comparison_lines(report: dict) -> list[str]:
         lines += ["", "`strategy.compile=true` against eager, project.train: " + ", ".join(effects) + "."]
     return lines + [
         "",
-        "litgpt: its `GPT` with our preset's architecture and parameter count (project/tooling/bench_litgpt.py), in "
+        "litgpt: its `GPT` with our preset's architecture and parameter count (benchmarks/litgpt_loop.py), in "
         "the hand loop, compiled block by block as ours. Each run's figures are in the .json file, with the commands.",
     ]
 
@@ -671,7 +671,7 @@ def comparison_lines(report: dict) -> list[str]:
 def plot(report: dict) -> str:
     """The ratios as bars: project.train against the hand loop and litgpt per preset and mode, then the scaling and
     the effect of compiling per strategy."""
-    from project.tooling.svg_plots import bar_chart
+    from benchmarks.svg_plots import bar_chart
 
     bars = []
     for r in report["rows"]:
@@ -749,7 +749,7 @@ def main() -> None:
         "torch": torch.__version__,
         "threads": args["threads"],
         "repeats": args["repeats"],
-        "command": shlex.join(["python", "-m", "project.tooling.bench_platform", *sys.argv[1:]]),
+        "command": shlex.join(["python", "-m", "benchmarks.train_step", *sys.argv[1:]]),
         "matmul_peak": peak,
         "rows": rows,
         "scaling": scaled,

@@ -1,6 +1,6 @@
 """Wheels for a GPU node without a package index: `make gpu-wheels`, or
 
-    python -m project.tooling.gpu_check.wheels [out=gpu-wheels] [python=3.12] [platform=manylinux_2_28_x86_64]
+    python -m tools.gpu_check.wheels [out=gpu-wheels] [python=3.12] [platform=manylinux_2_28_x86_64]
 
 Many GPU nodes have a Python with torch (and often Lightning) but no Hydra, OmegaConf or litdata, and cannot
 reach a package index. On a machine that can, in this project's environment, this writes into `out` a wheel of

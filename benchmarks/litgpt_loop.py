@@ -1,4 +1,4 @@
-"""litgpt's `GPT` shaped like one of our presets, for project.tooling.bench_platform only (never a runtime dependency).
+"""litgpt's `GPT` shaped like one of our presets, for benchmarks.train_step only (never a runtime dependency).
 
 `make bench` installs litgpt beside the environment, in <venv>/litgpt-reference (as transformers is for the
 tests); `reference_path()` is where this looks for it. The twin has our parameter count exactly: the same

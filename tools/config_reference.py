@@ -1,6 +1,6 @@
 """The configuration reference, docs/configuration-reference.md, generated from conf/ itself:
 
-    python -m project.tooling.config_reference [out=PATH] [check=true]
+    python -m tools.config_reference [out=PATH] [check=true]
 
 The page lists the three primary configs (train.yaml, prepare.yaml, plan.yaml) with their defaults lists and
 every setting, then every config group (a folder of conf/, nested ones included, as `hydra/job_logging`) with
@@ -39,11 +39,11 @@ from omegaconf import OmegaConf
 from project.runtime.arguments import parse_options, true_or_false
 from project.runtime.errors import ConfigError, exit_on_config_error
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 PAGE = ROOT / "docs" / "configuration-reference.md"
 PRIMARY = ("train", "prepare", "plan")
-COMMAND = "python -m project.tooling.config_reference"
+COMMAND = "python -m tools.config_reference"
 OPTIONS: dict[str, str | None] = {"out": None, "check": "false"}
 USAGE = f"usage: {COMMAND} [out=PATH] [check=true]"
 

@@ -1,4 +1,4 @@
-"""Runs as wandb recorded them, for project.tooling.report: a run's transaction log on disk, or wandb's server.
+"""Runs as wandb recorded them, for tools.report: a run's transaction log on disk, or wandb's server.
 
 Each gives what metrics.csv gives: history rows keyed by the trainer's step (the `trainer/global_step`
 that Lightning's WandbLogger adds to every row), and the run's config.

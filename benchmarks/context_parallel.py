@@ -1,4 +1,4 @@
-"""Context parallelism on this machine: `python -m project.tooling.bench_context_parallel
+"""Context parallelism on this machine: `python -m benchmarks.context_parallel
 [seq_lens=1024,2048,4096,8192] [model=small4m] [steps=4] [out=experiments/benchmarks]`
 
 For each sequence length, two sequences per optimizer step on 2 processes (`project.train`, strategy=fsdp2,
@@ -23,9 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.runner import ROOT, add_row, load_preset, new_report, result_stem, write_report
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError, exit_on_config_error
-from project.tooling.bench import ROOT, add_row, load_preset, new_report, result_stem, write_report
 
 DEFAULTS = {"seq_lens": "1024,2048,4096,8192", "model": "small4m", "steps": "4", "out": "experiments/benchmarks"}
 VOCAB = 1024
@@ -136,7 +136,7 @@ def table(report: dict) -> str:
 
 
 def plot(report: dict) -> str:
-    from project.tooling.svg_plots import line_chart
+    from benchmarks.svg_plots import line_chart
 
     series = []
     for cp in DEGREES:
@@ -154,9 +154,9 @@ def plot(report: dict) -> str:
 @exit_on_config_error()
 def main() -> None:
     args = parse(sys.argv[1:])
-    from project.tooling.bench_data import write_text
+    from benchmarks.data import write_text
 
-    report = new_report("project.tooling.bench_context_parallel", sys.argv[1:], model=args["model"])
+    report = new_report("benchmarks.context_parallel", sys.argv[1:], model=args["model"])
     work = Path(tempfile.mkdtemp(prefix="bench-context-parallel-"))
     try:
         # Enough text for every length: (steps + validation) x 2 sequences of the longest, several times over.

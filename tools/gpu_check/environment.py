@@ -10,8 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from project.tooling.bench import ROOT
-from project.tooling.bench_platform import matmul_peak
+from benchmarks.runner import ROOT
+from benchmarks.train_step import matmul_peak
 
 
 def nvidia_smi() -> dict:

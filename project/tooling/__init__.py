@@ -1,2 +1,0 @@
-"""Tools beside the training core, never imported by it: benchmarks (bench*), reports and their plots, and
-the sweep runner."""
