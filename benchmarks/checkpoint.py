@@ -18,16 +18,21 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from benchmarks.runner import ROOT, add_row, new_report, publish
+from benchmarks.runner import (
+    ROOT,
+    Benchmark,
+    main,
+    out_folder,
+)
 from project.runtime.arguments import parse_key_values
-from project.runtime.errors import ConfigError, exit_on_config_error
+from project.runtime.errors import ConfigError
 
 DEFAULTS = {"sizes": "small,large", "steps": "25", "every": "6", "out": "experiments/benchmarks"}
 # The debug preset, widened: (dim, layers, heads, FFN width).
@@ -62,8 +67,7 @@ def parse(argv: list[str]) -> dict:
     saves = len(range(every, steps - 1, every))
     if saves < 1 or every <= FIRST_TIMED:
         raise ConfigError(f"steps={steps} every={every}: at least one save after step {FIRST_TIMED} before the last.")
-    out = Path(args["out"])
-    return {"sizes": sizes, "steps": steps, "every": every, "out": out if out.is_absolute() else ROOT / out}
+    return {"sizes": sizes, "steps": steps, "every": every, "out": out_folder(args["out"])}
 
 
 def parameters(dim: int, layers: int, ffn: int, vocab: int) -> int:
@@ -153,18 +157,20 @@ def table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-@exit_on_config_error()
-def main() -> None:
-    args = parse(sys.argv[1:])
+def rows(args: dict, scratch: Path) -> Iterator[dict]:
     from benchmarks.train_step import shards
 
-    report = new_report("benchmarks.checkpoint", sys.argv[1:], steps=args["steps"], every=args["every"])
-    with tempfile.TemporaryDirectory(prefix="bench-checkpoint-") as scratch:
-        data = shards(Path(scratch) / "data")
-        for size in args["sizes"]:
-            add_row(report, measure(size, args["steps"], args["every"], data, Path(scratch) / "runs"))
-    publish(args["out"], "-checkpoint", report, table(report))
+    data = shards(scratch / "data")
+    for size in args["sizes"]:
+        yield measure(size, args["steps"], args["every"], data, scratch / "runs")
+
+
+def header(args: dict) -> dict:
+    return {"steps": args["steps"], "every": args["every"]}
+
+
+BENCHMARK = Benchmark("benchmarks.checkpoint", "-checkpoint", parse, rows, table, header)
 
 
 if __name__ == "__main__":
-    main()
+    main(BENCHMARK)

@@ -19,14 +19,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.runner import ROOT, add_row, new_report, publish
+from benchmarks.runner import (
+    ROOT,
+    Benchmark,
+    main,
+    out_folder,
+)
 from project.runtime.arguments import parse_key_values
-from project.runtime.errors import ConfigError, exit_on_config_error
+from project.runtime.errors import ConfigError
 
 DEFAULTS = {"layouts": "all", "steps": "4", "step": "2", "out": "experiments/benchmarks"}
 GLOBAL_BATCH, MICRO_BATCH, PRECISION = 8, 2, "32-true"
@@ -166,8 +171,7 @@ def parse(argv: list[str]) -> dict:
             f"step={step} with steps={steps}: choose a step after the first two (their extras: the pipeline's shape "
             f"exchange, DDP's bucket rebuild) and before the last (which logs): 2 to {steps - 2}, with steps=4 or more."
         )
-    out = Path(args["out"])
-    return {"layouts": layouts, "steps": steps, "step": step, "out": out if out.is_absolute() else ROOT / out}
+    return {"layouts": layouts, "steps": steps, "step": step, "out": out_folder(args["out"])}
 
 
 def model_config(layout: Layout, vocab_size: int):
@@ -301,21 +305,22 @@ def table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-@exit_on_config_error()
-def main() -> None:
-    args = parse(sys.argv[1:])
-    from benchmarks.train_step import SEQ_LEN, VOCAB_SIZE, shards
+def rows(args: dict, scratch: Path) -> Iterator[dict]:
+    from benchmarks.train_step import shards
 
-    report = new_report(
-        "benchmarks.comms", sys.argv[1:], steps=args["steps"], step=args["step"], seq_len=SEQ_LEN,
-        vocab_size=VOCAB_SIZE,
-    )  # fmt: skip
-    with tempfile.TemporaryDirectory() as scratch:
-        data = shards(Path(scratch))
-        for name in args["layouts"]:
-            add_row(report, measure(name, args["steps"], args["step"], data, Path(scratch)))
-    publish(args["out"], "-comms", report, table(report))
+    data = shards(scratch)
+    for name in args["layouts"]:
+        yield measure(name, args["steps"], args["step"], data, scratch)
+
+
+def header(args: dict) -> dict:
+    from benchmarks.train_step import SEQ_LEN, VOCAB_SIZE
+
+    return {"steps": args["steps"], "step": args["step"], "seq_len": SEQ_LEN, "vocab_size": VOCAB_SIZE}
+
+
+BENCHMARK = Benchmark("benchmarks.comms", "-comms", parse, rows, table, header)
 
 
 if __name__ == "__main__":
-    main()
+    main(BENCHMARK)

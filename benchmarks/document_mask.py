@@ -18,12 +18,18 @@ CPU has no FlexAttention backward, so these rows need a GPU. Writes new files
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-from benchmarks.runner import RESIDENT, ROOT, add_row, fresh_process, new_report, publish
+from benchmarks.runner import (
+    RESIDENT,
+    Benchmark,
+    fresh_process,
+    main,
+    out_folder,
+)
 from project.runtime.arguments import parse_key_values
-from project.runtime.errors import ConfigError, exit_on_config_error
+from project.runtime.errors import ConfigError
 
 DEFAULTS = {
     "seq_lens": "2048,8192",
@@ -121,18 +127,20 @@ def parse(argv: list[str]) -> dict:
             raise ConfigError(f"{key}={args[key]}: give a whole number above 0.")
     if args["device"] not in ("cpu", "cuda"):
         raise ConfigError(f"device={args['device']}: choose cpu (the masks) or cuda (the masks and attention).")
+    gpu = ""
     if args["device"] == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise ConfigError("device=cuda: this machine has no CUDA device; leave device=cpu for the masks alone.")
-    out = Path(args["out"])
+        gpu = torch.cuda.get_device_name()
     return {
         "seq_lens": [int(s) for s in seq_lens],
         "batch": int(args["batch"]),
         "document": int(args["document"]),
         "device": args["device"],
-        "out": out if out.is_absolute() else ROOT / out,
+        "gpu": gpu,
+        "out": out_folder(args["out"]),
     }
 
 
@@ -160,22 +168,24 @@ def table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-@exit_on_config_error()
-def main() -> None:
-    args = parse(sys.argv[1:])
-    gpu = {}
-    if args["device"] == "cuda":  # the attention rows are the GPU's: its name goes into the title and file name
-        import torch
-
-        gpu = {"gpu": torch.cuda.get_device_name()}
-    report = new_report("benchmarks.document_mask", sys.argv[1:], batch=args["batch"], document=args["document"], **gpu)
-    methods = METHODS + (ATTENTION if args["device"] == "cuda" else ())
+def rows(args: dict, scratch: Path) -> Iterator[dict]:
     for seq_len in args["seq_lens"]:
-        for method in methods:
-            add_row(report, measure(method, seq_len, args["batch"], args["document"]))
-    slug = "".join(c if c.isalnum() else "-" for c in gpu.get("gpu", "").lower())
-    publish(args["out"], f"-{slug}-document-mask" if slug else "-document-mask", report, table(report))
+        for method in METHODS + (ATTENTION if args["device"] == "cuda" else ()):
+            yield measure(method, seq_len, args["batch"], args["document"])
+
+
+def header(args: dict) -> dict:
+    gpu = {"gpu": args["gpu"]} if args["gpu"] else {}  # the attention rows are the GPU's: its name in the title
+    return {"batch": args["batch"], "document": args["document"], **gpu}
+
+
+def suffix(args: dict) -> str:
+    slug = "".join(c if c.isalnum() else "-" for c in args["gpu"].lower())
+    return f"-{slug}-document-mask" if slug else "-document-mask"
+
+
+BENCHMARK = Benchmark("benchmarks.document_mask", suffix, parse, rows, table, header)
 
 
 if __name__ == "__main__":
-    main()
+    main(BENCHMARK)

@@ -18,12 +18,17 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
-from benchmarks.runner import ROOT, add_row, new_report, publish
+from benchmarks.runner import (
+    ROOT,
+    Benchmark,
+    main,
+    out_folder,
+)
 from project.runtime.arguments import parse_key_values
-from project.runtime.errors import ConfigError, exit_on_config_error
+from project.runtime.errors import ConfigError
 
 DEFAULTS = {"layouts": "single,ddp,fsdp2,tp,pipeline", "steps": "9", "log_every": "3", "out": "experiments/benchmarks"}
 LAYOUTS = {
@@ -44,12 +49,11 @@ def parse(argv: list[str]) -> dict:
     for key in ("steps", "log_every"):
         if not args[key].isdigit() or int(args[key]) < 2:
             raise ConfigError(f"{key}={args[key]}: give a whole number of at least 2.")
-    out = Path(args["out"])
     return {
         "layouts": layouts,
         "steps": int(args["steps"]),
         "log_every": int(args["log_every"]),
-        "out": out if out.is_absolute() else ROOT / out,
+        "out": out_folder(args["out"]),
     }
 
 
@@ -119,18 +123,20 @@ def table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-@exit_on_config_error()
-def main() -> None:
-    args = parse(sys.argv[1:])
+def rows(args: dict, scratch: Path) -> Iterator[dict]:
     from benchmarks.train_step import shards
 
-    report = new_report("benchmarks.host_sync", sys.argv[1:], steps=args["steps"], log_every=args["log_every"])
-    with tempfile.TemporaryDirectory() as scratch:
-        data = shards(Path(scratch))
-        for layout in args["layouts"]:
-            add_row(report, count(layout, args["steps"], args["log_every"], data, Path(scratch)))
-    publish(args["out"], "-host-sync", report, table(report))
+    data = shards(scratch)
+    for layout in args["layouts"]:
+        yield count(layout, args["steps"], args["log_every"], data, scratch)
+
+
+def header(args: dict) -> dict:
+    return {"steps": args["steps"], "log_every": args["log_every"]}
+
+
+BENCHMARK = Benchmark("benchmarks.host_sync", "-host-sync", parse, rows, table, header)
 
 
 if __name__ == "__main__":
-    main()
+    main(BENCHMARK)

@@ -19,17 +19,23 @@ from __future__ import annotations
 import os
 import queue
 import socket
-import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
-from benchmarks.runner import ROOT, add_row, load_preset, new_report, preset_path, publish
+from benchmarks.runner import (
+    Benchmark,
+    load_preset,
+    main,
+    out_folder,
+    preset_path,
+)
 from project.runtime.arguments import parse_key_values
-from project.runtime.errors import ConfigError, exit_on_config_error
+from project.runtime.errors import ConfigError
 
 DEFAULTS = {"model": "llama3_2_1b", "layouts": "fsdp2:1,fsdp2:2,fsdp2:4,tp:2", "out": "experiments/benchmarks"}
 PLANS = ("fsdp2", "tp")
@@ -45,8 +51,7 @@ def parse(argv: list[str]) -> dict:
         if plan not in PLANS or not ranks.isdigit() or int(ranks) < 1:
             raise ConfigError(f"layouts: {item!r} is not PLAN:RANKS with PLAN one of {list(PLANS)} (e.g. fsdp2:2).")
         layouts.append((plan, int(ranks)))
-    out = Path(args["out"])
-    return {"model": args["model"], "layouts": layouts, "out": out if out.is_absolute() else ROOT / out}
+    return {"model": args["model"], "layouts": layouts, "out": out_folder(args["out"])}
 
 
 def whole_then_slice(model, name: str, param) -> None:
@@ -146,17 +151,20 @@ def table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-@exit_on_config_error()
-def main() -> None:
-    args = parse(sys.argv[1:])
+def rows(args: dict, scratch: Path) -> Iterator[dict]:
+    for plan, world in args["layouts"]:
+        yield measure(plan, world, args["model"])
+
+
+def header(args: dict) -> dict:
     from project.model.flops import count_parameters
 
-    parameters = count_parameters(replace(load_preset(args["model"], 4096), tie_embeddings=False))
-    report = new_report("benchmarks.init", sys.argv[1:], model=args["model"], parameters=parameters)
-    for plan, world in args["layouts"]:
-        add_row(report, measure(plan, world, args["model"]))
-    publish(args["out"], "-init", report, table(report))
+    untied = replace(load_preset(args["model"], 4096), tie_embeddings=False)
+    return {"model": args["model"], "parameters": count_parameters(untied)}
+
+
+BENCHMARK = Benchmark("benchmarks.init", "-init", parse, rows, table, header)
 
 
 if __name__ == "__main__":
-    main()
+    main(BENCHMARK)

@@ -14,12 +14,18 @@ Writes new files <date>-<host>-loss.{json,md}.
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-from benchmarks.runner import RESIDENT, ROOT, add_row, fresh_process, new_report, publish
+from benchmarks.runner import (
+    RESIDENT,
+    Benchmark,
+    fresh_process,
+    main,
+    out_folder,
+)
 from project.runtime.arguments import parse_key_values
-from project.runtime.errors import ConfigError, exit_on_config_error
+from project.runtime.errors import ConfigError
 
 DEFAULTS = {
     "vocab": "128256",
@@ -73,8 +79,7 @@ def parse(argv: list[str]) -> dict:
     chunks = [c for c in args["chunks"].split(",") if c]
     if not all(c.isdigit() and int(c) > 0 for c in chunks):
         raise ConfigError(f"chunks={args['chunks']}: give whole numbers of tokens above 0, separated by commas.")
-    out = Path(args["out"])
-    return {**sizes, "chunks": [int(c) for c in chunks], "out": out if out.is_absolute() else ROOT / out}
+    return {**sizes, "chunks": [int(c) for c in chunks], "out": out_folder(args["out"])}
 
 
 def measure(vocab: int, dim: int, seq_len: int, micro_batch: int, chunk: int | None) -> dict:
@@ -112,15 +117,16 @@ def table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-@exit_on_config_error()
-def main() -> None:
-    args = parse(sys.argv[1:])
-    sizes = {key: args[key] for key in ("vocab", "dim", "seq_len", "micro_batch")}
-    report = new_report("benchmarks.loss", sys.argv[1:], **sizes)
+SIZES = ("vocab", "dim", "seq_len", "micro_batch")
+
+
+def rows(args: dict, scratch: Path) -> Iterator[dict]:
     for chunk in [None, *args["chunks"]]:
-        add_row(report, measure(**sizes, chunk=chunk))
-    publish(args["out"], "-loss", report, table(report))
+        yield measure(**{key: args[key] for key in SIZES}, chunk=chunk)
+
+
+BENCHMARK = Benchmark("benchmarks.loss", "-loss", parse, rows, table, lambda args: {key: args[key] for key in SIZES})
 
 
 if __name__ == "__main__":
-    main()
+    main(BENCHMARK)

@@ -1,5 +1,11 @@
-"""What every benchmark shares: where results go (new dated files, never an edit of one written before), the
-report's record and rows, a measurement in a fresh process, and the model presets of conf/model."""
+"""What every benchmark shares: `main`, the main of each (its settings, a scratch folder, its rows as they come,
+new dated result files, never an edit of one written before), a measurement in a fresh process, and the model
+presets of conf/model.
+
+A benchmark is a module with a `Benchmark` and `if __name__ == "__main__": main(BENCHMARK)`; the few whose results
+are not one table of rows (the pipeline's bubble, the data path, the platform's step, the context-parallel plot)
+write theirs with `write_report` themselves.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +15,14 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from project.runtime.errors import exit_on_config_error
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,3 +116,35 @@ def load_preset(name: str, vocab_size: int):
     if not isinstance(fields["vocab_size"], int):  # the small presets follow data.vocab_size
         fields["vocab_size"] = vocab_size
     return LlamaConfig(**fields)
+
+
+def out_folder(value: str) -> Path:
+    """The folder `out=` names: relative to the repository, an absolute path as it is."""
+    out = Path(value)
+    return out if out.is_absolute() else ROOT / out
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One measurement of `make bench`, as `main` needs it."""
+
+    module: str  # what `python -m` runs: its report's command
+    suffix: str | Callable[[dict], str]  # of its files, <date>-<host><suffix>.{json,md}: fixed, or of the settings
+    parse: Callable[[list[str]], dict]  # the settings from key=value words, `out` among them; ConfigError if bad
+    rows: Callable[[dict, Path], Iterable[dict]]  # the measurements, given the settings and a scratch folder
+    table: Callable[[dict], str]  # the report as Markdown
+    header: Callable[[dict], dict] = field(default=lambda settings: {})  # what the report records of the settings
+
+
+def main(benchmark: Benchmark, argv: list[str] | None = None) -> None:
+    """A benchmark's main: a bad setting is one `error:` paragraph (exit 2) before anything runs; each row is shown
+    as it is measured; the report is written to new files in `out` and its table shown."""
+    argv = sys.argv[1:] if argv is None else argv
+    with exit_on_config_error():
+        settings = benchmark.parse(argv)
+        report = new_report(benchmark.module, argv, **benchmark.header(settings))
+        with tempfile.TemporaryDirectory(prefix=f"bench-{benchmark.module.rpartition('.')[2]}-") as scratch:
+            for row in benchmark.rows(settings, Path(scratch)):
+                add_row(report, row)
+        suffix = benchmark.suffix if isinstance(benchmark.suffix, str) else benchmark.suffix(settings)
+        publish(settings["out"], suffix, report, benchmark.table(report))

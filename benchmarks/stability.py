@@ -25,12 +25,17 @@ import random
 import string
 import subprocess
 import sys
-import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
-from benchmarks.runner import ROOT, add_row, new_report, publish
+from benchmarks.runner import (
+    ROOT,
+    Benchmark,
+    main,
+    out_folder,
+)
 from project.runtime.arguments import parse_key_values
-from project.runtime.errors import ConfigError, exit_on_config_error
+from project.runtime.errors import ConfigError
 
 DEFAULTS = {
     "corpora": "shakespeare,prose,poisoned",
@@ -56,9 +61,8 @@ def parse(argv: list[str]) -> dict:
         raise ConfigError(f"steps={args['steps']}: give a whole number of at least 2.")
     if not args["seeds"].isdigit():
         raise ConfigError(f"seeds={args['seeds']}: give a whole number of other seeds, 0 or more.")
-    out = Path(args["out"])
     steps, seeds = int(args["steps"]), int(args["seeds"])
-    return {**chosen, "steps": steps, "seeds": seeds, "out": out if out.is_absolute() else ROOT / out}
+    return {**chosen, "steps": steps, "seeds": seeds, "out": out_folder(args["out"])}
 
 
 def write_prose(folder: Path, poisoned: bool) -> Path:
@@ -215,19 +219,17 @@ def table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-@exit_on_config_error()
-def main() -> None:
-    args = parse(sys.argv[1:])
-    report = new_report("benchmarks.stability", sys.argv[1:], steps=args["steps"])
-    with tempfile.TemporaryDirectory() as scratch:
-        for corpus in args["corpora"]:
-            for action in args["actions"]:
-                add_row(report, measure(corpus, action, args["steps"], Path(scratch)))
-            # The spread of log's runs from other initial weights: what a difference between actions is against.
-            for seed in range(SEED + 1, SEED + 1 + args["seeds"]) if corpus != "shakespeare" else ():
-                add_row(report, measure(corpus, "log", args["steps"], Path(scratch), seed))
-    publish(args["out"], "-stability", report, table(report))
+def rows(args: dict, scratch: Path) -> Iterator[dict]:
+    for corpus in args["corpora"]:
+        for action in args["actions"]:
+            yield measure(corpus, action, args["steps"], scratch)
+        # The spread of log's runs from other initial weights: what a difference between actions is against.
+        for seed in range(SEED + 1, SEED + 1 + args["seeds"]) if corpus != "shakespeare" else ():
+            yield measure(corpus, "log", args["steps"], scratch, seed)
+
+
+BENCHMARK = Benchmark("benchmarks.stability", "-stability", parse, rows, table, lambda args: {"steps": args["steps"]})
 
 
 if __name__ == "__main__":
-    main()
+    main(BENCHMARK)
