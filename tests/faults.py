@@ -241,7 +241,7 @@ def watch_saves(faults: list[Fault]) -> None:
         return
     watch = SaveWatch(kill_before=None)
     watch.install()
-    save, put_in_place = StepCheckpoint._save_checkpoint, StepCheckpoint._put_in_place
+    save, put_in_place = StepCheckpoint.write, StepCheckpoint._put_in_place
 
     def done(rank: int) -> None:
         watch.active = False
@@ -268,7 +268,7 @@ def watch_saves(faults: list[Fault]) -> None:
         if watch.active and not watch.in_save:
             done(0)  # only rank 0 puts a save in place
 
-    StepCheckpoint._save_checkpoint = watched_save
+    StepCheckpoint.write = watched_save
     StepCheckpoint._put_in_place = watched_put_in_place
 
 

@@ -83,7 +83,7 @@ def test_strategy_configs_build_the_strategy_they_name():
     )
     assert (pipeline.schedule, pipeline.virtual_stages) == ("zbv", 2)  # the V schedule's default: two chunks per rank
     ddp = instantiate(compose_train("strategy=ddp").strategy)
-    assert isinstance(ddp, GlooFriendlyDDPStrategy) and ddp._ddp_comm_hook is None
+    assert isinstance(ddp, GlooFriendlyDDPStrategy) and ddp.comm_hook is None
     summed = instantiate(compose_train("strategy=ddp", "strategy.grad_reduction=sum").strategy)
     assert summed._ddp_comm_hook is not None
 

@@ -1,7 +1,11 @@
 import pytest
 from conftest import read_metrics, run_train
 
-from project.training.loggers import wandb_mode
+from project.training.loggers import RunCSVLogger, RunIdentity, wandb_mode
+
+
+def run_identity(folder):
+    return RunIdentity(dir=folder, name="run", group=None, tags=[], config={}, has_secrets=False)
 
 
 def test_wandb_auto_mode_is_offline_unless_logged_in(monkeypatch, tmp_path):
@@ -44,12 +48,9 @@ def test_a_run_killed_while_a_new_column_rewrites_metrics_csv_keeps_its_rows(mon
     made whole beside metrics.csv and renamed into place, so a failure (a kill) midway leaves the old rows."""
     import csv
 
-    from project.training.loggers import _AppendingWriter
-
-    writer = _AppendingWriter(log_dir=str(tmp_path))
+    logger = RunCSVLogger(run_identity(tmp_path))
     for step in range(3):
-        writer.log_metrics({"train/loss": 1.0 + step}, step)
-        writer.save()
+        logger.log_metrics({"train/loss": 1.0 + step}, step)
     before = (tmp_path / "metrics.csv").read_text()
 
     def killed(self, rows):
@@ -57,15 +58,28 @@ def test_a_run_killed_while_a_new_column_rewrites_metrics_csv_keeps_its_rows(mon
 
     with monkeypatch.context() as patched:
         patched.setattr(csv.DictWriter, "writerows", killed)
-        writer.log_metrics({"checkpoint/gigabytes": 0.5}, 2)
         with pytest.raises(KeyboardInterrupt):
-            writer.save()
+            logger.log_metrics({"checkpoint/gigabytes": 0.5}, 2)
     assert (tmp_path / "metrics.csv").read_text() == before
 
     # Not killed, the new column joins every row.
-    again = _AppendingWriter(log_dir=str(tmp_path / "again"))
+    again = RunCSVLogger(run_identity(tmp_path / "again"))
     for step, metrics in enumerate([{"train/loss": 1.0}, {"train/loss": 2.0}, {"checkpoint/gigabytes": 0.5}]):
         again.log_metrics(metrics, step)
-        again.save()
     assert read_metrics(tmp_path / "again", "train/loss") == {0: 1.0, 1: 2.0}
     assert read_metrics(tmp_path / "again", "checkpoint/gigabytes") == {2: 0.5}
+
+
+def test_a_resumed_run_continues_metrics_csv_from_its_first_step_and_keeps_hparams_beside_it(tmp_path):
+    """The interrupted run logged steps 0 to 4 and saved after step 2: the resumed run replays steps 3 and 4, whose
+    old rows go (not only the rows of the step it logs first), and the earlier rows and columns stay."""
+    first = RunCSVLogger(run_identity(tmp_path))
+    first.log_hyperparams({"lr": 0.1})
+    for step in range(5):
+        first.log_metrics({"train/loss": 10.0 + step, **({"val/loss": 5.0} if step == 1 else {})}, step)
+    resumed = RunCSVLogger(run_identity(tmp_path))
+    resumed.log_metrics({"train/loss": 30.0}, 3)
+    resumed.log_metrics({"train/loss": 40.0}, 4)
+    assert read_metrics(tmp_path, "train/loss") == {0: 10.0, 1: 11.0, 2: 12.0, 3: 30.0, 4: 40.0}
+    assert read_metrics(tmp_path, "val/loss") == {1: 5.0}
+    assert "lr: 0.1" in (tmp_path / "hparams.yaml").read_text()

@@ -12,9 +12,8 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
 from project.checkpoint.files import LIGHTNING_EXTRA
@@ -29,40 +28,18 @@ ATTRIBUTES = [
         "CUDA index); no public hook sits between Lightning's setup and the wrap",
     ),
     (
-        DDPStrategy,
-        "_register_ddp_hooks",
-        "parallel/strategies/ddp.py",
-        "registers strategy.ddp_comm_hook on gloo too (Lightning drops it silently unless the device is CUDA)",
-    ),
-    (
         ModelCheckpoint,
         "_save_checkpoint",
-        "training/callbacks/checkpoint.py",
-        "every save goes to a staged path and is swapped in atomically (a kill mid-save keeps the last good "
-        "checkpoint); Lightning offers no public hook around the write",
+        "training/callbacks/checkpoint.py (BestCheckpoint)",
+        "a best checkpoint the storage refuses (a full disk, a missing bucket) is one error paragraph with what was "
+        "half written removed; the path is known only inside the write, and Lightning has no public hook around it",
     ),
-    (ModelCheckpoint, "_should_skip_saving_checkpoint", "training/callbacks/checkpoint.py", "the time-based save"),
     (
         ModelCheckpoint,
         "_remove_checkpoint",
         "training/callbacks/checkpoint.py",
         "the best checkpoint a better one replaces is removed only once the better one's background write has ended "
         "(ckpt_async); Lightning removes it as soon as the save returns, with no public hook between",
-    ),
-    (ModelCheckpoint, "_save_last_checkpoint", "training/callbacks/checkpoint.py", "the time-based save"),
-    (ModelCheckpoint, "_monitor_candidates", "training/callbacks/checkpoint.py", "the time-based save"),
-    (
-        ExperimentWriter,
-        "_rewrite_with_new_header",
-        "training/loggers.py",
-        "rewrites metrics.csv whole when a column first appears, truncating it first: ours writes the new file "
-        "beside and renames it into place, so that a run killed meanwhile keeps its rows; no public option",
-    ),
-    (
-        ExperimentWriter,
-        "_check_log_dir_exists",
-        "training/loggers.py",
-        "a resumed run appends to metrics.csv (Lightning's writer deletes it); no public option keeps it",
     ),
     (
         _TrainingEpochLoop,
@@ -89,13 +66,6 @@ ATTRIBUTES = [
 ]
 # Names set on instances, so checked on one.
 INSTANCE_ATTRIBUTES = [
-    (
-        lambda: DDPStrategy(),
-        "_ddp_comm_hook",
-        "parallel/strategies/ddp.py",
-        "the hook the strategy was given, to register it",
-    ),
-    (lambda: DDPStrategy(), "_ddp_comm_state", "parallel/strategies/ddp.py", "the hook's state, to register it"),
     (
         lambda: ModelParallelStrategy(),
         "_device_mesh",
@@ -137,12 +107,6 @@ INSTANCE_ATTRIBUTES = [
         "what Lightning would pass to its activation checkpointing, applied by our CPU wrap",
     ),
     (
-        lambda: ModelCheckpoint(),
-        "_last_global_step_saved",
-        "training/callbacks/checkpoint.py",
-        "whether this step was saved already (the time-based save)",
-    ),
-    (
         lambda: WandbLogger(project="p", mode="disabled"),
         "_wandb_init",
         "training/loggers.py",
@@ -181,21 +145,78 @@ FUNCTIONS = [
 ]
 
 
+# What each callable is called with, or overrides: a release that keeps the name but changes its arguments fails
+# here, not in a run. Names absent take no arguments we rely on beyond the name.
+PARAMETERS = {
+    "_setup_model": ["self", "model"],
+    "_save_checkpoint": ["self", "trainer", "filepath"],
+    "_remove_checkpoint": ["self", "trainer", "filepath"],
+    "_broadcast_sigterm_tensor": ["self"],
+    "_setup_distributed": ["self"],
+    "__create_chunk_list__": ["self"],
+    "_setup_activation_checkpointing": ["module", "activation_checkpointing_kwargs"],
+    "_convert_precision_to_unified_args": ["precision"],
+    "_forward_redirection": ["wrapper_module", "original_module", "method_name", "args", "kwargs"],
+}
+# What each attribute we read or set holds on a new instance.
+HOLDS = {
+    "_device_mesh": type(None),
+    "_data_parallel_size": (str, int),
+    "_tensor_parallel_size": (str, int),
+    "_activation_checkpointing_kwargs": dict,
+}
+
+
+def parameters_of(function) -> list[str]:
+    import inspect
+
+    return list(inspect.signature(function).parameters)
+
+
 @pytest.mark.parametrize(("owner", "name"), [(o, n) for o, n, *_ in ATTRIBUTES], ids=[r[1] for r in ATTRIBUTES])
-def test_a_private_method_we_override_or_call_still_exists(owner, name):
+def test_a_private_method_we_override_or_call_still_exists_with_its_arguments(owner, name):
     assert hasattr(owner, name), f"{owner.__module__}.{owner.__qualname__}.{name} is gone: see the row's reason"
+    assert parameters_of(getattr(owner, name)) == PARAMETERS[name]
 
 
 @pytest.mark.parametrize(
     ("build", "name"), [(b, n) for b, n, *_ in INSTANCE_ATTRIBUTES], ids=[r[1] for r in INSTANCE_ATTRIBUTES]
 )
-def test_a_private_attribute_we_read_or_set_still_exists(build, name):
-    assert hasattr(build(), name)
+def test_a_private_attribute_we_read_or_set_still_exists_and_holds_what_we_expect(build, name):
+    value = getattr(build(), name)
+    if name in PARAMETERS:
+        assert parameters_of(value) == PARAMETERS[name]
+    elif name == "_wandb_init":  # the keyword arguments Lightning hands wandb.init; we drop `anonymous`
+        assert isinstance(value, dict) and "anonymous" in value
+    else:
+        assert isinstance(value, HOLDS[name])
 
 
 @pytest.mark.parametrize(("module", "name"), [(m, n) for m, n, *_ in FUNCTIONS], ids=[r[1] for r in FUNCTIONS])
-def test_a_private_function_we_import_still_exists(module, name):
-    assert hasattr(importlib.import_module(module), name)
+def test_a_private_function_we_import_still_exists_with_its_arguments(module, name):
+    found = getattr(importlib.import_module(module), name, None)
+    assert found is not None
+    if name in PARAMETERS:
+        assert parameters_of(found) == PARAMETERS[name]
+
+
+def test_litdatas_obstore_client_options_are_still_the_dict_its_s3_stores_are_built_with():
+    # project/data/storage.py adds allow_http to litdata's one set of obstore client options for an http://
+    # endpoint (a MinIO in a cluster, the tests' S3 server on loopback): no public option reaches obstore's client.
+    import inspect
+
+    from litdata.streaming import downloader
+
+    assert isinstance(downloader._OBSTORE_CLIENT_OPTIONS, dict)
+    assert "client_options=_OBSTORE_CLIENT_OPTIONS" in inspect.getsource(downloader)
+
+
+@pytest.mark.parametrize("name", ["torch.utils._pytree", "torch.distributed.tensor._redistribute"])
+def test_the_private_torch_modules_whose_loggers_we_quiet_still_log_under_their_names(name):
+    # project/runtime/console.py (and parallel/float8.py) filter known noise from these modules' loggers by name:
+    # a module renamed would let the noise through again, so it fails here.
+    module = importlib.import_module(name)
+    assert module.__name__ == name and "getLogger(__name__)" in open(module.__file__).read()
 
 
 def test_the_lightning_metadata_file_of_a_sharded_checkpoint_is_named_as_we_read_it():

@@ -340,7 +340,7 @@ def suggested_names(owner: Any, missing: str, modules: bool) -> str:
 
 def accepted_parameters(target: Any) -> tuple[dict[str, inspect.Parameter], bool, dict[str, Any]]:
     """The keyword arguments `target` takes, whether it takes any other too, and their annotations where they read.
-    A class whose __init__ passes **kwargs on is followed up its bases' __init__ (StepCheckpoint's go to
+    A class whose __init__ passes **kwargs on is followed up its bases' __init__ (BestCheckpoint's go to
     ModelCheckpoint's); one whose next __init__ is object's keeps them itself, so takes any (ModelSummary's)."""
     functions = (
         [vars(c)["__init__"] for c in target.__mro__ if "__init__" in vars(c)] if inspect.isclass(target) else [target]

@@ -6,14 +6,17 @@ import csv
 import netrc
 import os
 import secrets
+from argparse import Namespace
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from lightning.pytorch.loggers import CSVLogger, WandbLogger
-from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.core.saving import save_hparams_to_yaml
+from lightning.pytorch.loggers import Logger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
+from torch import Tensor
 
 
 def wandb_mode(mode: str) -> str:
@@ -31,43 +34,6 @@ def wandb_mode(mode: str) -> str:
         return "offline"
 
 
-class _AppendingWriter(ExperimentWriter):
-    """Lightning's CSV writer deletes an existing metrics.csv; a resumed run continues it instead.
-
-    Rows the interrupted run logged after its last checkpoint are replayed by the resumed run, so
-    the first step this run logs drops every older row at that step or later.
-    """
-
-    def _check_log_dir_exists(self) -> None:
-        self._resuming = self._fs.isfile(self.metrics_file_path)
-        if self._resuming:
-            with self._fs.open(self.metrics_file_path, "r", newline="") as file:
-                self.metrics_keys = list(csv.DictReader(file).fieldnames or [])
-
-    def log_metrics(self, metrics_dict: dict, step: int | None = None) -> None:
-        if self._resuming and step is not None:
-            self._resuming = False
-            with self._fs.open(self.metrics_file_path, "r", newline="") as file:
-                kept = [row for row in csv.DictReader(file) if int(row["step"]) < step]
-            self._replace_whole(self.metrics_keys, kept)
-        super().log_metrics(metrics_dict, step)
-
-    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
-        """Lightning's rewrite of every row when a column first appears (val/loss, checkpoint/*), made whole
-        before it replaces the file: a run killed meanwhile keeps the rows it had."""
-        with self._fs.open(self.metrics_file_path, "r", newline="") as file:
-            rows = list(csv.DictReader(file))
-        self._replace_whole(fieldnames, rows)
-
-    def _replace_whole(self, fieldnames: list[str], rows: list[dict]) -> None:
-        partial = f"{self.metrics_file_path}.partial"
-        with self._fs.open(partial, "w", newline="") as file:
-            writer = csv.DictWriter(file, fieldnames=fieldnames)
-            writer.writeheader()
-            writer.writerows(rows)
-        self._fs.mv(partial, self.metrics_file_path)
-
-
 @dataclass(frozen=True)
 class RunIdentity:
     """What a logger is told of the run it logs, known only once the layout is: each logger of conf/logger is a
@@ -81,20 +47,75 @@ class RunIdentity:
     has_secrets: bool
 
 
-class RunCSVLogger(CSVLogger):
-    """metrics.csv and hparams.yaml directly in the run directory, kept across resumes."""
+class RunCSVLogger(Logger):
+    """metrics.csv and hparams.yaml directly in the run directory, kept across resumes.
+
+    Lightning's CSVLogger deletes an existing metrics.csv; a resumed run continues it instead. Rows the interrupted
+    run logged after its last checkpoint are replayed by the resumed run, so the first step this run logs drops every
+    older row at that step or later. Each row is written as it is logged (a run killed later has the metrics of every
+    step it checkpointed), and a file rewritten whole (a column that first appears: val/loss, checkpoint/*; the rows
+    dropped on resume) is made beside it and renamed into place, so a run killed meanwhile keeps the rows it had.
+    """
 
     def __init__(self, run: RunIdentity):
-        # Each row is written as it is logged: a run killed later has the metrics of every step it checkpointed.
-        super().__init__(save_dir=run.dir, name="", version="", flush_logs_every_n_steps=1)
+        super().__init__()
+        self.run_dir = Path(run.dir)
+        self.metrics_file = self.run_dir / "metrics.csv"
+        self.hparams: dict[str, Any] = {}
+        self.columns: list[str] | None = None  # metrics.csv's header, once this run has read or written it
 
     @property
-    @rank_zero_experiment
-    def experiment(self) -> ExperimentWriter:
-        if self._experiment is None:
-            self._fs.makedirs(self.log_dir, exist_ok=True)
-            self._experiment = _AppendingWriter(log_dir=self.log_dir)
-        return self._experiment  # type: ignore[return-value]  # Lightning types it as its private writer class
+    def name(self) -> str:
+        return ""
+
+    @property
+    def version(self) -> str:
+        return ""
+
+    @property
+    def save_dir(self) -> str:
+        return str(self.run_dir)
+
+    @rank_zero_only
+    def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
+        self.hparams.update(vars(params) if isinstance(params, Namespace) else params)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_hparams_to_yaml(self.run_dir / "hparams.yaml", self.hparams)
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        row: dict[str, Any] = {k: v.item() if isinstance(v, Tensor) else v for k, v in metrics.items()}
+        row["step"] = step if step is not None else 0
+        if self.columns is None:  # this run's first row: continue a resumed run's file from this step
+            self.columns = self._read_header()
+            if self.columns:
+                rows = self._read_rows()
+                if len(kept := [old for old in rows if int(old["step"]) < row["step"]]) < len(rows):
+                    self._replace_whole(self.columns, kept)
+        if new := set(row) - set(self.columns):
+            self.columns = sorted({*self.columns, *new})
+            self._replace_whole(self.columns, self._read_rows() if self.metrics_file.exists() else [])
+        with self.metrics_file.open("a", newline="") as file:
+            csv.DictWriter(file, fieldnames=self.columns).writerow(row)
+
+    def _read_header(self) -> list[str]:
+        if not self.metrics_file.is_file():
+            return []
+        with self.metrics_file.open(newline="") as file:
+            return list(csv.DictReader(file).fieldnames or [])
+
+    def _read_rows(self) -> list[dict[str, str]]:
+        with self.metrics_file.open(newline="") as file:
+            return list(csv.DictReader(file))
+
+    def _replace_whole(self, columns: list[str], rows: list[dict[str, Any]]) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        partial = self.metrics_file.with_name(f"{self.metrics_file.name}.partial")
+        with partial.open("w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(rows)
+        partial.replace(self.metrics_file)
 
 
 def wandb_run_id(run_dir: Path) -> str:

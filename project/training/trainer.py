@@ -14,7 +14,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.accelerators import AcceleratorRegistry, CPUAccelerator
-from lightning.pytorch.callbacks import Callback, ModelSummary, ProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import Strategy
@@ -108,11 +108,16 @@ def build_trainer(cfg: DictConfig, run_dir: Path, strategy: Strategy, layout: La
     # Our handler checkpoints between steps; Lightning's would save mid-step. Under horovodrun in a batch job,
     # Horovod gives the ranks, not SLURM's tasks.
     slurm = SLURMEnvironment.detect() and not contract_of(strategy).ranks_from_own_launcher
+    callbacks = build_callbacks(cfg, layout)
     try:
         return instantiate(
             cfg.trainer,
             strategy=strategy,
-            callbacks=build_callbacks(cfg, layout),
+            callbacks=callbacks,
+            # Lightning adds a ModelCheckpoint of its own (epoch=...ckpt) to a run without one: last.ckpt is
+            # StepCheckpoint's, and a run that leaves the best checkpoint out (~callbacks.best_checkpoint) wants none.
+            enable_checkpointing=cfg.trainer.get("enable_checkpointing", True)
+            and any(isinstance(c, ModelCheckpoint) for c in callbacks),
             logger=build_loggers(cfg, run_dir, layout),
             plugins=[SLURMEnvironment(auto_requeue=False)] if slurm else [],
             # Lightning logs every log_every_n_steps steps only: a shorter run would write no metrics at all.

@@ -2,7 +2,7 @@
 
 # No `from __future__ import annotations` here: torch checks the comm hook's annotations at runtime.
 from functools import partial
-from typing import Literal, cast
+from typing import Any, Callable, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -26,17 +26,20 @@ def _allreduce_sum(
 
 
 class GlooFriendlyDDPStrategy(BackgroundSaving, WholeModelLoading, LlamaStrategy, DDPStrategy):
-    """DDPStrategy that registers its communication hook on CPU (gloo) too.
+    """DDPStrategy whose `ddp_comm_hook` holds on CPU (gloo) too.
 
     Lightning registers `ddp_comm_hook` only when the root device is CUDA and silently drops it
     otherwise; torch's DDP supports comm hooks on gloo, so the same config behaves alike on both.
     """
 
-    def _register_ddp_hooks(self) -> None:
-        if self.root_device.type == "cuda" or self._ddp_comm_hook is None:
-            return super()._register_ddp_hooks()
-        model = cast(DistributedDataParallel, self.model)  # wrapped by DDPStrategy before its hooks are registered
-        model.register_comm_hook(state=self._ddp_comm_state, hook=self._ddp_comm_hook)
+    def __init__(self, *, ddp_comm_hook: Callable | None = None, **kwargs: Any) -> None:
+        super().__init__(ddp_comm_hook=ddp_comm_hook, **kwargs)
+        self.comm_hook = ddp_comm_hook
+
+    def configure_ddp(self) -> None:
+        super().configure_ddp()  # wraps the model, and registers the hook on CUDA
+        if self.comm_hook is not None and self.root_device.type != "cuda":
+            cast(DistributedDataParallel, self.model).register_comm_hook(state=None, hook=self.comm_hook)
 
 
 class TransformedDDPStrategy(WholeModelTransforms, GlooFriendlyDDPStrategy):

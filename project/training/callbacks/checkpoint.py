@@ -9,10 +9,10 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
-from weakref import proxy
 
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -35,44 +35,50 @@ from project.runtime.errors import ConfigError
 from project.training.callbacks.steps import OptimizerSteps
 
 
-class StepCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint for last.ckpt that also saves after the step that reaches max_steps, and, with
+class StepCheckpoint(Callback):
+    """last.ckpt every `every_n_train_steps` optimizer steps, after the step that reaches max_steps, and, with
     `every_minutes`, after the first step that ends that long after the last save of those at which the ranks decide
     whether to save (`decides_at`), so at most `check_every_n_steps` - 1 steps after the first that does; rank 0's
-    clock decides for every rank (Lightning allows steps or a time interval, not both).
+    clock decides for every rank. A Callback around `trainer.save_checkpoint`, called from the batch hook.
 
     `trainer.save_checkpoint` after `fit` would record a finished epoch, and a run resumed from it
     (to train longer) would start a new epoch with shifted step counters. Saving from the batch
-    hook, as the periodic checkpoints do, keeps the mid-stream state that resumes exactly.
+    hook keeps the mid-stream state that resumes exactly.
 
     Each save is written beside last.ckpt and then swapped in, so a run killed while saving
     (preemption, out of memory) keeps its previous last.ckpt; one of another layout's format (a
     sharded folder, now a single file, or the reverse) is kept under another name. In object storage, where nothing
     is renamed, each save is written as step-<N>.ckpt and `latest` then names it (project.checkpoint.latest). Written
-    in the background
-    (ckpt_async), it is swapped in once written: by rank 0 as soon as it sees the write ended (at the start of a
-    batch), else before the next save and at the end of training, where every rank waits for it.
+    in the background (ckpt_async), it is swapped in once written: by rank 0 as soon as it sees the write ended (at
+    the start of a batch), else before the next save and at the end of training, where every rank waits for it.
     """
 
     def __init__(
-        self, every_minutes: float | None = None, check_every_n_steps: int = 10, keep_last: int = 1, **kwargs: Any
+        self,
+        dirpath: str | Path,
+        every_n_train_steps: int = 0,
+        every_minutes: float | None = None,
+        check_every_n_steps: int = 10,
+        keep_last: int = 1,
+        save_weights_only: bool = False,
     ):
-        # Always last.ckpt, never last-v1.ckpt: a run directory moved elsewhere restores a stale
-        # last_model_path, and Lightning would then version the name, leaving `ckpt_path=last` behind.
-        super().__init__(save_top_k=0, save_last=True, enable_version_counter=False, **kwargs)
+        where = str(dirpath)
+        self.dirpath = where if is_remote(where) else str(Path(where).expanduser().resolve())
+        self.every_n_train_steps = every_n_train_steps
         self.every_minutes = every_minutes
         self.check_every_n_steps = check_every_n_steps
         self.keep_last = keep_last
+        self.save_weights_only = save_weights_only
         self._saved_at = time.monotonic()
         self._steps = OptimizerSteps()
+        self._saved_step: int | None = None  # the optimizer step of this run's latest save
+        self._saved_path: str | None = None  # where it went
         self._in_flight: InFlight | None = None  # a save being written in the background, to swap in once written
         self._unlogged: list[InFlight] = []  # saves in place whose checkpoint/* metrics are still to be logged
 
     @property
-    def state_key(self) -> str:
-        # Lightning keys a callback's saved state by its settings, the interval among them: a run resumed
-        # with another ckpt_every_n_steps would drop this state and warn that the callback is missing.
-        return type(self).__name__
+    def last_path(self) -> str:
+        return f"{self.dirpath.rstrip('/')}/last.ckpt"
 
     def decides_at(self, trainer: Trainer, step: int) -> bool:
         """Whether the ranks agree, at optimizer step `step` (0-based), on whether to save now: on `every_minutes`
@@ -84,7 +90,6 @@ class StepCheckpoint(ModelCheckpoint):
         return (step + 1) % self.check_every_n_steps == 0 or (every_log > 0 and (step + 1) % every_log == 0)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
         self._saved_at = time.monotonic()
         self._steps.start(trainer)
 
@@ -101,7 +106,6 @@ class StepCheckpoint(ModelCheckpoint):
         self._remove_replaced(trainer)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        super().on_train_end(trainer, pl_module)
         self.finish(trainer)
         self._log(trainer)
         self._remove_replaced(trainer)
@@ -177,11 +181,11 @@ class StepCheckpoint(ModelCheckpoint):
             rank_zero_info(f"the previous {target.name}, of another layout's format, is now {kept}")
 
     def _remove_replaced(self, trainer: Trainer) -> None:
-        if trainer.is_global_zero and self._last_checkpoint_saved and not is_remote(self._last_checkpoint_saved):
+        if trainer.is_global_zero and self._saved_path and not is_remote(self._saved_path):
             try:
-                self._keep_replaced(Path(self._last_checkpoint_saved))
+                self._keep_replaced(Path(self._saved_path))
             except storage_errors() as error:  # rank 0 alone here: said, and tried again at the next save
-                rank_zero_warn(f"the checkpoint {self._last_checkpoint_saved} replaced was not yet removed ({error})")
+                rank_zero_warn(f"the checkpoint {self._saved_path} replaced was not yet removed ({error})")
 
     def _keep_replaced(self, target: Path) -> None:
         """The checkpoint a newer `target` replaced (`<target>.old`, the newer whole in place): removed, or with
@@ -201,20 +205,26 @@ class StepCheckpoint(ModelCheckpoint):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if trainer.global_step == trainer.max_steps:
+        if not self._steps.just_ended(trainer):
+            return
+        step, every = trainer.global_step, self.every_n_train_steps
+        if step == trainer.max_steps or (every > 0 and step % every == 0):
             self.save(trainer)
-        elif self._steps.just_ended(trainer) and self.every_minutes:
+        elif self.every_minutes:
             due = time.monotonic() - self._saved_at >= 60 * self.every_minutes
-            if self.decides_at(trainer, trainer.global_step - 1) and trainer.strategy.broadcast(due):
+            if self.decides_at(trainer, step - 1) and trainer.strategy.broadcast(due):
                 self.save(trainer)
 
     def save(self, trainer: Trainer) -> None:
-        """Save last.ckpt now, between optimizer steps (unless this step is saved already)."""
-        if self._last_global_step_saved != trainer.global_step and not self._should_skip_saving_checkpoint(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        """Save last.ckpt now, between optimizer steps (unless this step is saved already, or this is no fit)."""
+        fast_dev_run = trainer.fast_dev_run  # type: ignore[attr-defined]  # set by Trainer.__init__, untyped
+        fitting = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and not fast_dev_run
+        if fitting and self._saved_step != trainer.global_step:
+            self.write(trainer, self.last_path)
 
-    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+    def write(self, trainer: Trainer, filepath: str) -> None:
+        """Write the checkpoint of this step to `filepath` through a staged path: in place when written, or once its
+        background write ends."""
         self.finish(trainer)  # one in flight at most: the one before is in place first
         started = time.perf_counter()
         target = location(filepath)
@@ -226,7 +236,7 @@ class StepCheckpoint(ModelCheckpoint):
         if is_remote(target) and self._on_rank_zero(trainer, self._is_latest, staged, target):
             # The save this run resumed from, saved again (its step reached anew): it is there, and removing it to
             # write it again would leave nothing to resume from until the write ends.
-            self._last_global_step_saved = trainer.global_step
+            self._saved_step = trainer.global_step
             return
         # Only rank 0 touches the files; the others learn whether it worked (or they would wait for
         # it at the next collective until the process group times out).
@@ -246,12 +256,9 @@ class StepCheckpoint(ModelCheckpoint):
                 self._swapped(written)
         else:
             self._in_flight = written
-        self._last_global_step_saved = trainer.global_step
-        self._last_checkpoint_saved = filepath
+        self._saved_step = trainer.global_step
+        self._saved_path = filepath
         self._saved_at = time.monotonic()
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.after_save_checkpoint(proxy(self))
 
     @staticmethod
     def _on_rank_zero(trainer: Trainer, fn: Callable[..., Any], *args: Any) -> Any:
