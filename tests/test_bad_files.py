@@ -86,6 +86,9 @@ class Inputs:
                 "data.seq_len=32", f"hydra.run.dir={self.tmp / 'prepare-run'}", *extra]  # fmt: skip
 
 
+OLDER_FORMAT = r"ckpt_path=\S*older.ckpt was written before 2026-11-27 .* 0.1.0 \(git checkout da724a6\) reads it"
+
+
 @dataclass
 class Built:
     args: list[str]
@@ -327,6 +330,31 @@ def ckpt_of_another_tokenizer(inputs: Inputs) -> Built:
     return Built(args, keep=[inputs.run / "checkpoints"])
 
 
+def older_format(inputs: Inputs) -> Path:
+    """The run's checkpoint as one written before 2026-11-27 looked: no schedule record."""
+    import torch
+
+    checkpoint = torch.load(inputs.ckpt, weights_only=False)
+    del checkpoint["schedule"]
+    torch.save(checkpoint, inputs.tmp / "older.ckpt")
+    return inputs.tmp / "older.ckpt"
+
+
+def ckpt_of_an_older_format(inputs: Inputs) -> Built:
+    ckpt = older_format(inputs)
+    return Built(inputs.train(inputs.shards, f"ckpt_path={ckpt}", "trainer.max_steps=4"), keep=[ckpt])
+
+
+def export_ckpt_of_an_older_format(inputs: Inputs) -> Built:
+    ckpt = older_format(inputs)
+    return Built([f"ckpt_path={ckpt}", f"output_dir={inputs.tmp / 'hf'}"], keep=[ckpt])
+
+
+def generate_ckpt_of_an_older_format(inputs: Inputs) -> Built:
+    ckpt = older_format(inputs)
+    return Built([f"ckpt_path={ckpt}", "prompt=the king"], keep=[ckpt])
+
+
 def run_dir_read_only(inputs: Inputs) -> Built:
     return Built(train_overrides(inputs.shards, read_only_folder(inputs.tmp / "ro") / "run"))
 
@@ -543,6 +571,7 @@ CASES = [
         subprocess=True,
         past_the_checks=True,
     ),  # fmt: skip
+    Case("ckpt-older-format", "train", ckpt_of_an_older_format, OLDER_FORMAT, subprocess=True, past_the_checks=True),
     Case(
         "run-dir-read-only",
         "train",
@@ -576,6 +605,7 @@ CASES = [
         rf"ckpt_path=\S*last.ckpt: \S*last.ckpt {NOT_A_CHECKPOINT}",
         subprocess=True,
     ),
+    Case("export-ckpt-older-format", "export", export_ckpt_of_an_older_format, OLDER_FORMAT),
     Case(
         "export-read-only",
         "export",
@@ -615,6 +645,7 @@ CASES = [
         generate_ckpt_truncated,
         rf"ckpt_path=\S*last.ckpt: \S*last.ckpt {NOT_A_CHECKPOINT}",
     ),
+    Case("generate-ckpt-older-format", "generate", generate_ckpt_of_an_older_format, OLDER_FORMAT),
 ]
 
 
@@ -735,7 +766,7 @@ def test_a_dry_run_refuses_every_bad_file_a_real_start_refuses(case, tmp_path, t
     assert exit_.value.code == 2 and error.startswith("error: ") and re.search(case.message, error), error
 
 
-def test_a_checkpoint_records_its_tokenizer_and_one_from_before_the_record_still_resumes(trained_run, tiny_shards):
+def test_a_checkpoint_records_its_tokenizer_and_one_without_the_record_still_resumes(trained_run, tiny_shards):
     from project.checkpoint.files import read_checkpoint_file
     from project.data.datamodule import TokenShardDataModule
     from project.training.lit_module import check_resumable
@@ -748,7 +779,17 @@ def test_a_checkpoint_records_its_tokenizer_and_one_from_before_the_record_still
     model = checkpoint["hyper_parameters"]["model"]
     check_resumable(checkpoint, model, identity, "last.ckpt")  # the run's own shards: resumes
     del checkpoint["tokenizer"]
-    check_resumable(checkpoint, model, identity, "last.ckpt")  # no record: taken on trust, as before
+    check_resumable(checkpoint, model, identity, "last.ckpt")  # a fit that read no token shards records none
+
+
+def test_load_from_checkpoint_refuses_a_checkpoint_of_an_older_format_too(trained_run, tiny_shards, tmp_path, request):
+    from project.runtime.errors import ConfigError
+    from project.training.lit_module import LlamaLitModule
+
+    older = older_format(Inputs(tmp_path, tiny_shards, request))
+    with pytest.raises(ConfigError, match=OLDER_FORMAT.replace(r"ckpt_path=\S*older.ckpt", "the checkpoint")):
+        LlamaLitModule.load_from_checkpoint(older)
+    LlamaLitModule.load_from_checkpoint(trained_run / "checkpoints" / "last.ckpt")  # today's format loads
 
 
 def test_the_datamodule_refuses_damaged_shards_too(tiny_shards, tmp_path):

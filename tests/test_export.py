@@ -74,6 +74,7 @@ def write_checkpoint(directory: Path, config: LlamaConfig, tokenizer_file: str, 
         "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
         "optimizer_states": [],
         "lr_schedulers": [],
+        "schedule": {},  # every checkpoint written since 2026-11-27 records one
         "hyper_parameters": {"model": asdict(config)},
         "datamodule_hyper_parameters": {"data_dir": str(data_dir)},
     }

@@ -138,6 +138,7 @@ def write_checkpoint(path: Path, model: Llama, data_dir: Path) -> Path:
     """What Lightning saves for our module, reduced to the parts generate reads."""
     ckpt = {
         "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+        "schedule": {},  # every checkpoint written since 2026-11-27 records one
         "hyper_parameters": {"model": asdict(model.config), "document_mask": False},
         "datamodule_hyper_parameters": {"data_dir": str(data_dir)},
     }

@@ -190,29 +190,22 @@ def test_an_optimizer_without_a_fused_argument_is_a_config_error_naming_the_fix(
 
 
 def test_a_resume_that_changes_the_schedule_says_which_setting_and_the_steps_rate_before_and_after():
-    from project.training.schedule import recorded_schedule, schedule_change, schedule_record
+    from project.training.schedule import schedule_change, schedule_record
 
     cfg = OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=5)
     # The tour's mistake: stopped by trainer.max_steps=20 (the schedule's length), resumed with max_steps 30.
-    stopped = {"schedule": schedule_record(cfg, max_steps=20)}
-    said = schedule_change(recorded_schedule(stopped), schedule_record(cfg, max_steps=30), step=20)
+    said = schedule_change(schedule_record(cfg, max_steps=20), schedule_record(cfg, max_steps=30), step=20)
     # Step 20 by hand: 20 steps end the cosine at min_lr; of 30, step 20 is 16 of 25 cosine steps.
     before = 3e-4
     after = 3e-4 + 0.5 * (3e-3 - 3e-4) * (1 + math.cos(math.pi * 16 / 25))
     assert said is not None and "optim.decay_steps: 20 there, 30 here" in said
     assert f"{before:.6f} on the checkpoint's schedule and {after:.6f} on this one" in said
     assert "set optim.decay_steps=20" in said
-    # The same schedule (decay_steps given on the first run) resumes silently; a checkpoint from before the record
-    # is compared on the optimizer settings it keeps.
+    # The same schedule (decay_steps given on the first run) resumes silently; another peak rate is named.
     kept = OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=5, decay_steps=30)
-    assert (
-        schedule_change(recorded_schedule({"schedule": schedule_record(kept, 20)}), schedule_record(cfg, 30), 20)
-        is None
-    )
-    older = {"hyper_parameters": {"optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5, "decay_steps": None}}}
-    assert schedule_change(recorded_schedule(older), schedule_record(cfg, 30), 20) is None
+    assert schedule_change(schedule_record(kept, 20), schedule_record(cfg, 30), 20) is None
     lower = schedule_change(
-        recorded_schedule(older), schedule_record(OptimConfig(lr=1e-3, min_lr=3e-4, warmup_steps=5), 30), 20
+        schedule_record(kept, 20), schedule_record(OptimConfig(lr=1e-3, min_lr=3e-4, warmup_steps=5), 30), 20
     )
     assert lower is not None and "optim.lr: 0.003 there, 0.001 here" in lower
 

@@ -7,6 +7,7 @@ import io
 import os
 import pickle
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,25 @@ def checkpoint_metadata(path: Location) -> dict[str, Any]:
         if is_folder(path)
         else read_checkpoint_file(path, mmap=True)
     )
+
+
+# The oldest checkpoints this version reads: those of 2026-11-27 on, which all record their learning-rate schedule
+# ("schedule", the first record added that day). The code that read older ones went with version 0.2.0; 0.1.0 at
+# commit da724a6 still reads them, and its checkpoints are read here.
+FORMAT_SINCE = "2026-11-27"
+READS_OLDER = "version 0.1.0 (git checkout da724a6)"
+
+
+def refuse_older_format(checkpoint: Mapping[str, Any], source: object) -> None:
+    """Refuse a checkpoint of our module written before FORMAT_SINCE, naming the version that reads it."""
+    hparams = checkpoint.get("hyper_parameters")
+    if isinstance(hparams, Mapping) and "model" in hparams and "schedule" not in checkpoint:
+        raise ConfigError(
+            f"ckpt_path={source} was written before {FORMAT_SINCE} (it records no learning-rate schedule), by a "
+            f"version of this platform whose checkpoints this one no longer reads. {READS_OLDER} reads it: resume "
+            "it there for one step (or export it), then pass the checkpoint that run writes, which this version "
+            "reads; or start a new run without ckpt_path."
+        )
 
 
 def checkpoint_step(path: Location) -> int:

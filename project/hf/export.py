@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from project.checkpoint.files import checkpoint_metadata
+from project.checkpoint.files import checkpoint_metadata, refuse_older_format
 from project.checkpoint.locations import (
     Location,
     check_reachable,
@@ -102,6 +102,7 @@ def load_checkpoint(path: Location) -> tuple[LlamaConfig, CheckpointWeights, Map
         raise ConfigError(
             f"ckpt_path={path}: could not read the checkpoint ({reason}); pass another checkpoint."
         ) from None
+    refuse_older_format(ckpt, path)
     try:
         config = model_config(dict(hparams["model"]))
     except (TypeError, ValueError) as e:
@@ -129,7 +130,7 @@ def checkpoint_tokenizer(
 
 def check_trained_with(path: Path, ckpt: Mapping, source: object, override: bool) -> None:
     """Refuse the tokenizer at `path` (`override`: given as tokenizer=) where the checkpoint records the digest of
-    another vocabulary (checkpoints from before the digest was recorded are taken on trust)."""
+    another vocabulary (a fit that read no token shards records none: nothing to compare)."""
     given = f"tokenizer={path}" if override else f"the tokenizer file {path}"
     recorded = (ckpt.get("tokenizer") or {}).get("vocabulary_sha256")
     if not recorded or path.suffix not in (".json", ".model"):

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
 
-from project.checkpoint.files import rebase_batch_progress
+from project.checkpoint.files import rebase_batch_progress, refuse_older_format
 from project.checkpoint.reshard import read_whole
 from project.config.optim import OptimConfig
 from project.config.stability import StabilityConfig
@@ -60,8 +60,10 @@ def check_resumable(
     data_dir: Any = None,
 ) -> None:
     """Refuse to resume from a checkpoint of another model shape, or one trained on the token ids of another
-    tokenizer than `tokenizer` (that of the shards in `data_dir`), naming the settings that differ.
-    Checkpoints from before the tokenizer was recorded are taken on trust."""
+    tokenizer than `tokenizer` (that of the shards in `data_dir`), naming the settings that differ, or one written
+    before the format this version reads (refuse_older_format). A fit that read no token shards records no tokenizer:
+    there is nothing to compare."""
+    refuse_older_format(checkpoint, source)
     recorded = checkpoint.get("tokenizer")
     given: Mapping[str, Any] = tokenizer or {}
     differ = [k for k in given if isinstance(recorded, Mapping) and k in recorded and recorded[k] != given[k]]
@@ -219,6 +221,7 @@ class LlamaLitModule(LightningModule):
         self._parallelized = True
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        refuse_older_format(checkpoint, "the checkpoint")  # load_from_checkpoint too
         self._guard = NonFiniteGuard(self.optim.max_skipped_steps, checkpoint.get("skipped_steps", 0))
         self._spikes.load_state_dict(checkpoint.get("stability", {}))
         self._checkpoint_steps.add(int(checkpoint.get("global_step", 0)))
@@ -363,8 +366,9 @@ class LlamaLitModule(LightningModule):
 
     def on_train_start(self) -> None:
         self._cool_down_from_the_start()
-        # A checkpoint from before the optimizer was fused restores its groups as they were (fused=None): fuse them
-        # again, their step counts on the parameters' device as fused AdamW keeps them, so the guard stays on it.
+        # A checkpoint of a run trained with ~module.optimizer.fused restores its groups as they were (fused=None):
+        # fuse them again, their step counts on the parameters' device as fused AdamW keeps them, so the guard stays
+        # on it.
         if not getattr(self._optimizer, "keywords", {}).get("fused"):
             return
         trainer = self.attached_trainer()

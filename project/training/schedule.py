@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Mapping
 
 from project.config.optim import OptimConfig
 
@@ -28,16 +28,6 @@ def schedule_record(cfg: OptimConfig, max_steps: int) -> dict[str, float]:
     """The schedule as a checkpoint keeps it."""
     values = (cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.decay_steps or max_steps)
     return dict(zip(SCHEDULE_SETTINGS, values))
-
-
-def recorded_schedule(checkpoint: Mapping[str, Any]) -> dict[str, float]:
-    """The schedule a checkpoint was trained on: its record, or, from a checkpoint older than the record, the
-    optimizer settings of its hyperparameters (its length there only where optim.decay_steps was set)."""
-    if isinstance(checkpoint.get("schedule"), Mapping):
-        return dict(checkpoint["schedule"])
-    optim = (checkpoint.get("hyper_parameters") or {}).get("optim") or {}
-    known = {f"optim.{key}": optim.get(key) for key in ("lr", "min_lr", "warmup_steps", "decay_steps")}
-    return {key: value for key, value in known.items() if value is not None}
 
 
 def schedule_change(saved: Mapping[str, float], now: Mapping[str, float], step: int) -> str | None:

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from project.training.schedule import SCHEDULE_SETTINGS, recorded_schedule, schedule_change
+from project.training.schedule import SCHEDULE_SETTINGS, schedule_change
 
 RECORD = "run_settings"  # the checkpoint's entry: {dotted setting: its value as JSON}
 
@@ -159,7 +159,7 @@ class RunSettings(Callback):
         if computing:
             said.append(resume_warning(saved, self.settings, computing))  # type: ignore[arg-type]
         step = int(checkpoint.get("global_step", 0))
-        if schedule := schedule_change(recorded_schedule(checkpoint), self.schedule, step):
+        if schedule := schedule_change(checkpoint["schedule"], self.schedule, step):
             said.append(schedule[0].upper() + schedule[1:] if said else schedule)
         if said:
             rank_zero_warn(" ".join(said))
