@@ -71,16 +71,15 @@ def test_strategy_configs_build_the_strategy_they_name():
     for name, dp, tp in (("fsdp2", "auto", 1), ("tp", 1, "auto"), ("tp_fsdp", "auto", 2)):
         strategy = instantiate(compose_train(f"strategy={name}").strategy)
         assert isinstance(strategy, LlamaParallelStrategy)
-        assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (dp, tp)
+        asked = strategy.asked_degrees()
+        assert (asked["data_parallel_size"], asked["tensor_parallel_size"]) == (dp, tp)
     from project.parallel.strategies.pipeline import LlamaPipelineStrategy
 
     pipeline = instantiate(compose_train("strategy=pipeline", "strategy.schedule=zbv").strategy)
     assert isinstance(pipeline, LlamaPipelineStrategy) and isinstance(pipeline, LlamaParallelStrategy)
-    assert (pipeline._pipeline_parallel_size, pipeline._data_parallel_size, pipeline._tensor_parallel_size) == (
-        "auto",
-        1,
-        1,
-    )
+    asked = pipeline.asked_degrees()
+    degrees = ("pipeline_parallel_size", "data_parallel_size", "tensor_parallel_size")
+    assert [asked[name] for name in degrees] == ["auto", 1, 1]
     assert (pipeline.schedule, pipeline.virtual_stages) == ("zbv", 2)  # the V schedule's default: two chunks per rank
     ddp = instantiate(compose_train("strategy=ddp").strategy)
     assert isinstance(ddp, GlooFriendlyDDPStrategy) and ddp.comm_hook is None

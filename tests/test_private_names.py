@@ -9,7 +9,6 @@ import importlib
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
@@ -75,25 +74,6 @@ INSTANCE_ATTRIBUTES = [
         "run",
     ),
     (
-        lambda: LightningModule(),
-        "_device_mesh",
-        "parallel/strategies/model_parallel.py (for the pipeline's too)",
-        "what LightningModule.device_mesh returns in configure_model, set as ModelParallelStrategy.setup_environment "
-        "sets it, which the strategies replace to use the process's shared mesh (parallel/groups.py)",
-    ),
-    (
-        lambda: ModelParallelStrategy(),
-        "_data_parallel_size",
-        "parallel/strategies/model_parallel.py",
-        "the degrees, resolved once the world size is known",
-    ),
-    (
-        lambda: ModelParallelStrategy(),
-        "_tensor_parallel_size",
-        "parallel/strategies/model_parallel.py",
-        "the degrees, resolved once the world size is known",
-    ),
-    (
         lambda: FSDPStrategy(),
         "_forward_redirection",
         "parallel/strategies/fsdp.py",
@@ -120,12 +100,6 @@ FUNCTIONS = [
         "_setup_activation_checkpointing",
         "parallel/strategies/fsdp.py",
         "activation checkpointing on our CPU wrap, as Lightning's own wrap applies it",
-    ),
-    (
-        "lightning.fabric.connector",
-        "_convert_precision_to_unified_args",
-        "planning/dry_run.py",
-        "reads trainer.precision exactly as a real start does, without building a Trainer for a job elsewhere",
     ),
     (
         "torch.utils._python_dispatch",
@@ -155,14 +129,11 @@ PARAMETERS = {
     "_setup_distributed": ["self"],
     "__create_chunk_list__": ["self"],
     "_setup_activation_checkpointing": ["module", "activation_checkpointing_kwargs"],
-    "_convert_precision_to_unified_args": ["precision"],
     "_forward_redirection": ["wrapper_module", "original_module", "method_name", "args", "kwargs"],
 }
 # What each attribute we read or set holds on a new instance.
 HOLDS = {
     "_device_mesh": type(None),
-    "_data_parallel_size": (str, int),
-    "_tensor_parallel_size": (str, int),
     "_activation_checkpointing_kwargs": dict,
 }
 

@@ -251,16 +251,6 @@ def rank_share(cfg: DictConfig, layout: Layout, rank: int) -> RankShare:
     return replica_share(cfg, layout.shape, rank)
 
 
-def check_precision(cfg: DictConfig) -> None:
-    """trainer.precision as Lightning reads it at a real start."""
-    from lightning.fabric.connector import _convert_precision_to_unified_args
-
-    try:
-        _convert_precision_to_unified_args(cfg.trainer.get("precision", "32-true"))
-    except ValueError as error:
-        raise ConfigError(f"trainer.precision: {error}") from None
-
-
 def check_checkpoint_resumable(cfg: DictConfig, run_dir: Path) -> None:
     """The checkpoint to resume from holds a model of this run's shape, as a real start checks before it loads."""
     from project.config.checkpoints import checkpoint_dir, resume_point
@@ -302,8 +292,7 @@ def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir:
             "dry_run=true needs the job's size: set trainer.num_nodes and trainer.devices (devices per node), "
             "e.g. trainer.num_nodes=8 trainer.devices=8 for 64 GPUs."
         )
-    check_precision(cfg)
-    check_trainer_arguments(cfg)
+    check_trainer_arguments(cfg)  # trainer.precision: checked with the settings (check_trainer)
     check_callback_arguments(cfg)  # as a real start's Trainer checks them, building none
     check_checkpoint_resumable(cfg, run_dir)
     shape = layout.shape

@@ -109,7 +109,9 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         self.regather_kv = regather_kv
         self.float8 = float8
         self.expert_parallel_size = expert_parallel_size
-        self._asked_data_parallel_size = data_parallel_size  # Lightning's own becomes data x context
+        # As asked ("auto" included): the degrees themselves are known once the world size is (set_up_meshes).
+        self._asked_data_parallel_size, self._asked_tensor_parallel_size = data_parallel_size, tensor_parallel_size
+        self._tensor_parallel = 1
         self._context_group: dist.ProcessGroup | None = None
         self._context_coords = (0, 1)
         self._replica_coords: tuple[int, int] | None = None
@@ -119,7 +121,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         """The degrees the strategy config asks for (mesh_shape's settings)."""
         return {
             "data_parallel_size": self._asked_data_parallel_size,
-            "tensor_parallel_size": self._tensor_parallel_size,
+            "tensor_parallel_size": self._asked_tensor_parallel_size,
             "context_parallel_size": self.context_parallel_size,
             "expert_parallel_size": self.expert_parallel_size,
         }
@@ -130,16 +132,14 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         shape = mesh_shape(self.asked_degrees(), self.num_nodes * self.num_processes, self.num_processes)
         ParallelStrategy.setup_environment(self)  # the device
         self._setup_distributed()
+        # Our module has no configure_model to read its device_mesh: the strategy shards the model from outside.
         self.set_up_meshes(shape, self.root_device.type)
-        assert self.lightning_module is not None  # connected before the trainer sets the strategy up
-        self.lightning_module._device_mesh = self._device_mesh  # what configure_model reads, as Lightning sets it
 
     def set_up_meshes(self, shape: MeshShape, device_type: str) -> None:
         """The process meshes of the run, each a view of `shape` and shared by every fit of the process
         (parallel/groups.py): Lightning's (data x context as its `data_parallel`, FSDP2's ranks), the context
         groups' and the expert groups'. Needs the default process group (a dry run's is fake)."""
-        self._data_parallel_size = shape.data_parallel * shape.context_parallel
-        self._tensor_parallel_size = shape.tensor_parallel
+        self._tensor_parallel = shape.tensor_parallel
         outer = self.outer_dims
         # Lightning's ModelParallelStrategy names its dimensions data_parallel and tensor_parallel.
         sizes = shape.sizes((*outer, "data_parallel", "tensor"))
@@ -278,7 +278,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
     def blocks_run_alone(self) -> bool:
         """FSDP2 gathers in hooks outside the block's own forward; tensor and context parallelism reduce inside it,
         expert parallelism sends tokens inside it."""
-        return self._tensor_parallel_size == 1 and self._context_group is None and self.expert_parallel_size == 1
+        return self._tensor_parallel == 1 and self._context_group is None and self.expert_parallel_size == 1
 
     def sum_of_squares(self, groups: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
         """Each group's DTensors reduced to a full sum per mesh (as clip_grad_norm's norms), then the stages'."""
