@@ -39,7 +39,7 @@ EXPERIMENT ?= shakespeare
 RUN_DIR ?= outputs/runs/train-$(EXPERIMENT)
 SAMPLE_PROMPT ?= To be, or not to be
 
-.PHONY: install install-horovod train prepare test test-fast lint typecheck format bench gpu-check gpu-wheels docs clean slurm
+.PHONY: install install-horovod train prepare test test-fast lint typecheck format bench gpu-check gpu-wheels docs check-torch-floor clean slurm
 
 install: $(STAMP) $(VENV)/hf-reference/sitecustomize.py
 
@@ -163,6 +163,15 @@ docs: $(VENV)/.installed-docs
 $(VENV)/.installed-docs: $(STAMP)
 	$(PIP) install -q -e ".[docs]"
 	touch $@
+
+# The oldest torch pyproject.toml admits, in an environment of its own (.venv-floor; PyPI's build of it, with CUDA:
+# about 4 GB): every module imports, and the tests of the newest torch APIs the code calls pass
+# (tests/test_torch_floor.py says which). Run it when the floor or the code's use of torch changes.
+TORCH_FLOOR ?= torch==2.12.0
+FLOOR_TESTS ?= tests/test_torch_floor.py tests/test_pipeline.py tests/test_moe.py tests/test_context_parallel.py
+check-torch-floor:
+	$(MAKE) install VENV=.venv-floor TORCH="$(TORCH_FLOOR)"
+	.venv-floor/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -p no:cacheprovider $(FLOOR_TESTS)
 
 clean:
 	rm -rf outputs multirun lightning_logs

@@ -2,8 +2,8 @@
 
 The report's plots (bars, lines, and heat maps of per-layer numerics) are all this project draws. matplotlib drew
 them before, but with it installed torchmetrics (which lightning imports) loads matplotlib.pyplot at import time:
-0.9 s of every process start. The output is a pure function of the input (no dates, no random ids), so a report
-made again is the same bytes.
+about half a second of every process start (measured again on 2026-12-04: docs/developers.md). The output is a
+pure function of the input (no dates, no random ids), so a report made again is the same bytes.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def check_trainer(cfg: DictConfig, here: bool = True) -> None:
         if not torch.cuda.is_available():
             reason = (
                 f"this torch ({torch.__version__}) is a CPU build: on a GPU machine install a CUDA build, e.g. "
-                '`make install TORCH="torch==2.11.0"`'
+                '`make install TORCH="torch==2.13.0"`'
                 if torch.version.cuda is None
                 else f"this torch (CUDA {torch.version.cuda}) sees no GPU: check the driver (nvidia-smi) and "
                 "CUDA_VISIBLE_DEVICES"

@@ -21,24 +21,16 @@ import warnings
 from typing import Any
 
 import torch
-
-try:
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-except ImportError:  # torch < 2.5
-    BlockMask = None  # type: ignore[assignment,misc]
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 _compiled_flex_attention: Any = None
-
-
-def has_flex_attention() -> bool:
-    return BlockMask is not None
 
 
 def document_mask(document_ids: torch.Tensor, query_positions: torch.Tensor | None = None) -> torch.Tensor | BlockMask:
     """Causal attention within each document of document_ids [B, T]: a block mask where FlexAttention trains
     (a GPU), else the dense mask. `query_positions` [T_q] (increasing), optional: only those positions' rows,
     against every key (context parallelism's rank keeps some of the sequence's queries); all T by default."""
-    if document_ids.device.type == "cuda" and has_flex_attention():
+    if document_ids.device.type == "cuda":
         return document_block_mask(document_ids, query_positions)
     return dense_document_mask(document_ids, query_positions)
 

@@ -65,8 +65,8 @@ def sequence_order(seq_len: int, size: int, device: torch.device | None = None) 
     return torch.argsort(ranks_order(seq_len, size, device))
 
 
-# torch 2.13 names the single-buffer collectives *_single (its *_tensor names warn that they are deprecated); the
-# torch of some GPU nodes (2.11) has only the older names.
+# torch 2.13 names the single-buffer collectives *_single (its *_tensor names warn that they are deprecated); 2.12,
+# which the platform still runs on, has only the older names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
