@@ -167,7 +167,7 @@ $(VENV)/.installed-docs: $(STAMP)
 # The oldest torch pyproject.toml admits, in an environment of its own (.venv-floor; PyPI's build of it, with CUDA:
 # about 4 GB): every module imports, and the tests of the newest torch APIs the code calls pass
 # (tests/test_torch_floor.py says which). Run it when the floor or the code's use of torch changes.
-TORCH_FLOOR ?= torch==2.12.0
+TORCH_FLOOR ?= torch==2.13.0
 FLOOR_TESTS ?= tests/test_torch_floor.py tests/test_pipeline.py tests/test_moe.py tests/test_context_parallel.py
 check-torch-floor:
 	$(MAKE) install VENV=.venv-floor TORCH="$(TORCH_FLOOR)"

@@ -65,12 +65,6 @@ def sequence_order(seq_len: int, size: int, device: torch.device | None = None) 
     return torch.argsort(ranks_order(seq_len, size, device))
 
 
-# torch 2.13 names the single-buffer collectives *_single (its *_tensor names warn that they are deprecated); 2.12,
-# which the platform still runs on, has only the older names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 class _GatherSequence(torch.autograd.Function):
     """All ranks' parts of x along dim 2, in sequence order; backward: each rank gets the sum, over the group, of the
     gradients of its own part (a reduce-scatter: half the traffic of an all-reduce)."""
@@ -81,7 +75,7 @@ class _GatherSequence(torch.autograd.Function):
         batch, heads, part, dim = x.shape
         # The ranks' parts concatenated along the first dimension (what the collective writes), then side by side.
         gathered = torch.empty(size * batch, heads, part, dim, dtype=x.dtype, device=x.device)
-        _all_gather_single(gathered, x.contiguous(), group=group)
+        dist.all_gather_single(gathered, x.contiguous(), group=group)
         stacked = gathered.view(size, batch, heads, part, dim)
         in_rank_order = stacked.permute(1, 2, 0, 3, 4).reshape(batch, heads, size * part, dim)
         return in_rank_order.index_select(2, sequence_order(size * part, size, x.device))
@@ -94,7 +88,7 @@ class _GatherSequence(torch.autograd.Function):
         stacked = by_rank.view(batch, heads, size, seq_len // size, dim).permute(2, 0, 1, 3, 4).contiguous()
         mine = torch.empty(batch, heads, seq_len // size, dim, dtype=grad.dtype, device=grad.device)
         # Every rank's queries looked at every part: the parts' sums, each to its rank.
-        _reduce_scatter_single(mine, stacked.view(size * batch, heads, seq_len // size, dim), group=ctx.group)
+        dist.reduce_scatter_single(mine, stacked.view(size * batch, heads, seq_len // size, dim), group=ctx.group)
         return mine, None, None, None
 
 
