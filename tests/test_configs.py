@@ -122,9 +122,8 @@ def test_the_settings_check_knows_each_strategy_as_its_built_class_does():
     from hydra.utils import instantiate
     from lightning.pytorch.strategies import FSDPStrategy, SingleDeviceStrategy
 
-    from project.parallel.contract import contract_of
     from project.parallel.kinds import strategy_kind
-    from project.parallel.strategies.horovod import HorovodStrategy, horovod_strategy
+    from project.parallel.strategies.horovod import horovod_strategy
     from project.parallel.strategies.pipeline import LlamaPipelineStrategy
 
     for name in STRATEGIES:
@@ -132,12 +131,12 @@ def test_the_settings_check_knows_each_strategy_as_its_built_class_does():
         kind = strategy_kind(node)
         if name == "horovod":  # built by tests/test_horovod.py, which needs Horovod installed
             assert node._target_ == f"{horovod_strategy.__module__}.{horovod_strategy.__name__}"
-            assert kind.own_launcher == HorovodStrategy.ranks_from_own_launcher and not kind.pipeline
+            assert kind.own_launcher and not kind.pipeline  # its strategy brings horovodrun's environment
             continue
         strategy = instantiate(node)
         assert kind.pipeline == isinstance(strategy, LlamaPipelineStrategy), name
         assert kind.single_device == isinstance(strategy, SingleDeviceStrategy), name
-        assert kind.own_launcher == contract_of(strategy).ranks_from_own_launcher, name
+        assert not kind.own_launcher and getattr(strategy, "cluster_environment", None) is None, name
         assert kind.local_checkpoints == isinstance(strategy, FSDPStrategy), name  # FSDP1: no object storage
     assert {n for n in STRATEGIES if strategy_kind(compose_train(f"strategy={n}").strategy).pipeline} == {"pipeline"}
 

@@ -144,15 +144,22 @@ def test_a_module_without_a_strategy_of_ours_keeps_lightnings_defaults():
     assert all(p.grad is None for p in module.parameters())
 
 
-def test_only_horovod_takes_its_ranks_from_its_own_launcher():
-    # Under SLURM, the run gives Lightning SLURM's environment unless the strategy's launcher gives the ranks.
-    from project.parallel.contract import LlamaStrategy
-    from project.parallel.strategies.ddp import GlooFriendlyDDPStrategy
-    from project.parallel.strategies.horovod import HorovodStrategy
-    from project.parallel.strategies.model_parallel import LlamaParallelStrategy
+def test_in_a_slurm_job_a_strategy_keeps_a_cluster_environment_of_its_own_and_others_get_slurms(monkeypatch):
+    # Horovod's strategy brings its launcher's environment (built only where Horovod is installed): any strategy
+    # built with one stands in for it.
+    from lightning.pytorch.plugins.environments import LightningEnvironment, SLURMEnvironment
 
-    assert HorovodStrategy.ranks_from_own_launcher
-    assert not any(s.ranks_from_own_launcher for s in (LlamaStrategy, GlooFriendlyDDPStrategy, LlamaParallelStrategy))
+    from project.parallel.strategies.ddp import GlooFriendlyDDPStrategy
+    from project.parallel.strategies.model_parallel import LlamaParallelStrategy
+    from project.training.trainer import cluster_plugins
+
+    own = GlooFriendlyDDPStrategy(cluster_environment=LightningEnvironment())
+    assert cluster_plugins(GlooFriendlyDDPStrategy()) == [] and cluster_plugins(own) == []  # not in a SLURM job
+    monkeypatch.setattr(SLURMEnvironment, "detect", staticmethod(lambda: True))
+    for strategy in (GlooFriendlyDDPStrategy(), LlamaParallelStrategy()):
+        (plugin,) = cluster_plugins(strategy)
+        assert isinstance(plugin, SLURMEnvironment) and not plugin.auto_requeue
+    assert cluster_plugins(own) == []
 
 
 def test_an_optimizer_state_saved_unfused_is_fused_again_when_training_resumes():

@@ -87,9 +87,6 @@ class LlamaStrategy:
     #: `step_loss` computes the gradients too (a pipeline schedule runs every backward inside the step), so
     #: the module must not let Lightning zero them between the step and its backward.
     gradients_in_step: ClassVar[bool] = False
-    #: Its own launcher (horovodrun) starts the processes and gives their ranks, also inside a SLURM job: the run
-    #: must not take them from SLURM's tasks.
-    ranks_from_own_launcher: ClassVar[bool] = False
 
     def parallelize(self, model: Llama, initialize: bool = True) -> None:
         """Shard or transform `model` in place before the optimizer is built (LightningModule.configure_model).

@@ -17,7 +17,7 @@ from lightning.pytorch.accelerators import AcceleratorRegistry, CPUAccelerator
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
-from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.strategies import ParallelStrategy, Strategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
@@ -100,14 +100,19 @@ def build_loggers(cfg: DictConfig, run_dir: Path, layout: Layout) -> list[Logger
     return [instantiate(node)(run) for node in cfg.logger.values() if node is not None]
 
 
+def cluster_plugins(strategy: Strategy) -> list[SLURMEnvironment]:
+    """SLURM's environment in a SLURM job, without its requeue on a signal: our handler checkpoints between steps,
+    Lightning's would save mid-step. A strategy with a cluster environment of its own (Horovod's: horovodrun gives
+    the ranks, also in a batch job) keeps it, as Lightning takes only one."""
+    own = isinstance(strategy, ParallelStrategy) and strategy.cluster_environment is not None
+    return [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() and not own else []
+
+
 def build_trainer(cfg: DictConfig, run_dir: Path, strategy: Strategy, layout: Layout) -> L.Trainer:
     """lightning.Trainer from conf/trainer, with what the run computes: the strategy, callbacks and loggers, and the
     layout's accumulation and validation interval (validation is counted in optimizer steps)."""
     check_trainer_arguments(cfg)
     plan = layout.plan
-    # Our handler checkpoints between steps; Lightning's would save mid-step. Under horovodrun in a batch job,
-    # Horovod gives the ranks, not SLURM's tasks.
-    slurm = SLURMEnvironment.detect() and not contract_of(strategy).ranks_from_own_launcher
     callbacks = build_callbacks(cfg, layout)
     try:
         return instantiate(
@@ -119,7 +124,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, strategy: Strategy, layout: La
             enable_checkpointing=cfg.trainer.get("enable_checkpointing", True)
             and any(isinstance(c, ModelCheckpoint) for c in callbacks),
             logger=build_loggers(cfg, run_dir, layout),
-            plugins=[SLURMEnvironment(auto_requeue=False)] if slurm else [],
+            plugins=cluster_plugins(strategy),
             # Lightning logs every log_every_n_steps steps only: a shorter run would write no metrics at all.
             log_every_n_steps=min(cfg.trainer.get("log_every_n_steps", 50), cfg.trainer.max_steps),
             accumulate_grad_batches=plan.accumulate_grad_batches,

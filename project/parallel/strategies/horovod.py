@@ -102,8 +102,6 @@ class HorovodStrategy(BackgroundSaving, WholeModelLoading, LlamaStrategy, Parall
     learning rate (Horovod's examples do): the global batch is set as such (global_batch_size), as for DDP.
     """
 
-    ranks_from_own_launcher = True
-
     strategy_name = "horovod"
 
     def __init__(
