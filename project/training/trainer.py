@@ -14,7 +14,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.accelerators import AcceleratorRegistry, CPUAccelerator
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar
+from lightning.pytorch.callbacks import Callback, Checkpoint, ModelSummary, ProgressBar
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import ParallelStrategy, Strategy
@@ -119,10 +119,10 @@ def build_trainer(cfg: DictConfig, run_dir: Path, strategy: Strategy, layout: La
             cfg.trainer,
             strategy=strategy,
             callbacks=callbacks,
-            # Lightning adds a ModelCheckpoint of its own (epoch=...ckpt) to a run without one: last.ckpt is
-            # StepCheckpoint's, and a run that leaves the best checkpoint out (~callbacks.best_checkpoint) wants none.
+            # Lightning adds a ModelCheckpoint of its own (epoch=...ckpt) to a run without a Checkpoint callback:
+            # StepCheckpoint and BestCheckpoint are ours, and a run that leaves both out wants none.
             enable_checkpointing=cfg.trainer.get("enable_checkpointing", True)
-            and any(isinstance(c, ModelCheckpoint) for c in callbacks),
+            and any(isinstance(c, Checkpoint) for c in callbacks),
             logger=build_loggers(cfg, run_dir, layout),
             plugins=cluster_plugins(strategy),
             # Lightning logs every log_every_n_steps steps only: a shorter run would write no metrics at all.

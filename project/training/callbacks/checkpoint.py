@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -35,7 +35,7 @@ from project.runtime.errors import ConfigError
 from project.training.callbacks.steps import OptimizerSteps
 
 
-class StepCheckpoint(Callback):
+class StepCheckpoint(Checkpoint):  # a Checkpoint: Lightning runs it after the other callbacks of a step
     """last.ckpt every `every_n_train_steps` optimizer steps, after the step that reaches max_steps, and, with
     `every_minutes`, after the first step that ends that long after the last save of those at which the ranks decide
     whether to save (`decides_at`), so at most `check_every_n_steps` - 1 steps after the first that does; rank 0's
