@@ -32,14 +32,16 @@ class GlooFriendlyDDPStrategy(BackgroundSaving, WholeModelLoading, LlamaStrategy
     otherwise; torch's DDP supports comm hooks on gloo, so the same config behaves alike on both.
     """
 
-    def __init__(self, *, ddp_comm_hook: Callable | None = None, **kwargs: Any) -> None:
-        super().__init__(ddp_comm_hook=ddp_comm_hook, **kwargs)
-        self.comm_hook = ddp_comm_hook
+    def __init__(
+        self, *, ddp_comm_state: object | None = None, ddp_comm_hook: Callable | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(ddp_comm_state=ddp_comm_state, ddp_comm_hook=ddp_comm_hook, **kwargs)
+        self.comm_state, self.comm_hook = ddp_comm_state, ddp_comm_hook
 
     def configure_ddp(self) -> None:
         super().configure_ddp()  # wraps the model, and registers the hook on CUDA
         if self.comm_hook is not None and self.root_device.type != "cuda":
-            cast(DistributedDataParallel, self.model).register_comm_hook(state=None, hook=self.comm_hook)
+            cast(DistributedDataParallel, self.model).register_comm_hook(state=self.comm_state, hook=self.comm_hook)
 
 
 class TransformedDDPStrategy(WholeModelTransforms, GlooFriendlyDDPStrategy):

@@ -111,7 +111,6 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         self.expert_parallel_size = expert_parallel_size
         # As asked ("auto" included): the degrees themselves are known once the world size is (set_up_meshes).
         self._asked_data_parallel_size, self._asked_tensor_parallel_size = data_parallel_size, tensor_parallel_size
-        self._tensor_parallel = 1
         self._context_group: dist.ProcessGroup | None = None
         self._context_coords = (0, 1)
         self._replica_coords: tuple[int, int] | None = None
@@ -139,7 +138,6 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         """The process meshes of the run, each a view of `shape` and shared by every fit of the process
         (parallel/groups.py): Lightning's (data x context as its `data_parallel`, FSDP2's ranks), the context
         groups' and the expert groups'. Needs the default process group (a dry run's is fake)."""
-        self._tensor_parallel = shape.tensor_parallel
         outer = self.outer_dims
         # Lightning's ModelParallelStrategy names its dimensions data_parallel and tensor_parallel.
         sizes = shape.sizes((*outer, "data_parallel", "tensor"))
@@ -278,7 +276,8 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
     def blocks_run_alone(self) -> bool:
         """FSDP2 gathers in hooks outside the block's own forward; tensor and context parallelism reduce inside it,
         expert parallelism sends tokens inside it."""
-        return self._tensor_parallel == 1 and self._context_group is None and self.expert_parallel_size == 1
+        alone = self.device_mesh["tensor_parallel"].size() == 1 and self._context_group is None
+        return alone and self.expert_parallel_size == 1
 
     def sum_of_squares(self, groups: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
         """Each group's DTensors reduced to a full sum per mesh (as clip_grad_norm's norms), then the stages'."""
