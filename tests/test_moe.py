@@ -20,6 +20,7 @@ from project.model.families import FAMILIES, ModelFamily, build_model, family_of
 from project.model.flops import count_parameters, training_flops_per_token
 from project.model.moe import MoEFeedForward, WithAuxiliaryGradient
 from project.model.moe_config import MoEConfig
+from project.model.spec import TensorSpec
 from project.training.nonfinite import NonFiniteGuard
 
 TINY = {"vocab_size": 96, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "multiple_of": 16}
@@ -234,6 +235,9 @@ def test_every_family_builds_from_its_presets_and_an_unknown_family_is_named():
 class ToyConfig(LlamaConfig):
     family: str = "toy"
 
+    def feed_forward_tensors(self, index: int) -> list:
+        return [TensorSpec("feed_forward.w.weight", (self.dim, self.dim), "rows", self.init_std)]
+
 
 class ToyFormat(LlamaFormat):
     """A family's format as a new family would write one: one square matrix as its feed-forward."""
@@ -242,9 +246,6 @@ class ToyFormat(LlamaFormat):
 
     def config_dict(self, config: LlamaConfig, llama: dict) -> dict:
         return {**llama, "architectures": [self.architecture], "model_type": "toy"}
-
-    def feed_forward_shapes(self, config: LlamaConfig) -> dict:
-        return {"feed_forward.w.weight": (config.dim, config.dim)}
 
     def feed_forward_pieces(self, layer: str, name: str, config: LlamaConfig) -> list:
         return [(f"model.layers.{layer}.mlp.w.weight", None)]

@@ -103,48 +103,17 @@ def hf_config_dict(
     return hf_format(config).config_dict(config, llama)
 
 
-def _block_names(config: LlamaConfig) -> list[str]:
-    return [*_BLOCK_NAMES, *hf_format(config).feed_forward_shapes(config)]
-
-
 def weight_names(config: LlamaConfig) -> list[str]:
-    """Our parameter names for `config`; `output.weight` only when it is a separate matrix."""
-    names = ["tok_embeddings.weight", "norm.weight"]
-    names += [f"layers.{i}.{name}" for i in range(config.n_layers) for name in _block_names(config)]
-    if not config.tie_embeddings:
-        names.append("output.weight")
-    return names
-
-
-def _shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Our weights' shapes, by their names within a block or the model."""
-    d, q, kv = config.dim, config.n_heads * config.head_dim, config.kv_heads * config.head_dim
-    shapes = {
-        "attention_norm.weight": (d,),
-        "attention.wq.weight": (q, d),
-        "attention.wk.weight": (kv, d),
-        "attention.wv.weight": (kv, d),
-        "attention.wo.weight": (d, q),
-        "ffn_norm.weight": (d,),
-        "tok_embeddings.weight": (config.vocab_size, d),
-        "norm.weight": (d,),
-        "output.weight": (config.vocab_size, d),
-    }
-    return shapes | hf_format(config).feed_forward_shapes(config)
-
-
-def weight_shape(name: str, config: LlamaConfig) -> tuple[int, ...]:
-    """The shape of our weight `name` (`layers.3.attention.wq.weight`) in a model of `config`."""
-    return _shapes(config)[re.sub(r"^layers\.\d+\.", "", name)]
+    """Our parameter names for `config` (project.model.spec); `output.weight` only when it is a separate matrix."""
+    return [t.name for t in config.tensors()]
 
 
 def hf_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """The HF names and shapes of the weights of `config`'s HF model, as a folder holds them."""
     shapes = {}
-    for name in weight_names(config):
-        shape = weight_shape(name, config)
-        for hf, expert in hf_pieces(name, config):
-            shapes[hf] = shape if expert is None else shape[1:]
+    for tensor in config.tensors():
+        for hf, expert in hf_pieces(tensor.name, config):
+            shapes[hf] = tensor.shape if expert is None else tensor.shape[1:]
     return shapes
 
 

@@ -1,7 +1,7 @@
-"""Each model family's Hugging Face format: what its config.json adds to a Llama's, and the names, shapes and HF
-tensors of its feed-forward weights (the rest of a block, the embedding, the final norm and the head are a Llama's
-in every family). A family names its format in its registry entry (project.model.families, `hf_format`);
-project.hf.conversion asks the entry, never a config's class.
+"""Each model family's Hugging Face format: what its config.json adds to a Llama's, and the HF tensors of its
+feed-forward weights (the rest of a block, the embedding, the final norm and the head are a Llama's in every family;
+the shapes are the family's tensors', project.model.spec). A family names its format in its registry entry
+(project.model.families, `hf_format`); project.hf.conversion asks the entry, never a config's class.
 
 Torch-free, like project.hf.conversion.
 """
@@ -31,15 +31,6 @@ class LlamaFormat:
         """The family's config.json from the Llama one describing `config`'s attention, norms and sizes."""
         return llama
 
-    def feed_forward_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-        """Our feed-forward weights of one block, by their names within it, and their shapes."""
-        d, ffn = config.dim, config.ffn_hidden_dim
-        return {
-            "feed_forward.w1.weight": (ffn, d),
-            "feed_forward.w3.weight": (ffn, d),
-            "feed_forward.w2.weight": (d, ffn),
-        }
-
     def feed_forward_pieces(self, layer: str, name: str, config: LlamaConfig) -> Pieces:
         """The HF tensors our feed-forward weight `name` of block `layer` is."""
         return [(f"model.layers.{layer}.{self.FEED_FORWARD[name]}", None)]
@@ -67,15 +58,6 @@ class MixtralFormat(LlamaFormat):
             "router_jitter_noise": 0.0,
             "output_router_logits": False,
             "sliding_window": None,
-        }
-
-    def feed_forward_shapes(self, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-        d, n, f = config.dim, _mixture(config).n_experts, _mixture(config).expert_hidden_dim
-        return {
-            "feed_forward.router.gate.weight": (n, d),
-            "feed_forward.experts.w1": (n, f, d),
-            "feed_forward.experts.w3": (n, f, d),
-            "feed_forward.experts.w2": (n, d, f),
         }
 
     def feed_forward_pieces(self, layer: str, name: str, config: LlamaConfig) -> Pieces:

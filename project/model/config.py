@@ -5,10 +5,12 @@ Kept apart from the model so that settings can be checked (project.config.checks
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from project.model.spec import TensorSpec, gain, residual_std, swiglu
 from project.runtime.settings import above, check_fields, or_null, setting, whole
 
 # The dtypes a model's weights, compute or gradient reductions may take, by torch's names (getattr(torch, name)).
@@ -99,10 +101,42 @@ class LlamaConfig:
         """The settings its family's Hugging Face format cannot hold (project.model.families.without_hf_format)."""
         return []
 
-    def feed_forward_parameters(self, index: int, active: bool = False) -> int:
-        """Parameters of block `index`'s feed-forward (`active`: those one token's products use; all, for a dense
-        one). A family whose feed-forward differs says so here (project.model.moe_config)."""
-        return 3 * self.dim * self.ffn_hidden_dim
+    def block_tensors(self, index: int) -> list[TensorSpec]:
+        """Block `index`'s parameters, by their names within it, in the order the block holds them: attention with its
+        norm, then the feed-forward with its norm."""
+        return self.attention_tensors(index) + [gain("ffn_norm.weight", self.dim)] + self.feed_forward_tensors(index)
+
+    def attention_tensors(self, index: int) -> list[TensorSpec]:
+        """Grouped-query attention: q, k and v column-wise parallel (heads per rank), o row-wise."""
+        d, q, kv, std = self.dim, self.n_heads * self.head_dim, self.kv_heads * self.head_dim, self.init_std
+        return [
+            gain("attention_norm.weight", d),
+            TensorSpec("attention.wq.weight", (q, d), "rows", std, float8=True),
+            TensorSpec("attention.wk.weight", (kv, d), "rows", std, float8=True),
+            TensorSpec("attention.wv.weight", (kv, d), "rows", std, float8=True),
+            TensorSpec("attention.wo.weight", (d, q), "cols", residual_std(std, self.n_layers), float8=True),
+        ]
+
+    def feed_forward_tensors(self, index: int) -> list[TensorSpec]:
+        """Block `index`'s feed-forward: a SwiGLU of ffn_hidden_dim (a family whose feed-forward differs says so)."""
+        return swiglu("feed_forward", self.dim, self.ffn_hidden_dim, self.init_std, self._residual_std)
+
+    def tensors(self) -> list[TensorSpec]:
+        """Every parameter of the whole model, by its name in the model, in the model's order; a tied output matrix
+        is the embedding, listed once."""
+        embedding = TensorSpec("tok_embeddings.weight", (self.vocab_size, self.dim), "rows", self.init_std)
+        blocks = [t.in_block(i) for i in range(self.n_layers) for t in self.block_tensors(i)]
+        head = [] if self.tie_embeddings else [dataclasses.replace(embedding, name="output.weight")]
+        return [embedding, *blocks, gain("norm.weight", self.dim), *head]
+
+    def attention_span(self, index: int, seq_len: int) -> int:
+        """The keys a query of block `index` is scored against in a sequence of `seq_len` tokens, for the attention
+        FLOPs (project.model.flops): all of them (the causal mask's saving not counted, as PaLM and Megatron-LM)."""
+        return seq_len
+
+    @property
+    def _residual_std(self) -> float:
+        return residual_std(self.init_std, self.n_layers)
 
     def mixture(self, index: int) -> Mixture | None:
         """Block `index`'s mixture of experts, for the planner's tensors and traffic; None: a dense SwiGLU of

@@ -3,7 +3,7 @@ the Hugging Face architecture it converts to, and what the strategies can do wit
 shape). Everything that builds or sizes a model asks here (`model_config`, `build_model`), never a family's class.
 
 Torch-free: the settings check reads it before torch is imported; the model classes are imported on first build.
-A new family is a config class (with its own `feed_forward_parameters` and `mixture` for the planner's counts), a
+A new family is a config class (with its list of tensors, project.model.spec, and `mixture` for the planner), a
 model class with the dense Llama's interface (`run_layers`, `head_loss`, `initial_value`, `init_weights`,
 `to_empty`), a Hugging Face format (project.hf.formats) where it has one, its blocks' tensor-parallel plan where a
 Llama block's is not theirs (project.parallel.tensor_parallel), and an entry below.

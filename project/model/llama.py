@@ -19,6 +19,7 @@ from project.model.config import LlamaConfig
 from project.model.document_mask import BlockMask, document_mask, flex_attend
 from project.model.initial_values import matrix_shape, normal_values
 from project.model.loss import chunked_cross_entropy, chunked_target_log_probs
+from project.model.spec import own_name
 
 
 def rope_frequencies(config: LlamaConfig, device: torch.device | None = None) -> torch.Tensor:
@@ -225,6 +226,7 @@ class Llama(nn.Module):
         # which whatever ran before in the process (preparing data, a conversion, an import) may have drawn from.
         # So the weights depend on neither that, nor the order or device they are initialized on, nor their shards.
         self.init_seed = init_seed
+        self.tensor_specs = {t.name: t for t in config.tensors()}
         # Built on the meta device, so that the layers' own initialization (drawn, then replaced by ours) costs
         # nothing; then given memory where the model was asked for, unless that is the meta device too (a
         # strategy that shards the model gives it memory, and its values, after sharding).
@@ -291,13 +293,10 @@ class Llama(nn.Module):
         return values.view(shape) if rows is None and cols is None and out is None else values
 
     def initial_std(self, name: str) -> float | None:
-        """The standard deviation of parameter `name`'s initial values: init_std, and for the residual projections
-        (attention.wo, feed_forward.w2) init_std / sqrt(2 * n_layers) as in GPT-2; None for a norm's gain (ones)."""
-        if name.endswith("norm.weight"):
-            return None
-        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-            return self.config.init_std / math.sqrt(2 * self.config.n_layers)
-        return self.config.init_std
+        """The standard deviation of parameter `name`'s initial values, as its family's list of tensors says
+        (project.model.spec: init_std, the residual projections init_std / sqrt(2 * n_layers) as in GPT-2); None for
+        a norm's gain (ones)."""
+        return self.tensor_specs[own_name(name)].std
 
     def rope(
         self, seq_len: int, device: torch.device, dtype: torch.dtype, start: int = 0

@@ -212,11 +212,6 @@ class MoELlama(Llama):
             for p, index in enumerate(self.config.moe_layers)
         }
 
-    def initial_std(self, name: str) -> float | None:
-        if name.endswith(("experts.w2", "shared_expert.w2.weight")):  # residual projections, as the dense w2
-            return self.config.init_std / (2 * self.config.n_layers) ** 0.5
-        return super().initial_std(name)
-
     @torch.no_grad()
     def init_buffers(self) -> None:
         """The routing biases start at zero (to_empty leaves buffers unset)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from project.model.config import WHOLE, LlamaConfig, Mixture
+from project.model.spec import TensorSpec, swiglu
 from project.runtime.settings import at_least, or_null, setting, switch, whole
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -73,12 +74,26 @@ class MoEConfig(LlamaConfig):
             f"model.{key}={getattr(self, key)}" for key, value in MIXTRAL_ROUTING.items() if getattr(self, key) != value
         ]
 
-    def feed_forward_parameters(self, index: int, active: bool = False) -> int:
+    def feed_forward_tensors(self, index: int) -> list[TensorSpec]:
+        """A mixture block's: the router's gate, the stacked experts (top_k of n used per token), the shared expert;
+        all whole on every tensor-parallel rank, none in float8 (project.model.moe)."""
         if not self.is_moe_layer(index):
-            return super().feed_forward_parameters(index, active)
-        expert = 3 * self.dim * self.expert_hidden_dim
-        routed = (self.top_k if active else self.n_experts) * expert
-        return self.n_experts * self.dim + routed + (expert if self.shared_expert else 0)  # the router's matrix first
+            return super().feed_forward_tensors(index)
+        d, n, f, std, used = (
+            self.dim,
+            self.n_experts,
+            self.expert_hidden_dim,
+            self.init_std,
+            self.top_k / self.n_experts,
+        )
+        shared = swiglu("feed_forward.shared_expert", d, f, std, self._residual_std, split=False, mixture=True)
+        return [
+            TensorSpec("feed_forward.router.gate.weight", (n, d), None, std, mixture=True),
+            TensorSpec("feed_forward.experts.w1", (n, f, d), None, std, used=used, mixture=True),
+            TensorSpec("feed_forward.experts.w3", (n, f, d), None, std, used=used, mixture=True),
+            TensorSpec("feed_forward.experts.w2", (n, d, f), None, self._residual_std, used=used, mixture=True),
+            *(shared if self.shared_expert else []),
+        ]
 
     def mixture(self, index: int) -> Mixture | None:
         if not self.is_moe_layer(index):

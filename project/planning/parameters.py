@@ -8,6 +8,7 @@ import math
 from typing import NamedTuple
 
 from project.model.config import LlamaConfig, Mixture
+from project.model.spec import TensorSpec
 from project.parallel.float8_rules import takes_shape
 from project.parallel.pipeline_layout import chunk_ranks, stage_layer_counts
 from project.planning.candidates import Candidate
@@ -50,38 +51,15 @@ class Weight(NamedTuple):
         return self
 
 
-def _attention(config: LlamaConfig) -> list[Weight]:
-    h, kv = config.dim, config.n_kv_heads * config.head_dim
-    return [
-        Weight(h, 1, None),  # attention_norm
-        Weight(h, h, "rows"),
-        Weight(kv, h, "rows"),
-        Weight(kv, h, "rows"),  # wq, wk, wv: column-wise parallel
-        Weight(h, h, "cols"),  # wo: row-wise parallel
-        Weight(h, 1, None),  # ffn_norm
-    ]
-
-
-def _swiglu(h: int, f: int) -> list[Weight]:
-    return [Weight(f, h, "rows"), Weight(f, h, "rows"), Weight(h, f, "cols")]  # w1, w3, w2
-
-
-def _feed_forward(config: LlamaConfig, index: int) -> list[Weight]:
-    """Block `index`'s feed-forward: a dense SwiGLU, or a mixture of experts (the config's `mixture`, as
-    project.model.moe builds it): the router's gate, the stacked experts' w1, w3 and w2, the shared expert's; tensor
-    parallelism leaves the whole mixture on every rank (tensor_parallel.mixture_plan)."""
-    mixture = config.mixture(index)
-    if mixture is None:
-        return _swiglu(config.dim, config.ffn_hidden_dim)
-    h, f, n, used = config.dim, mixture.width, mixture.experts, mixture.top_k / mixture.experts
-    experts = [Weight(f, h, None, n, used, True), Weight(f, h, None, n, used, True), Weight(h, f, None, n, used, True)]
-    shared = [w._replace(tensor_split=None, mixture=True) for w in _swiglu(h, f)] if mixture.shared else []
-    return [Weight(n, h, None, mixture=True), *experts, *shared]
+def weight(tensor: TensorSpec) -> Weight:
+    """The planner's view of one of a family's tensors (project.model.spec)."""
+    rows, cols = tensor.matrix
+    return Weight(rows, cols, tensor.split, tensor.experts, tensor.used, tensor.mixture)
 
 
 def block_weights(config: LlamaConfig, index: int = 0) -> list[Weight]:
-    """Block `index`'s tensors, whole: attention and norms, then its feed-forward."""
-    return _attention(config) + _feed_forward(config, index)
+    """Block `index`'s tensors, whole, in the order the block holds them."""
+    return [weight(t) for t in config.block_tensors(index)]
 
 
 def mixture_of(config: LlamaConfig, index: int) -> Mixture | None:
@@ -148,12 +126,13 @@ def rank_own(config: LlamaConfig, candidate: Candidate, pipeline_rank: int = 0) 
     """The tensors besides the blocks one rank holds: the embedding on the first chunk's, the final norm and the
     output head (unless tied to the embedding on the same rank) on the last's."""
     first, last = holds_first_and_last(candidate, pipeline_rank)
-    vocabulary = Weight(config.vocab_size, config.dim, "rows")
-    own = [vocabulary] if first else []  # the embedding, split over the vocabulary
+    tensors = {t.name: weight(t) for t in config.tensors() if not t.name.startswith("layers.")}
+    embedding = tensors["tok_embeddings.weight"]
+    own = [embedding] if first else []
     if last:
-        own.append(Weight(config.dim, 1, None))  # final norm
-        if not config.tie_embeddings or not first:
-            own.append(vocabulary)  # output head
+        own.append(tensors["norm.weight"])
+        if not config.tie_embeddings or not first:  # a tied head on another stage holds a copy of the embedding
+            own.append(tensors.get("output.weight", embedding))
     return [w.local(candidate.tensor_parallel) for w in own]
 
 

@@ -25,6 +25,7 @@ from project.hf.published import load_published_weights
 from project.model.config import LlamaConfig
 from project.model.families import build_model, model_config
 from project.model.loss import IGNORED, target_scores
+from project.model.spec import own_name
 from project.parallel.contract import LlamaStrategy, T, contract_of
 from project.runtime.errors import ConfigError
 from project.training.callbacks.steps import logs_at
@@ -100,10 +101,6 @@ def check_resumable(
 def _settings(model: Mapping[str, Any], keys: list[str]) -> str:
     """`model.dim=64 model.n_kv_heads=null`, as the command line takes them."""
     return " ".join(f"model.{key}={'null' if model.get(key) is None else model.get(key)}" for key in keys)
-
-
-def _is_gain(name: str) -> bool:
-    return name.endswith("norm.weight")
 
 
 class LlamaLitModule(LightningModule):
@@ -465,23 +462,28 @@ class LlamaLitModule(LightningModule):
                 group["lr"] = self.lr_of_step(trainer.global_step)
 
     def decay_groups(self) -> list[tuple[float, list[tuple[str, nn.Parameter]]]]:
-        """(weight decay, [(name, parameter)]) per AdamW group: weight matrices and the embedding decay,
-        norm gains do not. Chosen by name, not by p.ndim: FSDP1 with use_orig_params exposes each
-        parameter as a flat 1-D shard. Names are relative to this module, as in checkpoints."""
-        named = [(f"model.{name}", p) for name, p in self.model.named_parameters() if p.requires_grad]
-        is_gain = [_is_gain(name) for name, _ in named]
+        """(weight decay, [(name, parameter)]) per AdamW group: those the family's tensors say decay (weight
+        matrices, the embedding), then the others (norm gains). Chosen by name, not by p.ndim: FSDP1 with
+        use_orig_params exposes each parameter as a flat 1-D shard. Names are relative to this module, as in
+        checkpoints."""
+        decays = self._decays()
+        named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
         return [
-            (self.optim.weight_decay, [item for item, gain in zip(named, is_gain) if not gain]),
-            (0.0, [item for item, gain in zip(named, is_gain) if gain]),
+            (self.optim.weight_decay, [(f"model.{n}", p) for n, p in named if decays[own_name(n)]]),
+            (0.0, [(f"model.{n}", p) for n, p in named if not decays[own_name(n)]]),
         ]
+
+    def _decays(self) -> dict[str, bool]:
+        return {t.name: t.decay for t in model_config(self.hparams.model).tensors()}
 
     def optimizer_order(self) -> list[str]:
         """The whole model's parameter names as torch.optim numbers them (group after group of `decay_groups`),
         whatever part of it this rank holds: from the model built again on the meta device (no memory). A tied
         output matrix is the embedding, named once."""
         with torch.device("meta"):
-            names = [f"model.{name}" for name, _ in build_model(self.hparams.model).named_parameters()]
-        return [n for n in names if not _is_gain(n)] + [n for n in names if _is_gain(n)]
+            names = [name for name, _ in build_model(self.hparams.model).named_parameters()]
+        decays = self._decays()
+        return [f"model.{n}" for n in names if decays[n]] + [f"model.{n}" for n in names if not decays[n]]
 
     def configure_optimizers(self):
         groups = [{"params": [p for _, p in group], "weight_decay": decay} for decay, group in self.decay_groups()]
