@@ -56,9 +56,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32 whatever the activation dtype, as Meta and HF do.
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.type_as(x)
+        # Normalized in float32 whatever the activation dtype, then scaled in the activations' own, as Meta and HF do.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x)
 
 
 class LayerKV:

@@ -27,18 +27,17 @@ def has_float8_products(peak_tflops: Mapping[str, float]) -> bool:
 
 
 def block_projections(config: LlamaConfig, tensor_parallel: int = 1) -> dict[str, tuple[int, int]]:
-    """Each block projection's weight (by its name in a block) as one rank holds it: (out, in)."""
-    heads, kv = config.n_heads * config.head_dim, config.kv_heads * config.head_dim
-    dim, ffn, tp = config.dim, config.ffn_hidden_dim, tensor_parallel
-    return {
-        "attention.wq": (heads // tp, dim),
-        "attention.wk": (kv // tp, dim),
-        "attention.wv": (kv // tp, dim),
-        "attention.wo": (dim, heads // tp),
-        "feed_forward.w1": (ffn // tp, dim),
-        "feed_forward.w3": (ffn // tp, dim),
-        "feed_forward.w2": (dim, ffn // tp),
-    }
+    """Each projection of the blocks that float8 may take (the family's tensors say which, project.model.spec), by its
+    module's name in a block, as one rank holds its weight: (out, in)."""
+    found: dict[str, tuple[int, int]] = {}
+    for index in range(config.n_layers):
+        for tensor in config.block_tensors(index):
+            if tensor.float8:
+                out, into = tensor.shape
+                out //= tensor_parallel if tensor.split == "rows" else 1
+                into //= tensor_parallel if tensor.split == "cols" else 1
+                found.setdefault(tensor.name.removesuffix(".weight"), (out, into))
+    return found
 
 
 def widths_not_taken(config: LlamaConfig, tensor_parallel: int = 1) -> dict[str, int]:
