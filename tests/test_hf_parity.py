@@ -126,8 +126,8 @@ def test_mixtral_from_our_exported_tensors_gives_our_mixtures_logits(tmp_path):
     folder and read by transformers' own loader, computes our mixture's logits; and it converts back exactly."""
     from safetensors.torch import save_file
 
-    from project.model.moe import MoELlama
-    from project.model.moe_config import MoEConfig
+    from project.model.families.moe.config import MoEConfig
+    from project.model.families.moe.model import MoELlama
 
     # Odd widths, experts wider than the dense rule, top 2 of 5: a mistake in names, stacking or routing shows.
     config = MoEConfig(**{**tiny_config().__dict__, "family": "moe", "n_experts": 5, "top_k": 2, "expert_ffn_dim": 40})

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from project.model.moe_config import MoEConfig
+from project.model.families.moe.config import MoEConfig
 from project.parallel.mesh import DENSE, MeshShape
 from project.parallel.strategies.model_parallel import LlamaParallelStrategy
 from project.parallel.strategies.pipeline import LlamaPipelineStrategy

@@ -1,6 +1,6 @@
-"""The mixture-of-experts family (project.model.moe): its layer against a per-token computation written out here, its
-balancing loss against the formula, its counts against the built model, and training in every layout it takes equal
-to one device (in process, over gloo)."""
+"""The mixture-of-experts family (project.model.families.moe): its layer against a per-token computation written out
+here, its balancing loss against the formula, its counts against the built model, and training in every layout it
+takes equal to one device (in process, over gloo)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from conftest import PARITY_RUN, assert_reproduces, assert_validates_like, read_
 from in_process import CONF, train_in_process
 
 from project.hf.export import export
-from project.hf.formats import LlamaFormat
 from project.model.config import LlamaConfig
 from project.model.families import FAMILIES, ModelFamily, build_model, family_of, model_config
+from project.model.families.llama.hf import LlamaFormat
+from project.model.families.moe.config import MoEConfig
+from project.model.families.moe.model import MoEFeedForward, WithAuxiliaryGradient
 from project.model.flops import count_parameters, training_flops_per_token
-from project.model.moe import MoEFeedForward, WithAuxiliaryGradient
-from project.model.moe_config import MoEConfig
 from project.model.spec import TensorSpec
 from project.training.nonfinite import NonFiniteGuard
 
@@ -94,7 +94,7 @@ def test_bfloat16_experts_run_as_grouped_products_equal_to_each_experts_own_prod
     """The GPU's path, run here: in bfloat16 the experts take one grouped product per projection (torch's
     grouped_mm, which the CPU has too); its outputs and gradients are each expert's SwiGLU on its own tokens (an
     expert with none included), within bfloat16's tolerance. Float32 and unaligned widths keep the loop."""
-    from project.model.moe import Experts, takes_grouped_products
+    from project.model.families.moe.model import Experts, takes_grouped_products
 
     experts = Experts(4, 32, 24)  # rows of 64 and 48 bytes in bfloat16: multiples of 16
     with torch.no_grad():

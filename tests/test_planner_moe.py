@@ -13,9 +13,9 @@ from test_planner import eager_saved_bytes
 from project.config.command_line import CONF
 from project.config.layout import plan_layout
 from project.model.families import model_config
+from project.model.families.moe.config import MoEConfig
+from project.model.families.moe.model import MoELlama
 from project.model.flops import count_parameters, training_flops_per_token
-from project.model.moe import MoELlama
-from project.model.moe_config import MoEConfig
 from project.planning.candidates import Candidate, SearchSpace
 from project.planning.cluster import Cluster
 from project.planning.memory import layer_activation_bytes

@@ -76,7 +76,7 @@ LOGGED_METRICS: tuple[LoggedMetrics, ...] = (
     ),
     LoggedMetrics(
         ("moe/aux_loss", "moe/layer*/load_max", "moe/layer*/load_min", "moe/layer*/top_share"),
-        "a mixture of experts (project.model.moe)",
+        "a mixture of experts (project.model.families.moe.model)",
         when=lambda cfg: cfg.model.get("family") == "moe",
         unless="it is logged by a mixture of experts only (model.family=moe)",
     ),

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from project.config.values import model_config
 from project.model.config import LlamaConfig
 from project.model.families import family_of
-from project.model.moe_config import MoEConfig
+from project.model.families.moe.config import MoEConfig
 from project.parallel.batch import BatchPlan, plan_batches, plan_pipeline_batches
 from project.parallel.kinds import strategy_kind
 from project.parallel.mesh import MeshShape, check_context_parallel_degree, check_tensor_parallel_degree, mesh_shape

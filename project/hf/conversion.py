@@ -1,7 +1,7 @@
 """Conversion between our models and Hugging Face's formats: a dense Llama and LlamaForCausalLM, a mixture of
 experts and MixtralForCausalLM (as Mistral published it: each expert's matrices under names of their own). What a
 Llama's format has is here; what a family's format adds (its config.json, its feed-forward) is the family's
-(project.hf.formats, named by its registry entry).
+(project.model.families.llama.hf, named by its registry entry).
 
 Pure functions over dicts and tensors, with no transformers import, so a checkpoint can be exported on a
 machine without transformers. Our rotary layout is HF's rotate-half, so weights map by name; nothing is
@@ -15,9 +15,9 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from project.hf.formats import LlamaFormat
 from project.model.config import LlamaConfig
 from project.model.families import family_of
+from project.model.families.llama.hf import LlamaFormat
 
 if TYPE_CHECKING:  # no torch at import: project.hf.folder reads folders before the heavy imports
     import torch

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from project.hf.conversion import LLAMA3_ROPE_KEYS, hf_weight_shapes
 from project.model.config import LlamaConfig
 from project.model.families import family_of, model_config
-from project.model.moe_config import MIXTRAL_ROUTING
+from project.model.families.moe.config import MIXTRAL_ROUTING
 from project.runtime.errors import ConfigError
 
 CONFIG = "config.json"

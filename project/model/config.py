@@ -23,7 +23,8 @@ LOSS_CHUNK_LOGITS = 2**27
 
 
 class Mixture(NamedTuple):
-    """A block's mixture of experts as plain numbers (project.model.moe builds it; project.planning sizes it)."""
+    """A block's mixture of experts as plain numbers (project.model.families.moe builds it; project.planning sizes
+    it)."""
 
     experts: int
     top_k: int  # experts each token goes through

@@ -373,7 +373,7 @@ class Llama(nn.Module):
     def with_auxiliary_losses(self, loss: torch.Tensor) -> torch.Tensor:
         """The training objective of the forward that just computed `loss` (its mean next-token loss, a plain
         tensor): the loss itself, or with the gradient of losses of the model's own (a mixture of experts' balancing
-        loss, project.model.moe), its value unchanged."""
+        loss, project.model.families.moe.model), its value unchanged."""
         return loss
 
     def stage_output(self, h: torch.Tensor) -> torch.Tensor:
@@ -388,7 +388,7 @@ class Llama(nn.Module):
     def stacked_parameters(self) -> dict[str, tuple[int, list[nn.Parameter]]]:
         """Parameters that stack several of a layer's parts along dim 0, for numerics per part: {name: (parts,
         the tensors this model holds)}, one entry per such layer of the whole model (a pipeline stage holds some:
-        the others' lists are empty). None in a dense Llama; a mixture's experts (project.model.moe)."""
+        the others' lists are empty). None in a dense Llama; a mixture's experts (project.model.families.moe.model)."""
         return {}
 
     def step_statistics(
@@ -397,7 +397,7 @@ class Llama(nn.Module):
         """What the model gathered over an optimizer step's forward passes, after their backward: summed over every
         rank with `sum_over_ranks`, acted on where the step's update is `applied` (a flag on the device; None:
         applied), and with `report` as metrics to log. A dense Llama gathers nothing; a mixture of experts its
-        experts' loads (project.model.moe)."""
+        experts' loads (project.model.families.moe.model)."""
         return {}
 
     def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

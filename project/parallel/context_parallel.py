@@ -214,8 +214,8 @@ class _SumOverGroup(torch.autograd.Function):
 
 
 class ContextParallelSequenceSums(nn.Module):
-    """A mixture of experts' per-sequence sums (project.model.moe.SequenceSums: its balancing loss's tokens and
-    scores per expert) over the whole sequences: every rank's part summed."""
+    """A mixture of experts' per-sequence sums (project.model.families.moe.model.SequenceSums: its balancing loss's
+    tokens and scores per expert) over the whole sequences: every rank's part summed."""
 
     def __init__(self, group: dist.ProcessGroup):
         super().__init__()

@@ -3,7 +3,7 @@
 Each rank of an expert-parallel group of `ep` ranks holds n_experts / ep of every mixture's experts (its stacked
 weights' dim-0 shard: a DTensor on the group's mesh dimension, so checkpoints hold every expert under its global
 index and reshard to any layout). In a mixture's forward each rank routes its own tokens as one device would
-(project.model.moe), then:
+(project.model.families.moe.model), then:
 - dispatch: one all-to-all sends each token to the rank holding its expert (the counts first, so every rank knows
   what it receives);
 - the rank's experts run on what they received, grouped by expert;
@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from project.model.families.moe.model import expert_products
 from project.model.llama import Llama
-from project.model.moe import expert_products
 
 
 class AllToAll(torch.autograd.Function):

@@ -10,8 +10,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from project.model.families.moe.model import Experts
 from project.model.llama import Llama
-from project.model.moe import Experts
 from project.parallel.expert_parallel import ExpertParallelExperts
 
 
@@ -64,8 +64,8 @@ def apply_fsdp2(
 
 def stacked_experts_by_width(module: nn.Module, ranks: int) -> Callable[[nn.Parameter], Shard | None]:
     """FSDP2's placement of each parameter of `module` over `ranks`: a mixture's stacked expert weights
-    [n_experts, out, in] (project.model.moe) split along a width (out, else in) that the ranks divide, not along
-    their first dimension: 8 experts over 64 ranks would leave 56 ranks none of them and 8 a whole expert each
+    [n_experts, out, in] (project.model.families.moe.model) split along a width (out, else in) that the ranks divide,
+    not along their first dimension: 8 experts over 64 ranks would leave 56 ranks none of them and 8 a whole expert each
     (FSDP2 splits only dim 0 unevenly). Every other parameter, and experts no width of which the ranks divide:
     FSDP2's own dim-0 split (None)."""
     stacked = {

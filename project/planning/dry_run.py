@@ -29,7 +29,7 @@ from project.config.layout import Layout
 from project.config.trainer import check_trainer_arguments
 from project.config.values import model_config
 from project.data.shards import MANIFEST_NAME
-from project.model.moe_config import MoEConfig
+from project.model.families.moe.config import MoEConfig
 from project.parallel.mesh import MeshShape
 from project.parallel.pipeline_layout import chunk_ranks, default_virtual_stages
 from project.planning.parameters import INIT_VALUES_PER_SECOND

@@ -126,7 +126,7 @@ def mixture_activation_bytes(
     autocast: bool,
     sequence_parallel: bool,
 ) -> float:
-    """Bytes a mixture of experts' feed-forward (project.model.moe.MoEFeedForward) keeps for its backward, for one
+    """Bytes a mixture of experts' feed-forward (families/moe/model.py: MoEFeedForward) keeps for its backward, for one
     microbatch of `seq_len` positions (0 for a dense block). Tensor parallelism leaves the whole mixture on every rank,
     every token of the sequence (gathered first under sequence parallelism, that input kept too). Per token: the
     router's float32 scores (4 bytes per expert), its choices, weights and their sum, and the two orderings of the

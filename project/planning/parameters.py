@@ -24,7 +24,7 @@ class Weight(NamedTuple):
     rows: int  # dim 0 of a matrix, the dimension FSDP shards; of stacked experts, each expert's
     cols: int
     tensor_split: str | None  # "rows" (column-wise parallel, vocabulary), "cols" (row-wise parallel), None: replicated
-    experts: int | None = None  # a mixture's experts stacked [experts, rows, cols] (project.model.moe.Experts)
+    experts: int | None = None  # a mixture's experts stacked [experts, rows, cols] (families/moe/model.py: Experts)
     used: float = 1.0  # of the stacked experts, the share one token's products go through (top_k / experts)
     mixture: bool = False  # part of a mixture of experts: never split by tensor parallelism, never float8
 

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from project.model.families.moe.config import MoEConfig
 from project.model.llama import Block, FeedForward, Llama
-from project.model.moe_config import MoEConfig
 
 
 class Router(nn.Module):

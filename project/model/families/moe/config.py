@@ -76,7 +76,7 @@ class MoEConfig(LlamaConfig):
 
     def feed_forward_tensors(self, index: int) -> list[TensorSpec]:
         """A mixture block's: the router's gate, the stacked experts (top_k of n used per token), the shared expert;
-        all whole on every tensor-parallel rank, none in float8 (project.model.moe)."""
+        all whole on every tensor-parallel rank, none in float8 (project.model.families.moe.model)."""
         if not self.is_moe_layer(index):
             return super().feed_forward_tensors(index)
         d, n, f, std, used = (
