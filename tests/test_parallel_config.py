@@ -33,11 +33,6 @@ def test_sequence_parallel_needs_a_sequence_length_the_degree_divides():
     check_tensor_parallel_degree(llama(), 4, sequence_parallel_seq_len=32)
 
 
-def test_tensor_parallel_refuses_tied_embeddings():
-    with pytest.raises(ConfigError, match="tie_embeddings"):
-        check_tensor_parallel_degree(llama(tie_embeddings=True), 2)
-
-
 def test_data_parallel_size_fills_the_mesh():
     assert mesh_shape({"_target_": "ddp"}, world_size=8, devices_per_node=8).data_parallel == 8
     assert mesh_shape({"data_parallel_size": "auto", "tensor_parallel_size": 2}, 8, 8).data_parallel == 4

@@ -78,12 +78,13 @@ def test_loss_on_vocabulary_split_logits_matches_one_device(sequence_parallel):
     on_two_gloo_ranks(check_loss_parallel, sequence_parallel)
 
 
-def check_chunked_loss(sequence_parallel: bool, vocabulary_split: bool) -> None:
+def check_chunked_loss(sequence_parallel: bool, vocabulary_split: bool, tied: bool = False) -> None:
     torch.manual_seed(0)
-    reference = Llama(CONFIG)
+    reference = Llama(dataclasses.replace(CONFIG, tie_embeddings=tied))
     model = copy.deepcopy(reference)
     model.config.loss_chunk_tokens = 10  # 5 positions of 2 rows: 4 chunks of 16 positions, the last one short
     apply_tensor_parallel(model, init_device_mesh("cpu", (2,)), sequence_parallel, loss_parallel=vocabulary_split)
+    assert (model.output.weight is model.tok_embeddings.weight) == tied  # one matrix, split over the vocabulary
     tokens = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     targets = tokens.roll(-1, dims=1)
 
@@ -124,9 +125,11 @@ def check_chunked_loss_in_every_tensor_parallel_plan() -> None:
     for sequence_parallel in (False, True):
         for vocabulary_split in (True, False):  # loss parallel, then logits gathered whole
             check_chunked_loss(sequence_parallel, vocabulary_split)
+    for vocabulary_split in (True, False):  # the head is the embedding: its gradient sums both uses, as on one device
+        check_chunked_loss(True, vocabulary_split, tied=True)
 
 
-def test_loss_in_chunks_of_tokens_under_tensor_parallelism_matches_whole_logits():
+def test_loss_in_chunks_of_tokens_under_tensor_parallelism_matches_whole_logits_tied_or_not():
     on_two_gloo_ranks(check_chunked_loss_in_every_tensor_parallel_plan)
 
 

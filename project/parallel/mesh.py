@@ -210,7 +210,3 @@ def check_tensor_parallel_degree(config: LlamaConfig, tp: int, sequence_parallel
             "sequence parallelism splits each sequence evenly across the tensor-parallel ranks. Choose a divisible "
             "data.seq_len or set strategy.sequence_parallel=false."
         )
-    if config.tie_embeddings:
-        raise ConfigError(
-            "model.tie_embeddings=true is not supported with tensor parallelism yet: set model.tie_embeddings=false."
-        )

@@ -56,6 +56,11 @@ def apply_tensor_parallel(
     parallelize_module(
         model, mesh, {name: plan for name, plan in root_plan.items() if getattr(model, name) is not None}
     )
+    if model.config.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        # The embedding (rowwise: its rows, the vocabulary, split) and the head (colwise: its output rows, the
+        # vocabulary, split) lay the matrix out alike, so the head takes the embedding's sharded parameter again:
+        # each style made one of its own, and the model would otherwise train two.
+        model.output.weight = model.tok_embeddings.weight
     if model.norm is not None:
         # The head runs over spans of positions (project.model.loss), so it takes the final hidden states as
         # one replicated DTensor (gathered once, with sequence parallelism) that each span is cut from locally:
