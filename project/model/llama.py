@@ -158,16 +158,22 @@ class Attention(nn.Module):
         cache: LayerKV | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        # -1 instead of the head counts: under tensor parallelism each rank holds a slice of the heads.
-        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k, v = self.heads(x)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         if cache is not None:
             k, v = cache.append(k, v)
         out = self.attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values [B, T, heads, head_dim] of x [B, T, dim], before the rotary embedding (a family
+        whose attention treats them first, such as a per-head norm, does it here)."""
+        B, T, _ = x.shape
+        # -1 instead of the head counts: under tensor parallelism each rank holds a slice of the heads.
+        shape = (B, T, -1, self.head_dim)
+        return self.wq(x).view(shape), self.wk(x).view(shape), self.wv(x).view(shape)
 
 
 class FeedForward(nn.Module):
@@ -185,12 +191,12 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: LlamaConfig, feed_forward: nn.Module | None = None):
+    def __init__(self, config: LlamaConfig, feed_forward: nn.Module | None = None, attention: nn.Module | None = None):
         """`feed_forward`: another family's (a mixture of experts) in place of the SwiGLU, taking and giving
-        [B, T, dim]."""
+        [B, T, dim]; `attention`: another family's in place of grouped-query attention, taking Attention's inputs."""
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = Attention(config)
+        self.attention = Attention(config) if attention is None else attention
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config) if feed_forward is None else feed_forward
 

@@ -14,8 +14,10 @@ import math
 from dataclasses import dataclass
 
 # How tensor parallelism splits a tensor: "rows" (dim 0 of a matrix [out, in]: column-wise parallel, the vocabulary of
-# an embedding), "cols" (dim 1: row-wise parallel); None: every rank holds it whole.
-SPLITS = ("rows", "cols", None)
+# an embedding), "cols" (dim 1: row-wise parallel); None: every rank holds it whole; "heads": whole too, but applied to
+# each attention head's activations [B, T, heads, head_dim], of which a rank holds some (a per-head norm's gain, whose
+# gradient the ranks then sum).
+SPLITS = ("rows", "cols", "heads", None)
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,8 @@ def apply_tensor_parallel(
         parallelize_module(model.norm, mesh, whole)
     block_plan = family_of(model.config).tensor_parallel_plan()
     for index, block in model.layers.items():  # a pipeline stage's blocks keep their indices in the whole model
-        parallelize_module(block, mesh, block_plan(model.config, int(index), sequence_parallel, float8, mesh.size()))
+        plan = block_plan(model.config, int(index), sequence_parallel, float8, mesh.size())
+        parallelize_module(block, mesh, plan | per_head_plan(model.config, int(index)))
 
 
 def llama_block_plan(config: LlamaConfig, index: int, sequence_parallel: bool, float8: str | None, tp: int) -> dict:
@@ -89,6 +90,14 @@ def mixture_block_plan(config: LlamaConfig, index: int, sequence_parallel: bool,
         return llama_block_plan(config, index, sequence_parallel, float8, tp)
     attention = _projections(config, "attention", sequence_parallel, float8, tp)
     return _norms(sequence_parallel) | attention | mixture_plan(sequence_parallel)
+
+
+def per_head_plan(config: LlamaConfig, index: int) -> dict:
+    """The block's tensors applied to each head (project.model.spec's "heads", such as a per-head norm of queries and
+    keys): each rank applies them to its own heads, [B, T, heads / tp, head_dim], as torch's SequenceParallel does
+    over dim 2, which sums their gradients over the ranks."""
+    heads = [t.name.removesuffix(".weight") for t in config.block_tensors(index) if t.split == "heads"]
+    return {name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in heads}
 
 
 def _norms(sequence_parallel: bool) -> dict:

@@ -198,10 +198,10 @@ def tensor_parallel(config: LlamaConfig, c: Candidate, seq_len: int, precision: 
             groups.collective("all_gather", tensor, gathers, gathers * activation, part),
             groups.collective("reduce_scatter", tensor, reductions, reductions * activation, part),
         ]
-        if c.pipeline_parallel == 1:
-            found += norm_gradients(config, c, precision, rank)
     else:
         found = [groups.collective("all_reduce", tensor, reductions, reductions * activation, part)]
+    if c.pipeline_parallel == 1:
+        found += norm_gradients(config, c, precision, rank)
     if last:  # loss parallel: maxima, sums of exponentials and the targets' logits of each chunk of tokens
         positions = seq_len // c.context_parallel
         span = max(1, config.chunk_tokens // c.micro_batch_size)  # project.model.loss: positions per chunk
@@ -229,14 +229,17 @@ def _float8_tensor_casts(config: LlamaConfig, c: Candidate, index: int) -> int:
 
 
 def norm_gradients(config: LlamaConfig, c: Candidate, precision: str, rank: int = 0) -> list[Collective]:
-    """Under sequence parallelism each norm's weight sees a part of the sequence: its gradient is all-reduced over the
-    tensor-parallel ranks where FSDP2 reduces gradients (each microbatch; once per step in a pipeline stage, which
-    accumulates its microbatches' gradients before reducing them)."""
-    if c.tensor_parallel == 1 or not c.sequence_parallel:
+    """Gains whose gradient each tensor-parallel rank holds a part of, all-reduced over the tensor-parallel ranks where
+    FSDP2 reduces gradients (each microbatch; once per step in a pipeline stage, which accumulates its microbatches'
+    gradients before reducing them): under sequence parallelism the residual stream's norms (each rank sees a part of
+    the sequence), and always those applied to each head (project.model.spec's "heads": each rank holds some)."""
+    if c.tensor_parallel == 1:
         return []
-    norms = 2 * sum(rank_layers(config, c, rank)) + holds_first_and_last(c, rank)[1]
-    size = norms * config.dim * COMPUTE_BYTES[precision]
-    return _kept([_Groups(c).collective("all_reduce", ("tensor",), norms, size, "tensor_parallel")])
+    held = [t for i in held_blocks(config, c, rank) for t in config.block_tensors(i)]
+    final = [t for t in config.tensors() if t.name == "norm.weight"] if holds_first_and_last(c, rank)[1] else []
+    gains = [t for t in held + final if t.split == "heads" or (c.sequence_parallel and t.split is None and not t.decay)]
+    size = sum(t.numel for t in gains) * COMPUTE_BYTES[precision]
+    return _kept([_Groups(c).collective("all_reduce", ("tensor",), len(gains), size, "tensor_parallel")])
 
 
 def context_parallel(
