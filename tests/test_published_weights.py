@@ -170,7 +170,11 @@ def with_config(**changes):
 
 CASES = {
     "no config.json": (lambda f: (f / "config.json").unlink(), [], r"holds no config.json"),
-    "not a Llama": (with_config(model_type="mistral"), [], r"model_type='mistral' model; this platform trains Llama"),
+    "not a Llama": (
+        with_config(model_type="mistral"),
+        [],
+        r"model_type='mistral' model; this platform reads model_type 'llama' or 'mixtral'",
+    ),
     "missing and extra weights": (
         drop_weight,
         [],

@@ -1,7 +1,7 @@
 """Conversion between our models and Hugging Face's formats: a dense Llama and LlamaForCausalLM, a mixture of
 experts and MixtralForCausalLM (as Mistral published it: each expert's matrices under names of their own). What a
-Llama's format has is here; what a family's format adds (its config.json, its feed-forward) is the family's
-(project.model.families.llama.hf, named by its registry entry).
+Llama's config.json has is here; the names of the tensors, and what a family's config.json adds, are its format's
+(families/<name>/hf.py, named by its registry entry).
 
 Pure functions over dicts and tensors, with no transformers import, so a checkpoint can be exported on a
 machine without transformers. Our rotary layout is HF's rotate-half, so weights map by name; nothing is
@@ -11,7 +11,6 @@ permuted. A weight of ours is one HF tensor, or (a mixture's stacked experts [n_
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -22,21 +21,6 @@ from project.model.families.llama.hf import LlamaFormat
 if TYPE_CHECKING:  # no torch at import: project.hf.folder reads folders before the heavy imports
     import torch
 
-# Per-block names of every family but the feed-forward's (the family's format): ours -> HF's (under
-# model.layers.{i}.).
-_BLOCK_NAMES = {
-    "attention_norm.weight": "input_layernorm.weight",
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TOP_NAMES = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -118,23 +102,9 @@ def hf_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 def hf_pieces(name: str, config: LlamaConfig) -> list[tuple[str, int | None]]:
-    """The HF tensors our weight `name` is: [(its HF name, None)], or for a mixture's stacked experts one
-    (`model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight`, j) per expert j, its slice [j]."""
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if m and m[2].startswith("feed_forward."):
-        return hf_format(config).feed_forward_pieces(m[1], m[2], config)
-    return [(hf_name(name), None)]
-
-
-def hf_name(name: str) -> str:
-    """The HF name of one of our parameters outside the feed-forward, which are alike in every family
-    (`layers.0.attention.wq.weight` -> `model.layers.0.self_attn.q_proj.weight`)."""
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if m and m[2] in _BLOCK_NAMES:
-        return f"model.layers.{m[1]}.{_BLOCK_NAMES[m[2]]}"
-    raise KeyError(name)
+    """The HF tensors our weight `name` is (its family's format says): [(its HF name, None)], or for a mixture's
+    stacked experts one (`model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight`, j) per expert j, its slice [j]."""
+    return hf_format(config).pieces(name, config)
 
 
 def _rename_checked(state_dict: Mapping[str, torch.Tensor], rename: dict[str, str], tied_name: str) -> dict:

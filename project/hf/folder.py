@@ -16,44 +16,28 @@ from typing import Any, Mapping
 
 from project.hf.conversion import LLAMA3_ROPE_KEYS, hf_weight_shapes
 from project.model.config import LlamaConfig
-from project.model.families import family_of, model_config
-from project.model.families.moe.config import MIXTRAL_ROUTING
+from project.model.families import FAMILIES, family_of, model_config
 from project.runtime.errors import ConfigError
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 # Weight types a published Llama comes in; quantized folders (int8, fp8) would need their scales applied.
 DTYPES = ("F32", "BF16", "F16")
-# The model settings a folder fixes (ours <- HF's). Others (max_seq_len, init_std) a run may set itself.
-FIXED = {
-    "vocab_size": "vocab_size",
-    "dim": "hidden_size",
-    "n_layers": "num_hidden_layers",
-    "n_heads": "num_attention_heads",
-    "n_kv_heads": "num_key_value_heads",
-    "ffn_dim": "intermediate_size",
-    "norm_eps": "rms_norm_eps",
-    "rope_theta": "rope_theta",
-    "rope_scaling": "rope_scaling",
-    "tie_embeddings": "tie_word_embeddings",
-}
-# A Mixtral's (model_type "mixtral") besides: its experts, their width (intermediate_size, as ffn_dim above), and
-# routing as Mixtral routes (MIXTRAL_ROUTING: softmax, the chosen renormalised, no shared expert, no bias).
-MIXTURE_FIXED = {
-    "n_experts": "num_local_experts",
-    "top_k": "num_experts_per_tok",
-    "expert_ffn_dim": "intermediate_size",
-}
 # Settings that would change the FFN width the folder fixes (model.ffn_dim wins over both).
 FFN_RULE = ("multiple_of", "ffn_dim_multiplier")
-MODEL_TYPES = {"llama": "llama", "mixtral": "moe"}  # HF's model_type -> our model.family
+# HF's model_type -> our model.family, for every family with a Hugging Face format.
+MODEL_TYPES = {family.format().model_type: name for name, family in FAMILIES.items() if family.hf_format}
 
 
 def _refuse(folder: Path, problem: str) -> ConfigError:
     return ConfigError(
-        f"init_from={folder}: {problem} init_from takes a Hugging Face Llama or Mixtral folder as published "
+        f"init_from={folder}: {problem} init_from takes a Hugging Face folder of {_architectures()} as published "
         f"(config.json, model.safetensors or model-0000N-of-0000M.safetensors with {INDEX})."
     )
+
+
+def _architectures() -> str:
+    return " or ".join(FAMILIES[name].format().architecture for name in MODEL_TYPES.values())
 
 
 def read_config(folder: Path) -> dict[str, Any]:
@@ -70,8 +54,8 @@ def read_config(folder: Path) -> dict[str, Any]:
         kind = config.get("model_type") if isinstance(config, dict) else None
         raise _refuse(
             folder,
-            f"its {CONFIG} describes a model_type={kind!r} model; this platform trains Llama and Mixtral models "
-            "(model_type='llama' or 'mixtral').",
+            f"its {CONFIG} describes a model_type={kind!r} model; this platform reads "
+            f"model_type {' or '.join(repr(t) for t in MODEL_TYPES)}.",
         )
     return config
 
@@ -99,33 +83,22 @@ def _rope(folder: Path, config: Mapping[str, Any]) -> tuple[float, dict | None]:
 
 
 def model_settings(folder: Path, config: Mapping[str, Any]) -> dict[str, Any]:
-    """Our `model.*` settings for the folder's config.json; what the Llama here cannot be (biases, another
-    activation or head size) is refused."""
-    unsupported = {
-        "hidden_act": config.get("hidden_act", "silu") != "silu",
-        "attention_bias": bool(config.get("attention_bias", False)),
-        "mlp_bias": bool(config.get("mlp_bias", False)),
-    }
-    heads = config.get("num_attention_heads") or 1
-    head_dim = config.get("head_dim")
-    if head_dim is not None and head_dim != config.get("hidden_size", 0) // heads:
-        unsupported["head_dim"] = True
-    if any(unsupported.values()):
-        said = ", ".join(f"{k}={config.get(k)!r}" for k, bad in unsupported.items() if bad)
-        raise _refuse(
-            folder,
-            f"its {CONFIG} has {said}, which this Llama (SwiGLU, no biases, head size hidden_size / heads) does not.",
-        )
-    missing = [
-        hf
-        for ours, hf in FIXED.items()
-        if ours not in ("rope_theta", "rope_scaling", "n_kv_heads", "tie_embeddings") and hf not in config
-    ]
+    """Our `model.*` settings for the folder's config.json, as its family's format reads them; what the family's model
+    cannot be (biases, another activation or head size) is refused."""
+    family = MODEL_TYPES[config["model_type"]]
+    form = FAMILIES[family].format()
+    if unsupported := form.unsupported(dict(config)):
+        said = ", ".join(f"{key}={config.get(key)!r}" for key in unsupported)
+        raise _refuse(folder, f"its {CONFIG} has {said}, which {form.architecture} here does not take.")
+    optional = ("rope_theta", "rope_scaling", "n_kv_heads", "tie_embeddings")
+    missing = [hf for ours, hf in form.FIXED.items() if ours not in optional and hf not in config]
     if missing:
         raise _refuse(folder, f"its {CONFIG} lacks {missing}.")
     theta, scaling = _rope(folder, config)
     settings = {
-        ours: config[hf] for ours, hf in FIXED.items() if hf in config and ours not in ("rope_theta", "rope_scaling")
+        ours: config[hf]
+        for ours, hf in form.FIXED.items()
+        if hf in config and ours not in ("rope_theta", "rope_scaling")
     }
     settings.update(
         n_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
@@ -137,19 +110,11 @@ def model_settings(folder: Path, config: Mapping[str, Any]) -> dict[str, Any]:
         settings["max_seq_len"] = config["max_position_embeddings"]
     if "initializer_range" in config:
         settings["init_std"] = config["initializer_range"]
-    settings["family"] = MODEL_TYPES[config["model_type"]]
-    if settings["family"] == "moe":
-        if config.get("sliding_window") is not None:
-            raise _refuse(
-                folder,
-                f"its {CONFIG} has sliding_window={config['sliding_window']}; attention here sees every earlier "
-                "position (sliding_window null, as Mixtral 8x7B's).",
-            )
-        missing = [hf for hf in MIXTURE_FIXED.values() if hf not in config]
-        if missing:
-            raise _refuse(folder, f"its {CONFIG} lacks {missing}.")
-        settings |= {ours: config[hf] for ours, hf in MIXTURE_FIXED.items()} | MIXTRAL_ROUTING
-    return settings
+    settings["family"] = family
+    try:
+        return settings | form.settings(dict(config))
+    except ValueError as problem:
+        raise _refuse(folder, f"its {CONFIG} {problem}") from None
 
 
 def _header(path: Path) -> dict[str, Any]:
@@ -245,8 +210,7 @@ def apply_init_from(cfg: Any, overrides: list[str]) -> None:
     hf_config = read_config(folder)
     settings = model_settings(folder, hf_config)
     explicit = _explicit_model_keys(overrides)
-    mixture = settings["family"] == "moe"
-    named = FIXED | (MIXTURE_FIXED | {key: f"Mixtral's routing, {key}" for key in MIXTRAL_ROUTING} if mixture else {})
+    named = family_of(settings).format().fixed()
     for key in sorted(explicit & (set(named) | set(FFN_RULE) | {"family"})):
         ours = cfg.model.get(key)
         theirs = settings.get(key)
@@ -262,7 +226,7 @@ def apply_init_from(cfg: Any, overrides: list[str]) -> None:
                 f"model.{key}={ours} contradicts init_from={folder}, whose {CONFIG} has {published}: the folder's "
                 f"weights have its shape. Drop model.{key}, or train a model of your own without init_from."
             )
-    fixed = set(FIXED) | set(MIXTURE_FIXED) | set(MIXTRAL_ROUTING) | {"family"}
+    fixed = set(named) | {"family"}
     fields = {f.name for f in dataclasses.fields(family_of(settings).config)}
     if stray := sorted(explicit - fields):
         raise ConfigError(
