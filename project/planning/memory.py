@@ -91,7 +91,8 @@ def layer_activation_bytes(
     experts' block keeps its attention's and `mixture_activation_bytes`."""
     t, sp = candidate.tensor_parallel, candidate.sequence_parallel
     mixture = mixture_of(config, index)
-    h, g = config.dim, config.n_kv_heads / config.n_heads
+    h = config.dim
+    q, kv = config.n_heads * config.head_dim, config.kv_heads * config.head_dim  # the queries' and keys' widths
     f = 0 if mixture else config.ffn_hidden_dim  # the dense feed-forward's width
     sbh = seq_len * micro_batch * h * compute_bytes / 2  # the paper's units: s*b*h 16-bit values = 2 bytes each
     if candidate.recompute == "full":
@@ -99,19 +100,18 @@ def layer_activation_bytes(
     scores = 2 * config.n_heads * seq_len / h if candidate.recompute == "none" else 0.0
     mixed = mixture_activation_bytes(mixture, h, seq_len, micro_batch, compute_bytes, compiled, autocast, sp)
     if compiled:
-        split = 4 + 4 * g + 6 * f / h
+        split = 4 * q / h + 4 * kv / h + 6 * f / h
         return sbh * (8 / (t if sp else 1) + (split + scores) / t) + mixed
     # Eager, per token, as torch saves it (counted in tests/test_planner.py): under autocast the norms' float32
     # input and output and the float32 residual (12h), a 16-bit copy of the normed input for each of wq, wk, wv,
-    # w1 and w3 (10h: autocast casts activations anew for every matrix product), Q and the attention output (4h),
+    # w1 and w3 (10h: autocast casts activations anew for every matrix product), Q and the attention output (4q),
     # K and V (4 kv), w1's and w3's outputs, silu(w1 x) and their product (8f); without autocast the norms'
-    # inputs and outputs and the residual (5h), Q and the attention output (2h), K and V (2 kv) and 4f, each in the
+    # inputs and outputs and the residual (5h), Q and the attention output (2q), K and V (2 kv) and 4f, each in the
     # compute dtype; both, attention's float32 log-sum-exp per head and the norms' statistics.
-    kv = config.n_kv_heads * config.head_dim
     if autocast:  # a mixture's gate keeps its float32 input in place of w1's and w3's copies (10h either way)
-        replicated, split = 22 * h, 4 * h + 4 * kv + 8 * f
+        replicated, split = 22 * h, 4 * q + 4 * kv + 8 * f
     else:
-        replicated, split = compute_bytes * 5 * h, compute_bytes * (2 * h + 2 * kv + 4 * f)
+        replicated, split = compute_bytes * 5 * h, compute_bytes * (2 * q + 2 * kv + 4 * f)
     stats = 4 * config.n_heads / t + 8
     return seq_len * micro_batch * (replicated / (t if sp else 1) + split / t + stats) + sbh * scores / t + mixed
 
