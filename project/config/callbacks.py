@@ -22,7 +22,13 @@ from typing import Any, Callable, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
+from project.config.values import model_config
 from project.runtime.errors import ConfigError, config_error_behind
+
+
+def _has_mixtures(cfg: DictConfig) -> bool:
+    model = model_config(cfg)
+    return any(model.mixture(i) is not None for i in range(model.n_layers))
 
 
 def always(cfg: DictConfig) -> bool:
@@ -77,7 +83,7 @@ LOGGED_METRICS: tuple[LoggedMetrics, ...] = (
     LoggedMetrics(
         ("moe/aux_loss", "moe/layer*/load_max", "moe/layer*/load_min", "moe/layer*/top_share"),
         "a mixture of experts (project.model.families.moe.model)",
-        when=lambda cfg: cfg.model.get("family") == "moe",
+        when=lambda cfg: _has_mixtures(cfg),
         unless="it is logged by a mixture of experts only (model.family=moe)",
     ),
     # At each validation (every val_every_n_steps steps): a callback judging then sees them. A run validating never

@@ -12,7 +12,6 @@ from omegaconf import DictConfig, OmegaConf
 from project.config.values import model_config
 from project.model.config import LlamaConfig
 from project.model.families import family_of
-from project.model.families.moe.config import MoEConfig
 from project.parallel.batch import BatchPlan, plan_batches, plan_pipeline_batches
 from project.parallel.kinds import strategy_kind
 from project.parallel.mesh import MeshShape, check_context_parallel_degree, check_tensor_parallel_degree, mesh_shape
@@ -113,16 +112,17 @@ def check_expert_parallel(model: LlamaConfig, ep: Any) -> None:
     divide the ranks: mesh_shape)."""
     if not isinstance(ep, int) or isinstance(ep, bool) or ep <= 1:
         return
-    if not isinstance(model, MoEConfig):
+    experts = {mixture.experts for i in range(model.n_layers) if (mixture := model.mixture(i)) is not None}
+    if not experts:
         raise ConfigError(
             f"strategy.expert_parallel_size={ep} splits a mixture's experts, and model.family={model.family} has "
             "none: choose a mixture of experts (model=moe_debug, mixtral_8x7b, or model.family=moe) or set "
             "strategy.expert_parallel_size=1."
         )
-    if model.n_experts % ep:
+    if uneven := sorted(n for n in experts if n % ep):
         raise ConfigError(
-            f"model.n_experts={model.n_experts} is not divisible by strategy.expert_parallel_size={ep}: each rank "
-            f"of an expert group holds an equal number of whole experts. Choose a divisor of {model.n_experts}."
+            f"model.n_experts={uneven[0]} is not divisible by strategy.expert_parallel_size={ep}: each rank "
+            f"of an expert group holds an equal number of whole experts. Choose a divisor of {uneven[0]}."
         )
 
 

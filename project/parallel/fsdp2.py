@@ -10,7 +10,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from project.model.families.moe.model import Experts
 from project.model.llama import Llama
 from project.parallel.expert_parallel import ExpertParallelExperts
 
@@ -44,7 +43,7 @@ def apply_fsdp2(
     )
 
     def shard(module: nn.Module, over: DeviceMesh) -> None:
-        placement = stacked_experts_by_width(module, over.size())
+        placement = stacked_experts_by_width(over.size())
         fully_shard(
             module,
             mesh=over,
@@ -62,21 +61,18 @@ def apply_fsdp2(
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
 
-def stacked_experts_by_width(module: nn.Module, ranks: int) -> Callable[[nn.Parameter], Shard | None]:
-    """FSDP2's placement of each parameter of `module` over `ranks`: a mixture's stacked expert weights
-    [n_experts, out, in] (project.model.families.moe.model) split along a width (out, else in) that the ranks divide,
-    not along their first dimension: 8 experts over 64 ranks would leave 56 ranks none of them and 8 a whole expert each
-    (FSDP2 splits only dim 0 unevenly). Every other parameter, and experts no width of which the ranks divide:
-    FSDP2's own dim-0 split (None)."""
-    stacked = {
-        id(p) for m in module.modules() if isinstance(m, (Experts, ExpertParallelExperts)) for p in m.parameters()
-    }
+def stacked_experts_by_width(ranks: int) -> Callable[[nn.Parameter], Shard | None]:
+    """FSDP2's placement of each parameter over `ranks`: stacked matrices [n, out, in] (a mixture's
+    experts: the only 3-D tensors a family has, project.model.spec) split along a width (out, else in) that the ranks
+    divide, not along their first dimension: 8 experts over 64 ranks would leave 56 ranks none of them and 8 a whole
+    expert each (FSDP2 splits only dim 0 unevenly). Every other parameter, and experts no width of which the ranks
+    divide: FSDP2's own dim-0 split (None)."""
 
     def placement(param: nn.Parameter) -> Shard | None:
-        if id(param) not in stacked:
-            return None
         # A DTensor (expert parallelism's shard) is placed by its local shape, as FSDP2 splits that.
         shape = param.to_local().shape if isinstance(param, DTensor) else param.shape
+        if len(shape) != 3:
+            return None
         return next((Shard(dim) for dim in (1, 2) if shape[dim] % ranks == 0), None)
 
     return placement

@@ -18,7 +18,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence, cast
+from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -29,7 +29,6 @@ from project.config.layout import Layout
 from project.config.trainer import check_trainer_arguments
 from project.config.values import model_config
 from project.data.shards import MANIFEST_NAME
-from project.model.families.moe.config import MoEConfig
 from project.parallel.mesh import MeshShape
 from project.parallel.pipeline_layout import chunk_ranks, default_virtual_stages
 from project.planning.parameters import INIT_VALUES_PER_SECOND
@@ -436,7 +435,8 @@ def model_lines(cfg: DictConfig, layout: Layout, strategy_name: str) -> tuple[li
     sent = max(by_stage, key=lambda collectives: sum(c.bytes for c in collectives))
     step_bytes = sum(c.bytes for c in sent) * microbatches
     calls = sum(c.calls for c in sent) * microbatches
-    experts = cast(MoEConfig, config).n_experts  # expert parallelism is refused for a family without experts
+    # Expert parallelism is refused for a family without experts.
+    experts = next(m.experts for i in range(config.n_layers) if (m := config.mixture(i)) is not None)
     said = (
         f"experts: each mixture's {experts} split over the {ep} ranks of an expert group ({experts // ep} each); "
         f"all-to-alls of {step_bytes / GIB:.2f} GiB per rank a step in {calls:.0f} calls"
