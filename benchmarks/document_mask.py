@@ -86,7 +86,8 @@ ATTENTION_CASE = (
 import sys, time
 import torch
 import torch.nn.functional as F
-from project.model.document_mask import dense_document_mask, document_block_mask, flex_attend
+from project.model.document_mask import dense_document_mask, document_block_mask
+from project.model.kernels import flex_attend
 method, seq_len, batch, document = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 """
     + DOCUMENTS

@@ -109,7 +109,8 @@ def test_flex_attentions_block_mask_attends_as_each_document_alone(n_kv_heads):
     """The block mask GPUs train with (project.model.document_mask), in FlexAttention's forward on the CPU (its
     only pass here: it has no CPU backward), against an independent reference: each document's causal attention
     computed by itself; and against the dense mask the CPU trains with."""
-    from project.model.document_mask import dense_document_mask, document_block_mask, flex_attend
+    from project.model.document_mask import dense_document_mask, document_block_mask
+    from project.model.kernels import flex_attend
 
     torch.manual_seed(0)
     lengths = [37, 130, 1, 88]  # across the block mask's 128-position tiles, and a one-token document
@@ -164,7 +165,8 @@ def test_a_context_parallel_ranks_block_mask_attends_as_its_rows_of_the_whole_se
     pair; where they are shorter (160 / 4 = 40 positions) its tiles cover the rule, which is applied inside them."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from project.model.document_mask import dense_document_mask, document_block_mask, flex_attend
+    from project.model.document_mask import dense_document_mask, document_block_mask
+    from project.model.kernels import flex_attend
     from project.parallel.context_parallel import zigzag_positions
 
     generator = torch.Generator().manual_seed(seq_len)

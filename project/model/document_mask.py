@@ -7,23 +7,17 @@ kernels skip the empty tiles and apply the rule only inside partial ones. The ma
 and the work follows the documents' lengths rather than the sequence's. It is built from the documents at the
 tiles' edges (`document_block_mask`), so building it never visits the T x T pairs either.
 
-On a GPU attention runs through a torch.compile'd flex_attention, its fused kernel (compiled once per process, as
-torchtitan does). On a CPU the dense mask stays: FlexAttention has no backward pass there (torch 2.13 raises
+On a GPU attention runs through a torch.compile'd flex_attention, its fused kernel (project.model.kernels). On a
+CPU the dense mask stays: FlexAttention has no backward pass there (torch 2.13 raises
 "FlexAttention does not support backward on CPU"), and its eager forward materializes every score anyway. Both
 paths apply one rule; tests/test_model.py holds FlexAttention's forward under the block mask to the dense mask's on
 the CPU, and `make gpu-check` trains through it on a GPU against the CPU's dense path.
-A torch without FlexAttention (before 2.5) keeps the dense mask everywhere.
 """
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
-
 import torch
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
-_compiled_flex_attention: Any = None
+from torch.nn.attention.flex_attention import BlockMask
 
 
 def document_mask(document_ids: torch.Tensor, query_positions: torch.Tensor | None = None) -> torch.Tensor | BlockMask:
@@ -112,18 +106,3 @@ def dense_document_mask(document_ids: torch.Tensor, query_positions: torch.Tenso
     queries = keys if query_positions is None else query_positions
     causal = queries[:, None] >= keys[None, :]
     return (causal & (document_ids[:, queries, None] == document_ids[:, None, :]))[:, None]
-
-
-def flex_attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, enable_gqa: bool
-) -> torch.Tensor:
-    """Attention of q [B, H, T, D] over k, v [B, H_kv, T, D] under `block_mask`; grouped heads read in place."""
-    global _compiled_flex_attention
-    if q.device.type == "cuda":
-        if _compiled_flex_attention is None:
-            _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
-        return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
-    with warnings.catch_warnings():
-        # Off a GPU only for a forward pass (a test of the mask): its advice, to compile it, is the GPU path's.
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)

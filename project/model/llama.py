@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from project.model.config import LlamaConfig
-from project.model.document_mask import BlockMask, document_mask, flex_attend
+from project.model.document_mask import BlockMask, document_mask
 from project.model.initial_values import matrix_shape, normal_values
+from project.model.kernels import attend
 from project.model.loss import chunked_cross_entropy, chunked_target_log_probs
 from project.model.spec import own_name
 
@@ -104,7 +105,8 @@ class KVCache:
 
 
 class ScaledDotProduct(nn.Module):
-    """softmax(q k^T / sqrt(head_dim) + mask) v: q [B, H, T, D] over k, v [B, H_kv, S, D] (S = T but with a cache).
+    """softmax(q k^T / sqrt(head_dim) + mask) v: q [B, H, T, D] over k, v [B, H_kv, S, D] (S = T but with a cache),
+    by the kernel project.model.kernels chooses.
 
     A module of its own, without parameters, so that a strategy can reach the one place attention is computed:
     context parallelism (project.parallel.context_parallel) gives it every rank's keys and values first."""
@@ -112,21 +114,7 @@ class ScaledDotProduct(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None
     ) -> torch.Tensor:
-        # Each key/value head serves a group of query heads. SDPA reads them in place (no repeated copies)
-        # where its kernel for the case takes grouped heads: on the CPU, and on GPUs unmasked in 16 bits
-        # (the flash kernel); elsewhere enable_gqa would drop it to the slow math kernel, so repeat them.
-        # FlexAttention (a document mask's block mask) reads grouped heads in place everywhere.
-        groups = q.shape[1] // k.shape[1]
-        flex = not isinstance(mask, torch.Tensor) and mask is not None
-        in_place = flex or q.device.type == "cpu" or (mask is None and q.dtype in (torch.float16, torch.bfloat16))
-        gqa = groups > 1 and in_place
-        if groups > 1 and not in_place:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        if isinstance(mask, torch.Tensor):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        return flex_attend(q, k, v, mask, enable_gqa=gqa)
+        return attend(q, k, v, mask)
 
 
 class DocumentMasking(nn.Module):
