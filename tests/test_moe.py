@@ -272,18 +272,23 @@ def test_a_family_converts_to_hugging_face_by_the_format_its_entry_names(monkeyp
     )
 
 
-def test_each_family_splits_its_blocks_by_the_tensor_parallel_plan_its_entry_names():
-    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+def test_each_block_is_split_by_the_tensor_parallel_plan_its_tensors_give():
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, SequenceParallel
+
+    from project.parallel.tensor_parallel import block_plan
 
     sizes = {"vocab_size": 64, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2}
     dense = model_config({"family": "llama", **sizes})
     mixed = model_config({"family": "moe", **sizes, "n_experts": 4, "top_k": 2, "moe_every": 2})  # block 1 a mixture
-    llama_plan, moe_plan = FAMILIES["llama"].tensor_parallel_plan(), FAMILIES["moe"].tensor_parallel_plan()
-    whole = set(llama_plan(dense, 0, False, None, 2))
-    assert {"attention.wq", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward"} <= whole
-    assert set(moe_plan(mixed, 0, False, None, 2)) == whole  # a dense block of the mixture family: a Llama's
-    mixture = moe_plan(mixed, 1, True, None, 2)
+    whole = block_plan(dense, 0, False, None, 2)
+    assert set(whole) == {f"attention.{p}" for p in ("wq", "wk", "wv", "wo")} | {"attention"} | {
+        f"feed_forward.{p}" for p in ("w1", "w3", "w2")
+    } | {"feed_forward"}
+    assert isinstance(whole["attention.wk"], ColwiseParallel)
+    assert set(block_plan(mixed, 0, False, None, 2)) == set(whole)  # a dense block of the mixture family: a Llama's
+    mixture = block_plan(mixed, 1, True, None, 2)
     assert {"attention.wq", "attention_norm", "ffn_norm"} <= set(mixture)
+    assert isinstance(mixture["ffn_norm"], SequenceParallel)
     assert not any(k.startswith("feed_forward.") for k in mixture)  # the experts whole on every rank of the group
     assert isinstance(mixture["feed_forward"], PrepareModuleInputOutput)  # the sequence gathered before it
 

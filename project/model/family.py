@@ -26,18 +26,12 @@ class ModelFamily:
     # Its Hugging Face format, "module:NAME" (families/llama/hf.py: the architecture project.export writes and
     # init_from reads, config.json, the feed-forward's names), imported when converting; None: not yet.
     hf_format: str | None = None
-    # Its blocks' tensor-parallel plan, "module:function" (project.parallel.tensor_parallel: (config, block index,
-    # sequence_parallel, float8, tp) -> the block's plan), imported when a model is split.
-    tensor_parallel: str = "project.parallel.tensor_parallel:llama_block_plan"
     # The dimensions this family's model cannot be split over yet ("tensor", "context", "pipeline"; none today):
     # the settings check refuses them by name (project.config.layout.check_family_layout).
     refuses: tuple[str, ...] = ()
 
     def model_class(self) -> type[Llama]:
         return _imported(self.model)
-
-    def tensor_parallel_plan(self) -> Any:
-        return _imported(self.tensor_parallel)
 
     def format(self) -> Any:
         """Its Hugging Face format (a project.model.families.llama.hf.LlamaFormat); ValueError where it has none."""

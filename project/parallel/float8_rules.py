@@ -16,9 +16,6 @@ FLOAT8_GPUS = "they start at compute capability 8.9 (L4, L40S, H100, H200, B200)
 #: Both sides of a float8 matrix product must be multiples of this (torch's scaled_mm on NVIDIA GPUs), and so must
 #: the tokens of a micro batch on a rank (the inner side of the weight gradient's product).
 FLOAT8_MULTIPLE = 16
-#: The sub-layers of a block and their projections; the last of each is row-parallel under tensor parallelism (its
-#: input split), the others column-parallel (their output split), as project.parallel.tensor_parallel lays them out.
-SUB_LAYERS = {"attention": ("wq", "wk", "wv", "wo"), "feed_forward": ("w1", "w3", "w2")}
 
 
 def has_float8_products(peak_tflops: Mapping[str, float]) -> bool:
@@ -70,7 +67,7 @@ def in_float8(config: LlamaConfig, tensor_parallel: int = 1) -> list[str]:
 def sub_layer_in_float8(config: LlamaConfig, sub_layer: str, tensor_parallel: int = 1) -> bool:
     """Whether every projection of a block's `sub_layer` (attention, feed_forward) is in float8."""
     kept = in_float8(config, tensor_parallel)
-    return all(f"{sub_layer}.{name}" in kept for name in SUB_LAYERS[sub_layer])
+    return all(name in kept for name in block_projections(config, tensor_parallel) if name.startswith(f"{sub_layer}."))
 
 
 def torchao_installed() -> bool:

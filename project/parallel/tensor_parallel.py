@@ -14,10 +14,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from project.model.config import LlamaConfig
-from project.model.families import family_of
 from project.model.llama import Llama
+from project.model.spec import TensorSpec
 from project.parallel.float8 import tensor_parallel_styles
-from project.parallel.float8_rules import SUB_LAYERS, sub_layer_in_float8
+from project.parallel.float8_rules import sub_layer_in_float8
 from project.parallel.mesh import check_tensor_parallel_degree
 
 
@@ -67,51 +67,46 @@ def apply_tensor_parallel(
         # their gradients are then reduced once, not span by span.
         whole = PrepareModuleOutput(output_layouts=residual, desired_output_layouts=Replicate(), use_local_output=False)
         parallelize_module(model.norm, mesh, whole)
-    block_plan = family_of(model.config).tensor_parallel_plan()
     for index, block in model.layers.items():  # a pipeline stage's blocks keep their indices in the whole model
-        plan = block_plan(model.config, int(index), sequence_parallel, float8, mesh.size())
-        parallelize_module(block, mesh, plan | per_head_plan(model.config, int(index)))
+        parallelize_module(block, mesh, block_plan(model.config, int(index), sequence_parallel, float8, mesh.size()))
 
 
-def llama_block_plan(config: LlamaConfig, index: int, sequence_parallel: bool, float8: str | None, tp: int) -> dict:
-    """A Llama block's plan (the dense family's, named by its registry entry): attention and the feed-forward split
-    as `apply_tensor_parallel` says, the norms over the sequence with sequence parallelism."""
-    return (
-        _norms(sequence_parallel)
-        | _projections(config, "attention", sequence_parallel, float8, tp)
-        | _projections(config, "feed_forward", sequence_parallel, float8, tp)
-    )
+def block_plan(config: LlamaConfig, index: int, sequence_parallel: bool, float8: str | None, tp: int) -> dict:
+    """Block `index`'s plan, from its family's tensors (project.model.spec): each sub-layer (`attention`,
+    `feed_forward`) split as its tensors say (`_sub_layer`), a mixture of experts whole on every rank (`mixture_plan`),
+    the norms of the residual stream (the block's own gains) over the sequence with sequence parallelism, and the
+    tensors applied to each head over the heads."""
+    tensors = config.block_tensors(index)
+    plan: dict = {}
+    for sub_layer in dict.fromkeys(t.name.split(".")[0] for t in tensors):  # in the block's order
+        own = [t for t in tensors if t.name.split(".")[0] == sub_layer]
+        if len(own) == 1 and own[0].name == f"{sub_layer}.weight":  # a gain on the residual stream
+            plan |= {sub_layer: SequenceParallel()} if sequence_parallel else {}
+        elif any(t.mixture for t in own):
+            plan |= mixture_plan(sub_layer, sequence_parallel)
+        else:
+            plan |= _sub_layer(config, sub_layer, own, sequence_parallel, float8, tp)
+    return plan
 
 
-def mixture_block_plan(config: LlamaConfig, index: int, sequence_parallel: bool, float8: str | None, tp: int) -> dict:
-    """A block of the mixture-of-experts family: a Llama block's plan where the config says the block is dense,
-    else the mixture replicated over the group (`mixture_plan`)."""
-    if config.mixture(index) is None:
-        return llama_block_plan(config, index, sequence_parallel, float8, tp)
-    attention = _projections(config, "attention", sequence_parallel, float8, tp)
-    return _norms(sequence_parallel) | attention | mixture_plan(sequence_parallel)
-
-
-def per_head_plan(config: LlamaConfig, index: int) -> dict:
-    """The block's tensors applied to each head (project.model.spec's "heads", such as a per-head norm of queries and
-    keys): each rank applies them to its own heads, [B, T, heads / tp, head_dim], as torch's SequenceParallel does
-    over dim 2, which sums their gradients over the ranks."""
-    heads = [t.name.removesuffix(".weight") for t in config.block_tensors(index) if t.split == "heads"]
-    return {name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in heads}
-
-
-def _norms(sequence_parallel: bool) -> dict:
-    return {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()} if sequence_parallel else {}
-
-
-def _projections(config: LlamaConfig, name: str, sequence_parallel: bool, float8: str | None, tp: int) -> dict:
-    """The sub-layer `name`'s projections (SUB_LAYERS) split column-wise, then row-wise into the residual stream."""
+def _sub_layer(
+    config: LlamaConfig, name: str, tensors: list[TensorSpec], sequence_parallel: bool, float8: str | None, tp: int
+) -> dict:
+    """A sub-layer's projections split column-wise ("rows") and then row-wise ("cols") into the residual stream; its
+    tensors applied to each head ("heads") over the heads, as torch's SequenceParallel does over dim 2 (each rank
+    holds some heads, [B, T, heads / tp, head_dim]), which sums their gradients over the ranks."""
     residual = Shard(1) if sequence_parallel else Replicate()
+    modules = {t.name.removesuffix(".weight"): t for t in tensors}
     float8_styles = float8 == "tensorwise" and sub_layer_in_float8(config, name, tp)
     colwise, rowwise, prepare = tensor_parallel_styles(float8_styles)
-    *split, joined = SUB_LAYERS[name]
-    plan = {f"{name}.{p}": colwise() for p in split}
-    plan[f"{name}.{joined}"] = rowwise(output_layouts=residual)
+    plan: dict = {}
+    for module, tensor in modules.items():
+        if tensor.split == "rows":
+            plan[module] = colwise()
+        elif tensor.split == "cols":
+            plan[module] = rowwise(output_layouts=residual)
+        elif tensor.split == "heads":
+            plan[module] = SequenceParallel(sequence_dim=2, use_local_output=True)
     # With sequence parallelism the sequence is gathered before the projections; otherwise the input is made a
     # DTensor once for q, k and v (once for w1 and w3), not by each projection: its gradient is then all-reduced once
     # per sub-layer, not once per projection (measured: tests/test_comms.py). Attention's other inputs (rotary
@@ -121,7 +116,7 @@ def _projections(config: LlamaConfig, name: str, sequence_parallel: bool, float8
     return plan
 
 
-def mixture_plan(sequence_parallel: bool) -> dict:
+def mixture_plan(name: str, sequence_parallel: bool) -> dict:
     """A mixture of experts' feed-forward under tensor parallelism: not split (its experts whole on every rank of the
     group, or split over data-parallel ranks by expert parallelism), it routes and computes every token of the
     group's sequences alike on each rank, as a replicated layer. Without sequence parallelism its input and output
@@ -130,7 +125,7 @@ def mixture_plan(sequence_parallel: bool) -> dict:
     if not sequence_parallel:
         return {}
     return {
-        "feed_forward": PrepareModuleInputOutput(
+        name: PrepareModuleInputOutput(
             input_layouts=(Shard(1),),
             desired_input_layouts=(Replicate(),),
             use_local_input=True,

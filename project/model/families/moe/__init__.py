@@ -11,5 +11,4 @@ FAMILY = ModelFamily(
     "Llama with a mixture of experts as feed-forward (Mixtral, Llama 4)",
     "Llama mixture of experts",
     hf_format="project.model.families.moe.hf:MIXTRAL",
-    tensor_parallel="project.parallel.tensor_parallel:mixture_block_plan",
 )
