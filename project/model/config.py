@@ -122,13 +122,18 @@ class LlamaConfig:
         """Block `index`'s feed-forward: a SwiGLU of ffn_hidden_dim (a family whose feed-forward differs says so)."""
         return swiglu("feed_forward", self.dim, self.ffn_hidden_dim, self.init_std, self._residual_std)
 
+    def model_tensors(self) -> list[TensorSpec]:
+        """The parameters outside the blocks: the embedding, the final norm, and the output head unless it is the
+        embedding (tied)."""
+        embedding = TensorSpec("tok_embeddings.weight", (self.vocab_size, self.dim), "rows", self.init_std)
+        head = [] if self.tie_embeddings else [dataclasses.replace(embedding, name="output.weight")]
+        return [embedding, gain("norm.weight", self.dim), *head]
+
     def tensors(self) -> list[TensorSpec]:
         """Every parameter of the whole model, by its name in the model, in the model's order; a tied output matrix
         is the embedding, listed once."""
-        embedding = TensorSpec("tok_embeddings.weight", (self.vocab_size, self.dim), "rows", self.init_std)
-        blocks = [t.in_block(i) for i in range(self.n_layers) for t in self.block_tensors(i)]
-        head = [] if self.tie_embeddings else [dataclasses.replace(embedding, name="output.weight")]
-        return [embedding, *blocks, gain("norm.weight", self.dim), *head]
+        embedding, *rest = self.model_tensors()
+        return [embedding, *(t.in_block(i) for i in range(self.n_layers) for t in self.block_tensors(i)), *rest]
 
     def attention_span(self, index: int, seq_len: int) -> int:
         """The keys a query of block `index` is scored against in a sequence of `seq_len` tokens, for the attention

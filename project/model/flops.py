@@ -9,7 +9,8 @@ from project.model.config import LlamaConfig
 def count_parameters(config: LlamaConfig, active: bool = False) -> int:
     """Exact parameter count of the model of `config`, tied output head counted once; `active`: only those one
     token's forward pass uses (a mixture of experts' router, chosen and shared experts; all of a dense model)."""
-    return sum(t.per_token if active else t.numel for t in config.tensors())
+    tensors = [*config.model_tensors(), *(t for i in range(config.n_layers) for t in config.block_tensors(i))]
+    return sum(t.per_token if active else t.numel for t in tensors)
 
 
 def training_flops_per_token(config: LlamaConfig, seq_len: int) -> float:

@@ -74,6 +74,7 @@ from project.planning.parameters import (
     rank_own,
     rank_weights,
     shard_numel,
+    weight,
 )
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv")
@@ -235,10 +236,19 @@ def norm_gradients(config: LlamaConfig, c: Candidate, precision: str, rank: int 
     the sequence), and always those applied to each head (project.model.spec's "heads": each rank holds some)."""
     if c.tensor_parallel == 1:
         return []
-    held = [t for i in held_blocks(config, c, rank) for t in config.block_tensors(i)]
-    final = [t for t in config.tensors() if t.name == "norm.weight"] if holds_first_and_last(c, rank)[1] else []
-    gains = [t for t in held + final if t.split == "heads" or (c.sequence_parallel and t.split is None and not t.decay)]
-    size = sum(t.numel for t in gains) * COMPUTE_BYTES[precision]
+    held = [w for i in held_blocks(config, c, rank) for w in block_weights(config, i)]
+    final = (
+        [weight(t) for t in config.model_tensors() if t.name == "norm.weight"]
+        if holds_first_and_last(c, rank)[1]
+        else []
+    )
+    # Gains are the family's vectors ([n] as a Weight of one column); "heads": applied to each head.
+    gains = [
+        w
+        for w in held + final
+        if w.tensor_split == "heads" or (c.sequence_parallel and w.tensor_split is None and w.cols == 1)
+    ]
+    size = sum(w.numel for w in gains) * COMPUTE_BYTES[precision]
     return _kept([_Groups(c).collective("all_reduce", ("tensor",), len(gains), size, "tensor_parallel")])
 
 

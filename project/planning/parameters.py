@@ -4,6 +4,7 @@ the data-parallel shards of FSDP (dim-0 shards, the first ranks holding the roun
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -59,7 +60,21 @@ def weight(tensor: TensorSpec) -> Weight:
 
 def block_weights(config: LlamaConfig, index: int = 0) -> list[Weight]:
     """Block `index`'s tensors, whole, in the order the block holds them."""
-    return [weight(t) for t in config.block_tensors(index)]
+    # The planner asks for every block of every candidate layout (a million times for the 405B's plan): each kind
+    # of block's list is made once, keyed by the config's values.
+    fields = vars(config)
+    values = tuple(fields.values())
+    try:
+        hash(values)
+    except TypeError:  # a dict among them (rope_scaling)
+        values = tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v for v in values)
+    return list(_block_weights(type(config), tuple(fields), values, index))
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_weights(kind: type[LlamaConfig], names: tuple, values: tuple, index: int) -> tuple[Weight, ...]:
+    config = kind(**dict(zip(names, values, strict=True)))
+    return tuple(weight(t) for t in config.block_tensors(index))
 
 
 def mixture_of(config: LlamaConfig, index: int) -> Mixture | None:
@@ -126,7 +141,7 @@ def rank_own(config: LlamaConfig, candidate: Candidate, pipeline_rank: int = 0) 
     """The tensors besides the blocks one rank holds: the embedding on the first chunk's, the final norm and the
     output head (unless tied to the embedding on the same rank) on the last's."""
     first, last = holds_first_and_last(candidate, pipeline_rank)
-    tensors = {t.name: weight(t) for t in config.tensors() if not t.name.startswith("layers.")}
+    tensors = {t.name: weight(t) for t in config.model_tensors()}
     embedding = tensors["tok_embeddings.weight"]
     own = [embedding] if first else []
     if last:
