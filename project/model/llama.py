@@ -8,7 +8,7 @@ match Hugging Face's LlamaForCausalLM, so export is a rename and no permutation.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -202,7 +202,7 @@ class Block(nn.Module):
 
 
 class Mixture(Protocol):
-    """A mixture-of-experts feed-forward as strategies see it (Llama.mixtures): two parts they may replace.
+    """A mixture-of-experts feed-forward as strategies see it (FamilyHooks.mixtures): two parts they may replace.
     `experts`: (tokens sorted by expert [M, dim], counts per expert) -> outputs [M, dim] (expert parallelism);
     `sequence_sums`: per-sequence sums of the balancing loss (context parallelism sums them over the group)."""
 
@@ -210,7 +210,49 @@ class Mixture(Protocol):
     sequence_sums: nn.Module
 
 
+class FamilyHooks(Protocol):
+    """What a family's model adds to training beyond a Llama's, for the module, the strategies and the callbacks to
+    call (`Llama.hooks`; None where a family adds nothing, as the dense Llama and Qwen3). A mixture of experts
+    (project.model.families.moe) adds its balancing loss, its experts' loads and its stacked experts."""
+
+    def init_buffers(self) -> None:
+        """The initial values of the model's state that is not trained by gradients (to_empty leaves it unset; a
+        strategy that shards the parameters calls this after drawing them)."""
+        ...
+
+    def mixtures(self) -> Sequence[Mixture]:
+        """The mixture-of-experts feed-forwards of the blocks this model holds, in order."""
+        ...
+
+    def with_auxiliary_losses(self, loss: torch.Tensor) -> torch.Tensor:
+        """The training objective of the forward that just computed `loss` (its mean next-token loss, a plain
+        tensor): `loss` with the gradient of the model's own losses joined, its value unchanged."""
+        ...
+
+    def stage_output(self, h: torch.Tensor) -> torch.Tensor:
+        """A pipeline stage's output hidden states (project.parallel.pipeline), joined to the model's own losses its
+        blocks computed."""
+        ...
+
+    def stacked_parameters(self) -> dict[str, tuple[int, list[nn.Parameter]]]:
+        """Parameters that stack several of a layer's parts along dim 0, for numerics per part: {name: (parts, the
+        tensors this model holds)}, one entry per such layer of the whole model (a pipeline stage holds some: the
+        others' lists are empty)."""
+        ...
+
+    def step_statistics(
+        self, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor], report: bool, applied: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """What the model gathered over an optimizer step's forward passes, after their backward: summed over every
+        rank with `sum_over_ranks`, acted on where the step's update is `applied` (a flag on the device; None:
+        applied), and with `report` as metrics to log."""
+        ...
+
+
 class Llama(nn.Module):
+    # What a family's model adds to training (FamilyHooks), or None: a dense Llama adds nothing.
+    hooks: FamilyHooks | None = None
+
     def __init__(self, config: LlamaConfig, init_seed: int = 0):
         super().__init__()
         self.config = config
@@ -255,11 +297,8 @@ class Llama(nn.Module):
                 self.initial_value(name, out=p.view(matrix_shape(p.shape)))
             else:
                 p.copy_(self.initial_value(name))
-        self.init_buffers()
-
-    def init_buffers(self) -> None:
-        """The initial values of the model's state that is not trained by gradients (to_empty leaves it unset; a
-        strategy that shards the parameters calls this after drawing them). A dense Llama has none."""
+        if self.hooks is not None:
+            self.hooks.init_buffers()
 
     def initial_value(
         self,
@@ -364,36 +403,6 @@ class Llama(nn.Module):
             return (self.head_log_probs if score_targets else self.head_loss)(self.norm(h), targets)
         return self.output(self.norm(h))
 
-    def with_auxiliary_losses(self, loss: torch.Tensor) -> torch.Tensor:
-        """The training objective of the forward that just computed `loss` (its mean next-token loss, a plain
-        tensor): the loss itself, or with the gradient of losses of the model's own (a mixture of experts' balancing
-        loss, project.model.families.moe.model), its value unchanged."""
-        return loss
-
-    def stage_output(self, h: torch.Tensor) -> torch.Tensor:
-        """A pipeline stage's output hidden states (project.parallel.pipeline), joined to losses of the model's own
-        its blocks computed (a mixture of experts' balancing loss) where there are any; `h` itself here."""
-        return h
-
-    def mixtures(self) -> Sequence[Mixture]:
-        """The mixture-of-experts feed-forwards of the blocks this model holds, in order: none in a dense Llama."""
-        return []
-
-    def stacked_parameters(self) -> dict[str, tuple[int, list[nn.Parameter]]]:
-        """Parameters that stack several of a layer's parts along dim 0, for numerics per part: {name: (parts,
-        the tensors this model holds)}, one entry per such layer of the whole model (a pipeline stage holds some:
-        the others' lists are empty). None in a dense Llama; a mixture's experts (project.model.families.moe.model)."""
-        return {}
-
-    def step_statistics(
-        self, sum_over_ranks, report: bool, applied: torch.Tensor | None = None
-    ) -> dict[str, torch.Tensor]:
-        """What the model gathered over an optimizer step's forward passes, after their backward: summed over every
-        rank with `sum_over_ranks`, acted on where the step's update is `applied` (a flag on the device; None:
-        applied), and with `report` as metrics to log. A dense Llama gathers nothing; a mixture of experts its
-        experts' loads (project.model.families.moe.model)."""
-        return {}
-
     def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean cross-entropy of the output head's logits of `hidden` [B, T, dim] (the final norm's output)
         against `targets` [B, T], `config.chunk_tokens` tokens at a time (project.model.loss)."""
@@ -403,3 +412,8 @@ class Llama(nn.Module):
         """[2, B, T]: each target's log-probability under the output head's logits of `hidden` (as `head_loss`
         takes it), and the highest at its position, chunked as the loss (project.model.loss)."""
         return chunked_target_log_probs(hidden, self.output, targets, self.config.chunk_tokens)
+
+
+def mixtures_of(model: Llama) -> Sequence[Mixture]:
+    """The mixtures of experts of the blocks `model` holds (FamilyHooks.mixtures); none where its family has none."""
+    return [] if model.hooks is None else model.hooks.mixtures()

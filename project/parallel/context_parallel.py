@@ -32,7 +32,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 from project.model.document_mask import BlockMask, document_mask
-from project.model.llama import DocumentMasking, Llama
+from project.model.llama import DocumentMasking, Llama, mixtures_of
 
 
 @functools.lru_cache(maxsize=64)  # the same few sequence lengths every step, every layer
@@ -242,7 +242,7 @@ class ContextParallel:
             attention.attend = ContextParallelAttention(
                 attention.attend, self.group, self.rank, self.size, self._masks, self.regather
             )
-        for mixture in self.model.mixtures():  # a mixture's balancing loss sums over whole sequences
+        for mixture in mixtures_of(self.model):  # a mixture's balancing loss sums over whole sequences
             mixture.sequence_sums = ContextParallelSequenceSums(self.group)
 
     def _own_positions(self, module: nn.Module, args: tuple) -> tuple:

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from project.model.families.moe.model import expert_products
-from project.model.llama import Llama
+from project.model.llama import Llama, mixtures_of
 
 
 class AllToAll(torch.autograd.Function):
@@ -91,5 +91,5 @@ class ExpertParallelExperts(nn.Module):
 def apply_expert_parallel(model: Llama, ep_mesh: DeviceMesh) -> None:
     """Split the experts of every mixture the model holds (Llama.mixtures) over `ep_mesh` (a 1-D mesh of the group's
     ranks), in place: parameter names stay the model's, their values each rank's shard."""
-    for mixture in model.mixtures():
+    for mixture in mixtures_of(model):
         mixture.experts = ExpertParallelExperts(mixture.experts, ep_mesh)

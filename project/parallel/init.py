@@ -19,7 +19,8 @@ def materialize(model: Llama, device: torch.device, initialize: bool = True) -> 
     the values anyway.
     """
     model.to_empty(device=device)
-    model.init_buffers()  # before any load, which then overwrites them: never left unset
+    if model.hooks is not None:  # before any load, which then overwrites them: never left unset
+        model.hooks.init_buffers()
     if not initialize:
         return
     for name, param in model.named_parameters():

@@ -57,12 +57,14 @@ class LlamaStage(nn.Module):
         self.norm = model.norm if last else None
         self.output = model.output if last else None
         # Bound methods: the model is not registered as a submodule.
-        self.run_layers, self.stage_output = model.run_layers, model.stage_output
+        self.run_layers = model.run_layers
+        self.stage_output = None if model.hooks is None else model.hooks.stage_output
 
     def forward(self, x: torch.Tensor, seq_len: int, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         h = self.run_layers(h, self.layers.values(), seq_len, document_ids)
-        return self.stage_output(h if self.norm is None else self.norm(h))
+        h = h if self.norm is None else self.norm(h)
+        return h if self.stage_output is None else self.stage_output(h)
 
 
 def split_into_stages(

@@ -265,7 +265,8 @@ class LlamaLitModule(LightningModule):
         (a pipeline: model and criterion split over stages). `model_kwargs`: the model's other inputs where the
         strategy computed them (context parallelism: those of the whole sequences), else from `inputs`."""
         kwargs = self.model_kwargs(inputs) if model_kwargs is None else model_kwargs
-        return self.model.with_auxiliary_losses(_plain(self.model(inputs, targets=targets, **kwargs)))
+        loss = _plain(self.model(inputs, targets=targets, **kwargs))
+        return loss if self.model.hooks is None else self.model.hooks.with_auxiliary_losses(loss)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.strategy().step_loss(self, *batch, train=True)
@@ -316,9 +317,10 @@ class LlamaLitModule(LightningModule):
         withheld = self._guard.before_update(norm, optimizer, step, on_device, withhold)
         # What the model gathered over the step (a mixture of experts' loads: its routing biases move on them, unless
         # the step's update is withheld).
-        sums = self.strategy().sum_over_ranks
-        if statistics := self.model.step_statistics(sums, report=self._logs_now(), applied=~withheld):
-            self.log_dict(statistics)
+        if self.model.hooks is not None:
+            sums = self.strategy().sum_over_ranks
+            if statistics := self.model.hooks.step_statistics(sums, report=self._logs_now(), applied=~withheld):
+                self.log_dict(statistics)
         if self._logs_now():
             self._read_on_the_host()  # the step's values are read now anyway: roll back, warn of skipped steps, or stop
             self.log("train/grad_norm", norm)

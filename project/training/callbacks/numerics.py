@@ -51,6 +51,13 @@ def _model(pl_module: LightningModule) -> Llama:
     return cast(Llama, pl_module.model)
 
 
+def _stacked(pl_module: LightningModule) -> dict[str, tuple[int, list[torch.nn.Parameter]]]:
+    """The model's parameters that stack parts along dim 0 (FamilyHooks.stacked_parameters); none where its family
+    has none."""
+    hooks = _model(pl_module).hooks
+    return {} if hooks is None else hooks.stacked_parameters()
+
+
 class NumericsMonitor(Callback):
     def __init__(self, every_n_steps: int = 0):
         self.every_n_steps = every_n_steps
@@ -114,7 +121,7 @@ class NumericsMonitor(Callback):
         """Each stacked layer's per-part gradient and parameter norms, where the strategy can tell its rows apart."""
         rows = contract_of(trainer.strategy).row_sums_of_squares
         figures = {}
-        for name, (parts, params) in _model(pl_module).stacked_parameters().items():
+        for name, (parts, params) in _stacked(pl_module).items():
             grads = rows([p.grad for p in params if p.grad is not None], parts, pl_module.device)
             norms = rows(params, parts, pl_module.device)
             if grads is None or norms is None:
@@ -147,7 +154,7 @@ class NumericsMonitor(Callback):
             for stat, values in self._figures.items()
             for name, value in zip(names, values.tolist())
         }
-        for name, (parts, stacked) in _model(pl_module).stacked_parameters().items():
+        for name, (parts, stacked) in _stacked(pl_module).items():
             figures = self._part_figures.get(name)
             if figures is None:
                 continue

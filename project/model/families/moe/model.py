@@ -192,6 +192,11 @@ class MoELlama(Llama):
     def block(self, config: MoEConfig, index: int) -> Block:  # type: ignore[override]
         return Block(config, MoEFeedForward(config) if config.is_moe_layer(index) else None)
 
+    @property
+    def hooks(self) -> MoELlama:  # type: ignore[override]
+        """What a mixture adds to training (project.model.llama.FamilyHooks): this model's own methods below."""
+        return self
+
     def mixtures(self) -> list[MoEFeedForward]:
         return list(self.held_mixtures().values())
 
