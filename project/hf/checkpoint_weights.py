@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from project.checkpoint.files import verify_sharded_checkpoint
 from project.checkpoint.locations import Location, storage_reader
-from project.hf.conversion import hf_pieces, weight_names
+from project.hf.conversion import hf_pieces, hf_tensors, weight_names
 from project.hf.folder import INDEX
 from project.model.config import LlamaConfig
 from project.runtime.errors import ConfigError
@@ -101,18 +101,19 @@ def write_safetensors(
         )
     itemsize = torch.empty((), dtype=dtype).element_size()
     sizes = {n: weights.shapes[n][0].numel() * itemsize for n in names}
-    groups = plan_files(sizes, max_shard_size)
+    # Weights that are parts of one HF tensor (Llama 4's experts' w1 and w3) go to one file together.
+    together: dict[str, list[str]] = {}
+    for n in names:
+        together.setdefault(hf_pieces(n, config)[0][0], []).append(n)
+    unit_sizes = {first: sum(sizes[n] for n in group) for first, group in together.items()}
+    groups = [[n for first in file for n in together[first]] for file in plan_files(unit_sizes, max_shard_size)]
     files = (
         ["model.safetensors"]
         if len(groups) == 1
         else [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
     )
     for group, file in zip(groups, files):
-        tensors = {
-            hf: (t if j is None else t[j]).detach().to(dtype).contiguous()
-            for n, t in weights.read(group).items()
-            for hf, j in hf_pieces(n, config)
-        }
+        tensors = {hf: t.detach().to(dtype).contiguous() for hf, t in hf_tensors(weights.read(group), config).items()}
         # transformers refuses safetensors files whose metadata does not name the framework.
         save_file(tensors, out / file, metadata={"format": "pt"})
         del tensors

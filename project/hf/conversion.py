@@ -4,9 +4,9 @@ Llama's config.json has is here; the names of the tensors, and what a family's c
 (families/<name>/hf.py, named by its registry entry).
 
 Pure functions over dicts and tensors, with no transformers import, so a checkpoint can be exported on a
-machine without transformers. Our rotary layout is HF's rotate-half, so weights map by name; nothing is
-permuted. A weight of ours is one HF tensor, or (a mixture's stacked experts [n_experts, out, in]) one per expert
-(`hf_pieces`).
+machine without transformers. Each family's rotary layout is its HF model's, so weights map by name; nothing is
+permuted. A weight of ours is one HF tensor, or (a mixture's stacked experts [n_experts, out, in]) one per expert,
+or part of one laid out the other way round (Llama 4's experts: `Transposed`) (`hf_pieces`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from project.model.config import LlamaConfig
 from project.model.families import family_of
-from project.model.families.llama.hf import LlamaFormat
+from project.model.families.llama.hf import LlamaFormat, Transposed
 
 if TYPE_CHECKING:  # no torch at import: project.hf.folder reads folders before the heavy imports
     import torch
@@ -96,14 +96,18 @@ def hf_weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """The HF names and shapes of the weights of `config`'s HF model, as a folder holds them."""
     shapes = {}
     for tensor in config.tensors():
-        for hf, expert in hf_pieces(tensor.name, config):
-            shapes[hf] = tensor.shape if expert is None else tensor.shape[1:]
+        for hf, piece in hf_pieces(tensor.name, config):
+            if isinstance(piece, Transposed):
+                shapes[hf] = piece.shape
+            else:
+                shapes[hf] = tensor.shape if piece is None else tensor.shape[1:]
     return shapes
 
 
-def hf_pieces(name: str, config: LlamaConfig) -> list[tuple[str, int | None]]:
-    """The HF tensors our weight `name` is (its family's format says): [(its HF name, None)], or for a mixture's
-    stacked experts one (`model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight`, j) per expert j, its slice [j]."""
+def hf_pieces(name: str, config: LlamaConfig) -> list[tuple[str, int | Transposed | None]]:
+    """The HF tensors our weight `name` is (its family's format says): [(its HF name, None)], for a mixture's
+    stacked experts one (`model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight`, j) per expert j, its slice [j], or
+    [(an HF name, Transposed)]: part of that tensor, laid out the other way round."""
     return hf_format(config).pieces(name, config)
 
 
@@ -122,24 +126,44 @@ def _rename_checked(state_dict: Mapping[str, torch.Tensor], rename: dict[str, st
 
 def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
     """Our model's state dict -> HF names (`hf_pieces`). `lm_head.weight` is left out when tied, as HF's own
-    checkpoints do. Tensors are shared (or a mixture's experts sliced), not copied."""
+    checkpoints do. Tensors are shared (or a mixture's experts sliced), not copied, but where parts of ours make one
+    of HF's (`Transposed`)."""
     rename = {name: name for name in weight_names(config)}
-    ours = _rename_checked(state_dict, rename, tied_name="output.weight")
-    return {hf: t if j is None else t[j] for name, t in ours.items() for hf, j in hf_pieces(name, config)}
+    return hf_tensors(_rename_checked(state_dict, rename, tied_name="output.weight"), config)
+
+
+def hf_tensors(ours: Mapping[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """The HF tensors that our weights `ours` (some or all of the model's, by our names) are, by their HF names: every
+    weight that is part of one of them must be given with the others (`hf_pieces`)."""
+    hf_tensors: dict[str, torch.Tensor] = {}
+    for name, t in ours.items():
+        for hf, piece in hf_pieces(name, config):
+            if isinstance(piece, Transposed):  # a new tensor, filled by each weight that is part of it
+                piece.of(hf_tensors.setdefault(hf, t.new_empty(piece.shape))).copy_(t)
+            else:
+                hf_tensors[hf] = t if piece is None else t[piece]
+    return hf_tensors
 
 
 def from_hf_state_dict(state_dict: Mapping[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
     """HF names -> ours, ready for `load_state_dict(..., strict=True)` on the model of `config`: a mixture's experts
     stacked; with tied embeddings `output.weight` is the embedding tensor itself and any `lm_head.weight` ignored."""
-    import torch
-
     pieces = {name: hf_pieces(name, config) for name in weight_names(config)}
     rename = {hf: hf for parts in pieces.values() for hf, _ in parts}
     given = _rename_checked(state_dict, rename, tied_name="lm_head.weight")
-    ours = {
-        name: given[parts[0][0]] if parts[0][1] is None else torch.stack([given[hf] for hf, _ in parts])
-        for name, parts in pieces.items()
-    }
+    ours = {name: _assembled(given, parts) for name, parts in pieces.items()}
     if config.tie_embeddings:
         ours["output.weight"] = ours["tok_embeddings.weight"]
     return ours
+
+
+def _assembled(given: Mapping[str, torch.Tensor], parts: list[tuple[str, int | Transposed | None]]) -> torch.Tensor:
+    """Our weight from the HF tensors `parts` names: one of them, a part of one, or the experts' stacked."""
+    import torch
+
+    (first, piece), *_ = parts
+    if piece is None:
+        return given[first]
+    if isinstance(piece, Transposed):
+        return piece.of(given[first]).contiguous()
+    return torch.stack([given[hf] for hf, _ in parts])

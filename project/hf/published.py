@@ -1,5 +1,5 @@
-"""Load a published Hugging Face folder's weights (`init_from=DIR`: a Llama, or a Mixtral) into the model of any
-layout.
+"""Load a published Hugging Face folder's weights (`init_from=DIR`: a Llama, a Mixtral, a Qwen3 or a Llama 4) into the
+model of any layout.
 
 torch's distributed checkpoint reads the folder through its Hugging Face reader: each rank asks for its
 parameters as they are laid out (whole, or DTensor shards under fsdp2, tp, tp_fsdp and the pipeline) and
@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from project.hf.conversion import hf_pieces
 from project.hf.folder import INDEX
+from project.model.families.llama.hf import Transposed
 from project.model.llama import Llama
 from project.parallel.init import local_indices
 
@@ -34,11 +35,13 @@ from project.parallel.init import local_indices
 def load_published_weights(model: Llama, folder: str | Path) -> None:
     """Fill every parameter this rank holds from `folder`; a pipeline stage holds only its own layers."""
     # A tied output matrix is the embedding parameter itself, which named_parameters lists once.
-    state, stacked = {}, []
+    state, stacked, parts = {}, [], []
     for name, param in model.named_parameters():
         pieces = hf_pieces(name, model.config)
         if pieces[0][1] is None:
             state[pieces[0][0]] = param
+        elif isinstance(pieces[0][1], Transposed):
+            parts.append((param, *pieces[0]))
         else:
             stacked.append((param, [hf for hf, _ in pieces]))
     single_process = not (dist.is_available() and dist.is_initialized())
@@ -48,6 +51,8 @@ def load_published_weights(model: Llama, folder: str | Path) -> None:
     files = tensor_files(Path(folder))
     for param, names in stacked:
         load_experts(param, [files(name) for name in names], names)
+    for param, hf, piece in parts:
+        load_part(param, files(hf), hf, piece)
 
 
 def tensor_files(folder: Path):
@@ -75,3 +80,18 @@ def load_experts(param: torch.Tensor, files: list[Path], names: list[str]) -> No
         with safe_open(str(files[expert]), framework="pt") as tensors:
             values = tensors.get_slice(names[expert])[first:last].to(param.dtype).reshape(-1)
         held[i].copy_(values if cols is None else values[cols - first * in_dim])
+
+
+def load_part(param: torch.Tensor, file: Path, name: str, piece: Transposed) -> None:
+    """A weight that is part of a folder's tensor `name`, laid out the other way round (Llama 4's experts): the tensor
+    read whole (one layer's experts at a time), and this rank's shard of the part kept."""
+    with safe_open(str(file), framework="pt") as tensors:
+        values = piece.of(tensors.get_tensor(name)).to(param.dtype)
+    if not isinstance(param, DTensor):
+        param.copy_(values)
+        return
+    local = param.to_local()
+    if local.numel() == 0:
+        return
+    rows, cols = local_indices(param)
+    local.copy_(values.reshape(param.shape[0], -1)[rows][:, cols].view(local.shape))

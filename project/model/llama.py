@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -126,6 +126,11 @@ class DocumentMasking(nn.Module):
     def forward(self, document_ids: torch.Tensor) -> torch.Tensor | BlockMask:
         return document_mask(document_ids)
 
+    def queries(self, rows: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        """The positions [rows] in the whole sequence of the `rows` queries this rank holds, and the whole sequence's
+        length: all of it, in order (a strategy that splits sequences says which)."""
+        return torch.arange(rows, device=device), rows
+
 
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
@@ -142,18 +147,24 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | BlockMask | None,
+        mask: Any,  # the model's attention_mask
         cache: LayerKV | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.heads(x)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k, mask = self.positioned(q, k, cos, sin, mask)
         if cache is not None:
             k, v = cache.append(k, v)
         out = self.attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def positioned(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | BlockMask | None]:
+        """Queries and keys [B, heads, T, head_dim] at their positions (rotated by the rotary embedding), and the mask
+        they attend under: the model's `mask` (a family whose layers differ in either, as Llama 4's, does it here)."""
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, mask
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values [B, T, heads, head_dim] of x [B, T, dim], before the rotary embedding (a family
@@ -193,7 +204,7 @@ class Block(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | BlockMask | None,
+        mask: Any,  # the model's attention_mask
         cache: LayerKV | None = None,
     ) -> torch.Tensor:
         # By keyword: tensor parallelism's input hook on `attention` lays out the four positional inputs only.
@@ -341,9 +352,29 @@ class Llama(nn.Module):
         angles of late positions off by whole radians.
         """
         positions = torch.arange(start, start + seq_len, device=device, dtype=torch.float32)
-        angles = torch.outer(positions, rope_frequencies(self.config, device))
-        angles = torch.cat((angles, angles), dim=-1)
+        angles = self.channel_angles(torch.outer(positions, rope_frequencies(self.config, device)))
         return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    @staticmethod
+    def channel_angles(angles: torch.Tensor) -> torch.Tensor:
+        """Each channel's angle [T, head_dim] from each rotated pair's [T, head_dim / 2]: pair i is channels i and
+        i + head_dim / 2 (rotate-half, HF Llama's layout; a family that pairs channels otherwise says so)."""
+        return torch.cat((angles, angles), dim=-1)
+
+    def attention_mask(
+        self, seq_len: int, device: torch.device, document_ids: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> Any:
+        """What the blocks' attention is masked by, for `seq_len` tokens (after the cached ones): None (causal), the
+        documents' mask, or with a cache every cached position and causal among the new ones. A family whose layers
+        attend differently gives what its attention's `positioned` reads."""
+        if document_ids is not None:  # no T x T mask where FlexAttention trains (project.model.document_mask)
+            return self.document_masking(document_ids)
+        if cache is None:
+            return None
+        # is_causal would not do: it aligns the diagonal to the top left, so a single new query would see only the
+        # first key.
+        start = cache.length
+        return torch.ones(seq_len, start + seq_len, dtype=torch.bool, device=device).tril(diagonal=start)
 
     def run_layers(
         self,
@@ -364,13 +395,7 @@ class Llama(nn.Module):
             raise ValueError("document_ids and a KV cache together are not supported.")
         start = cache.length if cache is not None else 0
         cos, sin = self.rope(seq_len, h.device, h.dtype, start)
-        mask: torch.Tensor | BlockMask | None = None
-        if document_ids is not None:  # no T x T mask where FlexAttention trains (project.model.document_mask)
-            mask = self.document_masking(document_ids)
-        elif cache is not None:
-            # Every cached position, and causal among the new ones. is_causal would not do: it aligns
-            # the diagonal to the top left, so a single new query would see only the first key.
-            mask = torch.ones(seq_len, start + seq_len, dtype=torch.bool, device=h.device).tril(diagonal=start)
+        mask = self.attention_mask(seq_len, h.device, document_ids, cache)
         if cache is None:
             for layer in layers:
                 h = layer(h, cos, sin, mask)

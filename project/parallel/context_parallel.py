@@ -194,6 +194,9 @@ class ContextParallelDocumentMasking(DocumentMasking):
         mine = zigzag_positions(document_ids.shape[1], self.rank, self.size, document_ids.device)
         return document_mask(document_ids, query_positions=mine)
 
+    def queries(self, rows: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        return zigzag_positions(rows * self.size, self.rank, self.size, device), rows * self.size
+
 
 class _SumOverGroup(torch.autograd.Function):
     """The sum over a group's ranks of each rank's tensor; its gradient, every rank's output gradient summed (each

@@ -16,14 +16,16 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from project.model.config import LlamaConfig
-from project.model.families import llama, moe, qwen3
+from project.model.families import llama, llama4, moe, qwen3
 from project.model.family import ModelFamily
 
 if TYPE_CHECKING:
     from project.model.llama import Llama
 
 
-FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (llama.FAMILY, moe.FAMILY, qwen3.FAMILY)}
+FAMILIES: dict[str, ModelFamily] = {
+    family.name: family for family in (llama.FAMILY, moe.FAMILY, qwen3.FAMILY, llama4.FAMILY)
+}
 
 
 def family_of(fields: Mapping[str, Any] | LlamaConfig) -> ModelFamily:

@@ -9,11 +9,30 @@ Torch-free, like project.hf.conversion.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from project.model.config import LlamaConfig
 
-Pieces = list[tuple[str, int | None]]  # (an HF tensor's name, the slice [j] of our weight it is, or None: all of it)
+
+@dataclass(frozen=True)
+class Transposed:
+    """Our weight as part of an HF tensor of `shape` laid out the other way round: its columns start:stop along the
+    last dimension, the last two dimensions swapped (Llama 4's experts: [experts, in, out], w1 and w3 side by side in
+    one tensor, where ours are [experts, out, in] each)."""
+
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+
+    def of(self, hf: Any) -> Any:
+        """Our weight's values in `hf` (a tensor of `shape`), as a view of it."""
+        return hf[..., self.start : self.stop].transpose(-2, -1)
+
+
+# (an HF tensor's name, what of it our weight is: None all of it, j its slice [j] along dim 0 (a mixture's experts one
+# tensor each), or a Transposed part).
+Pieces = list[tuple[str, int | Transposed | None]]
 
 
 class LlamaFormat:

@@ -24,6 +24,7 @@ MIXTRAL_ROUTING = {
     "score_func": "softmax",
     "normalize_top_k": True,
     "bias_update_rate": 0.0,
+    "weigh_inputs": False,
 }
 
 
@@ -42,6 +43,8 @@ class MoEConfig(LlamaConfig):
     score_func: str = setting("softmax", lambda v: v in SCORE_FUNCTIONS, "softmax or sigmoid")
     # Divide the chosen experts' scores by their sum, so a token's expert weights add up to 1 (Mixtral does).
     normalize_top_k: bool = switch(True)
+    # The router's weights scale each chosen expert's input (Llama 4) rather than its output (Mixtral, DeepSeek-V3).
+    weigh_inputs: bool = switch(False)
     # The load-balancing loss's weight in the training objective (0: none); the loss is logged as moe/aux_loss.
     aux_loss_coef: float = setting(0.01, at_least(0), "at least 0, e.g. 0.01 (0: no auxiliary loss)")
     # DeepSeek-V3's balancing without a loss: after each optimizer step every expert's routing bias moves by this

@@ -116,7 +116,7 @@ class MoEFeedForward(nn.Module):
 
     def __init__(self, config: MoEConfig):
         super().__init__()
-        self.n_experts, self.top_k = config.n_experts, config.top_k
+        self.n_experts, self.top_k, self.weigh_inputs = config.n_experts, config.top_k, config.weigh_inputs
         self.router = Router(config)
         # An Experts, or what a strategy made of it (project.parallel.expert_parallel): (x, counts) -> [M, dim].
         self.experts: nn.Module = Experts(config.n_experts, config.dim, config.expert_hidden_dim)
@@ -133,7 +133,11 @@ class MoEFeedForward(nn.Module):
         order = flat.argsort(stable=True)  # the (token, slot) pairs grouped by expert, tokens in order within each
         counts = torch.bincount(flat, minlength=self.n_experts)
         token = order // self.top_k
-        routed = self.experts(tokens[token], counts) * weights.reshape(-1)[order, None].to(x.dtype)
+        weight = weights.reshape(-1)[order, None].to(x.dtype)
+        if self.weigh_inputs:
+            routed = self.experts(tokens[token] * weight, counts)
+        else:
+            routed = self.experts(tokens[token], counts) * weight
         out = torch.zeros_like(tokens).index_add_(0, token, routed)
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)
