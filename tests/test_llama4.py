@@ -135,6 +135,7 @@ LAYOUTS = {
     "ddp": ["strategy=ddp", "trainer.devices=2"],
     "pp2": ["strategy=pipeline", "trainer.devices=2"],
 }
+CAUSAL = ["document_mask=false"]  # chunks alone: each rank's rows of the chunks' mask, the global layers causal
 # New runs from the single run's export in Llama4ForCausalLM's format: each rank of ddp reads the whole model, of ep=2
 # its own experts' parts of the fused tensors.
 FROM_EXPORT = {"init-from-ddp": "ddp", "init-from-ep2": "ep2"}
@@ -142,26 +143,26 @@ FROM_EXPORT = {"init-from-ddp": "ddp", "init-from-ep2": "ep2"}
 
 @pytest.fixture(scope="module")
 def runs(tiny_shards, tmp_path_factory) -> dict:
-    names = ["single", *LAYOUTS, *FROM_EXPORT]
+    names = ["single", "single-causal", "cp2-causal", *LAYOUTS, *FROM_EXPORT]
     folders = {name: tmp_path_factory.mktemp(name) for name in names}
 
     def case(name: str, *overrides: str):
         return folders[name], train_overrides(tiny_shards, folders[name], *LLAMA4, *overrides)
 
-    train_in_process(1, [case("single")])
+    train_in_process(1, [case("single"), case("single-causal", *CAUSAL)])
     folders["exported"] = tmp_path_factory.mktemp("exported") / "llama4"
     export(str(folders["single"] / "checkpoints" / "last.ckpt"), str(folders["exported"]))
     from_export = (f"init_from={folders['exported']}", "trainer.max_steps=2")
-    two = [case(name, *o) for name, o in LAYOUTS.items()]
+    two = [case(name, *o) for name, o in LAYOUTS.items()] + [case("cp2-causal", *LAYOUTS["cp2"], *CAUSAL)]
     two += [case(name, *LAYOUTS[layout], *from_export) for name, layout in FROM_EXPORT.items()]
     train_in_process(2, two)
     return folders
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [*LAYOUTS, "cp2-causal"])
 def test_llama4_trains_in_every_layout_its_shapes_allow_like_one_device(runs, layout):
-    assert_reproduces(runs[layout], runs["single"], steps=6)
+    assert_reproduces(runs[layout], runs["single-causal" if layout == "cp2-causal" else "single"], steps=6)
 
 
 @pytest.mark.slow
@@ -172,3 +173,18 @@ def test_init_from_a_llama4_folder_starts_every_layout_from_its_weights(runs):
     assert sorted(one) == [0, 1]
     assert read_metrics(runs["init-from-ep2"], "train/loss") == pytest.approx(one, rel=1e-5)
     assert one[0] < read_metrics(runs["single"], "train/loss")[0] - 0.5
+
+
+def test_flex_attention_under_the_chunks_block_mask_serves_every_sequence_of_a_batch():
+    """Without documents the chunks' ids are one sequence's [1, T] (the GPU's block mask): every sequence of the batch
+    attends within its chunks, as under the dense mask."""
+    import torch.nn.functional as F
+
+    from project.model.document_mask import dense_document_mask, document_block_mask
+    from project.model.families.llama4.model import chunk_segments
+    from project.model.kernels import flex_attend
+
+    q, k, v = torch.randn(3, 2, 4, 200, 16, generator=torch.Generator().manual_seed(0)).unbind(0)
+    segments = chunk_segments(torch.arange(200), 48, None)
+    out = flex_attend(q, k, v, document_block_mask(segments), enable_gqa=False)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=dense_document_mask(segments)))

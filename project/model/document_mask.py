@@ -77,8 +77,9 @@ def document_block_mask(document_ids: torch.Tensor, query_positions: torch.Tenso
     partial = meets & ~full
 
     def causal_within_document(b, h, q, kv):
-        # Indices past the ends (the last tiles' padding) are clamped: the kernel discards them.
-        q, kv = query_positions[q.clamp(max=q_len - 1)], kv.clamp(max=seq_len - 1)
+        # Indices past the ends (the last tiles' padding) are clamped: the kernel discards them. Ids of one sequence
+        # ([1, T]: Llama 4's chunks without documents) serve every sequence of the batch, which the kernel numbers.
+        q, kv, b = query_positions[q.clamp(max=q_len - 1)], kv.clamp(max=seq_len - 1), b.clamp(max=batch - 1)
         return (q >= kv) & (document_ids[b, q] == document_ids[b, kv])
 
     def ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # as torch orders a block mask's tables
