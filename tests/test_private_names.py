@@ -102,6 +102,14 @@ FUNCTIONS = [
         "activation checkpointing on our CPU wrap, as Lightning's own wrap applies it",
     ),
     (
+        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+        "checkpoint_wrapper",
+        "parallel/strategies/model_parallel.py",
+        "torch's activation checkpointing of a module, as torchtitan and Lightning's FSDP apply it; its composable "
+        "counterpart (torch.distributed._composable.checkpoint) is private too, and torch.utils.checkpoint is public "
+        "only as a function, which would have to replace the block's forward",
+    ),
+    (
         "torch.utils._python_dispatch",
         "TorchDispatchMode",
         "benchmarks/count_collectives.py (beside the product, not in it)",
@@ -129,6 +137,7 @@ PARAMETERS = {
     "_setup_distributed": ["self"],
     "__create_chunk_list__": ["self"],
     "_setup_activation_checkpointing": ["module", "activation_checkpointing_kwargs"],
+    "checkpoint_wrapper": ["module", "checkpoint_impl", "checkpoint_fn", "checkpoint_fn_kwargs"],
     "_forward_redirection": ["wrapper_module", "original_module", "method_name", "args", "kwargs"],
 }
 # What each attribute we read or set holds on a new instance.

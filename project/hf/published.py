@@ -28,6 +28,7 @@ from project.hf.conversion import hf_pieces
 from project.hf.folder import INDEX
 from project.model.families.llama.hf import Transposed
 from project.model.llama import Llama
+from project.model.spec import own_name
 from project.parallel.init import local_indices
 
 
@@ -37,7 +38,7 @@ def load_published_weights(model: Llama, folder: str | Path) -> None:
     # A tied output matrix is the embedding parameter itself, which named_parameters lists once.
     state, stacked, parts = {}, [], []
     for name, param in model.named_parameters():
-        pieces = hf_pieces(name, model.config)
+        pieces = hf_pieces(own_name(name), model.config)  # whatever wraps its block
         if pieces[0][1] is None:
             state[pieces[0][0]] = param
         elif isinstance(pieces[0][1], Transposed):

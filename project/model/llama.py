@@ -332,7 +332,8 @@ class Llama(nn.Module):
             size = (n_rows if rows is None else rows.numel(), n_cols if cols is None else cols.numel())
             values = torch.ones(size, device="cpu") if out is None else out.fill_(1.0)
         else:
-            values = normal_values(self.init_seed, name, shape, std, rows, cols, out)
+            # Keyed by the name the family gives it, whatever wraps its block (activation checkpointing, FSDP1).
+            values = normal_values(self.init_seed, own_name(name), shape, std, rows, cols, out)
         return values.view(shape) if rows is None and cols is None and out is None else values
 
     def initial_std(self, name: str) -> float | None:

@@ -11,10 +11,10 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.utils.checkpoint import checkpoint
 
 from project.model.config import DTYPE_NAMES
 from project.model.llama import Llama
@@ -35,12 +35,6 @@ from project.runtime.errors import ConfigError
 
 # Lightning's ModelParallelStrategy takes bf16-mixed as its only mixed precision (bf16-true stores bfloat16 already).
 MIXED_PRECISION_GATHER = {"bf16-mixed": "bfloat16"}
-
-
-def checkpoint_activations(block: nn.Module) -> None:
-    """Recompute the block's activations in the backward pass instead of storing them."""
-    forward = block.forward
-    block.forward = lambda *args: checkpoint(forward, *args, use_reentrant=False)
 
 
 class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrategy, ModelParallelStrategy):
@@ -179,10 +173,12 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
             gathers_float8 = not self.sequence_parallel or self.device_mesh.device_type == "cuda"
             float8 = self.float8 if gathers_float8 else None
             apply_tensor_parallel(model, tp_mesh, self.sequence_parallel, self.loss_parallel, float8)
-        # Both in place, so parameter names (and checkpoints) stay those of the plain model.
         if self.activation_checkpointing:
-            for block in model.layers.values():
-                checkpoint_activations(block)
+            # torch's wrapper recomputes each block's activations in the backward instead of storing them; the
+            # checkpoints' names stay the plain model's (it strips its own from state dicts), and the model's own
+            # tensors are found by name without it (project.model.spec.own_name).
+            for index, block in list(model.layers.items()):
+                model.layers[index] = checkpoint_wrapper(block)
         if self._context_group is not None:  # hooks on attention, inside any compiled block
             apply_context_parallel(model, self._context_group, self.regather_kv)
         experts_mesh = None
