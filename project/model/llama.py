@@ -214,7 +214,9 @@ class Block(nn.Module):
 
 class Mixture(Protocol):
     """A mixture-of-experts feed-forward as strategies see it (FamilyHooks.mixtures): two parts they may replace.
-    `experts`: (tokens sorted by expert [M, dim], counts per expert) -> outputs [M, dim] (expert parallelism);
+    `experts`: (tokens sorted by expert [M, dim], counts per expert) -> outputs [M, dim], and its `products`, the
+    same of stacked weights given (w1, w3: [n, hidden, dim]; w2: [n, dim, hidden]; expert parallelism gives each
+    rank's);
     `sequence_sums`: per-sequence sums of the balancing loss (context parallelism sums them over the group)."""
 
     experts: nn.Module

@@ -19,13 +19,15 @@ data-parallel rank, as a dense weight's gradient is.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from project.model.families.moe.model import expert_products
 from project.model.llama import Llama, mixtures_of
 
 
@@ -60,6 +62,8 @@ class ExpertParallelExperts(nn.Module):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             self.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         self.group, self.ranks = ep_mesh.get_group(), ep_mesh.size()
+        # The family's products, of this rank's experts (project.model.llama.Mixture).
+        self.products = cast(Callable[..., torch.Tensor], experts.products)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ep = self.ranks
@@ -82,7 +86,7 @@ class ExpertParallelExperts(nn.Module):
         by_expert = torch.cat([pieces[s * local + e] for e in range(local) for s in range(ep)])
         params = [self.get_parameter(name) for name in ("w1", "w3", "w2")]
         weights = [w.to_local() if isinstance(w, DTensor) else w for w in params]
-        out = expert_products(by_expert, received.sum(dim=0), *weights)
+        out = self.products(by_expert, received.sum(dim=0), *weights)
         results = out.split([received_host[s * local + e] for e in range(local) for s in range(ep)])
         by_source = torch.cat([results[e * ep + s] for s in range(ep) for e in range(local)])
         return AllToAll.apply(by_source, received_splits, sent_splits, self.group, 1.0 / ep)

@@ -86,7 +86,10 @@ def expert_products(
 class Experts(nn.Module):
     """n SwiGLU experts, their weights stacked [n, out, in] (w1, w3: [n, hidden, dim]; w2: [n, dim, hidden]).
 
-    Expert parallelism (project.parallel.expert_parallel) gives each rank some of them and sends it their tokens."""
+    Expert parallelism (project.parallel.expert_parallel) gives each rank some of them and sends it their tokens, which
+    it runs through `products` with the weights it holds."""
+
+    products = staticmethod(expert_products)  # (x, counts, w1, w3, w2) -> [M, dim]: of any experts' stacked weights
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
@@ -96,7 +99,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [M, dim]: the routed tokens sorted by expert, counts[e] of them for expert e -> [M, dim]."""
-        return expert_products(x, counts, self.w1, self.w3, self.w2)
+        return self.products(x, counts, self.w1, self.w3, self.w2)
 
 
 class SequenceSums(nn.Module):
