@@ -12,11 +12,10 @@ import pytest
 import torch
 import yaml
 from conftest import PARITY_STEPS, assert_reproduces, read_metrics, train_overrides
+from hf_folders import assert_folder_reads_back, write_hf_folder
 from in_process import CONF, train_in_process
 
-from project.hf.conversion import from_hf_state_dict, hf_config_dict, to_hf_state_dict
 from project.hf.export import export
-from project.hf.folder import check_weights, model_settings
 from project.hf.published import load_published_weights
 from project.model.families import build_model, model_config
 from project.model.flops import count_parameters
@@ -42,29 +41,20 @@ def seeded_llama4(**changes):
 def test_llama4_with_our_weights_gives_our_logits_in_transformers(tmp_path):
     """Written as a folder (our config.json and safetensors) and read by transformers' own loader: chunked and global
     layers, the temperature, the QK norm, dense and mixture blocks, the experts fused as transformers holds them."""
-    from safetensors.torch import save_file
-
     transformers = pytest.importorskip("transformers")
     ours = seeded_llama4()
-    exported = to_hf_state_dict(ours.state_dict(), ours.config)
+    exported = write_hf_folder(ours, tmp_path)
     assert exported["model.layers.1.feed_forward.experts.gate_up_proj"].shape == (4, 64, 96)
-    save_file({k: v.contiguous() for k, v in exported.items()}, tmp_path / "model.safetensors", {"format": "pt"})
-    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(ours.config)))
     hf = transformers.Llama4ForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     assert hf.config.layer_types == ["chunked_attention", "full_attention"] * 2 and hf.config.moe_layers == [1, 3]
     tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=1e-5, rtol=1e-5)
     # The folder reads back as the same settings, its weights as the same tensors, also into the model directly.
-    settings = model_settings(tmp_path, json.loads((tmp_path / "config.json").read_text()))
-    assert model_config({**settings, "max_seq_len": 256, "init_std": 0.02}) == ours.config
-    check_weights(tmp_path, ours.config)
-    restored = build_model(ours.config, init_seed=4)
-    restored.load_state_dict(from_hf_state_dict(exported, ours.config), strict=True)
+    assert_folder_reads_back(tmp_path, ours, exported)
     loaded = build_model(ours.config, init_seed=5)
     load_published_weights(loaded, tmp_path)
     for name, tensor in ours.state_dict().items():
-        torch.testing.assert_close(restored.state_dict()[name], tensor, atol=0, rtol=0, msg=name)
         torch.testing.assert_close(loaded.state_dict()[name], tensor, atol=0, rtol=0, msg=name)
 
 

@@ -4,16 +4,13 @@ layouts its shapes allow equal to one device (in process, over gloo)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import yaml
 from conftest import PARITY_STEPS, assert_reproduces, train_overrides
+from hf_folders import assert_folder_reads_back, write_hf_folder
 from in_process import CONF, train_in_process
 
-from project.hf.conversion import from_hf_state_dict, hf_config_dict, to_hf_state_dict
-from project.hf.folder import check_weights, model_settings
 from project.model.families import build_model, model_config
 from project.model.flops import count_parameters
 
@@ -38,25 +35,14 @@ def seeded_qwen3(tied: bool):
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_qwen3_with_our_weights_gives_our_logits_in_transformers(tied, tmp_path):
     """Written as a folder (our config.json and safetensors) and read by transformers' own loader."""
-    from safetensors.torch import save_file
-
     ours = seeded_qwen3(tied)
-    exported = to_hf_state_dict(ours.state_dict(), ours.config)
+    exported = write_hf_folder(ours, tmp_path)
     assert "model.layers.1.self_attn.k_norm.weight" in exported and ("lm_head.weight" in exported) != tied
-    save_file({k: v.contiguous() for k, v in exported.items()}, tmp_path / "model.safetensors", {"format": "pt"})
-    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(ours.config)))
     hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path).eval()
     tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=1e-5, rtol=1e-5)
-    # The folder reads back as the same settings, its weights as the same tensors.
-    settings = model_settings(tmp_path, json.loads((tmp_path / "config.json").read_text()))
-    assert model_config({**settings, "max_seq_len": 256, "init_std": 0.02}) == ours.config
-    check_weights(tmp_path, ours.config)
-    restored = build_model(ours.config, init_seed=4)
-    restored.load_state_dict(from_hf_state_dict(exported, ours.config), strict=True)
-    for name, tensor in ours.state_dict().items():
-        torch.testing.assert_close(restored.state_dict()[name], tensor, atol=0, rtol=0, msg=name)
+    assert_folder_reads_back(tmp_path, ours, exported)
 
 
 @pytest.mark.parametrize(
