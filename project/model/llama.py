@@ -118,10 +118,11 @@ class ScaledDotProduct(nn.Module):
 
 
 class DocumentMasking(nn.Module):
-    """The attention mask of packed documents, from their ids [B, T] (project.model.document_mask).
+    """The attention mask of packed documents, from their ids [B, T] (project.model.document_mask), and the positions
+    of the queries the model holds.
 
     A module of its own, without parameters, so that a strategy whose ranks keep some of each sequence's queries
-    (context parallelism) can make the mask of those rows only."""
+    (context parallelism) can make the mask of those rows only, and the model rotate them by their own positions."""
 
     def forward(self, document_ids: torch.Tensor) -> torch.Tensor | BlockMask:
         return document_mask(document_ids)
@@ -347,15 +348,20 @@ class Llama(nn.Module):
     def rope(
         self, seq_len: int, device: torch.device, dtype: torch.dtype, start: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, head_dim] of the rotary angles of positions start .. start + T - 1, computed
-        in float32 and then cast to `dtype`.
+        """cos and sin [T, head_dim] of the rotary angles of positions start .. start + T - 1 (`rope_at`)."""
+        return self.rope_at(torch.arange(start, start + seq_len, device=device), dtype)
+
+    def rope_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, head_dim] of the rotary angles of `positions` [T], computed in float32 and then cast to
+        `dtype`.
 
         The frequencies are recomputed on each call rather than kept in a buffer: mixed precision
         (bf16-true, FSDP's buffer_dtype) casts buffers to bfloat16, whose 8-bit mantissa puts the
         angles of late positions off by whole radians.
         """
-        positions = torch.arange(start, start + seq_len, device=device, dtype=torch.float32)
-        angles = self.channel_angles(torch.outer(positions, rope_frequencies(self.config, device)))
+        device = positions.device
+        angles = torch.outer(positions.to(torch.float32), rope_frequencies(self.config, device))
+        angles = self.channel_angles(angles)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     @staticmethod
@@ -397,7 +403,9 @@ class Llama(nn.Module):
         if cache is not None and document_ids is not None:
             raise ValueError("document_ids and a KV cache together are not supported.")
         start = cache.length if cache is not None else 0
-        cos, sin = self.rope(seq_len, h.device, h.dtype, start)
+        # The positions of the queries this rank holds: all of them, or a context-parallel rank's part.
+        positions, _ = self.document_masking.queries(seq_len, h.device)
+        cos, sin = self.rope_at(positions + start, h.dtype)
         mask = self.attention_mask(seq_len, h.device, document_ids, cache)
         if cache is None:
             for layer in layers:

@@ -4,8 +4,9 @@ values (the Llama 3 paper's approach, section 3.3.2), applied to a single-device
 The sequence is cut into 2 x cp chunks and rank r keeps chunks r and 2 cp - 1 - r ("zig-zag"), so that causal
 attention costs every rank the same: an early chunk with few keys before it and a late one with many. Each rank
 runs the whole model on its part of every sequence; only attention needs the rest of the sequence, so:
-- before each block's attention, the rotary angles of the rank's own positions replace those of 0 .. T/cp - 1
-  (a forward pre-hook on `attention`);
+- the model's `document_masking` is the rank's: it tells the model the positions of the rank's queries (their
+  rotary angles, and a family's per-position factors: Llama 4's temperature), and makes the documents' mask of
+  those rows only;
 - the scaled dot product (`attention.attend`, project.model.llama.ScaledDotProduct) is wrapped: the keys and
   values of every rank of the group are gathered and put back in sequence order, and each of the rank's two chunks
   attends causally to the keys up to its own end (ContextParallelAttention). In the backward pass the gathered
@@ -234,29 +235,17 @@ class ContextParallel:
     def __init__(self, model: Llama, group: dist.ProcessGroup, regather: bool = False):
         self.model, self.group, self.regather = model, group, regather
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-        self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # this rank's angles, per length and dtype
         self._masks: dict[tuple, torch.Tensor] = {}  # shared by every layer: made once, held once
 
     def apply(self, blocks: nn.ModuleDict) -> None:
         self.model.document_masking = ContextParallelDocumentMasking(self.rank, self.size)
         for block in blocks.values():
             attention: Any = block.attention
-            attention.register_forward_pre_hook(self._own_positions)
             attention.attend = ContextParallelAttention(
                 attention.attend, self.group, self.rank, self.size, self._masks, self.regather
             )
         for mixture in mixtures_of(self.model):  # a mixture's balancing loss sums over whole sequences
             mixture.sequence_sums = ContextParallelSequenceSums(self.group)
-
-    def _own_positions(self, module: nn.Module, args: tuple) -> tuple:
-        x, cos, sin, mask = args
-        seq_len = cos.shape[0] * self.size  # the rotary table the model made covers the rank's T / cp positions
-        key = (seq_len, cos.device, cos.dtype)
-        if key not in self._rope:  # once, not in every layer of every step
-            whole_cos, whole_sin = self.model.rope(seq_len, cos.device, cos.dtype)
-            mine = zigzag_positions(seq_len, self.rank, self.size, cos.device)
-            self._rope[key] = whole_cos[mine], whole_sin[mine]
-        return (x, *self._rope[key], mask)
 
 
 def apply_context_parallel(model: Llama, group: dist.ProcessGroup, regather: bool = False) -> ContextParallel:
