@@ -16,6 +16,7 @@ from hf_folders import assert_folder_reads_back, write_hf_folder
 from in_process import CONF, train_in_process
 
 from project.hf.export import export
+from project.hf.folder import model_settings
 from project.hf.published import load_published_weights
 from project.model.families import build_model, model_config
 from project.model.flops import count_parameters
@@ -95,6 +96,20 @@ def test_chunks_and_documents_both_cut_attention_also_for_a_context_parallel_ran
         assert torch.equal(masks.full, allowed(positions, documents, None))
 
 
+def test_a_llama4_folders_irregular_layers_are_refused_and_meta_s_numbered_switches_read(tmp_path):
+    """Only the patterns interleave_moe_layer_step and no_rope_layer_interval make are read; Meta's folders give
+    attn_temperature_tuning as 4, which transformers takes for true."""
+    from project.runtime.errors import ConfigError
+
+    ours = seeded_llama4()
+    write_hf_folder(ours, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert model_settings(tmp_path, config | {"attn_temperature_tuning": 4})["temperature_tuning"] is True
+    for key, irregular in (("moe_layers", [0, 3]), ("no_rope_layers", [1, 1, 1, 0])):
+        with pytest.raises(ConfigError, match=rf"has {key}=\[.*Llama4ForCausalLM here does not take"):
+            model_settings(tmp_path, config | {key: irregular})
+
+
 def test_a_setting_llama4s_format_cannot_hold_is_named():
     config = model_config({**TINY, "weigh_inputs": False, "bias_update_rate": 0.001})
     assert config.hf_format_differences() == ["model.weigh_inputs=False", "model.bias_update_rate=0.001"]
@@ -121,7 +136,8 @@ LLAMA4 += ["document_mask=true"]  # documents and chunks both cut attention, in 
 LAYOUTS = {
     "tp2-sp": ["strategy=tp", "trainer.devices=2", "strategy.sequence_parallel=true"],
     "cp2": ["strategy=fsdp2", "trainer.devices=2", "strategy.context_parallel_size=2"],
-    "ep2": ["strategy=fsdp2", "trainer.devices=2", "strategy.expert_parallel_size=2"],
+    "fsdp2": ["strategy=fsdp2", "trainer.devices=2"],  # each expert's rows split over the ranks
+    "ep2": ["strategy=fsdp2", "trainer.devices=2", "strategy.expert_parallel_size=2"],  # each rank 2 whole experts
     "ddp": ["strategy=ddp", "trainer.devices=2"],
     "pp2": ["strategy=pipeline", "trainer.devices=2"],
 }
