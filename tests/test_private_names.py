@@ -104,7 +104,7 @@ FUNCTIONS = [
     (
         "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
         "checkpoint_wrapper",
-        "parallel/strategies/model_parallel.py",
+        "parallel/recompute.py",
         "torch's activation checkpointing of a module, as torchtitan and Lightning's FSDP apply it; its composable "
         "counterpart (torch.distributed._composable.checkpoint) is private too, and torch.utils.checkpoint is public "
         "only as a function, which would have to replace the block's forward",

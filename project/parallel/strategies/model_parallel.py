@@ -11,7 +11,6 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -27,6 +26,7 @@ from project.parallel.fsdp2 import apply_fsdp2
 from project.parallel.groups import shared_mesh
 from project.parallel.init import materialize
 from project.parallel.mesh import MeshShape, mesh_shape
+from project.parallel.recompute import recompute_blocks
 from project.parallel.strategies.loading import ShardedLoading
 from project.parallel.strategies.saving import ShardedBackgroundSaving
 from project.parallel.strategies.timeout import collective_timeout
@@ -174,11 +174,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
             float8 = self.float8 if gathers_float8 else None
             apply_tensor_parallel(model, tp_mesh, self.sequence_parallel, self.loss_parallel, float8)
         if self.activation_checkpointing:
-            # torch's wrapper recomputes each block's activations in the backward instead of storing them; the
-            # checkpoints' names stay the plain model's (it strips its own from state dicts), and the model's own
-            # tensors are found by name without it (project.model.spec.own_name).
-            for index, block in list(model.layers.items()):
-                model.layers[index] = checkpoint_wrapper(block)
+            recompute_blocks(model)
         if self._context_group is not None:  # hooks on attention, inside any compiled block
             apply_context_parallel(model, self._context_group, self.regather_kv)
         experts_mesh = None
