@@ -36,7 +36,8 @@ def chunk_segments(positions: torch.Tensor, chunk: int, document_ids: torch.Tens
     chunks = positions // chunk
     if document_ids is None:
         return chunks[None]
-    return document_ids * (int(chunks[-1]) + 1) + chunks
+    # Past the last chunk's id: known on the host from the length (reading it off the device would wait for it).
+    return document_ids * (-(-positions.shape[0] // chunk)) + chunks
 
 
 class Llama4Attention(Attention):
