@@ -124,6 +124,10 @@ VALUES = [
         r"data.seq_len to 1024 or less.",
     ),
     (["model.dim=90"], r"model.dim=90 must be divisible by model.n_heads=4"),
+    (
+        ["model.dim=72", "model.n_heads=8", "model.n_kv_heads=8"],
+        r"model.dim / model.n_heads = 9 channels per head: an odd",
+    ),
     # Only the widths that fail are listed: at dim 72 (4 heads of 18, 2 of them for keys and values) the
     # feed-forward's 192 (multiple_of 32) is a multiple of 16.
     (

@@ -174,13 +174,17 @@ def test_megatron_end_to_end_estimates():
     assert per_token == pytest.approx(8 * count_parameters(gpt3), rel=0.05)
 
 
-def test_activation_count_covers_what_a_compiled_block_saves_for_its_backward():
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_activation_count_covers_what_a_compiled_block_saves_for_its_backward(family):
     """The per-block count (project.planning.memory) against the bytes our torch.compile'd block actually
-    saves, read with saved-tensor hooks: at least as much, and within 15% of it."""
-    config = LlamaConfig(vocab_size=256, dim=128, n_layers=1, n_heads=8, ffn_dim=352, max_seq_len=64)
-    from project.model.llama import Llama
+    saves, read with saved-tensor hooks: at least as much, and within 15% of it; Qwen3's block normalizes each query
+    and key head too."""
+    from project.model.families import build_model
+    from project.model.families import model_config as family_config
 
-    model = Llama(config)
+    shape = {"vocab_size": 256, "dim": 128, "n_layers": 1, "n_heads": 8, "ffn_dim": 352, "max_seq_len": 64}
+    config = family_config({"family": family, **shape, **({"head_dim": 16} if family == "qwen3" else {})})
+    model = build_model(config)
     block, (batch, seq) = model.layers["0"], (2, 48)
     block.compile()
     x = torch.randn(batch, seq, config.dim, requires_grad=True)
@@ -217,16 +221,19 @@ def test_activation_count_of_an_eager_block_is_what_it_saves_for_its_backward(au
     assert counted == measured
 
 
-def eager_saved_bytes(model, batch: int, seq: int, autocast: bool) -> int:
-    """The bytes the first block of `model` saves for its backward on a random [batch, seq] input, without
-    torch.compile, under bf16 autocast or not, read with saved-tensor hooks: its parameters and input left out, and
-    autocast's 16-bit copies of the weights (of an expert's slice of a stacked weight too), the working copies
-    counted apart, by their shapes (at a shape no activation has)."""
-    block = model.layers["0"]
+def eager_saved_bytes(model, batch: int, seq: int, autocast: bool, index: int = 0) -> int:
+    """The bytes block `index` of `model` saves for its backward on a random [batch, seq] input, without
+    torch.compile, under bf16 autocast or not, read with saved-tensor hooks: its parameters and inputs left out; the
+    model's mask (a dense one on a CPU, which attention keeps a float copy of; on a GPU a block mask for the whole
+    model); and autocast's 16-bit copies of the weights (of an expert's slice of a stacked weight too), the working
+    copies, counted apart, by their shapes (at a shape no activation has)."""
+    block = model.layers[str(index)]
     x = torch.randn(batch, seq, model.config.dim, requires_grad=True)
     cos, sin = model.rope(seq, x.device, x.dtype)
+    mask = model.attention_mask(seq, x.device)
+    masks = [t for t in (mask if isinstance(mask, tuple) else [mask]) if isinstance(t, torch.Tensor)]
     shapes = [tuple(p.shape[-2:]) for p in block.parameters()]
-    weights = set(shapes) | {s[::-1] for s in shapes}
+    weights = set(shapes) | {s[::-1] for s in shapes} | {tuple(m.shape) for m in masks}
     inputs = {t.untyped_storage().data_ptr() for t in (*block.parameters(), x, cos, sin)}
     saved = {}
 
@@ -237,9 +244,35 @@ def eager_saved_bytes(model, batch: int, seq: int, autocast: bool) -> int:
 
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            out = block(x, cos, sin, None)
+            out = block(x, cos, sin, mask)
     out.float().sum().backward()
     return sum(n for ptr, n in saved.items() if ptr not in inputs)
+
+
+# Qwen3's per-head norms with a gain, before the rotary embedding (heads of 24 over a width of 96: no weight's shape),
+# and Llama 4's without one, after it, in its chunked rotary block (the first; the second is rope-free and global).
+HEAD_NORMS = {
+    "qwen3": {"head_dim": 24},
+    "llama4": {"n_experts": 4, "expert_ffn_dim": 112, "moe_every": 2, "nope_every": 2, "attention_chunk_size": 16},
+}
+
+
+@pytest.mark.parametrize("autocast", [True, False], ids=["bf16-mixed", "fp32"])
+@pytest.mark.parametrize("family", list(HEAD_NORMS))
+def test_activation_count_of_an_eager_block_with_head_norms_is_what_it_saves(family, autocast):
+    """A family whose attention normalizes each query and key head keeps their inputs, the normed heads where a gain
+    scales them, and a statistic per head: counted from its config's head_norms, exactly as the block saves them."""
+    from project.model.families import build_model
+    from project.model.families import model_config as family_config
+
+    shape = {"vocab_size": 256, "dim": 96, "n_layers": 2, "n_heads": 6, "n_kv_heads": 2, "ffn_dim": 160}
+    config = family_config({"family": family, **shape, "max_seq_len": 64, **HEAD_NORMS[family]})
+    assert config.head_norms(0) is not None
+    measured = eager_saved_bytes(build_model(config), 3, 50, autocast)
+    counted = layer_activation_bytes(
+        config, 50, 3, Candidate("fsdp2", 1, 1, 1, 3, 1), 2 if autocast else 4, False, autocast
+    )
+    assert counted == measured
 
 
 def test_the_eager_count_meets_the_gpus_eager_peaks():

@@ -21,10 +21,10 @@ TINY = {"family": "qwen3", "vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads
 TINY |= {"head_dim": 24, "ffn_dim": 96, "norm_eps": 1e-6, "rope_theta": 1e6, "max_seq_len": 256}
 
 
-def seeded_qwen3(tied: bool):
+def seeded_qwen3(tied: bool, dim: int = TINY["dim"]):
     """Our Qwen3 with every norm's gain drawn too (they start at ones, which would hide a query norm read as a key
     norm)."""
-    model = build_model(model_config({**TINY, "tie_embeddings": tied}), init_seed=3).eval()
+    model = build_model(model_config({**TINY, "tie_embeddings": tied, "dim": dim}), init_seed=3).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -32,10 +32,11 @@ def seeded_qwen3(tied: bool):
     return model
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_qwen3_with_our_weights_gives_our_logits_in_transformers(tied, tmp_path):
-    """Written as a folder (our config.json and safetensors) and read by transformers' own loader."""
-    ours = seeded_qwen3(tied)
+@pytest.mark.parametrize(("tied", "dim"), [(False, 64), (True, 64), (False, 70)], ids=["untied", "tied", "dim-70"])
+def test_qwen3_with_our_weights_gives_our_logits_in_transformers(tied, dim, tmp_path):
+    """Written as a folder (our config.json and safetensors) and read by transformers' own loader; at a width of 70
+    too, which the 4 heads do not divide (their width is head_dim's alone)."""
+    ours = seeded_qwen3(tied, dim)
     exported = write_hf_folder(ours, tmp_path)
     assert "model.layers.1.self_attn.k_norm.weight" in exported and ("lm_head.weight" in exported) != tied
     hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path).eval()

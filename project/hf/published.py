@@ -84,15 +84,17 @@ def load_experts(param: torch.Tensor, files: list[Path], names: list[str]) -> No
 
 
 def load_part(param: torch.Tensor, file: Path, name: str, piece: Transposed) -> None:
-    """A weight that is part of a folder's tensor `name`, laid out the other way round (Llama 4's experts): the tensor
-    read whole (one layer's experts at a time), and this rank's shard of the part kept."""
-    with safe_open(str(file), framework="pt") as tensors:
-        values = piece.of(tensors.get_tensor(name)).to(param.dtype)
+    """A weight that is part of a folder's tensor `name`, laid out the other way round (Llama 4's experts: w1 and w3
+    side by side): only the part's columns read, of the experts this rank holds a shard of, and the shard kept."""
     if not isinstance(param, DTensor):
-        param.copy_(values)
+        with safe_open(str(file), framework="pt") as tensors:
+            param.copy_(piece.of(tensors.get_slice(name)).to(param.dtype))
         return
     local = param.to_local()
     if local.numel() == 0:
         return
     rows, cols = local_indices(param)
-    local.copy_(values.reshape(param.shape[0], -1)[rows][:, cols].view(local.shape))
+    first, last = int(rows.min()), int(rows.max()) + 1
+    with safe_open(str(file), framework="pt") as tensors:
+        values = piece.of(tensors.get_slice(name), slice(first, last)).to(param.dtype)
+    local.copy_(values.reshape(last - first, -1)[rows - first][:, cols].view(local.shape))

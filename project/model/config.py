@@ -33,6 +33,13 @@ class Mixture(NamedTuple):
     balancing_loss: bool  # whether a balancing loss joins the objective (its gradient flows back through the router)
 
 
+class HeadNorms(NamedTuple):
+    """A block's RMS norms of each query and key head over head_dim, as plain numbers (project.planning counts what
+    they keep for the backward): Qwen3's, with a gain, and Llama 4's, without."""
+
+    gain: bool
+
+
 @dataclass
 class LlamaConfig:
     # The model family (project.model.families) whose config this is: each family's config class sets its own.
@@ -70,8 +77,7 @@ class LlamaConfig:
             )
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        if self.dim % self.n_heads:
-            raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}.")
+        self.check_head_width()
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads} "
@@ -97,6 +103,17 @@ class LlamaConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    def check_head_width(self) -> None:
+        """Raise where the heads cannot have their width: dim / n_heads, a whole number and even (the rotary embedding
+        turns pairs of channels). A family that sets head_dim apart from dim checks only the latter (Qwen3)."""
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}.")
+        if self.head_dim % 2:
+            raise ValueError(
+                f"model.dim / model.n_heads = {self.head_dim} channels per head: an odd number, and the rotary "
+                "embedding turns pairs of channels. Choose a dim and n_heads whose quotient is even."
+            )
 
     def hf_format_differences(self) -> list[str]:
         """The settings its family's Hugging Face format cannot hold (project.model.families.without_hf_format)."""
@@ -139,6 +156,10 @@ class LlamaConfig:
         """The keys a query of block `index` is scored against in a sequence of `seq_len` tokens, for the attention
         FLOPs (project.model.flops): all of them (the causal mask's saving not counted, as PaLM and Megatron-LM)."""
         return seq_len
+
+    def head_norms(self, index: int) -> HeadNorms | None:
+        """Block `index`'s norms of each query and key head; None: a Llama's attention has none."""
+        return None
 
     @property
     def _residual_std(self) -> float:

@@ -16,6 +16,8 @@ A fused implementation stores this: torch.compile'd blocks, Megatron-LM's SwiGLU
 (layer_activation_bytes counts it tensor by tensor: the norms' float32 copies and autocast's 16-bit copy of each
 projection's input, silu(w1 x)), about 1.6 times as much for Llama shapes under bf16-mixed: the planner counts
 that for runs without `compile`.
+A family whose attention normalizes each query and key head (Qwen3, Llama 4: `LlamaConfig.head_norms`) keeps their
+inputs too, and the normed heads where a gain scales them.
 Context parallelism over c ranks leaves each rank s/c of every sequence, but the keys and values of the whole
 sequence, gathered for attention, are kept for the backward too: (s - s/c) b h 4g more.
 tests/test_planner.py holds the count to what our compiled block saves for its backward, and the eager count to
@@ -99,8 +101,9 @@ def layer_activation_bytes(
         return 2 * sbh / (t if sp else 1)  # the block's input
     scores = 2 * config.n_heads * seq_len / h if candidate.recompute == "none" else 0.0
     mixed = mixture_activation_bytes(mixture, h, seq_len, micro_batch, compute_bytes, compiled, autocast, sp)
+    norms = config.head_norms(index)
     if compiled:
-        split = 4 * q / h + 4 * kv / h + 6 * f / h
+        split = 4 * q / h + 4 * kv / h + 6 * f / h + (2 * (q + kv) / h if norms else 0.0)  # the norms' inputs
         return sbh * (8 / (t if sp else 1) + (split + scores) / t) + mixed
     # Eager, per token, as torch saves it (counted in tests/test_planner.py): under autocast the norms' float32
     # input and output and the float32 residual (12h), a 16-bit copy of the normed input for each of wq, wk, wv,
@@ -113,6 +116,10 @@ def layer_activation_bytes(
     else:
         replicated, split = compute_bytes * 5 * h, compute_bytes * (2 * q + 2 * kv + 4 * f)
     stats = 4 * config.n_heads / t + 8
+    if norms:  # per-head norms of queries and keys: their float32 input (in the compute dtype without autocast), the
+        # normed heads where a gain scales them, and a float32 statistic per head
+        split += (q + kv) * ((4 if autocast else compute_bytes) + (compute_bytes if norms.gain else 0))
+        stats += 4 * (config.n_heads + config.kv_heads) / t
     return seq_len * micro_batch * (replicated / (t if sp else 1) + split / t + stats) + sbh * scores / t + mixed
 
 

@@ -25,9 +25,11 @@ class Transposed:
     start: int
     stop: int
 
-    def of(self, hf: Any) -> Any:
-        """Our weight's values in `hf` (a tensor of `shape`), as a view of it."""
-        return hf[..., self.start : self.stop].transpose(-2, -1)
+    def of(self, hf: Any, experts: slice = slice(None)) -> Any:
+        """Our weight's values in `hf` (a tensor of `shape`, or safetensors' slice of one, which then reads only these),
+        as a view of it; of `experts` along dim 0 only, where given."""
+        middle = (slice(None),) * (len(self.shape) - 2)
+        return hf[(experts, *middle, slice(self.start, self.stop))].transpose(-2, -1)
 
 
 # (an HF tensor's name, what of it our weight is: None all of it, j its slice [j] along dim 0 (a mixture's experts one

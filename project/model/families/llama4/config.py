@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from project.model.config import WHOLE
+from project.model.config import WHOLE, HeadNorms
 from project.model.families.moe.config import MoEConfig
 from project.runtime.settings import above, at_least, or_null, setting, switch, whole
 
@@ -59,6 +59,9 @@ class Llama4Config(MoEConfig):
         return [
             f"model.{key}={getattr(self, key)}" for key, value in LLAMA4_ROUTING.items() if getattr(self, key) != value
         ]
+
+    def head_norms(self, index: int) -> HeadNorms | None:
+        return HeadNorms(gain=False) if self.qk_norm and self.rotates(index) else None
 
     def attention_span(self, index: int, seq_len: int) -> int:
         """A rotary layer's queries are scored against their chunk's keys only."""

@@ -40,6 +40,13 @@ def chunk_segments(positions: torch.Tensor, chunk: int, document_ids: torch.Tens
     return document_ids * (-(-positions.shape[0] // chunk)) + chunks
 
 
+def head_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [B, heads, T, head_dim] divided by its root mean square over head_dim (no gain: an L2 norm), in float32 as
+    Meta's. Computed in the heads' own layout [B, T, heads, head_dim] (rms_norm's output is laid out as its input
+    reads), which attention's output then keeps: the output projection reads it without a copy."""
+    return F.rms_norm(x.float().transpose(1, 2), (x.shape[-1],), eps=eps).transpose(1, 2).type_as(x)
+
+
 class Llama4Attention(Attention):
     def __init__(self, config: Llama4Config, index: int):
         super().__init__(config)
@@ -53,9 +60,8 @@ class Llama4Attention(Attention):
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         if self.rotary:
             q, k = q * cos + rotate_pairs(q) * sin, k * cos + rotate_pairs(k) * sin
-            if self.qk_norm:  # no gain: an L2 norm, in float32 as Meta's
-                q = F.rms_norm(q.float(), (q.shape[-1],), eps=self.eps).type_as(q)
-                k = F.rms_norm(k.float(), (k.shape[-1],), eps=self.eps).type_as(k)
+            if self.qk_norm:
+                q, k = head_norm(q, self.eps), head_norm(k, self.eps)
             return q, k, mask.chunked
         if self.temperature:
             steps = torch.floor((mask.positions.float() + 1.0) / self.floor_scale)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from project.model.config import WHOLE, LlamaConfig
+from project.model.config import WHOLE, HeadNorms, LlamaConfig
 from project.model.spec import TensorSpec
 from project.runtime.settings import setting, whole
 
@@ -14,6 +14,17 @@ class Qwen3Config(LlamaConfig):
     family: str = "qwen3"
     # Each head's width, which Qwen3 sets apart from dim / n_heads (0.6B: 16 heads of 128 over a dim of 1024).
     head_dim: int = setting(128, whole(1), WHOLE)
+
+    def check_head_width(self) -> None:
+        # Not dim / n_heads: Qwen3's projections map dim to n_heads * head_dim, whatever dim is.
+        if self.head_dim % 2:
+            raise ValueError(
+                f"model.head_dim={self.head_dim} is odd, and the rotary embedding turns pairs of channels: set an "
+                "even head_dim (Qwen3's published models use 128)."
+            )
+
+    def head_norms(self, index: int) -> HeadNorms:
+        return HeadNorms(gain=True)
 
     def attention_tensors(self, index: int) -> list[TensorSpec]:
         """A Llama's, and the gains of the per-head norms of queries and keys: applied to each head, so under tensor
