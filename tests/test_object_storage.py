@@ -197,7 +197,7 @@ def test_a_run_killed_while_it_saves_to_object_storage_resumes_every_time(tiny_s
     assert_same_run(run, reference, (ckpts, f"{bucket}/reference"))
 
 
-def test_a_failed_upload_leaves_no_object_and_a_new_run_never_takes_over_another_runs_saves(bucket):
+def test_a_failed_upload_leaves_no_object_and_only_the_folders_own_run_resumed_takes_over_its_saves(bucket):
     from project.checkpoint.latest import publish, refuse_another_runs, save_name
     from project.checkpoint.locations import exists, write_bytes, writing
 
@@ -212,6 +212,10 @@ def test_a_failed_upload_leaves_no_object_and_a_new_run_never_takes_over_another
     with pytest.raises(ConfigError, match=r"holds another run's checkpoints \(the latest: .*step-000003.ckpt\)"):
         refuse_another_runs(f"{bucket}/uploads", None)
     refuse_another_runs(f"{bucket}/uploads", "last")  # resuming it is what the folder is for
+    refuse_another_runs(f"{bucket}/uploads", f"{bucket}/uploads/{save_name(3)}")  # and so is a save of its own
+    for elsewhere in (f"{bucket}/other/{save_name(5)}", f"{bucket}/uploads-2/{save_name(5)}", "/runs/a/last.ckpt"):
+        with pytest.raises(ConfigError, match=rf"which a run from ckpt_path={elsewhere}, another run's checkpoint,"):
+            refuse_another_runs(f"{bucket}/uploads", elsewhere)
 
 
 def test_one_local_copy_of_a_remote_file_at_a_time_and_a_remote_best_resumed_from_is_kept(bucket):

@@ -183,3 +183,23 @@ def test_settings_a_resume_may_change_freely_are_told_apart_from_those_that_chan
     # A key one run lacks is null there: a strategy without float8 against one with it.
     assert settings_changed(flat(**{"strategy.float8": "rowwise"}), {}) == (["strategy.float8"], [])
     assert settings_changed({"strategy.float8": "null"}, {}) == ([], [])
+
+
+def test_ranks_that_find_different_checkpoints_stop_before_anything_loads(tiny_shards, tmp_path):
+    """Checkpoint folders on each node's own disk (each rank its own here): under ckpt_path=auto rank 0 finds a save
+    to resume and rank 1 none, and would train a model of its own beside it. Once the ranks can talk, before anything
+    loads, every rank stops with one error naming what each decided and the fix."""
+    from in_process import train_in_process
+
+    first = train_overrides(tiny_shards, tmp_path / "first", f"ckpt_dir={tmp_path / 'node0'}", "trainer.max_steps=2")
+    train_in_process(1, [(tmp_path / "first", first)])
+    per_rank = f"ckpt_dir={tmp_path}/node${{oc.env:LOCAL_RANK}}"
+    resumed = train_overrides(tiny_shards, tmp_path / "second", per_rank, "ckpt_path=auto", "strategy=ddp",
+                              "trainer.devices=2", "trainer.max_steps=4")  # fmt: skip
+    with pytest.raises(pytest.fail.Exception) as stopped:
+        train_in_process(2, [(tmp_path / "second", resumed)], timeout=300)  # without the check: a hang
+    said = str(stopped.value)
+    assert "the ranks do not start from the same checkpoint: rank 0 resumes from" in said, said[-3000:]
+    assert "rank 1: starts afresh (no checkpoint)" in said or f"rank 0 resumes from {tmp_path / 'node0'}" in said
+    assert "put hydra.run.dir and ckpt_dir on a file system every node shares" in said
+    assert not (tmp_path / "node1").exists() or not any((tmp_path / "node1").iterdir())  # nothing trained

@@ -179,6 +179,28 @@ def test_bayes_chooses_its_later_points_from_the_results_before_them_with_optuna
     assert [p["parameters"] for p in again] == [p["parameters"] for p in bayes]
 
 
+def test_a_bayes_point_that_ends_without_the_specs_metric_stops_the_sweep_in_one_paragraph(tmp_path, capsys):
+    """A misspelled metric would leave TPE without results, drawing at random to the end: the first point that ends
+    without it stops the sweep, naming the metrics it did log; its record is kept."""
+    program = tmp_path / "loss_of_lr.py"
+    program.write_text(LOSS_OF_LR)
+    spec = write_spec(
+        tmp_path,
+        {"optim.lr": {"distribution": "log_uniform_values", "min": 1e-4, "max": 1e-2}},
+        method="bayes",
+        command=["${interpreter}", "${program}", "${args_no_hyphens}"],
+        program=str(program),
+        metric={"name": "val/los", "goal": "minimize"},
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.main([f"spec={spec}", "count=5", f"sweep_dir={tmp_path / 'sweep'}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and "Traceback" not in err, err
+    assert "point 0 ran to its end and logged no val/los (its metrics.csv has val/loss)" in err, err
+    records = (tmp_path / "sweep" / "points.jsonl").read_text().splitlines()
+    assert [list(json.loads(line)["metrics"]) for line in records] == [["val/loss"]]  # the summary's own column
+
+
 def test_bayes_refuses_a_distribution_or_bounds_tpe_cannot_search_in_one_paragraph(tmp_path):
     path = write_spec(tmp_path, {"optim.lr": {"distribution": "normal", "mu": 0.001, "sigma": 1e-4}}, method="bayes",
                       metric={"name": "val/loss", "goal": "minimize"}, run_cap=4)  # fmt: skip

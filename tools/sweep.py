@@ -439,6 +439,30 @@ def final_metrics(run_dir: Path, names: list[str]) -> dict[str, float]:
     return found
 
 
+def logged_metrics(run_dir: Path) -> list[str]:
+    """The metrics a run's metrics.csv has a column for (none where it wrote none)."""
+    try:
+        with open(run_dir / "metrics.csv", newline="") as file:
+            return [name for name in next(csv.reader(file), []) if name not in ("step", "epoch")]
+    except OSError:
+        return []
+
+
+def refuse_a_search_without_results(spec: Spec, result: PointResult, record: Path) -> None:
+    """A bayes point that ran to its end without its spec's metric: every point would (a misspelled name, a metric
+    the runs never log), and TPE, which draws at random until it has results, would search at random to the end."""
+    if spec.method != "bayes" or result.status != 0 or spec.metric in result.metrics:
+        return
+    logged = logged_metrics(result.run_dir)
+    raise ConfigError(
+        f"metric: {{name: {spec.metric}}}: point {result.index} ran to its end and logged no {spec.metric} (its "
+        f"metrics.csv has {', '.join(logged) if logged else 'no metric'}), so method bayes would have no result to "
+        "choose its next points from, and the sweep stops here. Name a metric the points log in the spec, or have "
+        "them log it (a val/ metric needs a validation within the run: val_every_n_steps at most "
+        f"trainer.max_steps). The point is recorded in {record}."
+    )
+
+
 def error_of(stderr_tail: str) -> str:
     """What a failed point said last: its `error: ...` paragraph where it printed one (a refused setting),
     else its last lines (a traceback's exception, Hydra's complaint)."""
@@ -527,7 +551,7 @@ def end_line(result: PointResult) -> str:
 
 def run_sweep(spec: Spec, search: Search, overrides: list[str], sweep_dir: Path) -> list[PointResult]:
     """Run every point in turn, each in `sweep_dir/<index>/`, and tell the search its metric; a failure is recorded
-    and the sweep goes on."""
+    and the sweep goes on; a bayes point that ends without its metric stops it (refuse_a_search_without_results)."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     (sweep_dir / "spec.yaml").write_text(spec.path.read_text())
     values = override_values(overrides)
@@ -561,6 +585,7 @@ def run_sweep(spec: Spec, search: Search, overrides: list[str], sweep_dir: Path)
             sweep_dir / "points.jsonl", "a"
         ) as file:  # written as each point ends: a stopped sweep keeps its record
             file.write(json.dumps(record) + "\n")
+        refuse_a_search_without_results(spec, result, sweep_dir / "points.jsonl")
     return results
 
 

@@ -74,11 +74,16 @@ def publish(saved: Location, keep: int) -> None:
 
 
 def refuse_another_runs(folder: Location, ckpt_path: str | None) -> None:
-    """A new run (no ckpt_path) into a folder of object storage that holds saves would publish its own over them
-    (`latest` renamed, theirs pruned): refused, naming the fix."""
-    found = latest(folder) if ckpt_path is None else None
+    """A run that is not this folder's own resumed (a new run, or one from another run's checkpoint) into a folder of
+    object storage that holds saves would publish its own over them (`latest` renamed, theirs pruned): refused,
+    naming the fix. `ckpt_path`: None, `last`, or a checkpoint's location."""
+    inside = str(folder).rstrip("/") + "/"
+    if ckpt_path is not None and (str(ckpt_path) == "last" or str(ckpt_path).startswith(inside)):
+        return
+    found = latest(folder)
     if found is not None:
+        what = "a new run" if ckpt_path is None else f"a run from ckpt_path={ckpt_path}, another run's checkpoint,"
         raise ConfigError(
-            f"ckpt_dir={folder} holds another run's checkpoints (the latest: {found}): resume that run with "
-            "ckpt_path=last, or give this run a ckpt_dir of its own."
+            f"ckpt_dir={folder} holds another run's checkpoints (the latest: {found}), which {what} would replace: "
+            "resume that run with ckpt_path=last, or give this run a ckpt_dir of its own."
         )

@@ -38,6 +38,7 @@ from project.runtime.processes import watch_children
 from project.runtime.secrets import redact_text, redacted_container, secret_values
 from project.training.callbacks.evaluation import HeldOutEvaluation
 from project.training.callbacks.preemption import REQUEUE_EXIT_STATUS, StopOnSignal
+from project.training.callbacks.starting_point import SameStartOnEveryRank
 from project.training.lit_module import check_resumable
 from project.training.stability import Rollback, RollbackRequested, describe, escalate
 from project.training.trainer import build_trainer, check_devices, devices_per_node, limit_cpu_threads
@@ -185,6 +186,7 @@ def fit_once(cfg: DictConfig, run_dir: Path, layout: Layout | None, restart: Res
     if restart is None:  # the launcher that started this node's other ranks: the first fit's (Lightning's launcher
         # set LOCAL_RANK on this rank when it did, so that a later fit in the process launches nothing)
         watch_children(trainer.strategy.launcher)
+    trainer.callbacks.append(SameStartOnEveryRank(ckpt_path))  # type: ignore[attr-defined]  # Lightning's list
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     finally:  # after Lightning's teardown, which puts back the handlers it found as the fit started: this fit's
