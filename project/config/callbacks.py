@@ -109,13 +109,14 @@ LOGGED_METRICS: tuple[LoggedMetrics, ...] = (
         "peak_flops_per_device=...",
     ),
     LoggedMetrics(
-        ("memory/param_bytes", "memory/grad_bytes", "memory/optimizer_bytes", "memory/activation_bytes"),
-        "callbacks.memory (MemoryMonitor)",
-        when=with_callback("MemoryMonitor"),
-        unless="it is logged by callbacks.memory, which this run leaves out",
-    ),
-    LoggedMetrics(
-        ("memory/peak_bytes", "memory/max_peak_bytes"),
+        (
+            "memory/param_bytes",
+            "memory/grad_bytes",
+            "memory/optimizer_bytes",
+            "memory/activation_bytes",
+            "memory/peak_bytes",
+            "memory/max_peak_bytes",
+        ),
         "callbacks.memory (MemoryMonitor)",
         when=with_callback("MemoryMonitor"),
         unless="it is logged by callbacks.memory, which this run leaves out",
