@@ -201,6 +201,24 @@ def test_a_bayes_point_that_ends_without_the_specs_metric_stops_the_sweep_in_one
     assert [list(json.loads(line)["metrics"]) for line in records] == [["val/loss"]]  # the summary's own column
 
 
+def test_once_a_bayes_point_had_the_metric_a_later_one_without_it_counts_as_failed(tmp_path):
+    """Points that end before their first validation, after one that logged its val/loss: the sweep goes on."""
+    program = tmp_path / "first_only.py"
+    only_the_first = '(run / ("metrics.csv" if run.name == "0" else "other.csv"))'  # the others log elsewhere
+    program.write_text(LOSS_OF_LR.replace('(run / "metrics.csv")', only_the_first))
+    spec = write_spec(
+        tmp_path,
+        {"optim.lr": {"distribution": "log_uniform_values", "min": 1e-4, "max": 1e-2}},
+        method="bayes",
+        command=["${interpreter}", "${program}", "${args_no_hyphens}"],
+        program=str(program),
+        metric={"name": "val/loss", "goal": "minimize"},
+    )
+    assert sweep.main([f"spec={spec}", "count=3", f"sweep_dir={tmp_path / 'sweep'}"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "sweep" / "points.jsonl").read_text().splitlines()]
+    assert [list(r["metrics"]) for r in records] == [["val/loss"], [], []]
+
+
 def test_bayes_refuses_a_distribution_or_bounds_tpe_cannot_search_in_one_paragraph(tmp_path):
     path = write_spec(tmp_path, {"optim.lr": {"distribution": "normal", "mu": 0.001, "sigma": 1e-4}}, method="bayes",
                       metric={"name": "val/loss", "goal": "minimize"}, run_cap=4)  # fmt: skip

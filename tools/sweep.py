@@ -448,10 +448,13 @@ def logged_metrics(run_dir: Path) -> list[str]:
         return []
 
 
-def refuse_a_search_without_results(spec: Spec, result: PointResult, record: Path) -> None:
-    """A bayes point that ran to its end without its spec's metric: every point would (a misspelled name, a metric
-    the runs never log), and TPE, which draws at random until it has results, would search at random to the end."""
-    if spec.method != "bayes" or result.status != 0 or spec.metric in result.metrics:
+def refuse_a_search_without_results(spec: Spec, results: list[PointResult], record: Path) -> None:
+    """The last of `results` ran to its end without its bayes spec's metric, and no point before it had it: a
+    misspelled name, or a metric the runs never log, and TPE, which draws at random until it has results, would
+    search at random to the end. (Once a point had it, one without it, a run that ended before its first validation,
+    counts as failed, as a failed point does.)"""
+    result = results[-1]
+    if spec.method != "bayes" or result.status != 0 or any(spec.metric in r.metrics for r in results):
         return
     logged = logged_metrics(result.run_dir)
     raise ConfigError(
@@ -551,7 +554,8 @@ def end_line(result: PointResult) -> str:
 
 def run_sweep(spec: Spec, search: Search, overrides: list[str], sweep_dir: Path) -> list[PointResult]:
     """Run every point in turn, each in `sweep_dir/<index>/`, and tell the search its metric; a failure is recorded
-    and the sweep goes on; a bayes point that ends without its metric stops it (refuse_a_search_without_results)."""
+    and the sweep goes on; bayes points that end without their metric, before any has had it, stop it
+    (refuse_a_search_without_results)."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     (sweep_dir / "spec.yaml").write_text(spec.path.read_text())
     values = override_values(overrides)
@@ -585,7 +589,7 @@ def run_sweep(spec: Spec, search: Search, overrides: list[str], sweep_dir: Path)
             sweep_dir / "points.jsonl", "a"
         ) as file:  # written as each point ends: a stopped sweep keeps its record
             file.write(json.dumps(record) + "\n")
-        refuse_a_search_without_results(spec, result, sweep_dir / "points.jsonl")
+        refuse_a_search_without_results(spec, results, sweep_dir / "points.jsonl")
     return results
 
 

@@ -77,8 +77,8 @@ def refuse_another_runs(folder: Location, ckpt_path: str | None) -> None:
     """A run that is not this folder's own resumed (a new run, or one from another run's checkpoint) into a folder of
     object storage that holds saves would publish its own over them (`latest` renamed, theirs pruned): refused,
     naming the fix. `ckpt_path`: None, `last`, or a checkpoint's location."""
-    inside = str(folder).rstrip("/") + "/"
-    if ckpt_path is not None and (str(ckpt_path) == "last" or str(ckpt_path).startswith(inside)):
+    own_save = ckpt_path is not None and str(ckpt_path).rstrip("/").rsplit("/", 1)[0] == str(folder).rstrip("/")
+    if str(ckpt_path) == "last" or own_save:
         return
     found = latest(folder)
     if found is not None:

@@ -116,9 +116,9 @@ def layer_activation_bytes(
     else:
         replicated, split = compute_bytes * 5 * h, compute_bytes * (2 * q + 2 * kv + 4 * f)
     stats = 4 * config.n_heads / t + 8
-    if norms:  # per-head norms of queries and keys: their float32 input (in the compute dtype without autocast), the
-        # normed heads where a gain scales them, and a float32 statistic per head
-        split += (q + kv) * ((4 if autocast else compute_bytes) + (compute_bytes if norms.gain else 0))
+    if norms:  # per-head norms of queries and keys: their float32 input (normalized in float32 whatever the compute
+        # dtype), the normed heads in the compute dtype where a gain scales them, and a float32 statistic per head
+        split += (q + kv) * (4 + (compute_bytes if norms.gain else 0))
         stats += 4 * (config.n_heads + config.kv_heads) / t
     return seq_len * micro_batch * (replicated / (t if sp else 1) + split / t + stats) + sbh * scores / t + mixed
 
@@ -223,8 +223,8 @@ def estimate_memory(
     ) / len(held)  # the mean of the rank's blocks (a mixture of experts' blocks keep more than its dense ones)
     regathered = 0.0
     if cp > 1 and candidate.recompute != "full":  # the rest of the sequence's keys and values, gathered
-        kv = 4 * config.n_kv_heads / config.n_heads / candidate.tensor_parallel
-        rest = (seq_len - own) * candidate.micro_batch_size * config.dim * compute / 2 * kv
+        kv = 4 * config.kv_heads * config.head_dim / candidate.tensor_parallel  # K and V, in 16-bit units
+        rest = (seq_len - own) * candidate.micro_batch_size * compute / 2 * kv
         if candidate.regather_kv:  # kept by no block: one block's whole sequence exists while its backward runs
             regathered = rest * seq_len / (seq_len - own)
         else:

@@ -9,6 +9,7 @@ rank chose otherwise every rank stops with the same error.
 
 from __future__ import annotations
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from project.runtime.errors import ConfigError
@@ -22,13 +23,16 @@ class SameStartOnEveryRank(Callback):
         if trainer.world_size == 1:
             return
         first = trainer.strategy.broadcast(self.ckpt_path, src=0)
-        if trainer.strategy.reduce_boolean_decision(first == self.ckpt_path, all=True):
+        differs = torch.tensor([int(first != self.ckpt_path)], device=trainer.strategy.root_device)
+        others = [rank for rank, flag in enumerate(trainer.strategy.all_gather(differs).flatten().tolist()) if flag]
+        if not others:
             return
+        this = f" (rank {trainer.global_rank} {describe(self.ckpt_path)})" if trainer.global_rank in others else ""
         raise ConfigError(
-            f"the ranks do not start from the same checkpoint: rank 0 {describe(first)}, and at least one other rank "
-            f"(rank {trainer.global_rank}: {describe(self.ckpt_path)}) decided otherwise from the files it sees. "
-            "Every rank must see the same run folder: put hydra.run.dir and ckpt_dir on a file system every node "
-            "shares (not a node's own disk), or name the checkpoint for all of them with ckpt_path=PATH."
+            f"the ranks do not start from the same checkpoint: rank 0 {describe(first)}, and rank(s) "
+            f"{', '.join(map(str, others))} decided otherwise{this}, each from the files it sees. Every rank must see "
+            "the same run folder: put hydra.run.dir and ckpt_dir on a file system every node shares (not a node's "
+            "own disk), or name the checkpoint for all of them with ckpt_path=PATH."
         )
 
 

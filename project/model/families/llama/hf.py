@@ -28,6 +28,8 @@ class Transposed:
     def of(self, hf: Any, experts: slice = slice(None)) -> Any:
         """Our weight's values in `hf` (a tensor of `shape`, or safetensors' slice of one, which then reads only these),
         as a view of it; of `experts` along dim 0 only, where given."""
+        if experts != slice(None) and len(self.shape) != 3:
+            raise ValueError(f"experts are dim 0 of a stacked [experts, in, out] tensor, not of one of {self.shape}")
         middle = (slice(None),) * (len(self.shape) - 2)
         return hf[(experts, *middle, slice(self.start, self.stop))].transpose(-2, -1)
 
