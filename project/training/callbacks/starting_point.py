@@ -23,8 +23,12 @@ class SameStartOnEveryRank(Callback):
         if trainer.world_size == 1:
             return
         first = trainer.strategy.broadcast(self.ckpt_path, src=0)
-        differs = torch.tensor([int(first != self.ckpt_path)], device=trainer.strategy.root_device)
-        others = [rank for rank, flag in enumerate(trainer.strategy.all_gather(differs).flatten().tolist()) if flag]
+        # A flag per rank, each rank setting its own, summed over the ranks (an all-reduce: Lightning's all_gather
+        # goes through a torch function that warns of its deprecation).
+        differs = torch.zeros(trainer.world_size, device=trainer.strategy.root_device)
+        differs[trainer.global_rank] = float(first != self.ckpt_path)
+        flags = trainer.strategy.reduce(differs, reduce_op="sum")
+        others = [rank for rank, flag in enumerate(flags.tolist()) if flag]
         if not others:
             return
         this = f" (rank {trainer.global_rank} {describe(self.ckpt_path)})" if trainer.global_rank in others else ""
