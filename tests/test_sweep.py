@@ -136,18 +136,24 @@ if lr > 0.05:
 POINTS = 30
 
 
-def learning_rate_sweep(tmp_path: Path, method: str, name: str, *options: str) -> list[dict]:
-    program = tmp_path / "loss_of_lr.py"
-    program.write_text(LOSS_OF_LR)
-    (tmp_path / method).mkdir(exist_ok=True)
-    spec = write_spec(
-        tmp_path / method,
-        {"optim.lr": {"distribution": "log_uniform_values", "min": 1e-4, "max": 1e-1}},
+def learning_rate_spec(directory: Path, source: str, method: str = "bayes", metric: str = "val/loss",
+                       highest: float = 1e-2) -> Path:  # fmt: skip
+    """A spec of `method` over optim.lr, its points run by the program `source` (LOSS_OF_LR or a variant)."""
+    program = directory / "program.py"
+    program.write_text(source)
+    return write_spec(
+        directory,
+        {"optim.lr": {"distribution": "log_uniform_values", "min": 1e-4, "max": highest}},
         method=method,
         command=["${interpreter}", "${program}", "${args_no_hyphens}"],
         program=str(program),
-        metric={"name": "val/loss", "goal": "minimize"},
+        metric={"name": metric, "goal": "minimize"},
     )
+
+
+def learning_rate_sweep(tmp_path: Path, method: str, name: str, *options: str) -> list[dict]:
+    (tmp_path / method).mkdir(exist_ok=True)
+    spec = learning_rate_spec(tmp_path / method, LOSS_OF_LR, method, highest=1e-1)
     assert sweep.main([f"spec={spec}", f"count={POINTS}", f"sweep_dir={tmp_path / name}", *options]) == 0
     return [json.loads(line) for line in (tmp_path / name / "points.jsonl").read_text().splitlines()]
 
@@ -182,16 +188,7 @@ def test_bayes_chooses_its_later_points_from_the_results_before_them_with_optuna
 def test_a_bayes_point_that_ends_without_the_specs_metric_stops_the_sweep_in_one_paragraph(tmp_path, capsys):
     """A misspelled metric would leave TPE without results, drawing at random to the end: the first point that ends
     without it stops the sweep, naming the metrics it did log; its record is kept."""
-    program = tmp_path / "loss_of_lr.py"
-    program.write_text(LOSS_OF_LR)
-    spec = write_spec(
-        tmp_path,
-        {"optim.lr": {"distribution": "log_uniform_values", "min": 1e-4, "max": 1e-2}},
-        method="bayes",
-        command=["${interpreter}", "${program}", "${args_no_hyphens}"],
-        program=str(program),
-        metric={"name": "val/los", "goal": "minimize"},
-    )
+    spec = learning_rate_spec(tmp_path, LOSS_OF_LR, metric="val/los")
     with pytest.raises(SystemExit) as exit_info:
         sweep.main([f"spec={spec}", "count=5", f"sweep_dir={tmp_path / 'sweep'}"])
     err = capsys.readouterr().err
@@ -203,17 +200,8 @@ def test_a_bayes_point_that_ends_without_the_specs_metric_stops_the_sweep_in_one
 
 def test_once_a_bayes_point_had_the_metric_a_later_one_without_it_counts_as_failed(tmp_path):
     """Points that end before their first validation, after one that logged its val/loss: the sweep goes on."""
-    program = tmp_path / "first_only.py"
     only_the_first = '(run / ("metrics.csv" if run.name == "0" else "other.csv"))'  # the others log elsewhere
-    program.write_text(LOSS_OF_LR.replace('(run / "metrics.csv")', only_the_first))
-    spec = write_spec(
-        tmp_path,
-        {"optim.lr": {"distribution": "log_uniform_values", "min": 1e-4, "max": 1e-2}},
-        method="bayes",
-        command=["${interpreter}", "${program}", "${args_no_hyphens}"],
-        program=str(program),
-        metric={"name": "val/loss", "goal": "minimize"},
-    )
+    spec = learning_rate_spec(tmp_path, LOSS_OF_LR.replace('(run / "metrics.csv")', only_the_first))
     assert sweep.main([f"spec={spec}", "count=3", f"sweep_dir={tmp_path / 'sweep'}"]) == 0
     records = [json.loads(line) for line in (tmp_path / "sweep" / "points.jsonl").read_text().splitlines()]
     assert [list(r["metrics"]) for r in records] == [["val/loss"], [], []]
