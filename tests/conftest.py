@@ -23,6 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # nothing in the checkout's own folders changed.
 SESSION_ROOT = Path(tempfile.mkdtemp(prefix="llama-tests-root-"))
 os.environ["PROJECT_ROOT"] = str(SESSION_ROOT)
+# Every process a test starts prints its Python stacks if it dies of a signal (a segfault seen once in CI, in a run
+# stopped by SIGTERM, said nothing of where it was).
+os.environ["PYTHONFAULTHANDLER"] = "1"
 USER_STATE = ("data", "outputs", "multirun", "lightning_logs", "wandb")
 
 

@@ -21,6 +21,8 @@ import sys
 import threading
 from typing import Any
 
+from project.runtime.processes import die_with_parent
+
 # The first ends the server with the training process; the second is what a worker runs.
 WORKER_IMPORTS = ["project.data.loader_server", "project.data.blocks"]
 JOB_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
@@ -49,7 +51,7 @@ def start_worker_server() -> None:
     # its time limit); their default would end these processes at once, and the training process, which
     # saves at its next step, would find its loader broken. So would it if Ctrl-C or a group's SIGTERM ended the
     # server (it ends with the training process: project.data.loader_server); workers leave the group instead
-    # (`leave_the_jobs_group`). Handlers can be set from the main thread only.
+    # (`start_worker`). Handlers can be set from the main thread only.
     main_thread = threading.current_thread() is threading.main_thread()
     ignored = (*JOB_SIGNALS, *STOP_SIGNALS)
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignored} if main_thread else {}
@@ -74,13 +76,21 @@ def imports_of_main() -> list[str]:
     return sorted(name for name in list(sys.modules) if name != main and name.partition(".")[0] in roots)
 
 
-def leave_the_jobs_group(worker_id: int) -> None:
-    """A worker's start (DataLoader's worker_init_fn): a process group of its own, so that a signal to the job's group
-    (a terminal's Ctrl-C, `kill -TERM -PGID`) reaches the training process, which acts on it at a step, and not its
-    workers, which read on; the loader still ends them as it does (its queues, then SIGTERM). Outside the terminal's
-    foreground group, a write to the terminal must not stop the worker (SIGTTOU)."""
+def start_worker(worker_id: int) -> None:
+    """A worker's start (DataLoader's worker_init_fn).
+
+    A process group of its own, so that a signal to the job's group (a terminal's Ctrl-C, `kill -TERM -PGID`) reaches
+    the training process, which acts on it at a step, and not its workers, which read on; the loader still ends them
+    as it does (its queues, then SIGTERM). Outside the terminal's foreground group, a write to the terminal must not
+    stop the worker (SIGTTOU).
+
+    And an end with the server it was forked from, which ends with the training process (project.data.loader_server):
+    a run killed outright leaves no worker behind, where torch's own watch of the parent would take up to five
+    seconds (its MP_STATUS_CHECK_INTERVAL), holding the worker's memory and the job's console till then.
+    """
     os.setpgid(0, 0)
     signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    die_with_parent()
 
 
 def loader_options(workers: int) -> dict[str, Any]:
@@ -92,5 +102,5 @@ def loader_options(workers: int) -> dict[str, Any]:
         "num_workers": workers,
         "persistent_workers": True,
         "multiprocessing_context": start_method(),
-        "worker_init_fn": leave_the_jobs_group,
+        "worker_init_fn": start_worker,
     }

@@ -60,21 +60,31 @@ def weight(tensor: TensorSpec) -> Weight:
 
 def block_weights(config: LlamaConfig, index: int = 0) -> list[Weight]:
     """Block `index`'s tensors, whole, in the order the block holds them."""
-    # The planner asks for every block of every candidate layout (a million times for the 405B's plan): each kind
-    # of block's list is made once, keyed by the config's values.
+    return list(_block_weights(_config_key(config), index))
+
+
+# The planner asks for every block of every candidate layout (a million times for the 405B's plan): each kind of
+# block's list, and each layout's view of a rank's blocks, is made once, keyed by the config's values.
+def _config_key(config: LlamaConfig) -> tuple[type[LlamaConfig], tuple, tuple]:
     fields = vars(config)
     values = tuple(fields.values())
     try:
         hash(values)
     except TypeError:  # a dict among them (rope_scaling)
         values = tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v for v in values)
-    return list(_block_weights(type(config), tuple(fields), values, index))
+    return type(config), tuple(fields), values
 
 
 @functools.lru_cache(maxsize=4096)
-def _block_weights(kind: type[LlamaConfig], names: tuple, values: tuple, index: int) -> tuple[Weight, ...]:
+def _block_weights(key: tuple[type[LlamaConfig], tuple, tuple], index: int) -> tuple[Weight, ...]:
+    kind, names, values = key
     config = kind(**dict(zip(names, values, strict=True)))
     return tuple(weight(t) for t in config.block_tensors(index))
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_blocks(key: tuple, indices: tuple[int, ...], tp: int, ep: int) -> tuple[tuple[Weight, ...], ...]:
+    return tuple(tuple(w.local(tp, ep) for w in _block_weights(key, i)) for i in indices)
 
 
 def mixture_of(config: LlamaConfig, index: int) -> Mixture | None:
@@ -128,13 +138,16 @@ def holds_first_and_last(candidate: Candidate, pipeline_rank: int) -> tuple[bool
 
 def local_block(config: LlamaConfig, candidate: Candidate, index: int) -> list[Weight]:
     """Block `index`'s tensors as one rank holds them after tensor and expert parallelism."""
-    return [w.local(candidate.tensor_parallel, candidate.expert_parallel) for w in block_weights(config, index)]
+    (block,) = _local_blocks(_config_key(config), (index,), candidate.tensor_parallel, candidate.expert_parallel)
+    return list(block)
 
 
 def rank_blocks(config: LlamaConfig, candidate: Candidate, pipeline_rank: int = 0) -> list[list[Weight]]:
     """Each block's tensors one rank holds after tensor, expert and pipeline parallelism, before data-parallel
     sharding."""
-    return [local_block(config, candidate, i) for i in held_blocks(config, candidate, pipeline_rank)]
+    held = tuple(held_blocks(config, candidate, pipeline_rank))
+    blocks = _local_blocks(_config_key(config), held, candidate.tensor_parallel, candidate.expert_parallel)
+    return [list(block) for block in blocks]
 
 
 def rank_own(config: LlamaConfig, candidate: Candidate, pipeline_rank: int = 0) -> list[Weight]:
