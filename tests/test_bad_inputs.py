@@ -79,6 +79,7 @@ OPEN_STRATEGY_SETTINGS = {
     "stage_layers",
     "process_group_backend",
     "collective_timeout_minutes",
+    "startup_timeout_minutes",
 }
 CLOSED_STRATEGY_SETTINGS = [
     (path.stem, key)
@@ -116,6 +117,10 @@ VALUES = [
     (
         ["strategy=ddp", "strategy.collective_timeout_minutes=0"],
         r"strategy.collective_timeout_minutes=0 is out of range",
+    ),
+    (
+        ["strategy=tp", "trainer.devices=2", "strategy.startup_timeout_minutes=-1"],
+        r"strategy.startup_timeout_minutes=-1 is out of range: it must be minutes above 0",
     ),
     (["data.seq_len=1"], r"data.seq_len=1 is out of range"),
     (

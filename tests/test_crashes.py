@@ -112,9 +112,9 @@ def test_a_run_killed_after_a_checkpoint_resumes_bit_for_bit(trained, tiny_shard
     assert_same_run(tmp_path, trained(*layout))  # checkpoints are written in between, and change nothing
 
 
-# Each killed run moves one or two steps on (four of them: at most 8 steps); no validation, so that saves follow each
-# other quickly.
-SAVE_STEPS = 12
+# Each killed run moves a few steps on (written in the background, a save is put in place a step or more after its
+# own); no validation, so that saves follow each other quickly.
+SAVE_STEPS = 24
 SAVE_RUN = [
     f"trainer.max_steps={SAVE_STEPS}",
     f"optim.decay_steps={SAVE_STEPS}",
@@ -227,13 +227,29 @@ def test_one_failed_rank_ends_the_job_names_it_and_leaves_no_process(tiny_shards
     assert re.search(NAMED[failure, launcher], ended.stderr), ended.stderr[-3000:]
 
 
-def test_a_rank_that_stops_answering_ends_the_job_after_the_collective_timeout(tiny_shards, tmp_path):
-    # 30 s: also the longest the ranks may take to meet at start, which a loaded test machine needs.
-    ended = launch("hang@3:rank=1", tiny_shards, tmp_path, *LAYOUTS["ddp"], "strategy.collective_timeout_minutes=0.5")
+# A rank that stops answering: in its fourth step, past start-up, the job ends after collective_timeout_minutes (12 s),
+# on every group of the run (tp_fsdp: rank 0 waits on its tensor-parallel group, which its mesh made); before its first
+# step has ended, after startup_timeout_minutes (30 s: also the longest the ranks may take to meet at start, which a
+# loaded test machine needs), the steady bound not applying yet. Gloo names each wait in milliseconds.
+HANGS = {
+    "in-a-step": ("hang@3:rank=1", "ddp", 12),
+    "in-a-step-tp_fsdp": ("hang@3:rank=1", "tp_fsdp", 12),
+    "at-start-up": ("hang@0:rank=1", "ddp", 30),
+}
+
+
+@pytest.mark.parametrize("fault, layout, seconds", HANGS.values(), ids=list(HANGS))
+def test_a_rank_that_stops_answering_ends_the_job_after_the_collective_timeout(
+    tiny_shards, tmp_path, fault, layout, seconds
+):
+    timeouts = ["strategy.collective_timeout_minutes=0.2", "strategy.startup_timeout_minutes=0.5"]
+    ended = launch(fault, tiny_shards, tmp_path, *LAYOUTS[layout], *timeouts)
     assert ended.returncode != 0 and not ended.survivors, ended.stderr[-3000:]
-    assert 30 <= ended.seconds < 150, f"the job took {ended.seconds:.0f} s to end"
-    assert "Timed out waiting 30000ms" in ended.stderr, ended.stderr[-3000:]
-    assert "error: rank 0 of 2 failed: a collective operation failed" in ended.stderr, ended.stderr[-3000:]
+    assert seconds <= ended.seconds < seconds + 120, f"the job took {ended.seconds:.0f} s to end"
+    assert f"Timed out waiting {seconds * 1000}ms" in ended.stderr, ended.stderr[-3000:]
+    assert re.search(r"error: rank 0 of \d failed: a collective operation failed", ended.stderr), ended.stderr[-3000:]
+    if fault.startswith("hang@0") or layout != "ddp":
+        return
     # Where each rank was: the hung one in the fault's sleep, from the stack its watchdog wrote into its log.
     assert re.search(
         r"the ranks were in: rank 0 in \w+ \(.*\); rank 1 in on_train_batch_start \(tests/faults.py:", ended.stderr

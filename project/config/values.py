@@ -40,6 +40,11 @@ RULES: list[Rule] = [
         or_null(above(0)),
         "minutes above 0 (multi-process strategies), e.g. 10",
     ),
+    (
+        "strategy.startup_timeout_minutes",
+        or_null(above(0)),
+        "minutes above 0 (multi-process strategies), e.g. 30: the collective timeout until the first step has ended",
+    ),
     ("peak_flops_per_device", or_null(above(0)), "null (unknown) or FLOP/s above 0"),
     (
         "strategy.hybrid_shard_size",

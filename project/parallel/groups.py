@@ -5,6 +5,9 @@ mesh made anew for each fit would keep the last fit's process groups (sockets an
 destroying them is not safe either: DTensor's caches hold meshes by value, so a later fit's tensors may still reach
 the earlier fit's groups. So a strategy asks `shared_mesh` for its mesh: one per shape for as long as the default
 process group lives (tests/test_stability.py counts what ten rollbacks hold).
+
+`run_groups` lists every group a run collects over (the default one, the meshes', the side groups made by
+`side_group`), for what applies to all of them: the collective timeout (project.training.callbacks.timeouts).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # (device type, sizes, names) -> (the default process group it was made in, the mesh)
 _MESHES: dict[tuple, tuple[object, DeviceMesh]] = {}
+_SIDE_GROUPS: list[dist.ProcessGroup] = []
 
 
 def shared_mesh(device_type: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
@@ -26,7 +30,31 @@ def shared_mesh(device_type: str, sizes: tuple[int, ...], names: tuple[str, ...]
     return found[1]
 
 
+def side_group() -> dist.ProcessGroup:
+    """A group of every rank on the CPU (gloo), made by a fit for itself (a flag the ranks agree on without waiting for
+    a device); every rank alike, in the same order. `release_group` destroys it."""
+    group = dist.new_group(backend="gloo")
+    _SIDE_GROUPS.append(group)
+    return group
+
+
 def release_group(group: dist.ProcessGroup | None) -> None:
     """Destroy a group a fit made for itself and nothing else holds (never the default group); on every rank alike."""
     if group is not None and group != dist.group.WORLD and dist.is_available() and dist.is_initialized():
+        if group in _SIDE_GROUPS:
+            _SIDE_GROUPS.remove(group)
         dist.destroy_process_group(group)
+
+
+def run_groups() -> list[dist.ProcessGroup]:
+    """Every process group of this process's run: the default group, each shared mesh's (of the current default
+    group), and the side groups; none where no default group exists."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    world = dist.group.WORLD
+    found = [world]
+    for made_in, mesh in _MESHES.values():
+        if made_in is world:
+            found += mesh.get_all_groups()
+    found += _SIDE_GROUPS
+    return list({id(g): g for g in found if g is not None}.values())

@@ -120,7 +120,8 @@ def report_failed_rank(error: BaseException, run_dir: Path) -> None:
         what = (
             "a collective operation failed, because another rank ended or stopped answering "
             "(look for the first rank that failed: its error comes first, or in its own train.rank<N>.log; "
-            "strategy.collective_timeout_minutes bounds the wait)"
+            "strategy.collective_timeout_minutes bounds the wait, strategy.startup_timeout_minutes until the first "
+            "step has ended)"
         )
         if rank == 0:  # no rank ended: one stopped answering. Where each one was, from the stacks they wrote
             what += calls_said(error, run_dir, size)

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from project.parallel.contract import LlamaStrategy
 from project.parallel.strategies.loading import WholeModelLoading
 from project.parallel.strategies.saving import BackgroundSaving
-from project.parallel.strategies.timeout import collective_timeout
+from project.parallel.strategies.timeout import startup_timeout
 from project.parallel.whole_model import WholeModelTransforms
 from project.runtime.errors import ConfigError
 
@@ -55,6 +55,7 @@ def ddp_strategy(
     find_unused_parameters: bool = False,
     static_graph: bool = False,
     collective_timeout_minutes: float = 10,
+    startup_timeout_minutes: float = 30,
     compile: bool = False,
     float8: str | None = None,
 ) -> DDPStrategy:
@@ -75,5 +76,5 @@ def ddp_strategy(
         find_unused_parameters=find_unused_parameters,
         static_graph=static_graph,
         ddp_comm_hook=_allreduce_sum if grad_reduction == "sum" else None,
-        timeout=collective_timeout(collective_timeout_minutes),
+        timeout=startup_timeout(startup_timeout_minutes, collective_timeout_minutes),
     )

@@ -17,7 +17,7 @@ from project.parallel.compiled import compile_blocks
 from project.parallel.contract import LlamaStrategy, T, TrainingModule
 from project.parallel.groups import shared_mesh
 from project.parallel.strategies.loading import ShardedLoading
-from project.parallel.strategies.timeout import collective_timeout
+from project.parallel.strategies.timeout import startup_timeout
 from project.runtime.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -122,6 +122,7 @@ def fsdp_strategy(
     state_dict_type: Literal["full", "sharded"] = "sharded",
     process_group_backend: str | None = None,
     collective_timeout_minutes: float = 10,
+    startup_timeout_minutes: float = 30,
     compile: bool = False,
 ) -> CPUCapableFSDPStrategy:
     """Each transformer Block is its own FSDP unit; mixed precision follows trainer.precision.
@@ -142,5 +143,5 @@ def fsdp_strategy(
         cpu_offload=cpu_offload,
         state_dict_type=state_dict_type,
         process_group_backend=process_group_backend,
-        timeout=collective_timeout(collective_timeout_minutes),
+        timeout=startup_timeout(startup_timeout_minutes, collective_timeout_minutes),
     )

@@ -29,7 +29,7 @@ from project.parallel.mesh import MeshShape, mesh_shape
 from project.parallel.recompute import recompute_blocks
 from project.parallel.strategies.loading import ShardedLoading
 from project.parallel.strategies.saving import ShardedBackgroundSaving
-from project.parallel.strategies.timeout import collective_timeout
+from project.parallel.strategies.timeout import collective_timeout, startup_timeout
 from project.parallel.tensor_parallel import apply_tensor_parallel
 from project.runtime.errors import ConfigError
 
@@ -79,6 +79,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         reduce_dtype: str | None = None,
         process_group_backend: str | None = None,
         collective_timeout_minutes: float = 10,
+        startup_timeout_minutes: float = 30,
         context_parallel_size: int = 1,
         regather_kv: bool = False,
         float8: str | None = None,
@@ -88,7 +89,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             process_group_backend=process_group_backend,
-            timeout=collective_timeout(collective_timeout_minutes),
+            timeout=startup_timeout(startup_timeout_minutes, collective_timeout_minutes),
         )
         self.writer_timeout = collective_timeout(collective_timeout_minutes)
         for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):

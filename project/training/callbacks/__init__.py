@@ -8,9 +8,11 @@ from project.training.callbacks.progress import StepProgressBar, StepRichProgres
 from project.training.callbacks.stragglers import StragglerWatch
 from project.training.callbacks.summary import LlamaModelSummary
 from project.training.callbacks.throughput import TokenThroughput
+from project.training.callbacks.timeouts import CollectiveTimeouts
 
 __all__ = [
     "BestCheckpoint",
+    "CollectiveTimeouts",
     "HangWatch",
     "HeldOutEvaluation",
     "LayoutFacts",

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
-from project.parallel.groups import release_group
+from project.parallel.groups import release_group, side_group
 from project.training.callbacks.checkpoint import StepCheckpoint
 from project.training.callbacks.steps import OptimizerSteps
 
@@ -100,7 +100,7 @@ class StopOnSignal(Callback):
         # would carry nothing, so it is left out (tests/test_private_names.py).
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
         if trainer.world_size > 1 and self._group is None and dist.is_initialized():  # every rank, in the same order
-            self._group = dist.new_group(backend="gloo")
+            self._group = side_group()
 
     def _install(self) -> None:
         for signum in self.signums:
