@@ -1,6 +1,7 @@
 """A rank that stops progressing leaves its stack in its console log (project.runtime.stacks): the watchdog is
 re-armed at every step, validation batch and checkpoint; if none comes within `after_minutes` (the strategy's
-collective timeout, after which the waiting ranks fail), every thread's stack is written. A stop signal writes
+collective timeout, after which the waiting ranks fail; `startup_minutes` until the first optimizer step has ended,
+as project.training.callbacks.timeouts bounds the collectives), every thread's stack is written. A stop signal writes
 them too, before the run's own handler saves and stops."""
 
 from __future__ import annotations
@@ -13,27 +14,34 @@ from project.runtime import stacks
 
 
 class HangWatch(Callback):
-    def __init__(self, after_minutes: float | None = None):
+    def __init__(self, after_minutes: float | None = None, startup_minutes: float | None = None):
         self.seconds = after_minutes * 60 if after_minutes else None
+        longest = max(startup_minutes or 0, after_minutes or 0)
+        self.startup_seconds = longest * 60 if self.seconds and startup_minutes else self.seconds
         self._signals_watched = False
+        self._first_step = 0
 
-    def _arm(self) -> None:
-        if self.seconds:
-            stacks.arm(self.seconds)
+    def _arm(self, trainer: Trainer) -> None:
+        seconds = self.startup_seconds if trainer.global_step == self._first_step else self.seconds
+        if seconds:
+            stacks.arm(seconds)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._first_step = trainer.global_step  # 0, or the step a resumed run starts from
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if not self._signals_watched:  # now: after every handler of the run's start is in place, so as to chain them
             stacks.dump_on_signal()
             self._signals_watched = True
-        self._arm()
+        self._arm(trainer)
 
     def on_validation_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self._arm()
+        self._arm(trainer)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        self._arm()
+        self._arm(trainer)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self.teardown(trainer, pl_module, "fit")
