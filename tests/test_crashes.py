@@ -157,7 +157,7 @@ def test_a_run_killed_while_it_saves_resumes_every_time(tiny_shards, tmp_path, l
         )
         # Its loader worker goes with it (project.data.loader_workers.start_worker), not at torch's next look at
         # its parent, up to five seconds later.
-        assert ended.lingered < 2.5, f"a process of the run lived {ended.lingered:.1f} s on"
+        assert ended.lingered < 4, f"a process of the run lived {ended.lingered:.1f} s on"
         found = resolve_ckpt_path("last", run / "checkpoints")  # as the next run does
         assert 1 <= checkpoint_step(found) < SAVE_STEPS and read_whole(found)["state_dict"], (
             f"killed before change {kill}"

@@ -12,12 +12,15 @@ process group lives (tests/test_stability.py counts what ten rollbacks hold).
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # (device type, sizes, names) -> (the default process group it was made in, the mesh)
 _MESHES: dict[tuple, tuple[object, DeviceMesh]] = {}
-_SIDE_GROUPS: list[dist.ProcessGroup] = []
+_SIDE_GROUPS: list[tuple[object, dist.ProcessGroup]] = []  # (the default group it was made in, the group)
+_TIMEOUT: list[timedelta | None] = [None]  # what set_timeouts set last: side groups made later take it too
 
 
 def shared_mesh(device_type: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
@@ -33,16 +36,15 @@ def shared_mesh(device_type: str, sizes: tuple[int, ...], names: tuple[str, ...]
 def side_group() -> dist.ProcessGroup:
     """A group of every rank on the CPU (gloo), made by a fit for itself (a flag the ranks agree on without waiting for
     a device); every rank alike, in the same order. `release_group` destroys it."""
-    group = dist.new_group(backend="gloo")
-    _SIDE_GROUPS.append(group)
+    group = dist.new_group(backend="gloo", timeout=_TIMEOUT[0])
+    _SIDE_GROUPS.append((dist.group.WORLD, group))
     return group
 
 
 def release_group(group: dist.ProcessGroup | None) -> None:
     """Destroy a group a fit made for itself and nothing else holds (never the default group); on every rank alike."""
     if group is not None and group != dist.group.WORLD and dist.is_available() and dist.is_initialized():
-        if group in _SIDE_GROUPS:
-            _SIDE_GROUPS.remove(group)
+        _SIDE_GROUPS[:] = [(world, g) for world, g in _SIDE_GROUPS if g is not group]
         dist.destroy_process_group(group)
 
 
@@ -56,5 +58,18 @@ def run_groups() -> list[dist.ProcessGroup]:
     for made_in, mesh in _MESHES.values():
         if made_in is world:
             found += mesh.get_all_groups()
-    found += _SIDE_GROUPS
+    found += [group for made_in, group in _SIDE_GROUPS if made_in is world]
     return list({id(g): g for g in found if g is not None}.values())
+
+
+def set_timeouts(timeout: timedelta) -> list[str]:
+    """Every group of the run waits at most `timeout` in a collective from now on, and so do side groups made later.
+    The backends that cannot change it (NCCL and gloo can) are returned by name, their groups left as they were."""
+    _TIMEOUT[0] = timeout
+    refused: list[str] = []
+    for group in run_groups():
+        try:
+            group.set_timeout(timeout)
+        except RuntimeError:  # torch's Backend::setTimeout refuses unless the backend overrides it (mpi, ucc)
+            refused.append(dist.get_backend(group))
+    return refused

@@ -28,7 +28,7 @@ from project.config.trainer import check_trainer_arguments
 from project.parallel.contract import contract_of
 from project.runtime.errors import ConfigError
 from project.runtime.secrets import redacted_container, secret_values
-from project.training.callbacks import LayoutFacts, StepCheckpoint, StepProgressBar
+from project.training.callbacks import CollectiveTimeouts, LayoutFacts, StepCheckpoint, StepProgressBar
 from project.training.callbacks.preemption import StopOnSignal
 from project.training.callbacks.run_settings import RunSettings, flat_settings
 from project.training.loggers import RunIdentity
@@ -61,7 +61,8 @@ def devices_per_node(cfg: DictConfig) -> int:
 
 def build_callbacks(cfg: DictConfig, layout: Layout) -> list[Callback]:
     """conf/callbacks' (those the trainer settings leave on), each checked as it is built (project.config.callbacks),
-    the layout's facts, and the stop on a signal."""
+    the layout's facts, the stop on a signal and the collective timeouts (not the user's to remove: the strategies make
+    their groups with the start-up bound, which only CollectiveTimeouts lowers)."""
     callbacks = [build_callback(name, node) for name, node in callbacks_of(cfg)]
     if sum(isinstance(c, ProgressBar) for c in callbacks) > 1:  # callbacks=rich_progress, or one added by name:
         callbacks = [c for c in callbacks if type(c) is not StepProgressBar]  # Lightning takes one bar only
@@ -73,6 +74,10 @@ def build_callbacks(cfg: DictConfig, layout: Layout) -> list[Callback]:
     step_checkpoints = [c for c in callbacks if isinstance(c, StepCheckpoint)]
     if step_checkpoints:  # without one (~callbacks.last_checkpoint), a signal stops the run as Lightning does
         callbacks.append(StopOnSignal(step_checkpoints[0], stop_signals))
+    strategy = cfg.strategy
+    callbacks.append(
+        CollectiveTimeouts(strategy.get("startup_timeout_minutes"), strategy.get("collective_timeout_minutes"))
+    )
     optim = cast(dict[str, Any], OmegaConf.to_container(cfg.optim, resolve=True))
     schedule = schedule_record(OptimConfig(**optim), cfg.trainer.max_steps)
     settings = RunSettings(flat_settings(redacted_container(cfg)), schedule)

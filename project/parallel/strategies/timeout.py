@@ -29,7 +29,8 @@ def collective_timeout(minutes: float | None) -> timedelta | None:
 
 def startup_timeout(startup_minutes: float | None, collective_minutes: float | None) -> timedelta | None:
     """The timeout the run's process groups are made with: `strategy.startup_timeout_minutes`, or the collective
-    timeout where that is longer (a start never has less time than a step); None where neither is set."""
+    timeout where that is longer (a start never has less time than a step); None (torch's default throughout) where
+    the collective timeout is null."""
     if startup_minutes is not None and not startup_minutes > 0:
         raise ConfigError(
             f"strategy.startup_timeout_minutes={startup_minutes} must be above 0: it bounds how long a rank waits "
@@ -37,6 +38,6 @@ def startup_timeout(startup_minutes: float | None, collective_minutes: float | N
             "compilation); 30 suits most jobs, more where a large checkpoint loads from slow storage."
         )
     steady = collective_timeout(collective_minutes)
-    if startup_minutes is None:
+    if startup_minutes is None or steady is None:
         return steady
     return max(timedelta(minutes=startup_minutes), steady or timedelta(0))

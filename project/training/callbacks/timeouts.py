@@ -5,8 +5,9 @@ from __future__ import annotations
 from datetime import timedelta
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 
-from project.parallel.groups import run_groups
+from project.parallel.groups import set_timeouts
 from project.training.callbacks.steps import OptimizerSteps
 
 
@@ -19,22 +20,29 @@ class CollectiveTimeouts(Callback):
     the default group, the meshes', the side groups); the strategies make the groups with the start-up timeout
     (project.parallel.strategies.timeout). A rollback's new fit starts again under the start-up timeout.
 
-    Nothing to do without a torch.distributed process group (one device, Horovod: its own stall timeout)."""
+    Added to every run by project.training.trainer (the start-up bound would otherwise stay for good). Nothing to do
+    without a torch.distributed process group (one device, Horovod: its own stall timeout), nor where
+    collective_timeout_minutes is null (torch's default throughout)."""
 
     def __init__(self, startup_minutes: float | None = None, steady_minutes: float | None = None):
-        self.startup = timedelta(minutes=startup_minutes) if startup_minutes else None
         self.steady = timedelta(minutes=steady_minutes) if steady_minutes else None
+        self.startup = max(timedelta(minutes=startup_minutes), self.steady) if startup_minutes and self.steady else None
         self._steps = OptimizerSteps()
         self._steady_now = False
 
     def _set(self, timeout: timedelta | None) -> None:
-        if timeout is not None:
-            for group in run_groups():
-                group.set_timeout(timeout)
+        if timeout is None:
+            return
+        refused = set(set_timeouts(timeout))
+        if refused:
+            rank_zero_warn(
+                f"the process groups of backend {', '.join(sorted(refused))} cannot change their timeout: they keep "
+                "the one they were made with (strategy.startup_timeout_minutes) for the whole run"
+            )
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._steady_now = False
-        self._set(max(self.startup, self.steady) if self.startup and self.steady else self.startup)
+        self._set(self.startup)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._steps.start(trainer)
