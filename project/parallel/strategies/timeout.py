@@ -40,4 +40,4 @@ def startup_timeout(startup_minutes: float | None, collective_minutes: float | N
     steady = collective_timeout(collective_minutes)
     if startup_minutes is None or steady is None:
         return steady
-    return max(timedelta(minutes=startup_minutes), steady or timedelta(0))
+    return max(timedelta(minutes=startup_minutes), steady)

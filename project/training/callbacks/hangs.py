@@ -10,14 +10,15 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from project.parallel.strategies.timeout import startup_timeout
 from project.runtime import stacks
 
 
 class HangWatch(Callback):
     def __init__(self, after_minutes: float | None = None, startup_minutes: float | None = None):
         self.seconds = after_minutes * 60 if after_minutes else None
-        longest = max(startup_minutes or 0, after_minutes or 0)
-        self.startup_seconds = longest * 60 if self.seconds and startup_minutes else self.seconds
+        startup = startup_timeout(startup_minutes, after_minutes)  # the bound the collectives have until then
+        self.startup_seconds = startup.total_seconds() if startup else None
         self._signals_watched = False
         self._first_step = 0
 

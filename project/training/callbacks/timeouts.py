@@ -8,6 +8,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
 from project.parallel.groups import set_timeouts
+from project.parallel.strategies.timeout import collective_timeout, startup_timeout
 from project.training.callbacks.steps import OptimizerSteps
 
 
@@ -25,8 +26,8 @@ class CollectiveTimeouts(Callback):
     collective_timeout_minutes is null (torch's default throughout)."""
 
     def __init__(self, startup_minutes: float | None = None, steady_minutes: float | None = None):
-        self.steady = timedelta(minutes=steady_minutes) if steady_minutes else None
-        self.startup = max(timedelta(minutes=startup_minutes), self.steady) if startup_minutes and self.steady else None
+        self.steady = collective_timeout(steady_minutes)
+        self.startup = startup_timeout(startup_minutes, steady_minutes)  # what the strategies made the groups with
         self._steps = OptimizerSteps()
         self._steady_now = False
 
