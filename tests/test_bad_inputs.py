@@ -73,6 +73,7 @@ OPEN_STRATEGY_SETTINGS = {
     "context_parallel_size",
     "pipeline_parallel_size",
     "hybrid_shard_size",
+    "data_parallel_shard_size",
     "expert_parallel_size",
     "virtual_stages",
     "n_microbatches",
@@ -158,6 +159,14 @@ VALUES = [
     (
         ["model=moe_debug", "strategy=pipeline", "trainer.devices=4", "strategy.expert_parallel_size=2"],
         r"strategy.expert_parallel_size=2 does not divide the 1 data-parallel ranks of each pipeline stage",
+    ),
+    (
+        ["strategy=fsdp2", "trainer.devices=4", "strategy.data_parallel_shard_size=3"],
+        r"strategy.data_parallel_shard_size=3 does not divide the 4 data x context ranks",
+    ),
+    (
+        ["strategy=tp_fsdp", "trainer.devices=4", "strategy.data_parallel_shard_size=two"],
+        r"strategy.data_parallel_shard_size=two does not divide the 2 data x context ranks",
     ),
     (
         ["model=moe_debug", "strategy=fsdp2", "trainer.devices=2", "strategy.expert_parallel_size=4"],

@@ -9,17 +9,21 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from project.model.families.moe.config import MoEConfig
+import torch
+
 from project.parallel.mesh import DENSE, MeshShape
 from project.parallel.strategies.model_parallel import LlamaParallelStrategy
 from project.parallel.strategies.pipeline import LlamaPipelineStrategy
 
 # (pipeline, data, tensor, context, expert): every dimension split, expert groups inside and across data x context.
 SHAPES = [MeshShape(2, 2, 2, 2, 2), MeshShape(1, 2, 1, 2, 4), MeshShape(2, 3, 1, 1, 3), MeshShape(1, 4, 2, 1, 2)]
+SHAPES += [MeshShape(2, 4, 2, data_shard=2), MeshShape(1, 2, 2, 2, data_shard=2)]  # HSDP, across context too
 # The views the strategies build (LlamaParallelStrategy.set_up_meshes), a pipeline's stages outermost.
 VIEWS = [
     ("pipeline", "data_parallel", "tensor"),
     ("pipeline", "data", "context", "tensor"),
     ("pipeline", "expert_data", "expert", "tensor"),
+    ("pipeline", "data_replicate", "data_shard", "tensor"),
 ]
 
 
@@ -111,3 +115,36 @@ def build_meta_mixture(config: MoEConfig):
 
     with torch.device("meta"):
         return build_model(config)
+
+
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
+def test_hsdp_replicates_each_weights_shards_across_groups_of_neighbouring_ranks(fake_rank, tensor_parallel):
+    """strategy.data_parallel_shard_size=2 on 4 data-parallel ranks: each weight is split within pairs of
+    neighbouring data-parallel ranks (the shape's `data_shard` groups) and the pairs hold the same shards
+    (`data_replicate`), where plain FSDP2 splits it over all four."""
+    from lightning.fabric.plugins.precision import Precision
+    from torch.distributed.tensor import Replicate
+
+    from project.model.config import LlamaConfig
+    from project.model.llama import Llama
+
+    config = LlamaConfig(dim=16, n_layers=2, n_heads=2, vocab_size=32, max_seq_len=16)
+    shape = MeshShape(1, 4, tensor_parallel, data_shard=2)
+    assert shape.describe().endswith("(HSDP: data_replicate 2 x data_shard 2)")
+    for rank in range(shape.world_size):
+        fake_rank(rank, shape.world_size)
+        strategy = LlamaParallelStrategy(tensor_parallel_size=tensor_parallel, data_parallel_shard_size=2)
+        strategy.precision_plugin = Precision()
+        strategy.set_up_meshes(shape, "cpu")
+        with torch.device("meta"):
+            model = Llama(config)
+        strategy.shard(model)
+        for name, weight in model.named_parameters():
+            mesh = weight.device_mesh
+            assert mesh.mesh_dim_names[:2] == ("data_replicate", "data_shard"), name
+            replicated, split = weight.placements[:2]  # a tensor-parallel row split nests FSDP2's in its own (strided)
+            assert replicated == Replicate() and not (split.is_replicate() or split.is_partial()), name
+            assert mesh["data_shard"].mesh.tolist() == shape.group(rank, ("data_shard",)), (rank, name)
+            assert mesh["data_replicate"].mesh.tolist() == shape.group(rank, ("data_replicate",)), (rank, name)
+    tp = tensor_parallel  # neighbouring data-parallel ranks shard together: a node's, where one holds 2 x tp GPUs
+    assert shape.group(0, ("data_shard",)) == [0, tp] and shape.group(0, ("data_replicate",)) == [0, 2 * tp]

@@ -9,7 +9,7 @@ from project.checkpoint.files import checkpoint_step
 pytestmark = pytest.mark.slow
 
 
-def test_run_moves_from_tensor_parallel_to_fsdp2_to_one_device(tiny_shards, uninterrupted_reference, tmp_path):
+def test_run_moves_from_tensor_parallel_to_hsdp_to_one_device(tiny_shards, uninterrupted_reference, tmp_path):
     keep = "ckpt_keep_last=2"  # and the checkpoint before last.ckpt is kept, as step-<N>.ckpt
     run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=7", "strategy=tp", "trainer.devices=2", keep)
     assert (tmp_path / "checkpoints" / "last.ckpt").is_dir()  # a distributed checkpoint
@@ -20,11 +20,13 @@ def test_run_moves_from_tensor_parallel_to_fsdp2_to_one_device(tiny_shards, unin
         *RESUME_RUN,
         "trainer.max_steps=14",
         "strategy=fsdp2",
-        "trainer.devices=2",
+        "trainer.devices=4",
+        "strategy.data_parallel_shard_size=2",  # HSDP: shards within pairs, replicated across them
         "ckpt_path=last",
         keep,
     )
     assert_continues(tmp_path, uninterrupted_reference, 14)
+    assert read_metrics(tmp_path, "layout/data_parallel_shard") == {0: 1, 7: 2}  # tp's one rank, then HSDP's pairs
     # Saved at 10 and 14: step-000007 (the tp run's last) went once step-000010 took its place.
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-000010.ckpt"]
     run_train(tiny_shards, tmp_path, *RESUME_RUN, "trainer.max_steps=20", "ckpt_path=last", keep)

@@ -28,11 +28,12 @@ class Layout:
 
     def name(self, model: str, strategy: str) -> str:
         """`small10m_dp2-tp2-pp1_mb4_fsdp2`: the model preset, the degrees (`-cp2` where sequences are split, `-ep2`
-        where experts are), the micro batch and the strategy."""
+        where experts are, `-shard2` where HSDP shards within groups), the micro batch and the strategy."""
         shape = self.shape
         degrees = f"dp{shape.data_parallel}-tp{shape.tensor_parallel}-pp{shape.pipeline_parallel}"
         for short, degree in (("cp", shape.context_parallel), ("ep", shape.expert_parallel)):
             degrees += f"-{short}{degree}" if degree > 1 else ""
+        degrees += f"-shard{shape.shard_ranks}" if shape.hybrid else ""
         return f"{model}_{degrees}_mb{self.plan.micro_batch_size}_{strategy}"
 
     def facts(self) -> dict[str, int]:
@@ -45,6 +46,7 @@ class Layout:
             "layout/tensor_parallel": shape.tensor_parallel,
             "layout/pipeline_parallel": shape.pipeline_parallel,
             "layout/expert_parallel": shape.expert_parallel,
+            "layout/data_parallel_shard": shape.shard_ranks,  # the ranks FSDP2 shards a weight over (HSDP: fewer)
             "layout/micro_batch_size": self.plan.micro_batch_size,
             "layout/accumulation": self.plan.accumulate_grad_batches,
             "layout/pipeline_microbatches": self.plan.pipeline_microbatches,

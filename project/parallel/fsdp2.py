@@ -22,7 +22,9 @@ def apply_fsdp2(
     reshard_after_forward: bool = True,
     experts_mesh: DeviceMesh | None = None,
 ) -> None:
-    """Shard parameters, gradients and optimizer state over `mesh`.
+    """Shard parameters, gradients and optimizer state over `mesh`: a 1-D mesh shards over all its ranks; a 2-D mesh
+    (HSDP) shards along its second dimension and replicates across its first, where FSDP2 all-reduces each
+    reduce-scattered gradient shard.
 
     Sharding each block separately lets one block's parameters be gathered while the previous
     block computes; the root call covers the embedding, final norm and output head. `model` is a
@@ -43,7 +45,7 @@ def apply_fsdp2(
     )
 
     def shard(module: nn.Module, over: DeviceMesh) -> None:
-        placement = stacked_experts_by_width(over.size())
+        placement = stacked_experts_by_width(over.size(over.ndim - 1))  # the ranks that split each weight
         fully_shard(
             module,
             mesh=over,

@@ -17,8 +17,9 @@ from project.runtime.errors import ConfigError
 DENSE = ("pipeline", "data", "context", "tensor")
 # The dimensions that regroup data x context (the ranks of one stage's tensor-parallel rank): FSDP2 shards a dense
 # weight over all of them ("data_parallel"); expert parallelism splits them into groups of `expert` neighbours that
-# split a mixture's experts, and `expert_data`, the ranks holding the same experts.
-REGROUPED = ("data_parallel", "expert_data", "expert")
+# split a mixture's experts, and `expert_data`, the ranks holding the same experts; HSDP splits them into groups of
+# `data_shard` neighbours that shard the model between them, and `data_replicate`, the groups holding the same shards.
+REGROUPED = ("data_parallel", "expert_data", "expert", "data_replicate", "data_shard")
 
 
 class Dimension(NamedTuple):
@@ -43,10 +44,23 @@ class MeshShape:
     tensor_parallel: int
     context_parallel: int = 1  # ranks that split each sequence of one replica between them
     expert_parallel: int = 1  # data x context ranks that split each mixture's experts between them
+    data_shard: int | None = None  # data x context ranks FSDP2 shards each weight over (HSDP); None: all of them
 
     def __post_init__(self) -> None:
         if (self.data_parallel * self.context_parallel) % self.expert_parallel:
             raise ValueError(f"expert_parallel={self.expert_parallel} does not divide data x context ({self})")
+        if (self.data_parallel * self.context_parallel) % self.shard_ranks:
+            raise ValueError(f"data_shard={self.data_shard} does not divide data x context ({self})")
+
+    @property
+    def shard_ranks(self) -> int:
+        """The data x context ranks FSDP2 shards each weight over: all of them, or HSDP's groups."""
+        return self.data_shard or self.data_parallel * self.context_parallel
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether FSDP2 shards within groups and replicates across them (HSDP)."""
+        return self.shard_ranks < self.data_parallel * self.context_parallel
 
     @property
     def world_size(self) -> int:
@@ -58,13 +72,17 @@ class MeshShape:
         pp, dp, cp, tp = self.pipeline_parallel, self.data_parallel, self.context_parallel, self.tensor_parallel
         ep = self.expert_parallel
         dense = [Dimension(pp, dp * cp * tp), Dimension(dp, cp * tp), Dimension(cp, tp), Dimension(tp, 1)]
+        shard = self.shard_ranks
         regrouped = [Dimension(dp * cp, tp), Dimension(dp * cp // ep, ep * tp), Dimension(ep, tp)]
+        regrouped += [Dimension(dp * cp // shard, shard * tp), Dimension(shard, tp)]
         return dict(zip(DENSE + REGROUPED, dense + regrouped, strict=True))
 
     def describe(self) -> str:
         """`pipeline 2 x data 4 x context 2 x tensor 8`, and the experts' regrouping where there is one."""
         dims = self.dimensions
         said = " x ".join(f"{name} {dims[name].size}" for name in DENSE if name != "context" or dims[name].size > 1)
+        if self.hybrid:
+            said += f" (HSDP: data_replicate {dims['data_replicate'].size} x data_shard {self.shard_ranks})"
         if self.expert_parallel > 1:
             said += f" (experts: expert_data {dims['expert_data'].size} x expert {self.expert_parallel})"
         return said
@@ -110,7 +128,8 @@ def mesh_shape(strategy_cfg: Mapping[str, Any], world_size: int, devices_per_nod
     `tensor_parallel_size: auto` takes what the other degrees leave, or a whole node;
     `pipeline_parallel_size: auto` takes what tensor (and a fixed data) parallelism leave;
     `data_parallel_size: auto` fills the rest. `context_parallel_size` and `expert_parallel_size` are numbers
-    (default 1). Strategies without a setting have degree 1 there (data parallelism: auto).
+    (default 1); `data_parallel_shard_size` a number or null (FSDP2 shards over every data x context rank).
+    Strategies without a setting have degree 1 there (data parallelism: auto).
     """
     pp = strategy_cfg.get("pipeline_parallel_size", 1)
     dp = strategy_cfg.get("data_parallel_size", "auto")
@@ -153,7 +172,24 @@ def mesh_shape(strategy_cfg: Mapping[str, Any], world_size: int, devices_per_nod
         )
     ep = strategy_cfg.get("expert_parallel_size", 1)
     check_expert_degree(ep, replicas * cp, int(pp))
-    return MeshShape(int(pp), replicas, int(tp), context_parallel=cp, expert_parallel=ep)
+    shard = strategy_cfg.get("data_parallel_shard_size")
+    check_shard_degree(shard, replicas * cp, devices_per_node // int(tp))
+    shard = None if shard == replicas * cp else shard  # every data x context rank: FSDP2's own sharding
+    return MeshShape(int(pp), replicas, int(tp), context_parallel=cp, expert_parallel=ep, data_shard=shard)
+
+
+def check_shard_degree(shard: Any, ranks: int, per_node: int) -> None:
+    """Refuse an HSDP shard group that is no whole number of a stage's `ranks` data x context ranks (`per_node`
+    of them in one node)."""
+    if shard is None:
+        return
+    if not isinstance(shard, int) or isinstance(shard, bool) or shard < 1 or ranks % shard:
+        node = f" ({per_node} of them share a node)" if 1 < per_node < ranks else ""
+        raise ConfigError(
+            f"strategy.data_parallel_shard_size={shard} does not divide the {ranks} data x context ranks{node}: "
+            "FSDP2 shards each weight within groups of that many neighbouring ranks and replicates across the groups "
+            f"(HSDP). Choose a divisor of {ranks}, such as the ranks of one node, or null to shard over all of them."
+        )
 
 
 def check_expert_degree(ep: Any, shards: int, pp: int) -> None:

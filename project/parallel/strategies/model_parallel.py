@@ -84,6 +84,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         regather_kv: bool = False,
         float8: str | None = None,
         expert_parallel_size: int = 1,
+        data_parallel_shard_size: int | None = None,
     ):
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -104,12 +105,14 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         self.regather_kv = regather_kv
         self.float8 = float8
         self.expert_parallel_size = expert_parallel_size
+        self.data_parallel_shard_size = data_parallel_shard_size
         # As asked ("auto" included): the degrees themselves are known once the world size is (set_up_meshes).
         self._asked_data_parallel_size, self._asked_tensor_parallel_size = data_parallel_size, tensor_parallel_size
         self._context_group: dist.ProcessGroup | None = None
         self._context_coords = (0, 1)
         self._replica_coords: tuple[int, int] | None = None
         self._experts_mesh: DeviceMesh | None = None
+        self._hybrid_mesh: DeviceMesh | None = None
 
     def asked_degrees(self) -> dict[str, Any]:
         """The degrees the strategy config asks for (mesh_shape's settings)."""
@@ -118,6 +121,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
             "tensor_parallel_size": self._asked_tensor_parallel_size,
             "context_parallel_size": self.context_parallel_size,
             "expert_parallel_size": self.expert_parallel_size,
+            "data_parallel_shard_size": self.data_parallel_shard_size,
         }
 
     def setup_environment(self) -> None:
@@ -132,12 +136,12 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
     def set_up_meshes(self, shape: MeshShape, device_type: str) -> None:
         """The process meshes of the run, each a view of `shape` and shared by every fit of the process
         (parallel/groups.py): Lightning's (data x context as its `data_parallel`, FSDP2's ranks), the context
-        groups' and the expert groups'. Needs the default process group (a dry run's is fake)."""
+        groups', the expert groups' and HSDP's. Needs the default process group (a dry run's is fake)."""
         outer = self.outer_dims
         # Lightning's ModelParallelStrategy names its dimensions data_parallel and tensor_parallel.
         sizes = shape.sizes((*outer, "data_parallel", "tensor"))
         self._device_mesh = shared_mesh(device_type, sizes, (*outer, "data_parallel", "tensor_parallel"))
-        self._context_group, self._replica_coords, self._experts_mesh = None, None, None
+        self._context_group, self._replica_coords, self._experts_mesh, self._hybrid_mesh = None, None, None, None
         if shape.context_parallel > 1:  # the ranks of a context group read the same sequences
             names = (*outer, "data", "context", "tensor")
             mesh = shared_mesh(device_type, shape.sizes(names), names)
@@ -148,6 +152,9 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         if shape.expert_parallel > 1:  # neighbours of data x context split the experts; FSDP2 shards over the rest
             names = (*outer, "expert_data", "expert", "tensor")
             self._experts_mesh = shared_mesh(device_type, shape.sizes(names), names)
+        if shape.hybrid:  # FSDP2 on a 2-D mesh: replicated across its first dimension, sharded along its second
+            names = (*outer, "data_replicate", "data_shard", "tensor")
+            self._hybrid_mesh = shared_mesh(device_type, shape.sizes(names), names)["data_replicate", "data_shard"]
 
     def parallelize(self, model: Llama, initialize: bool = True) -> None:
         """Shard `model` in place; one built on the meta device then gets memory, and, unless a
@@ -160,6 +167,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         """What `parallelize` does before any memory is given: this rank's part of the model, as
         DTensors on a model that may stay on the meta device (project.planning.dry_run stops here)."""
         tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        fsdp_mesh = dp_mesh if self._hybrid_mesh is None else self._hybrid_mesh
         # Kept: slicing the mesh in a step would read its rank tensor on the host each time.
         self._sharded_logits = self.loss_parallel and tp_mesh.size() > 1
         roots = self._sharded_roots(model)
@@ -185,7 +193,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         if self.compile:
             compile_blocks(model)
         for root in roots:
-            apply_fsdp2(root, dp_mesh, self.gather_dtype(), self.reduce_dtype, self.reshard_after_forward, experts_mesh)
+            apply_fsdp2(root, fsdp_mesh, self.gather_dtype(), self.reduce_dtype, self.reshard_after_forward, experts_mesh)
             if float8_gathers:
                 scales_before_each_forward(root)
 
