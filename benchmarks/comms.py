@@ -57,6 +57,7 @@ class Layout:
     float8: str | None = None
     model: str = "debug"  # the preset in conf/model
     expert_parallel: int = 1
+    data_shard: int | None = None  # HSDP's shard groups (strategy.data_parallel_shard_size)
 
     def candidate(self, global_batch: int = GLOBAL_BATCH, micro_batch: int = MICRO_BATCH):
         from project.planning.candidates import Candidate
@@ -65,7 +66,7 @@ class Layout:
         return Candidate(
             self.strategy, self.data_parallel, self.tensor_parallel, self.pipeline_parallel, micro_batch,
             microbatches, "selective", self.sequence_parallel, self.schedule, self.virtual_stages,
-            self.context_parallel, float8=self.float8, expert_parallel=self.expert_parallel,
+            self.context_parallel, float8=self.float8, expert_parallel=self.expert_parallel, data_shard=self.data_shard,
         )  # fmt: skip
 
     def pipeline_rank(self, rank: int) -> int:
@@ -127,6 +128,14 @@ LAYOUTS = {
         tensor_parallel=2,
         float8="tensorwise",
     ),  # fmt: skip
+    # HSDP: FSDP2's gathers and reduce-scatters within pairs of ranks, the gradient shards all-reduced across them.
+    "fsdp2-hsdp": Layout(
+        4, ("strategy=fsdp2", "strategy.data_parallel_shard_size=2"), "fsdp2", data_parallel=4, data_shard=2,
+    ),
+    "tp_fsdp-sp-hsdp": Layout(
+        8, ("strategy=tp_fsdp", "strategy.sequence_parallel=true", "strategy.data_parallel_shard_size=2"), "tp_fsdp",
+        data_parallel=4, tensor_parallel=2, sequence_parallel=True, data_shard=2,
+    ),
     "pipeline-cp": _pipeline("1f1b", devices=4, context_parallel=2),
     "pipeline-tp-sp": _pipeline("1f1b", devices=4, sequence_parallel=True, tensor_parallel=2),
     "3d": _pipeline("1f1b", devices=8, sequence_parallel=True, data_parallel=2, tensor_parallel=2),

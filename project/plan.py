@@ -136,7 +136,7 @@ def dry_run_states(outcomes: list, work: Workload, cluster: Cluster, model: list
         candidate = outcome.prediction.candidate
         train_cfg = compose("train", overrides=train_overrides(candidate, work, cluster, model))
         layout = plan_layout(train_cfg, cluster.nodes, cluster.gpus_per_node)
-        rank = outcome.prediction.memory.pipeline_rank * candidate.shard_ranks * candidate.tensor_parallel
+        rank = outcome.prediction.memory.pipeline_rank * candidate.data_context_ranks * candidate.tensor_parallel
         checked.append((outcome, rank_share(train_cfg, layout, rank)))
     return checked
 

@@ -4,13 +4,12 @@ those torch's own device meshes give the same ranks, and every process mesh a st
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from project.model.families.moe.config import MoEConfig
-import torch
-
 from project.parallel.mesh import DENSE, MeshShape
 from project.parallel.strategies.model_parallel import LlamaParallelStrategy
 from project.parallel.strategies.pipeline import LlamaPipelineStrategy

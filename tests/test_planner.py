@@ -561,7 +561,7 @@ def test_predicted_model_state_per_rank_matches_what_memory_monitor_records(trai
         config = model_config(compose("train", overrides=train_overrides_for_tests(tiny_shards, tmp_path, *overrides)))
     for rank in range(candidate.shape.world_size):
         recorded = json.loads((run_dir / "memory" / f"rank{rank}.json").read_text())
-        pipeline_rank = rank // (candidate.shard_ranks * candidate.tensor_parallel)  # pipeline outermost
+        pipeline_rank = rank // (candidate.data_context_ranks * candidate.tensor_parallel)  # pipeline outermost
         predicted = estimate_memory(config, candidate, 32, "32-true", "cpu", Allowance(), pipeline_rank)
         for key in ("params", "grads", "optimizer"):
             assert predicted.__dict__[key] == pytest.approx(

@@ -97,7 +97,7 @@ def test_a_mixtral_plan_lists_expert_parallel_layouts_that_project_train_accepts
     assert {ep for strategy, ep in degrees if strategy == "fsdp2"} == {1, 2, 4, 8}
     assert {ep for strategy, ep in degrees if strategy == "ddp"} == {1}
     for c in (o.prediction.candidate for o in outcomes):
-        assert c.shard_ranks % c.expert_parallel == 0 and config.n_experts % c.expert_parallel == 0, c.name
+        assert c.data_context_ranks % c.expert_parallel == 0 and config.n_experts % c.expert_parallel == 0, c.name
     assert {c.expert_parallel for c in (o.prediction.candidate for o in outcomes) if c.strategy == "pipeline"} > {1}
     fastest = next(o.prediction for o in outcomes if o.prediction.candidate.strategy == "fsdp2")
     assert fastest.fits and fastest.candidate.expert_parallel > 1

@@ -36,6 +36,8 @@ HAS_COMPILE = {"fsdp2", "tp", "tp_fsdp", "pipeline"}
 HAS_CONTEXT_PARALLEL = {"fsdp2", "tp", "tp_fsdp", "pipeline"}
 # Strategies that split a mixture's experts over strategy.expert_parallel_size ranks (project.parallel.expert_parallel).
 HAS_EXPERT_PARALLEL = {"fsdp2", "tp_fsdp", "pipeline"}
+# Strategies whose FSDP2 may shard within groups and replicate across them (strategy.data_parallel_shard_size).
+HAS_HSDP = {"fsdp2", "tp_fsdp", "pipeline"}
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class Candidate:
     regather_kv: bool = False  # context parallel: each block keeps its own keys and values only, gathered again
     float8: str | None = None  # strategy.float8: the blocks' linear layers in float8 (project.parallel.float8)
     expert_parallel: int = 1  # a mixture's experts split over groups of this many data x context ranks
+    data_shard: int | None = None  # HSDP: the data x context ranks FSDP2 shards over (None: all of them)
 
     @property
     def shape(self) -> MeshShape:
@@ -64,17 +67,23 @@ class Candidate:
             self.context_parallel,
             self.expert_parallel,
         )
-        return MeshShape(pp, dp, tp, cp, ep)
+        return MeshShape(pp, dp, tp, cp, ep, self.data_shard)
 
     @property
-    def shard_ranks(self) -> int:
-        """The ranks FSDP shards the model states over: data x context (FSDP2 shards over both)."""
+    def data_context_ranks(self) -> int:
+        """The ranks of one stage's tensor-parallel rank that gradients are averaged over: data x context."""
         return self.data_parallel * self.context_parallel
 
     @property
+    def shard_ranks(self) -> int:
+        """The ranks FSDP shards the model states over: data x context (FSDP2 shards over both), or HSDP's groups."""
+        return self.data_shard or self.data_context_ranks
+
+    @property
     def expert_shard_ranks(self) -> int:
-        """The ranks FSDP2 shards a mixture's experts over: those holding the same experts (project.parallel.fsdp2)."""
-        return self.shard_ranks // self.expert_parallel
+        """The ranks FSDP2 shards a mixture's experts over: those holding the same experts (project.parallel.fsdp2),
+        HSDP or not."""
+        return self.data_context_ranks // self.expert_parallel
 
     @property
     def zero_level(self) -> int:
@@ -88,6 +97,8 @@ class Candidate:
             degrees += f"-cp{self.context_parallel}"
         if self.expert_parallel > 1:
             degrees += f"-ep{self.expert_parallel}"
+        if self.data_shard:
+            degrees += f"-shard{self.data_shard}"
         parts = [self.strategy, degrees, f"mb{self.micro_batch_size}"]
         if self.schedule:
             parts.append(f"{self.schedule}-v{self.virtual_stages}")
@@ -114,6 +125,7 @@ class SearchSpace:
     max_tensor_parallel: int | None = None  # None: the devices of one node
     context_parallel: Sequence[int] = (1,)  # degrees tried for the strategies that have it
     expert_parallel: Sequence[int] | None = None  # a mixture's: None, every degree its experts and ranks take
+    hsdp: Sequence[bool] = (False, True)  # True: FSDP2 shards within a node, where data x context spans several
 
     def check(self) -> None:
         for name, values, known in (
@@ -178,10 +190,23 @@ def candidates(
             if candidate is None:
                 continue
             for ep in expert_parallel_degrees(config, candidate, space.expert_parallel):
-                with_experts = dataclasses.replace(candidate, expert_parallel=ep)
-                yield with_experts
-                if cp > 1 and recompute != "full":  # the gathered keys and values gathered again instead of kept
-                    yield dataclasses.replace(with_experts, regather_kv=True)
+                for sharding in shardings(candidate, gpus_per_node, space.hsdp):
+                    with_experts = dataclasses.replace(candidate, expert_parallel=ep, data_shard=sharding)
+                    yield with_experts
+                    if cp > 1 and recompute != "full":  # the gathered keys and values gathered again instead of kept
+                        yield dataclasses.replace(with_experts, regather_kv=True)
+
+
+def shardings(candidate: Candidate, gpus_per_node: int, tried: Sequence[bool]) -> list[int | None]:
+    """The HSDP shard sizes tried for a candidate: None (FSDP2 over all data x context ranks) where `tried` has False;
+    where it has True, the data x context ranks of one node (a stage's ranks are data x context x tensor, tensor
+    innermost), if they are fewer than all of them and FSDP2 shards there."""
+    found: list[int | None] = [None] if False in tried else []
+    per_node = gpus_per_node // candidate.tensor_parallel
+    ranks = candidate.data_context_ranks
+    if True in tried and candidate.strategy in HAS_HSDP and 1 < per_node < ranks and ranks % per_node == 0:
+        found.append(per_node)
+    return found or [None]
 
 
 def expert_parallel_degrees(config: LlamaConfig, candidate: Candidate, tried: Sequence[int] | None = None) -> list[int]:
@@ -191,9 +216,9 @@ def expert_parallel_degrees(config: LlamaConfig, candidate: Candidate, tried: Se
     if candidate.strategy not in HAS_EXPERT_PARALLEL or all(config.mixture(i) is None for i in range(config.n_layers)):
         return [1]
     degrees = []
-    for ep in _divisors(candidate.shard_ranks) if tried is None else sorted(set(tried)):
+    for ep in _divisors(candidate.data_context_ranks) if tried is None else sorted(set(tried)):
         try:
-            check_expert_degree(ep, candidate.shard_ranks, candidate.pipeline_parallel)
+            check_expert_degree(ep, candidate.data_context_ranks, candidate.pipeline_parallel)
             check_expert_parallel(config, ep)
         except ConfigError:
             continue

@@ -92,6 +92,7 @@ FLOAT = 4  # norms and losses: float32
 FLOAT8 = 1  # a float8 value
 INT64 = 8  # a mixture's token counts per expert
 EXPERTS = ("expert", "expert_data")  # expert parallelism's groups (dimension_of)
+HSDP = ("data_shard", "data_replicate")  # HSDP's groups
 AMAX = 8  # torchao's maximum of a sharded tensor, reduced as a float64
 # DDP's gradient buckets (torch.distributed's defaults): the first one small, so that communication starts early.
 DDP_FIRST_BUCKET_BYTES = 2**20
@@ -124,11 +125,14 @@ def dimension_of(ranks: Iterable[int], shape: MeshShape) -> str:
     """The mesh dimensions along which a process group's global ranks differ (group_name's form), for a group a run
     reports by its ranks: "" for a group of one rank. Under expert parallelism a group that is part of the data x
     context ranks it spans is one of the groups that regroup them (MeshShape): "expert" (neighbours that split a
-    mixture's experts) or "expert_data" (the ranks that hold the same experts)."""
+    mixture's experts) or "expert_data" (the ranks that hold the same experts); under HSDP, "data_shard" (neighbours
+    that shard each weight) or "data_replicate" (the ranks that hold the same shards). A group that is also a group of
+    the dense dimensions takes their name."""
     ranks = sorted(set(ranks))
     varying = [d for d in DENSE if len({shape.coordinate(r, d) for r in ranks}) > 1]
-    if shape.expert_parallel > 1 and ranks != shape.group(ranks[0], varying):
-        for name in EXPERTS:
+    regrouped = (EXPERTS if shape.expert_parallel > 1 else ()) + (HSDP if shape.hybrid else ())
+    if regrouped and ranks != shape.group(ranks[0], varying):
+        for name in regrouped:
             if ranks == shape.group(ranks[0], (name,)):
                 return name
     return " x ".join(varying)
@@ -147,8 +151,8 @@ class _Groups:
 
     def collective(self, kind: str, dims: Iterable[str], calls: float, bytes_: float, part: str) -> Collective | None:
         dims = tuple(dims)
-        if dims in (("expert",), ("expert_data",)):
-            return self._expert_collective(kind, dims[0], calls, bytes_, part)
+        if dims in (("expert",), ("expert_data",), ("data_shard",), ("data_replicate",)):
+            return self._regrouped_collective(kind, dims[0], calls, bytes_, part)
         ranks = math.prod(self.shape.dimensions[d].size for d in dims)
         if ranks == 1 or calls == 0:  # a group of one rank communicates nothing (FSDP2 and DTensor call nothing)
             return None
@@ -158,9 +162,10 @@ class _Groups:
             span = max(self._spans[d] for d in dims)
         return Collective(kind, group_name(self.shape, dims), ranks, span, calls, bytes_, part)
 
-    def _expert_collective(self, kind: str, group: str, calls: float, bytes_: float, part: str) -> Collective | None:
-        """On the expert group ("expert") or the ranks holding the same experts ("expert_data") of the first rank,
-        named as a run's groups are (dimension_of)."""
+    def _regrouped_collective(self, kind: str, group: str, calls: float, bytes_: float, part: str) -> Collective | None:
+        """On a group that regroups data x context, the first rank's: the expert group ("expert"), the ranks holding
+        the same experts ("expert_data"), HSDP's shard group ("data_shard") or the ranks holding the same shards
+        ("data_replicate"); named as a run's groups are (dimension_of)."""
         ranks = self.shape.group(0, (group,))
         if len(ranks) == 1 or calls == 0:
             return None
@@ -374,12 +379,12 @@ def float8_gathers(c: Candidate) -> bool:
     LlamaParallelStrategy decides) and their scales are computed in one all-reduce before each forward that gathers
     them."""
     no_fsdp2 = c.pipeline_parallel > 1 and c.schedule in SPLIT_BACKWARD
-    return c.float8 == "tensorwise" and c.strategy != "fsdp" and c.shard_ranks > 1 and not no_fsdp2
+    return c.float8 == "tensorwise" and c.strategy != "fsdp" and c.data_context_ranks > 1 and not no_fsdp2
 
 
 def data_parallel(config: LlamaConfig, c: Candidate, precision: str, rank: int = 0) -> list[Collective]:
     """One step's gradient reductions and parameter gathers on pipeline rank `rank` (module docstring)."""
-    n, m = c.shard_ranks, c.microbatches
+    n, m = c.data_context_ranks, c.microbatches
     groups, shard = _Groups(c), ("data", "context")
     if n == 1:
         return []
@@ -409,24 +414,31 @@ def data_parallel(config: LlamaConfig, c: Candidate, precision: str, rank: int =
     found = []
     for experts in (False, True):
         fsdp_groups = [g for g in _fsdp2_groups(config, c, rank) if g.experts == experts]
-        ranks, dims = (c.expert_shard_ranks, ("expert_data",)) if experts else (n, shard)
+        ranks, dims = (c.expert_shard_ranks, ("expert_data",)) if experts else (c.shard_ranks, sharded_over(c))
         # A float8 weight is gathered as its float8 values.
         element_bytes = [[FLOAT8 if f and in_float8 else compute for f in g.float8] for g in fsdp_groups]
         gathered = sum(_padded(g.weights, ranks, size) for g, size in zip(fsdp_groups, element_bytes))
         padded = sum(_padded(g.weights, ranks, [1] * len(g.weights)) for g in fsdp_groups)
+        reduced = reduces * padded * GRAD_REDUCE_BYTES
         found += [
             groups.collective("all_gather", dims, gathers * len(fsdp_groups), gathers * gathered, part),
-            groups.collective(
-                "reduce_scatter", dims, reduces * len(fsdp_groups), reduces * padded * GRAD_REDUCE_BYTES, part
-            ),
+            groups.collective("reduce_scatter", dims, reduces * len(fsdp_groups), reduced, part),
         ]
+        if c.data_shard and not experts:  # HSDP: each reduce-scattered shard all-reduced across the groups
+            calls = reduces * len(fsdp_groups)
+            found.append(groups.collective("all_reduce", ("data_replicate",), calls, reduced / ranks, part))
     if in_float8:  # the float8 weights' maxima, all-reduced before each forward that gathers them (once per chunk
         # and step in a pipeline stage, which keeps them gathered): over each dimension the weights are split on
         scaled = sum(sum(float8_weights(config, c, i)) for i in held_blocks(config, c, rank))
         forwards = len(rank_layers(config, c, rank)) if c.pipeline_parallel > 1 else m
-        for dims in (shard, ("tensor",)):
+        for dims in (sharded_over(c), ("tensor",)):
             found.append(groups.collective("all_reduce", dims, forwards, forwards * scaled * FLOAT, part))
     return _kept(found)
+
+
+def sharded_over(c: Candidate) -> tuple[str, ...]:
+    """The mesh dimensions FSDP2 shards a dense weight over: data x context, or HSDP's `data_shard` groups."""
+    return ("data_shard",) if c.data_shard else ("data", "context")
 
 
 def ddp_buckets(sizes: list[int]) -> int:
@@ -463,7 +475,7 @@ def step_reductions(config: LlamaConfig, c: Candidate, rank: int = 0) -> list[Co
         found += [
             groups.collective("all_reduce", ("tensor",), 1 if split else 0, len(split) * FLOAT, part),
             groups.collective(
-                "all_reduce", ("data", "context"), (1 if split else 0) + (1 if whole else 0), len(tensors) * FLOAT, part
+                "all_reduce", sharded_over(c), (1 if split else 0) + (1 if whole else 0), len(tensors) * FLOAT, part
             ),
             *(groups.collective("all_reduce", (g,), 1 if experts else 0, len(experts) * FLOAT, part) for g in EXPERTS),
         ]

@@ -178,7 +178,7 @@ def shard_ranks(candidate: Candidate, weight: Weight) -> int:
     """The ranks FSDP2 shards a tensor over: data x context; a mixture's experts split by expert parallelism, the
     ranks holding the same experts (project.parallel.fsdp2, over `expert_data`)."""
     if weight.experts is not None and candidate.expert_parallel > 1:
-        return candidate.shard_ranks // candidate.expert_parallel
+        return candidate.expert_shard_ranks
     return candidate.shard_ranks
 
 

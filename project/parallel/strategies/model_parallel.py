@@ -193,7 +193,9 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         if self.compile:
             compile_blocks(model)
         for root in roots:
-            apply_fsdp2(root, fsdp_mesh, self.gather_dtype(), self.reduce_dtype, self.reshard_after_forward, experts_mesh)
+            apply_fsdp2(
+                root, fsdp_mesh, self.gather_dtype(), self.reduce_dtype, self.reshard_after_forward, experts_mesh
+            )
             if float8_gathers:
                 scales_before_each_forward(root)
 
