@@ -58,15 +58,19 @@ class Layout:
     model: str = "debug"  # the preset in conf/model
     expert_parallel: int = 1
     data_shard: int | None = None  # HSDP's shard groups (strategy.data_parallel_shard_size)
+    gradient_sync: str = "every_micro_batch"
+    micro_batch: int | None = None  # None: MICRO_BATCH, or the candidate's argument
 
     def candidate(self, global_batch: int = GLOBAL_BATCH, micro_batch: int = MICRO_BATCH):
         from project.planning.candidates import Candidate
 
+        micro_batch = self.micro_batch or micro_batch
         microbatches = global_batch // self.data_parallel // micro_batch  # accumulated, or the pipeline's
         return Candidate(
             self.strategy, self.data_parallel, self.tensor_parallel, self.pipeline_parallel, micro_batch,
             microbatches, "selective", self.sequence_parallel, self.schedule, self.virtual_stages,
             self.context_parallel, float8=self.float8, expert_parallel=self.expert_parallel, data_shard=self.data_shard,
+            gradient_sync=self.gradient_sync,
         )  # fmt: skip
 
     def pipeline_rank(self, rank: int) -> int:
@@ -131,6 +135,15 @@ LAYOUTS = {
     # HSDP: FSDP2's gathers and reduce-scatters within pairs of ranks, the gradient shards all-reduced across them.
     "fsdp2-hsdp": Layout(
         4, ("strategy=fsdp2", "strategy.data_parallel_shard_size=2"), "fsdp2", data_parallel=4, data_shard=2,
+    ),
+    # Two micro batches per step: HSDP's all-reduce across the pairs after the last only; or every reduction then.
+    "fsdp2-hsdp-replicas-at-last": Layout(
+        4, ("strategy=fsdp2", "strategy.data_parallel_shard_size=2", "strategy.gradient_sync=replicas_at_last",
+            "micro_batch_size=1"), "fsdp2", data_parallel=4, data_shard=2, gradient_sync="replicas_at_last",
+        micro_batch=1,
+    ),
+    "fsdp2-at-last": Layout(
+        2, ("strategy=fsdp2", "strategy.gradient_sync=at_last"), "fsdp2", data_parallel=2, gradient_sync="at_last",
     ),
     "tp_fsdp-sp-hsdp": Layout(
         8, ("strategy=tp_fsdp", "strategy.sequence_parallel=true", "strategy.data_parallel_shard_size=2"), "tp_fsdp",
@@ -247,11 +260,12 @@ def measure(name: str, steps: int, step: int, data: Path, scratch: Path) -> dict
     layout = LAYOUTS[name]
     run_dir = scratch / name
     command = [
-        sys.executable, "-m", "project.train", "experiment=debug", *data_settings(data), *layout.overrides,
+        sys.executable, "-m", "project.train", "experiment=debug", *data_settings(data),
         f"trainer.devices={layout.devices}", f"model.n_layers={layout.layers}", f"hydra.run.dir={run_dir}",
         f"trainer.max_steps={steps}", f"trainer.log_every_n_steps={steps}", f"global_batch_size={GLOBAL_BATCH}",
         f"micro_batch_size={MICRO_BATCH}", f"trainer.precision={PRECISION}", "ckpt_every_n_steps=1000",
-        "val_every_n_steps=1000", "+callbacks.comms._target_=benchmarks.count_collectives.CountCollectives",
+        "val_every_n_steps=1000", *layout.overrides,  # last: a layout's own micro batch wins
+        "+callbacks.comms._target_=benchmarks.count_collectives.CountCollectives",
         f"+callbacks.comms.output_dir={run_dir}",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}

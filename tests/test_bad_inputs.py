@@ -165,6 +165,10 @@ VALUES = [
         r"strategy.data_parallel_shard_size=3 does not divide the 4 data x context ranks",
     ),
     (
+        ["strategy=fsdp2", "trainer.devices=2", "strategy.gradient_sync=replicas_at_last"],
+        r"strategy.gradient_sync=replicas_at_last defers the all-reduce across HSDP's replicas, and this run has none",
+    ),
+    (
         ["strategy=tp_fsdp", "trainer.devices=4", "strategy.data_parallel_shard_size=two"],
         r"strategy.data_parallel_shard_size=two does not divide the 2 data x context ranks",
     ),

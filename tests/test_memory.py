@@ -17,12 +17,22 @@ def rank_figures(run_dir, world_size):
     return [json.loads((run_dir / "memory" / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
-@pytest.mark.parametrize("layout", [["strategy=fsdp"], ["strategy=fsdp2"]], ids=["fsdp", "fsdp2"])
-def test_each_of_two_fsdp_ranks_holds_half_the_model_and_optimizer_state(tiny_shards, tmp_path, layout):
-    run_train(tiny_shards, tmp_path, "trainer.max_steps=2", "global_batch_size=8", "trainer.devices=2", *layout)
+HSDP = ["strategy=fsdp2", "trainer.devices=4", "strategy.data_parallel_shard_size=2"]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [["strategy=fsdp", "trainer.devices=2"], ["strategy=fsdp2", "trainer.devices=2"], HSDP],
+    ids=["fsdp", "fsdp2", "hsdp-2x2"],
+)
+def test_each_fsdp_rank_holds_its_share_of_the_model_and_optimizer_state(tiny_shards, tmp_path, layout):
+    """Two ranks hold half the model each; so do four under HSDP in pairs (each pair a whole copy)."""
+    run_train(tiny_shards, tmp_path, "trainer.max_steps=2", "global_batch_size=8", *layout)
     model_bytes = 4 * count_parameters(DEBUG_MODEL)  # float32
-    ranks = rank_figures(tmp_path, 2)
-    assert sum(r["param_bytes"] for r in ranks) == model_bytes  # disjoint shards that cover the model
+    copies = 2 if layout is HSDP else 1
+    ranks = rank_figures(tmp_path, 2 * copies)
+    for pair in range(copies):  # disjoint shards that cover the model
+        assert sum(r["param_bytes"] for r in ranks[2 * pair : 2 * pair + 2]) == model_bytes
     for r in ranks:
         assert r["param_bytes"] == pytest.approx(model_bytes / 2, rel=0.05)
         assert r["grad_bytes"] == r["param_bytes"]

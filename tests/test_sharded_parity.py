@@ -30,15 +30,29 @@ LAYOUTS = {
     "fsdp2": ["strategy=fsdp2", "trainer.devices=2"],
     "fsdp2-activation-checkpointing": ["strategy=fsdp2", "trainer.devices=2", "strategy.activation_checkpointing=true"],
     "fsdp2-compiled-blocks": ["strategy=fsdp2", "trainer.devices=2", "strategy.compile=true"],
-    # HSDP: each weight sharded within pairs of neighbouring ranks, its gradient shards all-reduced across the pairs.
-    "fsdp2-hybrid-2x2": ["strategy=fsdp2", "trainer.devices=4", "strategy.data_parallel_shard_size=2"],
+    # HSDP: each weight sharded within pairs of neighbouring ranks, its gradient shards all-reduced across the pairs
+    # (two micro batches a step: after the second only).
+    "fsdp2-hybrid-2x2": [
+        "strategy=fsdp2",
+        "trainer.devices=4",
+        "strategy.data_parallel_shard_size=2",
+        "micro_batch_size=1",
+        "strategy.gradient_sync=replicas_at_last",
+    ],
     "tp": ["strategy=tp", "trainer.devices=2"],  # loss on vocabulary-split logits (loss_parallel)
     "tp-gathered-logits": ["strategy=tp", "trainer.devices=2", "strategy.loss_parallel=false"],
     "tp-sequence-parallel": ["strategy=tp", "trainer.devices=2", "strategy.sequence_parallel=true"],
     "tp2-fsdp2-2d": ["strategy=tp_fsdp", "trainer.devices=4"],
     "tp2-sequence-parallel-fsdp2-2d": ["strategy=tp_fsdp", "trainer.devices=4", "strategy.sequence_parallel=true"],
-    # HSDP with tensor parallelism: 8 ranks, tp 2 x data_replicate 2 x data_shard 2.
-    "tp2-fsdp2-hybrid-2x2": ["strategy=tp_fsdp", "trainer.devices=8", "strategy.data_parallel_shard_size=2"],
+    # HSDP with tensor parallelism: 8 ranks, tp 2 x data_replicate 2 x data_shard 2; each rank's unsharded gradients
+    # kept through a step's two micro batches and reduced after the second.
+    "tp2-fsdp2-hybrid-2x2": [
+        "strategy=tp_fsdp",
+        "trainer.devices=8",
+        "strategy.data_parallel_shard_size=2",
+        "micro_batch_size=1",
+        "strategy.gradient_sync=at_last",
+    ],
 }
 
 # Trained before the first test that reads one (tests/conftest.py: trained).

@@ -13,6 +13,7 @@ from project.config.stability import StabilityConfig
 from project.model import families
 from project.model.config import DTYPE_NAMES, LlamaConfig
 from project.parallel.float8_rules import RECIPES
+from project.parallel.mesh import GRADIENT_SYNCS
 from project.parallel.pipeline_layout import SCHEDULE_NAMES
 from project.runtime.errors import ConfigError
 from project.runtime.settings import Rule, above, accepted, or_null, out_of_range, whole
@@ -110,6 +111,7 @@ STRATEGY_CHOICES: dict[str, tuple] = {
     "param_dtype": _DTYPE_NAMES,
     "reduce_dtype": _DTYPE_NAMES,
     "float8": (None, *RECIPES),
+    "gradient_sync": GRADIENT_SYNCS,
     **dict.fromkeys(
         (
             "sequence_parallel",

@@ -11,6 +11,11 @@ from typing import Any, NamedTuple
 from project.model.config import LlamaConfig
 from project.runtime.errors import ConfigError
 
+# When FSDP2 reduces the gradients of a step's micro batches (strategy.gradient_sync): after each (sharded gradients);
+# within HSDP's shard groups after each and across them after the last only (as sharded, fewer bytes across nodes);
+# or after the last only (each rank keeps its unsharded gradients through the step: memory for bytes).
+GRADIENT_SYNCS = ("every_micro_batch", "replicas_at_last", "at_last")
+
 # The dense model's dimensions, outermost first: tensor parallelism innermost (neighbouring ranks, inside a node),
 # context parallelism next (inside a node where it fits, as Megatron-LM places it), then data, and pipeline stages
 # outermost (across nodes first).
@@ -175,7 +180,18 @@ def mesh_shape(strategy_cfg: Mapping[str, Any], world_size: int, devices_per_nod
     shard = strategy_cfg.get("data_parallel_shard_size")
     check_shard_degree(shard, replicas * cp, devices_per_node // int(tp))
     shard = None if shard == replicas * cp else shard  # every data x context rank: FSDP2's own sharding
+    check_gradient_sync(strategy_cfg.get("gradient_sync", GRADIENT_SYNCS[0]), shard is not None)
     return MeshShape(int(pp), replicas, int(tp), context_parallel=cp, expert_parallel=ep, data_shard=shard)
+
+
+def check_gradient_sync(sync: Any, hybrid: bool) -> None:
+    """Refuse a gradient sync across replicas where there are none (project.config.values checks the choice)."""
+    if sync == "replicas_at_last" and not hybrid:
+        raise ConfigError(
+            "strategy.gradient_sync=replicas_at_last defers the all-reduce across HSDP's replicas, and this run has "
+            "none: set strategy.data_parallel_shard_size to the ranks of a node (HSDP), or choose at_last (every "
+            "reduction after the last micro batch) or every_micro_batch."
+        )
 
 
 def check_shard_degree(shard: Any, ranks: int, per_node: int) -> None:

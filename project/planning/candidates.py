@@ -57,6 +57,7 @@ class Candidate:
     float8: str | None = None  # strategy.float8: the blocks' linear layers in float8 (project.parallel.float8)
     expert_parallel: int = 1  # a mixture's experts split over groups of this many data x context ranks
     data_shard: int | None = None  # HSDP: the data x context ranks FSDP2 shards over (None: all of them)
+    gradient_sync: str = "every_micro_batch"  # strategy.gradient_sync: when FSDP2 reduces accumulated gradients
 
     @property
     def shape(self) -> MeshShape:
@@ -100,6 +101,8 @@ class Candidate:
         if self.data_shard:
             degrees += f"-shard{self.data_shard}"
         parts = [self.strategy, degrees, f"mb{self.micro_batch_size}"]
+        if self.gradient_sync != "every_micro_batch":
+            parts.append(f"sync-{self.gradient_sync}")
         if self.schedule:
             parts.append(f"{self.schedule}-v{self.virtual_stages}")
         if self.sequence_parallel:
@@ -150,6 +153,11 @@ class SearchSpace:
                 "search.micro_batch_sizes, search.virtual_stages, search.context_parallel and search.expert_parallel "
                 "must list positive integers (search.expert_parallel may be null: every degree)."
             )
+        if not self.hsdp or any(not isinstance(v, bool) for v in self.hsdp):
+            raise ConfigError(
+                f"search.hsdp={list(self.hsdp)}: list false (FSDP2 over all data x context ranks), true (sharded "
+                "within a node, replicated across nodes: HSDP) or both."
+            )
 
 
 def _divisors(n: int) -> list[int]:
@@ -191,10 +199,19 @@ def candidates(
                 continue
             for ep in expert_parallel_degrees(config, candidate, space.expert_parallel):
                 for sharding in shardings(candidate, gpus_per_node, space.hsdp):
-                    with_experts = dataclasses.replace(candidate, expert_parallel=ep, data_shard=sharding)
+                    # HSDP's replicas all-reduce once per step: as few bytes across nodes, no more memory.
+                    sync = "replicas_at_last" if sharding and microbatches_accumulated(candidate) else None
+                    with_experts = dataclasses.replace(
+                        candidate, expert_parallel=ep, data_shard=sharding, gradient_sync=sync or "every_micro_batch"
+                    )
                     yield with_experts
                     if cp > 1 and recompute != "full":  # the gathered keys and values gathered again instead of kept
                         yield dataclasses.replace(with_experts, regather_kv=True)
+
+
+def microbatches_accumulated(candidate: Candidate) -> bool:
+    """Whether Lightning accumulates several micro batches per step (a pipeline runs its own in the step)."""
+    return candidate.schedule is None and candidate.microbatches > 1
 
 
 def shardings(candidate: Candidate, gpus_per_node: int, tried: Sequence[bool]) -> list[int | None]:

@@ -26,7 +26,9 @@ stage, the final norm and output head on the last; the microbatch's activation [
   microbatch each group's parameters all-gathered in the compute dtype for the forward and again for the backward,
   and its gradients reduce-scattered in float32; inside a pipeline, gathered once per step and kept, and
   reduce-scattered once after the last microbatch (torch's PipelineStage). Each tensor's dim 0 padded to a multiple
-  of the ranks.
+  of the ranks. HSDP (strategy.data_parallel_shard_size) gathers and reduce-scatters within its shard groups and
+  all-reduces each reduce-scattered shard across them. strategy.gradient_sync=replicas_at_last all-reduces across
+  the groups after a step's last microbatch only, at_last reduce-scatters only then too.
 - FSDP1 (strategy fsdp, FULL_SHARD, each block a unit and the rest the root's): per microbatch every unit gathered for
   the forward and the blocks again for the backward (the root stays gathered); the gradients reduce-scattered once
   per step (Lightning accumulates without syncing), both in the compute dtype. Each unit's flat parameter padded to a
@@ -410,7 +412,9 @@ def data_parallel(config: LlamaConfig, c: Candidate, precision: str, rank: int =
         return []  # no FSDP2 under these schedules (project.parallel.pipeline_layout refuses them with data parallel)
     in_float8 = float8_gathers(c)
     gathers = 1 if c.pipeline_parallel > 1 else 2 * m  # a pipeline stage keeps its gathered parameters
-    reduces = 1 if c.pipeline_parallel > 1 else m
+    # strategy.gradient_sync: FSDP2 reduces after each micro batch, or holds back until the last.
+    reduces = 1 if c.pipeline_parallel > 1 or c.gradient_sync == "at_last" else m
+    across = 1 if c.pipeline_parallel > 1 or c.gradient_sync != "every_micro_batch" else m
     found = []
     for experts in (False, True):
         fsdp_groups = [g for g in _fsdp2_groups(config, c, rank) if g.experts == experts]
@@ -425,8 +429,8 @@ def data_parallel(config: LlamaConfig, c: Candidate, precision: str, rank: int =
             groups.collective("reduce_scatter", dims, reduces * len(fsdp_groups), reduced, part),
         ]
         if c.data_shard and not experts:  # HSDP: each reduce-scattered shard all-reduced across the groups
-            calls = reduces * len(fsdp_groups)
-            found.append(groups.collective("all_reduce", ("data_replicate",), calls, reduced / ranks, part))
+            calls, shards = across * len(fsdp_groups), across * padded * GRAD_REDUCE_BYTES / ranks
+            found.append(groups.collective("all_reduce", ("data_replicate",), calls, shards, part))
     if in_float8:  # the float8 weights' maxima, all-reduced before each forward that gathers them (once per chunk
         # and step in a pipeline stage, which keeps them gathered): over each dimension the weights are split on
         scaled = sum(sum(float8_weights(config, c, i)) for i in held_blocks(config, c, rank))

@@ -212,6 +212,9 @@ def estimate_memory(
         gathered = dp > 1 or mixed
         working = (2 * block * compute + block * GRAD_REDUCE_BYTES) if gathered else 0.0
         note = "two blocks' gathered parameters, one block's unsharded gradients" if gathered else ""
+        if candidate.gradient_sync == "at_last" and candidate.microbatches > 1:  # FSDP2 reduces after the last
+            working += full * GRAD_REDUCE_BYTES
+            note = "two blocks' gathered parameters, every block's unsharded gradients through the step"
 
     layers = rank_layers(config, candidate, pipeline_rank)
     cp = candidate.context_parallel

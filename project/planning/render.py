@@ -51,6 +51,8 @@ def train_overrides(candidate: Candidate, workload: Workload, cluster: Cluster, 
         out.append(f"strategy.expert_parallel_size={c.expert_parallel}")
     if c.data_shard:
         out.append(f"strategy.data_parallel_shard_size={c.data_shard}")
+    if c.gradient_sync != "every_micro_batch":
+        out.append(f"strategy.gradient_sync={c.gradient_sync}")
     if c.strategy in ("tp", "tp_fsdp", "pipeline"):
         out.append(f"strategy.tensor_parallel_size={c.tensor_parallel}")
     if c.strategy == "pipeline":

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
-from typing import Any, Literal
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -12,6 +12,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -85,6 +86,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         float8: str | None = None,
         expert_parallel_size: int = 1,
         data_parallel_shard_size: int | None = None,
+        gradient_sync: str = "every_micro_batch",
     ):
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -106,6 +108,8 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         self.float8 = float8
         self.expert_parallel_size = expert_parallel_size
         self.data_parallel_shard_size = data_parallel_shard_size
+        self.gradient_sync = gradient_sync
+        self._fsdp_roots: list[FSDPModule] = []
         # As asked ("auto" included): the degrees themselves are known once the world size is (set_up_meshes).
         self._asked_data_parallel_size, self._asked_tensor_parallel_size = data_parallel_size, tensor_parallel_size
         self._context_group: dist.ProcessGroup | None = None
@@ -122,6 +126,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
             "context_parallel_size": self.context_parallel_size,
             "expert_parallel_size": self.expert_parallel_size,
             "data_parallel_shard_size": self.data_parallel_shard_size,
+            "gradient_sync": self.gradient_sync,
         }
 
     def setup_environment(self) -> None:
@@ -192,10 +197,12 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
             experts_mesh = self._experts_mesh["expert_data"]
         if self.compile:
             compile_blocks(model)
+        self._fsdp_roots = []
         for root in roots:
             apply_fsdp2(
                 root, fsdp_mesh, self.gather_dtype(), self.reduce_dtype, self.reshard_after_forward, experts_mesh
             )
+            self._fsdp_roots.append(cast(FSDPModule, root))
             if float8_gathers:
                 scales_before_each_forward(root)
 
@@ -251,6 +258,25 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
     def _sharded_roots(self, model: Llama) -> list[nn.Module]:
         # The modules FSDP2 shards as a whole (each with its blocks); the pipeline shards each stage.
         return [model]
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning's sign that more micro batches of this step follow (gradient accumulation): with
+        `gradient_sync` other than every_micro_batch, FSDP2 holds back what it would reduce until the last one."""
+        hold = {
+            "replicas_at_last": FSDPModule.set_requires_all_reduce,  # HSDP: within the shard group still
+            "at_last": FSDPModule.set_requires_gradient_sync,  # unsharded gradients kept through the step
+        }.get(self.gradient_sync)
+        if hold is None:
+            yield
+            return
+        for root in self._fsdp_roots:
+            hold(root, False)
+        try:
+            yield
+        finally:
+            for root in self._fsdp_roots:
+                hold(root, True)
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Vocabulary-split logits need torch's loss_parallel around the loss and its backward."""
