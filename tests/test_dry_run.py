@@ -368,13 +368,16 @@ def test_a_dry_run_reports_exactly_the_bytes_memory_monitor_records_in_the_real_
         ), rank
 
 
-PLANNED = {  # six layouts of 64 H100s (tensor parallelism alone: of one node), each as the planner's candidate
+PLANNED = {  # eight layouts of 64 H100s (tensor parallelism alone: of one node), each as the planner's candidate
     "ddp": Candidate("ddp", 64, 1, 1, 1, 1),
     "fsdp2": Candidate("fsdp2", 64, 1, 1, 1, 1),
     "tp": Candidate("tp", 1, 8, 1, 1, 1),
     "tp_fsdp": Candidate("tp_fsdp", 8, 8, 1, 1, 1, sequence_parallel=True),
     "pipeline": Candidate("pipeline", 1, 8, 8, 1, 8, schedule="1f1b"),
     "pipeline-3d": Candidate("pipeline", 2, 8, 4, 1, 16, schedule="interleaved_1f1b", virtual_stages=2),
+    # HSDP: sharded within a node (8 ranks; 4 data-parallel ranks beside 2-way tensor parallelism), replicated across.
+    "fsdp2-hsdp": Candidate("fsdp2", 64, 1, 1, 1, 1, data_shard=8),
+    "tp_fsdp-hsdp": Candidate("tp_fsdp", 32, 2, 1, 1, 2, sequence_parallel=True, data_shard=4),
 }
 
 
