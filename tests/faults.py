@@ -15,6 +15,9 @@ steps from 0; `:rank=R` limits a fault to global rank R (default: every rank).
   that rank alone dies.
 - `raise@STEP`: raise a RuntimeError as step STEP starts.
 - `hang@STEP`: stop answering (sleep) as step STEP starts, as a rank stuck in a driver or a file system does.
+- `drift@STEP`: as step STEP starts, the last part of a parameter that other ranks hold a copy of (the strategy's
+  `replicas`) moves by one unit in the last place in its first element, as a kernel that adds in another order would
+  move it (give `:rank=R`: a drift on every rank alike is no drift).
 - `kill-in-save@N:OP`: SIGKILL every process of the run just before the OP-th change to the file system
   (counted from 1) that this process makes while it saves last.ckpt for the N-th time. Changes are
   renames, removals, directories made, and each 64 KiB written, so that OP can fall inside a file's
@@ -36,9 +39,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 import project.training.run
+from project.parallel.contract import contract_of
 from project.training.callbacks.checkpoint import StepCheckpoint
 
 
@@ -72,11 +77,11 @@ class Fault:
                 fault.rank = int(extra.removeprefix("rank="))
             else:
                 fault.op = int(extra)
-        kinds = ("nan", "spike", "spikes", "slow", "kill", "raise", "hang", "kill-in-save", "count-save-ops")
+        kinds = ("nan", "spike", "spikes", "slow", "kill", "raise", "hang", "drift", "kill-in-save", "count-save-ops")
         if kind not in kinds or (kind == "kill-in-save") != (fault.op is not None):
             raise ValueError(
                 f"FAULT={text}: expected one of nan@STEP, spike@STEP, spikes@STEP, slow@STEP, kill@STEP, raise@STEP, "
-                "hang@STEP, kill-in-save@N:OP, count-save-ops"
+                "hang@STEP, drift@STEP, kill-in-save@N:OP, count-save-ops"
             )
         return fault
 
@@ -108,6 +113,13 @@ class AtStep(Callback):
         if self.fault.kind == "hang":
             while True:
                 time.sleep(60)
+        if self.fault.kind == "drift":
+            if not self.fault.fired:
+                first = contract_of(trainer.strategy).replicas(pl_module)[-1].local.view(-1)[:1]
+                with torch.no_grad():
+                    first.copy_(torch.nextafter(first, torch.full_like(first, float("inf"))))
+                self.fault.fired = True
+            return
         if self.fault.kind == "slow":
             if not self.fault.fired:  # once: the step's first micro batch
                 for block in pl_module.model.layers.values():
@@ -276,7 +288,7 @@ def with_faults(build_trainer, faults: list[Fault]):
     @functools.wraps(build_trainer)
     def build(*args, **kwargs):
         trainer = build_trainer(*args, **kwargs)
-        at_step = ("nan", "spike", "spikes", "slow", "kill", "raise", "hang")
+        at_step = ("nan", "spike", "spikes", "slow", "kill", "raise", "hang", "drift")
         trainer.callbacks.extend(AtStep(f) for f in faults if f.kind in at_step)
         return trainer
 

@@ -133,3 +133,25 @@ def test_checkpoints_by_wall_time_come_between_the_step_checkpoints(tiny_shards,
     result = run_with_fault("nan@4", tiny_shards, tmp_path, "ckpt_every_n_steps=1000", "ckpt_every_minutes=1e-8")
     assert result.returncode == 1 and "error: step 4" in result.stderr, result.stderr[-3000:]
     assert checkpoint_step(tmp_path / "checkpoints" / "last.ckpt") == 4  # saved by time after step 4's predecessor
+
+
+def test_a_copy_that_drifts_on_one_rank_stops_the_run_before_the_next_checkpoint(tiny_shards, tmp_path):
+    """DDP's second rank moves one value of its copy by one unit in the last place as step 3 starts; the copies are
+    compared before the checkpoint after it (at step 4), which is then not written."""
+    settings = ["strategy=ddp", "trainer.devices=2", "ckpt_every_n_steps=2", "stability.replica_check_every_n_steps=0"]
+    result = run_with_fault("drift@3:rank=1", tiny_shards, tmp_path, *settings)
+    assert result.returncode == 1, result.stderr[-3000:]
+    said = "error: copies of replicated parameters differ at step 4: model.output.weight on rank(s) [1] differs from "
+    assert said + "rank 0's (its copies: [0, 1])" in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert checkpoint_step(last) == 2  # the one after step 3 was refused
+
+
+def test_tensor_parallel_copies_of_a_norm_are_compared_every_n_steps(tiny_shards, tmp_path):
+    settings = ["strategy=tp", "trainer.devices=2", "ckpt_every_n_steps=100", "stability.replica_check_every_n_steps=2"]
+    result = run_with_fault("drift@4:rank=0", tiny_shards, tmp_path, *settings)
+    assert result.returncode == 1, result.stderr[-3000:]
+    said = "error: copies of replicated parameters differ at step 6: model.norm.weight on rank(s) [1] differs from "
+    assert said + "rank 0's (its copies: [0, 1])" in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "checkpoints" / "last.ckpt").exists()

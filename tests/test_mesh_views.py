@@ -147,3 +147,46 @@ def test_hsdp_replicates_each_weights_shards_across_groups_of_neighbouring_ranks
             assert mesh["data_replicate"].mesh.tolist() == shape.group(rank, ("data_replicate",)), (rank, name)
     tp = tensor_parallel  # neighbouring data-parallel ranks shard together: a node's, where one holds 2 x tp GPUs
     assert shape.group(0, ("data_shard",)) == [0, tp] and shape.group(0, ("data_replicate",)) == [0, 2 * tp]
+
+
+# Shapes no other test here uses, on one rank each: torch caches sliced meshes by value, and a fake process group made
+# again leaves a cached mesh of the same shape pointing at the groups of the one before.
+@pytest.mark.parametrize(
+    "settings, shape, over",
+    [
+        ({"tensor_parallel_size": 2}, MeshShape(1, 3, 2), "tensor"),  # norms left whole by tensor parallelism
+        ({"tensor_parallel_size": 2, "sequence_parallel": True}, MeshShape(1, 1, 2), "tensor"),  # Replicate there
+        (
+            {"tensor_parallel_size": 1, "data_parallel_shard_size": 3},
+            MeshShape(1, 6, 1, data_shard=3),
+            "data_replicate",
+        ),
+        ({"tensor_parallel_size": 1}, MeshShape(1, 5, 1), None),  # FSDP2 alone: every part on one rank
+    ],
+    ids=["tp", "tp-sequence-parallel", "hsdp", "fsdp2"],
+)
+def test_the_copies_a_strategy_lists_are_those_its_layout_repeats(fake_rank, settings, shape, over):
+    """The parts of parameters that ReplicaCheck compares, and over which ranks: the shape's groups."""
+    from lightning.fabric.plugins.precision import Precision
+
+    from project.model.config import LlamaConfig
+    from project.model.llama import Llama
+
+    config = LlamaConfig(dim=16, n_layers=2, n_heads=2, vocab_size=32, max_seq_len=16)
+    rank = shape.world_size - 1  # one rank: the same shape again would meet torch's cached mesh (above)
+    fake_rank(rank, shape.world_size)
+    strategy = LlamaParallelStrategy(**settings)
+    strategy.precision_plugin = Precision()
+    strategy.set_up_meshes(shape, "cpu")
+    with torch.device("meta"):
+        model = Llama(config)
+    strategy.shard(model)
+    listed = {r.name: dist.get_process_group_ranks(r.group) for r in strategy.replicas(model)}
+    if over is None:
+        assert listed == {}
+    elif over == "tensor":
+        norms = [n for n, _ in model.named_parameters() if n.endswith("norm.weight")]
+        assert listed == {name: shape.group(rank, ("tensor",)) for name in norms}, rank
+    else:
+        everything = [n for n, _ in model.named_parameters()]
+        assert listed == {name: shape.group(rank, (over,)) for name in everything}, rank

@@ -46,6 +46,8 @@ class StabilityConfig:
     numerics_every_n_steps: int = setting(0, whole(0), "a whole number of steps, 0 (never) or more")
     # A rank slower than this many times the median step time is named in a warning.
     straggler_factor: float = setting(2.0, at_least(1), "a factor of 1 or more, e.g. 2")
+    # Copies of a parameter on several ranks compared every N steps (and before each save); 0: before saves only.
+    replica_check_every_n_steps: int = setting(100, whole(0), "a whole number of steps, 0 (before saves only) or more")
 
     def __post_init__(self) -> None:
         check_fields(self, "stability")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import torch
@@ -79,6 +80,17 @@ class TrainingModule(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Replica:
+    """A parameter's part that other ranks hold an identical copy of: its name, this rank's copy, and the group of
+    the ranks that hold the same copy (this one included). Reductions summed in another order on one rank (atomic
+    GPU kernels) would make the copies drift apart unseen: project.training.callbacks.ReplicaCheck compares them."""
+
+    name: str
+    local: torch.Tensor
+    group: dist.ProcessGroup
+
+
 class LlamaStrategy:
     """The defaults, which suit a strategy that keeps the whole model on each rank (single, ddp, fsdp, horovod)."""
 
@@ -137,6 +149,15 @@ class LlamaStrategy:
         """Whether a transformer block's forward runs no collective on this strategy, so that its time is the rank's
         own (straggler detection); collectives inside blocks make every rank wait for the slowest."""
         return True
+
+    def replicas(self, module: LightningModule) -> list[Replica]:
+        """Every part of a parameter this rank holds that other ranks hold identical copies of (Replica). Here: the
+        whole model on every rank, so every parameter over every rank (none on one process)."""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return []
+        world = dist.group.WORLD
+        assert world is not None
+        return [Replica(name, p.detach(), world) for name, p in module.named_parameters()]
 
     def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` summed over every rank, in place, the same on every rank: one all-reduce on the device, which

@@ -14,7 +14,7 @@ from torch import nn
 
 from project.model.llama import Block, Llama
 from project.parallel.compiled import compile_blocks
-from project.parallel.contract import LlamaStrategy, T, TrainingModule
+from project.parallel.contract import LlamaStrategy, Replica, T, TrainingModule
 from project.parallel.groups import shared_mesh
 from project.parallel.strategies.loading import ShardedLoading
 from project.parallel.strategies.timeout import startup_timeout
@@ -97,6 +97,11 @@ class CPUCapableFSDPStrategy(ShardedLoading, LlamaStrategy, FSDPStrategy):
 
     def blocks_run_alone(self) -> bool:
         return False  # each block is an FSDP unit whose forward gathers its parameters
+
+    def replicas(self, module: LightningModule) -> list[Replica]:
+        """None compared: each rank holds flat pieces of its units (HYBRID_SHARD's copies across shard groups are
+        not checked; strategy=fsdp2 with data_parallel_shard_size is)."""
+        return []
 
     def sum_of_squares(self, groups: Sequence[Sequence[torch.Tensor]], device: torch.device) -> torch.Tensor:
         """FSDP's parameters (use_orig_params) are each rank's pieces of the flat shards: their sums over every

@@ -15,12 +15,13 @@ from typing import Any, Iterator, Mapping
 
 import torch
 from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch.distributed import ReduceOp
 from torchmetrics import Metric
 
-from project.parallel.contract import LlamaStrategy
+from project.parallel.contract import LlamaStrategy, Replica
 from project.parallel.strategies.loading import WholeModelLoading
 from project.parallel.strategies.saving import BackgroundSaving
 from project.parallel.strategies.timeout import collective_timeout
@@ -224,6 +225,10 @@ class HorovodStrategy(BackgroundSaving, WholeModelLoading, LlamaStrategy, Parall
         if not self._accumulating:  # the gradients are reduced before the module clips them and the step
             for optimizer in self.optimizers:
                 optimizer.synchronize()  # type: ignore[attr-defined]  # Horovod's, since setup_optimizers
+
+    def replicas(self, module: LightningModule) -> list[Replica]:
+        """None compared: Horovod's processes have no torch process group to compare them over."""
+        return []
 
     def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
         """Horovod's all-reduce (its processes have no torch process group); it returns when the sum is there."""

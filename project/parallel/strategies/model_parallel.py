@@ -20,7 +20,7 @@ from project.model.config import DTYPE_NAMES
 from project.model.llama import Llama
 from project.parallel.compiled import compile_blocks
 from project.parallel.context_parallel import apply_context_parallel, split_for_rank
-from project.parallel.contract import LlamaStrategy, TrainingModule
+from project.parallel.contract import LlamaStrategy, Replica, TrainingModule
 from project.parallel.expert_parallel import apply_expert_parallel
 from project.parallel.float8 import apply_float8, scales_before_each_forward
 from project.parallel.fsdp2 import apply_fsdp2
@@ -254,6 +254,22 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
             return inputs, targets
         rank, size = self._context_coords
         return split_for_rank(inputs, rank, size), split_for_rank(targets, rank, size)
+
+    def replicas(self, module: LightningModule) -> list[Replica]:
+        """Each parameter's local part over every mesh dimension its DTensor is replicated on (HSDP's
+        data_replicate, sequence parallelism's norms over tensor_parallel), and over the tensor-parallel group where
+        tensor parallelism leaves it whole (norms without sequence parallelism, a mixture's router and experts)."""
+        tp = self.device_mesh["tensor_parallel"]
+        found = []
+        for name, p in module.named_parameters():
+            local, dims = (p.to_local(), p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else (p, ())
+            if isinstance(p, DTensor):
+                for dim, placement in enumerate(p.placements):
+                    if placement.is_replicate() and p.device_mesh.size(dim) > 1:
+                        found.append(Replica(name, local.detach(), p.device_mesh.get_group(dim)))
+            if tp.size() > 1 and "tensor_parallel" not in dims:
+                found.append(Replica(name, local.detach(), tp.get_group()))
+        return found
 
     def _sharded_roots(self, model: Llama) -> list[nn.Module]:
         # The modules FSDP2 shards as a whole (each with its blocks); the pipeline shards each stage.

@@ -5,6 +5,7 @@ from project.training.callbacks.layout import LayoutFacts
 from project.training.callbacks.memory import MemoryMonitor
 from project.training.callbacks.numerics import NumericsMonitor
 from project.training.callbacks.progress import StepProgressBar, StepRichProgressBar
+from project.training.callbacks.replicas import ReplicaCheck
 from project.training.callbacks.stragglers import StragglerWatch
 from project.training.callbacks.summary import LlamaModelSummary
 from project.training.callbacks.throughput import TokenThroughput
@@ -19,6 +20,7 @@ __all__ = [
     "LlamaModelSummary",
     "MemoryMonitor",
     "NumericsMonitor",
+    "ReplicaCheck",
     "StepCheckpoint",
     "StepProgressBar",
     "StepRichProgressBar",

@@ -59,6 +59,7 @@ LAYOUT_AND_BOOKKEEPING = (
     "trainer.num_sanity_val_steps",
     "stability.numerics_every_n_steps",
     "stability.straggler_factor",
+    "stability.replica_check_every_n_steps",
     # The initial weights' seed: a resume's weights are the checkpoint's (the data's order has data.seed).
     "seed",
 )
