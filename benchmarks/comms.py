@@ -59,6 +59,7 @@ class Layout:
     expert_parallel: int = 1
     data_shard: int | None = None  # HSDP's shard groups (strategy.data_parallel_shard_size)
     gradient_sync: str = "every_micro_batch"
+    context_parallel_kv: str = "gather"
     micro_batch: int | None = None  # None: MICRO_BATCH, or the candidate's argument
 
     def candidate(self, global_batch: int = GLOBAL_BATCH, micro_batch: int = MICRO_BATCH):
@@ -70,7 +71,7 @@ class Layout:
             self.strategy, self.data_parallel, self.tensor_parallel, self.pipeline_parallel, micro_batch,
             microbatches, "selective", self.sequence_parallel, self.schedule, self.virtual_stages,
             self.context_parallel, float8=self.float8, expert_parallel=self.expert_parallel, data_shard=self.data_shard,
-            gradient_sync=self.gradient_sync,
+            gradient_sync=self.gradient_sync, context_parallel_kv=self.context_parallel_kv,
         )  # fmt: skip
 
     def pipeline_rank(self, rank: int) -> int:
@@ -99,6 +100,15 @@ LAYOUTS = {
         2, ("strategy=tp", "strategy.sequence_parallel=true"), "tp", tensor_parallel=2, sequence_parallel=True
     ),
     "cp": Layout(2, ("strategy=fsdp2", "strategy.context_parallel_size=2"), "fsdp2", context_parallel=2),
+    # Ring attention: keys and values passed around the context group (and their gradients, in the backward).
+    "cp-ring": Layout(
+        2, ("strategy=fsdp2", "strategy.context_parallel_size=2", "strategy.context_parallel_kv=ring"), "fsdp2",
+        context_parallel=2, context_parallel_kv="ring",
+    ),
+    "cp4-ring": Layout(
+        4, ("strategy=fsdp2", "strategy.context_parallel_size=4", "strategy.context_parallel_kv=ring"), "fsdp2",
+        context_parallel=4, context_parallel_kv="ring",
+    ),
     "fsdp2-float8": Layout(
         2, ("strategy=fsdp2", "strategy.float8=tensorwise"), "fsdp2", data_parallel=2, float8="tensorwise"
     ),

@@ -165,6 +165,17 @@ VALUES = [
         r"strategy.data_parallel_shard_size=3 does not divide the 4 data x context ranks",
     ),
     (
+        [
+            "strategy=fsdp2",
+            "trainer.devices=2",
+            "strategy.context_parallel_size=2",
+            "strategy.context_parallel_kv=ring",
+            "strategy.regather_kv=true",
+        ],
+        r"strategy.regather_kv=true gathers the keys and values again in the backward, and "
+        r"strategy.context_parallel_kv=ring never gathers them",
+    ),
+    (
         ["strategy=fsdp2", "trainer.devices=2", "strategy.gradient_sync=replicas_at_last"],
         r"strategy.gradient_sync=replicas_at_last defers the all-reduce across HSDP's replicas, and this run has none",
     ),

@@ -23,7 +23,7 @@ ON_TWO = [name for name, layout in LAYOUTS.items() if layout.devices == 2 and na
 # 2-D layouts (tp_fsdp without sequence parallelism is tp's case again; 3-D takes 8 processes: bench_comms runs it)
 ON_FOUR = ["tp_fsdp-sp", "pipeline-fsdp2", "pipeline-tp-sp", "tp_fsdp-float8", "pipeline-fsdp2-float8",
            "fsdp2-moe-dp4-ep2", "fsdp2-moe-cp2-ep2", "tp_fsdp-sp-moe-ep2", "fsdp2-hsdp",
-           "fsdp2-hsdp-replicas-at-last"]  # fmt: skip
+           "fsdp2-hsdp-replicas-at-last", "cp4-ring"]  # fmt: skip
 # (pipeline-moe-dp2-ep2, bench_comms': its expert groups inside a stage are named and counted as tp_fsdp's.)
 RUN = [f"trainer.max_steps={STEPS}", f"trainer.log_every_n_steps={STEPS}", "ckpt_every_n_steps=100",
        "val_every_n_steps=100", f"global_batch_size={GLOBAL_BATCH}", f"micro_batch_size={MICRO_BATCH}",

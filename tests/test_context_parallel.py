@@ -32,11 +32,15 @@ from project.runtime.errors import ConfigError
 
 pytestmark = pytest.mark.slow
 
+RING = "strategy.context_parallel_kv=ring"
 LAYOUTS = {
     "cp2": ["strategy=fsdp2", "trainer.devices=2", "strategy.context_parallel_size=2"],
     "cp4": ["strategy=fsdp2", "trainer.devices=4", "strategy.context_parallel_size=4"],
     "cp2-tp2": ["strategy=tp_fsdp", "trainer.devices=4", "strategy.context_parallel_size=2"],
     "cp2-dp2": ["strategy=fsdp2", "trainer.devices=4", "strategy.context_parallel_size=2"],
+    # Ring attention: keys and values passed around a ring of 4 (and of 2 beside tensor parallelism), not gathered.
+    "cp4-ring": ["strategy=fsdp2", "trainer.devices=4", "strategy.context_parallel_size=4", RING],
+    "cp2-tp2-ring": ["strategy=tp_fsdp", "trainer.devices=4", "strategy.context_parallel_size=2", RING],
 }
 # Each layout without its context parallelism: the same replicas and tensor-parallel degree (None: one device, the
 # single reference; FSDP2's gathered parameters, freed after the forward, are not counted as activations).
@@ -45,6 +49,8 @@ WITHOUT = {
     "cp4": None,
     "cp2-tp2": ["strategy=tp", "trainer.devices=2"],
     "cp2-dp2": ["strategy=fsdp2", "trainer.devices=2"],
+    "cp4-ring": None,
+    "cp2-tp2-ring": ["strategy=tp", "trainer.devices=2"],
 }
 
 # Two pipeline stages, each on a context group of two ranks (the 4-layer model of the pipeline's tests).
@@ -81,25 +87,33 @@ def test_pipeline_stages_split_sequences_like_one_device(trained, pipeline_refer
 
 
 def test_document_masks_hold_across_the_split(short_document_shards, document_mask_reference, tmp_path):
-    """Each rank keeps its rows of the whole sequences' masks (conftest.document_mask_reference: the masks matter)."""
-    run_dir = tmp_path / "cp2"
+    """Each rank keeps its rows of the whole sequences' masks (conftest.document_mask_reference: the masks matter),
+    with the keys and values gathered and passed around a ring alike."""
     overrides = [*DOCUMENT_RUN, "strategy=fsdp2", "trainer.devices=2", "strategy.context_parallel_size=2"]
-    train_in_process(2, [(run_dir, train_overrides(short_document_shards, run_dir, *overrides))])
-    reference, losses = read_metrics(document_mask_reference, "train/loss"), read_metrics(run_dir, "train/loss")
-    assert sorted(losses) == sorted(reference)
-    for step in reference:
-        assert losses[step] == pytest.approx(reference[step], rel=1e-5), step
+    runs = {"cp2": tmp_path / "cp2", "cp2-ring": tmp_path / "cp2-ring"}
+    cases = [(runs["cp2"], train_overrides(short_document_shards, runs["cp2"], *overrides))]
+    cases.append((runs["cp2-ring"], train_overrides(short_document_shards, runs["cp2-ring"], *overrides, RING)))
+    train_in_process(2, cases)
+    reference = read_metrics(document_mask_reference, "train/loss")
+    for name, run_dir in runs.items():
+        losses = read_metrics(run_dir, "train/loss")
+        assert sorted(losses) == sorted(reference), name
+        for step in reference:
+            assert losses[step] == pytest.approx(reference[step], rel=1e-5), (name, step)
 
 
 def test_a_run_resumes_under_another_context_parallel_degree(tiny_shards, uninterrupted_reference, tmp_path):
-    """cp=2 to step 7, then two replicas without context parallelism to 14: the losses of one uninterrupted run, data
-    position kept (the checkpoint is FSDP2's, over data x context: any layout reads it, test_sharded_checkpoints)."""
+    """cp=2 to step 7, then two replicas without context parallelism to 14, then cp=2 by ring to 20: the losses of one
+    uninterrupted run, data position kept (the checkpoint is FSDP2's, over data x context: any layout reads it,
+    test_sharded_checkpoints)."""
+    cp2 = ["strategy=fsdp2", "trainer.devices=2", "strategy.context_parallel_size=2"]
     two_ranks = [
-        ["trainer.max_steps=7", "strategy=fsdp2", "trainer.devices=2", "strategy.context_parallel_size=2"],
+        ["trainer.max_steps=7", *cp2],
         ["trainer.max_steps=14", "strategy=fsdp2", "trainer.devices=2", "ckpt_path=last"],
+        ["trainer.max_steps=20", *cp2, RING, "ckpt_path=last"],
     ]
     train_in_process(2, [(tmp_path, train_overrides(tiny_shards, tmp_path, *RESUME_RUN, *o)) for o in two_ranks])
-    assert_continues(tmp_path, uninterrupted_reference, 14)
+    assert_continues(tmp_path, uninterrupted_reference, 20)
 
 
 def compose_train(*overrides: str):

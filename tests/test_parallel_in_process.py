@@ -176,22 +176,22 @@ def test_fsdp2_gathers_in_the_dtype_asked_and_keeps_them_to_the_backward_when_to
     on_two_gloo_ranks(check_fsdp2_gathers)
 
 
-def split_over_the_ranks(regather: bool = False) -> tuple[int, int, Llama, Llama, torch.Tensor]:
+def split_over_the_ranks(regather: bool = False, ring: bool = False) -> tuple[int, int, Llama, Llama, torch.Tensor]:
     """(rank, size, one device's model, the same model with context parallelism over the group, tokens [2, 16])."""
     from project.parallel.context_parallel import apply_context_parallel
 
     torch.manual_seed(0)
     reference = Llama(CONFIG)
     model = copy.deepcopy(reference)
-    apply_context_parallel(model, dist.group.WORLD, regather)
+    apply_context_parallel(model, dist.group.WORLD, regather, ring)
     tokens = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     return dist.get_rank(), dist.get_world_size(), reference, model, tokens
 
 
-def check_context_parallel(documents: bool, regather: bool = False) -> None:
+def check_context_parallel(documents: bool, regather: bool = False, ring: bool = False) -> None:
     from project.parallel.context_parallel import split_for_rank
 
-    rank, size, reference, model, tokens = split_over_the_ranks(regather)
+    rank, size, reference, model, tokens = split_over_the_ranks(regather, ring)
     targets = tokens.roll(-1, dims=1)
     # Documents across the chunks' edges (chunks of 4 positions), one of a single token.
     ids = {"document_ids": torch.tensor([[0] * 3 + [1] * 6 + [2] + [3] * 6, [0] * 11 + [1] * 5])} if documents else {}
@@ -214,15 +214,17 @@ def check_context_parallel(documents: bool, regather: bool = False) -> None:
 LONG = LlamaConfig(vocab_size=300, dim=640, n_layers=2, n_heads=8, n_kv_heads=1, multiple_of=32, max_seq_len=4096)
 
 
-def saved_activations(context_parallel: bool) -> int:
+def saved_activations(context_parallel: bool, config: LlamaConfig = LONG, ring: bool = False) -> int:
     from project.parallel.context_parallel import apply_context_parallel, split_for_rank
 
     torch.manual_seed(0)
-    model = Llama(LONG)
-    tokens = torch.randint(0, LONG.vocab_size, (1, LONG.max_seq_len + 1), generator=torch.Generator().manual_seed(1))
+    model = Llama(config)
+    tokens = torch.randint(
+        0, config.vocab_size, (1, config.max_seq_len + 1), generator=torch.Generator().manual_seed(1)
+    )
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     if context_parallel:
-        apply_context_parallel(model, dist.group.WORLD)
+        apply_context_parallel(model, dist.group.WORLD, ring=ring)
         rank, size = dist.get_rank(), dist.get_world_size()
         inputs, targets = split_for_rank(inputs, rank, size), split_for_rank(targets, rank, size)
     with SavedActivations().of(model.parameters()) as saved:
@@ -311,11 +313,37 @@ def check_the_planner_counts_the_keys_and_values_each_block_keeps() -> None:
     assert planned[0] - planned[1] == kept[0] - regathered[1] - one_block
 
 
+def check_a_ring_keeps_only_the_ranks_own_keys_and_values_as_the_planner_counts() -> None:
+    """Ring attention keeps the rest of the sequence's keys and values less than the gather does: what the planner
+    counts between the two. (The gather keeps more still: its two chunks' attention outputs apart from their
+    concatenation, which the planner does not count.)"""
+    from project.planning.candidates import Candidate
+    from project.planning.memory import Allowance, estimate_memory
+
+    gathered, ring = (saved_activations(True, KEPT, ring) for ring in (False, True))
+    planned = [
+        estimate_memory(
+            KEPT,
+            Candidate("fsdp2", 1, 1, 1, 1, 1, context_parallel=2, context_parallel_kv=kv),
+            KEPT.max_seq_len,
+            "32-true",
+            "cpu",
+            Allowance(),
+        ).activations
+        for kv in ("gather", "ring")
+    ]
+    rest = KEPT.n_layers * KEPT.max_seq_len // 2 * KEPT.kv_heads * KEPT.head_dim * 2 * 4  # K and V, float32
+    assert planned[0] - planned[1] == rest and gathered - ring >= rest, (gathered - ring, rest, planned)
+
+
 def check_context_parallel_attention() -> None:
     check_context_parallel(documents=False)
     check_context_parallel(documents=True)
     check_context_parallel(documents=True, regather=True)
+    check_context_parallel(documents=False, ring=True)  # keys and values passed around, not gathered
+    check_context_parallel(documents=True, ring=True)
     check_the_planner_counts_the_keys_and_values_each_block_keeps()
+    check_a_ring_keeps_only_the_ranks_own_keys_and_values_as_the_planner_counts()
     check_two_ranks_hold_at_most_six_tenths_of_one_devices_activations()
     check_the_gpus_lower_right_kernel_path_under_bf16_autocast()  # last: it swaps the kernel choice of the process
 

@@ -366,6 +366,7 @@ def test_context_parallel_layouts_it_lists_are_ones_project_train_accepts_as_pla
     split = [o for o in outcomes if o.prediction.candidate.context_parallel > 1]
     assert {o.prediction.candidate.context_parallel for o in split} == {2, 4}
     assert {o.prediction.candidate.strategy for o in split} == set(strategies)
+    assert {o.prediction.candidate.context_parallel_kv for o in split} == {"gather", "ring"}
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         for outcome in split[:: max(1, len(split) // 10)]:
             c = outcome.prediction.candidate
@@ -373,6 +374,22 @@ def test_context_parallel_layouts_it_lists_are_ones_project_train_accepts_as_pla
             layout = plan_layout(cfg, cfg.trainer.num_nodes, cfg.trainer.devices)
             assert layout.shape == c.shape and layout.shape.context_parallel == c.context_parallel, c.name
             assert layout.plan.micro_batch_size == c.micro_batch_size
+            assert cfg.strategy.context_parallel_kv == c.context_parallel_kv, c.name
+
+
+def test_a_ring_keeps_less_than_the_gather_and_hides_its_transfers_behind_attention():
+    """At 65,536 tokens on two ranks: the ring keeps the rank's own keys and values only (the gather, the whole
+    sequence's), and passes the next part while attention works on the one in hand, which takes longer: nothing of
+    the exchange is left on the critical path."""
+    work, h100 = Workload(preset("llama3_8b"), 65536, 16, 1e12), cluster("h100_80gb", 2)
+    gathered, ring = (
+        evaluate(
+            work, h100, Candidate("fsdp2", 8, 1, 1, 1, 2, context_parallel=2, context_parallel_kv=kv), 0.5, Allowance()
+        )
+        for kv in ("gather", "ring")
+    )
+    assert ring.prediction.memory.activations < gathered.prediction.memory.activations
+    assert ring.prediction.time.context_parallel == 0 < gathered.prediction.time.context_parallel
 
 
 def test_splitting_sequences_divides_compute_and_activations_and_adds_the_key_value_exchange():

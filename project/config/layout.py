@@ -14,7 +14,13 @@ from project.model.config import LlamaConfig
 from project.model.families import family_of
 from project.parallel.batch import BatchPlan, plan_batches, plan_pipeline_batches
 from project.parallel.kinds import strategy_kind
-from project.parallel.mesh import MeshShape, check_context_parallel_degree, check_tensor_parallel_degree, mesh_shape
+from project.parallel.mesh import (
+    MeshShape,
+    check_context_parallel_degree,
+    check_context_parallel_kv,
+    check_tensor_parallel_degree,
+    mesh_shape,
+)
 from project.parallel.pipeline_layout import check_pipeline, default_virtual_stages
 from project.runtime.errors import ConfigError
 
@@ -139,6 +145,7 @@ def plan_layout(cfg: DictConfig, num_nodes: int, devices_per_node: int) -> Layou
     kind = strategy_kind(strategy_cfg)
     check_family_layout(model, shape, kind.pipeline)
     check_context_parallel_degree(shape.context_parallel, cfg.data.seq_len, strategy_name(cfg), kind.context_parallel)
+    check_context_parallel_kv(cfg.strategy.get("context_parallel_kv", "gather"), bool(cfg.strategy.get("regather_kv")))
     if shape.tensor_parallel > 1:
         sequence_parallel = strategy_cfg.get("sequence_parallel", False)
         split = cfg.data.seq_len // shape.context_parallel if sequence_parallel else None  # each rank's part

@@ -112,6 +112,7 @@ STRATEGY_CHOICES: dict[str, tuple] = {
     "reduce_dtype": _DTYPE_NAMES,
     "float8": (None, *RECIPES),
     "gradient_sync": GRADIENT_SYNCS,
+    "context_parallel_kv": ("gather", "ring"),
     **dict.fromkeys(
         (
             "sequence_parallel",

@@ -1,5 +1,6 @@
 """Context parallelism: each sequence split over a group of ranks, attention across the split by gathered keys and
-values (the Llama 3 paper's approach, section 3.3.2), applied to a single-device Llama from outside.
+values (the Llama 3 paper's approach, section 3.3.2) or passed around a ring (`ring`: project.parallel.ring_attention),
+applied to a single-device Llama from outside.
 
 The sequence is cut into 2 x cp chunks and rank r keeps chunks r and 2 cp - 1 - r ("zig-zag"), so that causal
 attention costs every rank the same: an early chunk with few keys before it and a late one with many. Each rank
@@ -34,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from project.model.document_mask import BlockMask, document_mask
 from project.model.llama import DocumentMasking, Llama, mixtures_of
+from project.parallel.ring_attention import Ring, ring_attention
 
 
 @functools.lru_cache(maxsize=64)  # the same few sequence lengths every step, every layer
@@ -129,7 +131,8 @@ class ContextParallelAttention(nn.Module):
     two chunks attends to the keys up to its own end, causally (its queries are the last of those keys: torch's
     lower-right causal alignment). No [T / cp, T] mask is made where torch has a kernel for that alignment (GPUs:
     `causal_lower_right`); on the CPU the two chunks' masks are made once per length and shared by every layer.
-    With documents, the mask the model made for this rank's rows (ContextParallelDocumentMasking)."""
+    With documents, the mask the model made for this rank's rows (ContextParallelDocumentMasking). With `ring`, the
+    keys and values are passed around the group instead of gathered (project.parallel.ring_attention)."""
 
     def __init__(
         self,
@@ -139,16 +142,20 @@ class ContextParallelAttention(nn.Module):
         size: int,
         masks: dict[tuple, torch.Tensor],
         regather: bool = False,
+        ring: bool = False,
     ):
         super().__init__()
         self.attend, self.group, self.rank, self.size = attend, group, rank, size
         self._masks = masks  # the CPU's additive masks, per shape, dtype and device: one dict for every layer
         self.regather = regather
+        self.ring = Ring(group, rank, size) if ring else None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None
     ) -> torch.Tensor:
         k, v = in_compute_dtype(k), in_compute_dtype(v)  # before the gather: its bytes, and those kept for backward
+        if self.ring is not None:  # passed around the group instead (project.parallel.ring_attention)
+            return ring_attention(q, k, v, mask, self.ring)
         if self.regather:  # keep this rank's keys and values only; gather (and attend) again in the backward
             return checkpoint(self._attend_gathered, q, k, v, mask, use_reentrant=False)
         return self._attend_gathered(q, k, v, mask)
@@ -232,8 +239,8 @@ class ContextParallelSequenceSums(nn.Module):
 class ContextParallel:
     """One rank of a context-parallel group, applied to a Llama (or a pipeline stage of one)."""
 
-    def __init__(self, model: Llama, group: dist.ProcessGroup, regather: bool = False):
-        self.model, self.group, self.regather = model, group, regather
+    def __init__(self, model: Llama, group: dist.ProcessGroup, regather: bool = False, ring: bool = False):
+        self.model, self.group, self.regather, self.ring = model, group, regather, ring
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self._masks: dict[tuple, torch.Tensor] = {}  # shared by every layer: made once, held once
 
@@ -242,18 +249,21 @@ class ContextParallel:
         for block in blocks.values():
             attention: Any = block.attention
             attention.attend = ContextParallelAttention(
-                attention.attend, self.group, self.rank, self.size, self._masks, self.regather
+                attention.attend, self.group, self.rank, self.size, self._masks, self.regather, self.ring
             )
         for mixture in mixtures_of(self.model):  # a mixture's balancing loss sums over whole sequences
             mixture.sequence_sums = ContextParallelSequenceSums(self.group)
 
 
-def apply_context_parallel(model: Llama, group: dist.ProcessGroup, regather: bool = False) -> ContextParallel:
+def apply_context_parallel(
+    model: Llama, group: dist.ProcessGroup, regather: bool = False, ring: bool = False
+) -> ContextParallel:
     """Hook every block of `model` (whole or pruned to its pipeline stages) for context parallelism over `group`;
     the inputs and targets must then be each rank's part of every sequence (split_for_rank), and document ids,
     where given, those of the whole sequences. `regather`: each block keeps only its own part of the keys and values
     for the backward, which gathers them again and recomputes the attention (one more all-gather and attention
-    forward per block; the memory of every block's gathered keys and values saved)."""
-    parallel = ContextParallel(model, group, regather)
+    forward per block; the memory of every block's gathered keys and values saved). `ring`: the keys and values are
+    passed around the group instead of gathered (project.parallel.ring_attention)."""
+    parallel = ContextParallel(model, group, regather, ring)
     parallel.apply(model.layers)
     return parallel

@@ -224,6 +224,15 @@ def check_expert_degree(ep: Any, shards: int, pp: int) -> None:
         )
 
 
+def check_context_parallel_kv(kv: str, regather: bool) -> None:
+    """Refuse regathering keys and values that a ring never gathers."""
+    if kv == "ring" and regather:
+        raise ConfigError(
+            "strategy.regather_kv=true gathers the keys and values again in the backward, and "
+            "strategy.context_parallel_kv=ring never gathers them (each rank holds its own part already): choose one."
+        )
+
+
 def check_context_parallel_degree(cp: int, seq_len: int, strategy: str, supported: bool) -> None:
     """Refuse, before any process starts, context parallelism on a strategy without it or a sequence that does
     not cut into 2 x cp equal chunks (each rank keeps two: project.parallel.context_parallel)."""

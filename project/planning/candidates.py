@@ -58,6 +58,7 @@ class Candidate:
     expert_parallel: int = 1  # a mixture's experts split over groups of this many data x context ranks
     data_shard: int | None = None  # HSDP: the data x context ranks FSDP2 shards over (None: all of them)
     gradient_sync: str = "every_micro_batch"  # strategy.gradient_sync: when FSDP2 reduces accumulated gradients
+    context_parallel_kv: str = "gather"  # strategy.context_parallel_kv: keys and values gathered, or passed in a ring
 
     @property
     def shape(self) -> MeshShape:
@@ -109,6 +110,8 @@ class Candidate:
             parts.append("sp")
         if self.regather_kv:
             parts.append("regather")
+        if self.context_parallel_kv == "ring":
+            parts.append("ring")
         if self.float8:
             parts.append(f"fp8{self.float8[:3]}")  # fp8ten, fp8row
         parts.append(self.recompute)
@@ -129,6 +132,7 @@ class SearchSpace:
     context_parallel: Sequence[int] = (1,)  # degrees tried for the strategies that have it
     expert_parallel: Sequence[int] | None = None  # a mixture's: None, every degree its experts and ranks take
     hsdp: Sequence[bool] = (False, True)  # True: FSDP2 shards within a node, where data x context spans several
+    context_parallel_kv: Sequence[str] = ("gather", "ring")  # how keys and values reach a context group's ranks
 
     def check(self) -> None:
         for name, values, known in (
@@ -152,6 +156,11 @@ class SearchSpace:
             raise ConfigError(
                 "search.micro_batch_sizes, search.virtual_stages, search.context_parallel and search.expert_parallel "
                 "must list positive integers (search.expert_parallel may be null: every degree)."
+            )
+        if not self.context_parallel_kv or any(v not in ("gather", "ring") for v in self.context_parallel_kv):
+            raise ConfigError(
+                f"search.context_parallel_kv={list(self.context_parallel_kv)}: list gather, ring or both (how a "
+                "context group's ranks get each other's keys and values)."
             )
         if not self.hsdp or any(not isinstance(v, bool) for v in self.hsdp):
             raise ConfigError(
@@ -204,9 +213,12 @@ def candidates(
                     with_experts = dataclasses.replace(
                         candidate, expert_parallel=ep, data_shard=sharding, gradient_sync=sync or "every_micro_batch"
                     )
-                    yield with_experts
-                    if cp > 1 and recompute != "full":  # the gathered keys and values gathered again instead of kept
-                        yield dataclasses.replace(with_experts, regather_kv=True)
+                    if cp == 1 or "gather" in space.context_parallel_kv:
+                        yield with_experts
+                    if cp > 1 and recompute != "full" and "gather" in space.context_parallel_kv:
+                        yield dataclasses.replace(with_experts, regather_kv=True)  # gathered again, not kept
+                    if cp > 1 and "ring" in space.context_parallel_kv:
+                        yield dataclasses.replace(with_experts, context_parallel_kv="ring")
 
 
 def microbatches_accumulated(candidate: Candidate) -> bool:

@@ -281,6 +281,17 @@ def context_parallel(
     )
     gathers = 2 if c.recompute == "full" or c.regather_kv else 1
     part, context = "context_parallel", ("context",)
+    ring = []
+    if c.context_parallel_kv == "ring":  # each block: cp - 1 passes of K and V in each forward and in the backward,
+        # which passes each rank's K and V gradients (float32) on cp times, its last to their rank.
+        forwards, passes = 2 if c.recompute == "full" else 1, c.context_parallel - 1
+        calls = 2 * layers * ((forwards + 1) * passes + c.context_parallel)
+        size = layers * (
+            kv / c.context_parallel * (forwards + 1) * passes
+            + kv / c.context_parallel * c.context_parallel * FLOAT / COMPUTE_BYTES[precision]
+        )
+        ring = [groups.collective(kind, context, calls, size, part) for kind in ("send", "recv")]
+        gathers = 0
     # A mixture's balancing loss sums each sequence's routed tokens and scores per expert, and its tokens, over the
     # sequence's parts (ContextParallelSequenceSums): in the forward (again under full recompute), and in the backward
     # where the loss joins the objective (aux_loss_coef > 0; otherwise its graph is dropped).
@@ -292,8 +303,9 @@ def context_parallel(
     return _kept(
         [
             groups.collective("all_gather", context, 2 * gathers * layers, gathers * layers * kv, part),
-            groups.collective("reduce_scatter", context, 2 * layers, layers * kv, part),
+            groups.collective("reduce_scatter", context, 2 * layers if gathers else 0, layers * kv, part),
             groups.collective("all_reduce", context, sums, summed, part),
+            *ring,
         ]
     )
 

@@ -402,6 +402,9 @@ def planned_candidate(cfg: DictConfig, layout: Layout, strategy_name: str) -> An
         regather_kv=bool(s.get("regather_kv")) and layout.shape.context_parallel > 1,
         float8=s.get("float8"),
         expert_parallel=layout.shape.expert_parallel,
+        data_shard=layout.shape.data_shard,
+        gradient_sync=s.get("gradient_sync", "every_micro_batch"),
+        context_parallel_kv=s.get("context_parallel_kv", "gather"),
     )
 
 

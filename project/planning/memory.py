@@ -225,7 +225,8 @@ def estimate_memory(
         for index in held
     ) / len(held)  # the mean of the rank's blocks (a mixture of experts' blocks keep more than its dense ones)
     regathered = 0.0
-    if cp > 1 and candidate.recompute != "full":  # the rest of the sequence's keys and values, gathered
+    # The rest of the sequence's keys and values, gathered (a ring keeps the rank's own only, counted with the block's).
+    if cp > 1 and candidate.recompute != "full" and candidate.context_parallel_kv == "gather":
         kv = 4 * config.kv_heads * config.head_dim / candidate.tensor_parallel  # K and V, in 16-bit units
         rest = (seq_len - own) * candidate.micro_batch_size * compute / 2 * kv
         if candidate.regather_kv:  # kept by no block: one block's whole sequence exists while its backward runs

@@ -47,6 +47,8 @@ def train_overrides(candidate: Candidate, workload: Workload, cluster: Cluster, 
         out.append(f"strategy.context_parallel_size={c.context_parallel}")
         if c.regather_kv:
             out.append("strategy.regather_kv=true")
+        if c.context_parallel_kv == "ring":
+            out.append("strategy.context_parallel_kv=ring")
     if c.expert_parallel > 1:
         out.append(f"strategy.expert_parallel_size={c.expert_parallel}")
     if c.data_shard:

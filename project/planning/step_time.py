@@ -151,7 +151,15 @@ def step_time(
     if pp > 1:  # a stage reduces its norms' gradients once per step (communication.norm_gradients)
         tensor += seconds(norm_gradients(config, c, precision, slowest_rank), cluster)
     # Every pipeline rank holds equally many blocks but for a remainder: the first's keys and values.
-    context = c.microbatches * seconds(context_parallel(config, c, seq_len, precision, 0), cluster)
+    context_calls = context_parallel(config, c, seq_len, precision, 0)
+    if c.context_parallel_kv == "ring":  # a send and its receive share the time; both wait behind attention's
+        context_calls = [x for x in context_calls if x.kind != "recv"]
+    context = c.microbatches * seconds(context_calls, cluster)
+    if c.context_parallel_kv == "ring" and cluster.overlaps_communication:
+        # The next part travels while the rank attends to the one in hand: only what the attention leaves uncovered.
+        layers = sum(rank_layers(config, c, 0))
+        attention = tokens * 12 * config.dim * seq_len / 2 / c.tensor_parallel / rate * layers * c.microbatches
+        context = max(0.0, context - attention)
     slot = sum(slowest)
     bubble = 0.0
     if pp > 1:

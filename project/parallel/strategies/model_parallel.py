@@ -26,7 +26,7 @@ from project.parallel.float8 import apply_float8, scales_before_each_forward
 from project.parallel.fsdp2 import apply_fsdp2
 from project.parallel.groups import shared_mesh
 from project.parallel.init import materialize
-from project.parallel.mesh import MeshShape, mesh_shape
+from project.parallel.mesh import MeshShape, check_context_parallel_kv, mesh_shape
 from project.parallel.recompute import recompute_blocks
 from project.parallel.strategies.loading import ShardedLoading
 from project.parallel.strategies.saving import ShardedBackgroundSaving
@@ -87,6 +87,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         expert_parallel_size: int = 1,
         data_parallel_shard_size: int | None = None,
         gradient_sync: str = "every_micro_batch",
+        context_parallel_kv: str = "gather",
     ):
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -105,6 +106,8 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.context_parallel_size = context_parallel_size
         self.regather_kv = regather_kv
+        check_context_parallel_kv(context_parallel_kv, regather_kv)
+        self.context_parallel_kv = context_parallel_kv
         self.float8 = float8
         self.expert_parallel_size = expert_parallel_size
         self.data_parallel_shard_size = data_parallel_shard_size
@@ -190,7 +193,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         if self.activation_checkpointing:
             recompute_blocks(model)
         if self._context_group is not None:  # hooks on attention, inside any compiled block
-            apply_context_parallel(model, self._context_group, self.regather_kv)
+            apply_context_parallel(model, self._context_group, self.regather_kv, self.context_parallel_kv == "ring")
         experts_mesh = None
         if self._experts_mesh is not None:
             apply_expert_parallel(model, self._experts_mesh["expert"])
