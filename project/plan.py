@@ -26,6 +26,7 @@ from project.planning.candidates import SearchSpace
 from project.planning.cluster import GIB, Cluster
 from project.planning.memory import STORAGE_BYTES, Allowance
 from project.planning.parameters import INIT_VALUES_PER_SECOND
+from project.planning.placement import placement_line
 from project.planning.planner import Workload, calibrated_fraction, plan
 from project.planning.render import as_record, command_line, model_arguments, sweep_spec, table, train_overrides
 from project.runtime.errors import ConfigError, exit_on_config_error
@@ -189,6 +190,7 @@ def report(
         lines += [
             "best layout:",
             command_line(overrides),
+            placement_line(best.prediction.candidate.shape, cluster.gpus_per_node),
             f"initialization: about {values / INIT_VALUES_PER_SECOND:.0f} s on its fullest rank, which draws only "
             f"its own {values / 1e9:.2f}B initial values ({INIT_VALUES_PER_SECOND / 1e6:.0f}M a second on one CPU "
             "core; none when resuming a checkpoint)",

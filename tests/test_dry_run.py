@@ -311,7 +311,14 @@ def test_a_64_gpu_dry_run_prints_and_writes_each_ranks_share_against_the_cluster
         "context_parallel": 1,
         "tensor_parallel": 8,
         "expert_parallel": 1,
+        "data_parallel_shard": 8,
     }
+    # Tensor parallelism inside each node of 8; the 8 replicas' FSDP2 groups one rank of each node.
+    assert report["groups"] == [
+        {"name": "tensor", "ranks": 8, "nodes": 1},
+        {"name": "data", "ranks": 8, "nodes": 8},
+    ]
+    assert "groups: tensor 8 (in 1 node), data 8 (across 8 nodes)" in result.stdout
     assert [r["rank"] for r in report["ranks"]] == [0, 7, 56, 63]
     config = model_config(compose_job(*job[:1]))
 

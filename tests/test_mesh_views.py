@@ -190,3 +190,39 @@ def test_the_copies_a_strategy_lists_are_those_its_layout_repeats(fake_rank, set
     else:
         everything = [n for n, _ in model.named_parameters()]
         assert listed == {name: shape.group(rank, (over,)) for name in everything}, rank
+
+
+@pytest.mark.parametrize(
+    "shape, per_node, said",
+    [
+        (MeshShape(1, 64, 8), 8, "groups: tensor 8 (in 1 node), data 64 (across 64 nodes)"),
+        (
+            MeshShape(1, 512, 1, data_shard=8),
+            8,
+            "groups: data_shard 8 (in 1 node), data_replicate 64 (across 64 nodes)",
+        ),
+        # Expert groups are strided by the tensor-parallel degree: with 8-way tensor parallelism, across nodes.
+        (
+            MeshShape(1, 16, 8, expert_parallel=4),
+            8,
+            "groups: tensor 8 (in 1 node), data 16 (across 16 nodes), expert 4 (across 4 nodes), "
+            "expert_data 4 (across 4 nodes)",
+        ),
+        # Shard groups of 3 on nodes of 4: the second, ranks 3 to 5, straddles two nodes.
+        (
+            MeshShape(1, 12, 1, data_shard=3),
+            4,
+            "groups: data_shard 3 (across 2 nodes), data_replicate 4 (across 3 nodes)",
+        ),
+        (
+            MeshShape(2, 2, 2, 2),
+            4,
+            "groups: tensor 2 (in 1 node), context 2 (in 1 node), data x context 4 (across 2 "
+            "nodes), pipeline 2 (across 2 nodes)",
+        ),  # fmt: skip
+    ],
+)
+def test_the_groups_that_cross_nodes_are_named_with_the_nodes_they_span(shape, per_node, said):
+    from project.planning.placement import placement_line
+
+    assert placement_line(shape, per_node) == said

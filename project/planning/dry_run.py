@@ -32,6 +32,7 @@ from project.data.shards import MANIFEST_NAME
 from project.parallel.mesh import MeshShape
 from project.parallel.pipeline_layout import chunk_ranks, default_virtual_stages
 from project.planning.parameters import INIT_VALUES_PER_SECOND
+from project.planning.placement import group_spans, placement_line
 from project.runtime.errors import ConfigError
 
 GIB = 2**30
@@ -319,7 +320,10 @@ def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir:
             "context_parallel": layout.shape.context_parallel,
             "tensor_parallel": layout.shape.tensor_parallel,
             "expert_parallel": layout.shape.expert_parallel,
+            "data_parallel_shard": layout.shape.shard_ranks,
         },
+        # Each kind of process group: its ranks, and the most nodes one of them spans (project.planning.placement).
+        "groups": [span._asdict() for span in group_spans(layout.shape, cfg.trainer.devices)],
         "batch": {
             "global": layout.plan.global_batch_size,
             "micro": layout.plan.micro_batch_size,
@@ -526,6 +530,7 @@ def render(
         f"batch: global {plan.global_batch_size} "
         f"= micro {plan.micro_batch_size} x {max(plan.accumulate_grad_batches, plan.pipeline_microbatches)} x {dp} "
         f"replicas; precision {cfg.trainer.get('precision', '32-true')}",
+        *filter(None, [placement_line(layout.shape, cfg.trainer.devices)]),
         f"shares: {how}. Every check of a real start passed"
         + (f", but the shards': {unchecked}." if (unchecked := unchecked_shards(cfg)) else "."),
         "Parameters are held as trained (float32 under -mixed precision, which casts copies for compute): "
