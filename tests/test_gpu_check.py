@@ -36,6 +36,11 @@ def test_the_cpu_check_runs_every_case_through_project_train_and_each_passes(cpu
     report, _, _ = cpu_check
     results = {r["name"]: r for r in report["correctness"]}
     assert list(results) == [case.name for case in correctness.cases("cpu", 2)]
+    # What needs a node of 4 (HSDP, a ring of 4, 2-D) is skipped on 2 devices, saying so; everything else passes.
+    wider = [case.name for case in correctness.cases("cpu", 2) if case.min_devices > 2]
+    assert wider == ["hsdp 2x2", "context ring x4", "tp_fsdp 2x2"]
+    assert all(results[name]["detail"] == "needs 4 or more devices" for name in wider), results
+    results = {name: r for name, r in results.items() if name not in wider}
     assert all(r["status"] == "pass" for r in results.values()), results
     for r in results.values():
         assert r["command"].startswith("python -m project.train experiment=debug")
@@ -74,11 +79,11 @@ def test_the_cpu_check_times_the_step_compiled_and_eager_with_mfu_against_the_me
     for heading in ("## Environment", "## Correctness", "## Speed", "### Where the time goes", "## Data path"):
         assert heading in page and heading in stdout
     assert "Every check that ran passed." in page
-    count = len(correctness.cases("cpu", 2))
-    assert (
-        f"[correctness 1/{count}] fp32: pass" in stdout
-        and f"[correctness {count}/{count}] document mask, tp x2: pass" in stdout
-    )
+    names = [case.name for case in correctness.cases("cpu", 2)]
+    count, last = len(names), names.index("document mask, tp x2") + 1
+    assert f"[correctness 1/{count}] fp32: pass" in stdout
+    assert f"[correctness {last}/{count}] document mask, tp x2: pass" in stdout
+    assert f"[correctness {count}/{count}] tp_fsdp 2x2: skip: needs 4 or more devices" in stdout
 
 
 def test_a_float8_step_is_timed_with_its_blocks_converted_as_a_run_converts_them():
@@ -250,3 +255,23 @@ def test_the_offline_script_installs_what_does_not_import_and_runs_the_check_fro
     # Only the package that does not import: this environment has every other one the check needs.
     assert f"installing into {site}: fakemodule\n" in ran.stdout and (site / "fakemodule" / "__init__.py").is_file()
     assert "no GPU here" in ran.stdout and not (tmp_path / "out").exists()
+
+
+def test_a_node_of_four_gpus_or_more_checks_hsdp_a_ring_of_four_2d_and_ddps_copies_over_200_steps(tmp_path):
+    """The commands the multi-device cases run on a GPU node (their layouts are proven on the CPU by the parity
+    tests: tests/test_sharded_parity.py, tests/test_context_parallel.py)."""
+    found = {case.name: case for case in correctness.cases("cuda", 8)}
+    data = {"dir": "shards", "sources": "raw/*.txt"}
+
+    def said(name: str) -> str:
+        case = found[name]
+        return " ".join(correctness.command(case, "cuda", data, 8, tmp_path / "run", None))
+
+    assert "strategy.data_parallel_shard_size=2" in said("hsdp 2x2") and "trainer.devices=4" in said("hsdp 2x2")
+    assert "strategy.context_parallel_kv=ring" in said("context ring x4")
+    assert "strategy.context_parallel_size=4" in said("context ring x4")
+    assert "strategy=tp_fsdp" in said("tp_fsdp 2x2")
+    replicas = found["replicas equal x8"]
+    assert replicas.steps == 200 and "trainer.devices=8" in said("replicas equal x8")
+    assert "stability.replica_check_every_n_steps=50" in said("replicas equal x8")
+    assert "replicas equal x2" not in {case.name for case in correctness.cases("cpu", 2)}  # a CPU's never part

@@ -8,9 +8,10 @@ In at most `minutes` (progress on the console):
    Lightning knows for them;
 2. correctness: the debug model trained 20 steps through `python -m project.train` in fp32, bf16-mixed, bf16-true,
    compiled, FSDP2 with param_dtype=bfloat16 over every device, and with 2 or more devices DDP, tensor parallel
-   and a 2-stage pipeline, and a one-device checkpoint resumed under FSDP2: each run's per-step losses against
-   the fp32 run's, within stated tolerances (tools.gpu_check.correctness); with `float8=`, 200 steps
-   in each float8 recipe against the same run in bf16;
+   and a 2-stage pipeline, and a one-device checkpoint resumed under FSDP2; with 4 or more, HSDP, ring attention
+   over 4 and 2-D tensor x FSDP2; each run's per-step losses against the fp32 run's, within stated tolerances
+   (tools.gpu_check.correctness); on 2 or more GPUs, DDP over every GPU for 200 steps with its copies compared bit
+   for bit (ReplicaCheck); with `float8=`, 200 steps in each float8 recipe against the same run in bf16;
 3. speed: the training step of a ~1B Llama (llama3_2_1b) at 2,048 and 8,192 tokens, bf16-mixed, micro batch filling
    the memory, compiled and eager side by side: tokens/s, MFU and peak memory beside the planner's prediction;
    with `float8=` (strategy.float8's recipes, comma-separated), each compiled step again in each float8 recipe;

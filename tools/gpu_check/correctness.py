@@ -66,6 +66,7 @@ class Case:
     resume_from: str | None = None  # the case whose last checkpoint this one resumes
     steps: int = STEPS
     needs: str = ""  # why the case is skipped with fewer devices: "" when it always runs
+    min_devices: int = 1  # the devices it needs (`needs` says so)
     on_cpu: bool = False  # runs on the CPU whatever the device checked: a reference from the CPU's code path
 
 
@@ -102,6 +103,7 @@ def cases(device_type: str, devices: int, float8: tuple[str, ...] = ()) -> list[
             reference="fp32",
             tolerance=parity,
             needs=pair,
+            min_devices=2,
         ),
         Case(
             "tp x2",
@@ -111,6 +113,7 @@ def cases(device_type: str, devices: int, float8: tuple[str, ...] = ()) -> list[
             reference="fp32",
             tolerance=parity,
             needs=pair,
+            min_devices=2,
         ),
         Case(
             "pipeline x2",
@@ -120,6 +123,7 @@ def cases(device_type: str, devices: int, float8: tuple[str, ...] = ()) -> list[
             reference="fp32",
             tolerance=parity,
             needs=pair,
+            min_devices=2,
         ),
         Case(
             f"fsdp2 x{devices} bf16",
@@ -189,9 +193,58 @@ def cases(device_type: str, devices: int, float8: tuple[str, ...] = ()) -> list[
             reference="document mask, CPU",
             tolerance=against_cpu,
             needs=pair,
+            min_devices=2,
         ),
+        *multi_device_cases(device_type, devices),
         *float8_cases(device_type, float8),
     ]
+
+
+# A run of this many steps, its replicated parameters compared every REPLICA_CHECK_EVERY (ReplicaCheck): on GPUs,
+# kernels that add in another order per rank could part DDP's copies over a long run; a CPU's never do.
+REPLICA_STEPS, REPLICA_CHECK_EVERY = 200, 50
+
+
+def multi_device_cases(device_type: str, devices: int) -> list[Case]:
+    """What a node of 4 or more devices proves beyond a pair (HSDP, a ring of 4 for context parallelism, 2-D
+    tensor x FSDP2), each against the one-device fp32 run; on GPUs, also that DDP's copies stay bit for bit equal
+    over REPLICA_STEPS steps."""
+    fp32, four = ["trainer.precision=32-true"], "4 or more devices"
+    parity = TOLERANCE[f"parity_{device_type}"]
+    found = [
+        Case(
+            "hsdp 2x2",
+            "HSDP: sharded within pairs of devices, replicated across them, all-reduced after the last micro batch",
+            [*fp32, "strategy=fsdp2", "strategy.data_parallel_shard_size=2", "micro_batch_size=1",
+             "strategy.gradient_sync=replicas_at_last"],
+            devices=4, reference="fp32", tolerance=parity, needs=four, min_devices=4,
+        ),
+        Case(
+            "context ring x4",
+            "ring attention: every sequence split over 4 devices, keys and values passed around them",
+            [*fp32, "strategy=fsdp2", "strategy.context_parallel_size=4", "strategy.context_parallel_kv=ring"],
+            devices=4, reference="fp32", tolerance=parity, needs=four, min_devices=4,
+        ),
+        Case(
+            "tp_fsdp 2x2",
+            "2-D: tensor parallel within pairs, FSDP2 across them",
+            [*fp32, "strategy=tp_fsdp"],
+            devices=4, reference="fp32", tolerance=parity, needs=four, min_devices=4,
+        ),
+    ]  # fmt: skip
+    if device_type == "cuda":
+        found.append(
+            Case(
+                f"replicas equal x{devices}",
+                f"DDP's copies of the model stay bit for bit equal over {REPLICA_STEPS} steps (ReplicaCheck)",
+                [*fp32, "strategy=ddp", f"stability.replica_check_every_n_steps={REPLICA_CHECK_EVERY}"],
+                devices=devices,
+                steps=REPLICA_STEPS,
+                needs="2 or more devices",
+                min_devices=2,
+            )  # fmt: skip
+        )
+    return found
 
 
 def float8_cases(device_type: str, recipes: tuple[str, ...]) -> list[Case]:
@@ -308,7 +361,7 @@ def run_case(
 ) -> Result:
     """Run one case (its reference and, for a resume, its first leg ran before it) and compare."""
     result = Result(case.name, case.proves, "skip", reference=case.reference, tolerance=case.tolerance or None)
-    if case.needs and devices < 2:
+    if devices < case.min_devices:
         result.detail = f"needs {case.needs}"
         return result
     for prior in filter(None, (case.reference, case.resume_from)):
