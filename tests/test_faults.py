@@ -142,7 +142,7 @@ def test_a_copy_that_drifts_on_one_rank_stops_the_run_before_the_next_checkpoint
     result = run_with_fault("drift@3:rank=1", tiny_shards, tmp_path, *settings)
     assert result.returncode == 1, result.stderr[-3000:]
     said = "error: copies of replicated parameters differ at step 4: model.output.weight on rank(s) [1] differs from "
-    assert said + "rank 0's (its copies: [0, 1])" in result.stderr, result.stderr[-3000:]
+    assert said + "rank(s) [0] (its copies: [0, 1])" in result.stderr, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert checkpoint_step(last) == 2  # the one after step 3 was refused
@@ -152,6 +152,7 @@ def test_tensor_parallel_copies_of_a_norm_are_compared_every_n_steps(tiny_shards
     settings = ["strategy=tp", "trainer.devices=2", "ckpt_every_n_steps=100", "stability.replica_check_every_n_steps=2"]
     result = run_with_fault("drift@4:rank=0", tiny_shards, tmp_path, *settings)
     assert result.returncode == 1, result.stderr[-3000:]
+    # Two copies, neither held by more ranks: the first rank's is the reference.
     said = "error: copies of replicated parameters differ at step 6: model.norm.weight on rank(s) [1] differs from "
-    assert said + "rank 0's (its copies: [0, 1])" in result.stderr, result.stderr[-3000:]
+    assert said + "rank(s) [0] (its copies: [0, 1])" in result.stderr, result.stderr[-3000:]
     assert not (tmp_path / "checkpoints" / "last.ckpt").exists()

@@ -63,13 +63,23 @@ class Ring:
                     rows, cols = slice(a * chunk, (a + 1) * chunk), slice(b * chunk, (b + 1) * chunk)
                     yield rows, cols, key_chunk, key_chunk == query_chunk
 
-    def bias(self, mask: torch.Tensor | None, rows: slice, key_chunk: int, own: bool, chunk: int, device: torch.device):
-        """The additive mask of one block: the documents' (its rows of `mask`, the keys of `key_chunk`), else causal
-        within the queries' own chunk, else none."""
+    def scores(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        mask: torch.Tensor | None,
+        rows: slice,
+        key_chunk: int,
+        own: bool,
+    ) -> torch.Tensor:
+        """q k^T / sqrt(d) of one block, masked: by the documents' mask (its rows, the keys of `key_chunk`), else
+        causally within the queries' own chunk, else not at all."""
+        scores = queries @ keys.transpose(-1, -2) * (1 / math.sqrt(queries.shape[-1]))
+        chunk = keys.shape[2]
         if mask is not None:
             allowed = mask[:, :, rows, key_chunk * chunk : (key_chunk + 1) * chunk]
-            return torch.zeros(allowed.shape, device=device).masked_fill(~allowed, float("-inf"))
-        return causal_bias(chunk, device) if own else None
+            return scores.masked_fill(~allowed, float("-inf"))
+        return scores + causal_bias(chunk, queries.device) if own else scores
 
 
 def _heads(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -88,7 +98,7 @@ def _per_kv_head(x: torch.Tensor, groups: int) -> torch.Tensor:
 def ring_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
     """Attention output [B, H, T / cp, D] and log-sum-exp [B, H, T / cp] of this rank's queries, in float32."""
     batch, heads, length, dim = q.shape
-    groups, chunk, scale = heads // k.shape[1], length // 2, 1 / math.sqrt(dim)
+    groups, chunk = heads // k.shape[1], length // 2
     qf = q.float()
     top = torch.full((batch, heads, length), float("-inf"), device=q.device)
     total = torch.zeros(batch, heads, length, device=q.device)
@@ -99,10 +109,7 @@ def ring_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         incoming, requests = ring.shift(held) if step < ring.size - 1 else (held, [])
         keys, values = _heads(held[0], groups), _heads(held[1], groups)
         for rows, cols, key_chunk, own in ring.pairs(part, chunk):
-            scores = qf[:, :, rows] @ keys[:, :, cols].transpose(-1, -2) * scale
-            bias = ring.bias(mask, rows, key_chunk, own, chunk, q.device)
-            if bias is not None:
-                scores = scores + bias
+            scores = ring.scores(qf[:, :, rows], keys[:, :, cols], mask, rows, key_chunk, own)
             before = top[:, :, rows]
             now = torch.maximum(before, scores.amax(-1))
             safe = torch.where(torch.isinf(now), torch.zeros_like(now), now)  # a row with no key yet
@@ -131,10 +138,7 @@ def ring_backward(ring: Ring, q, k, v, mask, out, lse, grad):
         incoming, requests = ring.shift(held) if step < ring.size - 1 else (held, [])
         keys, values = _heads(held[0], groups), _heads(held[1], groups)
         for rows, cols, key_chunk, own in ring.pairs(part, chunk):
-            scores = qf[:, :, rows] @ keys[:, :, cols].transpose(-1, -2) * scale
-            bias = ring.bias(mask, rows, key_chunk, own, chunk, q.device)
-            if bias is not None:
-                scores = scores + bias
+            scores = ring.scores(qf[:, :, rows], keys[:, :, cols], mask, rows, key_chunk, own)
             weights = torch.exp(scores - lse[:, :, rows, None])
             collected[1][:, :, cols] += _per_kv_head(weights.transpose(-1, -2) @ grad[:, :, rows], groups)
             d_scores = weights * (grad[:, :, rows] @ values[:, :, cols].transpose(-1, -2) - row_dot[:, :, rows, None])

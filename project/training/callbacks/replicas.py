@@ -29,14 +29,20 @@ from project.training.callbacks.steps import OptimizerSteps
 
 # An integer type of each element size, to read a tensor's bits as numbers.
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Elements digested at a time: the int64 copies a piece needs (24 bytes an element) stay small beside the model.
+PIECE = 1 << 22
 
 
 def digest(tensor: torch.Tensor) -> torch.Tensor:
     """[2] int64: the sum of the elements' bit patterns and their sum weighted by position (1, 2, ...), wrapping
     around as integers do. Two copies that differ anywhere give other digests unless by rare coincidence."""
-    bits = tensor.detach().contiguous().view(BITS[tensor.element_size()]).flatten().long()
-    position = torch.arange(1, bits.numel() + 1, device=bits.device)
-    return torch.stack([bits.sum(), (bits * position).sum()])
+    bits = tensor.detach().contiguous().view(BITS[tensor.element_size()]).flatten()
+    total = torch.zeros(2, dtype=torch.int64, device=bits.device)
+    for start in range(0, bits.numel(), PIECE):
+        piece = bits[start : start + PIECE].long()
+        position = torch.arange(start + 1, start + piece.numel() + 1, device=bits.device)
+        total += torch.stack([piece.sum(), (piece * position).sum()])
+    return total
 
 
 def differences(replicas: list[Replica]) -> list[str]:
@@ -52,14 +58,16 @@ def differences(replicas: list[Replica]) -> list[str]:
         mine = torch.stack([digest(r.local) for r in members])
         everyone = [torch.empty_like(mine) for _ in ranks]
         dist.all_gather(everyone, mine, group=group)
+        every = torch.stack(everyone).cpu()  # [ranks, parts, 2]: read on the host once
         for index, replica in enumerate(members):
-            apart = [
-                rank for rank, theirs in zip(ranks, everyone) if not torch.equal(theirs[index], everyone[0][index])
-            ]
-            if apart:
-                found.append(
-                    f"{replica.name} on rank(s) {apart} differs from rank {ranks[0]}'s (its copies: {list(ranks)})"
-                )
+            digests = [tuple(d) for d in every[:, index].tolist()]
+            if len(set(digests)) == 1:
+                continue
+            counts = [digests.count(d) for d in digests]
+            reference = digests[counts.index(max(counts))]  # the copy most ranks hold; on a tie, the first rank's
+            apart = [rank for rank, d in zip(ranks, digests) if d != reference]
+            held = [rank for rank, d in zip(ranks, digests) if d == reference]
+            found.append(f"{replica.name} on rank(s) {apart} differs from rank(s) {held} (its copies: {list(ranks)})")
     return found
 
 
