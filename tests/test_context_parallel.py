@@ -145,6 +145,11 @@ def compose_train(*overrides: str):
             "ddp_strategy does not split sequences. Context parallelism runs under strategy=fsdp2, tp_fsdp, tp or "
             "pipeline",
         ),
+        (  # a ring splits dense masks, not FlexAttention's block masks (GPUs)
+            ["trainer=gpu", "trainer.devices=2", "strategy.context_parallel_size=2", RING, "document_mask=true"],
+            "strategy.context_parallel_kv=ring does not split FlexAttention's block masks, and on GPUs the attention "
+            "takes them for document_mask=true: set strategy.context_parallel_kv=gather.",
+        ),
         (  # each context rank would step on its own gradients: the split-backward schedules run without FSDP2
             ["strategy=pipeline", "trainer.devices=4", "strategy.context_parallel_size=2", "strategy.schedule=zbv"],
             "strategy.context_parallel_size=1",

@@ -145,7 +145,15 @@ def plan_layout(cfg: DictConfig, num_nodes: int, devices_per_node: int) -> Layou
     kind = strategy_kind(strategy_cfg)
     check_family_layout(model, shape, kind.pipeline)
     check_context_parallel_degree(shape.context_parallel, cfg.data.seq_len, strategy_name(cfg), kind.context_parallel)
-    check_context_parallel_kv(cfg.strategy.get("context_parallel_kv", "gather"), bool(cfg.strategy.get("regather_kv")))
+    # On GPUs, FlexAttention's block masks: of documents, and of a family's attention in chunks (Llama 4).
+    set_to = {n: OmegaConf.select(cfg, n) for n in ("document_mask", "model.attention_chunk_size")}
+    masks = [f"{n}={str(v).lower() if isinstance(v, bool) else v}" for n, v in set_to.items() if v]
+    on_gpus = cfg.trainer.get("accelerator") in ("gpu", "cuda")
+    check_context_parallel_kv(
+        cfg.strategy.get("context_parallel_kv", "gather"),
+        bool(cfg.strategy.get("regather_kv")),
+        masks if on_gpus else [],
+    )
     if shape.tensor_parallel > 1:
         sequence_parallel = strategy_cfg.get("sequence_parallel", False)
         split = cfg.data.seq_len // shape.context_parallel if sequence_parallel else None  # each rank's part

@@ -224,8 +224,14 @@ def check_expert_degree(ep: Any, shards: int, pp: int) -> None:
         )
 
 
-def check_context_parallel_kv(kv: str, regather: bool) -> None:
-    """Refuse regathering keys and values that a ring never gathers."""
+def check_context_parallel_kv(kv: str, regather: bool, block_masks: list[str] | None = None) -> None:
+    """Refuse regathering keys and values that a ring never gathers, and a ring on GPUs where the settings in
+    `block_masks` make FlexAttention's block masks (which the ring does not split)."""
+    if kv == "ring" and block_masks:
+        raise ConfigError(
+            "strategy.context_parallel_kv=ring does not split FlexAttention's block masks, and on GPUs the attention "
+            f"takes them for {' and '.join(block_masks)}: set strategy.context_parallel_kv=gather."
+        )
     if kv == "ring" and regather:
         raise ConfigError(
             "strategy.regather_kv=true gathers the keys and values again in the backward, and "

@@ -178,7 +178,7 @@ def ring_attention(
     dense mask of this rank's rows [B, 1, T / cp, T]. Differentiable."""
     if mask is not None and not isinstance(mask, torch.Tensor):
         raise ConfigError(
-            "strategy.context_parallel_kv=ring does not split FlexAttention's document masks (document_mask=true "
-            "on GPUs): set strategy.context_parallel_kv=gather, or document_mask=false."
+            "strategy.context_parallel_kv=ring does not split FlexAttention's block masks (document_mask=true, or a "
+            "model's chunked attention, on GPUs): set strategy.context_parallel_kv=gather."
         )
     return _RingAttention.apply(q, k, v, mask, ring)

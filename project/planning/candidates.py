@@ -217,8 +217,14 @@ def candidates(
                         yield with_experts
                     if cp > 1 and recompute != "full" and "gather" in space.context_parallel_kv:
                         yield dataclasses.replace(with_experts, regather_kv=True)  # gathered again, not kept
-                    if cp > 1 and "ring" in space.context_parallel_kv:
+                    if cp > 1 and "ring" in space.context_parallel_kv and not attends_in_chunks(config, seq_len):
                         yield dataclasses.replace(with_experts, context_parallel_kv="ring")
+
+
+def attends_in_chunks(config: LlamaConfig, seq_len: int) -> bool:
+    """Whether some block attends within chunks shorter than the sequence (Llama 4): a mask FlexAttention takes as a
+    block mask on GPUs, which ring attention does not split (project.parallel.ring_attention)."""
+    return any(config.attention_span(i, seq_len) < seq_len for i in range(config.n_layers))
 
 
 def microbatches_accumulated(candidate: Candidate) -> bool:

@@ -281,16 +281,8 @@ def context_parallel(
     )
     gathers = 2 if c.recompute == "full" or c.regather_kv else 1
     part, context = "context_parallel", ("context",)
-    ring = []
-    if c.context_parallel_kv == "ring":  # each block: cp - 1 passes of K and V in each forward and in the backward,
-        # which passes each rank's K and V gradients (float32) on cp times, its last to their rank.
-        forwards, passes = 2 if c.recompute == "full" else 1, c.context_parallel - 1
-        calls = 2 * layers * ((forwards + 1) * passes + c.context_parallel)
-        size = layers * (
-            kv / c.context_parallel * (forwards + 1) * passes
-            + kv / c.context_parallel * c.context_parallel * FLOAT / COMPUTE_BYTES[precision]
-        )
-        ring = [groups.collective(kind, context, calls, size, part) for kind in ("send", "recv")]
+    ring = [x for passes in ring_passes(config, c, seq_len, precision, rank) for x in passes]
+    if ring:
         gathers = 0
     # A mixture's balancing loss sums each sequence's routed tokens and scores per expert, and its tokens, over the
     # sequence's parts (ContextParallelSequenceSums): in the forward (again under full recompute), and in the backward
@@ -308,6 +300,31 @@ def context_parallel(
             *ring,
         ]
     )
+
+
+def ring_passes(
+    config: LlamaConfig, c: Candidate, seq_len: int, precision: str, rank: int = 0
+) -> tuple[list[Collective], list[Collective]]:
+    """Ring attention's sends and receives of one microbatch on pipeline rank `rank`: (those of the keys and values,
+    which travel while the rank attends to the part in hand; those of their float32 gradients, sent on once a step
+    of the backward has computed them). Per block: cp - 1 passes of K and V in each forward (again under full
+    recompute) and in the backward, and cp passes of their gradients, the last to their own rank."""
+    if c.context_parallel == 1 or c.context_parallel_kv != "ring":
+        return [], []
+    groups, layers, cp = _Groups(c), sum(rank_layers(config, c, rank)), c.context_parallel
+    part = seq_len * c.micro_batch_size * config.kv_heads * config.head_dim / cp / c.tensor_parallel  # K's or V's
+    forwards = 2 if c.recompute == "full" else 1
+    kv_calls = 2 * layers * (forwards + 1) * (cp - 1)
+    kv_bytes = kv_calls * part * COMPUTE_BYTES[precision]
+    grad_calls = 2 * layers * cp
+    grad_bytes = grad_calls * part * FLOAT
+
+    def both(calls: float, size: float) -> list[Collective]:
+        return _kept(
+            groups.collective(kind, ("context",), calls, size, "context_parallel") for kind in ("send", "recv")
+        )
+
+    return both(kv_calls, kv_bytes), both(grad_calls, grad_bytes)
 
 
 def expert_parallel(config: LlamaConfig, c: Candidate, seq_len: int, precision: str, rank: int = 0) -> list[Collective]:

@@ -25,6 +25,7 @@ from project.planning.communication import (
     expert_parallel,
     norm_gradients,
     pipeline_transfers,
+    ring_passes,
     step_reductions,
     tensor_parallel,
 )
@@ -151,15 +152,9 @@ def step_time(
     if pp > 1:  # a stage reduces its norms' gradients once per step (communication.norm_gradients)
         tensor += seconds(norm_gradients(config, c, precision, slowest_rank), cluster)
     # Every pipeline rank holds equally many blocks but for a remainder: the first's keys and values.
-    context_calls = context_parallel(config, c, seq_len, precision, 0)
-    if c.context_parallel_kv == "ring":  # a send and its receive share the time; both wait behind attention's
-        context_calls = [x for x in context_calls if x.kind != "recv"]
-    context = c.microbatches * seconds(context_calls, cluster)
-    if c.context_parallel_kv == "ring" and cluster.overlaps_communication:
-        # The next part travels while the rank attends to the one in hand: only what the attention leaves uncovered.
-        layers = sum(rank_layers(config, c, 0))
-        attention = tokens * 12 * config.dim * seq_len / 2 / c.tensor_parallel / rate * layers * c.microbatches
-        context = max(0.0, context - attention)
+    context = c.microbatches * seconds(context_parallel(config, c, seq_len, precision, 0), cluster)
+    if c.context_parallel_kv == "ring":
+        context = c.microbatches * _ring_exposed(config, c, seq_len, precision, cluster, achievable_fraction, tokens)
     slot = sum(slowest)
     bubble = 0.0
     if pp > 1:
@@ -170,6 +165,22 @@ def step_time(
     data = _data_parallel_exposed(config, c, precision, cluster, microbatch_compute)
     reductions = seconds(step_reductions(config, c, slowest_rank), cluster)
     return StepTime(compute, tensor, transfers, bubble, data, context, reductions, experts)
+
+
+def _ring_exposed(
+    config: LlamaConfig, c: Candidate, seq_len: int, precision: str, cluster: Cluster, fraction: float, tokens: int
+) -> float:
+    """Ring attention's transfers of one microbatch left on the critical path: a send and its receive share the
+    time; the keys and values travel while the rank attends (in float32, at that rate) to the part in hand, the
+    gradients once each step of the backward has computed them."""
+    kv, gradients = ring_passes(config, c, seq_len, precision, 0)
+    sends = [x for x in kv if x.kind == "send"], [x for x in gradients if x.kind == "send"]
+    if not cluster.overlaps_communication:
+        return seconds(sends[0], cluster) + seconds(sends[1], cluster)
+    layers = sum(rank_layers(config, c, 0))
+    attention = layers * tokens * 12 * config.dim * seq_len / 2 / c.tensor_parallel  # forward and backward, causal
+    attention /= cluster.peak_flops("fp32") * fraction
+    return max(0.0, seconds(sends[0], cluster) - attention) + seconds(sends[1], cluster)
 
 
 def block_seconds(
