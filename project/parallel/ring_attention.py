@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -31,37 +31,68 @@ import torch.distributed as dist
 from project.model.document_mask import BlockMask
 from project.runtime.errors import ConfigError
 
+# Query and key positions a block of scores spans at most: one block of TILE x TILE scores per query head exists at a
+# time (and three in the backward), whatever the sequence.
+TILE = 1024
+
 
 @functools.lru_cache(maxsize=16)
 def causal_bias(size: int, device: torch.device) -> torch.Tensor:
-    """[size, size] float32: 0 where a query may see a key of the same chunk (at or before it), -inf after."""
+    """[size, size] float32: 0 where a query may see a key of the same tile (at or before it), -inf after."""
     return torch.full((size, size), float("-inf"), device=device).triu(1)
 
 
+class InFlight(NamedTuple):
+    """A shift's requests, and what it sends (a contiguous copy where a tensor was not), held until they are done."""
+
+    requests: list[Any]
+    sent: list[torch.Tensor]
+
+    def wait(self) -> None:
+        for request in self.requests:
+            request.wait()
+
+
+def _tiles(length: int) -> list[slice]:
+    return [slice(start, min(start + TILE, length)) for start in range(0, length, TILE)]
+
+
 class Ring:
-    """One rank of a context group, for ring attention: its neighbours, and the pairs of chunks it computes."""
+    """One rank of a context group, for ring attention: its neighbours, and the blocks of scores it computes."""
 
     def __init__(self, group: dist.ProcessGroup, rank: int, size: int):
         self.group, self.rank, self.size = group, rank, size
         ranks = dist.get_process_group_ranks(group)
         self.next, self.previous = ranks[(rank + 1) % size], ranks[(rank - 1) % size]
 
-    def shift(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
-        """Send `tensors` to the next rank and receive the previous rank's alike; the caller waits on the requests."""
+    def shift(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], InFlight]:
+        """Send `tensors` to the next rank and receive the previous rank's alike, as the caller computes; it waits
+        for them (InFlight.wait) before it reads what was received."""
+        sent = [t.contiguous() for t in tensors]
         received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sent]
         ops += [dist.P2POp(dist.irecv, r, self.previous, self.group) for r in received]
-        return received, dist.batch_isend_irecv(ops)
+        return received, InFlight(dist.batch_isend_irecv(ops), sent)
 
-    def pairs(self, part: int, chunk: int):
-        """(query rows, key columns, the keys' chunk index, whether it is the queries' own chunk) of each pair of this
-        rank's query chunks and rank `part`'s key chunks that attention needs: keys at or before the queries."""
+    def blocks(self, part: int, chunk: int):
+        """(query rows, key columns, the keys' first position in the sequence, whether causal within the block) of
+        each block of scores of this rank's queries against rank `part`'s keys that attention needs: keys at or
+        before the queries, in tiles of at most TILE positions."""
         mine, theirs = (self.rank, 2 * self.size - 1 - self.rank), (part, 2 * self.size - 1 - part)
         for a, query_chunk in enumerate(mine):
             for b, key_chunk in enumerate(theirs):
-                if key_chunk <= query_chunk:
-                    rows, cols = slice(a * chunk, (a + 1) * chunk), slice(b * chunk, (b + 1) * chunk)
-                    yield rows, cols, key_chunk, key_chunk == query_chunk
+                if key_chunk > query_chunk:
+                    continue
+                for t, rows in enumerate(_tiles(chunk)):
+                    for u, cols in enumerate(_tiles(chunk)):
+                        if key_chunk == query_chunk and u > t:
+                            break
+                        yield (
+                            slice(a * chunk + rows.start, a * chunk + rows.stop),
+                            slice(b * chunk + cols.start, b * chunk + cols.stop),
+                            key_chunk * chunk + cols.start,
+                            key_chunk == query_chunk and u == t,
+                        )
 
     def scores(
         self,
@@ -69,87 +100,84 @@ class Ring:
         keys: torch.Tensor,
         mask: torch.Tensor | None,
         rows: slice,
-        key_chunk: int,
-        own: bool,
+        first_key: int,
+        causal: bool,
     ) -> torch.Tensor:
-        """q k^T / sqrt(d) of one block, masked: by the documents' mask (its rows, the keys of `key_chunk`), else
-        causally within the queries' own chunk, else not at all."""
+        """q k^T / sqrt(d) of one block [B, H_kv, groups, rows, keys], masked: by the documents' mask (its rows,
+        the block's keys), else causally within a block on the diagonal, else not at all."""
         scores = queries @ keys.transpose(-1, -2) * (1 / math.sqrt(queries.shape[-1]))
-        chunk = keys.shape[2]
         if mask is not None:
-            allowed = mask[:, :, rows, key_chunk * chunk : (key_chunk + 1) * chunk]
+            allowed = mask[:, :, None, rows, first_key : first_key + keys.shape[-2]]
             return scores.masked_fill(~allowed, float("-inf"))
-        return scores + causal_bias(chunk, queries.device) if own else scores
+        return scores + causal_bias(keys.shape[-2], queries.device) if causal else scores
 
 
-def _heads(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """Keys or values [B, H_kv, S, D] as float32 for every query head [B, H_kv x groups, S, D]."""
-    return x.float().repeat_interleave(groups, dim=1) if groups > 1 else x.float()
-
-
-def _per_kv_head(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """A gradient [B, H, S, D] of repeated keys or values summed back onto their [B, H / groups, S, D] heads."""
-    if groups == 1:
-        return x
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Queries [B, H, T, D] as float32 [B, H_kv, H / H_kv, T, D]: each key/value head's query heads together, so
+    that a block's product reads each key once for them all (no repeated copies of the keys and values)."""
     batch, heads, length, dim = x.shape
-    return x.view(batch, heads // groups, groups, length, dim).sum(2)
+    return x.float().reshape(batch, kv_heads, heads // kv_heads, length, dim)
 
 
 def ring_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
-    """Attention output [B, H, T / cp, D] and log-sum-exp [B, H, T / cp] of this rank's queries, in float32."""
+    """Attention output [B, H, T / cp, D] and log-sum-exp [B, H_kv, groups, T / cp] of this rank's queries, in
+    float32."""
     batch, heads, length, dim = q.shape
-    groups, chunk = heads // k.shape[1], length // 2
-    qf = q.float()
-    top = torch.full((batch, heads, length), float("-inf"), device=q.device)
-    total = torch.zeros(batch, heads, length, device=q.device)
-    out = torch.zeros(batch, heads, length, dim, device=q.device)
+    chunk, qg = length // 2, _grouped(q, k.shape[1])
+    top = torch.full(qg.shape[:-1], float("-inf"), device=q.device)
+    total = torch.zeros(qg.shape[:-1], device=q.device)
+    out = torch.zeros_like(qg)
     held = [k, v]
     for step in range(ring.size):
         part = (ring.rank - step) % ring.size
-        incoming, requests = ring.shift(held) if step < ring.size - 1 else (held, [])
-        keys, values = _heads(held[0], groups), _heads(held[1], groups)
-        for rows, cols, key_chunk, own in ring.pairs(part, chunk):
-            scores = ring.scores(qf[:, :, rows], keys[:, :, cols], mask, rows, key_chunk, own)
-            before = top[:, :, rows]
+        incoming, flight = ring.shift(held) if step < ring.size - 1 else (held, None)
+        keys, values = held[0].float()[:, :, None], held[1].float()[:, :, None]  # broadcast over the groups
+        for rows, cols, first_key, causal in ring.blocks(part, chunk):
+            scores = ring.scores(qg[..., rows, :], keys[..., cols, :], mask, rows, first_key, causal)
+            before = top[..., rows]
             now = torch.maximum(before, scores.amax(-1))
             safe = torch.where(torch.isinf(now), torch.zeros_like(now), now)  # a row with no key yet
             weights = torch.exp(scores - safe[..., None])
             kept = torch.exp(before - safe)
-            total[:, :, rows] = total[:, :, rows] * kept + weights.sum(-1)
-            out[:, :, rows] = out[:, :, rows] * kept[..., None] + weights @ values[:, :, cols]
-            top[:, :, rows] = now
-        for request in requests:
-            request.wait()
+            total[..., rows] = total[..., rows] * kept + weights.sum(-1)
+            out[..., rows, :] = out[..., rows, :] * kept[..., None] + weights @ values[..., cols, :]
+            top[..., rows] = now
+        if flight is not None:
+            flight.wait()
         held = incoming
-    return out / total[..., None], top + total.log()
+    out = out / total[..., None]
+    return out.reshape(batch, heads, length, dim), top + total.log()
 
 
 def ring_backward(ring: Ring, q, k, v, mask, out, lse, grad):
     """The gradients of q, k and v (float32) from the output's gradient `grad`."""
     batch, heads, length, dim = q.shape
-    groups, chunk, scale = heads // k.shape[1], length // 2, 1 / math.sqrt(dim)
-    qf, grad = q.float(), grad.float()
-    row_dot = (grad * out.float()).sum(-1)  # softmax's backward: each row's sum of output gradient x output
-    dq = torch.zeros_like(qf)
+    kv_heads, chunk, scale = k.shape[1], length // 2, 1 / math.sqrt(dim)
+    qg, grad = _grouped(q, kv_heads), _grouped(grad, kv_heads)
+    row_dot = (grad * _grouped(out, kv_heads)).sum(-1)  # softmax's backward: each row's output gradient . output
+    dq = torch.zeros_like(qg)
     held = [k, v]
     collected = [torch.zeros(k.shape, device=q.device), torch.zeros(v.shape, device=q.device)]
     for step in range(ring.size):
         part = (ring.rank - step) % ring.size
-        incoming, requests = ring.shift(held) if step < ring.size - 1 else (held, [])
-        keys, values = _heads(held[0], groups), _heads(held[1], groups)
-        for rows, cols, key_chunk, own in ring.pairs(part, chunk):
-            scores = ring.scores(qf[:, :, rows], keys[:, :, cols], mask, rows, key_chunk, own)
-            weights = torch.exp(scores - lse[:, :, rows, None])
-            collected[1][:, :, cols] += _per_kv_head(weights.transpose(-1, -2) @ grad[:, :, rows], groups)
-            d_scores = weights * (grad[:, :, rows] @ values[:, :, cols].transpose(-1, -2) - row_dot[:, :, rows, None])
-            dq[:, :, rows] += d_scores @ keys[:, :, cols] * scale
-            collected[0][:, :, cols] += _per_kv_head(d_scores.transpose(-1, -2) @ qf[:, :, rows] * scale, groups)
+        incoming, flight = ring.shift(held) if step < ring.size - 1 else (held, None)
+        keys, values = held[0].float()[:, :, None], held[1].float()[:, :, None]
+        for rows, cols, first_key, causal in ring.blocks(part, chunk):
+            scores = ring.scores(qg[..., rows, :], keys[..., cols, :], mask, rows, first_key, causal)
+            weights = torch.exp(scores - lse[..., rows, None])
+            collected[1][:, :, cols] += (weights.transpose(-1, -2) @ grad[..., rows, :]).sum(2)
+            d_scores = weights * (
+                grad[..., rows, :] @ values[..., cols, :].transpose(-1, -2) - row_dot[..., rows, None]
+            )
+            dq[..., rows, :] += d_scores @ keys[..., cols, :] * scale
+            collected[0][:, :, cols] += (d_scores.transpose(-1, -2) @ qg[..., rows, :]).sum(2) * scale
         # The gradients collected for rank `part`'s keys and values travel on with them, and reach it after the last.
-        collected, sent = ring.shift(collected)
-        for request in [*requests, *sent]:
-            request.wait()
+        collected, passed = ring.shift(collected)
+        for pending in (flight, passed):
+            if pending is not None:
+                pending.wait()
         held = incoming
-    return dq, collected[0], collected[1]
+    return dq.reshape(batch, heads, length, dim), collected[0], collected[1]
 
 
 class _RingAttention(torch.autograd.Function):

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from project.model.config import LlamaConfig, Mixture
+from project.parallel.ring_attention import TILE as RING_TILE
 from project.planning.candidates import HAS_COMPILE, Candidate
 from project.planning.parameters import (
     held_blocks,
@@ -173,6 +174,22 @@ def in_flight(candidate: Candidate, pipeline_rank: int, layers: list[int]) -> fl
     return chunks * sum(layers) / len(layers)
 
 
+def ring_working_bytes(config: LlamaConfig, candidate: Candidate, own: int, compute: int) -> float:
+    """What ring attention's backward of one block holds beside what the blocks keep (project.parallel.ring_attention):
+    float32 copies of the rank's queries, their output's gradient, the queries' gradient and the output (4 x
+    [b, own, heads x head_dim / tp]); the keys and values in hand in float32, those arriving in the compute dtype, and
+    two pairs of their float32 gradients in transit; three float32 tiles of scores (scores, weights, their
+    gradients) of TILE x TILE positions per query head."""
+    mb, tp = candidate.micro_batch_size, candidate.tensor_parallel
+    queries = config.n_heads * config.head_dim / tp
+    keys = config.kv_heads * config.head_dim / tp
+    tile = min(RING_TILE, own // 2)
+    return (
+        mb * (4 * 4 * own * queries + (2 * 4 + 2 * compute + 4 * 4) * own * keys)
+        + 3 * 4 * mb * (config.n_heads / tp) * tile * tile
+    )
+
+
 def estimate_memory(
     config: LlamaConfig,
     candidate: Candidate,
@@ -225,6 +242,8 @@ def estimate_memory(
         for index in held
     ) / len(held)  # the mean of the rank's blocks (a mixture of experts' blocks keep more than its dense ones)
     regathered = 0.0
+    if cp > 1 and candidate.context_parallel_kv == "ring":  # what one block's ring backward holds while it runs
+        regathered = ring_working_bytes(config, candidate, own, compute)
     # The rest of the sequence's keys and values, gathered (a ring keeps the rank's own only, counted with the block's).
     if cp > 1 and candidate.recompute != "full" and candidate.context_parallel_kv == "gather":
         kv = 4 * config.kv_heads * config.head_dim / candidate.tensor_parallel  # K and V, in 16-bit units
