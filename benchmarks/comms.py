@@ -1,5 +1,5 @@
 """Collectives measured per optimizer step and rank, beside the planner's: `python -m benchmarks.comms
-[layouts=ddp,fsdp,...|all] [steps=4] [step=2] [out=experiments/benchmarks]`
+[layouts=ddp,fsdp,...|all] [steps=4] [step=2] [node_size=2] [out=experiments/benchmarks]`
 
 Each layout trains the debug model (dim 64, 4 layers under a pipeline, else 2; vocabulary 4,096, 256-token
 sequences, batches of 8 in micro batches of 2, 32-true) for `steps` steps with `python -m project.train` on its
@@ -10,7 +10,9 @@ step after the first two (torch's pipeline exchanges shapes in the first, DDP re
 and before the last, the one logging step (logging steps reduce the metrics, agree on a stop signal and save).
 Calls, and bytes (each call's whole buffer: an all-gather's output, a reduce-scatter's input, an all-to-all's
 input). A mixture of experts' all-to-alls carry what its router sends each rank: the planner counts an even spread,
-which their sum over the ranks is (tests/test_comms.py holds that), not each rank's. Writes new files
+which their sum over the ranks is (tests/test_comms.py holds that), not each rank's. Each rank's bytes are also
+split into those on groups inside a node and on groups across nodes, `node_size` consecutive processes standing for
+a node, beside the planner's split (a group whose consecutive ranks do not fit a node crosses). Writes new files
 <date>-<host>-comms.{json,md}.
 """
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,7 @@ from benchmarks.runner import (
 from project.runtime.arguments import parse_key_values
 from project.runtime.errors import ConfigError
 
-DEFAULTS = {"layouts": "all", "steps": "4", "step": "2", "out": "experiments/benchmarks"}
+DEFAULTS = {"layouts": "all", "steps": "4", "step": "2", "node_size": "2", "out": "experiments/benchmarks"}
 GLOBAL_BATCH, MICRO_BATCH, PRECISION = 8, 2, "32-true"
 PIPELINE = ("strategy=pipeline", "strategy.pipeline_parallel_size=2")
 MOE, EP = ("model=moe_debug",), "strategy.expert_parallel_size"
@@ -197,13 +199,21 @@ def parse(argv: list[str]) -> dict:
     for key in ("steps", "step"):
         if not args[key].isdigit():
             raise ConfigError(f"{key}={args[key]}: give a whole number.")
+    if not args["node_size"].isdigit() or int(args["node_size"]) < 1:
+        raise ConfigError(f"node_size={args['node_size']}: give the processes that stand for one node, 1 or more.")
     steps, step = int(args["steps"]), int(args["step"])
     if not 2 <= step < steps - 1:
         raise ConfigError(
             f"step={step} with steps={steps}: choose a step after the first two (their extras: the pipeline's shape "
             f"exchange, DDP's bucket rebuild) and before the last (which logs): 2 to {steps - 2}, with steps=4 or more."
         )
-    return {"layouts": layouts, "steps": steps, "step": step, "out": out_folder(args["out"])}
+    return {
+        "layouts": layouts,
+        "steps": steps,
+        "step": step,
+        "node_size": int(args["node_size"]),
+        "out": out_folder(args["out"]),
+    }
 
 
 def model_config(layout: Layout, vocab_size: int):
@@ -240,6 +250,31 @@ def planned(layout: Layout, config, seq_len: int, rank: int) -> dict[tuple[str, 
     return by_kind_and_group(found)
 
 
+def measured_by_node(rows: list[list], node_size: int, world_size: int) -> tuple[int, int]:
+    """A rank's measured bytes ([kind, ranks, calls, bytes] rows) on groups inside one node and on groups across
+    nodes, `node_size` consecutive global ranks to a node (a group named by a word: every rank)."""
+    inside = across = 0
+    for _, ranks, _, size in rows:
+        members = [int(r) for r in ranks.split(",")] if ranks[0].isdigit() else list(range(world_size))
+        if len({member // node_size for member in members}) > 1:
+            across += size
+        else:
+            inside += size
+    return inside, across
+
+
+def planned_by_node(found: Iterable[Any], node_size: int) -> tuple[float, float]:
+    """The planner's bytes (its Collectives) on groups inside one node and across nodes: a group whose consecutive
+    ranks (its span) do not fit in a node crosses nodes, as the planner times it (Cluster.bandwidth)."""
+    inside = across = 0.0
+    for x in found:
+        if x.span > node_size:
+            across += x.bytes
+        else:
+            inside += x.bytes
+    return inside, across
+
+
 def compare(measured: dict, plan: dict) -> list[dict]:
     """One row per (kind, group) of either table: calls and bytes of both, and whether they agree (the same
     calls, bytes within 10%)."""
@@ -262,10 +297,12 @@ def compare(measured: dict, plan: dict) -> list[dict]:
     return rows
 
 
-def measure(name: str, steps: int, step: int, data: Path, scratch: Path) -> dict:
-    """Train `name` with the counter; its table against the planner's on every rank."""
+def measure(name: str, steps: int, step: int, data: Path, scratch: Path, node_size: int = 2) -> dict:
+    """Train `name` with the counter; its table against the planner's on every rank, and each rank's bytes inside
+    and across nodes of `node_size` processes against the planner's."""
     from benchmarks.count_collectives import read_record
     from benchmarks.train_step import SEQ_LEN, VOCAB_SIZE, data_settings
+    from project.planning.communication import collectives
 
     layout = LAYOUTS[name]
     run_dir = scratch / name
@@ -292,7 +329,11 @@ def measure(name: str, steps: int, step: int, data: Path, scratch: Path) -> dict
             raise RuntimeError(f"{name}: step {step} logs (logging steps {record['logging_steps']})")
         measured = by_group(record["steps"][step], shape)
         rows = compare(measured, planned(layout, config, SEQ_LEN, rank))
-        ranks.append({"rank": rank, "pipeline_rank": layout.pipeline_rank(rank), "rows": rows})
+        found = collectives(config, c, SEQ_LEN, PRECISION, layout.pipeline_rank(rank))
+        inside, across = measured_by_node(record["steps"][step], node_size, layout.devices)
+        planned_inside, planned_across = planned_by_node(found, node_size)
+        nodes = {"inside": inside, "across": across, "planned_inside": planned_inside, "planned_across": planned_across}
+        ranks.append({"rank": rank, "pipeline_rank": layout.pipeline_rank(rank), "rows": rows, "by_node": nodes})
     return {
         "layout": name,
         "candidate": c.name,
@@ -335,6 +376,22 @@ def table(report: dict) -> str:
                     f"{row['planned_calls']:g} | {_size(row['bytes'])} | {_size(row['planned_bytes'])} | {off} | "
                     f"{r['ranks_agreeing']}/{r['processes']} |"
                 )
+    lines += [
+        "",
+        f"Each rank's bytes inside a node and across nodes, {report.get('node_size', 2)} processes standing for a node "
+        "(a group whose ranks lie in two nodes or more crosses), measured and planned:",
+        "",
+        "| layout | rank | inside a node | planned | across nodes | planned |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        for rank in r["ranks"]:
+            n = rank.get("by_node")
+            if n:
+                lines.append(
+                    f"| {r['layout']} | {rank['rank']} | {_size(n['inside'])} | {_size(n['planned_inside'])} | "
+                    f"{_size(n['across'])} | {_size(n['planned_across'])} |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -343,13 +400,19 @@ def rows(args: dict, scratch: Path) -> Iterator[dict]:
 
     data = shards(scratch)
     for name in args["layouts"]:
-        yield measure(name, args["steps"], args["step"], data, scratch)
+        yield measure(name, args["steps"], args["step"], data, scratch, args["node_size"])
 
 
 def header(args: dict) -> dict:
     from benchmarks.train_step import SEQ_LEN, VOCAB_SIZE
 
-    return {"steps": args["steps"], "step": args["step"], "seq_len": SEQ_LEN, "vocab_size": VOCAB_SIZE}
+    return {
+        "steps": args["steps"],
+        "step": args["step"],
+        "node_size": args["node_size"],
+        "seq_len": SEQ_LEN,
+        "vocab_size": VOCAB_SIZE,
+    }
 
 
 BENCHMARK = Benchmark("benchmarks.comms", "-comms", parse, rows, table, header)

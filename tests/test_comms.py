@@ -72,6 +72,17 @@ def check_layout(run_dir, name: str) -> None:
         # And so by kind, what the planner's step time is computed from.
         totals = {kind: (calls, size) for kind, (calls, size) in by_kind(plan).items()}
         assert {kind for kind, _ in measured} == set(totals), where
+    # Each rank's bytes inside a node and across nodes (two processes standing for a node): the planner's split.
+    from benchmarks.comms import measured_by_node, planned_by_node
+
+    for rank in range(layout.devices):
+        record = read_record(run_dir, rank)
+        plan = collectives(config, candidate, SEQ_LEN, PRECISION, layout.pipeline_rank(rank))
+        inside, across = measured_by_node(record["steps"][COMPARED], 2, layout.devices)
+        planned_inside, planned_across = planned_by_node(plan, 2)
+        if not routed:  # (a mixture's all-to-alls carry what its router sends: their mean is planned, above)
+            assert inside == pytest.approx(planned_inside, rel=0.10), (name, rank, "inside")
+            assert across == pytest.approx(planned_across, rel=0.10), (name, rank, "across")
     # What a rank receives for its experts depends on the routing; the plan's even spread is their mean: over every
     # rank, each sends its own tokens' copies and gets them back, and every copy sent is received by one rank.
     if routed:
