@@ -386,3 +386,32 @@ def check_the_gpus_lower_right_kernel_path_under_bf16_autocast() -> None:
     torch.testing.assert_close(mine, whole[:, zigzag_positions(16, rank, size)], rtol=2e-2, atol=2e-2)
     # Keys and values sent (and kept for backward) in the compute dtype: the keys leave the rotary angles in float32.
     assert gathered == [torch.bfloat16] * 2 * CONFIG.n_layers, gathered
+
+
+def check_a_checkpoints_records_are_read_on_one_rank() -> None:
+    from project.checkpoint.reshard import read_on_one_rank
+    from project.runtime.errors import ConfigError
+
+    def share(value):  # Lightning's Strategy.broadcast, from rank 0
+        sent = [value]
+        dist.broadcast_object_list(sent, src=0)
+        return sent[0]
+
+    reads = []
+
+    def read():
+        reads.append(dist.get_rank())
+        return {"global_step": 7}
+
+    assert read_on_one_rank(share, read) == {"global_step": 7}
+    assert reads == ([0] if dist.get_rank() == 0 else [])
+
+    def refuse():
+        raise ConfigError("ckpt_path=x is not a checkpoint")
+
+    with pytest.raises(ConfigError, match="ckpt_path=x is not a checkpoint"):  # on rank 1 too, which read nothing
+        read_on_one_rank(share, refuse)
+
+
+def test_a_checkpoints_metadata_is_read_and_verified_on_rank_zero_and_its_verdict_reaches_every_rank():
+    on_two_gloo_ranks(check_a_checkpoints_records_are_read_on_one_rank)

@@ -20,12 +20,14 @@ memory-maps it (project.checkpoint.locations.local_file); a folder there is read
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import StorageReader
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -34,22 +36,78 @@ from project.checkpoint.locations import Location, is_file, is_folder, is_remote
 from project.runtime.errors import ConfigError
 
 WEIGHT_KEYS = ("state_dict", "model")  # where a folder keeps the weights: ModelParallelStrategy's, FSDP1's
+# Sends a value from global rank 0 to every rank (Lightning's Strategy.broadcast); one process keeps its own.
+Share = Callable[[Any], Any]
+
+
+def _own(value: Any) -> Any:
+    return value
+
+
+class KnownMetadata(StorageReader):
+    """A folder's reader whose metadata was read once (on one rank) and handed to every rank: torch's `load` asks each
+    rank's reader for it, which on a cluster's shared file system would be every rank reading the same file."""
+
+    def __init__(self, reader: StorageReader, metadata: Metadata):
+        self.reader, self.metadata = reader, metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.metadata
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.reader.reset(checkpoint_id)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.reader.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return self.reader.prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans: Any) -> Any:
+        return self.reader.prepare_global_plan(plans)
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        return self.reader.read_data(plan, planner)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+
+def read_on_one_rank(share: Share, read: Callable[[], Any]) -> Any:
+    """`read()` on global rank 0 (every process where there is no process group), its value on every rank; a
+    ConfigError it raises is raised on every rank alike."""
+    value, refused = None, None
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        try:
+            value = read()
+        except ConfigError as error:
+            refused = str(error)
+    value, refused = share((value, refused))
+    if refused is not None:
+        raise ConfigError(refused)
+    return value
 
 
 def load_resharded(
-    module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], path: Location, optimizer_order: list[str]
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    path: Location,
+    optimizer_order: list[str],
+    share: Share = _own,
 ) -> dict[str, Any]:
     """Fill `module` (as the strategy wrapped it) and `optimizers` from the checkpoint at `path`, a file or a folder
     of any strategy family; the checkpoint's other entries (step, loops, callbacks' and the module's records).
     `optimizer_order`: the whole model's parameter names in the order the optimizer numbers them, for a file that
-    keys AdamW's state by position (one device's, DDP's)."""
+    keys AdamW's state by position (one device's, DDP's). `share`: sends rank 0's value to every rank, so that a
+    folder's metadata is read and verified once (read_on_one_rank)."""
     if len(optimizers) > 1:
         raise NotImplementedError("a checkpoint is loaded into one optimizer")  # the module builds one AdamW
     for optimizer in optimizers:
         make_state(optimizer)
     model_state, optimizer_state = get_state_dict(module, list(optimizers))
     if is_folder(path):
-        rest = _from_folder(path, model_state, optimizer_state if optimizers else None)
+        rest = _from_folder(path, model_state, optimizer_state if optimizers else None, share)
     else:
         rest = _from_file(path, model_state, optimizer_state if optimizers else None, optimizer_order)
     set_state_dict(
@@ -81,9 +139,15 @@ def make_state(optimizer: torch.optim.Optimizer) -> None:
             group["lr"] = rate
 
 
-def _from_folder(path: Location, model_state: dict, optimizer_state: dict | None) -> dict[str, Any]:
-    verify_sharded_checkpoint(path)  # nothing in it runs code as torch reads it
-    stored = storage_reader(path).read_metadata().state_dict_metadata
+def _from_folder(
+    path: Location, model_state: dict, optimizer_state: dict | None, share: Share = _own
+) -> dict[str, Any]:
+    def read() -> tuple[Metadata, dict[str, Any]]:
+        verify_sharded_checkpoint(path)  # nothing in it runs code as torch reads it
+        return storage_reader(path).read_metadata(), _lightning_extra(path)
+
+    metadata, extra = read_on_one_rank(share, read)
+    stored = metadata.state_dict_metadata
     key = next((k for k in WEIGHT_KEYS if any(name.startswith(f"{k}.") for name in stored)), None)
     if key is None:
         raise ConfigError(f"{path} holds no model weights: pass a checkpoint this platform wrote.")
@@ -94,12 +158,12 @@ def _from_folder(path: Location, model_state: dict, optimizer_state: dict | None
             raise ConfigError(f"{path} holds no optimizer state: resume from a training checkpoint, not weights only.")
         own_groups = [list(group["params"]) for group in optimizer_state["param_groups"]]
         wanted["optimizer_0"] = optimizer_state
-    dcp.load(wanted, storage_reader=storage_reader(path))
+    dcp.load(wanted, storage_reader=KnownMetadata(storage_reader(path), metadata))
     # The groups' settings are the checkpoint's; the parameters each names are this rank's own (a pipeline
     # stage's checkpoint names every stage's, a rank here holds some of them).
     for group, own in zip(optimizer_state["param_groups"] if optimizer_state else [], own_groups):
         group["params"] = own
-    return _lightning_extra(path)
+    return extra
 
 
 def _lightning_extra(folder: Location) -> dict[str, Any]:

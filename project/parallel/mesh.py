@@ -224,6 +224,11 @@ def check_expert_degree(ep: Any, shards: int, pp: int) -> None:
         )
 
 
+# Ring attention's query and key positions per block of scores (project.parallel.ring_attention; the planner counts
+# its blocks with it): kept here, free of torch, for the planner's checks that run before torch is imported.
+RING_TILE = 1024
+
+
 def check_context_parallel_kv(kv: str, regather: bool, block_masks: list[str] | None = None) -> None:
     """Refuse regathering keys and values that a ring never gathers, and a ring on GPUs where the settings in
     `block_masks` make FlexAttention's block masks (which the ring does not split)."""

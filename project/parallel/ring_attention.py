@@ -29,11 +29,12 @@ import torch
 import torch.distributed as dist
 
 from project.model.document_mask import BlockMask
+from project.parallel.mesh import RING_TILE
 from project.runtime.errors import ConfigError
 
 # Query and key positions a block of scores spans at most: one block of TILE x TILE scores per query head exists at a
 # time (and three in the backward), whatever the sequence.
-TILE = 1024
+TILE = RING_TILE
 
 
 @functools.lru_cache(maxsize=16)

@@ -36,8 +36,10 @@ HAS_COMPILE = {"fsdp2", "tp", "tp_fsdp", "pipeline"}
 HAS_CONTEXT_PARALLEL = {"fsdp2", "tp", "tp_fsdp", "pipeline"}
 # Strategies that split a mixture's experts over strategy.expert_parallel_size ranks (project.parallel.expert_parallel).
 HAS_EXPERT_PARALLEL = {"fsdp2", "tp_fsdp", "pipeline"}
-# Strategies whose FSDP2 may shard within groups and replicate across them (strategy.data_parallel_shard_size).
-HAS_HSDP = {"fsdp2", "tp_fsdp", "pipeline"}
+# Strategies whose layouts the planner also tries under HSDP (strategy.data_parallel_shard_size): those whose FSDP2
+# gathers and reduce-scatters every micro batch. A pipeline stage takes the setting too, but gathers once a step and
+# reduce-scatters once (torch's PipelineStage), so HSDP saves it little, and would double the layouts to evaluate.
+HAS_HSDP = {"fsdp2", "tp_fsdp"}
 
 
 @dataclass(frozen=True)

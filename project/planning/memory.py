@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from project.model.config import LlamaConfig, Mixture
-from project.parallel.ring_attention import TILE as RING_TILE
+from project.parallel.mesh import RING_TILE
 from project.planning.candidates import HAS_COMPILE, Candidate
 from project.planning.parameters import (
     held_blocks,

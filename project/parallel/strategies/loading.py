@@ -26,7 +26,8 @@ class ShardedLoading:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         strategy = cast(Any, self)
         path = location(strategy.broadcast(checkpoint_path))
-        return load_resharded(strategy.model, strategy.optimizers, path, _optimizer_order(strategy))
+        # A folder's metadata read and verified on one rank, handed to the others (Lightning's broadcast).
+        return load_resharded(strategy.model, strategy.optimizers, path, _optimizer_order(strategy), strategy.broadcast)
 
 
 class WholeModelLoading:
