@@ -183,6 +183,11 @@ LAYOUTS = {
         model="moe_debug",
         expert_parallel=2,
     ),
+    # Each expert's hidden units (and the shared expert's) split over the tensor-parallel ranks: its results and
+    # their tokens' gradients all-reduced.
+    "tp-moe-shared": Layout(
+        2, ("strategy=tp", *MOE, "model.shared_expert=true"), "tp", tensor_parallel=2, model="moe_debug",
+    ),
     "tp_fsdp-sp-moe-ep2": Layout(
         4, ("strategy=tp_fsdp", "strategy.sequence_parallel=true", *MOE, f"{EP}=2"), "tp_fsdp", data_parallel=2,
         tensor_parallel=2, sequence_parallel=True, model="moe_debug", expert_parallel=2,

@@ -69,7 +69,8 @@ def test_a_view_must_cover_every_rank_in_the_meshs_order():
 
 def test_the_strategies_meshes_are_the_shapes_views(fake_rank):
     """The process meshes a strategy sets up (Lightning's, and the groups its experts are split over) hold the ranks
-    of the shape's groups: the experts' DTensors of a sharded mixture lie on `expert`, FSDP2's on `expert_data`."""
+    of the shape's groups: the experts' DTensors of a sharded mixture lie on `expert` (and `tensor`, where tensor
+    parallelism splits each expert), FSDP2's on `expert_data`."""
     config = MoEConfig(
         dim=16, n_layers=2, n_heads=2, vocab_size=32, max_seq_len=16, n_experts=4, top_k=2, expert_ffn_dim=8
     )
@@ -102,9 +103,12 @@ def test_the_strategies_meshes_are_the_shapes_views(fake_rank):
             strategy.shard(model)
             experts = [p for n, p in model.named_parameters() if ".experts." in n]
             assert experts, "no mixture kept on this rank"
-            for weight in experts:  # sharded by FSDP2 over expert_data, split by expert parallelism over expert
+            # Sharded by FSDP2 over expert_data, split by expert parallelism over expert, each expert's hidden units
+            # over the tensor-parallel ranks.
+            split = [("expert_data",), ("expert",), *([("tensor",)] if shape.tensor_parallel > 1 else [])]
+            for weight in experts:
                 groups = [weight.device_mesh[n].mesh.tolist() for n in weight.device_mesh.mesh_dim_names]
-                assert groups == [shape.group(rank, ("expert_data",)), shape.group(rank, ("expert",))], rank
+                assert groups == [shape.group(rank, names) for names in split], rank
 
 
 def build_meta_mixture(config: MoEConfig):

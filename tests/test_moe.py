@@ -316,8 +316,8 @@ LAYOUTS = {
     "ep2": ["strategy=fsdp2", "trainer.devices=2", f"{EP}=2"],  # each rank 2 of the 4 experts
     "ep2-dp4": ["strategy=fsdp2", "trainer.devices=4", f"{EP}=2"],  # and FSDP2 over the two groups
     "ep4": ["strategy=fsdp2", "trainer.devices=4", f"{EP}=4"],  # each rank one expert
-    # Tensor parallelism of the dense parts (the mixture replicated over the group), with sequence parallelism, and
-    # with experts split over the data-parallel ranks besides.
+    # Tensor parallelism (each expert's hidden units split over the group), with sequence parallelism, and with
+    # experts split over the data-parallel ranks besides.
     "tp2": ["strategy=tp", "trainer.devices=2"],
     "tp2-sp-ep2": ["strategy=tp_fsdp", "trainer.devices=4", "strategy.sequence_parallel=true", f"{EP}=2"],
     # Blocks recomputed in the backward: the mixture runs again, its all-to-alls too.
@@ -335,6 +335,8 @@ BIASED = {
     "bias-cp2-ep4": ["strategy=fsdp2", "trainer.devices=4", "strategy.context_parallel_size=2", f"{EP}=4"],
     # Each stage's two data-parallel ranks split its mixture's experts; every rank's loads move the biases.
     "bias-pp2-dp2-ep2": ["strategy=pipeline", "trainer.devices=4", "strategy.data_parallel_size=2", f"{EP}=2"],
+    # Each rank half of its expert group's experts' hidden units, and half of the shared expert's.
+    "bias-tp2-ep2": ["strategy=tp_fsdp", "trainer.devices=4", f"{EP}=2"],
 }
 # Resumed at step AT (BEST) to the end under other expert-parallel degrees.
 RESUMED = {

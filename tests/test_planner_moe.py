@@ -52,7 +52,7 @@ def test_the_planners_tensors_and_flops_are_the_models_counts_all_and_active(nam
     assert count_parameters(config, active=True) < 0.5 * count_parameters(config)
 
 
-def test_expert_parallelism_divides_the_experts_and_tensor_parallelism_leaves_the_mixture_whole():
+def test_expert_and_tensor_parallelism_divide_the_experts_and_leave_the_router_whole():
     config = preset("mixtral_8x7b")
     mixture = sum(w.numel for w in rank_weights(config, Candidate("fsdp2", 64, 1, 1, 1, 1)) if w.mixture)
     routed = 3 * config.n_experts * config.dim * config.expert_hidden_dim * config.n_layers
@@ -60,8 +60,10 @@ def test_expert_parallelism_divides_the_experts_and_tensor_parallelism_leaves_th
     assert mixture == routed + gates
     split = Candidate("fsdp2", 64, 1, 1, 1, 1, expert_parallel=8)
     assert sum(w.numel for w in rank_weights(config, split) if w.mixture) == routed // 8 + gates
-    tp = Candidate("tp_fsdp", 16, 4, 1, 1, 1)
-    assert sum(w.numel for w in rank_weights(config, tp) if w.mixture) == mixture
+    tp = Candidate("tp_fsdp", 16, 4, 1, 1, 1)  # each expert's hidden units over 4 ranks
+    assert sum(w.numel for w in rank_weights(config, tp) if w.mixture) == routed // 4 + gates
+    both = Candidate("tp_fsdp", 16, 4, 1, 1, 1, expert_parallel=8)
+    assert sum(w.numel for w in rank_weights(config, both) if w.mixture) == routed // 32 + gates
 
 
 @pytest.mark.parametrize("autocast", [True, False], ids=["bf16-mixed", "fp32"])

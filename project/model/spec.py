@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass
 
 # How tensor parallelism splits a tensor: "rows" (dim 0 of a matrix [out, in]: column-wise parallel, the vocabulary of
-# an embedding), "cols" (dim 1: row-wise parallel); None: every rank holds it whole; "heads": whole too, but applied to
-# each attention head's activations [B, T, heads, head_dim], of which a rank holds some (a per-head norm's gain, whose
-# gradient the ranks then sum).
+# an embedding), "cols" (dim 1: row-wise parallel), each of stacked experts' matrices alike; None: every rank holds it
+# whole; "heads": whole too, but applied to each attention head's activations [B, T, heads, head_dim], of which a rank
+# holds some (a per-head norm's gain, whose gradient the ranks then sum).
 SPLITS = ("rows", "cols", "heads", None)
 
 
@@ -29,7 +29,7 @@ class TensorSpec:
     decay: bool = True  # whether AdamW's weight decay applies (not to a norm's gain)
     float8: bool = False  # a projection whose product float8 training may take (where its shape allows)
     used: float = 1.0  # the share of it one token's products use: top_k / experts of stacked experts, else all
-    mixture: bool = False  # part of a mixture of experts: tensor parallelism leaves it whole
+    mixture: bool = False  # part of a mixture of experts: never float8; its router whole under tensor parallelism
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
@@ -64,17 +64,13 @@ def gain(name: str, dim: int) -> TensorSpec:
     return TensorSpec(name, (dim,), std=None, decay=False)
 
 
-def swiglu(
-    prefix: str, dim: int, hidden: int, std: float, out_std: float, split: bool = True, mixture: bool = False
-) -> list[TensorSpec]:
+def swiglu(prefix: str, dim: int, hidden: int, std: float, out_std: float, mixture: bool = False) -> list[TensorSpec]:
     """A SwiGLU's three matrices, w2(silu(w1 x) * w3 x): w1 and w3 column-wise parallel, w2 row-wise into the residual
-    stream (`split`; else whole on every tensor-parallel rank, as a mixture's shared expert); float8 where not part of
-    a mixture."""
-    inner, outer = ("rows", "cols") if split else (None, None)
+    stream; float8 where not part of a mixture (whose shared expert is one)."""
     return [
-        TensorSpec(f"{prefix}.w1.weight", (hidden, dim), inner, std, float8=not mixture, mixture=mixture),
-        TensorSpec(f"{prefix}.w3.weight", (hidden, dim), inner, std, float8=not mixture, mixture=mixture),
-        TensorSpec(f"{prefix}.w2.weight", (dim, hidden), outer, out_std, float8=not mixture, mixture=mixture),
+        TensorSpec(f"{prefix}.w1.weight", (hidden, dim), "rows", std, float8=not mixture, mixture=mixture),
+        TensorSpec(f"{prefix}.w3.weight", (hidden, dim), "rows", std, float8=not mixture, mixture=mixture),
+        TensorSpec(f"{prefix}.w2.weight", (dim, hidden), "cols", out_std, float8=not mixture, mixture=mixture),
     ]
 
 

@@ -1,4 +1,6 @@
-"""Expert parallelism: the experts of each mixture split over a group of data-parallel ranks, tokens sent to them.
+"""A mixture's experts split over ranks, two ways at once or either: expert parallelism and tensor parallelism.
+
+Expert parallelism: the experts of each mixture split over a group of data-parallel ranks, tokens sent to them.
 
 Each rank of an expert-parallel group of `ep` ranks holds n_experts / ep of every mixture's experts (its stacked
 weights' dim-0 shard: a DTensor on the group's mesh dimension, so checkpoints hold every expert under its global
@@ -12,9 +14,18 @@ The backward passes are the same all-to-alls the other way. The ranks of a group
 data-parallel ranks), so the experts see every token of the group, and an expert's gradient sums over them.
 
 Gradients: an expert's gradient sums what every rank of its group sent it; the all-to-alls' backward passes scale
-it to the mean over the group (ExpertParallelExperts.forward), and FSDP2, which shards each expert group's weights
+it to the mean over the group (SplitExperts._exchanged), and FSDP2, which shards each expert group's weights
 again over the ranks holding the same experts (the other groups), averages it over them: the mean over every
 data-parallel rank, as a dense weight's gradient is.
+
+Tensor parallelism: each expert's hidden units split over the tensor-parallel group, as a dense SwiGLU's are (w1 and
+w3 by rows, w2 by columns), so no expert's product is computed twice. Every rank of the group routes the same tokens
+(the replicated residual stream, or the sequence gathered under sequence parallelism) and computes its units of every
+routed token's experts: a part of each result, which one all-reduce over the group sums (its backward passes the
+gradient on as it is, every rank holding the whole of it); the tokens' gradients are the same parts, summed by one
+all-reduce in the backward. Both around the experts alone: the router and the weighing of the results stay whole on
+every rank, with whole gradients. Under both, the all-to-alls exchange each tensor-parallel rank's parts among the
+ranks holding its units of the group's experts.
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from project.model.llama import Llama, mixtures_of
 
 class AllToAll(torch.autograd.Function):
     """torch.distributed's all_to_all_single of dim-0 pieces, with its backward: the same exchange reversed, the
-    gradient times `scale` (ExpertParallelExperts says why)."""
+    gradient times `scale` (SplitExperts._exchanged says why)."""
 
     @staticmethod
     def forward(
@@ -51,26 +62,80 @@ class AllToAll(torch.autograd.Function):
         return back, None, None, None, None
 
 
-class ExpertParallelExperts(nn.Module):
-    """A mixture's Experts whose stacked weights are split over an expert-parallel mesh dimension (dim 0, whole
-    experts per rank), run on the tokens every rank of the group routed to them. Its parameters are the Experts'
-    (w1, w3, w2: the same names), as shards."""
+class SummedInBackward(torch.autograd.Function):
+    """x itself; in the backward its gradient summed over `group` (each rank's is a part: Megatron-LM's f)."""
 
-    def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class SummedInForward(torch.autograd.Function):
+    """x summed over `group` (each rank's is a part); its gradient passed on as it is, whole on every rank
+    (Megatron-LM's g)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+# How each way splits the stacked weights (w1, w3: [n, hidden, dim]; w2: [n, dim, hidden]): whole experts along dim 0;
+# hidden units along each matrix's own dimension of them.
+SPLITS = {"experts": {"w1": 0, "w3": 0, "w2": 0}, "hidden": {"w1": 1, "w3": 1, "w2": 2}}
+
+
+class SplitExperts(nn.Module):
+    """A mixture's Experts whose stacked weights are split over `mesh`, each of its dimensions one way of `ways`
+    ("experts": whole experts per rank, the tokens exchanged; "hidden": each expert's hidden units, the results
+    summed), run on the tokens routed to them. Its parameters are the Experts' (w1, w3, w2: the same names), as
+    DTensor shards, so checkpoints hold every expert whole under its global index and reshard to any layout."""
+
+    def __init__(self, experts: nn.Module, mesh: DeviceMesh, ways: tuple[str, ...]):
         super().__init__()
         for name, param in experts.named_parameters(recurse=False):
-            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            placements = [Shard(SPLITS[way][name]) for way in ways]
+            sharded = distribute_tensor(param.data, mesh, placements, src_data_rank=None)
             self.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        self.group, self.ranks = ep_mesh.get_group(), ep_mesh.size()
+        groups = dict(zip(ways, mesh.get_all_groups(), strict=True))
+        self.expert_group, self.hidden_group = groups.get("experts"), groups.get("hidden")
+        self.ranks = mesh.size(ways.index("experts")) if "experts" in ways else 1
         # The family's products, of this rank's experts (project.model.llama.Mixture).
         self.products = cast(Callable[..., torch.Tensor], experts.products)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ep = self.ranks
+        if self.hidden_group is not None:
+            x = SummedInBackward.apply(x, self.hidden_group)
+        out = self._exchanged(x, counts) if self.expert_group is not None else self._computed(x, counts)
+        if self.hidden_group is not None:
+            out = SummedInForward.apply(out, self.hidden_group)
+        return out
+
+    def _computed(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The products of this rank's part of the experts (counts: tokens per expert it holds)."""
+        params = [self.get_parameter(name) for name in ("w1", "w3", "w2")]
+        weights = [w.to_local() if isinstance(w, DTensor) else w for w in params]
+        return self.products(x, counts, *weights)
+
+    def _exchanged(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each token sent to the rank of the expert group holding its expert, computed there, and sent back."""
+        group, ep = self.expert_group, self.ranks
         local = counts.numel() // ep
         # received[s, l]: the tokens rank s sends this rank's expert l (each rank's counts, laid out by rank).
         received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=self.group)
+        dist.all_to_all_single(received, counts, group=group)
         # The all-to-alls take their sizes on the host: read both counts there at once (one wait for the device).
         sent_host, received_host = torch.stack([counts, received]).tolist()
         received = received.view(ep, local)
@@ -80,20 +145,18 @@ class ExpertParallelExperts(nn.Module):
         # over data-parallel ranks. So the combine's backward divides the results' gradients by the group's size
         # (the experts' gradients come out as that mean) and the dispatch's multiplies the tokens' back (theirs
         # unchanged); FSDP2 then averages over the groups, as it does a dense weight's.
-        arrived = AllToAll.apply(x, sent_splits, received_splits, self.group, float(ep))
+        arrived = AllToAll.apply(x, sent_splits, received_splits, group, float(ep))
         # Arrived by source rank, then expert; the experts take theirs together: regrouped by expert, then source.
         pieces = arrived.split(received_host)
         by_expert = torch.cat([pieces[s * local + e] for e in range(local) for s in range(ep)])
-        params = [self.get_parameter(name) for name in ("w1", "w3", "w2")]
-        weights = [w.to_local() if isinstance(w, DTensor) else w for w in params]
-        out = self.products(by_expert, received.sum(dim=0), *weights)
+        out = self._computed(by_expert, received.sum(dim=0))
         results = out.split([received_host[s * local + e] for e in range(local) for s in range(ep)])
         by_source = torch.cat([results[e * ep + s] for s in range(ep) for e in range(local)])
-        return AllToAll.apply(by_source, received_splits, sent_splits, self.group, 1.0 / ep)
+        return AllToAll.apply(by_source, received_splits, sent_splits, group, 1.0 / ep)
 
 
-def apply_expert_parallel(model: Llama, ep_mesh: DeviceMesh) -> None:
-    """Split the experts of every mixture the model holds (Llama.mixtures) over `ep_mesh` (a 1-D mesh of the group's
-    ranks), in place: parameter names stay the model's, their values each rank's shard."""
+def split_experts(model: Llama, mesh: DeviceMesh, ways: tuple[str, ...]) -> None:
+    """Split the experts of every mixture the model holds (Llama.mixtures) over `mesh`, its dimensions in `ways`
+    (SplitExperts), in place: parameter names stay the model's, their values each rank's shard."""
     for mixture in mixtures_of(model):
-        mixture.experts = ExpertParallelExperts(mixture.experts, ep_mesh)
+        mixture.experts = SplitExperts(mixture.experts, mesh, ways)

@@ -11,7 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from project.model.llama import Llama
-from project.parallel.expert_parallel import ExpertParallelExperts
+from project.parallel.expert_parallel import SplitExperts
 
 
 def apply_fsdp2(
@@ -57,7 +57,7 @@ def apply_fsdp2(
     # nn.Module's attribute typing (Tensor | Module) does not know a stage's `layers` is a ModuleDict.
     for block in cast(nn.ModuleDict, model.layers).values():
         for experts in block.modules():
-            if isinstance(experts, ExpertParallelExperts) and experts_mesh is not None:
+            if isinstance(experts, SplitExperts) and experts_mesh is not None:
                 shard(experts, experts_mesh)  # over the ranks holding the same experts, before the block
         shard(block, mesh)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
@@ -71,7 +71,7 @@ def stacked_experts_by_width(ranks: int) -> Callable[[nn.Parameter], Shard | Non
     divide: FSDP2's own dim-0 split (None)."""
 
     def placement(param: nn.Parameter) -> Shard | None:
-        # A DTensor (expert parallelism's shard) is placed by its local shape, as FSDP2 splits that.
+        # A DTensor (expert or tensor parallelism's shard) is placed by its local shape, as FSDP2 splits that.
         shape = param.to_local().shape if isinstance(param, DTensor) else param.shape
         if len(shape) != 3:
             return None

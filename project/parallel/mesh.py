@@ -276,6 +276,15 @@ def check_tensor_parallel_degree(config: LlamaConfig, tp: int, sequence_parallel
                 f"model {name}={value} is not divisible by strategy.tensor_parallel_size={tp}: each tensor-parallel "
                 "rank holds an equal slice of it. Choose a tensor-parallel size that divides it."
             )
+    for tensor in config.tensors():  # the rest of what the degree splits: a mixture's experts' hidden units
+        rows, cols = tensor.matrix
+        width = {"rows": rows, "cols": cols}.get(tensor.split or "")
+        if width is not None and width % tp:
+            raise ConfigError(
+                f"model {tensor.name} has {width} hidden units, not divisible by strategy.tensor_parallel_size={tp}: "
+                "each tensor-parallel rank holds an equal slice of them. Choose a tensor-parallel size that divides "
+                f"{width} (model.expert_ffn_dim sets a mixture's)."
+            )
     if sequence_parallel_seq_len is not None and sequence_parallel_seq_len % tp:
         raise ConfigError(
             f"data.seq_len={sequence_parallel_seq_len} is not divisible by strategy.tensor_parallel_size={tp}: "

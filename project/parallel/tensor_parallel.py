@@ -73,7 +73,7 @@ def apply_tensor_parallel(
 
 def block_plan(config: LlamaConfig, index: int, sequence_parallel: bool, float8: str | None, tp: int) -> dict:
     """Block `index`'s plan, from its family's tensors (project.model.spec): each sub-layer (`attention`,
-    `feed_forward`) split as its tensors say (`_sub_layer`), a mixture of experts whole on every rank (`mixture_plan`),
+    `feed_forward`) split as its tensors say (`_sub_layer`), a mixture of experts as `mixture_plan` says,
     the norms of the residual stream (the block's own gains) over the sequence with sequence parallelism, and the
     tensors applied to each head over the heads."""
     tensors = config.block_tensors(index)
@@ -83,7 +83,7 @@ def block_plan(config: LlamaConfig, index: int, sequence_parallel: bool, float8:
         if len(own) == 1 and own[0].name == f"{sub_layer}.weight":  # a gain on the residual stream
             plan |= {sub_layer: SequenceParallel()} if sequence_parallel else {}
         elif any(t.mixture for t in own):
-            plan |= mixture_plan(sub_layer, sequence_parallel)
+            plan |= mixture_plan(config, sub_layer, own, sequence_parallel, tp)
         else:
             plan |= _sub_layer(config, sub_layer, own, sequence_parallel, float8, tp)
     return plan
@@ -116,14 +116,20 @@ def _sub_layer(
     return plan
 
 
-def mixture_plan(name: str, sequence_parallel: bool) -> dict:
-    """A mixture of experts' feed-forward under tensor parallelism: not split (its experts whole on every rank of the
-    group, or split over data-parallel ranks by expert parallelism), it routes and computes every token of the
-    group's sequences alike on each rank, as a replicated layer. Without sequence parallelism its input and output
-    are the replicated residual stream already; with it, the sequence is gathered before it and each rank keeps its
-    part of the output (whose gradient is gathered again in the backward)."""
+def mixture_plan(config: LlamaConfig, name: str, tensors: list[TensorSpec], sequence_parallel: bool, tp: int) -> dict:
+    """A mixture of experts' feed-forward under tensor parallelism: every rank of the group routes every token of the
+    group's sequences alike (the router whole on each), and computes its part of each expert's hidden units, its
+    stacked experts split by project.parallel.expert_parallel (which the strategy applies with expert parallelism's
+    split, if any) and its shared expert, a SwiGLU, split as a dense one (`_sub_layer`). Without sequence parallelism
+    its input and output are the replicated residual stream already; with it, the sequence is gathered before it and
+    each rank keeps its part of the output (whose gradient is gathered again in the backward)."""
+    swiglus = [t for t in tensors if t.split and t.experts is None]  # the shared expert's matrices
+    plan: dict = {}
+    for module in dict.fromkeys(t.name.rsplit(".", 2)[0] for t in swiglus):
+        own = [t for t in swiglus if t.name.startswith(f"{module}.")]
+        plan |= _sub_layer(config, module, own, False, None, tp)  # its input is the mixture's: whole on every rank
     if not sequence_parallel:
-        return {}
+        return plan
     return {
         name: PrepareModuleInputOutput(
             input_layouts=(Shard(1),),
@@ -132,5 +138,6 @@ def mixture_plan(name: str, sequence_parallel: bool) -> dict:
             output_layouts=(Replicate(),),
             desired_output_layouts=(Shard(1),),
             use_local_output=True,
-        )
+        ),
+        **plan,
     }

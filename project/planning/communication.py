@@ -189,25 +189,35 @@ def tensor_parallel(config: LlamaConfig, c: Candidate, seq_len: int, precision: 
     groups, compute = _Groups(c), COMPUTE_BYTES[precision]
     blocks = held_blocks(config, c, rank)
     layers = len(blocks)
-    mixtures = sum(mixture_of(config, i) is not None for i in blocks)
+    mixtures = [m for m in (mixture_of(config, i) for i in blocks) if m is not None]
     first, last = holds_first_and_last(c, rank)
     tokens = seq_len * c.micro_batch_size // c.context_parallel
     activation = tokens * config.dim * compute
     # Megatron's f and g: per block two in the forward and two in the backward (the forward again under full
-    # recompute); the embedding's output in the forward, the head's input in the backward. A mixture of experts is
-    # not split (mixture_plan): its block reduces around attention only, and under sequence parallelism gathers the
-    # mixture's input in the forward and its output's gradient in the backward.
+    # recompute); the embedding's output in the forward, the head's input in the backward. A mixture of experts'
+    # block reduces around attention so, and around its shared expert (a SwiGLU split as a dense one) where it has
+    # one; under sequence parallelism it gathers the mixture's input in the forward and its output's gradient in the
+    # backward. Its routed experts' results are summed over the group in the forward (again under full recompute),
+    # and their tokens' gradients in the backward: top_k copies of each token (project.parallel.expert_parallel).
     again = c.recompute == "full"
-    reductions = (6 if again else 4) * (layers - mixtures) + (3 if again else 2) * mixtures + first + last
+    per_sub_layer = 3 if again else 2
+    reductions = 2 * per_sub_layer * (layers - len(mixtures)) + first + last
+    reductions += per_sub_layer * sum(2 if m.shared else 1 for m in mixtures)
+    routed = per_sub_layer * len(mixtures)
+    routed_bytes = per_sub_layer * sum(tokens * m.top_k for m in mixtures) * config.dim * compute
     part, tensor = "tensor_parallel", ("tensor",)
     if c.sequence_parallel:
-        gathers = (6 if again else 4) * layers + first + last
+        shared = per_sub_layer * sum(m.shared for m in mixtures)  # inside the mixture: on its gathered input
+        gathers = 2 * per_sub_layer * layers + first + last
         found = [
             groups.collective("all_gather", tensor, gathers, gathers * activation, part),
-            groups.collective("reduce_scatter", tensor, reductions, reductions * activation, part),
+            groups.collective("reduce_scatter", tensor, reductions - shared, (reductions - shared) * activation, part),
+            groups.collective("all_reduce", tensor, routed + shared, routed_bytes + shared * activation, part),
         ]
     else:
-        found = [groups.collective("all_reduce", tensor, reductions, reductions * activation, part)]
+        found = [
+            groups.collective("all_reduce", tensor, reductions + routed, reductions * activation + routed_bytes, part)
+        ]
     if c.pipeline_parallel == 1:
         found += norm_gradients(config, c, precision, rank)
     if last:  # loss parallel: maxima, sums of exponentials and the targets' logits of each chunk of tokens
@@ -494,23 +504,25 @@ def step_reductions(config: LlamaConfig, c: Candidate, rank: int = 0) -> list[Co
         found.append(groups.collective("all_reduce", ("data", "context"), 1, FLOAT, part))
     elif c.strategy != "ddp":
         # DTensor's norm: the per-tensor norms of each mesh's parameters, reduced once per dimension they are split
-        # over. Tensor-parallel tensors (all of them under sequence parallelism) lie on the (data, tensor) mesh, the
-        # others on the data mesh.
-        # others on the data mesh; a mixture's (never split by tensor parallelism) on the data mesh too, its experts
-        # under expert parallelism on their own (expert_data, expert) mesh.
+        # over. Tensor-parallel tensors (all but a mixture's router under sequence parallelism) lie on the (data,
+        # tensor) mesh, the others on the data mesh; a mixture's experts under expert parallelism on their own
+        # (expert_data, expert) mesh, and tensor too where tensor parallelism splits them.
         tensors = rank_weights(config, replace(c, tensor_parallel=1, expert_parallel=1), rank)
         experts = [w for w in tensors if c.expert_parallel > 1 and w.experts is not None]
         tensors = [w for w in tensors if not (c.expert_parallel > 1 and w.experts is not None)]
-        split = [
-            w for w in tensors if c.tensor_parallel > 1 and not w.mixture and (w.tensor_split or c.sequence_parallel)
-        ]
+        tp = c.tensor_parallel > 1
+        split = [w for w in tensors if tp and (w.tensor_split or (c.sequence_parallel and not w.mixture))]
         whole = len(tensors) - len(split)
+        experts_over = [*EXPERTS, *(("tensor",) if tp else ())]
         found += [
             groups.collective("all_reduce", ("tensor",), 1 if split else 0, len(split) * FLOAT, part),
             groups.collective(
                 "all_reduce", sharded_over(c), (1 if split else 0) + (1 if whole else 0), len(tensors) * FLOAT, part
             ),
-            *(groups.collective("all_reduce", (g,), 1 if experts else 0, len(experts) * FLOAT, part) for g in EXPERTS),
+            *(
+                groups.collective("all_reduce", (g,), 1 if experts else 0, len(experts) * FLOAT, part)
+                for g in experts_over
+            ),
         ]
     if summed := config.values_summed_each_step():  # the model's own statistics (a mixture's routing biases move)
         found.append(groups.collective("all_reduce", DENSE, 1, summed * FLOAT, part))

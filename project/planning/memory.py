@@ -101,7 +101,7 @@ def layer_activation_bytes(
     if candidate.recompute == "full":
         return 2 * sbh / (t if sp else 1)  # the block's input
     scores = 2 * config.n_heads * seq_len / h if candidate.recompute == "none" else 0.0
-    mixed = mixture_activation_bytes(mixture, h, seq_len, micro_batch, compute_bytes, compiled, autocast, sp)
+    mixed = mixture_activation_bytes(mixture, h, seq_len, micro_batch, compute_bytes, compiled, autocast, sp, t)
     norms = config.head_norms(index)
     if compiled:
         split = 4 * q / h + 4 * kv / h + 6 * f / h + (2 * (q + kv) / h if norms else 0.0)  # the norms' inputs
@@ -133,10 +133,12 @@ def mixture_activation_bytes(
     compiled: bool,
     autocast: bool,
     sequence_parallel: bool,
+    tensor_parallel: int = 1,
 ) -> float:
     """Bytes a mixture of experts' feed-forward (families/moe/model.py: MoEFeedForward) keeps for its backward, for one
-    microbatch of `seq_len` positions (0 for a dense block). Tensor parallelism leaves the whole mixture on every rank,
-    every token of the sequence (gathered first under sequence parallelism, that input kept too). Per token: the
+    microbatch of `seq_len` positions (0 for a dense block). Under tensor parallelism every rank routes every token of
+    the sequence (gathered first under sequence parallelism, that input kept too), and keeps its part of each
+    expert's hidden units (the experts' width divided by the degree). Per token: the
     router's float32 scores (4 bytes per expert), its choices, weights and their sum, and the two orderings of the
     routed copies (int64); per routed copy (top_k per token), eager: the copy of its input, its expert's SwiGLU (4
     tensors of the expert's width, 3 once compiled: silu fused) and output, and the float32 weight it is scaled by;
@@ -145,7 +147,7 @@ def mixture_activation_bytes(
     tests/test_planner.py holds the eager count to what the mixture saves, exactly."""
     if mixture is None:
         return 0.0
-    n, k, f, h = mixture.experts, mixture.top_k, mixture.width, dim
+    n, k, f, h = mixture.experts, mixture.top_k, mixture.width / tensor_parallel, dim
     tokens = seq_len * micro_batch
     c = 2 if autocast else compute_bytes
     per_token = 4 * n + 32 * k + 8 + (h * compute_bytes if sequence_parallel else 0)

@@ -27,7 +27,7 @@ class Weight(NamedTuple):
     tensor_split: str | None  # "rows" (column-wise parallel, vocabulary), "cols" (row-wise parallel), None: replicated
     experts: int | None = None  # a mixture's experts stacked [experts, rows, cols] (families/moe/model.py: Experts)
     used: float = 1.0  # of the stacked experts, the share one token's products go through (top_k / experts)
-    mixture: bool = False  # part of a mixture of experts: never split by tensor parallelism, never float8
+    mixture: bool = False  # part of a mixture of experts: never float8; its router whole under tensor parallelism
 
     @property
     def numel(self) -> int:
@@ -39,17 +39,17 @@ class Weight(NamedTuple):
         return self.numel * self.used
 
     def local(self, tp: int, ep: int = 1) -> Weight:
-        """What a rank holds of it: a tensor-parallel rank's part, an expert-parallel rank's experts (each receiving
-        `ep` times the share of a group's tokens, so that a token's products stay the same)."""
-        if self.experts is not None:
-            return self._replace(experts=self.experts // ep, used=self.used * ep)
+        """What a rank holds of it: a tensor-parallel rank's part (of stacked experts, of each one's hidden units),
+        an expert-parallel rank's experts (each receiving `ep` times the share of a group's tokens, so that a token's
+        products stay the same)."""
+        held = self if self.experts is None else self._replace(experts=self.experts // ep, used=self.used * ep)
         if tp == 1:  # whole, and still saying how tensor parallelism would split it
-            return self
+            return held
         if self.tensor_split == "rows":
-            return Weight(self.rows // tp, self.cols, None)
+            return held._replace(rows=self.rows // tp, tensor_split=None)
         if self.tensor_split == "cols":
-            return Weight(self.rows, self.cols // tp, None)
-        return self
+            return held._replace(cols=self.cols // tp, tensor_split=None)
+        return held
 
 
 def weight(tensor: TensorSpec) -> Weight:

@@ -194,17 +194,16 @@ def block_seconds(
     index: int,
 ) -> float:
     """Seconds of block `index`'s forward and backward for one microbatch of `tokens` tokens on a rank: its products
-    at the compute dtype's achievable rate, split over the tensor-parallel ranks but for a mixture of experts' (every
-    rank of the group computes the whole mixture), its float8 products at float8's rate with their casts at memory
-    speed."""
+    at the compute dtype's achievable rate, split over the tensor-parallel ranks but for a mixture's router's (every
+    rank of the group routes every token), its float8 products at float8's rate with their casts at memory speed."""
     rate = cluster.peak_flops("fp32" if compute_bytes == 4 else "bf16") * achievable_fraction
     _, hardware = block_flops_per_token(config, seq_len, c.recompute, index)  # attention spans the whole sequence
     passes = 6 + 2 * (c.recompute == "full")  # forward, backward, the forward again under full recompute
-    mixture = passes * sum(w.per_token for w in block_weights(config, index) if w.mixture and w.cols > 1)
+    whole = passes * sum(w.per_token for w in block_weights(config, index) if w.cols > 1 and w.tensor_split is None)
     float8 = float8_flops_per_token(config, c, index) if c.float8 else 0.0  # counted at float8's rate below
     if c.regather_kv and c.context_parallel > 1 and c.recompute != "full":  # attention's forward again, in backward
         hardware += 12 * config.dim * seq_len / 2 / 3  # a causal kernel's half of the pairs
-    spent = tokens * ((hardware - mixture - float8) / c.tensor_parallel + mixture) / rate
+    spent = tokens * ((hardware - whole - float8) / c.tensor_parallel + whole) / rate
     if float8:
         float8_rate = cluster.peak_flops("fp8") * achievable_fraction
         casts = float8_cast_bytes(config, c, tokens, compute_bytes, index) / (cluster.memory_gbps or 1) / 1e9

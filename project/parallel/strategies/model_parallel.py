@@ -21,7 +21,7 @@ from project.model.llama import Llama
 from project.parallel.compiled import compile_blocks
 from project.parallel.context_parallel import apply_context_parallel, split_for_rank
 from project.parallel.contract import LlamaStrategy, Replica, TrainingModule
-from project.parallel.expert_parallel import apply_expert_parallel
+from project.parallel.expert_parallel import split_experts
 from project.parallel.float8 import apply_float8, scales_before_each_forward
 from project.parallel.fsdp2 import apply_fsdp2
 from project.parallel.groups import shared_mesh
@@ -159,7 +159,9 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
             self._replica_coords = (mesh["data"].get_local_rank(), shape.data_parallel)
         if shape.expert_parallel > 1:  # neighbours of data x context split the experts; FSDP2 shards over the rest
             names = (*outer, "expert_data", "expert", "tensor")
-            self._experts_mesh = shared_mesh(device_type, shape.sizes(names), names)
+            # Named as Lightning's mesh names the tensor-parallel ranks: the experts' hidden units split over them.
+            mesh_names = (*outer, "expert_data", "expert", "tensor_parallel")
+            self._experts_mesh = shared_mesh(device_type, shape.sizes(names), mesh_names)
         if shape.hybrid:  # FSDP2 on a 2-D mesh: replicated across its first dimension, sharded along its second
             names = (*outer, "data_replicate", "data_shard", "tensor")
             self._hybrid_mesh = shared_mesh(device_type, shape.sizes(names), names)["data_replicate", "data_shard"]
@@ -194,10 +196,14 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
             recompute_blocks(model)
         if self._context_group is not None:  # hooks on attention, inside any compiled block
             apply_context_parallel(model, self._context_group, self.regather_kv, self.context_parallel_kv == "ring")
+        # A mixture's experts split over their expert group, each one's hidden units over the tensor-parallel group.
         experts_mesh = None
         if self._experts_mesh is not None:
-            apply_expert_parallel(model, self._experts_mesh["expert"])
+            split = ("expert", "tensor_parallel") if tp_mesh.size() > 1 else ("expert",)
+            split_experts(model, self._experts_mesh[split], ("experts", "hidden")[: len(split)])
             experts_mesh = self._experts_mesh["expert_data"]
+        elif tp_mesh.size() > 1:
+            split_experts(model, tp_mesh, ("hidden",))
         if self.compile:
             compile_blocks(model)
         self._fsdp_roots = []
@@ -261,7 +267,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
     def replicas(self, module: LightningModule) -> list[Replica]:
         """Each parameter's local part over every mesh dimension its DTensor is replicated on (HSDP's
         data_replicate, sequence parallelism's norms over tensor_parallel), and over the tensor-parallel group where
-        tensor parallelism leaves it whole (norms without sequence parallelism, a mixture's router and experts)."""
+        tensor parallelism leaves it whole (norms without sequence parallelism, a mixture's router)."""
         tp = self.device_mesh["tensor_parallel"]
         found = []
         for name, p in module.named_parameters():

@@ -78,8 +78,9 @@ class MoEConfig(LlamaConfig):
         ]
 
     def feed_forward_tensors(self, index: int) -> list[TensorSpec]:
-        """A mixture block's: the router's gate, the stacked experts (top_k of n used per token), the shared expert;
-        all whole on every tensor-parallel rank, none in float8 (project.model.families.moe.model)."""
+        """A mixture block's: the router's gate (whole on every tensor-parallel rank), the stacked experts (top_k of n
+        used per token) and the shared expert, each expert's hidden units split over the tensor-parallel ranks as a
+        SwiGLU's are (project.parallel.expert_parallel); none in float8 (project.model.families.moe.model)."""
         if not self.is_moe_layer(index):
             return super().feed_forward_tensors(index)
         d, n, f, std, used = (
@@ -89,12 +90,12 @@ class MoEConfig(LlamaConfig):
             self.init_std,
             self.top_k / self.n_experts,
         )
-        shared = swiglu("feed_forward.shared_expert", d, f, std, self._residual_std, split=False, mixture=True)
+        shared = swiglu("feed_forward.shared_expert", d, f, std, self._residual_std, mixture=True)
         return [
             TensorSpec("feed_forward.router.gate.weight", (n, d), None, std, mixture=True),
-            TensorSpec("feed_forward.experts.w1", (n, f, d), None, std, used=used, mixture=True),
-            TensorSpec("feed_forward.experts.w3", (n, f, d), None, std, used=used, mixture=True),
-            TensorSpec("feed_forward.experts.w2", (n, d, f), None, self._residual_std, used=used, mixture=True),
+            TensorSpec("feed_forward.experts.w1", (n, f, d), "rows", std, used=used, mixture=True),
+            TensorSpec("feed_forward.experts.w3", (n, f, d), "rows", std, used=used, mixture=True),
+            TensorSpec("feed_forward.experts.w2", (n, d, f), "cols", self._residual_std, used=used, mixture=True),
             *(shared if self.shared_expert else []),
         ]
 
