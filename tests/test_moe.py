@@ -289,7 +289,12 @@ def test_each_block_is_split_by_the_tensor_parallel_plan_its_tensors_give():
     mixture = block_plan(mixed, 1, True, None, 2)
     assert {"attention.wq", "attention_norm", "ffn_norm"} <= set(mixture)
     assert isinstance(mixture["ffn_norm"], SequenceParallel)
-    assert not any(k.startswith("feed_forward.") for k in mixture)  # the experts whole on every rank of the group
+    # The stacked experts are split apart (project.parallel.expert_parallel); the router whole on every rank.
+    assert not any(k.startswith("feed_forward.") for k in mixture)
+    shared = model_config({"family": "moe", **sizes, "n_experts": 4, "top_k": 2, "shared_expert": True})
+    with_shared = block_plan(shared, 0, True, None, 2)  # the shared expert split as a dense feed-forward
+    assert isinstance(with_shared["feed_forward.shared_expert.w1"], ColwiseParallel)
+    assert not any(k.startswith("feed_forward.router") for k in with_shared)
     assert isinstance(mixture["feed_forward"], PrepareModuleInputOutput)  # the sequence gathered before it
 
 

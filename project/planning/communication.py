@@ -343,7 +343,7 @@ def expert_parallel(config: LlamaConfig, c: Candidate, seq_len: int, precision: 
     of the rank's tokens sent to their experts' ranks and the results sent back; in the backward, the results'
     gradients and the copies' gradients the other way. What a rank receives depends on the routing: planned as an
     even spread, the rank's own top_k copies of each token of its part of the sequence (every token of it on each
-    tensor-parallel rank, the mixture being whole there)."""
+    tensor-parallel rank, which routes them all)."""
     if c.expert_parallel == 1:
         return []
     mixtures = [m for m in (mixture_of(config, i) for i in held_blocks(config, c, rank)) if m is not None]
