@@ -223,6 +223,11 @@ VALUES = [
         ["strategy=tp", "trainer.devices=2", "model.vocab_size=513"],
         r"vocab_size=513 is not divisible by strategy.tensor_parallel_size=2",
     ),
+    (  # each tensor-parallel rank holds half of every expert's hidden units
+        ["strategy=tp", "trainer.devices=2", "model=moe_debug", "model.expert_ffn_dim=95"],
+        r"model layers.0.feed_forward.experts.w1 has 95 hidden units, not divisible by "
+        r"strategy.tensor_parallel_size=2.*model.expert_ffn_dim",
+    ),
     (
         ["strategy=ddp", "trainer.devices=2", "global_batch_size=7"],
         r"global_batch_size=7 does not divide over 2 data-parallel ranks",
