@@ -1,7 +1,7 @@
 """Copies that must stay equal, checked: every `stability.replica_check_every_n_steps` optimizer steps and before
 every checkpoint is written, each part of a parameter that several ranks hold a copy of (the strategy's `replicas`:
-DDP's whole model, the norms and a mixture's router under tensor parallelism, HSDP's shards across its groups) is compared
-over the ranks holding it, bit for bit.
+DDP's whole model, the norms and a mixture's router under tensor parallelism, HSDP's shards across its groups) is
+compared over the ranks holding it, bit for bit.
 
 Why: every rank applies the same update to its copy, so copies only part when a rank computes its update
 differently, which CPU kernels never do but GPU kernels that add in another order per rank (atomic `index_add_`,
