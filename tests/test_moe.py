@@ -321,18 +321,17 @@ LAYOUTS = {
     "ep2": ["strategy=fsdp2", "trainer.devices=2", f"{EP}=2"],  # each rank 2 of the 4 experts
     "ep2-dp4": ["strategy=fsdp2", "trainer.devices=4", f"{EP}=2"],  # and FSDP2 over the two groups
     "ep4": ["strategy=fsdp2", "trainer.devices=4", f"{EP}=4"],  # each rank one expert
-    # Tensor parallelism (each expert's hidden units split over the group), with sequence parallelism, and with
-    # experts split over the data-parallel ranks besides.
+    # Tensor parallelism: each expert's hidden units split over the group (with sequence parallelism and experts
+    # split over the data-parallel ranks besides: BIASED).
     "tp2": ["strategy=tp", "trainer.devices=2"],
-    "tp2-sp-ep2": ["strategy=tp_fsdp", "trainer.devices=4", "strategy.sequence_parallel=true", f"{EP}=2"],
     # Blocks recomputed in the backward: the mixture runs again, its all-to-alls too.
     "ep2-recomputed": ["strategy=fsdp2", "trainer.devices=2", f"{EP}=2", "strategy.activation_checkpointing=true"],
     # One mixture per stage, each joining its balancing loss to the stage's output, over 8 microbatches.
     "pp2": ["strategy=pipeline", "trainer.devices=2"],
 }
 # New runs from the single run's export: each rank of ddp reads the whole model, of fsdp2 a slice of every expert's
-# rows, of ep=2 its own experts.
-FROM_MIXTRAL = {"init-from-ddp": "ddp", "init-from-fsdp2": "fsdp2", "init-from-ep2": "ep2"}
+# rows, of ep=2 its own experts, of tp=2 half of every expert's hidden units.
+FROM_MIXTRAL = {"init-from-ddp": "ddp", "init-from-fsdp2": "fsdp2", "init-from-ep2": "ep2", "init-from-tp2": "tp2"}
 # Routing biases, a shared expert, sigmoid scores and a strong balancing loss (its gradient as large as to show
 # any error in the context-parallel sums' backward).
 BIAS = ["model.bias_update_rate=0.01", "model.score_func=sigmoid", "model.shared_expert=true", "model.aux_loss_coef=1"]
@@ -340,8 +339,9 @@ BIASED = {
     "bias-cp2-ep4": ["strategy=fsdp2", "trainer.devices=4", "strategy.context_parallel_size=2", f"{EP}=4"],
     # Each stage's two data-parallel ranks split its mixture's experts; every rank's loads move the biases.
     "bias-pp2-dp2-ep2": ["strategy=pipeline", "trainer.devices=4", "strategy.data_parallel_size=2", f"{EP}=2"],
-    # Each rank half of its expert group's experts' hidden units, and half of the shared expert's.
-    "bias-tp2-ep2": ["strategy=tp_fsdp", "trainer.devices=4", f"{EP}=2"],
+    # Each rank half of its expert group's experts' hidden units, and half of the shared expert's; the sequence
+    # gathered before the mixture.
+    "bias-tp2-sp-ep2": ["strategy=tp_fsdp", "trainer.devices=4", "strategy.sequence_parallel=true", f"{EP}=2"],
 }
 # Resumed at step AT (BEST) to the end under other expert-parallel degrees.
 RESUMED = {
@@ -474,7 +474,7 @@ def test_init_from_a_mixtral_folder_starts_every_layout_from_its_weights(runs):
     all start from the exported weights (a loss far below a random start's) and train alike."""
     one = read_metrics(runs["init-from-ddp"], "train/loss")
     assert sorted(one) == [0, 1]
-    for split in ("init-from-fsdp2", "init-from-ep2"):
+    for split in ("init-from-fsdp2", "init-from-ep2", "init-from-tp2"):
         assert read_metrics(runs[split], "train/loss") == pytest.approx(one, rel=1e-5), split
     assert one[0] < read_metrics(runs["single"], "train/loss")[0] - 0.5
 

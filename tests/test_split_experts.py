@@ -62,6 +62,11 @@ def check_split_experts(sequence_parallel: bool) -> None:
         torch.testing.assert_close(grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sequence-parallel"])
-def test_each_tensor_parallel_rank_computes_half_of_every_expert_and_trains_like_one_device(sequence_parallel):
-    on_two_gloo_ranks(check_split_experts, sequence_parallel)
+def check_split_experts_with_and_without_sequence_parallelism() -> None:
+    for sequence_parallel in (False, True):
+        check_split_experts(sequence_parallel)
+
+
+def test_each_tensor_parallel_rank_computes_half_of_every_expert_and_trains_like_one_device():
+    """Without sequence parallelism and with it (the sequence gathered before the mixture), on the same two ranks."""
+    on_two_gloo_ranks(check_split_experts_with_and_without_sequence_parallelism)
