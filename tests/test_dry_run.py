@@ -151,6 +151,27 @@ def test_a_mixtures_dry_run_says_its_parameters_and_its_all_to_all_bytes_a_step(
     assert dense == ["model: 8.03B parameters"]
 
 
+def test_a_mixtures_dry_run_under_tensor_parallelism_says_each_ranks_share_of_every_expert_and_its_all_reduces():
+    """Mixtral 8x7B under tp_fsdp with tp=4 on 64 fake ranks: each rank holds a quarter of every expert's 14,336
+    hidden units, and the routed results' all-reduces over the group a step, counted here by hand: per mixture block
+    and microbatch, the top_k copies of each of the sequence's tokens, in the forward and as gradients in the
+    backward."""
+    cfg = compose_job(
+        "model=mixtral_8x7b", "trainer=gpu", "trainer.num_nodes=8", "trainer.devices=8", "global_batch_size=512",
+        "micro_batch_size=2", "strategy=tp_fsdp", "strategy.tensor_parallel_size=4", "cluster=h100_80gb",
+    )  # fmt: skip
+    layout = preflight(cfg, dry_run=True)
+    config = model_config(cfg)
+    lines, record = model_lines(cfg, layout, "tp_fsdp")
+    microbatches = 512 // (2 * 16)
+    copies = int(cfg.data.seq_len) * 2 * config.top_k
+    per_block = 2 * copies * config.dim * {"bf16-mixed": 2, "32-true": 4}[cfg.trainer.precision]
+    split = record["tensor_parallel_experts"]
+    assert split["all_reduce_bytes_per_step"] == per_block * config.n_layers * microbatches
+    assert split["hidden_units_per_rank"] == 14336 // 4
+    assert "each expert's 14336 hidden units split over the 4 tensor-parallel ranks (3584 each" in lines[1], lines
+
+
 @pytest.mark.parametrize("devices", [3, 5])
 def test_experts_whose_widths_the_ranks_do_not_divide_are_sharded_along_another_dimension(devices):
     """moe_debug's experts are 96 wide and 64 deep: 3 ranks split w1 and w3 along 96 and w2 along its 96 inputs

@@ -203,8 +203,7 @@ def tensor_parallel(config: LlamaConfig, c: Candidate, seq_len: int, precision: 
     per_sub_layer = 3 if again else 2
     reductions = 2 * per_sub_layer * (layers - len(mixtures)) + first + last
     reductions += per_sub_layer * sum(2 if m.shared else 1 for m in mixtures)
-    routed = per_sub_layer * len(mixtures)
-    routed_bytes = per_sub_layer * sum(tokens * m.top_k for m in mixtures) * config.dim * compute
+    routed, routed_bytes = routed_reductions(config, c, seq_len, precision, rank)
     part, tensor = "tensor_parallel", ("tensor",)
     if c.sequence_parallel:
         shared = per_sub_layer * sum(m.shared for m in mixtures)  # inside the mixture: on its gathered input
@@ -229,6 +228,21 @@ def tensor_parallel(config: LlamaConfig, c: Candidate, seq_len: int, precision: 
     casts = sum(_float8_tensor_casts(config, c, i) for i in blocks)
     found.append(groups.collective("all_reduce", tensor, casts, casts * AMAX, part))
     return _kept(found)
+
+
+def routed_reductions(
+    config: LlamaConfig, c: Candidate, seq_len: int, precision: str, rank: int = 0
+) -> tuple[int, float]:
+    """(calls, bytes) of one microbatch's all-reduces of a mixture's routed experts over the tensor-parallel group on
+    pipeline rank `rank` (project.parallel.expert_parallel): per mixture block, the results in the forward (again under
+    full recompute) and their tokens' gradients in the backward, top_k copies of each token of the sequence."""
+    if c.tensor_parallel == 1:
+        return 0, 0.0
+    mixtures = [m for m in (mixture_of(config, i) for i in held_blocks(config, c, rank)) if m is not None]
+    per_sub_layer = 3 if c.recompute == "full" else 2
+    tokens = seq_len * c.micro_batch_size // c.context_parallel
+    copies = sum(tokens * m.top_k for m in mixtures)
+    return per_sub_layer * len(mixtures), per_sub_layer * copies * config.dim * COMPUTE_BYTES[precision]
 
 
 def _float8_tensor_casts(config: LlamaConfig, c: Candidate, index: int) -> int:

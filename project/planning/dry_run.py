@@ -430,7 +430,11 @@ def model_lines(cfg: DictConfig, layout: Layout, strategy_name: str) -> tuple[li
     if candidate is not None and candidate.float8:
         said, record["float8"] = float8_line(config, candidate, precision)
         lines.append(said)
-    ep, pp = layout.shape.expert_parallel, layout.shape.pipeline_parallel
+    ep, pp, tp = layout.shape.expert_parallel, layout.shape.pipeline_parallel, layout.shape.tensor_parallel
+    mixture = next((m for i in range(config.n_layers) if (m := config.mixture(i)) is not None), None)
+    if mixture is not None and tp > 1 and candidate is not None:
+        said, record["tensor_parallel_experts"] = split_experts_line(config, candidate, cfg, precision, mixture)
+        lines.append(said)
     if ep == 1 or candidate is None:
         return lines, record
     from project.planning.communication import expert_parallel
@@ -456,6 +460,25 @@ def model_lines(cfg: DictConfig, layout: Layout, strategy_name: str) -> tuple[li
         said += f", about {taken:.2f} s of each step on {cluster.name}'s links"
         record["all_to_all_seconds_per_step"] = taken
     return [*lines, said], record
+
+
+def split_experts_line(config: Any, candidate: Any, cfg: DictConfig, precision: str, mixture: Any):
+    """Under tensor parallelism, what each rank holds of every expert (its share of the hidden units) and the
+    all-reduces of the routed results over the group a step (the planner's count, on the busiest stage). The line
+    and its record."""
+    from project.planning.communication import routed_reductions
+
+    tp, seq_len = candidate.tensor_parallel, int(cfg.data.seq_len)
+    stages = range(candidate.pipeline_parallel)
+    calls, sent = max((routed_reductions(config, candidate, seq_len, precision, r) for r in stages), key=lambda x: x[1])
+    step_bytes, step_calls = sent * candidate.microbatches, calls * candidate.microbatches
+    said = (
+        f"experts: each expert's {mixture.width} hidden units split over the {tp} tensor-parallel ranks "
+        f"({mixture.width // tp} each; the router whole on every rank); the routed results all-reduced over them: "
+        f"{step_bytes / GIB:.2f} GiB per rank a step in {step_calls} calls (the planner's count)"
+    )
+    record = {"hidden_units_per_rank": mixture.width // tp, "all_reduce_bytes_per_step": step_bytes}
+    return said, record
 
 
 def float8_line(config: Any, candidate: Any, precision: str) -> tuple[str, dict[str, Any]]:
