@@ -61,6 +61,7 @@ PIPELINE_SPLIT = ["strategy=pipeline", "trainer.devices=4", "strategy.context_pa
 TRAINED_TOGETHER = [
     *[(*PARITY_RUN, *overrides) for overrides in [*LAYOUTS.values(), *filter(None, WITHOUT.values())]],
     (*PIPELINE_RUN, *PIPELINE_SPLIT),
+    (*PIPELINE_RUN, *PIPELINE_SPLIT, RING),
 ]
 
 
@@ -79,9 +80,11 @@ def test_sequences_split_over_ranks_train_like_one_device(trained, single_refere
     assert activation_bytes(run_dir) < 0.75 * activation_bytes(without)
 
 
-def test_pipeline_stages_split_sequences_like_one_device(trained, pipeline_reference):
-    """Each stage runs its ranks' parts of every microbatch's sequences; validation goes through the stages too."""
-    run_dir = trained(*PIPELINE_RUN, *PIPELINE_SPLIT)
+@pytest.mark.parametrize("kv", ["gather", "ring"])
+def test_pipeline_stages_split_sequences_like_one_device(trained, pipeline_reference, kv):
+    """Each stage runs its ranks' parts of every microbatch's sequences, the keys and values gathered or passed
+    around a ring; validation goes through the stages too."""
+    run_dir = trained(*PIPELINE_RUN, *PIPELINE_SPLIT, *([RING] if kv == "ring" else []))
     assert_reproduces(run_dir, pipeline_reference)
     assert_validates_like(run_dir, pipeline_reference)
 

@@ -30,15 +30,20 @@ CONFIG = LlamaConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
 
 def on_two_gloo_ranks(check, *args) -> None:
     """Run `check(*args)` on two processes joined in a gloo group; an exception in either fails the test."""
+    on_gloo_ranks(2, check, *args)
+
+
+def on_gloo_ranks(ranks: int, check, *args) -> None:
+    """Run `check(*args)` on `ranks` processes joined in a gloo group; an exception in any fails the test."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_join_and_check, args=(port, check, args), nprocs=2)
+    mp.spawn(_join_and_check, args=(port, ranks, check, args), nprocs=ranks)
 
 
-def _join_and_check(rank: int, port: int, check, args) -> None:
+def _join_and_check(rank: int, port: int, ranks: int, check, args) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
     try:
         check(*args)
     finally:
@@ -176,25 +181,36 @@ def test_fsdp2_gathers_in_the_dtype_asked_and_keeps_them_to_the_backward_when_to
     on_two_gloo_ranks(check_fsdp2_gathers)
 
 
-def split_over_the_ranks(regather: bool = False, ring: bool = False) -> tuple[int, int, Llama, Llama, torch.Tensor]:
-    """(rank, size, one device's model, the same model with context parallelism over the group, tokens [2, 16])."""
+def split_over_the_ranks(
+    regather: bool = False, ring: bool = False, recompute: bool = False
+) -> tuple[int, int, Llama, Llama, torch.Tensor]:
+    """(rank, size, one device's model, the same model with context parallelism over the group (its blocks recomputed
+    in the backward with `recompute`), tokens [2, 8 x size]: two chunks of 4 positions per rank)."""
     from project.parallel.context_parallel import apply_context_parallel
+    from project.parallel.recompute import recompute_blocks
 
+    size = dist.get_world_size()
     torch.manual_seed(0)
-    reference = Llama(CONFIG)
+    reference = Llama(dataclasses.replace(CONFIG, max_seq_len=8 * size))
     model = copy.deepcopy(reference)
+    if recompute:  # as the strategies order them: the context-parallel hooks inside the recomputed blocks
+        recompute_blocks(model)
     apply_context_parallel(model, dist.group.WORLD, regather, ring)
-    tokens = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-    return dist.get_rank(), dist.get_world_size(), reference, model, tokens
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 8 * size), generator=torch.Generator().manual_seed(1))
+    return dist.get_rank(), size, reference, model, tokens
 
 
-def check_context_parallel(documents: bool, regather: bool = False, ring: bool = False) -> None:
+def check_context_parallel(
+    documents: bool, regather: bool = False, ring: bool = False, recompute: bool = False
+) -> None:
     from project.parallel.context_parallel import split_for_rank
 
-    rank, size, reference, model, tokens = split_over_the_ranks(regather, ring)
+    rank, size, reference, model, tokens = split_over_the_ranks(regather, ring, recompute)
     targets = tokens.roll(-1, dims=1)
     # Documents across the chunks' edges (chunks of 4 positions), one of a single token.
-    ids = {"document_ids": torch.tensor([[0] * 3 + [1] * 6 + [2] + [3] * 6, [0] * 11 + [1] * 5])} if documents else {}
+    length = tokens.shape[1]
+    rows = [[0] * 3 + [1] * 6 + [2] + [3] * (length - 10), [0] * 11 + [1] * (length - 11)]
+    ids = {"document_ids": torch.tensor(rows)} if documents else {}
 
     # Each rank: its two chunks of every sequence (4 tokens each), the loss over its tokens; the documents whole.
     loss = model(split_for_rank(tokens, rank, size), targets=split_for_rank(targets, rank, size), **ids)
@@ -344,6 +360,7 @@ def check_context_parallel_attention() -> None:
     check_context_parallel(documents=True, regather=True)
     check_context_parallel(documents=False, ring=True)  # keys and values passed around, not gathered
     check_context_parallel(documents=True, ring=True)
+    check_context_parallel(documents=True, ring=True, recompute=True)  # the ring's passes run again in the backward
     from project.parallel import ring_attention
 
     ring_attention.TILE = 3  # chunks of 4 positions in blocks of 3 and 1: ragged tiles, causal on the diagonal
@@ -365,6 +382,18 @@ def test_context_parallel_attention_matches_one_device_and_a_rank_of_two_holds_s
     for backward, parameters left out; a stable quantity; not half: the keys and values of the whole sequence are
     gathered, and the CPU's causal masks are made once per length); the GPUs' kernel path under bf16 autocast."""
     on_two_gloo_ranks(check_context_parallel_attention)
+
+
+def check_a_ring_of_three() -> None:
+    for documents in (False, True):
+        check_context_parallel(documents, ring=True)
+    check_context_parallel(documents=True, ring=True, recompute=True)
+
+
+def test_a_ring_of_three_ranks_attends_as_one_device():
+    """An odd ring (each rank's keys and values passed on twice; the causal pairs of chunks 0..5 over 3 ranks), within
+    documents and not, its blocks recomputed in the backward or not."""
+    on_gloo_ranks(3, check_a_ring_of_three)
 
 
 def check_the_gpus_lower_right_kernel_path_under_bf16_autocast() -> None:
