@@ -225,8 +225,8 @@ VALUES = [
     ),
     (  # each tensor-parallel rank holds half of every expert's hidden units
         ["strategy=tp", "trainer.devices=2", "model=moe_debug", "model.expert_ffn_dim=95"],
-        r"model layers.0.feed_forward.experts.w1 has 95 hidden units, not divisible by "
-        r"strategy.tensor_parallel_size=2.*model.expert_ffn_dim",
+        r"model expert_ffn_dim=95 is not divisible by strategy.tensor_parallel_size=2: each tensor-parallel rank "
+        r"holds an equal slice of every expert's hidden units",
     ),
     (
         ["strategy=ddp", "trainer.devices=2", "global_batch_size=7"],

@@ -276,14 +276,13 @@ def check_tensor_parallel_degree(config: LlamaConfig, tp: int, sequence_parallel
                 f"model {name}={value} is not divisible by strategy.tensor_parallel_size={tp}: each tensor-parallel "
                 "rank holds an equal slice of it. Choose a tensor-parallel size that divides it."
             )
-    for tensor in config.tensors():  # the rest of what the degree splits: a mixture's experts' hidden units
-        rows, cols = tensor.matrix
-        width = {"rows": rows, "cols": cols}.get(tensor.split or "")
-        if width is not None and width % tp:
+    # A mixture's experts (and shared expert): each one's hidden units split as a dense feed-forward's.
+    for width in sorted({m.width for i in range(config.n_layers) if (m := config.mixture(i)) is not None}):
+        if width % tp:
             raise ConfigError(
-                f"model {tensor.name} has {width} hidden units, not divisible by strategy.tensor_parallel_size={tp}: "
-                "each tensor-parallel rank holds an equal slice of them. Choose a tensor-parallel size that divides "
-                f"{width} (model.expert_ffn_dim sets a mixture's)."
+                f"model expert_ffn_dim={width} is not divisible by strategy.tensor_parallel_size={tp}: each "
+                "tensor-parallel rank holds an equal slice of every expert's hidden units. Choose a tensor-parallel "
+                "size that divides it, or another model.expert_ffn_dim."
             )
     if sequence_parallel_seq_len is not None and sequence_parallel_seq_len % tp:
         raise ConfigError(

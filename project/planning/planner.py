@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from project.model.config import LlamaConfig
@@ -32,6 +33,11 @@ class Workload:
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.seq_len
+
+    @functools.cached_property
+    def flops_per_token(self) -> float:
+        """The model's training FLOPs per token (project.model.flops): the same for every layout, counted once."""
+        return training_flops_per_token(self.model, self.seq_len)
 
 
 @dataclass
@@ -82,7 +88,7 @@ def evaluate(
         )
     time = step_time(workload.model, candidate, workload.seq_len, workload.precision, cluster, achievable_fraction)
     tokens_per_second = workload.tokens_per_step / time.total
-    flops = training_flops_per_token(workload.model, workload.seq_len) * tokens_per_second / cluster.devices
+    flops = workload.flops_per_token * tokens_per_second / cluster.devices
     dtype = "fp32" if workload.precision == "32-true" else "bf16"
     return Outcome(
         Prediction(candidate, memory, time, cluster.memory_bytes),
