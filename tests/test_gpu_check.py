@@ -86,6 +86,29 @@ def test_the_cpu_check_times_the_step_compiled_and_eager_with_mfu_against_the_me
     assert f"[correctness {count}/{count}] tp_fsdp 2x2: skip: needs 4 or more devices" in stdout
 
 
+@pytest.mark.slow
+def test_the_cpu_check_measures_the_links_bus_bandwidth_and_the_rings_kernels_beside_their_references(cpu_check):
+    """Two processes' all-reduce: its bus bandwidth is NCCL's measure of the time taken (2 (n - 1) / n of the buffer
+    over the seconds), beside the CPU preset's link figure and the planner's time for the call; ring attention's
+    forward and backward on one device against torch's fused kernel, their outputs alike."""
+    from tools.gpu_check import links
+
+    report, page, stdout = cpu_check
+    (link,) = report["links"]
+    assert link["status"] == "measured" and link["devices"] == 2 and link["preset"] == "cpu"
+    assert link["bus_gbps"] == pytest.approx(link["megabytes"] * 2**20 / link["seconds"] / 1e9, rel=1e-2)
+    cluster = links.cluster_for("cpu", "cpu")
+    assert link["planner_gbps"] == cluster.intra_node_gbps
+    bytes_over_link = link["megabytes"] * 2**20 / (cluster.intra_node_gbps * 1e9)  # ring: 2 (n - 1) / n = 1
+    assert link["planner_seconds"] == pytest.approx(bytes_over_link + cluster.collective_latency_us * 1e-6)
+    (ring,) = report["attention"]
+    assert ring["status"] == "measured" and ring["length"] == 256 and ring["max_abs_diff"] < 1e-5
+    assert ring["ring_over_fused"] == pytest.approx(ring["ring_ms"] / ring["fused_ms"], abs=0.01)
+    for heading in ("## Links", "## Ring attention on one device"):
+        assert heading in page
+    assert "[links] all-reduce of 4 MiB over 2 devices" in stdout and "[attention] ring against fused" in stdout
+
+
 def test_a_float8_step_is_timed_with_its_blocks_converted_as_a_run_converts_them():
     """`float8=tensorwise`'s rows, here emulated on the CPU (on a GPU: make gpu-check GPU_CHECK=float8=...)."""
     from tools.gpu_check import speed

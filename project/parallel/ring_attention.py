@@ -68,7 +68,9 @@ class Ring:
 
     def shift(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], InFlight]:
         """Send `tensors` to the next rank and receive the previous rank's alike, as the caller computes; it waits
-        for them (InFlight.wait) before it reads what was received."""
+        for them (InFlight.wait) before it reads what was received. A ring of one rank holds everything already."""
+        if self.size == 1:
+            return list(tensors), InFlight([], [])
         sent = [t.contiguous() for t in tensors]
         received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sent]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from benchmarks.data import loader_rate, write_text
 from benchmarks.runner import ROOT, load_preset
-from tools.gpu_check import correctness, speed
+from tools.gpu_check import attention, correctness, links, speed
 from tools.gpu_check.environment import describe
 
 # Each section's share of the time budget (what one leaves, the next may use); `sections=` that leaves some out
@@ -33,6 +33,9 @@ SPEED = {
         "steps": 10,
         "warmup": 3,
         "text_mb": 8,
+        "all_reduce_mb": [64, 256],
+        "all_reduces": 10,
+        "attention_steps": 3,
     },
     # The same plumbing in seconds: the debug model, fp32 (bf16 matrix products crawl on most CPUs).
     "cpu": {
@@ -44,8 +47,13 @@ SPEED = {
         "steps": 3,
         "warmup": 1,
         "text_mb": 1,
+        "all_reduce_mb": [4],
+        "all_reduces": 3,
+        "attention_steps": 2,
     },
 }
+# Of the speed section's time, what the links' and the ring's timings may take before the training steps'.
+KERNELS_SHARE = 0.25
 
 
 @dataclass
@@ -200,6 +208,37 @@ def run_speed(options: Options, facts: dict, env: dict, deadline: float) -> tupl
     return rows, left_out
 
 
+def run_links(options: Options, facts: dict, env: dict, deadline: float) -> list[dict]:
+    """Where there are two devices or more: an all-reduce over all of them, its bus bandwidth beside the planner's."""
+    if options.devices < 2:
+        return []
+    plan, rows = SPEED[options.device], []
+    for megabytes in plan["all_reduce_mb"]:
+        say(f"[links] all-reduce of {megabytes} MiB over {options.devices} devices ...")
+        outcome = links.measure(
+            options.devices, options.device, megabytes, plan["all_reduces"], env, deadline - time.monotonic()
+        )
+        rows.append(links.row(facts, megabytes, outcome))
+        found = rows[-1]
+        planned = f" (the planner's {found['preset']}: {found['planner_gbps']:g} GB/s)" if "preset" in found else ""
+        say(f"[links]   {found.get('bus_gbps', 'not measured')} GB/s bus bandwidth{planned}")
+    return rows
+
+
+def run_attention(options: Options, env: dict, deadline: float) -> list[dict]:
+    """Ring attention's kernels against the fused one on one device, at each length the device takes."""
+    rows = []
+    for length in attention.LENGTHS[options.device]:
+        say(f"[attention] ring against fused attention, {length} tokens on one device ...")
+        outcome = attention.measure(
+            options.device, length, SPEED[options.device]["attention_steps"], env, deadline - time.monotonic()
+        )
+        rows.append(attention.row(length, outcome))
+        ratio = rows[-1].get("ring_over_fused")
+        say(f"[attention]   the ring takes {ratio}x the fused kernel's time" if ratio else "[attention]   not measured")
+    return rows
+
+
 def said(row: dict, outcome: dict) -> None:
     if outcome.get("ok"):
         mfu = f", MFU {row['mfu']:.1%}" if row["mfu"] is not None else ""
@@ -280,8 +319,11 @@ def run(options: Options) -> dict:
         report["correctness"] = section(
             "correctness", lambda: run_correctness(options, data, work, env, ends["correctness"]), []
         )
-    report["speed"], report["speed_left_out"] = [], []
+    report["speed"], report["speed_left_out"], report["links"], report["attention"] = [], [], [], []
     if "speed" in options.sections:
+        kernels_end = time.monotonic() + KERNELS_SHARE * (ends["speed"] - time.monotonic())
+        report["links"] = section("links", lambda: run_links(options, facts, env, kernels_end), [])
+        report["attention"] = section("attention", lambda: run_attention(options, env, kernels_end), [])
         report["speed"], report["speed_left_out"] = section(
             "speed", lambda: run_speed(options, facts, env, ends["speed"]), ([], [])
         )

@@ -25,6 +25,8 @@ def failures(report: dict) -> list[str]:
     """What failed: correctness cases, and speed steps that ran but gave a non-finite loss or an error."""
     failed = [f"error in the {e['section']} section" for e in report.get("errors", [])]
     failed += [f"correctness: {r['name']}" for r in report.get("correctness", []) if r["status"] == "fail"]
+    for name, rows in (("links", report.get("links", [])), ("ring attention", report.get("attention", []))):
+        failed += [f"{name}: {r['error'].splitlines()[0]}" for r in rows if r["status"] == "failed"]
     for r in report.get("speed", []):
         if r["status"] == "measured" and not r.get("loss_finite"):
             failed.append(f"speed: {r['preset']} at {r['seq_len']} tokens, {r['mode']}: the loss is not finite")
@@ -79,6 +81,50 @@ def profile_lines(report: dict) -> list[str]:
             "|---|---|---|---|",
             *(f"| `{t['name']}` | {t['kind']} | {t['ms_per_step']:.2f} | {t['share']:.1%} |" for t in profiled["top"]),
         ]
+    return out
+
+
+def kernel_lines(report: dict) -> list[str]:
+    """The links' bus bandwidth beside the planner's figure, and ring attention against the fused kernel."""
+    out = []
+    if report.get("links"):
+        out += [
+            "",
+            "## Links",
+            "",
+            "An all-reduce over every device of the machine (tools/gpu_check/links.py): its bus bandwidth, NCCL's "
+            "measure, beside the planner's link figure (`intra_node_gbps` of its preset for this device) and the time "
+            "it predicts for the call.",
+            "",
+            "| devices | MiB | seconds | bus GB/s | planner's preset | planner GB/s | planner seconds |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in report["links"]:
+            out.append(
+                f"| {r['devices']} | {r['megabytes']:g} | {_number(r.get('seconds'), '.4f')} | "
+                f"{_number(r.get('bus_gbps'), '.1f')} | {r.get('preset', 'none')} | "
+                f"{_number(r.get('planner_gbps'), 'g')} | {_number(r.get('planner_seconds'), '.4f')} |"
+            )
+    if report.get("attention"):
+        out += [
+            "",
+            "## Ring attention on one device",
+            "",
+            "A causal attention's forward and backward over one sequence with Llama 3 8B's heads: ring attention's "
+            "written-out float32 math (a ring of one rank) against torch's fused kernel, which the gather runs "
+            "(tools/gpu_check/attention.py).",
+            "",
+            "| tokens | ring ms | fused ms | ring / fused | ring peak GiB | fused peak GiB | max abs. diff |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in report["attention"]:
+            if r["status"] != "measured":
+                out.append(f"| {r['length']} | not measured: {r['error'].splitlines()[0]} | | | | | |")
+                continue
+            out.append(
+                f"| {r['length']} | {r['ring_ms']:.1f} | {r['fused_ms']:.1f} | {r['ring_over_fused']:.2f} | "
+                f"{r['ring_peak_gib']:.2f} | {r['fused_peak_gib']:.2f} | {r['max_abs_diff']:.1e} |"
+            )
     return out
 
 
@@ -145,6 +191,7 @@ def markdown(report: dict) -> str:
             + f": {left['why']}."
         )
     out += profile_lines(report)
+    out += kernel_lines(report)
     data = report.get("data_path", {})
     out += ["", "## Data path", ""]
     if data.get("status") == "measured":
