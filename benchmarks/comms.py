@@ -189,7 +189,8 @@ LAYOUTS = {
         2, ("strategy=tp", *MOE, "model.shared_expert=true"), "tp", tensor_parallel=2, model="moe_debug",
     ),
     "tp_fsdp-sp-moe-ep2": Layout(
-        4, ("strategy=tp_fsdp", "strategy.sequence_parallel=true", *MOE, f"{EP}=2"), "tp_fsdp", data_parallel=2,
+        4, ("strategy=tp_fsdp", "strategy.sequence_parallel=true", *MOE, "model.shared_expert=true", f"{EP}=2"),
+        "tp_fsdp", data_parallel=2,
         tensor_parallel=2, sequence_parallel=True, model="moe_debug", expert_parallel=2,
     ),
 }  # fmt: skip

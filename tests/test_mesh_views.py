@@ -84,6 +84,12 @@ def test_the_strategies_meshes_are_the_shapes_views(fake_rank):
             LlamaParallelStrategy(tensor_parallel_size=2, context_parallel_size=2, expert_parallel_size=2),
             MeshShape(1, 2, 2, context_parallel=2, expert_parallel=2),
         ),
+        (  # each stage's experts split over its expert group, each one's hidden units over its tensor group
+            LlamaPipelineStrategy(
+                pipeline_parallel_size=2, data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=2
+            ),
+            MeshShape(2, 2, 2, 1, 2),
+        ),
     ]:
         for rank in range(shape.world_size):
             fake_rank(rank, shape.world_size)

@@ -289,7 +289,8 @@ def test_each_block_is_split_by_the_tensor_parallel_plan_its_tensors_give():
     mixture = block_plan(mixed, 1, True, None, 2)
     assert {"attention.wq", "attention_norm", "ffn_norm"} <= set(mixture)
     assert isinstance(mixture["ffn_norm"], SequenceParallel)
-    # The stacked experts are split apart (project.parallel.expert_parallel); the router whole on every rank.
+    # Neither the router (whole on every rank) nor the stacked experts (split by project.parallel.expert_parallel, not
+    # by the plan) are in it: only the mixture's input and output, and a shared expert's projections where it has one.
     assert not any(k.startswith("feed_forward.") for k in mixture)
     shared = model_config({"family": "moe", **sizes, "n_experts": 4, "top_k": 2, "shared_expert": True})
     with_shared = block_plan(shared, 0, True, None, 2)  # the shared expert split as a dense feed-forward
@@ -324,6 +325,8 @@ LAYOUTS = {
     # Tensor parallelism: each expert's hidden units split over the group (with sequence parallelism and experts
     # split over the data-parallel ranks besides: BIASED).
     "tp2": ["strategy=tp", "trainer.devices=2"],
+    # And FSDP2 over two such pairs: each expert's rows sharded again within the tensor-parallel split.
+    "tp2-dp2": ["strategy=tp_fsdp", "trainer.devices=4"],
     # Blocks recomputed in the backward: the mixture runs again, its all-to-alls too.
     "ep2-recomputed": ["strategy=fsdp2", "trainer.devices=2", f"{EP}=2", "strategy.activation_checkpointing=true"],
     # One mixture per stage, each joining its balancing loss to the stage's output, over 8 microbatches.
@@ -347,6 +350,7 @@ BIASED = {
 RESUMED = {
     "ep4-to-ep2": ("ep4", LAYOUTS["ep2"]),
     "ep4-to-single": ("ep4", []),
+    "tp2-dp2-to-single": ("tp2-dp2", []),  # the split experts' checkpoint read whole
     "bias-single-to-ep2": ("bias-single", [*LAYOUTS["ep2"], *BIAS]),  # the biases come back with the checkpoint
 }
 
@@ -370,7 +374,7 @@ def runs(tiny_shards, tmp_path_factory) -> dict:
     # then the 2-rank layouts (and resumes of the others, and starts from the one-device run's export).
     train_in_process(4, [*on(4), *(case(name, *overrides, *BIAS) for name, overrides in BIASED.items())])
     one = [case("single"), case("accumulated", "micro_batch_size=4"), case("bias-single", *BIAS)]
-    train_in_process(1, [*one, resumed("ep4-to-single")])
+    train_in_process(1, [*one, resumed("ep4-to-single"), resumed("tp2-dp2-to-single")])
     # The single run's final weights in Mixtral's format, and new runs starting from them.
     folders["mixtral"] = tmp_path_factory.mktemp("exported") / "mixtral"
     export(str(folders["single"] / "checkpoints" / "last.ckpt"), str(folders["mixtral"]))
@@ -432,7 +436,7 @@ def test_routing_biases_moved_by_every_ranks_loads_train_like_one_device(runs, l
 
 @pytest.mark.slow
 @pytest.mark.parametrize("resume", RESUMED)
-def test_a_mixture_resumes_under_another_expert_parallel_degree_as_if_never_stopped(runs, resume):
+def test_a_mixture_resumes_under_another_expert_or_tensor_parallel_degree_as_if_never_stopped(runs, resume):
     source = "bias-single" if resume.startswith("bias") else "single"
     resumed, single = read_metrics(runs[resume], "train/loss"), read_metrics(runs[source], "train/loss")
     assert sorted(resumed) == list(range(AT, STEPS))

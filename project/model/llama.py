@@ -214,14 +214,18 @@ class Block(nn.Module):
 
 
 class Mixture(Protocol):
-    """A mixture-of-experts feed-forward as strategies see it (FamilyHooks.mixtures): two parts they may replace.
+    """A mixture-of-experts feed-forward as strategies see it (FamilyHooks.mixtures): two parts they may replace and
+    one whose outputs they may see.
     `experts`: (tokens sorted by expert [M, dim], counts per expert) -> outputs [M, dim], and its `products`, the
-    same of stacked weights given (w1, w3: [n, hidden, dim]; w2: [n, dim, hidden]; expert parallelism gives each
-    rank's);
-    `sequence_sums`: per-sequence sums of the balancing loss (context parallelism sums them over the group)."""
+    same of stacked weights given (w1, w3: [n, hidden, dim]; w2: [n, dim, hidden]; expert and tensor parallelism
+    give each rank its part);
+    `sequence_sums`: per-sequence sums of the balancing loss (context parallelism sums them over the group);
+    `router`: tokens [N, dim] -> (scores [N, n] float32, chosen experts [N, top_k], their weights [N, top_k]) (tensor
+    parallelism makes a group's ranks route alike)."""
 
     experts: nn.Module
     sequence_sums: nn.Module
+    router: nn.Module
 
 
 class FamilyHooks(Protocol):

@@ -26,6 +26,12 @@ gradient on as it is, every rank holding the whole of it); the tokens' gradients
 all-reduce in the backward. Both around the experts alone: the router and the weighing of the results stay whole on
 every rank, with whole gradients. Under both, the all-to-alls exchange each tensor-parallel rank's parts among the
 ranks holding its units of the group's experts.
+
+Summing parts needs every rank of the group to have routed alike: the same tokens to the same experts in the same
+order. Their routers compute the same values from the same inputs, but a router's copies can drift apart by a bit on
+GPUs (ReplicaCheck finds it, every N steps), and a single flipped choice would then sum different tokens' parts,
+silently. So the group routes as its first rank does: its scores, choices and weights broadcast to the others
+(`RouteAlike`), each rank's own computation kept for the gradients.
 """
 
 from __future__ import annotations
@@ -72,7 +78,7 @@ class SummedInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
+        grad = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -83,7 +89,7 @@ class SummedInForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        x = x.contiguous().clone()
+        x = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(x, group=group)
         return x
 
@@ -93,8 +99,30 @@ class SummedInForward(torch.autograd.Function):
 
 
 # How each way splits the stacked weights (w1, w3: [n, hidden, dim]; w2: [n, dim, hidden]): whole experts along dim 0;
-# hidden units along each matrix's own dimension of them.
-SPLITS = {"experts": {"w1": 0, "w3": 0, "w2": 0}, "hidden": {"w1": 1, "w3": 1, "w2": 2}}
+# hidden units along each matrix's own dimension of them (the family's spec: w1 and w3 by "rows", w2 by "cols").
+SPLIT_DIMS = {"experts": {"w1": 0, "w3": 0, "w2": 0}, "hidden": {"w1": 1, "w3": 1, "w2": 2}}
+
+
+class RouteAlike:
+    """A router's forward hook: its outputs (scores [N, n] float32, chosen [N, top_k], weights [N, top_k]) replaced
+    by the group's first rank's, in one broadcast; the values are that rank's, the gradients flow through this rank's
+    own computation of them (the same, but for a drift ReplicaCheck reports)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group, self.first = group, dist.get_global_rank(group, 0)
+
+    def __call__(self, module: nn.Module, args: tuple, output: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        scores, chosen, weights = output
+        # Expert indices are exact in float32 (far fewer than 2**24 experts): one message for the three.
+        packed = torch.cat([scores.detach(), weights.detach().float(), chosen.float()], dim=-1).contiguous()
+        dist.broadcast(packed, self.first, group=self.group)
+        n, k = scores.shape[-1], chosen.shape[-1]
+        first_scores, first_weights = packed[:, :n], packed[:, n : n + k].to(weights.dtype)
+        return (
+            scores + (first_scores - scores.detach()),
+            packed[:, n + k :].to(chosen.dtype),
+            weights + (first_weights - weights.detach()),
+        )
 
 
 class SplitExperts(nn.Module):
@@ -106,7 +134,7 @@ class SplitExperts(nn.Module):
     def __init__(self, experts: nn.Module, mesh: DeviceMesh, ways: tuple[str, ...]):
         super().__init__()
         for name, param in experts.named_parameters(recurse=False):
-            placements = [Shard(SPLITS[way][name]) for way in ways]
+            placements = [Shard(SPLIT_DIMS[way][name]) for way in ways]
             sharded = distribute_tensor(param.data, mesh, placements, src_data_rank=None)
             self.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         groups = dict(zip(ways, mesh.get_all_groups(), strict=True))
@@ -157,6 +185,9 @@ class SplitExperts(nn.Module):
 
 def split_experts(model: Llama, mesh: DeviceMesh, ways: tuple[str, ...]) -> None:
     """Split the experts of every mixture the model holds (Llama.mixtures) over `mesh`, its dimensions in `ways`
-    (SplitExperts), in place: parameter names stay the model's, their values each rank's shard."""
+    (SplitExperts), in place: parameter names stay the model's, their values each rank's shard. Where the hidden
+    units are split, the group's ranks route as its first rank does (RouteAlike)."""
     for mixture in mixtures_of(model):
-        mixture.experts = SplitExperts(mixture.experts, mesh, ways)
+        mixture.experts = experts = SplitExperts(mixture.experts, mesh, ways)
+        if experts.hidden_group is not None:
+            mixture.router.register_forward_hook(RouteAlike(experts.hidden_group))

@@ -195,10 +195,11 @@ def tensor_parallel(config: LlamaConfig, c: Candidate, seq_len: int, precision: 
     activation = tokens * config.dim * compute
     # Megatron's f and g: per block two in the forward and two in the backward (the forward again under full
     # recompute); the embedding's output in the forward, the head's input in the backward. A mixture of experts'
-    # block reduces around attention so, and around its shared expert (a SwiGLU split as a dense one) where it has
-    # one; under sequence parallelism it gathers the mixture's input in the forward and its output's gradient in the
-    # backward. Its routed experts' results are summed over the group in the forward (again under full recompute),
-    # and their tokens' gradients in the backward: top_k copies of each token (project.parallel.expert_parallel).
+    # block reduces around attention as a dense block does, and around its shared expert (a SwiGLU split as a dense
+    # one) where it has one; under sequence parallelism it gathers the mixture's input in the forward and its
+    # output's gradient in the backward. Its routed experts' results are summed over the group in the forward (again
+    # under full recompute), and their tokens' gradients in the backward: top_k copies of each token
+    # (project.parallel.expert_parallel).
     again = c.recompute == "full"
     per_sub_layer = 3 if again else 2
     reductions = 2 * per_sub_layer * (layers - len(mixtures)) + first + last
@@ -227,6 +228,11 @@ def tensor_parallel(config: LlamaConfig, c: Candidate, seq_len: int, precision: 
         found.append(groups.collective("all_reduce", tensor, 3 * chunks * passes, 3 * tokens * FLOAT * passes, part))
     casts = sum(_float8_tensor_casts(config, c, i) for i in blocks)
     found.append(groups.collective("all_reduce", tensor, casts, casts * AMAX, part))
+    # Each mixture's routing, the group's first rank's broadcast to the others (RouteAlike): float32 scores, weights
+    # and choices of every token, in each forward (again under full recompute).
+    forwards = 2 if again else 1
+    routing = sum(tokens * (m.experts + 2 * m.top_k) * FLOAT for m in mixtures)
+    found.append(groups.collective("broadcast", tensor, forwards * len(mixtures), forwards * routing, part))
     return _kept(found)
 
 

@@ -413,7 +413,8 @@ def planned_candidate(cfg: DictConfig, layout: Layout, strategy_name: str) -> An
 
 
 def model_lines(cfg: DictConfig, layout: Layout, strategy_name: str) -> tuple[list[str], dict[str, Any]]:
-    """The model's size; with strategy.float8, what trains in float8 (float8_line); for a mixture of experts split
+    """The model's size; with strategy.float8, what trains in float8 (float8_line); for a mixture under tensor
+    parallelism, each rank's share of every expert (split_experts_line); for a mixture of experts split
     over ranks, how: what each rank holds of each mixture and the all-to-alls' bytes a step (the planner's count,
     project.planning.communication; held to measured runs in tests/test_comms.py), and their seconds on the cluster
     where one is given. The lines and their record."""
@@ -462,7 +463,9 @@ def model_lines(cfg: DictConfig, layout: Layout, strategy_name: str) -> tuple[li
     return [*lines, said], record
 
 
-def split_experts_line(config: Any, candidate: Any, cfg: DictConfig, precision: str, mixture: Any):
+def split_experts_line(
+    config: Any, candidate: Any, cfg: DictConfig, precision: str, mixture: Any
+) -> tuple[str, dict[str, Any]]:
     """Under tensor parallelism, what each rank holds of every expert (its share of the hidden units) and the
     all-reduces of the routed results over the group a step (the planner's count, on the busiest stage). The line
     and its record."""
@@ -475,7 +478,8 @@ def split_experts_line(config: Any, candidate: Any, cfg: DictConfig, precision: 
     said = (
         f"experts: each expert's {mixture.width} hidden units split over the {tp} tensor-parallel ranks "
         f"({mixture.width // tp} each; the router whole on every rank); the routed results all-reduced over them: "
-        f"{step_bytes / GIB:.2f} GiB per rank a step in {step_calls} calls (the planner's count)"
+        f"{step_bytes / GIB:.2f} GiB per rank a step in {step_calls} calls"
+        f"{' on the busiest stage' if candidate.pipeline_parallel > 1 else ''} (the planner's count)"
     )
     record = {"hidden_units_per_rank": mixture.width // tp, "all_reduce_bytes_per_step": step_bytes}
     return said, record

@@ -12,16 +12,19 @@ In at most `minutes` (progress on the console):
    over 4 and 2-D tensor x FSDP2; each run's per-step losses against the fp32 run's, within stated tolerances
    (tools.gpu_check.correctness); on 2 or more GPUs, DDP over every GPU for 200 steps with its copies compared bit
    for bit (ReplicaCheck); with `float8=`, 200 steps in each float8 recipe against the same run in bf16;
-3. speed: the training step of a ~1B Llama (llama3_2_1b) at 2,048 and 8,192 tokens, bf16-mixed, micro batch filling
-   the memory, compiled and eager side by side: tokens/s, MFU and peak memory beside the planner's prediction;
-   with `float8=` (strategy.float8's recipes, comma-separated), each compiled step again in each float8 recipe;
+3. speed: with 2 or more devices, an all-reduce over all of them, its bus bandwidth beside the planner's link figure
+   (tools.gpu_check.links); ring attention's kernels against torch's fused attention on one device at 32k and 128k
+   tokens (tools.gpu_check.attention); the training step of a ~1B Llama (llama3_2_1b) at 2,048 and 8,192 tokens,
+   bf16-mixed, micro batch filling the memory, compiled and eager side by side: tokens/s, MFU and peak memory
+   beside the planner's prediction; with `float8=` (strategy.float8's recipes, comma-separated), each compiled
+   step again in each float8 recipe;
 4. the data path: the train loader's tokens/s against what that step consumes.
 `sections=` runs some of the last three alone, within the same `minutes`. Writes new files
 experiments/benchmarks/<date>-<gpu name>-gpu.{json,md} and prints the Markdown. Exit status 0 when every check
 that ran passed, 1 when one failed.
 
 Without a GPU, device=auto says so in one line and exits 0, writing nothing; device=cpu runs the same plumbing
-on the CPU in under a minute (the debug model, fp32; files <date>-<host>-cpu-check.*). On a GPU node without a
+on the CPU in about a minute (the debug model, fp32; files <date>-<host>-cpu-check.*). On a GPU node without a
 package index, scripts/gpu_check_offline.sh runs it from wheels fetched beforehand (docs/performance.md).
 """
 

@@ -214,6 +214,9 @@ def run_links(options: Options, facts: dict, env: dict, deadline: float) -> list
         return []
     plan, rows = SPEED[options.device], []
     for megabytes in plan["all_reduce_mb"]:
+        if deadline - time.monotonic() < 1:
+            rows.append(links.row(facts, megabytes, {"ok": False, "skipped": True, "error": "out of time (minutes=)"}))
+            continue
         say(f"[links] all-reduce of {megabytes} MiB over {options.devices} devices ...")
         outcome = links.measure(
             options.devices, options.device, megabytes, plan["all_reduces"], env, deadline - time.monotonic()
@@ -229,6 +232,9 @@ def run_attention(options: Options, env: dict, deadline: float) -> list[dict]:
     """Ring attention's kernels against the fused one on one device, at each length the device takes."""
     rows = []
     for length in attention.LENGTHS[options.device]:
+        if deadline - time.monotonic() < 1:
+            rows.append(attention.row(length, {"ok": False, "skipped": True, "error": "out of time (minutes=)"}))
+            continue
         say(f"[attention] ring against fused attention, {length} tokens on one device ...")
         outcome = attention.measure(
             options.device, length, SPEED[options.device]["attention_steps"], env, deadline - time.monotonic()

@@ -54,33 +54,36 @@ def measure(devices: int, device_type: str, megabytes: float, iterations: int, e
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = Path(tempfile.mkdtemp(prefix="gpu-check-links-")) / "result.json"
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-links-"))
+    out = work / "result.json"
     setting = {"device": device_type, "megabytes": megabytes, "iterations": iterations, "out": str(out)}
-    children = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tools.gpu_check.links", json.dumps(setting)],
-            cwd=ROOT,
-            env={
-                **env,
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "RANK": str(r),
-                "WORLD_SIZE": str(devices),
-            },
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+    children, logs = [], []
+    for r in range(devices):
+        logs.append(open(work / f"rank{r}.log", "w"))  # files, not pipes: a chatty NCCL never blocks a rank
+        rank_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r), "WORLD_SIZE": str(devices)}
+        children.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tools.gpu_check.links", json.dumps(setting)],
+                cwd=ROOT,
+                env={**env, **rank_env},
+                stdout=logs[-1],
+                stderr=subprocess.STDOUT,
+            )
         )
-        for r in range(devices)
-    ]
+    deadline = time.monotonic() + timeout
     try:
-        logs = [child.communicate(timeout=max(timeout, 1))[0] for child in children]
+        for process in children:  # one deadline for all of them
+            process.wait(timeout=max(deadline - time.monotonic(), 0.1))
     except subprocess.TimeoutExpired:
-        for child in children:
-            child.kill()
-        return {"ok": False, "error": "out of time (minutes=)"}
-    if any(child.returncode for child in children) or not out.is_file():
-        return {"ok": False, "error": next((log for log in logs if log.strip()), "no result")[-2000:]}
+        for process in children:
+            process.kill()
+        return {"ok": False, "skipped": True, "error": "out of time (minutes=)"}
+    finally:
+        for log in logs:
+            log.close()
+    if any(process.returncode for process in children) or not out.is_file():
+        said = [(work / f"rank{r}.log").read_text() for r in range(devices)]
+        return {"ok": False, "error": next((text for text in said if text.strip()), "no result")[-2000:]}
     return {"ok": True, **json.loads(out.read_text())}
 
 
@@ -88,8 +91,8 @@ def row(facts: dict, megabytes: float, outcome: dict) -> dict:
     """The report's row: measured bus bandwidth and time, beside the planner's link figure and time."""
     devices = facts["devices"]
     cluster = cluster_for(facts["device_name"], facts["device_type"])
-    found = {"devices": devices, "megabytes": megabytes, "status": "measured" if outcome["ok"] else "failed"}
-    found["error"] = outcome.get("error")
+    status = "measured" if outcome["ok"] else "skipped" if outcome.get("skipped") else "failed"
+    found = {"devices": devices, "megabytes": megabytes, "status": status, "error": outcome.get("error")}
     if outcome["ok"]:
         found["seconds"] = outcome["seconds"]
         found["bus_gbps"] = round(bus_bandwidth(outcome["seconds"], megabytes, devices), 2)

@@ -26,7 +26,7 @@ def failures(report: dict) -> list[str]:
     failed = [f"error in the {e['section']} section" for e in report.get("errors", [])]
     failed += [f"correctness: {r['name']}" for r in report.get("correctness", []) if r["status"] == "fail"]
     for name, rows in (("links", report.get("links", [])), ("ring attention", report.get("attention", []))):
-        failed += [f"{name}: {r['error'].splitlines()[0]}" for r in rows if r["status"] == "failed"]
+        failed += [f"{name}: {last_line(r['error'])}" for r in rows if r["status"] == "failed"]
     for r in report.get("speed", []):
         if r["status"] == "measured" and not r.get("loss_finite"):
             failed.append(f"speed: {r['preset']} at {r['seq_len']} tokens, {r['mode']}: the loss is not finite")
@@ -35,9 +35,18 @@ def failures(report: dict) -> list[str]:
     return failed
 
 
+def last_line(error: str | None) -> str:
+    """An error's last non-empty line: the exception, where a traceback ends."""
+    return ((error or "").strip().splitlines() or ["no output"])[-1]
+
+
 def skipped(report: dict) -> list[str]:
     """What did not run, and why: cases and steps skipped for time, for want of devices, or too large."""
     cases = [f"{r['name']} ({r['detail']})" for r in report.get("correctness", []) if r["status"] == "skip"]
+    cases += [f"links, {r['megabytes']:g} MiB ({last_line(r['error'])})" for r in report.get("links", [])
+              if r["status"] == "skipped"]  # fmt: skip
+    cases += [f"ring attention at {r['length']} tokens ({last_line(r['error'])})" for r in report.get("attention", [])
+              if r["status"] == "skipped"]  # fmt: skip
     steps = [
         f"{r['preset']} at {r['seq_len']} tokens, {r['mode']} ({r['error'].splitlines()[0]})"
         for r in report.get("speed", [])
@@ -119,7 +128,7 @@ def kernel_lines(report: dict) -> list[str]:
         ]
         for r in report["attention"]:
             if r["status"] != "measured":
-                out.append(f"| {r['length']} | not measured: {r['error'].splitlines()[0]} | | | | | |")
+                out.append(f"| {r['length']} | not measured: {last_line(r['error'])} | | | | | |")
                 continue
             out.append(
                 f"| {r['length']} | {r['ring_ms']:.1f} | {r['fused_ms']:.1f} | {r['ring_over_fused']:.2f} | "

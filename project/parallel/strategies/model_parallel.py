@@ -159,7 +159,8 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
             self._replica_coords = (mesh["data"].get_local_rank(), shape.data_parallel)
         if shape.expert_parallel > 1:  # neighbours of data x context split the experts; FSDP2 shards over the rest
             names = (*outer, "expert_data", "expert", "tensor")
-            # Named as Lightning's mesh names the tensor-parallel ranks: the experts' hidden units split over them.
+            # Its tensor dimension named as Lightning's mesh names it: `replicas` tells a tensor-parallel split (the
+            # experts' hidden units) by that name.
             mesh_names = (*outer, "expert_data", "expert", "tensor_parallel")
             self._experts_mesh = shared_mesh(device_type, shape.sizes(names), mesh_names)
         if shape.hybrid:  # FSDP2 on a 2-D mesh: replicated across its first dimension, sharded along its second

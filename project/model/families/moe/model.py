@@ -86,8 +86,9 @@ def expert_products(
 class Experts(nn.Module):
     """n SwiGLU experts, their weights stacked [n, out, in] (w1, w3: [n, hidden, dim]; w2: [n, dim, hidden]).
 
-    Expert parallelism (project.parallel.expert_parallel) gives each rank some of them and sends it their tokens, which
-    it runs through `products` with the weights it holds."""
+    Expert parallelism (project.parallel.expert_parallel) gives each rank some of them and sends it their tokens, and
+    tensor parallelism part of each one's hidden units; a rank runs its tokens through `products` with the weights
+    it holds."""
 
     products = staticmethod(expert_products)  # (x, counts, w1, w3, w2) -> [M, dim]: of any experts' stacked weights
 
