@@ -125,20 +125,23 @@ def test_mixtral_with_eight_way_expert_parallelism_shards_on_64_fake_ranks_into_
     assert planned == rank_share(cfg, layout, 0).parameters
 
 
+def mixtral_on_64(strategy: str, *overrides: str):
+    """Mixtral 8x7B's job on 8 nodes of 8 H100s (global batch 512 in micro batches of 2): its config, model config,
+    and the dry run's model lines and their record."""
+    cfg = compose_job(
+        "model=mixtral_8x7b", "trainer=gpu", "trainer.num_nodes=8", "trainer.devices=8", "global_batch_size=512",
+        "micro_batch_size=2", f"strategy={strategy}", *overrides, "cluster=h100_80gb",
+    )  # fmt: skip
+    lines, record = model_lines(cfg, preflight(cfg, dry_run=True), strategy)
+    return cfg, model_config(cfg), lines, record
+
+
 def test_a_mixtures_dry_run_says_its_parameters_and_its_all_to_all_bytes_a_step():
     """Mixtral 8x7B with ep=8 on 64 fake ranks: 46.7B parameters, 12.9B active (Mistral's figures), and the tokens
     each rank sends to its experts' ranks a step, counted here by hand: per mixture block and microbatch, each of the
     rank's tokens goes to top_k experts and comes back, in the forward and again as gradients in the backward (4
     copies of dim values), besides each rank's int64 count per expert."""
-    from project.planning.dry_run import model_lines
-
-    cfg = compose_job(
-        "model=mixtral_8x7b", "trainer=gpu", "trainer.num_nodes=8", "trainer.devices=8", "global_batch_size=512",
-        "micro_batch_size=2", "strategy=fsdp2", "strategy.expert_parallel_size=8", "cluster=h100_80gb",
-    )  # fmt: skip
-    layout = preflight(cfg, dry_run=True)
-    config = model_config(cfg)
-    lines, record = model_lines(cfg, layout, "fsdp2")
+    cfg, config, lines, record = mixtral_on_64("fsdp2", "strategy.expert_parallel_size=8")
     assert lines[0].startswith("model: 46.7B parameters, 12.9B active")
     microbatches = 512 // (2 * 64)
     tokens = int(cfg.data.seq_len) * 2
@@ -156,13 +159,7 @@ def test_a_mixtures_dry_run_under_tensor_parallelism_says_each_ranks_share_of_ev
     hidden units, and the routed results' all-reduces over the group a step, counted here by hand: per mixture block
     and microbatch, the top_k copies of each of the sequence's tokens, in the forward and as gradients in the
     backward."""
-    cfg = compose_job(
-        "model=mixtral_8x7b", "trainer=gpu", "trainer.num_nodes=8", "trainer.devices=8", "global_batch_size=512",
-        "micro_batch_size=2", "strategy=tp_fsdp", "strategy.tensor_parallel_size=4", "cluster=h100_80gb",
-    )  # fmt: skip
-    layout = preflight(cfg, dry_run=True)
-    config = model_config(cfg)
-    lines, record = model_lines(cfg, layout, "tp_fsdp")
+    cfg, config, lines, record = mixtral_on_64("tp_fsdp", "strategy.tensor_parallel_size=4")
     microbatches = 512 // (2 * 16)
     copies = int(cfg.data.seq_len) * 2 * config.top_k
     per_block = 2 * copies * config.dim * {"bf16-mixed": 2, "32-true": 4}[cfg.trainer.precision]
