@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -29,6 +28,7 @@ import torch.multiprocessing as mp
 
 from benchmarks.runner import (
     Benchmark,
+    free_port,
     load_preset,
     main,
     out_folder,
@@ -104,9 +104,7 @@ def rank_main(rank: int, world: int, port: int, plan: str, model_name: str, resu
 
 
 def measure(plan: str, world: int, model_name: str) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     context = mp.get_context("spawn")
     results = context.Queue()
     processes = [

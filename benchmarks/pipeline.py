@@ -18,7 +18,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.runner import free_stem, result_stem
+from benchmarks.runner import free_port, free_stem, result_stem
 from project.model.config import LlamaConfig
 from project.model.llama import Llama
 from project.parallel.mesh import MeshShape
@@ -128,9 +127,7 @@ def _pipeline_rank(
 
 
 def pipeline_seconds(config: LlamaConfig, pp: int, schedule: str, m: int, steps: int) -> float:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     result = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_pipeline_rank, args=(pp, port, config, schedule, m, steps, result), nprocs=pp)
     return result.get()

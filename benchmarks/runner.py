@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 import tempfile
@@ -85,6 +86,13 @@ def fresh_process(script: str, argv: list[str], what: str) -> list[str]:
     if result.returncode:
         raise RuntimeError(f"{what} failed:\n{result.stderr.strip()[-3000:]}")
     return result.stdout.split()
+
+
+def free_port() -> int:
+    """A TCP port on this host that nothing listens on now: the rendezvous of a benchmark's own process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # For the scripts fresh_process runs: the resident bytes now, and the peak so far.

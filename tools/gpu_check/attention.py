@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
-from benchmarks.runner import ROOT
+from benchmarks.runner import ROOT, free_port
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # llama3_8b's
 LENGTHS = {"cuda": [32768, 131072], "cpu": [256]}  # the CPU's: the plumbing in a second
@@ -26,9 +25,7 @@ LENGTHS = {"cuda": [32768, 131072], "cpu": [256]}  # the CPU's: the plumbing in 
 
 def measure(device_type: str, length: int, steps: int, env: dict, timeout: float) -> dict:
     """Time both at `length` tokens in a child process; its outcome ({"ok": False, "error": ...} where it failed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     setting = json.dumps({"device": device_type, "length": length, "steps": steps})
     child_env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     try:

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 import yaml
 
-from benchmarks.runner import ROOT
+from benchmarks.runner import ROOT, free_port
 from project.planning.cluster import Cluster
 from project.planning.communication import Collective
 
@@ -51,9 +50,7 @@ def measure(devices: int, device_type: str, megabytes: float, iterations: int, e
     import subprocess
     import tempfile
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     work = Path(tempfile.mkdtemp(prefix="gpu-check-links-"))
     out = work / "result.json"
     setting = {"device": device_type, "megabytes": megabytes, "iterations": iterations, "out": str(out)}
