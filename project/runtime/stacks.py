@@ -2,8 +2,8 @@
 
 A rank stuck in a collective, a driver or a file system runs no Python code, so nothing Python schedules can
 report it; faulthandler's watchdog can (a C thread): `arm` sets it to write every thread's stack into the console
-log unless `arm` (the next step) or `disarm` comes first, and `dump_on_signal` writes them when the job is
-stopped (SIGTERM: a scheduler's time limit, `scancel`, `kill`), before the run's own handler is called.
+log unless `arm` (the next step) or `disarm` comes first, and `dump_on_signal` writes the main thread's when the
+job is stopped (SIGTERM: a scheduler's time limit, `scancel`, `kill`), before the run's own handler is called.
 
 After a collective fails, `calls_of_ranks` reads the latest stack each rank wrote into its log (waiting a few
 seconds for those still to come) and names the innermost Python call of each rank's main thread, e.g. `rank 0
@@ -35,7 +35,10 @@ def _log() -> TextIO | None:
 
 
 def arm(seconds: float) -> None:
-    """Write every thread's stack into the console log if `arm` or `disarm` is not called within `seconds`."""
+    """Write every thread's stack into the console log if `arm` or `disarm` is not called within `seconds`.
+
+    faulthandler's watchdog reads the threads' frames without the interpreter's lock: `seconds` must end while they
+    stand still (a rank blocked in a collective), not as the collective's own timeout unwinds them."""
     log = _log()
     if log is not None:
         faulthandler.dump_traceback_later(seconds, repeat=False, file=log)
@@ -46,11 +49,16 @@ def disarm() -> None:
 
 
 def dump_on_signal(signums: tuple[signal.Signals, ...] = (signal.SIGTERM,)) -> None:
-    """On `signums`, every thread's stack into the console log first, then the handler in place before."""
+    """On `signums`, the stack of the thread that receives it (Linux gives a process's signal to its main thread)
+    into the console log first, then the handler in place before.
+
+    Not every thread's: faulthandler would read the other threads' frames from inside the signal handler while they
+    run on, and a thread that returns from a call or ends meanwhile crashes the reader (SIGSEGV, seen in tests when
+    Lightning's child-process observer sent its SIGTERM and then ended)."""
     log = _log()
     if log is not None:
         for signum in signums:
-            faulthandler.register(signum, file=log, all_threads=True, chain=True)
+            faulthandler.register(signum, file=log, all_threads=False, chain=True)
 
 
 def stop_dumping_on_signal(signums: tuple[signal.Signals, ...] = (signal.SIGTERM,)) -> None:

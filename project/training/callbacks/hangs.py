@@ -1,8 +1,8 @@
 """A rank that stops progressing leaves its stack in its console log (project.runtime.stacks): the watchdog is
-re-armed at every step, validation batch and checkpoint; if none comes within `after_minutes` (the strategy's
-collective timeout, after which the waiting ranks fail; `startup_minutes` until the first optimizer step has ended,
-as project.training.callbacks.timeouts bounds the collectives), every thread's stack is written. A stop signal writes
-them too, before the run's own handler saves and stops."""
+re-armed at every step, validation batch and checkpoint; if none comes within nine tenths of `after_minutes` (the
+strategy's collective timeout, after which the waiting ranks fail; `startup_minutes` until the first optimizer step
+has ended, as project.training.callbacks.timeouts bounds the collectives), every thread's stack is written. A stop
+signal writes the main thread's too, before the run's own handler saves and stops."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from project.parallel.strategies.timeout import startup_timeout
 from project.runtime import stacks
+
+# The watchdog writes the stacks a little before the collectives' bound ends: at the bound itself the waiting rank's
+# main thread unwinds its error while faulthandler reads its frames, a race that crashed ranks (SIGSEGV) in tests.
+BEFORE_THE_TIMEOUT = 0.9
 
 
 class HangWatch(Callback):
@@ -25,7 +29,7 @@ class HangWatch(Callback):
     def _arm(self, trainer: Trainer) -> None:
         seconds = self.startup_seconds if trainer.global_step == self._first_step else self.seconds
         if seconds:
-            stacks.arm(seconds)
+            stacks.arm(seconds * BEFORE_THE_TIMEOUT)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._first_step = trainer.global_step  # 0, or the step a resumed run starts from
