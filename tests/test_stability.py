@@ -482,6 +482,44 @@ def test_a_stack_dump_names_the_innermost_call_of_the_main_thread(tmp_path):
     assert innermost_call("== a run starts\n" + dump.read_text()).startswith("looping_here (tests/test_stability.py:")
 
 
+STOPPED_WHILE_THREADS_COME_AND_GO = """
+import os, signal, sys, threading, time
+from pathlib import Path
+from project.runtime import console, stacks
+
+console.keep_console(Path(sys.argv[1]), rank=0)
+signal.signal(signal.SIGTERM, lambda *_: None)  # the run's own handler, which the dump chains to
+stacks.dump_on_signal()
+
+def come_and_go():  # threads that start, call a little and end, as a launcher's observer or a loader's do
+    def nested(n):
+        return n and nested(n - 1)
+    while True:
+        thread = threading.Thread(target=nested, args=(30,))
+        thread.start()
+        thread.join()
+
+def stop_again_and_again():  # from a thread, as Lightning's observer stops the main process; the main thread waits
+    while True:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.0005)
+
+for _ in range(3):
+    threading.Thread(target=come_and_go, daemon=True).start()
+threading.Thread(target=stop_again_and_again, daemon=True).start()
+time.sleep(1.5)  # without the interpreter's lock, as in a collective
+"""
+
+
+def test_a_stop_signal_writes_a_stack_without_crashing_while_other_threads_come_and_go(tmp_path):
+    """A dump of every thread from inside the signal handler reads frames that other threads free meanwhile: this
+    process died of SIGSEGV within a second every time that way (CPython 3.11); the main thread's alone is safe."""
+    command = [sys.executable, "-c", STOPPED_WHILE_THREADS_COME_AND_GO, str(tmp_path)]
+    ended = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert ended.returncode == 0, ended.stderr[-3000:]
+    assert (tmp_path / "train.log").read_text().count("(most recent call first)") > 100
+
+
 def test_a_lasting_rise_is_a_new_level_after_max_consecutive_spikes_steps_not_spikes_for_ever():
     """Under skip, a shift of the loss's level would otherwise withhold every later update."""
     detector = SpikeDetector(StabilityConfig(window=6, warmup_steps=4, threshold=5.0, max_consecutive_spikes=3))
