@@ -34,8 +34,13 @@ def shared_mesh(device_type: str, sizes: tuple[int, ...], names: tuple[str, ...]
 
 
 def side_group() -> dist.ProcessGroup:
-    """A group of every rank on the CPU (gloo), made by a fit for itself (a flag the ranks agree on without waiting for
-    a device); every rank alike, in the same order. `release_group` destroys it."""
+    """A group of every rank on the CPU (gloo), for a fit's own calls from its main thread (a flag the ranks agree
+    on without waiting for a device); every rank alike, in the same order. `release_group` destroys it. Where the
+    default group is gloo already (a run on CPUs), it is that group: a second one of the same ranks would only add
+    each rank's sockets and threads."""
+    world = dist.group.WORLD
+    if world is not None and dist.get_backend(world) == "gloo":
+        return world
     group = dist.new_group(backend="gloo", timeout=_TIMEOUT[0])
     _SIDE_GROUPS.append((dist.group.WORLD, group))
     return group
