@@ -173,13 +173,14 @@ def fit_once(cfg: DictConfig, run_dir: Path, layout: Layout | None, restart: Res
         _convert_="all",
     )
     announce(run_dir, layout.plan)
-    if ckpt_path is not None and restart is None and trained_to_the_end(cfg, ckpt_path):
+    # The checkpoint's records (its step, model and tokenizer), read once: by every rank, as no process group joins
+    # them before the fit (SameStartOnEveryRank then checks that they all start from the same checkpoint).
+    records = checkpoint_metadata(ckpt_path) if ckpt_path is not None else None
+    if records is not None and restart is None and trained_to_the_end(cfg, int(records["global_step"])):
         return {}
-    if ckpt_path is not None:  # a checkpoint of another model or tokenizer, refused by name before anything loads
+    if records is not None:  # a checkpoint of another model or tokenizer, refused by name before anything loads
         model_cfg = cast(dict, OmegaConf.to_container(cfg.model, resolve=True))
-        check_resumable(
-            checkpoint_metadata(ckpt_path), model_cfg, datamodule.tokenizer_identity, ckpt_path, cfg.data.dir
-        )
+        check_resumable(records, model_cfg, datamodule.tokenizer_identity, ckpt_path, cfg.data.dir)
     if trainer.is_global_zero and restart is None:  # only now: a refused or no-op start leaves the run's record
         OmegaConf.save(redacted_container(cfg), run_dir / "config.yaml")
         write_hydra_record(cfg, run_dir)
@@ -294,9 +295,8 @@ def announce(run_dir: Path, plan: BatchPlan) -> None:
     )
 
 
-def trained_to_the_end(cfg: DictConfig, ckpt_path: str) -> bool:
-    """The checkpoint to resume already reached trainer.max_steps: said, and nothing to do."""
-    trained = checkpoint_step(ckpt_path)
+def trained_to_the_end(cfg: DictConfig, trained: int) -> bool:
+    """The checkpoint to resume, `trained` steps in, already reached trainer.max_steps: said, and nothing to do."""
     if trained < cfg.trainer.max_steps:
         return False
     rank_zero_info(
