@@ -62,6 +62,7 @@ class Layout:
     data_shard: int | None = None  # HSDP's shard groups (strategy.data_parallel_shard_size)
     gradient_sync: str = "every_micro_batch"
     context_parallel_kv: str = "gather"
+    reshard_after_forward: bool = True
     micro_batch: int | None = None  # None: MICRO_BATCH, or the candidate's argument
 
     def candidate(self, global_batch: int = GLOBAL_BATCH, micro_batch: int = MICRO_BATCH):
@@ -74,6 +75,7 @@ class Layout:
             microbatches, "selective", self.sequence_parallel, self.schedule, self.virtual_stages,
             self.context_parallel, float8=self.float8, expert_parallel=self.expert_parallel, data_shard=self.data_shard,
             gradient_sync=self.gradient_sync, context_parallel_kv=self.context_parallel_kv,
+            reshard_after_forward=self.reshard_after_forward,
         )  # fmt: skip
 
     def pipeline_rank(self, rank: int) -> int:
@@ -153,6 +155,11 @@ LAYOUTS = {
         4, ("strategy=fsdp2", "strategy.data_parallel_shard_size=2", "strategy.gradient_sync=replicas_at_last",
             "micro_batch_size=1"), "fsdp2", data_parallel=4, data_shard=2, gradient_sync="replicas_at_last",
         micro_batch=1,
+    ),
+    # Each block's parameters gathered for a micro batch's forward and kept for its backward (ZeRO-2).
+    "fsdp2-kept-gathered": Layout(
+        2, ("strategy=fsdp2", "strategy.reshard_after_forward=false", "micro_batch_size=1"), "fsdp2",
+        data_parallel=2, reshard_after_forward=False, micro_batch=1,
     ),
     "fsdp2-at-last": Layout(
         2, ("strategy=fsdp2", "strategy.gradient_sync=at_last"), "fsdp2", data_parallel=2, gradient_sync="at_last",

@@ -334,6 +334,26 @@ def test_every_layout_it_lists_is_one_project_train_accepts_as_planned():
             assert max(layout.plan.pipeline_microbatches, layout.plan.accumulate_grad_batches) == c.microbatches
 
 
+def test_parameters_kept_gathered_cost_the_whole_model_in_memory_and_are_read_back_from_the_command():
+    """strategy.reshard_after_forward=false: the planner's command carries it, the dry run reads the same candidate
+    back from it, and the rank then holds every block's gathered parameters at once (the gathers are
+    tests/test_comms.py's)."""
+    from project.planning.dry_run import planned_candidate
+
+    work, h100 = Workload(preset("llama3_8b"), 8192, 128, 1e12), cluster("h100_80gb", 1)
+    zero3 = Candidate("fsdp2", 8, 1, 1, 1, 16)
+    kept = dataclasses.replace(zero3, reshard_after_forward=False)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=train_overrides(kept, work, h100, ["model=llama3_8b"]))
+    assert cfg.strategy.reshard_after_forward is False
+    layout = plan_layout(cfg, cfg.trainer.num_nodes, cfg.trainer.devices)
+    assert planned_candidate(cfg, layout, "fsdp2") == kept
+    held = {c: estimate_memory(work.model, c, 8192, "bf16-mixed", "gpu", Allowance()) for c in (zero3, kept)}
+    whole = count_parameters(work.model) * 2  # every parameter gathered in bfloat16
+    assert held[kept].working > held[zero3].working and held[kept].working >= whole
+    assert held[kept].states == held[zero3].states  # the same shards, gradients and moments
+
+
 def test_a_planned_sweep_runs_from_the_root_of_another_copy_of_the_project(tmp_path, monkeypatch):
     from project.planning import render
 

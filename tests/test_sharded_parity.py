@@ -30,6 +30,13 @@ LAYOUTS = {
     "fsdp2": ["strategy=fsdp2", "trainer.devices=2"],
     "fsdp2-activation-checkpointing": ["strategy=fsdp2", "trainer.devices=2", "strategy.activation_checkpointing=true"],
     "fsdp2-compiled-blocks": ["strategy=fsdp2", "trainer.devices=2", "strategy.compile=true"],
+    # Each block's gathered parameters kept from a micro batch's forward to its backward (two micro batches a step).
+    "fsdp2-kept-gathered": [
+        "strategy=fsdp2",
+        "trainer.devices=2",
+        "strategy.reshard_after_forward=false",
+        "micro_batch_size=1",
+    ],
     # HSDP: each weight sharded within pairs of neighbouring ranks, its gradient shards all-reduced across the pairs
     # (two micro batches a step: after the second only).
     "fsdp2-hybrid-2x2": [

@@ -124,6 +124,7 @@ STRATEGY_CHOICES: dict[str, tuple] = {
             "static_graph",
             "hierarchical_allreduce",
             "regather_kv",
+            "reshard_after_forward",
         ),
         _BOOLEAN,
     ),

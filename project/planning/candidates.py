@@ -61,6 +61,7 @@ class Candidate:
     data_shard: int | None = None  # HSDP: the data x context ranks FSDP2 shards over (None: all of them)
     gradient_sync: str = "every_micro_batch"  # strategy.gradient_sync: when FSDP2 reduces accumulated gradients
     context_parallel_kv: str = "gather"  # strategy.context_parallel_kv: keys and values gathered, or passed in a ring
+    reshard_after_forward: bool = True  # strategy.reshard_after_forward (fsdp2, tp_fsdp): False keeps them gathered
 
     @property
     def shape(self) -> MeshShape:
@@ -106,6 +107,8 @@ class Candidate:
         parts = [self.strategy, degrees, f"mb{self.micro_batch_size}"]
         if self.gradient_sync != "every_micro_batch":
             parts.append(f"sync-{self.gradient_sync}")
+        if not self.reshard_after_forward and self.pipeline_parallel == 1:
+            parts.append("kept-gathered")
         if self.schedule:
             parts.append(f"{self.schedule}-v{self.virtual_stages}")
         if self.sequence_parallel:

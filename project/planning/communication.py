@@ -26,9 +26,10 @@ stage, the final norm and output head on the last; the microbatch's activation [
   microbatch each group's parameters all-gathered in the compute dtype for the forward and again for the backward,
   and its gradients reduce-scattered in float32; inside a pipeline, gathered once per step and kept, and
   reduce-scattered once after the last microbatch (torch's PipelineStage). Each tensor's dim 0 padded to a multiple
-  of the ranks. HSDP (strategy.data_parallel_shard_size) gathers and reduce-scatters within its shard groups and
-  all-reduces each reduce-scattered shard across them. strategy.gradient_sync=replicas_at_last all-reduces across
-  the groups after a step's last microbatch only, at_last reduce-scatters only then too.
+  of the ranks. strategy.reshard_after_forward=false gathers once per microbatch, for its forward, and keeps the
+  parameters for its backward. HSDP (strategy.data_parallel_shard_size) gathers and reduce-scatters within its
+  shard groups and all-reduces each reduce-scattered shard across them. strategy.gradient_sync=replicas_at_last
+  all-reduces across the groups after a step's last microbatch only, at_last reduce-scatters only then too.
 - FSDP1 (strategy fsdp, FULL_SHARD, each block a unit and the rest the root's): per microbatch every unit gathered for
   the forward and the blocks again for the backward (the root stays gathered); the gradients reduce-scattered once
   per step (Lightning accumulates without syncing), both in the compute dtype. Each unit's flat parameter padded to a
@@ -470,7 +471,9 @@ def data_parallel(config: LlamaConfig, c: Candidate, precision: str, rank: int =
     if c.pipeline_parallel > 1 and c.schedule in SPLIT_BACKWARD:
         return []  # no FSDP2 under these schedules (project.parallel.pipeline_layout refuses them with data parallel)
     in_float8 = float8_gathers(c)
-    gathers = 1 if c.pipeline_parallel > 1 else 2 * m  # a pipeline stage keeps its gathered parameters
+    # A pipeline stage keeps its gathered parameters through the step; reshard_after_forward=False keeps them from
+    # each micro batch's forward to its backward.
+    gathers = 1 if c.pipeline_parallel > 1 else 2 * m if c.reshard_after_forward else m
     # strategy.gradient_sync: FSDP2 reduces after each micro batch, or holds back until the last.
     reduces = 1 if c.pipeline_parallel > 1 or c.gradient_sync == "at_last" else m
     across = 1 if c.pipeline_parallel > 1 or c.gradient_sync != "every_micro_batch" else m

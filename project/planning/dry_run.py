@@ -409,6 +409,7 @@ def planned_candidate(cfg: DictConfig, layout: Layout, strategy_name: str) -> An
         data_shard=layout.shape.data_shard,
         gradient_sync=s.get("gradient_sync", "every_micro_batch"),
         context_parallel_kv=s.get("context_parallel_kv", "gather"),
+        reshard_after_forward=bool(s.get("reshard_after_forward", True)),
     )
 
 

@@ -226,6 +226,13 @@ def estimate_memory(
         params, grads, optimizer = shard * storage, shard * storage, 2 * shard * storage
         working = full * compute + full * GRAD_REDUCE_BYTES
         note = "the stage's gathered parameters and unsharded gradients, kept across microbatches"
+    elif not candidate.reshard_after_forward and (dp > 1 or mixed):  # FSDP2 as ZeRO-2: kept from forward to backward
+        params, grads, optimizer = shard * storage, shard * storage, 2 * shard * storage
+        working = full * compute + block * GRAD_REDUCE_BYTES
+        note = "parameters gathered for the whole forward and backward, one block's unsharded gradients"
+        if candidate.gradient_sync == "at_last" and candidate.microbatches > 1:  # FSDP2 reduces after the last
+            working += (full - block) * GRAD_REDUCE_BYTES
+            note = "parameters gathered for the whole forward and backward, every block's unsharded gradients"
     else:  # FSDP2 (ZeRO-3): each block gathered just before use, one ahead
         params, grads, optimizer = shard * storage, shard * storage, 2 * shard * storage
         gathered = dp > 1 or mixed

@@ -55,6 +55,8 @@ def train_overrides(candidate: Candidate, workload: Workload, cluster: Cluster, 
         out.append(f"strategy.data_parallel_shard_size={c.data_shard}")
     if c.gradient_sync != "every_micro_batch":
         out.append(f"strategy.gradient_sync={c.gradient_sync}")
+    if not c.reshard_after_forward and c.strategy in ("fsdp2", "tp_fsdp"):
+        out.append("strategy.reshard_after_forward=false")
     if c.strategy in ("tp", "tp_fsdp", "pipeline"):
         out.append(f"strategy.tensor_parallel_size={c.tensor_parallel}")
     if c.strategy == "pipeline":

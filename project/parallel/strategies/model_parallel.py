@@ -58,14 +58,18 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
     shards them over (project.parallel.expert_parallel).
     `regather_kv`: each block keeps only its rank's part of the keys and values for the backward, which gathers
     them again (long sequences, where every block's gathered keys and values would not fit).
+    `reshard_after_forward=False`: each block's gathered parameters are kept from its forward to its backward, one
+    gather per micro batch instead of two, every block's at once at the end of the forward (ZeRO-2's trade; FSDP1's
+    SHARD_GRAD_OP).
     """
 
     model_on_meta = True  # no rank ever holds the whole model
     # The mesh dimensions outside data parallelism, outermost first: a pipeline's stages. The groups that split the
     # data-parallel ranks (context, experts) keep them outermost too, so that a group's ranks hold one stage.
     outer_dims: tuple[str, ...] = ()
-    # FSDP2 frees each block's gathered parameters after its forward (and gathers them again for the backward);
-    # a pipeline stage keeps them through the step's microbatches.
+    # FSDP2 frees each block's gathered parameters after its forward (and gathers them again for the backward), unless
+    # `reshard_after_forward=False` asks to keep them until the backward; a pipeline stage keeps them through the
+    # step's microbatches.
     reshard_after_forward = True
 
     def __init__(
@@ -88,6 +92,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         data_parallel_shard_size: int | None = None,
         gradient_sync: str = "every_micro_batch",
         context_parallel_kv: str = "gather",
+        reshard_after_forward: bool | None = None,
     ):
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -112,6 +117,8 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         self.expert_parallel_size = expert_parallel_size
         self.data_parallel_shard_size = data_parallel_shard_size
         self.gradient_sync = gradient_sync
+        if reshard_after_forward is not None:  # else the class's: a pipeline stage keeps its gathered parameters
+            self.reshard_after_forward = reshard_after_forward
         self._fsdp_roots: list[FSDPModule] = []
         # As asked ("auto" included): the degrees themselves are known once the world size is (set_up_meshes).
         self._asked_data_parallel_size, self._asked_tensor_parallel_size = data_parallel_size, tensor_parallel_size
