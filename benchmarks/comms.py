@@ -97,7 +97,12 @@ def _pipeline(
 
 LAYOUTS = {
     "ddp": Layout(2, ("strategy=ddp",), "ddp", data_parallel=2),
-    "fsdp": Layout(2, ("strategy=fsdp",), "fsdp", data_parallel=2),
+    # strategy=fsdp's SHARD_GRAD_OP (the planner's fsdp): each block's parameters gathered for a micro batch's
+    # forward and kept for its backward.
+    "fsdp": Layout(
+        2, ("strategy=fsdp", "strategy.sharding_strategy=SHARD_GRAD_OP", "micro_batch_size=1"), "fsdp",
+        data_parallel=2, reshard_after_forward=False, micro_batch=1,
+    ),
     "fsdp2": Layout(2, ("strategy=fsdp2",), "fsdp2", data_parallel=2),
     "tp": Layout(2, ("strategy=tp",), "tp", tensor_parallel=2),
     "tp-sp": Layout(
@@ -155,11 +160,6 @@ LAYOUTS = {
         4, ("strategy=fsdp2", "strategy.data_parallel_shard_size=2", "strategy.gradient_sync=replicas_at_last",
             "micro_batch_size=1"), "fsdp2", data_parallel=4, data_shard=2, gradient_sync="replicas_at_last",
         micro_batch=1,
-    ),
-    # Each block's parameters gathered for a micro batch's forward and kept for its backward (ZeRO-2).
-    "fsdp2-kept-gathered": Layout(
-        2, ("strategy=fsdp2", "strategy.reshard_after_forward=false", "micro_batch_size=1"), "fsdp2",
-        data_parallel=2, reshard_after_forward=False, micro_batch=1,
     ),
     "fsdp2-at-last": Layout(
         2, ("strategy=fsdp2", "strategy.gradient_sync=at_last"), "fsdp2", data_parallel=2, gradient_sync="at_last",

@@ -50,7 +50,6 @@ def test_strategy_configs_build_the_strategy_they_name():
     from hydra.utils import instantiate
 
     from project.parallel.strategies.ddp import GlooFriendlyDDPStrategy
-    from project.parallel.strategies.fsdp import CPUCapableFSDPStrategy
     from project.parallel.strategies.model_parallel import LlamaParallelStrategy
 
     # A new strategy config gets a line here (horovod: built by tests/test_horovod.py, which needs Horovod installed).
@@ -66,8 +65,20 @@ def test_strategy_configs_build_the_strategy_they_name():
         assert instantiate(compose_train(f"strategy={name}", "strategy.float8=rowwise").strategy).float8 == "rowwise"
     assert isinstance(instantiate(compose_train("strategy.compile=true").strategy), TransformedSingleDeviceStrategy)
     assert instantiate(compose_train("strategy=fsdp", "strategy.compile=true").strategy).compile
-    fsdp = instantiate(compose_train("strategy=fsdp", "strategy.sharding_strategy=SHARD_GRAD_OP").strategy)
-    assert isinstance(fsdp, CPUCapableFSDPStrategy) and fsdp.sharding_strategy.name == "SHARD_GRAD_OP"
+    # strategy=fsdp's names, each what FSDP2 does for it: (sharding_strategy, hybrid_shard_size) -> (shard group,
+    # parameters kept gathered from forward to backward).
+    mapped = {
+        ("FULL_SHARD", None): (None, False),
+        ("SHARD_GRAD_OP", None): (None, True),
+        ("HYBRID_SHARD", None): ("node", False),
+        ("HYBRID_SHARD", 4): (4, False),
+        ("NO_SHARD", None): (1, False),
+    }
+    for (sharding, size), (shard, kept) in mapped.items():
+        asked = [f"strategy.sharding_strategy={sharding}", f"strategy.hybrid_shard_size={size or 'null'}"]
+        fsdp = instantiate(compose_train("strategy=fsdp", *asked).strategy)
+        assert isinstance(fsdp, LlamaParallelStrategy), sharding
+        assert fsdp.asked_degrees()["data_parallel_shard_size"] == shard and fsdp.reshard_after_forward is not kept
     for name, dp, tp in (("fsdp2", "auto", 1), ("tp", 1, "auto"), ("tp_fsdp", "auto", 2)):
         strategy = instantiate(compose_train(f"strategy={name}").strategy)
         assert isinstance(strategy, LlamaParallelStrategy)
@@ -120,7 +131,7 @@ def test_every_strategy_of_ours_speaks_the_contract_and_nothing_probes_for_anoth
 def test_the_settings_check_knows_each_strategy_as_its_built_class_does():
     """The torch-free kinds (project.parallel.kinds) answer as the strategies' classes do, once built."""
     from hydra.utils import instantiate
-    from lightning.pytorch.strategies import FSDPStrategy, SingleDeviceStrategy
+    from lightning.pytorch.strategies import SingleDeviceStrategy
 
     from project.parallel.kinds import strategy_kind
     from project.parallel.strategies.horovod import horovod_strategy
@@ -137,7 +148,7 @@ def test_the_settings_check_knows_each_strategy_as_its_built_class_does():
         assert kind.pipeline == isinstance(strategy, LlamaPipelineStrategy), name
         assert kind.single_device == isinstance(strategy, SingleDeviceStrategy), name
         assert not kind.own_launcher and getattr(strategy, "cluster_environment", None) is None, name
-        assert kind.local_checkpoints == isinstance(strategy, FSDPStrategy), name  # FSDP1: no object storage
+        assert (kind.as_fsdp2 is not None) == (name == "fsdp"), name  # Lightning's names for FSDP2's settings
     assert {n for n in STRATEGIES if strategy_kind(compose_train(f"strategy={n}").strategy).pipeline} == {"pipeline"}
 
 

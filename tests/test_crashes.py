@@ -27,7 +27,6 @@ pytestmark = pytest.mark.slow
 # One per checkpoint format and strategy family: tp_fsdp saves what fsdp2 and tp save (DTensor shards over both).
 LAYOUTS = {
     "ddp": [*PARITY_RUN, "strategy=ddp", "trainer.devices=2", "micro_batch_size=null"],
-    "fsdp": [*PARITY_RUN, "strategy=fsdp", "trainer.devices=2"],
     "tp_fsdp": [*PARITY_RUN, "strategy=tp_fsdp", "trainer.devices=4"],
     "pipeline": [*PIPELINE_RUN, "strategy=pipeline", "trainer.devices=2", "strategy.schedule=1f1b"],
 }

@@ -91,8 +91,6 @@ SETS = ["eval.every_n_steps=4", "+eval.sets.train_part.split=train", "+eval.sets
 LAYOUTS = {
     "ddp": ["strategy=ddp", "trainer.devices=2"],
     "fsdp2": ["strategy=fsdp2", "trainer.devices=2"],
-    # FSDP1's root unit (embedding, final norm, head) is gathered only inside its wrapper's forward
-    "fsdp": ["strategy=fsdp", "trainer.devices=2"],
     "tp": ["strategy=tp", "trainer.devices=2"],
     "pipeline": ["strategy=pipeline", "trainer.devices=2"],
     # Each sequence split over 2 ranks: each holds the loss of its part, equally many tokens.
@@ -100,7 +98,7 @@ LAYOUTS = {
     "fsdp2-documents": ["strategy=fsdp2", "trainer.devices=2", "document_mask=true"],
 }
 SINGLE = {  # the one-device runs each layout is held to
-    "ddp": "single", "fsdp2": "single", "fsdp": "single", "tp": "single", "pipeline": "single", "cp2": "single",
+    "ddp": "single", "fsdp2": "single", "tp": "single", "pipeline": "single", "cp2": "single",
     "fsdp2-documents": "documents",
 }  # fmt: skip
 
@@ -114,7 +112,7 @@ def task_files(tmp_path_factory) -> tuple[Path, list[Path]]:
 
 @pytest.fixture(scope="module")
 def runs(tiny_shards, short_document_shards, task_files, tmp_path_factory) -> dict:
-    names = ["single", "without", "documents", "resumed", "fsdp-without", "tasks-at-end", *LAYOUTS]
+    names = ["single", "without", "documents", "resumed", "fsdp2-without", "tasks-at-end", *LAYOUTS]
     folders = {name: tmp_path_factory.mktemp(name) for name in names}
     tasks = f"eval.tasks=[{','.join(str(path) for path in task_files[1])}]"
 
@@ -142,7 +140,7 @@ def runs(tiny_shards, short_document_shards, task_files, tmp_path_factory) -> di
         ],
     )  # fmt: skip
     resumed = case("resumed", f"ckpt_path={checkpoint.parent / 'step-000008.ckpt'}")
-    without_fsdp = case("fsdp-without", *LAYOUTS["fsdp"], evaluated=False)
+    without_fsdp = case("fsdp2-without", *LAYOUTS["fsdp2"], evaluated=False)
     train_in_process(2, [*(case(name, *overrides) for name, overrides in LAYOUTS.items()), without_fsdp])
     train_in_process(1, [resumed])
     return folders
@@ -184,8 +182,8 @@ def test_held_out_losses_are_a_plain_forward_of_the_steps_weights(runs, tiny_sha
 
 @pytest.mark.slow
 def test_a_run_with_evaluation_trains_exactly_as_one_without(runs):
-    # Under FSDP1 too, whose evaluation runs through the wrapper's forward (its hooks) between steps.
-    for evaluated, without in ((runs["fsdp"], runs["fsdp-without"]), (runs["single"], runs["without"])):
+    # Sharded too: FSDP2 gathers each block for the evaluation's forwards between steps, through its hooks.
+    for evaluated, without in ((runs["fsdp2"], runs["fsdp2-without"]), (runs["single"], runs["without"])):
         for metric in ("train/loss", "train/grad_norm", "val/loss"):
             assert read_metrics(evaluated, metric) == read_metrics(without, metric), (evaluated, metric)
         assert not read_metrics(without, "eval/heldout/loss")

@@ -22,8 +22,8 @@ HSDP = ["strategy=fsdp2", "trainer.devices=4", "strategy.data_parallel_shard_siz
 
 @pytest.mark.parametrize(
     "layout",
-    [["strategy=fsdp", "trainer.devices=2"], ["strategy=fsdp2", "trainer.devices=2"], HSDP],
-    ids=["fsdp", "fsdp2", "hsdp-2x2"],
+    [["strategy=fsdp2", "trainer.devices=2"], HSDP],
+    ids=["fsdp2", "hsdp-2x2"],
 )
 def test_each_fsdp_rank_holds_its_share_of_the_model_and_optimizer_state(tiny_shards, tmp_path, layout):
     """Two ranks hold half the model each; so do four under HSDP in pairs (each pair a whole copy)."""

@@ -318,7 +318,6 @@ EP = "strategy.expert_parallel_size"
 LAYOUTS = {
     "ddp": ["strategy=ddp", "trainer.devices=2"],
     "fsdp2": ["strategy=fsdp2", "trainer.devices=2"],
-    "fsdp": ["strategy=fsdp", "trainer.devices=2"],
     "ep2": ["strategy=fsdp2", "trainer.devices=2", f"{EP}=2"],  # each rank 2 of the 4 experts
     "ep2-dp4": ["strategy=fsdp2", "trainer.devices=4", f"{EP}=2"],  # and FSDP2 over the two groups
     "ep4": ["strategy=fsdp2", "trainer.devices=4", f"{EP}=4"],  # each rank one expert
@@ -403,8 +402,7 @@ EXPERT_STATS = [
 def test_each_experts_numerics_are_its_checkpointed_weights_and_one_devices_in_every_layout(runs):
     """Per expert, at a numerics step: the parameter norm is that of its rows of the stacked weights in the step's
     checkpoint (computed here from the file); every layout that keeps rows apart gives one device's norms and update
-    ratios, its expert-parallel, sharded, replicated and pipelined rows summed where they lie; strategy=fsdp, whose
-    ranks hold flat pieces, gives none."""
+    ratios, its expert-parallel, sharded, replicated and pipelined rows summed where they lie."""
     single = runs["single"]
     state = torch.load(single / "checkpoints" / BEST, map_location="cpu", weights_only=False)
     weights = state["state_dict"]
@@ -414,12 +412,11 @@ def test_each_experts_numerics_are_its_checkpointed_weights_and_one_devices_in_e
         logged = read_metrics(single, f"numerics/block{block}/expert{expert}/param_norm")
         assert logged == {AT: pytest.approx(by_hand, rel=1e-6)}
     ratio = "numerics/block1/expert2/update_ratio"
-    references = {**{name: "single" for name in LAYOUTS if name != "fsdp"}, **dict.fromkeys(BIASED, "bias-single")}
+    references = {**dict.fromkeys(LAYOUTS, "single"), **dict.fromkeys(BIASED, "bias-single")}
     for layout, reference in references.items():
         for stat in [*EXPERT_STATS, ratio]:
             ours, theirs = read_metrics(runs[layout], stat)[AT], read_metrics(runs[reference], stat)[AT]
             assert ours == pytest.approx(theirs, rel=1e-3 if stat == ratio else 2e-4), (layout, stat)
-    assert not read_metrics(runs["fsdp"], EXPERT_STATS[0]) and read_metrics(runs["fsdp"], "numerics/block0/grad_norm")
 
 
 @pytest.mark.slow

@@ -147,14 +147,11 @@ def test_checkpoints_refused_where_they_cannot_go_in_one_error(bucket):
     for settings, said in [
         ({"ckpt_dir": "gs://b/c"}, "ckpt_dir=gs://b/c: checkpoints go to a local folder or to S3"),
         ({"ckpt_path": "s3:///c"}, "ckpt_path=s3:///c: checkpoints go to a local folder or to S3"),
-        (
-            {"ckpt_dir": "s3://b/c", "strategy": {"_target_": "project.parallel.strategies.fsdp.fsdp_strategy"}},
-            "with strategy=fsdp: FSDP1 writes its checkpoints to local folders only",
-        ),
     ]:
         with pytest.raises(ConfigError, match=said):
             check_ckpt_dir(OmegaConf.create(settings))
-    check_ckpt_dir(OmegaConf.create({"ckpt_dir": "s3://b/c", "strategy": {"_target_": "x.fsdp2"}}))  # no error
+    fsdp = {"_target_": "project.parallel.strategies.fsdp.fsdp_strategy"}  # FSDP2's folders, as every strategy's
+    check_ckpt_dir(OmegaConf.create({"ckpt_dir": "s3://b/c", "strategy": fsdp}))  # no error
     # A bucket that is not there: said before training starts (project.training.run.train asks first).
     from project.checkpoint.locations import check_reachable
 

@@ -12,20 +12,13 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 
 from project.checkpoint.files import LIGHTNING_EXTRA
 
 # (where it lives, the name, where we use it, why no public name serves)
 ATTRIBUTES = [
-    (
-        FSDPStrategy,
-        "_setup_model",
-        "parallel/strategies/fsdp.py",
-        "wraps the model in FSDP with device_id=cpu, so that FSDP1 runs on CPU with gloo (Lightning's passes a "
-        "CUDA index); no public hook sits between Lightning's setup and the wrap",
-    ),
     (
         ModelCheckpoint,
         "_save_checkpoint",
@@ -74,19 +67,6 @@ INSTANCE_ATTRIBUTES = [
         "run",
     ),
     (
-        lambda: FSDPStrategy(),
-        "_forward_redirection",
-        "parallel/strategies/fsdp.py",
-        "runs an evaluation between steps through the FSDP1 wrapper's forward, as Lightning runs its steps: the root "
-        "unit's parameters are gathered only there (between_steps)",
-    ),
-    (
-        lambda: FSDPStrategy(),
-        "_activation_checkpointing_kwargs",
-        "parallel/strategies/fsdp.py",
-        "what Lightning would pass to its activation checkpointing, applied by our CPU wrap",
-    ),
-    (
         lambda: WandbLogger(project="p", mode="disabled"),
         "_wandb_init",
         "training/loggers.py",
@@ -95,12 +75,6 @@ INSTANCE_ATTRIBUTES = [
 ]
 # Module-level functions and classes.
 FUNCTIONS = [
-    (
-        "lightning.pytorch.strategies.fsdp",
-        "_setup_activation_checkpointing",
-        "parallel/strategies/fsdp.py",
-        "activation checkpointing on our CPU wrap, as Lightning's own wrap applies it",
-    ),
     (
         "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
         "checkpoint_wrapper",
@@ -130,20 +104,16 @@ FUNCTIONS = [
 # What each callable is called with, or overrides: a release that keeps the name but changes its arguments fails
 # here, not in a run. Names absent take no arguments we rely on beyond the name.
 PARAMETERS = {
-    "_setup_model": ["self", "model"],
     "_save_checkpoint": ["self", "trainer", "filepath"],
     "_remove_checkpoint": ["self", "trainer", "filepath"],
     "_broadcast_sigterm_tensor": ["self"],
     "_setup_distributed": ["self"],
     "__create_chunk_list__": ["self"],
-    "_setup_activation_checkpointing": ["module", "activation_checkpointing_kwargs"],
     "checkpoint_wrapper": ["module", "checkpoint_impl", "checkpoint_fn", "checkpoint_fn_kwargs"],
-    "_forward_redirection": ["wrapper_module", "original_module", "method_name", "args", "kwargs"],
 }
 # What each attribute we read or set holds on a new instance.
 HOLDS = {
     "_device_mesh": type(None),
-    "_activation_checkpointing_kwargs": dict,
 }
 
 

@@ -44,7 +44,6 @@ FIRST_STEP = ["trainer.max_steps=1", "global_batch_size=8", "val_every_n_steps=1
 LAYOUTS = {
     "single": [],
     "ddp": ["strategy=ddp", "trainer.devices=2"],
-    "fsdp": ["strategy=fsdp", "trainer.devices=2"],
     "fsdp2": ["strategy=fsdp2", "trainer.devices=2"],
     "tp": ["strategy=tp", "trainer.devices=2"],
     "tp_fsdp": ["strategy=tp_fsdp", "trainer.devices=4"],

@@ -1,5 +1,7 @@
 """Sharded checkpoints: resume under the same or another layout, and export to Hugging Face."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import RESUME_RUN, assert_continues, read_metrics, run_module, run_train
@@ -7,6 +9,7 @@ from conftest import RESUME_RUN, assert_continues, read_metrics, run_module, run
 from project.checkpoint.files import checkpoint_step
 
 pytestmark = pytest.mark.slow
+FSDP1_CHECKPOINT = Path(__file__).parent / "fsdp1_checkpoint" / "step4.ckpt"  # read, never written
 
 
 def test_run_moves_from_tensor_parallel_to_hsdp_to_one_device(tiny_shards, uninterrupted_reference, tmp_path):
@@ -39,14 +42,15 @@ def test_run_moves_from_tensor_parallel_to_hsdp_to_one_device(tiny_shards, unint
 
 
 def test_every_checkpoint_format_resumes_under_every_other_family(tiny_shards, uninterrupted_reference, tmp_path):
-    """A single file, FSDP1 folders and ModelParallel folders each load under the other strategies; those that can
-    write in the background (ckpt_async) do, and what they write resumes alike."""
+    """A single file and FSDP2's folders each load under the other strategies; those that can write in the
+    background (ckpt_async) do, and what they write resumes alike."""
     chain = [
         ["ckpt_async=true"],  # one device writes a single file ...
-        ["strategy=fsdp", "trainer.devices=2"],  # ... FSDP1 reads it (optimizer keyed by position) ...
-        ["strategy=fsdp2", "trainer.devices=2", "ckpt_async=true"],  # ... FSDP2 reads FSDP1's folder ...
-        ["strategy=fsdp", "trainer.devices=2"],  # ... and FSDP1 FSDP2's ...
-        # ... and two DDP processes (Lightning starts the second) FSDP1's.
+        ["strategy=fsdp2", "trainer.devices=2", "ckpt_async=true"],  # ... FSDP2 reads it and writes a folder ...
+        # ... which strategy=fsdp reads, writing one file gathered on rank 0 (optimizer keyed by position) ...
+        ["strategy=fsdp", "trainer.devices=2", "strategy.state_dict_type=full", "ckpt_async=true"],
+        ["strategy=fsdp", "trainer.devices=2"],  # ... which it reads into its shards again ...
+        # ... and two DDP processes (Lightning starts the second) its folder.
         ["strategy=ddp", "trainer.devices=2", "ckpt_async=true"],
     ]
     for hop, layout in enumerate(chain):
@@ -60,8 +64,20 @@ def test_every_checkpoint_format_resumes_under_every_other_family(tiny_shards, u
     assert sorted(sizes) == [3, 4, 7, 9, 11, 14, 15, 19] and all(size > 0 for size in sizes.values())
     assert all(0 < waited[step] <= seconds[step] for step in sizes)
     left = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if not p.name.startswith("best"))
-    # Each change of format moved the old last.ckpt aside once; no converted copies or partial saves remain.
-    assert left == ["last-file.ckpt", "last-sharded.ckpt", "last.ckpt"]
+    # Each change of format moved the old last.ckpt aside (four changes); no converted copies or partial saves remain.
+    assert left == ["last-file-2.ckpt", "last-file.ckpt", "last-sharded-2.ckpt", "last-sharded.ckpt", "last.ckpt"]
+
+
+def test_a_checkpoint_fsdp1_wrote_resumes_under_fsdp_and_on_one_device(tiny_shards, uninterrupted_reference, tmp_path):
+    """strategy=fsdp ran FSDP1 until 2026-12-05: its folders (weights under `model`, AdamW's moments in
+    ShardedTensors; tests/fsdp1_checkpoint/README.md) still resume, sharded or whole, as the run went on."""
+    for name, layout in (("fsdp", ["strategy=fsdp", "trainer.devices=2"]), ("single", [])):
+        resume = [f"ckpt_path={FSDP1_CHECKPOINT}", "trainer.max_steps=8"]
+        run_train(tiny_shards, tmp_path / name, *RESUME_RUN, *resume, *layout)
+        resumed = read_metrics(tmp_path / name, "train/loss")
+        assert sorted(resumed) == [4, 5, 6, 7], name
+        for step, loss in resumed.items():
+            assert loss == pytest.approx(uninterrupted_reference[step], rel=1e-5), (name, step)
 
 
 def test_sharded_checkpoint_exports_to_transformers(tiny_shards, tmp_path):
@@ -92,13 +108,15 @@ def test_sharded_checkpoint_exports_to_transformers(tiny_shards, tmp_path):
 
 
 def test_a_strategy_that_cannot_write_in_the_background_refuses_ckpt_async_by_name():
-    from project.parallel.contract import contract_of
-    from project.parallel.strategies.fsdp import fsdp_strategy
+    from project.parallel.contract import LlamaStrategy
     from project.runtime.errors import ConfigError
 
-    fsdp = contract_of(fsdp_strategy())
-    fsdp.save_in_background(False)  # the default asks nothing of it
+    class OwnStrategy(LlamaStrategy):  # a user's, with the contract's defaults only
+        pass
+
+    own = OwnStrategy()
+    own.save_in_background(False)  # the default asks nothing of it
     with pytest.raises(
-        ConfigError, match=r"ckpt_async=true: this strategy \(CPUCapableFSDPStrategy\) writes .* strategy=fsdp2 shards"
+        ConfigError, match=r"ckpt_async=true: this strategy \(OwnStrategy\) writes .* in the background"
     ):
-        fsdp.save_in_background(True)
+        own.save_in_background(True)

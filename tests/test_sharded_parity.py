@@ -17,26 +17,27 @@ LAYOUTS = {
     # strategy.compile=true where the model stays whole: compiled blocks optimize as the eager ones do. One
     # device compiles through the same hook as ddp (WholeModelTransforms; tests/test_configs.py shows it has it).
     "ddp-compiled-blocks": ["strategy=ddp", "trainer.devices=2", "strategy.compile=true"],
+    # strategy=fsdp: Lightning's names for FSDP2's settings (tests/test_configs.py: which each is).
     "fsdp-full-shard": ["strategy=fsdp", "trainer.devices=2"],
-    "fsdp-shard-grad-op": ["strategy=fsdp", "trainer.devices=2", "strategy.sharding_strategy=SHARD_GRAD_OP"],
+    # Each block's gathered parameters kept from a micro batch's forward to its backward (four micro batches a step).
+    "fsdp-shard-grad-op": [
+        "strategy=fsdp",
+        "trainer.devices=2",
+        "strategy.sharding_strategy=SHARD_GRAD_OP",
+        "micro_batch_size=1",
+    ],
     "fsdp-hybrid-2x2": [
         "strategy=fsdp",
         "trainer.devices=4",
         "strategy.sharding_strategy=HYBRID_SHARD",
         "strategy.hybrid_shard_size=2",
     ],
-    "fsdp-compiled-blocks": ["strategy=fsdp", "trainer.devices=2", "strategy.compile=true"],
-    "fsdp-activation-checkpointing": ["strategy=fsdp", "trainer.devices=2", "strategy.activation_checkpointing=true"],
+    "fsdp-no-shard": ["strategy=fsdp", "trainer.devices=2", "strategy.sharding_strategy=NO_SHARD"],
+    # Its checkpoints one file, gathered on rank 0 (the weights compared below are read from it).
+    "fsdp-one-file": ["strategy=fsdp", "trainer.devices=2", "strategy.state_dict_type=full"],
     "fsdp2": ["strategy=fsdp2", "trainer.devices=2"],
     "fsdp2-activation-checkpointing": ["strategy=fsdp2", "trainer.devices=2", "strategy.activation_checkpointing=true"],
     "fsdp2-compiled-blocks": ["strategy=fsdp2", "trainer.devices=2", "strategy.compile=true"],
-    # Each block's gathered parameters kept from a micro batch's forward to its backward (two micro batches a step).
-    "fsdp2-kept-gathered": [
-        "strategy=fsdp2",
-        "trainer.devices=2",
-        "strategy.reshard_after_forward=false",
-        "micro_batch_size=1",
-    ],
     # HSDP: each weight sharded within pairs of neighbouring ranks, its gradient shards all-reduced across the pairs
     # (two micro batches a step: after the second only).
     "fsdp2-hybrid-2x2": [

@@ -64,11 +64,10 @@ LAYOUTS = {
     "fsdp2": ["strategy=fsdp2", "trainer.devices=2"],
     "pipeline": ["strategy=pipeline", "trainer.devices=2"],
 }
-# Skipped only (their numerics sum shards in other ways: tensor-parallel slices and replicated norms, FSDP1's pieces).
+# Skipped only (their numerics sum shards in other ways: tensor-parallel slices and replicated norms, copies).
 SKIPPED_ONLY = {
     "tp": ["strategy=tp", "trainer.devices=2"],
-    "fsdp": ["strategy=fsdp", "trainer.devices=2"],
-    # Each rank a whole copy: its sums are divided by the two copies.
+    # Each rank a whole copy (FSDP2 replicating over groups of one rank): its sums are not counted twice.
     "fsdp-no-shard": ["strategy=fsdp", "trainer.devices=2", "strategy.sharding_strategy=NO_SHARD"],
 }
 LOG_EVERY_LATER = 4  # logging steps 3 and 7: a spike at 5 is read two steps after it

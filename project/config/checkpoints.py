@@ -11,7 +11,6 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from project.checkpoint.urls import check_url, is_remote
-from project.parallel.kinds import strategy_kind
 from project.runtime.errors import ConfigError
 
 # ckpt_path=auto: resume from the run's last checkpoint where there is one, start the run otherwise.
@@ -31,16 +30,11 @@ def checkpoint_dir(cfg: DictConfig, run_dir: str | os.PathLike) -> str:
 
 
 def check_ckpt_dir(cfg: DictConfig) -> None:
-    """An object-storage `ckpt_dir` is one the platform writes to (S3), with a strategy that can."""
+    """An object-storage `ckpt_dir` or `ckpt_path` is one the platform reads and writes (S3)."""
     value = cfg.get("ckpt_dir")
     for setting, url in (("ckpt_dir", value), ("ckpt_path", cfg.get("ckpt_path"))):
         if is_remote(url):
             check_url(url, setting)
-    if is_remote(value) and strategy_kind(cfg.get("strategy", {})).local_checkpoints:
-        raise ConfigError(
-            f"ckpt_dir={value} with strategy=fsdp: FSDP1 writes its checkpoints to local folders only. Use "
-            "strategy=fsdp2 (the same sharding, and what the platform recommends), or a local ckpt_dir."
-        )
 
 
 def saves_in(folder: str | os.PathLike) -> list[Path]:

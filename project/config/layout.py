@@ -13,7 +13,7 @@ from project.config.values import model_config
 from project.model.config import LlamaConfig
 from project.model.families import family_of
 from project.parallel.batch import BatchPlan, plan_batches, plan_pipeline_batches
-from project.parallel.kinds import strategy_kind
+from project.parallel.kinds import mesh_settings, strategy_kind
 from project.parallel.mesh import (
     MeshShape,
     check_context_parallel_degree,
@@ -138,7 +138,7 @@ def plan_layout(cfg: DictConfig, num_nodes: int, devices_per_node: int) -> Layou
     """Degrees and batch plan of the run on `num_nodes x devices_per_node` devices, refusing what
     cannot be built: degrees that do not divide the devices or the model, batches that do not split,
     pipelines that cannot be scheduled."""
-    strategy_cfg = OmegaConf.to_container(cfg.strategy, resolve=True)
+    strategy_cfg = mesh_settings(OmegaConf.to_container(cfg.strategy, resolve=True))
     model = model_config(cfg)
     check_expert_parallel(model, strategy_cfg.get("expert_parallel_size", 1))  # a model without experts first
     shape = mesh_shape(strategy_cfg, num_nodes * devices_per_node, devices_per_node)

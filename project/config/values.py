@@ -50,8 +50,8 @@ RULES: list[Rule] = [
     (
         "strategy.hybrid_shard_size",
         or_null(whole(2)),
-        "null (the devices of a node) or 2 or more: over groups of one rank torch's FSDP reduces each rank's "
-        "gradients alone and the copies drift apart (for a whole copy on every rank: sharding_strategy=NO_SHARD)",
+        "null (the devices of a node) or 2 or more: a group of one rank holds a whole copy, which "
+        "sharding_strategy=NO_SHARD says",
     ),
     ("data.seq_len", whole(2), "a whole number of tokens, 2 or more"),
     (

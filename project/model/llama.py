@@ -339,7 +339,7 @@ class Llama(nn.Module):
             size = (n_rows if rows is None else rows.numel(), n_cols if cols is None else cols.numel())
             values = torch.ones(size, device="cpu") if out is None else out.fill_(1.0)
         else:
-            # Keyed by the name the family gives it, whatever wraps its block (activation checkpointing, FSDP1).
+            # Keyed by the name the family gives it, whatever wraps its block (activation checkpointing).
             values = normal_values(self.init_seed, own_name(name), shape, std, rows, cols, out)
         return values.view(shape) if rows is None and cols is None and out is None else values
 

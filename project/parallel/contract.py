@@ -66,11 +66,6 @@ class TrainingModule(Protocol):
         """`target_scores` of the final hidden states [B, T, dim], as `criterion` takes them."""
         ...
 
-    def run_inside_forward(self, work: Callable[[], T]) -> T:
-        """`work()`, called where a strategy whose wrapper holds parameters sharded outside its forward (FSDP1's root
-        unit) routes a call through that forward (`between_steps`)."""
-        ...
-
     def zero_grad(self, set_to_none: bool = True) -> None: ...
 
     def optimizer_order(self) -> list[str]:
@@ -92,7 +87,7 @@ class Replica:
 
 
 class LlamaStrategy:
-    """The defaults, which suit a strategy that keeps the whole model on each rank (single, ddp, fsdp, horovod)."""
+    """The defaults, which suit a strategy that keeps the whole model on each rank (single, ddp, horovod)."""
 
     #: The module builds the model on the meta device (no memory), and `parallelize` gives it memory.
     model_on_meta: ClassVar[bool] = False
@@ -199,8 +194,8 @@ class LlamaStrategy:
         if enabled:
             raise ConfigError(
                 f"ckpt_async=true: this strategy ({type(self).__name__}) writes its checkpoints while training waits. "
-                "strategy=fsdp2 shards as strategy=fsdp does and writes in the background (so do single, ddp, tp, "
-                "tp_fsdp, pipeline and horovod); or set ckpt_async=false."
+                "The platform's own write in the background (single, ddp, fsdp, fsdp2, tp, tp_fsdp, pipeline and "
+                "horovod); or set ckpt_async=false."
             )
 
     def checkpoint_written(self) -> Future | None:

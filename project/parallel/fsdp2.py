@@ -7,7 +7,7 @@ from typing import Callable, cast
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from project.model.llama import Llama
@@ -21,6 +21,7 @@ def apply_fsdp2(
     reduce_dtype: str | None = None,
     reshard_after_forward: bool = True,
     experts_mesh: DeviceMesh | None = None,
+    cpu_offload: bool = False,
 ) -> None:
     """Shard parameters, gradients and optimizer state over `mesh`: a 1-D mesh shards over all its ranks; a 2-D mesh
     (HSDP) shards along its second dimension and replicates across its first, where FSDP2 all-reduces each
@@ -38,11 +39,15 @@ def apply_fsdp2(
     `experts_mesh`: the ranks that hold the same experts, where expert parallelism split them
     (project.parallel.expert_parallel): each mixture's experts are sharded over those ranks alone, and their
     gradients averaged over them (each already the mean over its expert-parallel group's ranks).
+    `cpu_offload`: the shards, their gradients and the optimizer's states kept in host memory, copied to the device
+    for each gather (FSDP2's CPUOffloadPolicy).
     """
     policy = MixedPrecisionPolicy(
         param_dtype=getattr(torch, param_dtype) if param_dtype else None,
         reduce_dtype=getattr(torch, reduce_dtype or "float32"),
     )
+
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
 
     def shard(module: nn.Module, over: DeviceMesh) -> None:
         placement = stacked_experts_by_width(over.size(over.ndim - 1))  # the ranks that split each weight
@@ -52,6 +57,7 @@ def apply_fsdp2(
             mp_policy=policy,
             reshard_after_forward=reshard_after_forward,
             shard_placement_fn=placement,
+            offload_policy=offload,
         )
 
     # nn.Module's attribute typing (Tensor | Module) does not know a stage's `layers` is a ModuleDict.
@@ -60,7 +66,7 @@ def apply_fsdp2(
             if isinstance(experts, SplitExperts) and experts_mesh is not None:
                 shard(experts, experts_mesh)  # over the ranks holding the same experts, before the block
         shard(block, mesh)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward, offload_policy=offload)
 
 
 def stacked_experts_by_width(ranks: int) -> Callable[[nn.Parameter], Shard | None]:

@@ -7,6 +7,7 @@ the two together). A strategy of your own that is neither runs as data paralleli
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -21,8 +22,28 @@ class StrategyKind:
     context_parallel: bool = False
     #: It runs one process on one device, whatever trainer.devices asks.
     single_device: bool = False
-    #: It writes checkpoints to local folders only, not to object storage (ckpt_dir=s3://...).
-    local_checkpoints: bool = False
+    #: Its settings as the FSDP2 strategy's (project.parallel.strategies.model_parallel), where it names them
+    #: otherwise: the mesh is read from those.
+    as_fsdp2: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+
+
+# strategy=fsdp's settings, Lightning's FSDPStrategy names, and what each is on FSDP2 (strategy=fsdp2's names).
+SHARDING_STRATEGIES: dict[str, dict[str, Any]] = {
+    "FULL_SHARD": {},  # each block gathered for its forward, again for its backward (ZeRO-3)
+    "SHARD_GRAD_OP": {"reshard_after_forward": False},  # kept gathered from forward to backward (ZeRO-2)
+    "HYBRID_SHARD": {"data_parallel_shard_size": "node"},  # sharded within a node, replicated across (HSDP)
+    "NO_SHARD": {"data_parallel_shard_size": 1},  # a whole copy on every rank, gradients all-reduced (DDP's)
+}
+
+
+def fsdp_names_as_fsdp2(strategy_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """strategy=fsdp's settings as strategy=fsdp2's: its sharding_strategy and hybrid_shard_size (the ranks of a
+    HYBRID_SHARD group; null: a node's) become data_parallel_shard_size and reshard_after_forward."""
+    settings = {k: v for k, v in strategy_cfg.items() if k not in ("sharding_strategy", "hybrid_shard_size")}
+    mapped = dict(SHARDING_STRATEGIES.get(str(strategy_cfg.get("sharding_strategy", "FULL_SHARD")), {}))
+    if "data_parallel_shard_size" in mapped and mapped["data_parallel_shard_size"] == "node":
+        mapped["data_parallel_shard_size"] = strategy_cfg.get("hybrid_shard_size") or "node"
+    return {**settings, **mapped}
 
 
 DATA_PARALLEL = StrategyKind()
@@ -32,10 +53,16 @@ KINDS: dict[str, StrategyKind] = {
     "project.parallel.strategies.horovod.horovod_strategy": StrategyKind(own_launcher=True),
     "project.parallel.strategies.single.single_device_strategy": StrategyKind(single_device=True),
     "project.parallel.strategies.model_parallel.LlamaParallelStrategy": StrategyKind(context_parallel=True),
-    "project.parallel.strategies.fsdp.fsdp_strategy": StrategyKind(local_checkpoints=True),
+    "project.parallel.strategies.fsdp.fsdp_strategy": StrategyKind(as_fsdp2=fsdp_names_as_fsdp2),
 }
 
 
 def strategy_kind(strategy_cfg: Mapping[str, Any]) -> StrategyKind:
     """The kind of the strategy that `strategy_cfg` (a conf/strategy node) builds."""
     return KINDS.get(str(strategy_cfg.get("_target_", "")), DATA_PARALLEL)
+
+
+def mesh_settings(strategy_cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The settings the mesh is read from: a strategy's own, or their FSDP2 names where it names them otherwise."""
+    translate = strategy_kind(strategy_cfg).as_fsdp2
+    return translate(strategy_cfg) if translate else strategy_cfg

@@ -133,7 +133,8 @@ def mesh_shape(strategy_cfg: Mapping[str, Any], world_size: int, devices_per_nod
     `tensor_parallel_size: auto` takes what the other degrees leave, or a whole node;
     `pipeline_parallel_size: auto` takes what tensor (and a fixed data) parallelism leave;
     `data_parallel_size: auto` fills the rest. `context_parallel_size` and `expert_parallel_size` are numbers
-    (default 1); `data_parallel_shard_size` a number or null (FSDP2 shards over every data x context rank).
+    (default 1); `data_parallel_shard_size` a number, `node` (the data x context ranks of a node) or null (FSDP2
+    shards over every data x context rank).
     Strategies without a setting have degree 1 there (data parallelism: auto).
     """
     pp = strategy_cfg.get("pipeline_parallel_size", 1)
@@ -178,6 +179,8 @@ def mesh_shape(strategy_cfg: Mapping[str, Any], world_size: int, devices_per_nod
     ep = strategy_cfg.get("expert_parallel_size", 1)
     check_expert_degree(ep, replicas * cp, int(pp))
     shard = strategy_cfg.get("data_parallel_shard_size")
+    if shard == "node":  # the data x context ranks of one node
+        shard = max(1, devices_per_node // int(tp))
     check_shard_degree(shard, replicas * cp, devices_per_node // int(tp))
     shard = None if shard == replicas * cp else shard  # every data x context rank: FSDP2's own sharding
     check_gradient_sync(strategy_cfg.get("gradient_sync", GRADIENT_SYNCS[0]), shard is not None)

@@ -1,6 +1,6 @@
 """`strategy.activation_checkpointing=true` under the model-parallel strategies (fsdp2, tp, tp_fsdp, pipeline): each
 block's activations recomputed in its backward instead of kept from its forward, through torch's checkpoint_wrapper
-(as torchtitan and Lightning's FSDP apply it; FSDP1 goes through Lightning's own, project.parallel.strategies.fsdp).
+(as torchtitan and Lightning's FSDP apply it).
 
 The wrapper strips its own name from state dicts, so checkpoints keep the plain model's names; inside the model its
 parameters are named with it, which the model's tensors are found without (project.model.spec.own_name).

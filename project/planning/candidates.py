@@ -107,7 +107,7 @@ class Candidate:
         parts = [self.strategy, degrees, f"mb{self.micro_batch_size}"]
         if self.gradient_sync != "every_micro_batch":
             parts.append(f"sync-{self.gradient_sync}")
-        if not self.reshard_after_forward and self.pipeline_parallel == 1:
+        if not self.reshard_after_forward and self.strategy in ("fsdp2", "tp_fsdp"):
             parts.append("kept-gathered")
         if self.schedule:
             parts.append(f"{self.schedule}-v{self.virtual_stages}")
@@ -283,4 +283,8 @@ def _checked(
             check_pipeline(config, schedule, MeshShape(pp, dp, tp, cp), v, microbatches)
     except ConfigError:
         return None
-    return Candidate(strategy, dp, tp, pp, micro, microbatches, recompute, sp, schedule, v, cp)
+    # The planner's fsdp is strategy=fsdp's SHARD_GRAD_OP (ZeRO-2): FSDP2 keeping each block's parameters gathered.
+    kept = strategy == "fsdp"
+    return Candidate(
+        strategy, dp, tp, pp, micro, microbatches, recompute, sp, schedule, v, cp, reshard_after_forward=not kept
+    )

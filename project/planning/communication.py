@@ -30,10 +30,8 @@ stage, the final norm and output head on the last; the microbatch's activation [
   parameters for its backward. HSDP (strategy.data_parallel_shard_size) gathers and reduce-scatters within its
   shard groups and all-reduces each reduce-scattered shard across them. strategy.gradient_sync=replicas_at_last
   all-reduces across the groups after a step's last microbatch only, at_last reduce-scatters only then too.
-- FSDP1 (strategy fsdp, FULL_SHARD, each block a unit and the rest the root's): per microbatch every unit gathered for
-  the forward and the blocks again for the backward (the root stays gathered); the gradients reduce-scattered once
-  per step (Lightning accumulates without syncing), both in the compute dtype. Each unit's flat parameter padded to a
-  multiple of the ranks.
+- strategy=fsdp is FSDP2 with Lightning's names (project.parallel.strategies.fsdp); the planner's fsdp layouts are
+  its SHARD_GRAD_OP (strategy.reshard_after_forward=false).
 - DDP: the gradients all-reduced once per step, in buckets of DDP's caps (1 MiB first, then 25 MiB).
 - float8 (strategy.float8=tensorwise, project.parallel.float8): FSDP2 gathers the float8 weights as float8 (one
   byte each; a block's norms keep the compute dtype) and, before each forward that gathers them, all-reduces their
@@ -43,7 +41,7 @@ stage, the final norm and output head on the last; the microbatch's activation [
   (forward and backward). Sequence parallelism's gathers in float8 (torchao's float8 styles, on GPUs: gloo has no
   float8 collectives) are counted in the compute dtype.
 - Per step, whatever the layout: the loss averaged over every rank (an all-reduce of one float, for the loss-spike
-  check); the gradient norm's reduction (FSDP1: one float; DTensor's: one all-reduce of a float per parameter tensor
+  check); the gradient norm's reduction (DTensor's: one all-reduce of a float per parameter tensor
   per mesh dimension the tensors are split over); under a pipeline, the norm summed over the stages and the loss
   broadcast from the last stage.
 
@@ -72,7 +70,6 @@ from project.planning.parameters import (
     holds_first_and_last,
     local_block,
     mixture_of,
-    rank_blocks,
     rank_layers,
     rank_own,
     rank_weights,
@@ -456,18 +453,6 @@ def data_parallel(config: LlamaConfig, c: Candidate, precision: str, rank: int =
         sizes = [w.numel * STORAGE_BYTES[precision] for w in weights]
         return _kept([groups.collective("all_reduce", shard, ddp_buckets(sizes), sum(sizes), part)])
     compute = COMPUTE_BYTES[precision]
-    if c.strategy == "fsdp":
-        units = [*rank_blocks(config, c, rank), rank_own(config, c, rank)]
-        flat = [math.ceil(sum(w.numel for w in unit) / n) * n for unit in units if unit]
-        blocks = sum(flat[: len(held_blocks(config, c, rank))])
-        return _kept(
-            [
-                groups.collective(
-                    "all_gather", shard, m * (2 * len(flat) - 1), m * (sum(flat) + blocks) * compute, part
-                ),
-                groups.collective("reduce_scatter", shard, len(flat), sum(flat) * compute, part),
-            ]
-        )
     if c.pipeline_parallel > 1 and c.schedule in SPLIT_BACKWARD:
         return []  # no FSDP2 under these schedules (project.parallel.pipeline_layout refuses them with data parallel)
     in_float8 = float8_gathers(c)
@@ -523,9 +508,7 @@ def step_reductions(config: LlamaConfig, c: Candidate, rank: int = 0) -> list[Co
     pipeline's sum of the norm over its stages and broadcast of the loss (module docstring)."""
     groups, part = _Groups(c), "step"
     found = [groups.collective("all_reduce", DENSE, 1, FLOAT, part)]
-    if c.strategy == "fsdp":
-        found.append(groups.collective("all_reduce", ("data", "context"), 1, FLOAT, part))
-    elif c.strategy != "ddp":
+    if c.strategy != "ddp":
         # DTensor's norm: the per-tensor norms of each mesh's parameters, reduced once per dimension they are split
         # over. Tensor-parallel tensors (all but a mixture's router under sequence parallelism) lie on the (data,
         # tensor) mesh, the others on the data mesh; a mixture's experts under expert parallelism on their own

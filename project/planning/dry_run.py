@@ -7,15 +7,12 @@ builds the model on the meta device and shards it with the strategy's own `shard
 collectives do nothing. What each rank would hold is read off the sharded model: nothing is allocated,
 nothing trains, and only the report (dry_run.json in the run directory) is written.
 
-Strategies that do not shard (ddp) hold a full replica. FSDP1 (strategy=fsdp) cannot wrap a meta model
-on a machine without a GPU (torch refuses), so its shares are computed from its rule instead (each block
-one flat unit, padded to a multiple of the shard group) and marked so.
+Strategies that do not shard (ddp) hold a full replica.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -187,45 +184,10 @@ def replica_share(cfg: DictConfig, shape: MeshShape, rank: int) -> RankShare:
     return share_of(build_meta_model(cfg), rank, shape, [])
 
 
-def fsdp1_share(cfg: DictConfig, shape: MeshShape, rank: int, devices_per_node: int) -> RankShare:
-    """FSDP1, computed: each block one flat unit and the rest (embedding, norm, head) the root's, each
-    padded to a multiple of the shard group and split evenly (every rank the same)."""
-    model = build_meta_model(cfg)
-    sharding = cfg.strategy.get("sharding_strategy", "FULL_SHARD")
-    world = shape.world_size
-    group = {"NO_SHARD": 1, "HYBRID_SHARD": cfg.strategy.get("hybrid_shard_size") or devices_per_node}.get(
-        sharding, world
-    )
-    in_blocks = {id(p) for block in model.layers.values() for p in block.parameters()}
-    units = [list(block.parameters()) for block in model.layers.values()] + [
-        [p for p in model.parameters() if id(p) not in in_blocks]
-    ]
-    itemsize = next(model.parameters()).element_size()
-    shards = [math.ceil(sum(p.numel() for p in unit) / group) for unit in units if unit]
-    parameters = sum(shards)
-    largest = max(shards)
-    return RankShare(
-        rank,
-        *_coordinates(rank, shape),
-        [],
-        parameters=parameters,
-        param_bytes=parameters * itemsize,
-        grad_bytes=parameters * itemsize,
-        optimizer_bytes=2 * parameters * itemsize + ADAM_STEP_BYTES * len(units),
-        largest_tensor=_tensor_line("a flat unit's shard", [largest], largest * itemsize),
-        largest_bytes=largest * itemsize,
-        context_parallel=shape.coordinate(rank, "context"),
-    )
-
-
 def _kind(strategy: Any) -> str:
-    from lightning.pytorch.strategies import FSDPStrategy
-
     from project.parallel.strategies.model_parallel import LlamaParallelStrategy
 
-    if isinstance(strategy, LlamaParallelStrategy):  # the pipeline's too
-        return "sharded"
-    return "fsdp1" if isinstance(strategy, FSDPStrategy) else "replica"
+    return "sharded" if isinstance(strategy, LlamaParallelStrategy) else "replica"  # the pipeline's and fsdp's too
 
 
 def how_shared(cfg: DictConfig) -> str:
@@ -234,7 +196,6 @@ def how_shared(cfg: DictConfig) -> str:
     strategy = instantiate(cfg.strategy, _convert_="all")
     return {
         "sharded": f"{type(strategy).__name__}.shard on a fake process group of the job's size",
-        "fsdp1": "computed from FSDP1's flat units (torch cannot wrap a meta model without a GPU)",
         "replica": "a full replica on every rank",
     }[_kind(strategy)]
 
@@ -246,8 +207,6 @@ def rank_share(cfg: DictConfig, layout: Layout, rank: int) -> RankShare:
     kind = _kind(instantiate(cfg.strategy, _convert_="all"))
     if kind == "sharded":
         return shard_rank(cfg, layout.shape, rank)
-    if kind == "fsdp1":
-        return fsdp1_share(cfg, layout.shape, rank, int(cfg.trainer.devices))
     return replica_share(cfg, layout.shape, rank)
 
 
@@ -387,8 +346,9 @@ def planned_candidate(cfg: DictConfig, layout: Layout, strategy_name: str) -> An
     pp, dp, tp = layout.shape.pipeline_parallel, layout.shape.data_parallel, layout.shape.tensor_parallel
     name = "ddp" if strategy_name == "single" else strategy_name
     precision = str(cfg.trainer.get("precision", "32-true"))
-    zero2 = name != "fsdp" or s.get("sharding_strategy") == "SHARD_GRAD_OP"  # the planner's fsdp is ZeRO-2
-    if name not in STRATEGIES or precision not in STORAGE_BYTES or not zero2:
+    if name == "fsdp" and s.get("sharding_strategy") != "SHARD_GRAD_OP":  # the planner's fsdp is that one (ZeRO-2)
+        name = "fsdp2"  # the others are FSDP2's own layouts: their shard groups are the layout's (mesh_settings)
+    if name not in STRATEGIES or precision not in STORAGE_BYTES:
         return None
     schedule = s.get("schedule") if pp > 1 else None
     return Candidate(
@@ -409,7 +369,8 @@ def planned_candidate(cfg: DictConfig, layout: Layout, strategy_name: str) -> An
         data_shard=layout.shape.data_shard,
         gradient_sync=s.get("gradient_sync", "every_micro_batch"),
         context_parallel_kv=s.get("context_parallel_kv", "gather"),
-        reshard_after_forward=bool(s.get("reshard_after_forward", True)),
+        # strategy=fsdp's SHARD_GRAD_OP, the planner's fsdp, keeps the parameters gathered as this setting does.
+        reshard_after_forward=bool(s.get("reshard_after_forward", True)) and name != "fsdp",
     )
 
 

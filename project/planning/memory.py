@@ -216,10 +216,6 @@ def estimate_memory(
         params, grads, optimizer = full * storage, full * storage, 2 * full * storage
         working = full * storage + (full * compute if mixed else 0)
         note = "DDP's gradient buckets" + (" and autocast's 16-bit weight copies" if mixed else "")
-    elif candidate.strategy == "fsdp":  # ZeRO-2: parameters gathered from the forward until the backward ends
-        params, grads, optimizer = shard * storage, shard * storage, 2 * shard * storage
-        working = full * compute + block * compute  # Lightning's FSDP1 gathers and reduces in the compute dtype
-        note = "parameters gathered for the whole forward and backward, one block's unsharded gradients"
     elif candidate.pipeline_parallel > 1 and (dp > 1 or mixed):
         # torch's pipeline stages keep FSDP2's gathered parameters and accumulate unsharded gradients over the
         # step's microbatches, reduce-scattering once at its end (PipelineStage.backward_maybe_with_nosync).

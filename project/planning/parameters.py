@@ -195,10 +195,5 @@ def shard_numel(weight: Weight, ranks: int) -> int:
 
 def sharded_parameters(config: LlamaConfig, candidate: Candidate, pipeline_rank: int = 0) -> int:
     """Parameters of data-parallel rank 0's shards: FSDP2 cuts each tensor into dp pieces (dp x cp under context
-    parallelism; `shard_numel`), the first ones rounded up. FSDP1 (strategy fsdp) flattens each block and pads it
-    to dp equal pieces."""
-    dp = candidate.shard_ranks
-    if candidate.strategy == "fsdp":
-        units = [*rank_blocks(config, candidate, pipeline_rank), rank_own(config, candidate, pipeline_rank)]
-        return sum(math.ceil(sum(w.numel for w in unit) / dp) for unit in units if unit)
+    parallelism; `shard_numel`), the first ones rounded up."""
     return sum(shard_numel(w, shard_ranks(candidate, w)) for w in rank_weights(config, candidate, pipeline_rank))

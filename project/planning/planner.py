@@ -122,8 +122,8 @@ FLOAT8_CHOICES = (None, "tensorwise", "auto")
 
 
 def with_float8(found: list[Candidate], workload: Workload, cluster: Cluster) -> list[Candidate]:
-    """The candidates in float8 (`tensorwise`), or each both ways (`auto`: the table then shows where it pays); FSDP1
-    trains no float8 layers and stays as it is."""
+    """The candidates in float8 (`tensorwise`), or each both ways (`auto`: the table then shows where it pays);
+    strategy=fsdp takes no float8 setting and stays as it is."""
     if workload.float8 not in FLOAT8_CHOICES:
         shown = ", ".join("null" if c is None else c for c in FLOAT8_CHOICES)
         raise ConfigError(
@@ -137,8 +137,8 @@ def with_float8(found: list[Candidate], workload: Workload, cluster: Cluster) ->
     converted, kept = [], []
     for c in found:
         as_float8 = dataclasses.replace(c, float8="tensorwise")
-        # FSDP1 trains no float8 layers; a layout whose ranks hold no projection float8 can take gains nothing; a
-        # rank's tokens of a sequence must be a multiple of 16 too (project.config.float8)
+        # strategy=fsdp takes no float8 setting; a layout whose ranks hold no projection float8 can take gains
+        # nothing; a rank's tokens of a sequence must be a multiple of 16 too (project.config.float8)
         tokens = workload.seq_len // c.context_parallel
         takes = (
             c.strategy != "fsdp" and any(float8_weights(workload.model, as_float8)) and tokens % FLOAT8_MULTIPLE == 0

@@ -242,8 +242,7 @@ def _data_parallel_exposed(
         elif c.pipeline_parallel > 1:  # gathered once and kept; reduce-scattered after the last backward
             rank_exposed = max(0.0, gather - microbatch_compute) + reduce
         else:
-            # Each block's gathers and reductions overlapping the next block's compute, microbatch by microbatch
-            # (FSDP1 reduces once per step: its reduction spread over the microbatches here).
+            # Each block's gathers and reductions overlapping the next block's compute, microbatch by microbatch.
             rank_exposed = c.microbatches * max(0.0, (gather + reduce) / c.microbatches - microbatch_compute)
         exposed = max(exposed, rank_exposed)
     return exposed

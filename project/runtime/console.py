@@ -31,19 +31,9 @@ from project.runtime.secrets import redact_text
 KNOWN_WARNINGS = [
     # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecated; nothing of ours is involved.
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", "Lightning's own use of a deprecated torch API"),
-    # strategy=fsdp is FSDP1, whose sharded checkpoints torch builds on ShardedTensor and looks up the
-    # process group's device through a deprecated helper at each save. strategy=fsdp2 is the DTensor path.
-    (r"Please use DTensor instead and we are deprecating ShardedTensor", "FSDP1's checkpoint format"),
-    (r"`_get_pg_default_device` will be deprecated", "FSDP1's checkpoint format"),
-    (r"Multiple backends are registered with this ProcessGroup", "FSDP1's checkpoint format: gloo on CPU"),
     # Lightning says this on any machine where SLURM is installed, even of a run meant for that machine
     # alone; a run on the cluster goes through srun (experiments/slurm/train.sbatch).
     (r"The `srun` command is available on your system but is not used", "a local run where SLURM is installed"),
-    # Lightning's FSDP1 resume reads the sharded optimizer state through torch's old loader.
-    (
-        r"`load_state_dict` is deprecated and will be removed in future versions. Please use `load` instead",
-        "Lightning's FSDP1 checkpoint loading",
-    ),
 ]
 
 # torch.distributed.tensor logs this when a gradient norm sharded over both mesh dimensions (FSDP2 x

@@ -26,7 +26,7 @@ from project.model.config import LlamaConfig
 from project.model.families import build_model, model_config
 from project.model.loss import IGNORED, target_scores
 from project.model.spec import own_name
-from project.parallel.contract import LlamaStrategy, T, contract_of
+from project.parallel.contract import LlamaStrategy, contract_of
 from project.runtime.errors import ConfigError
 from project.training.callbacks.steps import logs_at
 from project.training.nonfinite import NonFiniteGuard, takes_the_flag_on_the_device
@@ -239,10 +239,6 @@ class LlamaLitModule(LightningModule):
         """Mean next-token cross-entropy of the output head's logits of `hidden` [B, T, dim] (the final norm's
         output: a pipeline's last stage) against targets [B, T], computed without whole logits (Llama.head_loss)."""
         return _plain(self.model.head_loss(hidden, targets))
-
-    def run_inside_forward(self, work: Callable[[], T]) -> T:
-        """`work()`: what a strategy runs through its wrapper's forward (project.parallel.contract.between_steps)."""
-        return work()
 
     @torch.no_grad()
     def target_scores(
@@ -465,9 +461,8 @@ class LlamaLitModule(LightningModule):
 
     def decay_groups(self) -> list[tuple[float, list[tuple[str, nn.Parameter]]]]:
         """(weight decay, [(name, parameter)]) per AdamW group: those the family's tensors say decay (weight
-        matrices, the embedding), then the others (norm gains). Chosen by name, not by p.ndim: FSDP1 with
-        use_orig_params exposes each parameter as a flat 1-D shard. Names are relative to this module, as in
-        checkpoints."""
+        matrices, the embedding), then the others (norm gains). Chosen by name, as the family's spec says, not
+        by p.ndim. Names are relative to this module, as in checkpoints."""
         decays = self._decays()
         named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
         return [

@@ -20,8 +20,8 @@ def _optimizer_order(strategy: Any) -> list[str]:
 
 
 class ShardedLoading:
-    """For strategies that restore after setup and load the optimizer themselves (Lightning's FSDPStrategy and
-    ModelParallelStrategy): the model and its optimizer are built and sharded when `load_checkpoint` runs."""
+    """For strategies that restore after setup and load the optimizer themselves (Lightning's
+    ModelParallelStrategy's): the model and its optimizer are built and sharded when `load_checkpoint` runs."""
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         strategy = cast(Any, self)

@@ -60,7 +60,8 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
     them again (long sequences, where every block's gathered keys and values would not fit).
     `reshard_after_forward=False`: each block's gathered parameters are kept from its forward to its backward, one
     gather per micro batch instead of two, every block's at once at the end of the forward (ZeRO-2's trade; FSDP1's
-    SHARD_GRAD_OP).
+    SHARD_GRAD_OP). `cpu_offload`: each rank's shards, their gradients and the optimizer's states in host memory
+    (FSDP2's CPUOffloadPolicy; GPUs only). `state_dict_type=full`: a checkpoint is one file, gathered on rank 0.
     """
 
     model_on_meta = True  # no rank ever holds the whole model
@@ -89,17 +90,24 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         regather_kv: bool = False,
         float8: str | None = None,
         expert_parallel_size: int = 1,
-        data_parallel_shard_size: int | None = None,
+        data_parallel_shard_size: int | Literal["node"] | None = None,
         gradient_sync: str = "every_micro_batch",
         context_parallel_kv: str = "gather",
         reshard_after_forward: bool | None = None,
+        cpu_offload: bool = False,
+        state_dict_type: str = "sharded",
     ):
+        if state_dict_type not in ("sharded", "full"):
+            raise ConfigError(f"strategy.state_dict_type={state_dict_type!r}: choose sharded or full.")
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=state_dict_type == "sharded",
             process_group_backend=process_group_backend,
             timeout=startup_timeout(startup_timeout_minutes, collective_timeout_minutes),
         )
+        self.one_file = state_dict_type == "full"
+        self.cpu_offload = cpu_offload
         self.writer_timeout = collective_timeout(collective_timeout_minutes)
         for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if dtype is not None and dtype not in DTYPE_NAMES:
@@ -144,6 +152,11 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         # not, with several devices per node and a fixed tensor-parallel size.
         shape = mesh_shape(self.asked_degrees(), self.num_nodes * self.num_processes, self.num_processes)
         ParallelStrategy.setup_environment(self)  # the device
+        if self.cpu_offload and self.root_device.type == "cpu":
+            raise ConfigError(
+                "strategy.cpu_offload=true moves parameters, gradients and optimizer states from GPU memory to the "
+                "CPU between uses; this run is already on the CPU: set strategy.cpu_offload=false."
+            )
         self._setup_distributed()
         # Our module has no configure_model to read its device_mesh: the strategy shards the model from outside.
         self.set_up_meshes(shape, self.root_device.type)
@@ -179,7 +192,8 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         checkpoint is about to fill it (`initialize=False`), its single-device initial values."""
         self.shard(model)
         if any(p.is_meta for p in model.parameters()):  # built without memory (LlamaLitModule(init_on_meta=True))
-            materialize(model, self.root_device, initialize)
+            # Offloaded shards live in host memory; FSDP2 copies them to the device to gather them.
+            materialize(model, torch.device("cpu") if self.cpu_offload else self.root_device, initialize)
 
     def shard(self, model: Llama) -> None:
         """What `parallelize` does before any memory is given: this rank's part of the model, as
@@ -217,7 +231,13 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         self._fsdp_roots = []
         for root in roots:
             apply_fsdp2(
-                root, fsdp_mesh, self.gather_dtype(), self.reduce_dtype, self.reshard_after_forward, experts_mesh
+                root,
+                fsdp_mesh,
+                self.gather_dtype(),
+                self.reduce_dtype,
+                self.reshard_after_forward,
+                experts_mesh,
+                self.cpu_offload,
             )
             self._fsdp_roots.append(cast(FSDPModule, root))
             if float8_gathers:

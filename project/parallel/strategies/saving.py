@@ -103,10 +103,13 @@ class BackgroundSaving:
 
 class ShardedBackgroundSaving(BackgroundSaving):
     """ModelParallelStrategy's folder of shards (state_dict, optimizer_0, ... and Lightning's records in meta.pt),
-    every rank writing its own through torch's async_save."""
+    every rank writing its own through torch's async_save; or, with `one_file` (strategy.state_dict_type=full), the
+    whole state gathered into rank 0's host memory and written by it as one file, as one device writes."""
 
     _host_group: dist.ProcessGroup | None = None
     writer_timeout: timedelta | None = None  # the strategy's collective timeout, for the writers' group too
+    one_file = False
+    WHOLE_ON_RANK_0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
     # The shards where they are, on the device: torch's writer and the background stager copy them to host memory
     # piece by piece. ModelParallelStrategy's own state dicts (cpu_offload=True) first copy the rank's whole share
@@ -114,19 +117,26 @@ class ShardedBackgroundSaving(BackgroundSaving):
     SHARDS_IN_PLACE = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(cast(Any, self).model, options=self.SHARDS_IN_PLACE)
+        options = self.WHOLE_ON_RANK_0 if self.one_file else self.SHARDS_IN_PLACE
+        return get_model_state_dict(cast(Any, self).model, options=options)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
-        return get_optimizer_state_dict(cast(Any, self).model, optimizer, options=self.SHARDS_IN_PLACE)
+        if not self.one_file:
+            return get_optimizer_state_dict(cast(Any, self).model, optimizer, options=self.SHARDS_IN_PLACE)
+        return by_position(get_optimizer_state_dict(cast(Any, self).model, optimizer, options=self.WHOLE_ON_RANK_0))
 
     def _write_in_foreground(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
         """As Lightning's ModelParallelStrategy writes its folder (which takes local paths only), anywhere."""
+        if self.one_file:
+            return super()._write_in_foreground(checkpoint, filepath, storage_options)
         path = location(cast(Any, self).broadcast(filepath))
         dcp.save(self._folder_state(checkpoint, path), storage_writer=storage_writer(path))
 
     def _write_in_background(self, writer: BackgroundWriter, checkpoint: dict[str, Any], path: Location) -> None:
+        if self.one_file:
+            return super()._write_in_background(writer, checkpoint, path)
         state = self._folder_state(checkpoint, path)
         if self._host_group is None:  # the writing thread agrees on the metadata over a group of its own (gloo):
             self._host_group = dist.new_group(backend="gloo", timeout=self.writer_timeout)  # not training's: its
@@ -152,3 +162,18 @@ class ShardedBackgroundSaving(BackgroundSaving):
         super().teardown()
         release_group(self._host_group)
         self._host_group = None
+
+
+def by_position(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name (torch's get_optimizer_state_dict) keyed by position instead, as
+    the optimizer's own state_dict is and a one-file checkpoint keeps it; an empty one (a rank other than 0's) as
+    it is."""
+    if not state:
+        return state
+    position = {name: i for i, name in enumerate(n for group in state["param_groups"] for n in group["params"])}
+    return {
+        "state": {position[name]: values for name, values in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [position[n] for n in group["params"]]} for group in state["param_groups"]
+        ],
+    }

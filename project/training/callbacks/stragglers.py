@@ -5,8 +5,8 @@ or more) in two logging windows in a row is named in a warning (its rank, host a
 
 Why the blocks' forward: with collectives every rank's step takes the slowest rank's time (the others wait for it
 inside them), so a step's wall time names no one. A block's forward runs no collective under data parallelism and
-FSDP2 (whose gathers run in its hooks before the block's own), so its time is the rank's own; under FSDP1, tensor
-and context parallelism blocks hold collectives, which make every rank wait for the slowest: there nothing is
+FSDP2 (whose gathers run in its hooks before the block's own), so its time is the rank's own; under tensor and
+context parallelism blocks hold collectives, which make every rank wait for the slowest: there nothing is
 judged (the strategy's `blocks_run_alone`). On a GPU the time is taken with CUDA events, read
 only at logging steps; on a CPU it is the process's CPU time, so that ranks sharing too few cores (waiting for one
 is not computing) are not taken for slow. The first logging window after a start, which holds the first step's
