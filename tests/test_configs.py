@@ -128,6 +128,25 @@ def test_every_strategy_of_ours_speaks_the_contract_and_nothing_probes_for_anoth
     assert found == []
 
 
+def test_lightnings_fsdp_names_lay_out_the_mesh_fsdp2_builds_from_them():
+    """The settings check reads strategy=fsdp's names as the strategy does: HYBRID_SHARD shards within a node (4
+    devices each) or hybrid_shard_size ranks, NO_SHARD within groups of one; a size that does not divide is said
+    by the name the user gave it."""
+    from project.config.layout import plan_layout
+    from project.runtime.errors import ConfigError
+
+    def shard_groups(*overrides: str) -> int | None:
+        cfg = compose_train("strategy=fsdp", "trainer.devices=4", "trainer.num_nodes=2", *overrides)
+        return plan_layout(cfg, num_nodes=2, devices_per_node=4).shape.data_shard
+
+    assert shard_groups() is None  # FULL_SHARD: over all 8
+    assert shard_groups("strategy.sharding_strategy=HYBRID_SHARD") == 4
+    assert shard_groups("strategy.sharding_strategy=HYBRID_SHARD", "strategy.hybrid_shard_size=2") == 2
+    assert shard_groups("strategy.sharding_strategy=NO_SHARD") == 1
+    with pytest.raises(ConfigError, match=r"strategy.hybrid_shard_size=3 does not divide the 8 data x context ranks"):
+        shard_groups("strategy.sharding_strategy=HYBRID_SHARD", "strategy.hybrid_shard_size=3")
+
+
 def test_the_settings_check_knows_each_strategy_as_its_built_class_does():
     """The torch-free kinds (project.parallel.kinds) answer as the strategies' classes do, once built."""
     from hydra.utils import instantiate

@@ -91,6 +91,8 @@ SETS = ["eval.every_n_steps=4", "+eval.sets.train_part.split=train", "+eval.sets
 LAYOUTS = {
     "ddp": ["strategy=ddp", "trainer.devices=2"],
     "fsdp2": ["strategy=fsdp2", "trainer.devices=2"],
+    # Parameters kept gathered from a forward to its backward: the evaluation's forwards gather them between steps.
+    "fsdp-shard-grad-op": ["strategy=fsdp", "trainer.devices=2", "strategy.sharding_strategy=SHARD_GRAD_OP"],
     "tp": ["strategy=tp", "trainer.devices=2"],
     "pipeline": ["strategy=pipeline", "trainer.devices=2"],
     # Each sequence split over 2 ranks: each holds the loss of its part, equally many tokens.
@@ -98,7 +100,8 @@ LAYOUTS = {
     "fsdp2-documents": ["strategy=fsdp2", "trainer.devices=2", "document_mask=true"],
 }
 SINGLE = {  # the one-device runs each layout is held to
-    "ddp": "single", "fsdp2": "single", "tp": "single", "pipeline": "single", "cp2": "single",
+    "ddp": "single", "fsdp2": "single", "fsdp-shard-grad-op": "single", "tp": "single", "pipeline": "single",
+    "cp2": "single",
     "fsdp2-documents": "documents",
 }  # fmt: skip
 

@@ -43,6 +43,7 @@ def fsdp_names_as_fsdp2(strategy_cfg: Mapping[str, Any]) -> dict[str, Any]:
     mapped = dict(SHARDING_STRATEGIES.get(str(strategy_cfg.get("sharding_strategy", "FULL_SHARD")), {}))
     if "data_parallel_shard_size" in mapped and mapped["data_parallel_shard_size"] == "node":
         mapped["data_parallel_shard_size"] = strategy_cfg.get("hybrid_shard_size") or "node"
+        mapped["shard_size_setting"] = "hybrid_shard_size"  # what an error about the groups names
     return {**settings, **mapped}
 
 

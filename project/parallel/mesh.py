@@ -181,7 +181,8 @@ def mesh_shape(strategy_cfg: Mapping[str, Any], world_size: int, devices_per_nod
     shard = strategy_cfg.get("data_parallel_shard_size")
     if shard == "node":  # the data x context ranks of one node
         shard = max(1, devices_per_node // int(tp))
-    check_shard_degree(shard, replicas * cp, devices_per_node // int(tp))
+    setting = f"strategy.{strategy_cfg.get('shard_size_setting', 'data_parallel_shard_size')}"
+    check_shard_degree(shard, replicas * cp, devices_per_node // int(tp), setting)
     shard = None if shard == replicas * cp else shard  # every data x context rank: FSDP2's own sharding
     check_gradient_sync(strategy_cfg.get("gradient_sync", GRADIENT_SYNCS[0]), shard is not None)
     return MeshShape(int(pp), replicas, int(tp), context_parallel=cp, expert_parallel=ep, data_shard=shard)
@@ -197,15 +198,17 @@ def check_gradient_sync(sync: Any, hybrid: bool) -> None:
         )
 
 
-def check_shard_degree(shard: Any, ranks: int, per_node: int) -> None:
+def check_shard_degree(
+    shard: Any, ranks: int, per_node: int, setting: str = "strategy.data_parallel_shard_size"
+) -> None:
     """Refuse an HSDP shard group that is no whole number of a stage's `ranks` data x context ranks (`per_node`
-    of them in one node)."""
+    of them in one node); `setting`: the name the user gave it."""
     if shard is None:
         return
     if not isinstance(shard, int) or isinstance(shard, bool) or shard < 1 or ranks % shard:
         node = f" ({per_node} of them share a node)" if 1 < per_node < ranks else ""
         raise ConfigError(
-            f"strategy.data_parallel_shard_size={shard} does not divide the {ranks} data x context ranks{node}: "
+            f"{setting}={shard} does not divide the {ranks} data x context ranks{node}: "
             "FSDP2 shards each weight within groups of that many neighbouring ranks and replicates across the groups "
             f"(HSDP). Choose a divisor of {ranks}, such as the ranks of one node, or null to shard over all of them."
         )

@@ -31,7 +31,7 @@ RECOMPUTE = ("none", "selective", "full")
 HAS_SEQUENCE_PARALLEL = {"tp", "tp_fsdp", "pipeline"}
 HAS_CHECKPOINTING = {"fsdp", "fsdp2", "tp", "tp_fsdp", "pipeline"}
 # Every strategy takes strategy.compile; the planner compiles these model-parallel ones (which gather in bfloat16).
-HAS_COMPILE = {"fsdp2", "tp", "tp_fsdp", "pipeline"}
+HAS_COMPILE = {"fsdp", "fsdp2", "tp", "tp_fsdp", "pipeline"}
 # Strategies that split sequences over strategy.context_parallel_size ranks (project.parallel.context_parallel).
 HAS_CONTEXT_PARALLEL = {"fsdp2", "tp", "tp_fsdp", "pipeline"}
 # Strategies that split a mixture's experts over strategy.expert_parallel_size ranks (project.parallel.expert_parallel).

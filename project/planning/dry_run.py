@@ -348,7 +348,8 @@ def planned_candidate(cfg: DictConfig, layout: Layout, strategy_name: str) -> An
     precision = str(cfg.trainer.get("precision", "32-true"))
     if name == "fsdp" and s.get("sharding_strategy") != "SHARD_GRAD_OP":  # the planner's fsdp is that one (ZeRO-2)
         name = "fsdp2"  # the others are FSDP2's own layouts: their shard groups are the layout's (mesh_settings)
-    if name not in STRATEGIES or precision not in STORAGE_BYTES:
+    offloaded = bool(s.get("cpu_offload"))  # states in host memory: the planner counts them on the device
+    if name not in STRATEGIES or precision not in STORAGE_BYTES or offloaded:
         return None
     schedule = s.get("schedule") if pp > 1 else None
     return Candidate(

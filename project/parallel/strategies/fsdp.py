@@ -34,6 +34,7 @@ def fsdp_strategy(
             f"strategy.sharding_strategy={sharding_strategy!r}: choose one of {list(SHARDING_STRATEGIES)}."
         )
     settings = fsdp_names_as_fsdp2({"sharding_strategy": sharding_strategy, "hybrid_shard_size": hybrid_shard_size})
+    settings.pop("shard_size_setting", None)  # for the settings check's errors (project.config.layout)
     return LlamaParallelStrategy(
         data_parallel_size="auto",
         tensor_parallel_size=1,

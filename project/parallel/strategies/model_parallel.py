@@ -99,6 +99,9 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
     ):
         if state_dict_type not in ("sharded", "full"):
             raise ConfigError(f"strategy.state_dict_type={state_dict_type!r}: choose sharded or full.")
+        if cpu_offload and process_group_backend is None:
+            # Offloaded gradients are host tensors: their norm's collectives need a CPU backend beside NCCL.
+            process_group_backend = "cuda:nccl,cpu:gloo"
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -194,6 +197,10 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         if any(p.is_meta for p in model.parameters()):  # built without memory (LlamaLitModule(init_on_meta=True))
             # Offloaded shards live in host memory; FSDP2 copies them to the device to gather them.
             materialize(model, torch.device("cpu") if self.cpu_offload else self.root_device, initialize)
+        if self.cpu_offload:  # buffers (RoPE's tables, a mixture's biases) stay where the model computes
+            for module in model.modules():
+                for name, buffer in list(module.named_buffers(recurse=False)):
+                    setattr(module, name, buffer.to(self.root_device))
 
     def shard(self, model: Llama) -> None:
         """What `parallelize` does before any memory is given: this rank's part of the model, as

@@ -29,6 +29,7 @@ from project.parallel.mesh import MeshShape
 from project.parallel.pipeline import LlamaStage, PipelineSchedule, build_schedule, split_into_stages
 from project.parallel.pipeline_layout import SPLIT_BACKWARD, chunk_ranks, default_virtual_stages
 from project.parallel.strategies.model_parallel import LlamaParallelStrategy
+from project.runtime.errors import ConfigError
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _HEADER = 8  # rank of the tensor, its shape, and its dtype's index in _DTYPES
@@ -80,7 +81,13 @@ class LlamaPipelineStrategy(LlamaParallelStrategy):
         **stage_settings: Any,
     ):
         """`stage_settings`: LlamaParallelStrategy's (sequence/loss parallel, activation checkpointing,
-        compile, dtypes, backend), applied inside each stage."""
+        compile, dtypes, backend), applied inside each stage; not those a stage decides itself (it keeps its
+        gathered parameters through the step, writes a folder of every stage's shards, and keeps them on the
+        device)."""
+        fixed = {"reshard_after_forward": None, "state_dict_type": "sharded", "cpu_offload": False}
+        for name, value in fixed.items():
+            if stage_settings.get(name, value) != value:
+                raise ConfigError(f"strategy.{name}={stage_settings[name]}: a pipeline stage does not take it.")
         super().__init__(
             data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **stage_settings
         )

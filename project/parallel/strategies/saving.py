@@ -1,9 +1,9 @@
-"""How our strategies write a checkpoint, a folder of shards (ModelParallelStrategy's: fsdp2, tp, tp_fsdp, context
-parallel, pipeline) or one file from rank 0 (one device, DDP, Horovod), to a local path or to object storage
-(project.checkpoint.locations), in the foreground or in the background (`ckpt_async=true`,
-project.checkpoint.background): there, Lightning's `save_checkpoint` hook copies the state to host memory and
-returns, and the contract's `checkpoint_written` and `finish_checkpoint_writes` (project.parallel.contract) follow
-the write.
+"""How our strategies write a checkpoint, a folder of shards (ModelParallelStrategy's: fsdp, fsdp2, tp, tp_fsdp,
+context parallel, pipeline) or one file from rank 0 (one device, DDP, Horovod; `state_dict_type=full`, gathered
+there first), to a local path or to object storage (project.checkpoint.locations), in the foreground or in the
+background (`ckpt_async=true`, project.checkpoint.background): there, Lightning's `save_checkpoint` hook copies the
+state to host memory and returns, and the contract's `checkpoint_written` and `finish_checkpoint_writes`
+(project.parallel.contract) follow the write.
 """
 
 from __future__ import annotations

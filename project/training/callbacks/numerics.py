@@ -3,8 +3,7 @@ the head (final norm and output layer), the gradient norm, the parameter norm, t
 step and the RMS of the layer's output activation (the head's: the final norm's output, its input), logged as
 `numerics/<layer>/<stat>` (e.g. `numerics/block3/update_ratio`) and drawn by `project.report` as heat maps. A layer
 that stacks parts along dim 0 (a mixture's experts: the model's `stacked_parameters`) also gets each part's gradient
-norm, parameter norm and update ratio, `numerics/<layer>/expert<e>/<stat>` (not under strategy=fsdp, whose ranks
-hold flat pieces of them: said once).
+norm, parameter norm and update ratio, `numerics/<layer>/expert<e>/<stat>`.
 
 Every figure is over the whole model, whatever the layout: the norms sum the squares of every shard and stage
 (the strategy's `sum_of_squares`, as its clipping sums them), the RMS every rank's activations (each rank's sum of
