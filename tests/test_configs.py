@@ -147,6 +147,23 @@ def test_lightnings_fsdp_names_lay_out_the_mesh_fsdp2_builds_from_them():
         shard_groups("strategy.sharding_strategy=HYBRID_SHARD", "strategy.hybrid_shard_size=3")
 
 
+def test_offloaded_states_get_a_cpu_backend_beside_the_gpus_and_a_pipeline_stage_refuses_what_it_decides():
+    """cpu_offload's gradients are host tensors, whose norm's collectives need gloo beside NCCL (added to a backend
+    the user named); a pipeline stage keeps its gathered parameters, writes folders and keeps them on the device."""
+    from project.parallel.strategies.fsdp import fsdp_strategy
+    from project.parallel.strategies.model_parallel import with_cpu_backend
+    from project.parallel.strategies.pipeline import LlamaPipelineStrategy
+    from project.runtime.errors import ConfigError
+
+    assert fsdp_strategy(cpu_offload=True).process_group_backend == "cuda:nccl,cpu:gloo"
+    assert fsdp_strategy().process_group_backend is None  # Lightning's own choice: gloo on CPU, nccl on GPU
+    assert with_cpu_backend("nccl") == "cuda:nccl,cpu:gloo"
+    assert with_cpu_backend("cuda:nccl,cpu:gloo") == "cuda:nccl,cpu:gloo"
+    for setting, value in (("state_dict_type", "full"), ("cpu_offload", True), ("reshard_after_forward", True)):
+        with pytest.raises(ConfigError, match=f"strategy.{setting}={value}: a pipeline stage does not take it"):
+            LlamaPipelineStrategy(**{setting: value})
+
+
 def test_the_settings_check_knows_each_strategy_as_its_built_class_does():
     """The torch-free kinds (project.parallel.kinds) answer as the strategies' classes do, once built."""
     from hydra.utils import instantiate

@@ -306,6 +306,17 @@ def test_an_invalid_layout_is_the_same_one_paragraph_error_as_a_real_start(tiny_
     assert not (tmp_path / "run").exists()
 
 
+def test_an_offloaded_jobs_dry_run_holds_no_states_against_the_gpus_memory(tmp_path):
+    """strategy.cpu_offload keeps the states in host memory: a dry run against a cluster says so, and no verdict."""
+    job = ["model=llama3_8b", "strategy=fsdp", "strategy.cpu_offload=true", "trainer=gpu", "trainer.num_nodes=2",
+           "trainer.devices=8", "global_batch_size=16", "micro_batch_size=1", "cluster=h100_80gb",
+           f"hydra.run.dir={tmp_path}", "dry_run=true"]  # fmt: skip
+    result = run_module("project.train", job)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "the model states live in host memory (strategy.cpu_offload)" in result.stdout
+    assert "fit" not in result.stdout.split("initialization:")[1]  # neither "fits" nor "does not fit"
+
+
 def test_a_64_gpu_dry_run_prints_and_writes_each_ranks_share_against_the_cluster_and_nothing_else(tmp_path):
     run_dir = tmp_path / "run"
     job = [

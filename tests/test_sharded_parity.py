@@ -17,8 +17,8 @@ LAYOUTS = {
     # strategy.compile=true where the model stays whole: compiled blocks optimize as the eager ones do. One
     # device compiles through the same hook as ddp (WholeModelTransforms; tests/test_configs.py shows it has it).
     "ddp-compiled-blocks": ["strategy=ddp", "trainer.devices=2", "strategy.compile=true"],
-    # strategy=fsdp: Lightning's names for FSDP2's settings (tests/test_configs.py: which each is).
-    "fsdp-full-shard": ["strategy=fsdp", "trainer.devices=2"],
+    # strategy=fsdp: Lightning's names for FSDP2's settings (tests/test_configs.py: which each is; FULL_SHARD is
+    # fsdp2 as it is, below).
     # Each block's gathered parameters kept from a micro batch's forward to its backward (four micro batches a step).
     "fsdp-shard-grad-op": [
         "strategy=fsdp",

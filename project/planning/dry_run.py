@@ -265,7 +265,8 @@ def dry_run(cfg: DictConfig, layout: Layout | None, strategy_name: str, run_dir:
     ranks = selected_ranks(cfg.dry_run.ranks, shape, last_stage)
     how = how_shared(cfg)  # the strategy's constructor runs its own checks here, as at a real start
     shares = [rank_share(cfg, layout, rank) for rank in ranks]
-    memory = _cluster_memory(cfg)
+    # Offloaded states live in host memory: held against the device's, they would say nothing.
+    memory = None if cfg.strategy.get("cpu_offload") else _cluster_memory(cfg)
     planned = {s.pipeline: planned_memory(cfg, layout, strategy_name, s.pipeline) for s in shares} if memory else {}
     about_model, model_record = model_lines(cfg, layout, strategy_name)
     print(render(cfg, layout, strategy_name, how, shares, memory, planned, about_model))
@@ -319,8 +320,8 @@ def planned_memory(
     from project.planning.memory import Allowance, estimate_memory
 
     candidate = planned_candidate(cfg, layout, strategy_name)
-    if candidate is None:
-        return None
+    if candidate is None or cfg.strategy.get("cpu_offload"):  # states in host memory: the planner counts them on
+        return None  # the device
     precision = str(cfg.trainer.get("precision", "32-true"))
     accelerator = "gpu" if cfg.strategy.get("compile") else "cpu"  # the planner counts compiled (fused) blocks on GPUs
     estimate = estimate_memory(
@@ -348,8 +349,7 @@ def planned_candidate(cfg: DictConfig, layout: Layout, strategy_name: str) -> An
     precision = str(cfg.trainer.get("precision", "32-true"))
     if name == "fsdp" and s.get("sharding_strategy") != "SHARD_GRAD_OP":  # the planner's fsdp is that one (ZeRO-2)
         name = "fsdp2"  # the others are FSDP2's own layouts: their shard groups are the layout's (mesh_settings)
-    offloaded = bool(s.get("cpu_offload"))  # states in host memory: the planner counts them on the device
-    if name not in STRATEGIES or precision not in STORAGE_BYTES or offloaded:
+    if name not in STRATEGIES or precision not in STORAGE_BYTES:
         return None
     schedule = s.get("schedule") if pp > 1 else None
     return Candidate(
@@ -548,6 +548,11 @@ def render(
         f"{slowest.parameters / 1e9:.2f}B take about {init_seconds(slowest):.0f} s at "
         f"{INIT_VALUES_PER_SECOND / 1e6:.0f}M values/s on one CPU core (none when resuming a checkpoint)",
     ]
+    if cfg.strategy.get("cpu_offload"):
+        lines += [
+            "",
+            "memory: the model states live in host memory (strategy.cpu_offload): the device's is not estimated",
+        ]
     if memory:
         name, capacity = memory
         lines += [

@@ -99,9 +99,8 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
     ):
         if state_dict_type not in ("sharded", "full"):
             raise ConfigError(f"strategy.state_dict_type={state_dict_type!r}: choose sharded or full.")
-        if cpu_offload and process_group_backend is None:
-            # Offloaded gradients are host tensors: their norm's collectives need a CPU backend beside NCCL.
-            process_group_backend = "cuda:nccl,cpu:gloo"
+        if cpu_offload:  # offloaded gradients are host tensors: their norm's collectives need a CPU backend too
+            process_group_backend = with_cpu_backend(process_group_backend)
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -197,7 +196,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         if any(p.is_meta for p in model.parameters()):  # built without memory (LlamaLitModule(init_on_meta=True))
             # Offloaded shards live in host memory; FSDP2 copies them to the device to gather them.
             materialize(model, torch.device("cpu") if self.cpu_offload else self.root_device, initialize)
-        if self.cpu_offload:  # buffers (RoPE's tables, a mixture's biases) stay where the model computes
+        if self.cpu_offload:  # buffers (a mixture's routing biases) stay where the model computes
             for module in model.modules():
                 for name, buffer in list(module.named_buffers(recurse=False)):
                     setattr(module, name, buffer.to(self.root_device))
@@ -378,7 +377,7 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
             total = torch.zeros((), device=device, dtype=torch.float32)
             for tensors in by_mesh.values():
                 part: Any = sum(t.detach().float().square().sum() for t in tensors)
-                total = total + (part.full_tensor() if isinstance(part, DTensor) else part)
+                total = total + (part.full_tensor() if isinstance(part, DTensor) else part).to(device)
             sums.append(total)
         return self._sum_over_stages(torch.stack(sums))
 
@@ -390,7 +389,8 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         total = torch.zeros(rows, device=device, dtype=torch.float32)
         for t in tensors:
             squares: Any = t.detach().float().square().sum(dim=tuple(range(1, t.dim())))
-            total += squares.full_tensor() if isinstance(squares, DTensor) else squares
+            summed = squares.full_tensor() if isinstance(squares, DTensor) else squares
+            total += summed.to(device)  # offloaded shards sum on the host
         return self._sum_over_stages(total)
 
     def clip_grad_norm(self, module: LightningModule, max_norm: float) -> torch.Tensor:
@@ -412,3 +412,12 @@ class LlamaParallelStrategy(ShardedBackgroundSaving, ShardedLoading, LlamaStrate
         for params in by_mesh.values():
             nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
+
+
+def with_cpu_backend(backend: str | None) -> str:
+    """`backend` with gloo for CPU tensors beside it (torch's `device:backend` list): NCCL on the GPUs by default."""
+    if backend is None:
+        return "cuda:nccl,cpu:gloo"
+    if "cpu:" in backend:
+        return backend
+    return f"{backend},cpu:gloo" if ":" in backend else f"cuda:{backend},cpu:gloo"
